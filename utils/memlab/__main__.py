@@ -1,0 +1,5 @@
+import sys
+
+from memlab.cli import main
+
+sys.exit(main())

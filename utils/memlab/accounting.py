@@ -1,0 +1,279 @@
+"""Where the memory of a training step goes: bytes per parameter and bytes of activations.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1): training with Adam keeps, per
+parameter, the weight, its gradient and two moment estimates. In fp32 that is 4 + 4 + 8 = 16
+bytes; mixed precision with Adam keeps 16-bit weights and gradients (2 + 2) plus an fp32 master
+copy, momentum and variance (K = 12): 16 bytes. Implementations that also keep fp32 gradients,
+as Hugging Face's "model memory anatomy" guide counts it, reach 18.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 4.1): one transformer layer saves
+
+    s*b*h*(34 + 5*a*s/h)  bytes
+
+for sequence length s, micro-batch b, hidden size h and a heads, with 16-bit activations and
+1-byte dropout masks. Written per element, the same count is
+
+    s*b*h*(16*e + 2*m) + a*s^2*b*(2*e + m)
+
+with e bytes per activation element and m bytes per dropout-mask element (e=2, m=1 gives the
+paper's formula). PyTorch's CPU dropout multiplies by a noise tensor of the activation dtype, so
+on CPU m = e; CUDA uses a 1-byte bool mask. LayerNorm also saves its mean and 1/std (fp32, s*b
+each), a term the paper leaves out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp64": torch.float64, "float64": torch.float64,
+    "int8": torch.int8, "uint8": torch.uint8,
+}
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes per element of a torch dtype or a name such as "fp32", "bf16", "int8"."""
+    if isinstance(dtype, str):
+        key = dtype.lower().replace("torch.", "")
+        if key not in _DTYPE_NAMES:
+            raise ValueError(f"dtype={dtype!r} is not known; allowed names: {', '.join(sorted(_DTYPE_NAMES))}")
+        dtype = _DTYPE_NAMES[key]
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} must be a torch.dtype or one of {', '.join(sorted(_DTYPE_NAMES))}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Bytes per parameter of each model state for one training recipe."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    source: str
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+RECIPES: dict[str, Recipe] = {
+    # fp32 weights and gradients; AdamW's exp_avg and exp_avg_sq in fp32.
+    "fp32-adamw": Recipe(4, 4, 8, "4 + 4 + 2*4: every state in fp32"),
+    # plain SGD keeps no state; with momentum it keeps one buffer per parameter.
+    "fp32-sgd": Recipe(4, 4, 0, "SGD without momentum keeps no optimizer state"),
+    "fp32-sgd-momentum": Recipe(4, 4, 4, "one fp32 momentum buffer"),
+    # ZeRO (Rajbhandari et al. 2020, sec. 3.1): 2 + 2 + K with K = 12 (fp32 master, m, v).
+    "mixed-adamw": Recipe(2, 2, 12, "ZeRO paper: 16-bit weights and grads, fp32 master + m + v"),
+    # Hugging Face Transformers docs, "Model training anatomy": fp32 + 16-bit weights (6),
+    # fp32 gradients (4), AdamW (8): 18 bytes.
+    "mixed-adamw-fp32-grads": Recipe(6, 4, 8, "HF model-memory anatomy: 6 + 4 + 8"),
+    # bitsandbytes 8-bit AdamW (Dettmers et al. 2022): two 1-byte states (+ small absmax) on
+    # top of a mixed-precision setup with an fp32 master copy.
+    "mixed-adamw8bit": Recipe(2, 2, 4 + 2, "16-bit weights/grads, fp32 master, two 8-bit states"),
+}
+
+
+def model_state_bytes(n_params: int, recipe: str = "fp32-adamw") -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer state for ``n_params`` parameters.
+
+    Returns a dict with keys "weights", "gradients", "optimizer", "total".
+    """
+    if not isinstance(n_params, int) or isinstance(n_params, bool) or n_params < 0:
+        raise ValueError(f"n_params={n_params!r} must be a non-negative int")
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r} is not known; allowed: {', '.join(RECIPES)}")
+    r = RECIPES[recipe]
+    out = {"weights": int(r.weights * n_params), "gradients": int(r.gradients * n_params), "optimizer": int(r.optimizer * n_params)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _positive(**kw: Any) -> None:
+    for name, v in kw.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+
+
+def activation_bytes_per_layer(
+    seq_len: int,
+    batch_size: int,
+    hidden: int,
+    n_heads: int,
+    *,
+    act_bytes: int = 2,
+    mask_bytes: int = 1,
+    layernorm_stats_bytes: int = 0,
+    recompute: str = "none",
+) -> int:
+    """Activation bytes one GPT-style transformer layer saves for backward.
+
+    ``act_bytes`` (e) per activation element, ``mask_bytes`` (m) per dropout-mask element:
+    s*b*h*(16e + 2m) + a*s^2*b*(2e + m). With e=2, m=1 this is Korthikanti et al.'s
+    s*b*h*(34 + 5*a*s/h). ``layernorm_stats_bytes`` adds the mean and 1/std that each of the two
+    LayerNorms saves (2 norms * 2 stats * s*b elements; pass 4 for fp32 statistics).
+
+    ``recompute``: "none"; "selective" (the attention core is recomputed, so the a*s^2*b terms
+    vanish: 34*s*b*h in the paper's case); "full" (only each layer's input, e*s*b*h, is kept).
+    """
+    _positive(seq_len=seq_len, batch_size=batch_size, hidden=hidden, n_heads=n_heads)
+    if act_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"act_bytes={act_bytes!r} must be one of 1, 2, 4, 8")
+    if mask_bytes not in (0, 1, 2, 4, 8):
+        raise ValueError(f"mask_bytes={mask_bytes!r} must be one of 0 (no dropout), 1, 2, 4, 8")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} is not known; allowed: 'none', 'selective', 'full'")
+    s, b, h, a, e, m = seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes
+    if recompute == "full":
+        return s * b * h * e
+    linear_terms = s * b * h * (16 * e + 2 * m) + 2 * 2 * s * b * layernorm_stats_bytes
+    if recompute == "selective":
+        return linear_terms
+    return linear_terms + a * s * s * b * (2 * e + m)
+
+
+def korthikanti_bytes_per_layer(seq_len: int, batch_size: int, hidden: int, n_heads: int) -> int:
+    """The paper's formula as printed: s*b*h*(34 + 5*a*s/h) bytes (16-bit, 1-byte masks)."""
+    _positive(seq_len=seq_len, batch_size=batch_size, hidden=hidden, n_heads=n_heads)
+    s, b, h, a = seq_len, batch_size, hidden, n_heads
+    return 34 * s * b * h + 5 * a * s * s * b
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    st = t.untyped_storage()
+    return (t.device.type, t.device.index, st.data_ptr(), st.nbytes())
+
+
+def saved_activation_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] | None = None, **kwargs: Any) -> int:
+    """Bytes that one call ``fn(*args, **kwargs)`` saves for backward, each storage counted once.
+
+    Measured with ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves goes
+    through the pack hook. Tensors that share a storage (views) count once. Parameters and
+    buffers are not activations: when ``fn`` is an ``nn.Module`` its own are excluded; pass
+    ``exclude`` for other tensors to leave out (e.g. a model's parameters when ``fn`` is a lambda).
+    """
+    if not callable(fn):
+        raise ValueError(f"fn={fn!r} must be callable")
+    skip: set[tuple[Any, ...]] = set()
+    extra = list(exclude) if exclude is not None else []
+    if isinstance(fn, nn.Module):
+        extra += list(fn.parameters()) + list(fn.buffers())
+    skip = {_storage_key(t) for t in extra}
+    seen: dict[tuple[Any, ...], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in skip:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args, **kwargs)
+    return sum(seen.values())
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[tuple[Any, ...], int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (moments, step counters ...), storages once."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer")
+    return _unique_bytes(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Count the live model states: parameters (+ buffers), gradients, optimizer state.
+
+    Each storage counted once (tied weights, views). Returns keys "parameters", "gradients",
+    "optimizer", "total".
+    """
+    params = list(model.parameters()) + list(model.buffers())
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    opt = optimizer_state_bytes(optimizer) if optimizer is not None else 0
+    out = {"parameters": _unique_bytes(params), "gradients": _unique_bytes(grads), "optimizer": opt}
+    out["total"] = sum(out.values())
+    return out
+
+
+def format_bytes(n: float, unit: str = "auto") -> str:
+    """Human-readable bytes. unit: "auto" (binary, KiB..TiB), "GB" (1e9) or "GiB" (2**30)."""
+    if unit == "GB":
+        return f"{n / 1e9:,.1f} GB"
+    if unit == "GiB":
+        return f"{n / 2**30:,.2f} GiB"
+    if unit != "auto":
+        raise ValueError(f"unit={unit!r} is not known; allowed: 'auto', 'GB', 'GiB'")
+    for suffix, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {suffix}"
+    return f"{int(n)} B"
+
+
+def plot_breakdown(
+    bars: Mapping[str, Mapping[str, float]],
+    *,
+    title: str = "training memory by category",
+    unit: float = 1e9,
+    unit_name: str = "GB",
+    budget: float | None = None,
+    ax: Any = None,
+) -> Any:
+    """Stacked horizontal bars: one bar per setup, one colour per category. Returns the Axes.
+
+    ``bars`` maps a label to {category: bytes}; ``budget`` (bytes) draws a GPU's memory line.
+    """
+    import matplotlib.pyplot as plt
+
+    if not bars:
+        raise ValueError("bars is empty: pass {label: {category: bytes}}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(bars)))
+    cats: list[str] = []
+    for parts in bars.values():
+        cats += [c for c in parts if c not in cats and c != "total"]
+    colors = dict(zip(cats, plt.cm.tab10.colors))
+    labels = list(bars)
+    for i, label in enumerate(labels):
+        left = 0.0
+        for c in cats:
+            v = bars[label].get(c, 0) / unit
+            ax.barh(i, v, left=left, color=colors[c], label=c if i == 0 else None, edgecolor="white")
+            left += v
+        ax.text(left, i, f" {left:,.1f} {unit_name}", va="center", fontsize=9)
+    if budget is not None:
+        ax.axvline(budget / unit, color="black", linestyle="--", linewidth=1)
+        ax.text(budget / unit, len(labels) - 0.4, f" GPU {budget / unit:,.0f} {unit_name}", fontsize=9)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(unit_name)
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    return ax
+
+
+__all__ = [
+    "dtype_bytes",
+    "Recipe",
+    "RECIPES",
+    "model_state_bytes",
+    "activation_bytes_per_layer",
+    "korthikanti_bytes_per_layer",
+    "saved_activation_bytes",
+    "optimizer_state_bytes",
+    "state_bytes",
+    "format_bytes",
+    "plot_breakdown",
+]

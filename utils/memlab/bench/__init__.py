@@ -1,0 +1,88 @@
+"""``memlab bench NAME``: each chapter's from-scratch code against the production reference.
+
+A benchmark is a module ``memlab.bench.<name>`` with a ``main(argv) -> int``. The helpers here
+keep every table alike: warm-up runs, CUDA synchronisation before reading the clock, medians,
+ratios against the reference measured in the same run, and the device named in the header.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def available() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    from memlab.config import DEVICE
+
+    device = torch.device(device) if device is not None else DEVICE
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (cuda)"
+    import os
+    import platform
+
+    return f"CPU {platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.synchronize()
+
+
+def time_median(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, device: Any = None) -> float:
+    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
+    if repeat < 1:
+        raise ValueError(f"repeat={repeat} must be >= 1")
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], device: Any = None) -> str:
+    """A plain-text table with the device named under the title."""
+    cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    out = [title, f"device: {device_name(device)}; torch {torch.__version__}", ""]
+    for j, r in enumerate(cells):
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+    if isinstance(x, int) and abs(x) >= 10_000:
+        return f"{x:,}"
+    return str(x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    names = available()
+    if not argv or argv[0] in ("-h", "--help", "--list"):
+        print("usage: memlab bench NAME [options]   (memlab bench NAME --help)")
+        print("benchmarks: " + (", ".join(names) or "none yet"))
+        return 0
+    name = argv[0]
+    if name not in names:
+        print(f"memlab bench: unknown benchmark {name!r}; allowed: {', '.join(names) or 'none yet'}", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(f"memlab.bench.{name}")
+    return int(mod.main(argv[1:]) or 0)

@@ -1,0 +1,57 @@
+"""The ``memlab`` command.
+
+    memlab doctor                      environment report for bug reports
+    memlab grade [PATH ...]            grade lab notebooks (default: every labs/*.ipynb)
+    memlab labs build | check          generate labs/ from solutions/, or check for drift
+    memlab bench NAME [...]            from-scratch vs production, side by side (memlab bench --list)
+    memlab estimate MODEL [...]        will this fine-tune fit? (chapter 01)
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+_COMMANDS = {
+    "doctor": ("memlab.doctor", "main", "environment report for bug reports"),
+    "grade": ("memlab.grading", "grade_main", "grade lab notebooks headless"),
+    "labs": ("memlab.labs", "main", "labs build | labs check"),
+    "bench": ("memlab.bench", "main", "benchmarks: from-scratch vs production"),
+    "estimate": ("memlab.estimate", "main", "estimate training memory without a GPU"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: memlab COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name:<10}{help_}" for name, (_, _, help_) in _COMMANDS.items()]
+    lines += ["", "memlab COMMAND --help for a command's options"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from memlab import __version__
+
+        print(f"memlab {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in _COMMANDS:
+        print(f"memlab: unknown command {name!r}; allowed: {', '.join(_COMMANDS)}", file=sys.stderr)
+        return 2
+    module, func, _ = _COMMANDS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            print(f"memlab {name}: not available in this version of memlab", file=sys.stderr)
+            return 2
+        raise
+    code = getattr(mod, func)(rest)
+    return int(code or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
