@@ -310,7 +310,7 @@ def exercises_in(nb: Any) -> list[tuple[str, int]]:
 def _current_env_kernel_manager() -> Any:
     """A kernel manager that starts ipykernel in *this* interpreter, whatever kernelspecs exist."""
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
-    from jupyter_client.manager import KernelManager
+    from jupyter_client.manager import AsyncKernelManager
 
     class _CurrentEnvSpecs(KernelSpecManager):
         def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: D401
@@ -321,7 +321,7 @@ def _current_env_kernel_manager() -> Any:
                 resource_dir="",
             )
 
-    return KernelManager(kernel_name="memlab-current-env", kernel_spec_manager=_CurrentEnvSpecs())
+    return AsyncKernelManager(kernel_name="memlab-current-env", kernel_spec_manager=_CurrentEnvSpecs())
 
 
 def _cell_error(cell: Any) -> str | None:
@@ -392,12 +392,12 @@ def grade_notebook(path: str | os.PathLike, *, full: bool = False, timeout: floa
         ex = get_exercise(ex_id)
         cell = nb.cells[cell_idx]
         err = _cell_error(cell)
-        if crash:
-            status, msg = "error", crash
-        elif err and ("KeyboardInterrupt" in err or "CellTimeout" in err):
+        if err and ("KeyboardInterrupt" in err or "CellTimeout" in err):
             status, msg = "timeout", f"its cell ran past {cell_timeout} s"
         elif err:
             status, msg = "error", _short(f"the check cell failed: {err}")
+        elif crash:
+            status, msg = "error", crash
         else:
             status, msg = "error", "the check never ran (was its cell deleted or changed?)"
         results.append(CheckResult(ex_id, status, 0.0, ex.points, msg))
