@@ -7,6 +7,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.memlab-installed
 # pytest workers: 2 by default (the CI machine has 2 cores); `make test JOBS=8` on a bigger box
 JOBS   ?= 2
+# torch threads per worker: 1 keeps 2 workers from oversubscribing 2 cores (tiny ops slow down 100x)
+THREADS ?= 1
 
 .PHONY: setup lab test labs check-labs grade notebooks doctor clean
 
@@ -24,7 +26,7 @@ lab: setup
 	$(BIN)/jupyter lab --notebook-dir=. --ServerApp.root_dir=.
 
 test: setup
-	MEMLAB_SMALL=1 $(BIN)/python -m pytest -n $(JOBS) --dist loadscope \
+	MEMLAB_SMALL=1 OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -n $(JOBS) --dist loadscope \
 		--nbval-lax --nbval-current-env --sanitize-with tests/nbval_sanitize.cfg \
 		tests notebooks solutions
 

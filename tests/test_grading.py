@@ -148,7 +148,7 @@ HOSTILE = [
 def test_grade_hostile_notebook(tmp_path):
     path = tmp_path / "hostile.ipynb"
     nbformat.write(_nb(HOSTILE), path)
-    results = {r.exercise: r for r in grade_notebook(path, timeout=2)}
+    results = {r.exercise: r for r in grade_notebook(path, timeout=8)}  # generous: a loaded CI box is slow
     assert [results[k].status for k in ("00.activation_bytes", "00.model_state_bytes", "00.optimizer_state_bytes", "00.saved_bytes")] == [
         "pass", "todo", "error", "timeout"]
     assert "AttributeError" in results["00.optimizer_state_bytes"].message
