@@ -1,0 +1,194 @@
+"""Checks for chapter 03, mixed precision.
+
+03.underflow_fraction  share of non-zero values a cast flushes to zero
+03.update_scale        the dynamic loss-scale update (growth / backoff / interval counter)
+03.unscale_grads       unscale in place with inf/NaN detection
+03.loss_scaler         scale / step (skip on inf/NaN) / update, in lockstep with torch.amp.GradScaler
+03.master_step         one fp32-master-weights optimizer step for a 16-bit model
+
+Production references are used where PyTorch has them: torch._amp_update_scale_,
+torch._amp_foreach_non_finite_check_and_unscale_ and torch.amp.GradScaler.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import torch
+from torch import nn
+
+from memlab import amp
+from memlab.checks import expect, expect_close, expect_equal, expect_type, register
+
+
+# ----------------------------------------------------------------------------- 03.underflow_fraction
+def _underflow_cases() -> list[tuple[str, torch.Tensor, torch.dtype]]:
+    gen = torch.Generator().manual_seed(3)
+    tiny = torch.tensor([2.0**-26, 2.0**-25, 1.5 * 2.0**-25, 2.0**-24, 3e-8, 1.0, 0.0, 0.0, -1e-9, -2.0**-24])
+    grads = torch.randn(4096, generator=gen) * torch.logspace(-12, -2, 4096)
+    return [
+        ("hand-made fp16 edge cases", tiny, torch.float16),
+        ("hand-made, bf16", torch.tensor([1e-39, 1e-41, 1e-45, 1.0, 0.0]), torch.bfloat16),
+        ("gradient-like values, fp16", grads, torch.float16),
+        ("gradient-like values x 2**16, fp16", grads * 2.0**16, torch.float16),
+        ("gradient-like values, bf16", grads, torch.bfloat16),
+        ("with inf and nan", torch.tensor([float("inf"), float("nan"), 1e-10, 1.0]), torch.float16),
+    ]
+
+
+@register("03.underflow_fraction", reference=lambda: amp.underflow_fraction, title="underflow fraction")
+def check_underflow_fraction(fn) -> None:
+    expect(callable(fn), f"underflow_fraction: expected a function, got {type(fn).__name__}")
+    for name, t, dtype in _underflow_cases():
+        got = fn(t.clone(), dtype)
+        want = amp.underflow_fraction(t, dtype)
+        expect_close(f"underflow_fraction({name}, {dtype})", got, want, rtol=0, atol=1e-12)
+    expect_close("underflow_fraction(all zeros)", fn(torch.zeros(8), torch.float16), 0.0, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- 03.update_scale
+@register("03.update_scale", reference=lambda: amp.update_scale_, title="scale update rule")
+def check_update_scale(fn) -> None:
+    expect(callable(fn), f"update_scale_: expected a function, got {type(fn).__name__}")
+    rng = random.Random(0)
+    cases = [(2.0, 0.5, 3, 2.0**16), (1.7, 0.3, 2, 1000.0), (3.0, 0.25, 1, 1.0), (2.0, 0.5, 2, 2.0**126)]
+    for growth, backoff, interval, init in cases:
+        ref_s, ref_t = torch.full((), init), torch.zeros((), dtype=torch.int32)
+        s, t = ref_s.clone(), ref_t.clone()
+        history = []
+        for step in range(40):
+            inf = rng.random() < 0.25
+            history.append("inf" if inf else "ok")
+            found = torch.full((), float(inf))
+            torch._amp_update_scale_(ref_s, ref_t, found, growth, backoff, interval)
+            fn(s, t, found.clone(), growth, backoff, interval)
+            expect(
+                s.dtype == torch.float32 and t.dtype == torch.int32 and s.dim() == 0,
+                "update_scale_: update scale and growth_tracker in place; keep their dtypes (float32, int32)",
+            )
+            where = (
+                f"growth_factor={growth}, backoff_factor={backoff}, growth_interval={interval}, start scale {init:g}, "
+                f"after steps {' '.join(history[-6:])} (last 6)"
+            )
+            expect(
+                s.item() == ref_s.item(),
+                f"update_scale_: scale {s.item()!r}, expected {ref_s.item()!r} ({where})"
+                + ("; never grow the scale to inf: keep it when scale*growth_factor overflows float32" if ref_s.item() == s.item() / growth else ""),
+            )
+            expect(t.item() == ref_t.item(), f"update_scale_: growth_tracker {t.item()}, expected {ref_t.item()} ({where})")
+
+
+# ----------------------------------------------------------------------------- 03.unscale_grads
+@register("03.unscale_grads", reference=lambda: amp.unscale_grads_, title="unscale with inf/NaN detection")
+def check_unscale_grads(fn) -> None:
+    expect(callable(fn), f"unscale_grads_: expected a function, got {type(fn).__name__}")
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        for inv in (2.0**-10, 1 / 3, 1.0):
+            for bad, pre in ((None, 0.0), (float("inf"), 0.0), (float("nan"), 0.0), (-float("inf"), 0.0), (None, 1.0)):
+                grads = [(torch.randn(n, generator=gen) * 1000).to(dtype) for n in (5, 64)]
+                if bad is not None:
+                    grads[1][7] = bad
+                ref = [g.clone() for g in grads]
+                inv_t = torch.full((), inv)
+                f_ref, f_got = torch.full((), pre), torch.full((), pre)
+                torch._amp_foreach_non_finite_check_and_unscale_(ref, f_ref, inv_t)
+                fn(grads, f_got, inv_t.clone())
+                case = f"{dtype} grads, inv_scale={inv:.4g}, {'a ' + str(bad) if bad is not None else 'all finite'}" + (", found_inf already 1.0" if pre else "")
+                expect(f_got.item() == f_ref.item(), f"unscale_grads_ ({case}): found_inf {f_got.item()}, expected {f_ref.item()}"
+                       + (" (never reset found_inf: other tensors may have set it)" if pre else ""))
+                for i, (g, r) in enumerate(zip(grads, ref)):
+                    expect(g.dtype == dtype, f"unscale_grads_ ({case}): grads[{i}] dtype became {g.dtype}; unscale in place")
+                    same = torch.equal(g.float().nan_to_num(), r.float().nan_to_num()) and torch.equal(g.isnan(), r.isnan())
+                    if not same:
+                        diff = (g.float() - r.float()).abs().nan_to_num().max().item()
+                        expect(False, f"unscale_grads_ ({case}): grads[{i}] differs from torch's kernel (max diff {diff:.3g}); "
+                               "multiply by inv_scale in place (in float32 for 16-bit grads)")
+
+
+# ----------------------------------------------------------------------------- 03.loss_scaler
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+@register("03.loss_scaler", reference=lambda: amp.DynamicLossScaler, title="loss scaler in lockstep with GradScaler", timeout=120)
+def check_loss_scaler(cls) -> None:
+    expect(callable(cls), f"LossScaler: expected a class, got {type(cls).__name__}")
+    kw = dict(init_scale=3000.0, growth_factor=1.5, backoff_factor=0.6, growth_interval=3)
+    mine = cls(**kw)
+    for meth in ("scale", "step", "update", "get_scale"):
+        expect(callable(getattr(mine, meth, None)), f"LossScaler: missing method {meth}()")
+    expect_close("LossScaler.get_scale() before any step", mine.get_scale(), 3000.0, rtol=0)
+    ref = torch.amp.GradScaler("cpu", **kw)
+    ref_model = _mlp()
+    my_model = copy.deepcopy(ref_model)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-2, momentum=0.9)
+    my_opt = torch.optim.SGD(my_model.parameters(), lr=1e-2, momentum=0.9)
+    rng = random.Random(1)
+    gen = torch.Generator().manual_seed(1)
+    log: list[str] = []
+    for step in range(50):
+        x = torch.randn(16, 8, generator=gen) * rng.choice([1.0, 30.0])
+        for model, opt, scaler in ((ref_model, ref_opt, ref), (my_model, my_opt, mine)):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaled = scaler.scale(loss)
+            expect_type("LossScaler.scale(loss)", scaled, torch.Tensor)
+            scaled.backward()
+        if rng.random() < 0.2:
+            val = rng.choice([float("inf"), float("nan")])
+            for m in (ref_model, my_model):
+                list(m.parameters())[2].grad.view(-1)[step] = val
+        ref.step(ref_opt)
+        ref_stepped = not sum(v.item() for v in ref._found_inf_per_device(ref_opt).values())
+        got = mine.step(my_opt)
+        log.append("step" if ref_stepped else "skip")
+        where = f"at iteration {step} (history: {' '.join(log[-6:])})"
+        expect(isinstance(got, bool), f"LossScaler.step must return True (stepped) or False (skipped), got {got!r}")
+        expect_equal(f"LossScaler.step() {where}: stepped", got, ref_stepped)
+        ref.update()
+        mine.update()
+        expect_equal(f"LossScaler.get_scale() after update() {where}", float(mine.get_scale()), ref.get_scale())
+        for (n, p), q in zip(ref_model.named_parameters(), my_model.parameters()):
+            if not torch.equal(p, q):
+                d = (p - q).abs().max().item()
+                expect(False, f"LossScaler {where}: parameter {n} differs from GradScaler's run by {d:.3g}; "
+                       "unscale by multiplying with inv_scale = scale.double().reciprocal().float()")
+    expect("skip" in log and "step" in log, "check set-up: expected both skipped and taken steps")
+
+
+# ----------------------------------------------------------------------------- 03.master_step
+@register("03.master_step", reference=lambda: amp.master_step, title="fp32 master-weights step")
+def check_master_step(fn) -> None:
+    expect(callable(fn), f"master_step: expected a function, got {type(fn).__name__}")
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        model_params = [nn.Parameter(p.detach().to(dtype)) for p in ref.parameters()]
+        master_params = [nn.Parameter(p.detach().clone()) for p in ref.parameters()]
+        opt = torch.optim.AdamW(master_params, lr=1e-3)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(8):
+            for i, (p, q) in enumerate(zip(ref.parameters(), model_params)):
+                if step == 3 and i == 1:  # a parameter without a gradient this step
+                    p.grad, q.grad = None, None
+                    continue
+                g = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
+                p.grad, q.grad = g.float(), g.clone()
+            ref_opt.step()
+            fn(model_params, master_params, opt)
+            for i, (p, q, m) in enumerate(zip(ref.parameters(), model_params, master_params)):
+                expect(q.dtype == dtype, f"master_step ({dtype}): model param {i} became {q.dtype}; keep the model in 16 bits")
+                expect(m.dtype == torch.float32, f"master_step ({dtype}): master param {i} became {m.dtype}; keep masters in fp32")
+                if not torch.equal(m, p):
+                    d = (m - p).abs().max().item()
+                    expect(False, f"master_step ({dtype}, step {step}): master param {i} is off from an fp32 optimizer by {d:.3g}; "
+                           "the optimizer must update the fp32 masters using fp32 copies of the 16-bit gradients")
+                if not torch.equal(q, p.to(dtype)):
+                    expect(False, f"master_step ({dtype}, step {step}): model param {i} is not the master rounded to {dtype}; "
+                           "copy the updated masters back into the model")
+            for q in model_params:
+                q.grad = None
