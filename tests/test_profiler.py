@@ -1,0 +1,393 @@
+"""Tests for memlab.profiler: MemoryTracker against PyTorch's MemTracker, fake tensors and CUDA."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+try:
+    import memlab  # noqa: F401
+except ImportError:  # package not installed: use the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "utils"))
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+
+from memlab.models import TinyGPT, TinyGPTConfig, lm_loss, tiny_llama  # noqa: E402
+from memlab.profiler import (  # noqa: E402
+    CATEGORIES,
+    LiveBytes,
+    MemoryTracker,
+    categorize,
+    phase_peaks,
+)
+
+GPT = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(48, 192), nn.GELU(), nn.LayerNorm(192), nn.Linear(192, 48))
+
+
+def gpt(**kw) -> nn.Module:
+    return TinyGPT(TinyGPTConfig(**{**GPT, **kw}))
+
+
+def llama() -> nn.Module:
+    return tiny_llama(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256)
+
+
+def batch(model: nn.Module, b: int = 4, t: int = 32):
+    g = torch.Generator().manual_seed(1)
+    if isinstance(model, nn.Sequential):
+        return torch.randn(b * t, 48, generator=g), None
+    return torch.randint(0, 256, (b, t), generator=g), torch.randint(0, 256, (b, t), generator=g)
+
+
+def train_step(model, opt, x, y) -> None:
+    loss = model(x).pow(2).mean() if y is None else lm_loss(model, x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def setup(build, optim="adamw", checkpointing=False, seed=0):
+    torch.manual_seed(seed)
+    model = build()
+    if checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    if optim == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    return model, opt
+
+
+def memtracker_peaks(build, steps=2, **kw) -> list[int]:
+    """Peak 'Total' of PyTorch's MemTracker, one fresh tracker per step (it refuses a 2nd root call)."""
+    model, opt = setup(build, **kw)
+    x, y = batch(model)
+    out = []
+    for _ in range(steps):
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        with mt:
+            train_step(model, opt, x, y)
+        out.append(sum(dev["Total"] for dev in mt.get_tracker_snapshot("peak").values()))
+    return out
+
+
+def our_peaks(build, steps=2, **kw) -> list[int]:
+    model, opt = setup(build, **kw)
+    x, y = batch(model)
+    out = []
+    for _ in range(steps):
+        tr = MemoryTracker(model, opt)
+        with tr:
+            train_step(model, opt, x, y)
+        out.append(tr.peak_bytes)
+    return out
+
+
+# ---------------------------------------------------------------- byte-exact agreement with MemTracker
+@pytest.mark.parametrize(
+    "name,build,kw",
+    [
+        ("mlp-adamw", mlp, {}),
+        ("mlp-sgd", mlp, {"optim": "sgd"}),
+        ("tinygpt-adamw", gpt, {}),
+        ("tinygpt-adamw-checkpointing", gpt, {"checkpointing": True}),
+        ("tiny_llama-adamw", llama, {}),
+        ("tiny_llama-adamw-checkpointing", llama, {"checkpointing": True}),
+    ],
+)
+def test_peak_equals_memtracker_to_the_byte(name, build, kw):
+    # step 1 creates the optimizer state inside the step, step 2 starts with it
+    want = memtracker_peaks(build, **kw)
+    got = our_peaks(build, **kw)
+    assert got == want, f"{name}: MemoryTracker {got} vs MemTracker {want}"
+    assert want[1] > want[0] or kw.get("optim") == "sgd" or name.startswith("mlp")
+
+
+def test_nested_with_memtracker_same_run():
+    model, opt = setup(gpt)
+    x, y = batch(model)
+    for _ in range(2):
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        tr = MemoryTracker(model, opt)
+        with mt, tr:
+            train_step(model, opt, x, y)
+        assert tr.peak_bytes == mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+# ---------------------------------------------------------------- counting rules
+def test_views_count_once_and_frees_are_subtracted():
+    with MemoryTracker() as tr:
+        a = torch.zeros(1000)  # 4000 B
+        v = a[10:20].view(2, 5)  # views share the storage
+        w = a.unsqueeze(0)
+        assert tr.current_bytes == 4000
+        b = a * 2  # a new storage
+        assert tr.current_bytes == 8000
+        del a, v, w  # the last reference to the first storage: its bytes are given back
+        assert tr.current_bytes == 4000
+    assert tr.peak_bytes == 8000
+    del b
+    assert tr.current_bytes == 0
+    assert tr.breakdown("end") == {"parameters": 0, "gradients": 0, "optimizer": 0, "activations": 0, "other": 4000}
+
+
+def test_storage_dies_with_its_last_view():
+    with MemoryTracker() as tr:
+        a = torch.ones(256)
+        v = a[:4]
+        del a
+        assert tr.current_bytes == 1024  # v keeps the whole storage alive
+        del v
+        assert tr.current_bytes == 0
+
+
+def test_categories_and_breakdown_keys():
+    model, opt = setup(gpt)
+    x, y = batch(model)
+    train_step(model, opt, x, y)  # optimizer state exists now
+    param_bytes = sum(p.untyped_storage().nbytes() for p in {p.untyped_storage()._cdata: p for p in model.parameters()}.values())
+    buf_bytes = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    opt_bytes = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values())
+    tr = MemoryTracker(model, opt)
+    with tr:
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        grads_mid = tr.breakdown("end")["gradients"]
+        opt.step()
+    for at in ("peak", "end"):
+        bd = tr.breakdown(at)
+        assert list(bd) == list(CATEGORIES)
+        assert all(isinstance(v, int) and v >= 0 for v in bd.values())
+    end = tr.breakdown("end")
+    assert sum(tr.breakdown("peak").values()) == tr.peak_bytes
+    assert end["parameters"] == param_bytes + buf_bytes
+    assert end["optimizer"] == opt_bytes
+    assert grads_mid == param_bytes  # every parameter has a gradient after backward
+    assert end["gradients"] == param_bytes  # no zero_grad inside the block
+    assert tr.breakdown("peak")["activations"] > 0
+    with pytest.raises(ValueError, match="'peak', 'end'"):
+        tr.breakdown("middle")
+
+
+def test_optimizer_state_appears_at_first_step():
+    model, opt = setup(mlp)
+    x, _ = batch(model)
+    tr = MemoryTracker(model, opt)
+    with tr:
+        train_step(model, opt, x, None)
+    tl = tr.timeline
+    assert tl[0].bytes["optimizer"] == 0
+    assert tr.breakdown("end")["optimizer"] == sum(2 * p.numel() * 4 + 4 for p in model.parameters())  # exp_avg, exp_avg_sq, step
+    first_opt = next(e for e in tl if e.bytes["optimizer"] > 0)
+    assert first_opt.phase == "optimizer"
+
+
+def test_phases_in_order_and_phase_peaks():
+    model, opt = setup(gpt)
+    x, y = batch(model)
+    tr = MemoryTracker(model, opt)
+    with tr:
+        train_step(model, opt, x, y)
+    phases = [e.phase for e in tr.timeline]
+    order = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
+    assert order[:4] == ["other", "forward", "backward", "optimizer"], order
+    pp = tr.phase_peaks()
+    assert max(pp.values()) == tr.peak_bytes
+    assert pp == phase_peaks(tr.timeline)
+    assert [e.index for e in tr.timeline] == sorted(e.index for e in tr.timeline)
+    # forward rises, backward: gradients rise while activations fall
+    bw = [e for e in tr.timeline if e.phase == "backward"]
+    assert bw[-1].bytes["gradients"] > bw[0].bytes["gradients"]
+    assert bw[-1].bytes["activations"] < max(e.bytes["activations"] for e in bw)
+
+
+def test_module_peaks_and_peak_module():
+    model, opt = setup(gpt)
+    x, y = batch(model)
+    train_step(model, opt, x, y)
+    tr = MemoryTracker(model, opt)
+    with tr:
+        train_step(model, opt, x, y)
+    names = {n for n, _ in model.named_modules()}
+    mp = tr.module_peaks
+    assert {"", "blocks.0", "blocks.1.mlp.c_fc", "lm_head"} <= set(mp)
+    assert set(mp) <= names
+    assert all(v <= tr.peak_bytes for v in mp.values())
+    assert tr.peak_module in names
+    assert mp[tr.peak_module] == tr.peak_bytes
+    assert mp[""] == max(e.total for e in tr.timeline if e.phase in ("forward", "backward"))
+    # a parent's peak is at least each child's
+    assert mp["blocks.0"] >= mp["blocks.0.mlp"] >= mp["blocks.0.mlp.c_fc"]
+
+
+def test_hooks_removed_after_exit():
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    model, opt = setup(gpt)
+    n_pre, n_post = len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
+    x, y = batch(model)
+    with MemoryTracker(model, opt):
+        train_step(model, opt, x, y)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == (n_pre, n_post)
+
+
+def test_leak_shows_as_growing_current_bytes():
+    model, opt = setup(mlp)
+    x, _ = batch(model)
+    history_leaky, history_ok = [], []
+    with MemoryTracker(model, opt) as leaky:
+        for i in range(4):
+            loss = model(x).pow(2).mean()
+            loss.backward(retain_graph=True)  # the graph keeps its saved activations ...
+            opt.step()
+            opt.zero_grad()
+            history_leaky.append(loss)  # ... and the history keeps every graph alive
+            if i == 0:
+                after_one = leaky.current_bytes
+    assert leaky.current_bytes > after_one + 2 * 48 * 128 * 4
+    with MemoryTracker(model, opt) as ok:
+        for i in range(4):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            history_ok.append(loss.item())
+            if i == 0:
+                after_one = ok.current_bytes
+    assert ok.current_bytes == after_one
+
+
+def test_report_and_plot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    model, opt = setup(gpt)
+    x, y = batch(model)
+    tr = MemoryTracker(model, opt)
+    with tr:
+        train_step(model, opt, x, y)
+    text = tr.report()
+    for word in (*CATEGORIES, "peak", "forward", "backward", "optimizer", str(tr.peak_bytes)):
+        assert word in text
+    ax = tr.plot(title="step")
+    assert ax.get_xlabel() == "op index"
+    assert len(ax.collections) >= 5  # one area per category (plus phase shading)
+    import matplotlib.pyplot as plt
+
+    plt.close(ax.figure)
+    with pytest.raises(ValueError, match="unit"):
+        tr.plot(unit="MB")
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="model"):
+        MemoryTracker(model="gpt2")
+    with pytest.raises(TypeError, match="optimizer"):
+        MemoryTracker(optimizer=object())
+
+
+# ---------------------------------------------------------------- fake tensors
+@pytest.mark.parametrize("build,checkpointing", [(gpt, False), (gpt, True), (llama, False)])
+def test_fake_tensor_peak_equals_real_cpu_peak(build, checkpointing):
+    real = our_peaks(build, checkpointing=checkpointing)
+    with FakeTensorMode():
+        fake = our_peaks(build, checkpointing=checkpointing)
+    assert fake == real
+
+
+def test_fake_cuda_tensors_rounded_to_allocator_blocks():
+    with FakeTensorMode():
+        with MemoryTracker() as tr:
+            a = torch.empty(3, device="cuda")  # 12 B -> one 512 B block
+            b = torch.empty(200, device="cuda")  # 800 B -> 1024 B
+            c = a + 1
+            assert tr.current_bytes == 512 + 1024 + 512
+        with MemoryTracker(device="cuda") as only_cuda:
+            d = torch.empty(10, device="cuda")
+            e = torch.empty(10)  # cpu: not counted
+            assert only_cuda.current_bytes == 512
+    del a, b, c, d, e
+
+
+# ---------------------------------------------------------------- lab reference helpers
+def test_live_bytes_counter():
+    lb = LiveBytes()
+    x = torch.zeros(256)
+    lb.track(x)
+    lb.track(x[:10])
+    lb.track(x.view(16, 16))
+    assert lb.current == 1024
+    y = torch.zeros(100, dtype=torch.float64)
+    lb.track(y)
+    assert (lb.current, lb.peak) == (1824, 1824)
+    del x
+    assert lb.current == 800
+    del y
+    assert (lb.current, lb.peak) == (0, 1824)
+
+
+def test_categorize():
+    model, opt = setup(mlp)
+    x, _ = batch(model)
+    train_step(model, opt, x, None)
+    h = model[0](x)
+    loss = model(x).sum()
+    loss.backward()
+    p = model[0].weight
+    assert categorize(p, model, opt) == "parameters"
+    assert categorize(p[:3], model, opt) == "parameters"
+    assert categorize(p.grad, model, opt) == "gradients"
+    assert categorize(opt.state[p]["exp_avg"], model, opt) == "optimizer"
+    assert categorize(h, model, opt) == "activations"
+    assert categorize(torch.zeros(3), model, opt) == "other"
+
+
+def test_phase_peaks_function():
+    tl = [(0, "other", {"parameters": 10}), (1, "forward", {"parameters": 10, "activations": 5}),
+          (2, "forward", {"parameters": 10, "activations": 9}), (3, "backward", {"parameters": 10, "gradients": 3})]
+    assert phase_peaks(tl) == {"other": 10, "forward": 19, "backward": 13}
+
+
+# ---------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("build", [gpt, llama])
+def test_cuda_peak_within_3_percent_of_max_memory_allocated(build):
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    with torch.device(dev):  # large enough that ops' internal scratch buffers are a small share
+        model = gpt(n_layer=4, n_embd=256, block_size=128) if build is gpt else tiny_llama(
+            hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = (t.to(dev) for t in batch(model, b=8, t=128))
+    train_step(model, opt, x, y)  # optimizer state, cuBLAS workspace and caches exist from here on
+    torch.cuda.synchronize()
+    for _ in range(2):
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        tr = MemoryTracker(model, opt, device="cuda")
+        with tr:
+            start = tr.current_bytes  # what the tracker counts of `before` (params, optimizer state)
+            train_step(model, opt, x, y)
+        torch.cuda.synchronize()
+        # bytes the tracker does not see (input batch, cuBLAS workspace) sit under both peaks
+        measured = torch.cuda.max_memory_allocated() - (before - start)
+        assert abs(tr.peak_bytes - measured) <= 0.03 * measured, (tr.peak_bytes, measured)

@@ -1,0 +1,680 @@
+"""A training-step memory profiler built from scratch: who holds the bytes, and when.
+
+``MemoryTracker`` answers the course's one question -- how many bytes, where, and when -- on the
+CPU you have, on the GPU you rent, and on fake tensors that allocate nothing. It is built from two
+PyTorch mechanisms:
+
+* a ``TorchDispatchMode`` (``torch.utils._python_dispatch``) sees every aten op that runs inside
+  the ``with`` block, forward, backward (the autograd engine's ops too) and the optimizer step,
+  and so every tensor those ops return;
+* a weak reference to each tensor's *untyped storage* with a callback: the callback runs the
+  moment the last tensor using that storage dies, so the tracker subtracts its bytes exactly when
+  the memory is given back. Views and aliases share one storage, so each storage is counted once.
+
+The live total after op ``k`` is ``sum(nbytes(s) for s in storages alive after op k)``; the peak is
+the maximum of that total over all ops. This is the same accounting as PyTorch's own
+``torch.distributed._tools.mem_tracker.MemTracker`` (raw ``nbytes`` on CPU and meta, rounded up
+to the CUDA caching allocator's 512-byte block on CUDA), so on CPU the two peaks agree to the
+byte (``tests/test_profiler.py``).
+
+Categories, each storage in exactly one:
+
+* ``parameters``: parameters and buffers of the model (and parameters of the optimizer);
+* ``gradients``: ``.grad`` of those parameters (re-labelled when autograd accumulates them);
+* ``optimizer``: tensors in ``optimizer.state``; during ``optimizer.step`` every new storage is
+  labelled ``optimizer`` (the state appears there, next to the step's temporaries), and after
+  the step whatever is still alive outside ``optimizer.state`` is moved to ``other``;
+* ``activations``: anything else allocated while the model's forward or the backward runs
+  (saved activations, their gradients, recomputed activations under checkpointing);
+* ``other``: the rest (ops outside forward, backward and the optimizer step, such as input
+  batches moved to the device).
+
+Phases: ``forward`` while the model's ``forward`` runs (a forward pre/post hook on the root
+module), ``backward`` while the autograd engine runs (``torch._C._current_graph_task_id() != -1``
+when an op is dispatched: robust whether you call ``loss.backward()``, ``torch.autograd.grad`` or
+a checkpoint recomputes inside backward), ``optimizer`` while ``Optimizer.step`` runs (the global
+optimizer step pre/post hooks), ``other`` otherwise.
+
+Module attribution: forward pre/post hooks push and pop each submodule; in backward, the module
+whose output gradient arrived last (``torch.autograd.graph.register_multi_grad_hook(mode="any")``
+on each module's outputs) is "running", together with its parents, until the next one starts or
+backward ends. Backward attribution is therefore by output-gradient arrival, which is exact for
+sequential models and approximate where modules interleave.
+
+Limits: tensors created outside the ``with`` block are counted only if they belong to the model
+or the optimizer; ops that bypass the dispatcher (``no_dispatch``, C++ extensions calling the
+allocator directly, cuBLAS workspaces) are invisible; wrapper tensor subclasses are counted
+through whatever plain tensors their ops return.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "CATEGORIES",
+    "PHASES",
+    "MemoryTracker",
+    "Event",
+    "LiveBytes",
+    "categorize",
+    "phase_peaks",
+    "format_bytes",
+    "fake_activation_bytes",
+    "train_losses",
+]
+
+CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "other")
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other")
+BREAKDOWN_AT: tuple[str, ...] = ("peak", "end")
+
+_P, _G, _O, _A, _X = range(5)
+_FWD, _BWD, _OPT, _OTH = range(4)
+CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to a multiple of this
+
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``; binary units, sign kept."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class Event(NamedTuple):
+    """One point of the timeline: the state after dispatched op number ``index``."""
+
+    index: int
+    phase: str
+    bytes: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclass(frozen=True)
+class _Peak:
+    total: int
+    counts: tuple[int, ...]
+    event: int
+    phase: str
+    module: str | None
+
+
+def _tensors_in(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
+    """Tensors in an op's or a module's output (tensor, tuple/list, dict-like, shallow)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 3:
+        if isinstance(obj, (tuple, list)):
+            for o in obj:
+                yield from _tensors_in(o, depth + 1)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                yield from _tensors_in(o, depth + 1)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Track every tensor storage of one or more training steps, by category, phase and module.
+
+    Usage::
+
+        tracker = MemoryTracker(model, optimizer)
+        with tracker:
+            loss = model(x, y)[1]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        tracker.peak_bytes, tracker.breakdown("peak"), tracker.timeline, tracker.report()
+
+    On fake tensors, build the model, optimizer and batch under a ``FakeTensorMode`` and run the
+    step with both modes active (either nesting order gives the same bytes). One tracker may be
+    entered several times (one step each, or several steps in one block); its counts carry on.
+
+    Args:
+        model: its parameters and buffers (and their ``.grad``) are counted from ``__enter__``;
+            its forward defines the ``forward`` phase and its submodules the per-module peaks.
+        optimizer: its ``state`` tensors are counted from ``__enter__`` and after every ``step``.
+        device: count only storages on this device type (``"cuda"``, ``"cpu"``, ``"meta"``; for
+            fake tensors their fake device); ``None`` counts all.
+        timeline: record the timeline (cheap; turn off for the lowest overhead).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        device: str | torch.device | None = None,
+        timeline: bool = True,
+    ) -> None:
+        super().__init__()
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self._device_type = None if device is None else torch.device(device).type
+        self._record = bool(timeline)
+        # storage key (StorageImpl address) -> [nbytes, category, weakref to the storage]
+        self._live: dict[int, list] = {}
+        self._cur = [0, 0, 0, 0, 0]
+        self._total = 0
+        self._phase = _OTH
+        self._ops = 0
+        self._events: list[tuple] = []
+        self._dirty = True
+        self._peak = _Peak(0, (0, 0, 0, 0, 0), 0, "other", None)
+        self._end: tuple[int, ...] | None = None
+        self._stack: list[list] = []  # [qualified name, max total while active, is_backward_frame]
+        self._module_peaks: dict[str, int] = {}
+        self._handles: list[Any] = []
+        self._depth = 0
+        self._in_opt = 0
+        self._opt_before: set[int] = set()
+
+    # ------------------------------------------------------------------ storages
+    def _track(self, t: torch.Tensor, cat: int, relabel: bool = False) -> None:
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError, TypeError):  # sparse, mkldnn, opaque subclasses
+            return
+        key = st._cdata
+        e = self._live.get(key)
+        if e is None:
+            dev = t.device
+            if self._device_type is not None and dev.type != self._device_type:
+                return
+            n = st.nbytes()
+            if dev.type == "cuda":
+                n = math.ceil(n / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+            self._live[key] = [n, cat, weakref.ref(st, self._make_free(key)), dev.type == "cuda"]
+            self._cur[cat] += n
+            self._total += n
+            self._dirty = True
+            return
+        n = st.nbytes()
+        if e[3]:
+            n = math.ceil(n / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+        if n != e[0]:  # the storage was resized in place
+            self._cur[e[1]] += n - e[0]
+            self._total += n - e[0]
+            e[0] = n
+            self._dirty = True
+        if relabel and e[1] != cat:
+            self._cur[e[1]] -= e[0]
+            self._cur[cat] += e[0]
+            e[1] = cat
+            self._dirty = True
+
+    def _make_free(self, key: int):
+        def free(ref: weakref.ref) -> None:
+            e = self._live.get(key)
+            if e is None or e[2] is not ref:
+                return
+            del self._live[key]
+            self._cur[e[1]] -= e[0]
+            self._total -= e[0]
+            self._dirty = True
+
+        return free
+
+    def _track_state(self) -> None:
+        """Label what the model and the optimizer hold right now."""
+        params: list[torch.Tensor] = []
+        if self.model is not None:
+            params.extend(self.model.parameters())
+            for b in self.model.buffers():
+                self._track(b, _P, relabel=True)
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                params.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
+        for p in params:
+            self._track(p, _P, relabel=True)
+            if p.grad is not None:
+                self._track(p.grad, _G, relabel=True)
+        if self.optimizer is not None:
+            self._track_optimizer(self.optimizer)
+
+    def _track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for state in optimizer.state.values():
+            for t in _tensors_in(state):
+                self._track(t, _O, relabel=True)
+
+    # ------------------------------------------------------------------ the dispatch hook
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
+            outs: Any = (out,)
+        elif isinstance(out, (tuple, list)):
+            outs = out
+        else:  # no tensor out (e.g. the profiler's record_function ops): nothing to allocate
+            outs = ()
+        if outs:
+            # the phase: optimizer step > autograd engine running > the last phase started
+            if self._in_opt:
+                phase = _OPT
+            elif _graph_task_id() != -1:
+                phase = _BWD
+            elif self._phase == _BWD:  # the engine has finished
+                phase = _OTH
+            else:
+                phase = self._phase
+            if phase != self._phase:
+                self._set_phase(phase)
+            cat = _A if (phase == _FWD or phase == _BWD) else (_O if phase == _OPT else _X)
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    self._track(o, cat)
+                elif isinstance(o, (tuple, list)):
+                    for oo in o:
+                        if isinstance(oo, torch.Tensor):
+                            self._track(oo, cat)
+        self._ops += 1
+        self._after_op()
+        return out
+
+    def _after_op(self) -> None:
+        total = self._total
+        if self._stack and total > self._stack[-1][1]:
+            self._stack[-1][1] = total
+        if total > self._peak.total:
+            self._peak = _Peak(
+                total, tuple(self._cur), self._ops, PHASES[self._phase], self._stack[-1][0] if self._stack else None
+            )
+        if self._dirty and self._record:
+            c = self._cur
+            self._events.append((self._ops, self._phase, c[0], c[1], c[2], c[3], c[4]))
+        self._dirty = False
+
+    def _set_phase(self, phase: int) -> None:
+        if self._phase == _BWD:  # backward is over: its module frames end with it
+            self._pop_to(0, backward_only=True)
+        self._phase = phase
+        self._dirty = True
+
+    # ------------------------------------------------------------------ modules
+    def _push(self, name: str, backward: bool = False) -> None:
+        self._stack.append([name, self._total, backward])
+
+    def _pop_frame(self) -> None:
+        name, peak, _ = self._stack.pop()
+        if peak > self._module_peaks.get(name, -1):
+            self._module_peaks[name] = peak
+        if self._stack and peak > self._stack[-1][1]:
+            self._stack[-1][1] = peak
+
+    def _pop_to(self, depth: int, backward_only: bool = False) -> None:
+        while len(self._stack) > depth and (not backward_only or self._stack[-1][2]):
+            self._pop_frame()
+
+    def _pre_forward(self, name: str):
+        def hook(module, args):
+            if name == "" and _graph_task_id() == -1 and not self._in_opt and self._phase != _FWD:
+                self._set_phase(_FWD)
+            self._push(name)
+
+        return hook
+
+    def _post_forward(self, name: str):
+        def hook(module, args, output):
+            for i in range(len(self._stack) - 1, -1, -1):
+                if self._stack[i][0] == name and not self._stack[i][2]:
+                    self._pop_to(i)
+                    break
+            if torch.is_grad_enabled() and _graph_task_id() == -1:
+                ts = [t for t in _tensors_in(output) if t.requires_grad]
+                if ts:
+                    torch.autograd.graph.register_multi_grad_hook(ts, self._pre_backward(name), mode="any")
+
+        return hook
+
+    def _pre_backward(self, name: str):
+        chain = [name] if name == "" else [""] + [".".join(name.split(".")[: i + 1]) for i in range(name.count(".") + 1)]
+
+        def hook(grad):
+            if self._depth == 0:
+                return
+            # keep the longest common prefix of the backward frames, push the rest of the chain
+            base = 0
+            while base < len(self._stack) and not self._stack[base][2]:
+                base += 1
+            i = 0
+            while i < len(chain) and base + i < len(self._stack) and self._stack[base + i][0] == chain[i]:
+                i += 1
+            self._pop_to(base + i)
+            for n in chain[i:]:
+                self._push(n, backward=True)
+
+        return hook
+
+    def _install_hooks(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        def opt_pre(optimizer, args, kwargs):
+            self._in_opt += 1
+            self._opt_before = {k for k, e in list(self._live.items()) if e[1] == _O}
+            if self._phase != _OPT:
+                self._set_phase(_OPT)
+
+        def opt_post(optimizer, args, kwargs):
+            self._in_opt -= 1
+            if optimizer is self.optimizer or self.optimizer is None:
+                self._track_optimizer(optimizer)
+                # what the step allocated and still holds outside optimizer.state is not state
+                state = {t.untyped_storage()._cdata for st in optimizer.state.values() for t in _tensors_in(st)}
+                for key, e in list(self._live.items()):  # a list: a weakref callback may fire meanwhile
+                    if e[1] == _O and key not in state and key not in self._opt_before:
+                        self._cur[_O] -= e[0]
+                        self._cur[_X] += e[0]
+                        e[1] = _X
+                        self._dirty = True
+                self._after_op()
+            if not self._in_opt:
+                self._set_phase(_OTH)
+
+        self._handles += [register_optimizer_step_pre_hook(opt_pre), register_optimizer_step_post_hook(opt_post)]
+        seen: set[int] = set()
+        params: list[torch.Tensor] = []
+        if self.model is not None:
+            for name, mod in self.model.named_modules():
+                self._handles.append(mod.register_forward_pre_hook(self._pre_forward(name)))
+                self._handles.append(mod.register_forward_hook(self._post_forward(name), always_call=True))
+            params.extend(self.model.parameters())
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                params.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
+
+        def on_grad(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                self._track(p.grad, _G, relabel=True)
+
+        for p in params:
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> "MemoryTracker":
+        if self._depth == 0:
+            self._track_state()
+            self._install_hooks()
+            self._end = None
+            self._after_op()  # the starting point is an event (and the first peak candidate)
+        self._depth += 1
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._depth -= 1
+        if self._depth == 0:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._in_opt = 0
+            if self._phase != _OTH:
+                self._set_phase(_OTH)
+            self._pop_to(0)
+            self._track_state()  # grads / optimizer state created at the very end get their label
+            self._dirty = True
+            self._after_op()
+            self._end = tuple(self._cur)
+
+    # ------------------------------------------------------------------ results
+    @property
+    def peak_bytes(self) -> int:
+        """Largest total of live tracked bytes seen after any op (or at enter/exit)."""
+        return self._peak.total
+
+    @property
+    def current_bytes(self) -> int:
+        """Tracked bytes alive right now (storages freed after the block are subtracted too)."""
+        return self._total
+
+    @property
+    def peak_phase(self) -> str:
+        return self._peak.phase
+
+    @property
+    def peak_module(self) -> str | None:
+        """Qualified name of the innermost module running at the peak ("" is the model itself)."""
+        return self._peak.module
+
+    @property
+    def peak_event(self) -> int:
+        return self._peak.event
+
+    def breakdown(self, at: str = "peak") -> dict[str, int]:
+        """Bytes per category at the peak or at the end of the block (now, if still inside)."""
+        if at not in BREAKDOWN_AT:
+            raise ValueError(f"at: got {at!r}, expected one of {', '.join(map(repr, BREAKDOWN_AT))}")
+        counts = self._peak.counts if at == "peak" else (self._end if self._end is not None else self._cur)
+        return dict(zip(CATEGORIES, counts))
+
+    @property
+    def timeline(self) -> list[Event]:
+        """``Event(index, phase, bytes)`` after each op that changed something (and at enter/exit)."""
+        return [Event(e[0], PHASES[e[1]], dict(zip(CATEGORIES, e[2:]))) for e in self._events]
+
+    def phase_peaks(self) -> dict[str, int]:
+        """Peak total bytes in each phase that occurred."""
+        return phase_peaks(self.timeline)
+
+    @property
+    def module_peaks(self) -> dict[str, int]:
+        """Qualified module name -> peak total bytes seen while it ran (forward or backward)."""
+        peaks = dict(self._module_peaks)
+        for name, peak, _ in self._stack:  # still running (inside the block)
+            peaks[name] = max(peaks.get(name, 0), peak)
+        return dict(sorted(peaks.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def report(self, top: int = 5) -> str:
+        """A text table: categories at the peak and at the end, phase peaks, top modules."""
+        peak, end = self.breakdown("peak"), self.breakdown("end")
+        w = max(len(c) for c in CATEGORIES) + 2
+        lines = [f"{'category':<{w}}{'at peak':>14}{'at end':>14}"]
+        for c in CATEGORIES:
+            lines.append(f"{c:<{w}}{format_bytes(peak[c]):>14}{format_bytes(end[c]):>14}")
+        lines.append(f"{'total':<{w}}{format_bytes(sum(peak.values())):>14}{format_bytes(sum(end.values())):>14}")
+        mod = self.peak_module
+        lines.append(
+            f"peak {format_bytes(self.peak_bytes)} ({self.peak_bytes} B) at op {self.peak_event}, "
+            f"phase {self.peak_phase}, module {'(root)' if mod == '' else mod or '(none)'}"
+        )
+        lines.append("phase peaks: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.phase_peaks().items()))
+        mp = list(self.module_peaks.items())[:top]
+        if mp:
+            lines.append("top modules by peak while running:")
+            for name, b in mp:
+                lines.append(f"  {('(root)' if name == '' else name):<40}{format_bytes(b):>14}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"MemoryTracker(peak={format_bytes(self.peak_bytes)}, current={format_bytes(self.current_bytes)})"
+
+    def plot(self, ax: Any = None, title: str | None = None, unit: str = "MiB"):
+        """Stacked-area timeline by category, phases shaded, the peak marked. Returns the Axes."""
+        import matplotlib.pyplot as plt
+
+        div = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+        if unit not in div:
+            raise ValueError(f"unit: got {unit!r}, expected one of {', '.join(map(repr, div))}")
+        if ax is None:
+            _, ax = plt.subplots(figsize=(9, 4))
+        ev = self._events
+        if not ev:
+            raise RuntimeError("plot: the timeline is empty (was the tracker used with timeline=True?)")
+        # a step plot: each event's state holds until the next event
+        xs, ys = [], [[] for _ in CATEGORIES]
+        for i, e in enumerate(ev):
+            nxt = ev[i + 1][0] if i + 1 < len(ev) else e[0] + 1
+            for x in (e[0], nxt):
+                xs.append(x)
+                for k in range(5):
+                    ys[k].append(e[2 + k] / div[unit])
+        colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c"]
+        ax.stackplot(xs, ys, labels=CATEGORIES, colors=colors, alpha=0.85, linewidth=0)
+        shades = {_FWD: "#e8f0ff", _BWD: "#fff0e0", _OPT: "#e8ffe8"}
+        start = ev[0]
+        for i in range(1, len(ev) + 1):
+            if i == len(ev) or ev[i][1] != start[1]:
+                end_x = ev[i][0] if i < len(ev) else ev[-1][0] + 1
+                if start[1] in shades:
+                    ax.axvspan(start[0], end_x, color=shades[start[1]], zorder=0)
+                    ax.text((start[0] + end_x) / 2, 1.0, PHASES[start[1]], transform=ax.get_xaxis_transform(),
+                            ha="center", va="bottom", fontsize=8)
+                if i < len(ev):
+                    start = ev[i]
+        px, py = self.peak_event, self.peak_bytes / div[unit]
+        ax.axvline(px, color="black", ls="--", lw=1)
+        ax.annotate(f"peak {format_bytes(self.peak_bytes)}", (px, py), xytext=(5, -12), textcoords="offset points",
+                    fontsize=8)
+        ax.set_xlabel("op index")
+        ax.set_ylabel(f"live bytes ({unit})")
+        ax.set_xlim(xs[0], xs[-1])
+        ax.legend(loc="upper left", fontsize=8)
+        if title:
+            ax.set_title(title, pad=14)
+        return ax
+
+
+# ---------------------------------------------------------------------- lab references
+class LiveBytes:
+    """The smallest live-bytes counter: ``track(t)`` each tensor; its storage is counted once
+    and subtracted when it dies (a weakref callback on the untyped storage).
+
+    >>> lb = LiveBytes(); x = torch.zeros(256); lb.track(x); lb.track(x[:10]); lb.current
+    1024
+    """
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._refs:
+            return
+        n = st.nbytes()
+
+        def free(ref: weakref.ref, key: int = key, n: int = n) -> None:
+            if self._refs.get(key) is ref:
+                del self._refs[key]
+                self.current -= n
+
+        self._refs[key] = weakref.ref(st, free)
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+
+def categorize(t: torch.Tensor, model: torch.nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> str:
+    """Which of ``CATEGORIES`` a live tensor belongs to, judged by its storage.
+
+    parameters (a parameter or buffer of ``model``), gradients (the ``.grad`` of one), optimizer
+    (in ``optimizer.state``), activations (produced by an op autograd recorded: ``grad_fn`` set),
+    other (anything else).
+    """
+    key = t.untyped_storage()._cdata
+
+    def same(x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == key
+
+    params = list(model.parameters()) + list(model.buffers()) if model is not None else []
+    if optimizer is not None:
+        params += [p for g in optimizer.param_groups for p in g["params"]]
+    if any(same(p) for p in params):
+        return "parameters"
+    if any(same(p.grad) for p in params if isinstance(p, torch.Tensor)):
+        return "gradients"
+    if optimizer is not None and any(same(v) for s in optimizer.state.values() for v in _tensors_in(s)):
+        return "optimizer"
+    if t.grad_fn is not None:
+        return "activations"
+    return "other"
+
+
+def phase_peaks(timeline: Iterable[Any]) -> dict[str, int]:
+    """Peak total bytes per phase from a timeline of ``(index, phase, bytes_by_category)``.
+
+    Phases appear in the order they first occur.
+    """
+    out: dict[str, int] = {}
+    for ev in timeline:
+        _, phase, by_cat = ev[0], ev[1], ev[2]
+        total = sum(by_cat.values()) if isinstance(by_cat, dict) else int(by_cat)
+        if total > out.get(phase, -1):
+            out[phase] = total
+    return out
+
+
+def fake_activation_bytes(config: Any, batch_size: int, seq_len: int) -> int:
+    """Bytes one training forward of ``TinyGPT(config)`` (logits and loss) saves for backward,
+    measured on fake tensors: the model and the batch are built under ``FakeTensorMode``, so a
+    model far larger than the machine costs nothing. Storages count once (keyed by the storage
+    object, since ``data_ptr()`` means nothing on a fake tensor); parameters and buffers are not
+    activations.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memlab.models import TinyGPT
+
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size={batch_size!r} and seq_len={seq_len!r} must be >= 1")
+    if seq_len > config.block_size:
+        raise ValueError(f"seq_len={seq_len} exceeds config.block_size={config.block_size}")
+    with FakeTensorMode():
+        model = TinyGPT(config)
+        x = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+        y = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+        skip = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
+        seen: dict[int, torch.UntypedStorage] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            if id(st) not in skip:
+                seen[id(st)] = st  # holding the storage keeps its id unique while we count
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _, loss = model(x, y)
+        total = sum(st.nbytes() for st in seen.values())
+        del loss
+    return total
+
+
+def train_losses(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[Any],
+                 steps: int) -> list[float]:
+    """``steps`` training steps on ``(x, y)`` pairs from ``batches``; the loss history as floats.
+
+    The leak-free loop: ``loss.item()`` goes into the history, never the tensor (a kept tensor
+    keeps its autograd graph, and with ``retain_graph=True`` every saved activation, alive).
+    """
+    from memlab.models import lm_loss
+
+    history: list[float] = []
+    it = iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append(loss.item())
+    return history
