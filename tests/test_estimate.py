@@ -1,0 +1,299 @@
+"""memlab.estimate: fake-tensor estimates equal real tracked peaks; formulas; the CLI."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from memlab import estimate as E
+from memlab.estimate import (
+    MemoryEstimate,
+    accelerate_estimate,
+    deepspeed_zero_estimate,
+    estimate_training_memory,
+    measure_training_memory,
+    parse_size,
+)
+from memlab.models import (
+    PRESETS,
+    TinyGPT,
+    TinyGPTConfig,
+    UnknownPresetError,
+    preset_parameter_count,
+    tiny_llama,
+    tiny_llama_config,
+)
+
+
+def small_gpt():
+    return TinyGPT(TinyGPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=64))
+
+
+def small_llama():
+    return tiny_llama(hidden_size=64, intermediate_size=160, num_hidden_layers=2)
+
+
+MODELS = {"tinygpt": small_gpt, "tiny_llama": small_llama}
+
+
+# ---------------------------------------------------------------- estimate == measured
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_estimate_equals_real_cpu_peak(name, dtype, checkpointing):
+    kw = dict(batch_size=2, seq_len=32, dtype=dtype, optimizer="adamw", checkpointing=checkpointing, device="cpu")
+    est = estimate_training_memory(MODELS[name], **kw)
+    real = measure_training_memory(MODELS[name], **kw)
+    assert est.fake and not real.fake
+    assert est.peak_bytes == real.peak_bytes, (est.peak_bytes, real.peak_bytes)
+    assert est.breakdown == real.breakdown
+    assert est.breakdown_end == real.breakdown_end
+    assert set(est.breakdown) == set(E.CATEGORIES)
+    assert sum(est.breakdown.values()) == est.peak_bytes
+
+
+@pytest.mark.parametrize(
+    "dtype,optimizer,impl",
+    [("bf16-pure", "adamw", "auto"), ("fp16", "sgd", "auto"), ("fp32", "adamw8bit", "auto"),
+     ("bf16", "adamw", "foreach"), ("fp32", "adamw", "fused")],
+)
+def test_estimate_equals_real_other_recipes(dtype, optimizer, impl):
+    kw = dict(batch_size=2, seq_len=32, dtype=dtype, optimizer=optimizer, optimizer_impl=impl, device="cpu")
+    est = estimate_training_memory(small_gpt, **kw)
+    real = measure_training_memory(small_gpt, **kw)
+    assert est.peak_bytes == real.peak_bytes
+    assert est.breakdown == real.breakdown
+
+
+def test_checkpointing_lowers_activation_peak():
+    kw = dict(batch_size=4, seq_len=64, dtype="fp32", optimizer="sgd", device="cpu")
+    plain = estimate_training_memory(small_gpt, **kw)
+    ck = estimate_training_memory(small_gpt, checkpointing=True, **kw)
+    assert ck.max_activation_bytes < plain.max_activation_bytes
+    assert ck.peak_bytes < plain.peak_bytes
+
+
+def test_model_states_fp32_adamw_are_16_bytes_per_param():
+    """End of a steady step, fp32 AdamW (for-loop): 4 (weights) + 4 (grads) + 8 (moments) bytes
+    per parameter, plus one fp32 `step` scalar per parameter tensor."""
+    est = estimate_training_memory(small_llama, batch_size=1, seq_len=16, dtype="fp32", device="cpu")
+    model = small_llama()
+    P = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert est.n_params == P
+    assert est.breakdown_end["parameters"] == 4 * P + buffers
+    assert est.breakdown_end["gradients"] == 4 * P
+    assert est.breakdown_end["optimizer"] == 8 * P + 4 * n_tensors
+
+
+def test_bf16_amp_keeps_fp32_states_and_pure_halves_them():
+    kw = dict(batch_size=1, seq_len=16, device="cpu")
+    amp = estimate_training_memory(small_gpt, dtype="bf16", **kw)
+    pure = estimate_training_memory(small_gpt, dtype="bf16-pure", **kw)
+    assert amp.breakdown_end["gradients"] == 2 * pure.breakdown_end["gradients"]
+    assert pure.peak_bytes < amp.peak_bytes
+
+
+def test_adamw8bit_state_matches_bitsandbytes_layout():
+    est = estimate_training_memory(small_llama, batch_size=1, seq_len=16, dtype="fp32", optimizer="adamw8bit", device="cpu")
+    model = small_llama()
+    layout = E._bnb_state_bytes(model, "fp32")
+    # + the two shared 256-entry fp32 quantization maps that bitsandbytes keeps in the state
+    assert est.breakdown_end["optimizer"] == layout + 2 * 256 * 4
+    full = estimate_training_memory(small_llama, batch_size=1, seq_len=16, dtype="fp32", optimizer="adamw", device="cpu")
+    assert est.breakdown_end["optimizer"] < full.breakdown_end["optimizer"] / 2
+
+
+def test_preset_and_config_inputs():
+    est = estimate_training_memory("llama-2-7b", batch_size=1, seq_len=64, config_overrides={"num_hidden_layers": 1})
+    assert est.n_params == preset_parameter_count("llama-2-7b", num_hidden_layers=1)
+    assert est.peak_bytes > 16 * est.n_params  # AdamW mixed precision: 16 bytes/param + more
+    cfg = tiny_llama_config(num_hidden_layers=1)
+    est2 = estimate_training_memory(cfg, batch_size=1, seq_len=16, device="cpu")
+    assert est2.n_params == sum(p.numel() for p in tiny_llama(num_hidden_layers=1).parameters())
+
+
+def test_config_json_path(tmp_path):
+    path = tmp_path / "config.json"
+    tiny_llama_config(num_hidden_layers=1).to_json_file(str(path))
+    a = estimate_training_memory(str(path), batch_size=1, seq_len=16, device="cpu")
+    b = estimate_training_memory(tiny_llama_config(num_hidden_layers=1), batch_size=1, seq_len=16, device="cpu")
+    assert a.peak_bytes == b.peak_bytes
+
+
+def test_bad_arguments():
+    with pytest.raises(UnknownPresetError, match="llama-2-7b"):
+        estimate_training_memory("llama-9", batch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match="dtype='fp8'.*allowed"):
+        estimate_training_memory(small_gpt, batch_size=1, seq_len=8, dtype="fp8")
+    with pytest.raises(ValueError, match="optimizer='lion'.*allowed"):
+        estimate_training_memory(small_gpt, batch_size=1, seq_len=8, optimizer="lion")
+    with pytest.raises(ValueError, match="batch_size=0"):
+        estimate_training_memory(small_gpt, batch_size=0, seq_len=8)
+    with pytest.raises(TypeError, match="pass a function"):
+        estimate_training_memory(small_gpt(), batch_size=1, seq_len=8)
+
+
+def test_fits_and_table():
+    est = estimate_training_memory(small_gpt, batch_size=1, seq_len=16, device="cpu")
+    assert isinstance(est, MemoryEstimate)
+    assert est.fits(est.peak_bytes) and not est.fits(est.peak_bytes - 1)
+    assert est.fits("1GB") and not est.fits("1KB")
+    assert est.headroom(est.peak_bytes + 10) == 10
+    text = est.table()
+    for key in E.CATEGORIES:
+        assert key in text
+    assert f"{est.peak_bytes:,}" in text
+
+
+# ---------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("24GB", 24 * 10**9), ("80GiB", 80 * 2**30), ("24e9", 24 * 10**9), ("512", 512), (4096, 4096),
+     ("1.5 TB", 1.5e12), ("16gib", 16 * 2**30), ("100MiB", 100 * 2**20)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == int(expected)
+
+
+@pytest.mark.parametrize("text", ["abc", "24XB", "", "-1GB", "0", "GB", True])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="allowed"):
+        parse_size(text)
+
+
+# ---------------------------------------------------------------- reference formulas
+
+
+@pytest.mark.parametrize("dtype,acc", [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")])
+def test_accelerate_estimate_matches_accelerate(dtype, acc):
+    from accelerate.commands.estimate import estimate_training_usage
+
+    n = 7_000_000_123
+    sizes = estimate_training_usage(4 * n, acc)  # accelerate sizes an fp32 model
+    assert accelerate_estimate(n, dtype) == max(sizes.values())
+
+
+def test_deepspeed_zero_formulas():
+    P, L = 1_000_000, 50_000
+    assert deepspeed_zero_estimate(P, stage=2)["gpu"] == 20 * P  # 4P + 16P/1
+    assert deepspeed_zero_estimate(P, stage=2, num_gpus=8)["gpu"] == 4 * P + 2 * P
+    assert deepspeed_zero_estimate(P, stage=2, cpu_offload=True)["gpu"] == 2 * P
+    assert deepspeed_zero_estimate(P, stage=2, cpu_offload=True)["cpu"] == int(P * 16 * 1.5)
+    assert deepspeed_zero_estimate(P, stage=3, largest_layer_params=L)["gpu"] == 4 * L + 18 * P
+    assert deepspeed_zero_estimate(P, stage=3, largest_layer_params=L, cpu_offload=True, cpu_offload_params=True)["gpu"] == 4 * L
+    with pytest.raises(ValueError, match="stage"):
+        deepspeed_zero_estimate(P, stage=1)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_fits(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    tiny_llama_config(num_hidden_layers=1).to_json_file(str(path))
+    code = E.main([str(path), "--batch-size", "1", "--seq-len", "16", "--gpu", "1GB"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "verdict: FITS" in out and "parameters" in out
+
+
+def test_cli_does_not_fit_suggests(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    tiny_llama_config(num_hidden_layers=2).to_json_file(str(path))
+    code = E.main([str(path), "--batch-size", "2", "--seq-len", "64", "--dtype", "fp32", "--gpu", "1MB"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "DOES NOT FIT" in out
+    for technique in ("gradient checkpointing", "8-bit AdamW", "CPU-offloaded AdamW", "QLoRA"):
+        assert technique in out
+    assert "traced" in out and "formula" in out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [(["llama-9"], "allowed: a preset"), (["llama-2-7b", "--gpu", "abc"], "allowed"),
+     (["llama-2-7b", "--dtype", "fp8"], "invalid choice"), (["llama-2-7b", "--optimizer", "lion"], "invalid choice"),
+     (["llama-2-7b", "--batch-size", "0"], "positive int")],
+)
+def test_cli_errors(capsys, argv, needle):
+    try:
+        code = E.main(argv)
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert needle in err
+    if argv == ["llama-9"]:
+        assert all(p in err for p in PRESETS)
+
+
+def test_cli_dispatch():
+    from memlab.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["estimate", "--help"])
+    assert exc.value.code == 0
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+def _cuda_measured_peak(build, *, batch_size, seq_len, dtype, checkpointing):
+    """torch.cuda.max_memory_allocated over the steady step, the same recipe as the estimator."""
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = E._prepare(E._build(build, dtype), dtype, checkpointing)
+    opt = E.make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad], device="cuda")
+    vocab = E._vocab_size(model)
+
+    def step():
+        x = torch.randint(0, vocab, (batch_size, seq_len), device="cuda")
+        y = torch.randint(0, vocab, (batch_size, seq_len), device="cuda")
+        E.training_step(model, opt, x, y, dtype=dtype)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def cuda_gpt():
+    return TinyGPT(TinyGPTConfig(n_layer=6, n_embd=512, n_head=8, block_size=512))
+
+
+def cuda_llama():
+    return tiny_llama(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+                      num_key_value_heads=4, max_position_embeddings=512)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("build", [cuda_gpt, cuda_llama], ids=["tinygpt", "tiny_llama"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_cuda_estimate_within_5_percent(build, dtype, checkpointing):
+    kw = dict(batch_size=8, seq_len=512, dtype=dtype, checkpointing=checkpointing)
+    est = estimate_training_memory(build, device="cuda", **kw)
+    assert est.traced_on.startswith("cuda")
+    measured = _cuda_measured_peak(build, **kw)
+    assert abs(est.peak_bytes - measured) <= 0.05 * measured, (est.peak_bytes, measured)
+
+
+# ---------------------------------------------------------------- bench
+
+
+def test_bench_profiler_runs(capsys):
+    from memlab.bench import profiler as bench
+
+    code = bench.main(["--repeat", "1", "--batch-size", "1", "--seq-len", "16", "--skip-estimate"])
+    out = capsys.readouterr().out
+    assert "memlab MemoryTracker" in out and "torch MemTracker" in out
+    assert ("PASS" in out) == (code == 0)
