@@ -23,7 +23,8 @@ $(STAMP): requirements.txt utils/pyproject.toml | $(BIN)/python
 setup: $(STAMP)
 
 lab: setup
-	$(BIN)/jupyter lab --notebook-dir=. --ServerApp.root_dir=.
+	@echo "Starting JupyterLab in $(CURDIR); open the http://127.0.0.1:8888/lab?token=... URL it prints below (Ctrl-C to stop)."
+	$(BIN)/jupyter lab --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 test: setup
 	MEMLAB_SMALL=1 OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -n $(JOBS) --dist loadscope \
