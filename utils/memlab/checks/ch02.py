@@ -1,0 +1,177 @@
+"""Checks for chapter 02, "gradient checkpointing"."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from memlab import checkpoint as ref
+from memlab.accounting import saved_activation_bytes
+from memlab.checks import expect, expect_equal, expect_type, register
+from memlab.models import TinyGPT, TinyGPTConfig
+
+
+def _blocks(n_layer: int = 2, dropout: float = 0.0, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    model = TinyGPT(TinyGPTConfig(n_layer=n_layer, n_embd=32, n_head=4, block_size=16, dropout=dropout))
+    return list(model.blocks)
+
+
+def _grads(params, *extra):
+    return [None if p.grad is None else p.grad.clone() for p in list(params) + list(extra)]
+
+
+def _same_grads(name: str, got: list, want: list) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        expect(g is not None, f"{name}: gradient #{i} is None, expected a tensor (did backward reach it?)")
+        expect(torch.equal(g, w), f"{name}: gradient #{i} differs from the run without checkpointing, "
+                                  f"max abs diff {(g - w).abs().max().item():.3g}")
+
+
+# ----------------------------------------------------------------------------- 02.count_saved
+@register("02.count_saved", reference=lambda: ref.count_saved_tensors, title="count the tensors a block saves")
+def check_count_saved(fn):
+    torch.manual_seed(0)
+    h = torch.randn(2, 16, 32, requires_grad=True)
+    cases = {
+        "a TinyGPT block, dropout 0": (_blocks(1)[0], (h,)),
+        "a TinyGPT block, dropout 0.1": (_blocks(1, dropout=0.1)[0], (h,)),
+        "x.t() @ x (one storage saved twice)": (lambda x: x.t() @ x, (torch.randn(8, 4, requires_grad=True),)),
+        "a Linear (its weight is a parameter, not an activation)": (nn.Linear(32, 64), (h,)),
+    }
+    frozen = _blocks(1)[0].requires_grad_(False)
+    cases["a frozen block, input requires grad"] = (frozen, (h,))
+    for name, (f, args) in cases.items():
+        torch.manual_seed(1)
+        got = fn(f, *args)
+        torch.manual_seed(1)
+        want = ref.count_saved_tensors(f, *args)
+        expect(isinstance(got, tuple) and len(got) == 2,
+               f"{name}: expected a tuple (storages, bytes), got {type(got).__name__} {got!r:.80}")
+        expect_equal(f"{name}: number of distinct storages saved", got[0], want[0])
+        expect_equal(f"{name}: bytes saved", got[1], want[1])
+
+
+# ----------------------------------------------------------------------------- 02.checkpoint_function
+@register("02.checkpoint_function", reference=lambda: ref.checkpoint_reentrant,
+          title="checkpoint as an autograd.Function")
+def check_checkpoint_function(fn):
+    block = _blocks(1)[0]
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    out = fn(block, x)
+    expect_type("fn(block, x)", out, torch.Tensor)
+    expect(isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction),
+           f"fn(block, x).grad_fn is {type(out.grad_fn).__name__}; expected the backward of your "
+           f"torch.autograd.Function subclass (call YourFunction.apply(...))")
+    expect(torch.equal(out, block(x)), "fn(block, x) is not equal to block(x)")
+    kept = saved_activation_bytes(lambda t: fn(block, t), x)
+    expect(kept <= x.numel() * x.element_size(),
+           f"fn(block, x) keeps {kept:,} bytes for backward; a checkpoint keeps only its input "
+           f"({x.numel() * x.element_size():,} bytes): run fn under torch.no_grad() in forward")
+    block.zero_grad(set_to_none=True)
+    block(x).square().sum().backward()
+    want = _grads(block.parameters(), x)
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+    fn(block, x).square().sum().backward()
+    _same_grads("gradients of the block's parameters and of x", _grads(block.parameters(), x), want)
+
+
+# ----------------------------------------------------------------------------- 02.rng_replay
+@register("02.rng_replay", reference=lambda: ref.RNGState, title="RNG snapshot and replay")
+def check_rng_replay(cls):
+    torch.manual_seed(0)
+    snap = cls()
+    a = torch.rand(6)
+    b = torch.rand(6)
+    with snap.replay():
+        again = torch.rand(6)
+    expect(torch.equal(again, a), "inside replay(), torch.rand drew other numbers than right after the snapshot "
+                                   "was taken: set the saved state with torch.set_rng_state")
+    torch.manual_seed(0)
+    snap = cls()
+    torch.rand(6)
+    with snap.replay():
+        torch.rand(1000)
+    expect(torch.equal(torch.rand(6), b), "after replay() the RNG did not continue where it was before the block: "
+                                          "save torch.get_rng_state() on entry and put it back on exit")
+    torch.manual_seed(0)
+    snap = cls()
+    torch.rand(6)
+    try:
+        with snap.replay():
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    expect(torch.equal(torch.rand(6), b), "when the body of replay() raises, the RNG state is not restored: "
+                                          "restore it in a finally: clause")
+    # dropout recomputes the same mask
+    drop = nn.Dropout(0.5)
+    x = torch.ones(64)
+    snap = cls()
+    first = drop(x)
+    with snap.replay():
+        second = drop(x)
+    expect(torch.equal(first, second), "dropout under replay() did not reproduce the mask of the first call")
+
+
+# ----------------------------------------------------------------------------- 02.checkpoint_sequential
+def _counting_layers(n: int) -> tuple[list[nn.Module], list[int]]:
+    torch.manual_seed(0)
+    calls = [0] * n
+    layers = []
+    for i in range(n):
+        layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.2))
+        layer.register_forward_hook(lambda m, a, o, i=i: calls.__setitem__(i, calls[i] + 1))
+        layers.append(layer)
+    return layers, calls
+
+
+@register("02.checkpoint_sequential", reference=lambda: ref.checkpoint_sequential,
+          title="checkpoint_sequential with k segments")
+def check_checkpoint_sequential(fn):
+    for n, k in ((6, 3), (6, 2), (6, 1), (4, 4), (8, 4)):
+        layers, calls = _counting_layers(n)
+        params = [p for m in layers for p in m.parameters()]
+        x = torch.randn(3, 8, requires_grad=True)
+        torch.manual_seed(5)
+        want_out = nn.Sequential(*layers)(x)
+        want_out.square().sum().backward()
+        want = _grads(params, x)
+        for p in params:
+            p.grad = None
+        x.grad = None
+        calls[:] = [0] * n
+        torch.manual_seed(5)
+        out = fn(layers, k, x)
+        expect_type(f"fn(layers, {k}, x)", out, torch.Tensor)
+        expect(torch.equal(out, want_out), f"n={n}, k={k}: the output differs from running the layers in order")
+        forward_calls = list(calls)
+        out.square().sum().backward()
+        _same_grads(f"n={n}, k={k}: gradients", _grads(params, x), want)
+        expect_equal(f"n={n}, k={k}: calls of each layer in forward", forward_calls, [1] * n)
+        seg = n // k
+        expected = [2] * (n - seg) + [1] * seg if k > 1 else [1] * n
+        expect_equal(f"n={n}, k={k}: calls of each layer in forward + backward (segments of {seg}; "
+                     f"every segment but the last is recomputed once)", calls, expected)
+
+
+# ----------------------------------------------------------------------------- 02.choose_segments
+@register("02.choose_segments", reference=lambda: ref.segments_for_budget,
+          title="fewest segments that fit a budget")
+def check_choose_segments(fn):
+    cases = [(16, 2000.0, 100.0, 10.0), (16, 900.0, 100.0, 10.0), (16, 500.0, 100.0, 10.0),
+             (16, 440.0, 100.0, 10.0), (12, 350.0, 50.0, 20.0), (32, 1e9, 2.2e6, 1.3e5),
+             (32, 2.0e7, 2.2e6, 1.3e5), (1, 5.0, 4.0, 1.0)]
+    for n, budget, layer, boundary in cases:
+        got = fn(n, budget, layer, boundary)
+        want = ref.segments_for_budget(n, budget, layer, boundary)
+        expect_equal(f"fn(n_layers={n}, budget_bytes={budget:g}, layer_bytes={layer:g}, boundary_bytes={boundary:g})",
+                     got, want)
+    for n, budget, layer, boundary in [(16, 50.0, 100.0, 10.0), (4, 1.0, 4.0, 1.0)]:
+        try:
+            got = fn(n, budget, layer, boundary)
+        except ValueError:
+            continue
+        raise AssertionError(f"fn(n_layers={n}, budget_bytes={budget:g}, layer_bytes={layer:g}, "
+                             f"boundary_bytes={boundary:g}) returned {got!r}; no k fits, expected a ValueError")
