@@ -410,3 +410,16 @@ def test_unknown_preset_lists_the_allowed_names():
         for name in PRESETS:
             assert name in message
         assert isinstance(info.value, ValueError)
+
+
+def test_count_parameters_on_fake_tensors():
+    # fake tensors have no memory: sharing must be decided by identity, not by a (zero) data pointer
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memlab.models import TinyGPT, TinyGPTConfig, count_parameters
+
+    cfg = TinyGPTConfig(n_layer=2, n_embd=64, n_head=4)
+    real = count_parameters(TinyGPT(cfg))
+    with FakeTensorMode():
+        fake_model = TinyGPT(cfg)
+    assert count_parameters(fake_model) == real

@@ -553,7 +553,7 @@ def _run(
     peak = int(tracker.peak_bytes)
     at_peak = {k: int(v) for k, v in tracker.breakdown(at="peak").items()}
     at_end = {k: int(v) for k, v in tracker.breakdown(at="end").items()}
-    max_act = _max_category(tracker, "activations", default=at_peak.get("activations", 0))
+    max_act = max(_max_category(tracker, "activations"), at_peak["activations"])
     if modelled_8bit:
         state = _bnb_state_bytes(model, dtype)
         peak += state  # the state is alive during the whole second step
@@ -561,7 +561,7 @@ def _run(
         at_end["optimizer"] = at_end.get("optimizer", 0) + state
     from memlab.models import count_parameters
 
-    n_params = count_parameters(model) if not fake else _count_fake(model)
+    n_params = count_parameters(model)
     return MemoryEstimate(
         model=name,
         n_params=n_params,
@@ -584,23 +584,9 @@ def _run(
     )
 
 
-def _count_fake(model: nn.Module) -> int:
-    seen: set[int] = set()
-    return sum(p.numel() for p in model.parameters() if not (id(p) in seen or seen.add(id(p))))
-
-
-def _max_category(tracker: Any, key: str, default: int = 0) -> int:
-    """Largest value of one category over the tracker's timeline (the default if unreadable)."""
-    best = default
-    for ev in getattr(tracker, "timeline", None) or []:
-        bytes_ = getattr(ev, "bytes", None)
-        if bytes_ is None and isinstance(ev, (tuple, list)) and len(ev) >= 3:
-            bytes_ = ev[2]
-        if bytes_ is None and isinstance(ev, Mapping):
-            bytes_ = ev.get("bytes", ev)
-        if isinstance(bytes_, Mapping) and key in bytes_:
-            best = max(best, int(bytes_[key]))
-    return best
+def _max_category(tracker: MemoryTracker, key: str) -> int:
+    """Largest value of one category over the tracker's timeline."""
+    return max((ev.bytes[key] for ev in tracker.timeline), default=0)
 
 
 def estimate_training_memory(

@@ -540,12 +540,18 @@ def preset_parameter_count(name: str, **overrides: Any) -> int:
 # --------------------------------------------------------------------------------------
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     """Number of parameter elements in ``model``, counting shared (tied) tensors once.
 
     Sharing is detected by identity (the same ``Parameter`` object) and, for tensors with
     real storage, by storage (different ``Parameter`` objects viewing the same memory).
-    Works on the meta device. ``trainable_only`` counts only ``requires_grad`` parameters.
+    Works on the meta device and on fake tensors. ``trainable_only`` counts only ``requires_grad`` parameters.
     """
     seen_ids: set[int] = set()
     seen_storage: set[tuple] = set()
@@ -557,17 +563,12 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
         if trainable_only and not param.requires_grad:
             continue
         if param.device.type != "meta" and param.numel() > 0:
-            key = (
-                param.device.type,
-                param.untyped_storage().data_ptr(),
-                param.storage_offset(),
-                tuple(param.shape),
-                tuple(param.stride()),
-                param.dtype,
-            )
-            if key in seen_storage:
-                continue
-            seen_storage.add(key)
+            if not _is_fake(param):  # fake tensors have no memory: identity only
+                ptr = param.untyped_storage().data_ptr()
+                key = (param.device.type, ptr, param.storage_offset(), tuple(param.shape), tuple(param.stride()), param.dtype)
+                if key in seen_storage:
+                    continue
+                seen_storage.add(key)
         total += param.numel()
     return total
 
