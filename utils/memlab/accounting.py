@@ -209,16 +209,18 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 
 def format_bytes(n: float, unit: str = "auto") -> str:
-    """Human-readable bytes. unit: "auto" (binary, KiB..TiB), "GB" (1e9) or "GiB" (2**30)."""
-    if unit == "GB":
-        return f"{n / 1e9:,.1f} GB"
-    if unit == "GiB":
-        return f"{n / 2**30:,.2f} GiB"
+    """Human-readable bytes, sign kept: ``1536 -> '1.50 KiB'``.
+
+    unit: "auto" (binary, B .. TiB), or a fixed "KiB", "MiB", "GiB", "TiB" (2**10 ..), "GB" (1e9).
+    """
+    fixed = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "GB": 10**9}
+    if unit in fixed:
+        return f"{n / fixed[unit]:,.2f} {unit}"
     if unit != "auto":
-        raise ValueError(f"unit={unit!r} is not known; allowed: 'auto', 'GB', 'GiB'")
-    for suffix, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {suffix}"
+        raise ValueError(f"unit={unit!r} is not known; allowed: 'auto', {', '.join(map(repr, fixed))}")
+    for suffix in ("TiB", "GiB", "MiB", "KiB"):
+        if abs(n) >= fixed[suffix]:
+            return f"{n / fixed[suffix]:,.2f} {suffix}"
     return f"{int(n)} B"
 
 

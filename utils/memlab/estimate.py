@@ -66,6 +66,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from memlab.accounting import format_bytes
+
 __all__ = [
     "DTYPES",
     "OPTIMIZERS",
@@ -139,15 +141,6 @@ def parse_size(text: str | int | float) -> int:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"size={text!r} is invalid; allowed: a positive size, {allowed}")
     return int(round(value * _UNITS[unit]))
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in GiB (or MiB / KiB when smaller), e.g. ``'13.48 GiB'``."""
-    n = float(n)
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # --------------------------------------------------------------------------------------

@@ -56,6 +56,8 @@ from typing import Any, Iterable, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memlab.accounting import format_bytes
+
 __all__ = [
     "CATEGORIES",
     "PHASES",
@@ -78,17 +80,6 @@ _FWD, _BWD, _OPT, _OTH = range(4)
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to a multiple of this
 
 _graph_task_id = torch._C._current_graph_task_id
-
-
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'``; binary units, sign kept."""
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class Event(NamedTuple):
