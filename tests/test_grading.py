@@ -5,7 +5,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import nbformat
 import pytest

@@ -151,17 +151,16 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device.type, t.device.index, st.data_ptr(), st.nbytes())
 
 
-def saved_activation_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] | None = None, **kwargs: Any) -> int:
-    """Bytes that one call ``fn(*args, **kwargs)`` saves for backward, each storage counted once.
+def saved_storages(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] | None = None, **kwargs: Any) -> dict[tuple[Any, ...], int]:
+    """The storages one call ``fn(*args, **kwargs)`` saves for backward: {storage key: bytes}.
 
     Measured with ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves goes
-    through the pack hook. Tensors that share a storage (views) count once. Parameters and
+    through the pack hook. Tensors that share a storage (views) appear once. Parameters and
     buffers are not activations: when ``fn`` is an ``nn.Module`` its own are excluded; pass
     ``exclude`` for other tensors to leave out (e.g. a model's parameters when ``fn`` is a lambda).
     """
     if not callable(fn):
         raise ValueError(f"fn={fn!r} must be callable")
-    skip: set[tuple[Any, ...]] = set()
     extra = list(exclude) if exclude is not None else []
     if isinstance(fn, nn.Module):
         extra += list(fn.parameters()) + list(fn.buffers())
@@ -176,10 +175,17 @@ def saved_activation_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args, **kwargs)
-    return sum(seen.values())
+    return seen
 
 
-def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+def saved_activation_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] | None = None, **kwargs: Any) -> int:
+    """Bytes that one call ``fn(*args, **kwargs)`` saves for backward, each storage counted once
+    (see :func:`saved_storages`; 0 under ``torch.no_grad``)."""
+    return sum(saved_storages(fn, *args, exclude=exclude, **kwargs).values())
+
+
+def unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and tied tensors once; None skipped)."""
     seen: dict[tuple[Any, ...], int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -191,7 +197,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in ``optimizer.state`` (moments, step counters ...), storages once."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer")
-    return _unique_bytes(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return unique_bytes(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -203,7 +209,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     params = list(model.parameters()) + list(model.buffers())
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     opt = optimizer_state_bytes(optimizer) if optimizer is not None else 0
-    out = {"parameters": _unique_bytes(params), "gradients": _unique_bytes(grads), "optimizer": opt}
+    out = {"parameters": unique_bytes(params), "gradients": unique_bytes(grads), "optimizer": opt}
     out["total"] = sum(out.values())
     return out
 
@@ -273,9 +279,11 @@ __all__ = [
     "model_state_bytes",
     "activation_bytes_per_layer",
     "korthikanti_bytes_per_layer",
+    "saved_storages",
     "saved_activation_bytes",
     "optimizer_state_bytes",
     "state_bytes",
+    "unique_bytes",
     "format_bytes",
     "plot_breakdown",
 ]

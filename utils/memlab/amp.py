@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from memlab.accounting import unique_bytes
+
 __all__ = [
     "FORMATS",
     "format_info",
@@ -621,15 +623,6 @@ class DynamicLossScaler:
 
 
 # ----------------------------------------------------------------------------- master weights
-def _unique_nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    seen: dict[tuple[Any, ...], int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            seen[(t.device.type, t.device.index, st.data_ptr())] = st.nbytes()
-    return sum(seen.values())
-
-
 @torch.no_grad()
 def copy_grads_to_master(
     model_params: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor], *, free_model_grads: bool = False
@@ -764,11 +757,11 @@ class MasterWeights:
         "master grads (fp32)", "optimizer state", "total".
         """
         out = {
-            "model weights (16-bit)": _unique_nbytes(self.model_params),
-            "model grads (16-bit)": _unique_nbytes(p.grad for p in self.model_params),
-            "master weights (fp32)": _unique_nbytes(self.master_params),
-            "master grads (fp32)": _unique_nbytes(m.grad for m in self.master_params),
-            "optimizer state": _unique_nbytes(
+            "model weights (16-bit)": unique_bytes(self.model_params),
+            "model grads (16-bit)": unique_bytes(p.grad for p in self.model_params),
+            "master weights (fp32)": unique_bytes(self.master_params),
+            "master grads (fp32)": unique_bytes(m.grad for m in self.master_params),
+            "optimizer state": unique_bytes(
                 v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
             ),
         }

@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memlab.accounting import saved_activation_bytes
+from memlab.accounting import saved_activation_bytes, saved_storages
 
 __all__ = [
     "checkpoint",
@@ -517,22 +517,6 @@ def count_saved_tensors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tu
     :func:`saved_activation_bytes`.
     """
     _check_callable("count_saved_tensors", fn)
-    skip = set()
-    if isinstance(fn, nn.Module):
-        skip = {_key(t) for t in list(fn.parameters()) + list(fn.buffers())}
-    seen: dict[tuple, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        k = _key(t)
-        if k not in skip:
-            seen[k] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args, **kwargs)
+    with torch.enable_grad():
+        seen = saved_storages(fn, *args, **kwargs)
     return len(seen), sum(seen.values())
-
-
-def _key(t: torch.Tensor) -> tuple:
-    st = t.untyped_storage()
-    return (t.device.type, t.device.index, st.data_ptr(), st.nbytes())

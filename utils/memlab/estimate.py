@@ -577,7 +577,7 @@ def _run(
     )
 
 
-def _max_category(tracker: MemoryTracker, key: str) -> int:
+def _max_category(tracker: Any, key: str) -> int:
     """Largest value of one category over the tracker's timeline."""
     return max((ev.bytes[key] for ev in tracker.timeline), default=0)
 

@@ -1,0 +1,79 @@
+"""Chapter 00's checks pass on memlab's answers and fail on plausible wrong ones."""
+from __future__ import annotations
+
+import torch
+
+from memlab import accounting
+from memlab.grading import check
+
+
+def status(exercise: str, obj) -> str:
+    return check(exercise, obj, quiet=True).status
+
+
+def test_model_state_bytes():
+    assert status("00.model_state_bytes", accounting.model_state_bytes) == "pass"
+
+    def adam_one_state(n, recipe):  # forgets that Adam keeps two moments
+        out = dict(accounting.model_state_bytes(n, recipe))
+        if recipe == "fp32-adamw":
+            out["optimizer"] //= 2
+            out["total"] = out["weights"] + out["gradients"] + out["optimizer"]
+        return out
+
+    def mixed_halves_everything(n, recipe):  # "half precision halves memory"
+        if recipe == "mixed-adamw":
+            return {k: v // 2 for k, v in accounting.model_state_bytes(n, "fp32-adamw").items()}
+        return accounting.model_state_bytes(n, recipe)
+
+    assert status("00.model_state_bytes", adam_one_state) == "fail"
+    assert status("00.model_state_bytes", mixed_halves_everything) == "fail"
+    assert status("00.model_state_bytes", lambda n, r: 16 * n) == "fail"  # not a dict
+
+
+def test_optimizer_state_bytes():
+    assert status("00.optimizer_state_bytes", accounting.optimizer_state_bytes) == "pass"
+
+    def moments_only(opt):  # forgets AdamW's `step` tensors
+        return sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items() if k != "step")
+
+    def from_params(opt):  # predicts 8 B/param instead of counting
+        return sum(8 * p.numel() for g in opt.param_groups for p in g["params"])
+
+    assert status("00.optimizer_state_bytes", moments_only) == "fail"
+    assert status("00.optimizer_state_bytes", from_params) == "fail"
+
+
+def test_activation_bytes():
+    assert status("00.activation_bytes", accounting.activation_bytes_per_layer) == "pass"
+
+    def paper_only(s, b, h, a, act_bytes=2, mask_bytes=1):  # ignores e and m
+        return s * b * h * (34 + 5 * a * s // h)
+
+    def no_masks(s, b, h, a, act_bytes=2, mask_bytes=1):
+        return s * b * h * 16 * act_bytes + a * s * s * b * 2 * act_bytes
+
+    assert status("00.activation_bytes", paper_only) == "fail"
+    assert status("00.activation_bytes", no_masks) == "fail"
+
+
+def test_saved_bytes():
+    assert status("00.saved_bytes", accounting.saved_activation_bytes) == "pass"
+
+    def per_tensor(fn, *args):  # counts views twice
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(*args)
+        return total
+
+    def with_weights(fn, *args):  # counts the layer's own weights as activations
+        return accounting.saved_activation_bytes(lambda *a: fn(*a), *args)
+
+    assert status("00.saved_bytes", per_tensor) == "fail"
+    assert status("00.saved_bytes", with_weights) == "fail"
