@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -306,7 +305,6 @@ def test_module_runs_from_an_empty_directory(tmp_path):
     # works whether memlab is pip-installed or only importable through this checkout
     pkg_parent = str(Path(doctor.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
-    start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "memlab.doctor", "--json"],
         cwd=tmp_path,
@@ -315,12 +313,10 @@ def test_module_runs_from_an_empty_directory(tmp_path):
         text=True,
         timeout=60,
     )
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout + proc.stderr
     payload = json.loads(proc.stdout)  # nothing but JSON on stdout
     assert EXPECTED_NAMES <= {c["name"] for c in payload["checks"]}
     assert list(tmp_path.iterdir()) == []  # writes nothing into the working directory
-    assert elapsed < 30, f"doctor took {elapsed:.1f} s"
 
 
 def test_main_from_an_empty_directory(tmp_path, monkeypatch, capsys):
