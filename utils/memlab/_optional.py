@@ -21,7 +21,7 @@ import contextlib
 import importlib.util
 from typing import Iterator
 
-__all__ = ["EXTRAS", "MissingExtraError", "needs", "require_installed", "extra_for"]
+__all__ = ["EXTRAS", "MissingExtraError", "needs", "require_installed", "extra_for", "missing_optional"]
 
 #: top-level module -> the extra of ``memlab`` that installs it
 EXTRAS: dict[str, str] = {
@@ -54,14 +54,23 @@ class MissingExtraError(ImportError):
         return MissingExtraError(feature, self.module, self.extra)
 
 
-def _missing_optional(exc: ImportError) -> str | None:
-    """The top-level optional module ``exc`` says is missing, or None when it is about another one
-    (a broken install of an optional package still shows its own error)."""
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules, or a broken parent package
+        return False
+
+
+def missing_optional(exc: BaseException) -> str | None:
+    """The optional top-level module whose absence ``exc`` reports (``"transformers"``), or None
+    when ``exc`` is about something else: a broken install still shows its own error."""
     name = getattr(exc, "name", None)
     if not isinstance(exc, ModuleNotFoundError) or not name:
         return None
     top = name.split(".")[0]
-    return top if top in EXTRAS and top == name else None
+    if top not in EXTRAS:
+        return None
+    return top if name == top or not _installed(top) else None
 
 
 @contextlib.contextmanager
@@ -76,7 +85,7 @@ def needs(feature: str) -> Iterator[None]:
     except MissingExtraError:
         raise
     except ModuleNotFoundError as exc:
-        module = _missing_optional(exc)
+        module = missing_optional(exc)
         if module is None:
             raise
         raise MissingExtraError(feature, module, EXTRAS[module]) from None
@@ -88,9 +97,5 @@ def require_installed(module: str, feature: str) -> None:
     extra = extra_for(module)
     if extra is None:
         raise ValueError(f"module={module!r} is not an optional dependency; allowed: {', '.join(EXTRAS)}")
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a None entry in sys.modules, or a broken parent package
-        found = False
-    if not found:
+    if not _installed(module):
         raise MissingExtraError(feature, module, extra)

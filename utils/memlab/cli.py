@@ -1,20 +1,26 @@
 """The ``memlab`` command.
 
     memlab doctor                      environment report for bug reports
-    memlab grade [PATH ...]            grade lab notebooks (default: every labs/*.ipynb)
-    memlab labs build | check          generate labs/ from solutions/, or check for drift
+    memlab grade [PATH ...]            grade lab notebooks (default: work/*.ipynb, else labs/*.ipynb)
+    memlab labs start | reset NN       copy the labs into work/ (never overwriting), or a fresh copy
+    memlab labs build | check          generate labs/ from solutions/, or check for drift and leaks
     memlab bench NAME [...]            from-scratch vs production, side by side (memlab bench --list)
     memlab estimate MODEL [...]        will this fine-tune fit? (chapter 01)
+
+A command whose optional dependency is missing prints one line naming the extra to install
+(``memlab estimate needs transformers: pip install 'memlab[hf]'``) and exits 2.
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
+from memlab._optional import EXTRAS, MissingExtraError, missing_optional
+
 _COMMANDS = {
     "doctor": ("memlab.doctor", "main", "environment report for bug reports"),
-    "grade": ("memlab.grading", "grade_main", "grade lab notebooks headless"),
-    "labs": ("memlab.labs", "main", "labs build | labs check"),
+    "grade": ("memlab.grading", "grade_main", "grade lab notebooks headless (default: work/, else labs/)"),
+    "labs": ("memlab.labs", "main", "labs start | reset NN | build | check"),
     "bench": ("memlab.bench", "main", "benchmarks: from-scratch vs production"),
     "estimate": ("memlab.estimate", "main", "estimate training memory without a GPU"),
 }
@@ -44,12 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     module, func, _ = _COMMANDS[name]
     try:
         mod = importlib.import_module(module)
+        code = getattr(mod, func)(rest)
+    except MissingExtraError as exc:
+        print(exc.for_feature(f"memlab {name}"), file=sys.stderr)
+        return 2
     except ModuleNotFoundError as exc:
         if exc.name == module:
             print(f"memlab {name}: not available in this version of memlab", file=sys.stderr)
             return 2
+        optional = missing_optional(exc)
+        if optional is not None:  # an optional import not wrapped in memlab._optional.needs
+            print(MissingExtraError(f"memlab {name}", optional, EXTRAS[optional]), file=sys.stderr)
+            return 2
         raise
-    code = getattr(mod, func)(rest)
     return int(code or 0)
 
 

@@ -66,6 +66,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from memlab._optional import needs
 from memlab.accounting import format_bytes
 
 __all__ = [
@@ -247,7 +248,8 @@ def _is_hf_config(obj: Any) -> bool:
 
 def load_config(path: str | os.PathLike):
     """A ``transformers`` config from a local ``config.json`` (or a folder holding one), offline."""
-    from transformers import AutoConfig
+    with needs("memlab estimate"):
+        from transformers import AutoConfig
 
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -309,7 +311,8 @@ def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> tu
 
 def _hf_builder(cfg: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        from transformers import AutoModelForCausalLM
+        with needs("memlab estimate"):
+            from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_config(cfg)
 

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from memlab._optional import needs, require_installed
+
 STATUSES = ("pass", "fail", "todo", "error", "timeout")
 DEFAULT_TIMEOUT = 60.0
 RESULTS_ENV = "MEMLAB_GRADE_RESULTS"
@@ -309,8 +311,10 @@ def exercises_in(nb: Any) -> list[tuple[str, int]]:
 
 def _current_env_kernel_manager() -> Any:
     """A kernel manager that starts ipykernel in *this* interpreter, whatever kernelspecs exist."""
-    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
-    from jupyter_client.manager import AsyncKernelManager
+    with needs("memlab grade"):
+        from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+        from jupyter_client.manager import AsyncKernelManager
+    require_installed("ipykernel", "memlab grade")
 
     class _CurrentEnvSpecs(KernelSpecManager):
         def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: D401
@@ -333,9 +337,10 @@ def _cell_error(cell: Any) -> str | None:
 
 def grade_notebook(path: str | os.PathLike, *, full: bool = False, timeout: float | None = None) -> list[CheckResult]:
     """Execute a lab headless in the current interpreter and return one result per exercise."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    with needs("memlab grade"):
+        import nbformat
+        from nbclient import NotebookClient
+        from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
     path = Path(path)
     if not path.is_file():
@@ -409,7 +414,7 @@ def grade_main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="memlab grade", description="Run lab notebooks headless and grade every exercise.")
-    ap.add_argument("paths", nargs="*", help="lab notebooks (default: every labs/*.ipynb under the current directory)")
+    ap.add_argument("paths", nargs="*", help="lab notebooks (default: every work/*.ipynb, or labs/*.ipynb when there is no work/)")
     ap.add_argument("--full", action="store_true", help="full scale (default: MEMLAB_SMALL=1)")
     ap.add_argument("--timeout", type=float, default=None, metavar="S", help="time limit per check in seconds")
     args = ap.parse_args(argv)
@@ -417,9 +422,11 @@ def grade_main(argv: list[str] | None = None) -> int:
         ap.error(f"--timeout={args.timeout} must be > 0 seconds")
     paths = [Path(p) for p in args.paths]
     if not paths:
-        paths = sorted(Path("labs").glob("*.ipynb"))
+        from memlab.labs import default_notebooks
+
+        folder, paths = default_notebooks()
         if not paths:
-            ap.error("no PATH given and no labs/*.ipynb here: run from the course's root or name a notebook")
+            ap.error(f"no PATH given and no {folder}/*.ipynb here: run from the course's root or name a notebook")
     for p in paths:
         if not p.is_file() or p.suffix != ".ipynb":
             ap.error(f"path={str(p)!r} is not a notebook file (.ipynb)")

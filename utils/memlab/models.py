@@ -39,6 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from memlab._optional import needs
+
 __all__ = [
     "TinyGPTConfig",
     "TinyGPT",
@@ -298,7 +300,8 @@ def tiny_llama_config(**overrides: Any):
 
     Keyword arguments override the defaults in :data:`TINY_LLAMA_DEFAULTS`.
     """
-    from transformers import LlamaConfig
+    with needs("memlab.models.tiny_llama_config"):
+        from transformers import LlamaConfig
 
     return LlamaConfig(**{**TINY_LLAMA_DEFAULTS, **overrides})
 
@@ -306,7 +309,8 @@ def tiny_llama_config(**overrides: Any):
 def tiny_llama(**overrides: Any):
     """A randomly initialised ``transformers.LlamaForCausalLM`` built from
     :func:`tiny_llama_config` (nothing is downloaded; seed torch yourself first)."""
-    from transformers import LlamaForCausalLM
+    with needs("memlab.models.tiny_llama"):
+        from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM(tiny_llama_config(**overrides))
 
@@ -455,7 +459,8 @@ def _preset_fields(name: str, overrides: dict[str, Any]) -> tuple[str, dict[str,
 
 
 def _config_class(family: str):
-    import transformers
+    with needs("memlab.models.preset_config"):
+        import transformers
 
     return {
         "gpt2": transformers.GPT2Config,
@@ -466,7 +471,8 @@ def _config_class(family: str):
 
 
 def _model_class(family: str):
-    import transformers
+    with needs("memlab.models.build_preset"):
+        import transformers
 
     return {
         "gpt2": transformers.GPT2LMHeadModel,
