@@ -39,6 +39,7 @@ EXPECTED_NAMES = {
     "matplotlib",
     "jupyterlab",
     "nbclient",
+    "ipykernel",
     "memlab",
     "env",
 }
@@ -77,8 +78,9 @@ def test_main_text_report(capsys):
     assert code == 0, out
     lines = out.strip().splitlines()
     assert lines[0] == "memlab doctor"
+    assert lines[-2].startswith("memlab core can run")  # two verdicts: the core, then the course
     assert lines[-1].startswith("the course can run")
-    body = lines[1:-1]
+    body = lines[1:-2]
     assert body and all(LINE_RE.match(line) for line in body), body
     torch_lines = [line for line in body if LINE_RE.match(line).group(1) == "torch"]
     assert len(torch_lines) == 1
@@ -181,13 +183,59 @@ def test_peft_without_metadata_but_importable_is_warn(monkeypatch):
     assert line.status == "WARN" and "not pip-installed" in line.detail
 
 
+def _without_package(monkeypatch, name: str) -> None:
+    """Make the doctor see package ``name`` as not installed (no metadata, not importable)."""
+    real_version = importlib.metadata.version
+    real_find_spec = importlib.util.find_spec
+
+    def version(dist):
+        if dist == name:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return real_version(dist)
+
+    def find_spec(module, *args, **kwargs):
+        return None if module == name else real_find_spec(module, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+@pytest.mark.parametrize(
+    "package, extra",
+    [("transformers", "hf"), ("nbclient", "grade"), ("ipykernel", "grade")],
+)
+def test_course_package_missing_is_memlab_core_only(monkeypatch, capsys, package, extra):
+    """Without a package the notebooks or the grader import, memlab's core still runs but the
+    course does not: the report says both, names the extra, and exits 1."""
+    _without_package(monkeypatch, package)
+    code = doctor.main([])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert re.search(rf"^\[FAIL\] {package}\s+not installed: .*pip install 'memlab\[{extra}\]'", out, re.M), out
+    verdicts = out.strip().splitlines()[-2:]
+    assert verdicts[0].startswith("memlab core can run"), verdicts
+    assert verdicts[1].startswith("the course cannot run") and "memlab core only" in verdicts[1], verdicts
+
+    assert doctor.main(["--json"]) == 1
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["core_can_run"] is True and payload["course_can_run"] is False
+
+
+def test_core_verdict_names_the_failing_core_line(monkeypatch, capsys):
+    _fake_import(monkeypatch, {"torch": ImportError("No module named 'torch'")})
+    assert doctor.main([]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2] == "memlab core cannot run: fix the FAIL lines of torch"
+    assert "memlab core only" not in lines[-1]
+
+
 def test_too_old_transformers_is_warn(monkeypatch):
     real_version = importlib.metadata.version
     monkeypatch.setattr(
         importlib.metadata, "version", lambda d: "4.30.2" if d == "transformers" else real_version(d)
     )
     line = _by_name(doctor.run_checks())["transformers"]
-    assert line.status == "WARN" and "4.30.2" in line.detail and ">=4.40" in line.detail
+    assert line.status == "WARN" and "4.30.2" in line.detail and ">=4.45" in line.detail
 
 
 def test_broken_bitsandbytes_import_is_contained(monkeypatch, capfd):

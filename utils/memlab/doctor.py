@@ -12,7 +12,12 @@ Every check produces one :class:`CheckLine` with a status:
 * ``WARN``: the course still runs, but something is missing or runs at reduced scale
   (no CUDA GPU, an optional package absent ...). The detail says which chapters are affected.
 * ``FAIL``: the course cannot run until this is fixed (no torch, Python too old, an
-  environment variable that ``memlab.config`` will reject).
+  environment variable that ``memlab.config`` will reject, a package the notebooks or the grader
+  import: transformers, nbclient, ipykernel).
+
+The report ends with two verdicts: whether memlab's core (``pip install ./utils``: torch, numpy,
+matplotlib, tqdm) can run, and whether the whole course can (the ``hf`` and ``grade`` extras,
+JupyterLab). ``memlab doctor`` exits 1 when the course cannot run, even if the core can.
 
 Design rules: the doctor never crashes because one package is broken (every optional import is
 lazy and wrapped in ``try/except Exception``), it needs no network and no notebooks, and it is
@@ -38,13 +43,18 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, List, Optional, Sequence
 
-__all__ = ["CheckLine", "run_checks", "main", "STATUSES"]
+__all__ = ["CheckLine", "run_checks", "main", "summarize", "core_summary", "CORE_CHECKS", "STATUSES"]
 
 STATUSES = ("OK", "WARN", "FAIL")
 
 _GIB = 2**30
+_HF = "pip install 'memlab[hf]'"
+_GRADE = "pip install 'memlab[grade]'"
+#: the lines that decide whether memlab's core (``pip install ./utils``) can run; a FAIL on any
+#: other line means "memlab core only": the core works, the course does not
+CORE_CHECKS = ("python", "torch", "matplotlib", "memlab", "env")
 _MIN_TORCH = (2, 3)  # utils/pyproject.toml: torch>=2.3
-_MIN_TRANSFORMERS = (4, 40)  # utils/pyproject.toml: transformers>=4.40
+_MIN_TRANSFORMERS = (4, 45)  # utils/pyproject.toml: transformers>=4.45
 
 
 @dataclass(frozen=True)
@@ -463,8 +473,12 @@ def _package_line(
     dist: Optional[str] = None,
     module: Optional[str] = None,
     minimum: Optional[tuple] = None,
+    missing: str = "WARN",
+    install: Optional[str] = None,
 ) -> CheckLine:
-    """Report an optional package from its metadata, without importing it."""
+    """Report a package from its metadata, without importing it. ``missing`` is the status when
+    it is not installed (``"FAIL"`` for what the course cannot run without); ``install`` the
+    command that installs it."""
     dist = dist or name
     module = module or name
     try:
@@ -472,7 +486,7 @@ def _package_line(
         if version is None:
             where = _module_location(module)
             if where is None:
-                return CheckLine(name, "WARN", f"not installed: {why}")
+                return CheckLine(name, missing, f"not installed: {why}" + (f" ({install})" if install else ""))
             return CheckLine(
                 name, "WARN", f"importable from {where} but not pip-installed (no package metadata): {why}"
             )
@@ -490,19 +504,21 @@ def _check_transformers(ctx: _Context) -> List[CheckLine]:
             "transformers",
             "needed for tiny_llama and the model presets (chapters 00-08)",
             minimum=_MIN_TRANSFORMERS,
+            missing="FAIL",
+            install=_HF,
         )
     ]
 
 
 def _check_peft(ctx: _Context) -> List[CheckLine]:
-    return [_package_line("peft", "needed for chapter 06 (QLoRA)")]
+    return [_package_line("peft", "needed for chapter 06 (QLoRA)", install=_HF)]
 
 
 def _check_accelerate(ctx: _Context) -> List[CheckLine]:
-    return [_package_line("accelerate", "needed for the chapter 01 comparisons")]
+    return [_package_line("accelerate", "needed for the chapter 01 comparisons", install=_HF)]
 
 
-_BNB_WHY = "needed for chapter 06 and 8-bit Adam estimates"
+_BNB_WHY = f"needed for chapter 06 and 8-bit Adam estimates; {_HF}"
 
 
 def _check_bitsandbytes(ctx: _Context) -> List[CheckLine]:
@@ -561,15 +577,33 @@ def _check_bitsandbytes(ctx: _Context) -> List[CheckLine]:
 
 
 def _check_matplotlib(ctx: _Context) -> List[CheckLine]:
-    return [_package_line("matplotlib", "needed for the plots in the notebooks")]
+    return [
+        _package_line(
+            "matplotlib", "memlab needs it for its plots", missing="FAIL", install="pip install ./utils"
+        )
+    ]
 
 
 def _check_jupyterlab(ctx: _Context) -> List[CheckLine]:
-    return [_package_line("jupyterlab", "needed to open the notebooks (or use another Jupyter front end)")]
+    return [
+        _package_line(
+            "jupyterlab",
+            "needed by `make lab` to open the notebooks (or use another Jupyter front end)",
+            install="pip install -r requirements.txt",
+        )
+    ]
 
 
 def _check_nbclient(ctx: _Context) -> List[CheckLine]:
-    return [_package_line("nbclient", "needed for `memlab grade`")]
+    return [_package_line("nbclient", "needed for `memlab grade`", missing="FAIL", install=_GRADE)]
+
+
+def _check_ipykernel(ctx: _Context) -> List[CheckLine]:
+    return [
+        _package_line(
+            "ipykernel", "the notebooks' kernel, needed to run and grade them", missing="FAIL", install=_GRADE
+        )
+    ]
 
 
 def _check_memlab(ctx: _Context) -> List[CheckLine]:
@@ -668,6 +702,7 @@ _CHECKS: List[tuple] = [
     ("matplotlib", _check_matplotlib),
     ("jupyterlab", _check_jupyterlab),
     ("nbclient", _check_nbclient),
+    ("ipykernel", _check_ipykernel),
     ("memlab", _check_memlab),
     ("env", _check_env),
 ]
@@ -691,15 +726,31 @@ def run_checks() -> List[CheckLine]:
 # --------------------------------------------------------------------------------------------
 
 
+def _core_fails(lines: Sequence[CheckLine]) -> List[str]:
+    return [line.name for line in lines if line.status == "FAIL" and line.name.split(":")[0] in CORE_CHECKS]
+
+
+def core_summary(lines: Sequence[CheckLine]) -> str:
+    """``"memlab core can run"`` or ``"memlab core cannot run: fix the FAIL lines of torch"``."""
+    bad = _core_fails(lines)
+    if bad:
+        return f"memlab core cannot run: fix the FAIL lines of {', '.join(bad)}"
+    return "memlab core can run (torch, numpy, matplotlib, tqdm: `pip install ./utils`)"
+
+
 def summarize(lines: Sequence[CheckLine]) -> str:
-    """``"the course can run (2 warnings)"`` or ``"the course cannot run: fix the FAIL lines ..."``."""
+    """``"the course can run (2 warnings)"`` or ``"the course cannot run: fix the FAIL lines ..."``
+    (with ``"memlab core only"`` when the failures are all outside memlab's core)."""
     fails = sum(1 for line in lines if line.status == "FAIL")
     warns = sum(1 for line in lines if line.status == "WARN")
     if fails:
-        return (
+        text = (
             f"the course cannot run: fix the FAIL lines ({_plural(fails, 'failure')}, "
             f"{_plural(warns, 'warning')})"
         )
+        if not _core_fails(lines):
+            text += "; memlab core only: `make setup` or `pip install -r requirements.txt` installs the rest"
+        return text
     if warns:
         return f"the course can run ({_plural(warns, 'warning')})"
     return "the course can run (no warnings)"
@@ -711,6 +762,7 @@ def format_report(lines: Sequence[CheckLine]) -> str:
     out = ["memlab doctor"]
     for line in lines:
         out.append(f"{tags[line.status]} {line.name.ljust(width)}{line.detail}")
+    out.append(core_summary(lines))
     out.append(summarize(lines))
     return "\n".join(out)
 
@@ -720,7 +772,7 @@ def _exit_code(lines: Sequence[CheckLine]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``memlab doctor``; returns 0 when no line is FAIL, else 1."""
+    """Entry point of ``memlab doctor``; returns 0 when the course can run (no line is FAIL), else 1."""
     parser = argparse.ArgumentParser(
         prog="memlab doctor",
         description="Check that this environment can run LLM Memory Lab; paste the output into bug reports.",
@@ -738,6 +790,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "failures": sum(1 for line in lines if line.status == "FAIL"),
             "warnings": sum(1 for line in lines if line.status == "WARN"),
             "summary": summarize(lines),
+            "core_summary": core_summary(lines),
+            "core_can_run": not _core_fails(lines),
+            "course_can_run": code == 0,
             "exit_code": code,
         }
         print(json.dumps(payload, indent=2))
