@@ -1,6 +1,7 @@
-# Two commands for a newcomer:
-#   make lab    set up .venv (if absent) and start JupyterLab here
+# Two commands for a newcomer, on a laptop without a GPU or on a GPU box:
+#   make lab    set up .venv (if absent), copy the labs into work/, start JupyterLab there
 #   make test   the same set-up, then the whole test suite (unit tests, grading, lab drift, nbval)
+# Everything else: `make help`.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -9,22 +10,75 @@ STAMP  := $(VENV)/.memlab-installed
 JOBS   ?= 2
 # torch threads per worker: 1 keeps 2 workers from oversubscribing 2 cores (tiny ops slow down 100x)
 THREADS ?= 1
+# `make estimate ARGS="llama-2-7b --gpu 24GB"`
+ARGS   ?=
 
-.PHONY: setup lab test labs check-labs grade notebooks doctor clean
+# torch is installed first, and only when .venv has none (a torch already there is kept):
+# the CUDA build (PyPI's default wheel) where `nvidia-smi -L` lists a GPU, else PyTorch's CPU
+# build from its CPU wheel index. `make setup TORCH_INDEX=https://download.pytorch.org/whl/cu126`
+# picks another index. `make torch-cmd` prints the command without running it.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+TORCH_PIP := $(BIN)/python -m pip install torch
+# prints the pip command for torch, or nothing when .venv already has torch (shell builtins only)
+define TORCH_CMD
+if [ -x "$(BIN)/python" ] && "$(BIN)/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then \
+	:; \
+elif [ -n "$(TORCH_INDEX)" ]; then \
+	echo "$(TORCH_PIP) --index-url $(TORCH_INDEX)"; \
+else \
+	case "$$(nvidia-smi -L 2>/dev/null)" in \
+		(GPU*) echo "$(TORCH_PIP)" ;; \
+		(*) echo "$(TORCH_PIP) --index-url $(TORCH_CPU_INDEX)" ;; \
+	esac; \
+fi
+endef
+
+# JupyterLab in work/, without the news pop-up or update checks (.jupyter/labconfig/page_config.json
+# disables the announcements plugin), logging warnings only: the one thing it prints is the real URL.
+JUPYTER_ENV  := JUPYTER_CONFIG_PATH="$(CURDIR)/.jupyter$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}"
+JUPYTER_OPTS := --ServerApp.root_dir=work --LabApp.news_url=None \
+	--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate \
+	--ServerApp.log_level=WARN --LabApp.log_level=WARN
+
+.PHONY: help setup torch torch-cmd lab test labs check-labs grade notebooks doctor estimate clean
+
+help:
+	@echo "make lab                      set up .venv, copy labs/ into work/ (never overwriting), open JupyterLab there"
+	@echo "make test                     set up .venv, run every test (unit, grading, lab drift, notebooks)"
+	@echo "make grade                    grade your notebooks in work/ (labs/ when there is no work/)"
+	@echo "make doctor                   environment report for bug reports"
+	@echo "make estimate ARGS='MODEL ...' will this fine-tune fit? e.g. ARGS='llama-2-7b --gpu 24GB'"
+	@echo "make setup                    only create .venv and install (torch first: CPU or CUDA build)"
+	@echo "make torch-cmd                print the pip command that would install torch (dry run)"
+	@echo "make labs / make check-labs   regenerate labs/ from solutions/ / check them for drift and leaks"
+	@echo "make notebooks                re-execute lectures and solutions in place (commit the outputs)"
+	@echo "make clean                    delete .venv and caches (work/ is kept)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 
+torch: | $(BIN)/python
+	@cmd=$$($(TORCH_CMD)); \
+	if [ -z "$$cmd" ]; then echo "torch is already in $(VENV): kept"; \
+	else echo "$$cmd"; $$cmd; fi
+
+torch-cmd:
+	@cmd=$$($(TORCH_CMD)); \
+	if [ -z "$$cmd" ]; then echo "# torch is already in $(VENV): kept"; else echo "$$cmd"; fi
+
 $(STAMP): requirements.txt utils/pyproject.toml | $(BIN)/python
+	@$(MAKE) --no-print-directory torch
 	$(BIN)/python -m pip install -r requirements.txt
 	@touch $(STAMP)
 
 setup: $(STAMP)
 
 lab: setup
-	@echo "Starting JupyterLab in $(CURDIR); open the http://127.0.0.1:8888/lab?token=... URL it prints below (Ctrl-C to stop)."
-	$(BIN)/jupyter lab --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root,)
+	$(BIN)/memlab labs start
+	@echo "Starting JupyterLab in work/ (Ctrl-C to stop); open the URL it prints."
+	@$(JUPYTER_ENV) $(BIN)/jupyter lab $(JUPYTER_OPTS) $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 test: setup
 	MEMLAB_SMALL=1 OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -n $(JOBS) --dist loadscope \
@@ -40,15 +94,18 @@ check-labs: setup
 grade: setup
 	$(BIN)/memlab grade
 
+doctor: setup
+	$(BIN)/memlab doctor
+
+estimate: setup
+	$(BIN)/memlab estimate $(ARGS)
+
 # Re-execute lecture and solution notebooks in place, keeping outputs and execution counts
 # (on a GPU this stores the full-scale run; commit the result).
 notebooks: setup
 	$(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=1800 notebooks/*.ipynb solutions/*.ipynb
 	$(BIN)/memlab labs build
-
-doctor: setup
-	$(BIN)/memlab doctor
 
 clean:
 	rm -rf $(VENV) .pytest_cache utils/*.egg-info
