@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from memlab._optional import needs, require_installed
+
 STATUSES = ("pass", "fail", "todo", "error", "timeout", "missing", "not run")
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_NOTEBOOK_TIMEOUT = 1800.0
@@ -676,8 +678,10 @@ class _Kernel:
         self._log: Any = None
 
     async def start(self) -> None:
-        from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
-        from jupyter_client.manager import AsyncKernelManager
+        with needs("memlab grade"):
+            from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+            from jupyter_client.manager import AsyncKernelManager
+        require_installed("ipykernel", "memlab grade")
 
         class _CurrentEnvSpecs(KernelSpecManager):
             def get_kernel_spec(self, kernel_name: str) -> KernelSpec:  # noqa: D401
@@ -846,6 +850,10 @@ def grade_notebook(
     ``notebook_timeout`` the whole run (default 1800 s). Never raises for what the notebook holds
     or does: an unreadable notebook is one ``error`` row naming the file.
     """
+    with needs("memlab grade"):
+        import jupyter_client  # noqa: F401 - the kernel is started with it
+        import nbformat
+    require_installed("ipykernel", "memlab grade")
     path = Path(path)
     limits = {"timeout": timeout, "cell_timeout": cell_timeout, "notebook_timeout": notebook_timeout}
     for name, value in limits.items():
@@ -855,8 +863,6 @@ def grade_notebook(
     if not path.is_file():
         return _file_error(path, f"{path}: no such notebook file")
     try:
-        import nbformat
-
         nb = nbformat.read(path, as_version=4)
         calls = check_calls(nb)
     except Exception as exc:  # noqa: BLE001 - one corrupt notebook must not stop a batch
@@ -1057,9 +1063,11 @@ class _NotebookRun:
 
 
 # ----------------------------------------------------------------------------- memlab grade
-def _default_paths() -> list[Path]:
-    """What ``memlab grade`` grades when no path is given."""
-    return sorted(Path("labs").glob("*.ipynb"))
+def _default_paths() -> tuple[Path, list[Path]]:
+    """What ``memlab grade`` grades when no path is given: work/*.ipynb when work/ exists, else labs/*.ipynb."""
+    from memlab.labs import default_notebooks
+
+    return default_notebooks()
 
 
 def grade_main(argv: list[str] | None = None) -> int:
@@ -1070,7 +1078,7 @@ def grade_main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="memlab grade", description="Run lab notebooks headless and grade every exercise.")
-    ap.add_argument("paths", nargs="*", help="lab notebooks (default: every labs/*.ipynb under the current directory)")
+    ap.add_argument("paths", nargs="*", help="lab notebooks (default: every work/*.ipynb, or labs/*.ipynb when there is no work/)")
     ap.add_argument("--full", action="store_true", help="full scale (default: MEMLAB_SMALL=1)")
     ap.add_argument("--timeout", default=None, metavar="S", help="time limit per check in seconds")
     ap.add_argument("--cell-timeout", default=None, metavar="S", help="time limit per notebook cell (default: max(300, 2 x the check limit))")
@@ -1095,9 +1103,9 @@ def grade_main(argv: list[str] | None = None) -> int:
         return fail(str(exc))
     paths = [Path(p) for p in args.paths]
     if not paths:
-        paths = _default_paths()
+        folder, paths = _default_paths()
         if not paths:
-            return fail("no PATH given and no labs/*.ipynb here: run from the course's root or name a notebook")
+            return fail(f"no PATH given and no {folder}/*.ipynb here: run from the course's root or name a notebook")
     got = total = 0.0
     unusable: list[str] = []
     for p in paths:
