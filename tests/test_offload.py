@@ -1,0 +1,363 @@
+"""memlab.offload: the AdamW update bitwise against torch, the fast CPU step, OffloadedAdamW, layer streaming."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from memlab import offload as O
+
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
+
+
+def _mlp(dtype=torch.float32, device="cpu", widths=(12, 40, 40, 5)) -> nn.Module:
+    torch.manual_seed(0)
+    a, b, c, d = widths
+    return nn.Sequential(nn.Linear(a, b), nn.GELU(), nn.Linear(b, c), nn.GELU(), nn.Linear(c, d)).to(device, dtype)
+
+
+# torch's fused CPU AdamW finishes each thread's range with a scalar loop that rounds differently from
+# its vector loop; with one thread and sizes that are multiples of 16 every element takes the vector loop.
+TAIL_FREE = (16, 32, 32, 16)
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _pair(kernel, dtype=torch.float32):
+    """(our model, reference model, reference optimizer class kwargs) for a kernel."""
+    widths = TAIL_FREE if kernel == "fast" else (12, 40, 40, 5)
+    ref_kw = dict(fused=True) if kernel == "fast" else dict(foreach=False)
+    return _mlp(dtype, widths=widths), _mlp(dtype, widths=widths), ref_kw
+
+
+def _batches(n, device="cpu", dtype=torch.float32, model=None):
+    gen = torch.Generator().manual_seed(1)
+    din = model[0].in_features if model is not None else 12
+    dout = model[-1].out_features if model is not None else 5
+    return [(torch.randn(16, din, generator=gen).to(device, dtype), torch.randn(16, dout, generator=gen).to(device, dtype))
+            for _ in range(n)]
+
+
+def _loss(model, x, y):
+    return (model(x).float() - y.float()).pow(2).mean()
+
+
+# ----------------------------------------------------------------------------- the update rule
+@pytest.mark.parametrize("n", [1, 7, 1000, 4099])
+@pytest.mark.parametrize("hp", [HP, dict(lr=3e-4, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.0),
+                                dict(lr=1e-3, beta1=0.3, beta2=0.9, eps=1e-8, weight_decay=0.1)])
+def test_update_rule_bitwise_vs_torch_for_loop(n, hp):
+    torch.manual_seed(n)
+    p0 = torch.randn(n)
+    ref = nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"], foreach=False)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step in range(1, 11):
+        g = torch.randn(n)
+        ref.grad = g.clone()
+        opt.step()
+        O.adamw_step_(p, g, m, v, step, **hp)
+        assert torch.equal(p, ref.data), f"step {step}"
+        assert torch.equal(m, opt.state[ref]["exp_avg"]) and torch.equal(v, opt.state[ref]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("n", [5, 1000, 100_003])
+def test_fast_step_bitwise_vs_eager_chunked_and_torch_fused(n, one_thread):
+    torch.manual_seed(0)
+    p0 = torch.randn(n)
+    ref = nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=HP["lr"], eps=HP["eps"], weight_decay=HP["weight_decay"], fused=True)
+    fast = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    eager = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    loop = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    for step in range(1, 6):
+        g = torch.randn(n)
+        ref.grad = g.clone()
+        opt.step()
+        O.adamw_step_flat_(fast[0], g, fast[1], fast[2], step, chunk=333, **HP)
+        O.adamw_step_eager_chunked_(eager[0], g, eager[1], eager[2], step, chunk=1000, **HP)
+        O.adamw_step_(loop[0], g, loop[1], loop[2], step, **HP)
+    vector_part = n - n % 16  # torch's fused kernel: vector loop here, scalar loop after
+    assert torch.equal(fast[0][:vector_part], ref.data[:vector_part]), O.kernel_name()
+    assert torch.allclose(fast[0], ref.data, rtol=1e-6, atol=1e-7)
+    for a, b in zip(fast, eager):
+        assert torch.equal(a, b)
+    # the for-loop's sqrt is not correctly rounded on CPU: a few ulp apart, never more
+    assert torch.allclose(loop[0], fast[0], rtol=1e-6, atol=1e-7)
+
+
+def test_eager_fallback_is_named(monkeypatch):
+    assert "C++" in O.load_kernel() or "eager" in O.load_kernel()
+    try:
+        assert O.load_kernel("eager").startswith("eager")
+        p, g, m, v = torch.ones(10), torch.ones(10), torch.zeros(10), torch.zeros(10)
+        O.adamw_step_flat_(p, g, m, v, 1, **HP)
+        assert torch.isfinite(p).all()
+    finally:
+        O._KERNEL_NAME = None
+        O.load_kernel()
+
+
+def test_bias_corrections():
+    assert O.bias_corrections(1, 0.9, 0.999) == (1 - 0.9, 1 - 0.999)
+    bc1, bc2 = O.bias_corrections(10, 0.9, 0.999)
+    assert bc1 == 1 - 0.9**10 and bc2 == 1 - 0.999**10
+
+
+def test_pack_views_share_storage():
+    ts = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2, 2)]
+    buf = O.pack(ts)
+    assert buf.flat.numel() == 12 + 5 + 8 and buf.offsets == [0, 12, 17, 25]
+    for v, t in zip(buf.views, ts):
+        assert v.shape == t.shape and torch.equal(v, t)
+        assert v.untyped_storage().data_ptr() == buf.flat.untyped_storage().data_ptr()
+    buf.flat.fill_(2.0)
+    assert all((v == 2).all() for v in buf.views)
+
+
+# ----------------------------------------------------------------------------- OffloadedAdamW
+@pytest.mark.parametrize("kernel", ["exact", "fast"])
+@pytest.mark.parametrize("overlap,offload_gradients", [(True, False), (False, False), (True, True)])
+def test_offloaded_fp32_bitwise_vs_torch_adamw(kernel, overlap, offload_gradients, one_thread):
+    ref, mine, ref_kw = _pair(kernel)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.05, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, weight_decay=0.05, overlap=overlap,
+                           offload_gradients=offload_gradients, kernel=kernel)
+    for x, y in _batches(6, model=mine):
+        for m, o in ((ref, ref_opt), (mine, opt)):
+            o.zero_grad()
+            _loss(m, x, y).backward()
+            o.step()
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            assert torch.equal(p, q)
+    if offload_gradients:
+        assert all(p.grad is None for p in mine.parameters())
+
+
+@pytest.mark.parametrize("kernel", ["exact", "fast"])
+def test_offloaded_bf16_equals_bf16_model_with_fp32_master_adamw(kernel, one_thread):
+    ref, mine, ref_kw = _pair(kernel, torch.bfloat16)
+    masters = [nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, kernel=kernel)
+    for x, y in _batches(5, dtype=torch.bfloat16, model=mine):
+        for m in (ref, mine):
+            m.zero_grad()
+            _loss(m, x, y).backward()
+        for mp, p in zip(masters, ref.parameters()):
+            mp.grad = p.grad.float()
+        ref_opt.step()
+        with torch.no_grad():
+            for mp, p in zip(masters, ref.parameters()):
+                p.copy_(mp)
+        opt.step()
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            assert q.dtype == torch.bfloat16 and torch.equal(p, q)
+        for mp, q in zip(masters, mine.parameters()):
+            assert torch.equal(mp.data, opt.state[q]["master"])
+
+
+@pytest.mark.parametrize("kernel", ["exact", "fast"])
+def test_state_dict_resume_gives_identical_trajectory(kernel):
+    model = _mlp()
+    opt = O.OffloadedAdamW(model.parameters(), lr=1e-2, kernel=kernel)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    batches = _batches(8)
+    for x, y in batches[:4]:
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        opt.step()
+        sched.step()
+    saved_model, saved_opt, saved_sched = (copy.deepcopy(s.state_dict()) for s in (model, opt, sched))
+    for x, y in batches[4:]:
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        opt.step()
+        sched.step()
+    model2 = _mlp()
+    model2.load_state_dict(saved_model)
+    opt2 = O.OffloadedAdamW(model2.parameters(), lr=1.0, kernel=kernel)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    opt2.load_state_dict(saved_opt)
+    sched2.load_state_dict(saved_sched)
+    assert opt2.param_groups[0]["lr"] == 1e-2 / 4  # two halvings
+    for x, y in batches[4:]:
+        opt2.zero_grad()
+        _loss(model2, x, y).backward()
+        opt2.step()
+        sched2.step()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_resume_restores_bf16_masters():
+    model = _mlp(torch.bfloat16)
+    opt = O.OffloadedAdamW(model.parameters(), lr=1e-2)
+    for x, y in _batches(3, dtype=torch.bfloat16):
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    model2 = _mlp(torch.bfloat16)  # fresh weights: the masters in the optimizer state restore them
+    opt2 = O.OffloadedAdamW(model2.parameters())
+    opt2.load_state_dict(saved)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["master"], opt2.state[q]["master"])
+        assert opt2.state[q]["master"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("kernel", ["exact", "fast"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_grad_accumulation(kernel, offload_gradients, one_thread):
+    ref, mine, ref_kw = _pair(kernel)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, offload_gradients=offload_gradients, kernel=kernel)
+    batches = _batches(6, model=mine)
+    for k in range(0, 6, 3):
+        for m, o in ((ref, ref_opt), (mine, opt)):
+            o.zero_grad()
+            for x, y in batches[k:k + 3]:
+                (_loss(m, x, y) / 3).backward()
+            o.step()
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_clip_grad_norm_matches_torch():
+    ref, mine, ref_kw = _pair("exact")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, kernel="exact")
+    for x, y in _batches(4):
+        for m in (ref, mine):
+            m.zero_grad()
+            (_loss(m, x, y) * 100).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, foreach=False)
+        got = opt.clip_grad_norm_(0.5)
+        assert torch.equal(got, want) and got > 0.5
+        ref_opt.step()
+        opt.step()
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_param_without_grad_is_skipped_like_torch():
+    ref, mine, ref_kw = _pair("exact")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, kernel="exact")
+    for i, (x, y) in enumerate(_batches(4)):
+        for m, o in ((ref, ref_opt), (mine, opt)):
+            o.zero_grad()
+            _loss(m, x, y).backward()
+            if i == 1:
+                m[0].bias.grad = None
+            o.step()
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_bad_arguments_name_the_argument():
+    ps = list(_mlp().parameters())
+    for kw, word in ((dict(lr=-1.0), "lr=-1.0"), (dict(betas=(1.0, 0.9)), "beta1=1.0"), (dict(betas=(0.9,)), "betas="),
+                     (dict(eps=0.0), "eps=0.0"), (dict(weight_decay=-0.1), "weight_decay=-0.1"),
+                     (dict(overlap="yes"), "overlap='yes'"), (dict(pin_memory=1), "pin_memory=1"),
+                     (dict(kernel="cuda"), "kernel='cuda'")):
+        with pytest.raises(ValueError, match=word.replace("(", r"\(").replace(")", r"\)")):
+            O.OffloadedAdamW(ps, **kw)
+    with pytest.raises(ValueError, match="step=0"):
+        O.adamw_step_(torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(2), 0, **HP)
+    with pytest.raises(ValueError, match="exp_avg has shape"):
+        O.adamw_step_(torch.ones(2), torch.ones(2), torch.zeros(3), torch.zeros(2), 1, **HP)
+    with pytest.raises(ValueError, match="float32"):
+        O.adamw_step_flat_(torch.ones(2, dtype=torch.float64), torch.ones(2), torch.zeros(2), torch.zeros(2), 1, **HP)
+    with pytest.raises(ValueError, match="chunk=0"):
+        O.adamw_step_flat_(torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(2), 1, chunk=0, **HP)
+    with pytest.raises(ValueError, match="recipe='sgd'"):
+        O.model_state_bytes(10, "sgd")
+    with pytest.raises(ValueError, match="kernel='fast'"):
+        O.load_kernel("fast")
+
+
+def test_model_state_bytes():
+    assert O.model_state_bytes(10, "bf16 amp adamw") == {"device": 160, "host": 0}
+    assert O.model_state_bytes(10, "offload") == {"device": 40, "host": 160}
+    assert O.model_state_bytes(10, "offload grads") == {"device": 20, "host": 160}
+
+
+# ----------------------------------------------------------------------------- layer streaming
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_streamed_layers_equal_resident_model(prefetch):
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    torch.manual_seed(0)
+    model = TinyGPT(TinyGPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)).eval()
+    blocks = model.blocks if hasattr(model, "blocks") else model.transformer.h
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        want = x
+        for b in blocks:
+            want = b(want)
+    streamed = O.StreamedSequential(copy.deepcopy(list(blocks)), device="cpu", prefetch=prefetch)
+    got = streamed(x)
+    assert torch.equal(got, want)
+    assert streamed.max_resident_layers == (2 if prefetch else 1)
+
+
+# ----------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_cuda_offloaded_bf16_matches_cpu_reference(offload_gradients):
+    ref, mine = _mlp(torch.bfloat16), _mlp(torch.bfloat16, device="cuda")
+    masters = [nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, offload_gradients=offload_gradients, kernel="exact")
+    assert opt.state[next(mine.parameters())]["master"].is_pinned()
+    for x, y in _batches(4, dtype=torch.bfloat16):
+        opt.zero_grad()
+        for _ in range(2):  # two micro-batches: accumulation on the device or on the host
+            _loss(mine, x.cuda(), y.cuda()).backward()
+        opt.step()
+        # the reference steps on the very gradients the GPU produced
+        for i, mp in enumerate(masters):
+            mp.grad = opt._flats[0]["grad"].views[i].clone()
+        ref_opt.step()
+        torch.cuda.synchronize()
+        for mp, q in zip(masters, mine.parameters()):
+            assert torch.equal(mp.data.to(torch.bfloat16), q.cpu())
+    if offload_gradients:
+        assert all(p.grad is None for p in mine.parameters())
+
+
+@pytest.mark.cuda
+def test_cuda_streamed_layers_equal_resident():
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)]
+    x = torch.randn(8, 64, device="cuda")
+    resident = nn.Sequential(*copy.deepcopy(layers)).cuda()
+    with torch.no_grad():
+        want = resident(x)
+    got = O.StreamedSequential(layers, device="cuda")(x)
+    assert got.device.type == "cuda" and torch.allclose(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_fast_kernel_trains_like_on_device_adamw():
+    ref, mine = _mlp(device="cuda"), _mlp(device="cuda")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2)
+    for x, y in _batches(5, device="cuda"):
+        for m, o in ((ref, ref_opt), (mine, opt)):
+            o.zero_grad()
+            _loss(m, x, y).backward()
+            o.step()
+    torch.cuda.synchronize()
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
