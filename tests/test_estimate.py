@@ -244,26 +244,15 @@ def test_cli_dispatch():
 # ---------------------------------------------------------------- CUDA
 
 
-def _cuda_measured_peak(build, *, batch_size, seq_len, dtype, checkpointing):
-    """torch.cuda.max_memory_allocated over the steady step, the same recipe as the estimator."""
+def _cuda_tracked_peak(build, **kw) -> tuple[int, int]:
+    """The same step run for real on CUDA: MemoryTracker's peak, and max_memory_allocated minus what
+    was allocated before the step and is not the model's (batch, cuBLAS workspaces)."""
     torch.cuda.empty_cache()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = E._prepare(E._build(build, dtype), dtype, checkpointing)
-    opt = E.make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad], device="cuda")
-    vocab = E._vocab_size(model)
-
-    def step():
-        x = torch.randint(0, vocab, (batch_size, seq_len), device="cuda")
-        y = torch.randint(0, vocab, (batch_size, seq_len), device="cuda")
-        E.training_step(model, opt, x, y, dtype=dtype)
-
-    step()
-    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    step()
+    before = torch.cuda.memory_allocated()
+    real = E.measure_training_memory(build, device="cuda", **kw)
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return real.peak_bytes, torch.cuda.max_memory_allocated() - before
 
 
 def cuda_gpt():
@@ -279,12 +268,19 @@ def cuda_llama():
 @pytest.mark.parametrize("build", [cuda_gpt, cuda_llama], ids=["tinygpt", "tiny_llama"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_cuda_estimate_within_5_percent(build, dtype, checkpointing):
+def test_cuda_estimate_matches_the_real_step(build, dtype, checkpointing):
+    # The fake trace of a CUDA step against the same step run on the GPU and tracked (the tracker is
+    # checked against the allocator in test_profiler); the allocator's own peak bounds it from above.
     kw = dict(batch_size=8, seq_len=512, dtype=dtype, checkpointing=checkpointing)
     est = estimate_training_memory(build, device="cuda", **kw)
     assert est.traced_on.startswith("cuda")
-    measured = _cuda_measured_peak(build, **kw)
-    assert abs(est.peak_bytes - measured) <= 0.05 * measured, (est.peak_bytes, measured)
+    tracked, allocated = _cuda_tracked_peak(build, **kw)
+    assert abs(est.peak_bytes - tracked) <= 0.01 * tracked, (est.peak_bytes, tracked)
+    # What no tracker sees is bounded: cuBLAS workspaces if this step created them (32 MiB for each of
+    # the forward and autograd threads, measured on an H100) and softmax backward's scratch copy (one
+    # fp32 batch x heads x seq x seq score matrix), plus 5%.
+    slack = 2 * 32 * 2**20 + 8 * 8 * 512 * 512 * 4 + 0.05 * est.peak_bytes
+    assert est.peak_bytes <= allocated <= est.peak_bytes + slack, (est.peak_bytes, allocated)
 
 
 # ---------------------------------------------------------------- bench

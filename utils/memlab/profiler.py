@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,6 +66,7 @@ __all__ = [
     "LiveBytes",
     "categorize",
     "phase_peaks",
+    "kernel_scratch_at_peak",
     "format_bytes",
     "fake_activation_bytes",
     "train_losses",
@@ -613,6 +614,38 @@ def phase_peaks(timeline: Iterable[Any]) -> dict[str, int]:
         if total > out.get(phase, -1):
             out[phase] = total
     return out
+
+
+# CUDA kernels known to allocate scratch inside themselves (no op returns it, so a dispatch-level
+# tracker cannot see it): softmax's backward copies a non-contiguous incoming gradient (seen in an
+# allocator snapshot on an H100 with torch 2.11: one attention-score matrix per layer, in backward).
+KERNEL_SCRATCH_FRAMES: tuple[str, ...] = ("softmax_backward_cuda_out::impl",)
+
+
+def kernel_scratch_at_peak(snapshot: Mapping[str, Any], frames: Sequence[str] = KERNEL_SCRATCH_FRAMES,
+                           device: int = 0) -> int:
+    """Bytes that CUDA kernels allocated inside themselves and still held at the allocator's peak.
+
+    ``snapshot`` is ``torch.cuda.memory._snapshot()`` taken after recording a step with
+    ``torch.cuda.memory._record_memory_history()`` (C++ stacks on, its default). The peak is that of
+    the recorded trace; a block counts when one of its C++ frames contains one of ``frames``.
+    """
+    traces = snapshot.get("device_traces", [])
+    if not isinstance(device, int) or not 0 <= device < len(traces):
+        raise ValueError(f"device={device!r} is not in the snapshot; allowed: 0..{len(traces) - 1}")
+    live: dict[int, Mapping[str, Any]] = {}
+    cur = top = 0
+    at_top: dict[int, Mapping[str, Any]] = {}
+    for ev in traces[device]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            cur += ev["size"]
+        elif ev["action"] == "free_completed" and live.pop(ev["addr"], None) is not None:
+            cur -= ev["size"]
+        if cur > top:
+            top, at_top = cur, dict(live)
+    return sum(ev["size"] for ev in at_top.values()
+               if any(f in fr.get("name", "") for fr in ev.get("frames", []) for f in frames))
 
 
 def fake_activation_bytes(config: Any, batch_size: int, seq_len: int) -> int:
