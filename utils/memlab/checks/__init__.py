@@ -4,16 +4,25 @@ Each check is plain code a learner can read: it calls your function or class on 
 and compares the answer with memlab's own implementation, raising AssertionError with a
 message that says what was expected. ``memlab.grading.check`` runs them.
 
-Helpers below keep the messages uniform: "name: got X, expected Y".
+Helpers below keep the messages uniform: "name: got X, expected Y". They compare exact types
+and compare values through the *reference's* type: an ``int`` subclass whose ``==`` always
+says yes is not an int, and a dict's values are compared one by one, never with the learner's
+own ``==``. (The standard library's dict subclasses, ``defaultdict``, ``OrderedDict`` and
+``Counter``, count as dicts; ``nn.Parameter`` counts as a tensor.)
 """
 from __future__ import annotations
 
+import collections
 import math
+import sys
 from typing import Any
 
 from memlab.grading import register
 
-__all__ = ["register", "expect", "expect_equal", "expect_close", "expect_tensor_close", "expect_type"]
+__all__ = ["register", "expect", "expect_equal", "expect_close", "expect_tensor_close", "expect_type",
+           "exact_type", "same_value"]
+
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
 
 
 def expect(condition: bool, message: str) -> None:
@@ -22,20 +31,147 @@ def expect(condition: bool, message: str) -> None:
         raise AssertionError(message)
 
 
+def _type_name(t: type) -> str:
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _repr(x: Any, limit: int = 120) -> str:
+    """``repr(x)``, cut to ``limit`` characters, and never raising (a learner's ``__repr__`` may)."""
+    try:
+        text = repr(x)
+    except BaseException:  # noqa: BLE001
+        text = f"<{_type_name(type(x))} object>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_tensor_type(t: type) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and t in (torch.Tensor, torch.nn.Parameter)
+
+
+def exact_type(got: Any, kind: type | tuple[type, ...]) -> bool:
+    """Whether ``type(got)`` is exactly ``kind`` (or one of them): subclasses do not count, except
+    the standard library's dict subclasses for ``dict`` and ``nn.Parameter`` for ``torch.Tensor``."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    t = type(got)
+    for k in kinds:
+        if t is k or (k is dict and t in _DICTS) or (_is_tensor_type(k) and _is_tensor_type(t)):
+            return True
+        if k is float and t is int:  # an int is an acceptable float (0 for 0.0), never the other way round
+            return True
+    return False
+
+
 def expect_type(name: str, got: Any, kind: type | tuple[type, ...]) -> None:
+    """Fail unless ``got``'s type is exactly ``kind`` (see :func:`exact_type`)."""
     names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-    expect(isinstance(got, kind), f"{name}: expected a {names}, got {type(got).__name__} ({got!r:.80})")
+    expect(exact_type(got, kind), f"{name}: expected a {names}, got {_type_name(type(got))} ({_repr(got, 80)})")
+
+
+class _TypeMismatch(Exception):
+    def __init__(self, path: str, expected: str, got: Any) -> None:
+        super().__init__(path)
+        self.path, self.expected, self.got = path, expected, got
+
+
+class _ValueMismatch(Exception):
+    pass
+
+
+def _compare(got: Any, want: Any, path: str) -> None:
+    """Raise _TypeMismatch or _ValueMismatch unless ``got`` equals ``want`` through ``want``'s type."""
+    wt = type(want)
+    if want is None:
+        if got is not None:
+            raise _TypeMismatch(path, "None", got)
+        return
+    if wt is bool:
+        if type(got) is not bool:
+            raise _TypeMismatch(path, "bool", got)
+        if got is not want:
+            raise _ValueMismatch(path)
+    elif wt is int:
+        if type(got) is not int:
+            raise _TypeMismatch(path, "int", got)
+        if not int.__eq__(want, got):
+            raise _ValueMismatch(path)
+    elif wt is float:
+        if type(got) not in (float, int):
+            raise _TypeMismatch(path, "float", got)
+        g = float(got)
+        if not (g == want or (math.isnan(g) and math.isnan(want))):
+            raise _ValueMismatch(path)
+    elif wt in (str, bytes):
+        if type(got) is not wt:
+            raise _TypeMismatch(path, wt.__name__, got)
+        if not wt.__eq__(want, got):
+            raise _ValueMismatch(path)
+    elif wt in (list, tuple):
+        if type(got) is not wt:
+            raise _TypeMismatch(path, wt.__name__, got)
+        if wt.__len__(got) != len(want):
+            raise _ValueMismatch(path)
+        for i, w in enumerate(want):
+            _compare(wt.__getitem__(got, i), w, f"{path}[{i}]")
+    elif isinstance(want, dict) and wt in _DICTS:
+        if type(got) not in _DICTS:
+            raise _TypeMismatch(path, "dict", got)
+        keys = list(dict.keys(got))
+        key_types = {type(k) for k in want}
+        for k in keys:
+            if key_types and type(k) not in key_types:
+                raise _TypeMismatch(f"{path} key {_repr(k, 40)}", " or ".join(sorted(t.__name__ for t in key_types)), k)
+        if set(keys) != set(want):
+            raise _ValueMismatch(path)
+        for k, w in want.items():
+            _compare(dict.__getitem__(got, k), w, f"{path}[{k!r}]")
+    elif _is_tensor_type(wt):
+        import torch
+
+        if not _is_tensor_type(type(got)):
+            raise _TypeMismatch(path, "torch.Tensor", got)
+        same = (got.shape == want.shape and got.dtype == want.dtype
+                and torch.equal(torch.Tensor.cpu(got.detach()), want.detach().cpu()))
+        if not same:
+            raise _ValueMismatch(path)
+    else:
+        if type(got) is not wt:
+            raise _TypeMismatch(path, _type_name(wt), got)
+        verdict = wt.__eq__(want, got)
+        if verdict is NotImplemented or not (verdict is True or (type(verdict) is bool and verdict)):
+            raise _ValueMismatch(path)
+
+
+def same_value(got: Any, want: Any) -> bool:
+    """Whether ``got`` equals the reference answer ``want``, with exact types (see :func:`expect_equal`)."""
+    try:
+        _compare(got, want, "")
+    except (_TypeMismatch, _ValueMismatch):
+        return False
+    return True
 
 
 def expect_equal(name: str, got: Any, want: Any) -> None:
-    expect(got == want, f"{name}: got {got!r}, expected {want!r}")
+    """Fail unless ``got`` equals ``want`` with exact types, compared through ``want``'s type.
+
+    Containers are compared element by element (dicts key by key), so the learner's own ``==``
+    is never the judge: an ``int`` subclass that says yes to everything fails here.
+    """
+    try:
+        _compare(got, want, "")
+    except _TypeMismatch as m:
+        raise AssertionError(f"{name}{m.path}: expected {'an' if m.expected[0] in 'aeiou' else 'a'} {m.expected}, "
+                             f"got {_type_name(type(m.got))} ({_repr(m.got, 80)})") from None
+    except _ValueMismatch:
+        raise AssertionError(f"{name}: got {_repr(got, 200)}, expected {want!r}") from None
 
 
 def expect_close(name: str, got: Any, want: float, rtol: float = 1e-6, atol: float = 0.0) -> None:
-    try:
-        g = float(got)
-    except (TypeError, ValueError):
-        raise AssertionError(f"{name}: expected a number, got {type(got).__name__} ({got!r:.80})") from None
+    """Fail unless ``got`` is a Python number (exactly float or int) within the tolerance of ``want``."""
+    if type(got) not in (float, int):
+        raise AssertionError(f"{name}: expected a number (a Python float), got {_type_name(type(got))} ({_repr(got, 80)})"
+                             + ("; return .item() of the tensor" if _is_tensor_type(type(got)) else ""))
+    g = float(got)
     ok = math.isfinite(g) and abs(g - want) <= atol + rtol * abs(want)
     expect(ok, f"{name}: got {g:.6g}, expected {want:.6g} (tolerance {atol + rtol * abs(want):.3g})")
 
