@@ -126,3 +126,199 @@ def test_memlab_grade_chapter_00_both_ways():
     sol = _memlab("grade", "solutions/00_where_the_memory_goes.ipynb", cwd=ROOT)
     assert sol.returncode == 0, sol.stdout + sol.stderr
     assert f"{len(rows)}/{len(rows)}" in sol.stdout
+
+
+# ------------------------------------------------------------------ solution markers (issue 9, item 6)
+
+
+def _nb(*cells: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = list(cells)
+    return nb
+
+
+@pytest.mark.parametrize(
+    "begin, end",
+    [
+        ("# begin solution", "# end solution"),
+        ("#### BEGIN SOLUTION", "#### END SOLUTION"),
+        ("### Begin Solution", "##END SOLUTION"),
+        ("#BEGIN_SOLUTION", "# end-solution"),
+    ],
+)
+def test_marker_variants_are_stripped(begin, end):
+    sol = _nb(
+        nbformat.v4.new_code_cell(f"def f(x):\n    {begin}\n    secret = x * 7\n    return secret\n    {end}"),
+        nbformat.v4.new_code_cell('check("00.x", f)'),
+    )
+    src = labs.build_lab(sol, name="v.ipynb").cells[0].source
+    assert "secret" not in src and "solution" not in src.lower()
+    assert src == 'def f(x):\n    raise NotImplementedError("exercise 00.x: replace this line with your code")'
+
+
+@pytest.mark.parametrize(
+    "cells, problem",
+    [
+        ([nbformat.v4.new_markdown_cell("Put it here:\n### BEGIN SOLUTION\nx = 1\n### END SOLUTION")], "in a markdown cell"),
+        ([nbformat.v4.new_raw_cell("#### begin solution")], "in a raw cell"),
+        ([nbformat.v4.new_code_cell("def f():\n    # begin solution\n    return 1\n")], "never closed"),
+        ([nbformat.v4.new_code_cell("def f():\n    return 1\n    #### end solution\n")], "without"),
+        ([nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION\n    #### begin solution\n    ### END SOLUTION\n")], "nested"),
+        ([nbformat.v4.new_code_cell("def f():\n    return 1  ### BEGIN SOLUTION\n    ### END SOLUTION\n")], "a line of its own"),
+    ],
+    ids=["markdown", "raw", "begin-unclosed", "end-unopened", "nested", "inline"],
+)
+def test_bad_markers_are_one_line_errors_naming_file_and_cell(cells, problem):
+    nb = _nb(nbformat.v4.new_code_cell("from memlab.grading import check"), *cells, nbformat.v4.new_code_cell('check("00.x", f)'))
+    with pytest.raises(labs.LabBuildError, match=problem) as info:
+        labs.build_lab(nb, name="solutions/07_bad.ipynb")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"solutions/07_bad.ipynb: cell 1 (id {nb.cells[1].id})"), message
+
+
+def test_labs_build_cli_reports_a_bad_marker_in_one_line(tmp_path):
+    root = _course_copy(tmp_path)
+    bad = _nb(nbformat.v4.new_markdown_cell("#### begin solution"), nbformat.v4.new_code_cell('check("00.x", f)'))
+    nbformat.write(bad, root / "solutions" / "01_bad.ipynb")
+    proc = _memlab("labs", "build", cwd=root)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "solutions/01_bad.ipynb: cell 0" in line and "markdown cell" in line
+    assert list((root / "labs").iterdir()) == []  # nothing written, not even the good lab
+
+
+def test_labs_check_fails_on_a_leaked_marker(tmp_path, monkeypatch):
+    """Even when build and check agree byte for byte (a generator that leaks), a marker in a lab fails."""
+    root = _course_copy(tmp_path)
+    monkeypatch.setattr(labs, "build_lab", lambda solution, name="nb": solution)  # a leaking generator
+    labs.build(root)
+    problems = labs.drift(root)
+    assert problems and all("solution marker" in p for p in problems), problems
+    assert any("labs/00_demo.ipynb: cell 2" in p for p in problems), problems
+
+
+def test_labs_check_cli_fails_on_a_marker_variant_in_a_lab(tmp_path):
+    root = _course_copy(tmp_path)
+    assert _memlab("labs", "build", cwd=root).returncode == 0
+    lab = root / "labs" / "00_demo.ipynb"
+    nb = nbformat.read(lab, as_version=4)
+    nb.cells[0].source += "\n\n#### begin solution"
+    nbformat.write(nb, lab)
+    proc = _memlab("labs", "check", cwd=root)
+    assert proc.returncode == 1 and "solution marker '#### begin solution'" in proc.stdout, proc.stdout
+
+
+# ------------------------------------------------------------------ atomic, all-or-nothing builds
+
+
+def _two_chapter_course(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A course with two solutions, built once, whose solutions then change (so a rebuild writes
+    both labs); returns the root and the labs' bytes before the rebuild."""
+    root = _course_copy(tmp_path)
+    nbformat.write(_solution(), root / "solutions" / "01_demo.ipynb")
+    labs.build(root)
+    for name in ("00_demo.ipynb", "01_demo.ipynb"):
+        nb = nbformat.read(root / "solutions" / name, as_version=4)
+        nb.cells[0].source = "# Lab, second edition"
+        nbformat.write(nb, root / "solutions" / name)
+    return root, {p.name: p.read_bytes() for p in (root / "labs").iterdir()}
+
+
+def _labs_state(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (root / "labs").iterdir()}
+
+
+def test_a_broken_later_solution_leaves_every_lab_unchanged(tmp_path):
+    root, before = _two_chapter_course(tmp_path)
+    nb = nbformat.read(root / "solutions" / "01_demo.ipynb", as_version=4)
+    nb.cells[2].source += "\n### BEGIN SOLUTION"  # unbalanced
+    nbformat.write(nb, root / "solutions" / "01_demo.ipynb")
+    with pytest.raises(labs.LabBuildError, match="01_demo.ipynb: cell 2"):
+        labs.build(root)
+    assert _labs_state(root) == before
+
+
+def test_a_failed_write_mid_build_leaves_labs_unchanged(tmp_path, monkeypatch):
+    """A full disk while writing the second lab: no lab rewritten, no temporary file left."""
+    root, before = _two_chapter_course(tmp_path)
+    real_fdopen = labs.os.fdopen
+    calls = []
+
+    def failing_fdopen(fd, *args, **kwargs):
+        calls.append(fd)
+        if len(calls) == 2:
+            labs.os.close(fd)
+            raise OSError(28, "No space left on device")
+        return real_fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(labs.os, "fdopen", failing_fdopen)
+    with pytest.raises(OSError, match="No space left"):
+        labs.build(root)
+    assert _labs_state(root) == before
+
+
+def test_a_failed_rename_mid_build_restores_the_labs(tmp_path, monkeypatch):
+    root, before = _two_chapter_course(tmp_path)
+    real_replace = labs.os.replace
+    calls = []
+
+    def failing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(labs.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="Input/output"):
+        labs.build(root)
+    assert _labs_state(root) == before  # the first lab, already renamed, was put back
+
+
+def test_build_never_overwrites_learner_code_without_force(tmp_path):
+    root = _course_copy(tmp_path)
+    assert _memlab("labs", "build", cwd=root).returncode == 0
+    lab = root / "labs" / "00_demo.ipynb"
+    nb = nbformat.read(lab, as_version=4)
+    nb.cells[2].source = nb.cells[2].source.replace(
+        'raise NotImplementedError("exercise 00.model_state_bytes: replace this line with your code")', "return 2 * x", 1
+    )
+    nbformat.write(nb, lab)
+    mine = lab.read_bytes()
+    proc = _memlab("labs", "build", cwd=root)
+    assert proc.returncode == 1 and "holds your code for 00.model_state_bytes" in proc.stderr, proc.stderr
+    assert "--force" in proc.stderr and lab.read_bytes() == mine
+    forced = _memlab("labs", "build", "--force", cwd=root)
+    assert forced.returncode == 0 and lab.read_text() == labs.expected_lab(root / "solutions" / "00_demo.ipynb")
+
+
+def test_metadata_only_changes_are_rebuilt_without_force(tmp_path):
+    """A lab whose stubs are all there (e.g. an older kernelspec) is simply regenerated."""
+    root = _course_copy(tmp_path)
+    labs.build(root)
+    lab = root / "labs" / "00_demo.ipynb"
+    nb = nbformat.read(lab, as_version=4)
+    nb.metadata["kernelspec"]["display_name"] = "Python 3"
+    nbformat.write(nb, lab)
+    assert labs.build(root) == [lab]
+    assert labs.drift(root) == []
+
+
+def test_labs_carry_jupyterlab_kernelspec():
+    lab = labs.build_lab(_solution())
+    assert lab.metadata["kernelspec"] == {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+    assert lab.metadata["language_info"]["name"] == "python"
+    assert lab.metadata["language_info"]["codemirror_mode"] == {"name": "ipython", "version": 3}
+
+
+def test_drift_ignores_only_the_python_version_jupyterlab_records(tmp_path):
+    root = _course_copy(tmp_path)
+    labs.build(root)
+    lab = root / "labs" / "00_demo.ipynb"
+    nb = nbformat.read(lab, as_version=4)
+    nb.metadata["language_info"]["version"] = "3.99.0"  # saved by JupyterLab on another Python
+    nbformat.write(nb, lab)
+    assert labs.drift(root) == []
+    nb.metadata["kernelspec"]["display_name"] = "Python 3"
+    nbformat.write(nb, lab)
+    assert labs.drift(root) != []
