@@ -1,0 +1,219 @@
+"""``memlab bench offload``: the CPU AdamW step and CPU-offloaded training, from scratch vs production.
+
+Two tables, each measured in one run:
+
+* **CPU step throughput** (any machine): memlab's flat step (:func:`memlab.offload.adamw_step_flat_`,
+  the C++/OpenMP kernel or its eager fallback: the table names which ran) against
+  ``torch.optim.AdamW`` for-loop (``foreach=False``), ``foreach=True`` and ``fused=True``, in
+  parameters per second and as a share of this machine's copy bandwidth. AdamW reads p, g, m, v
+  and writes p, m, v: 28 bytes per parameter, so the step is memory-bound and the bandwidth of
+  a streaming copy is its roofline. The copy measured is the in-place ``a += b`` (12 bytes per
+  element read + written), which touches memory the way AdamW does: every line it writes it has
+  just read. A plain ``dst.copy_(src)`` is shown too; it moves fewer bytes per second than it
+  counts, because writing ``dst`` first reads each cache line in (write-allocate).
+* **Offloaded training** (CUDA only): step time and peak device memory of a >= 300M-parameter
+  TinyGPT with on-device fused AdamW (fp32 weights, bf16 autocast: 16 bytes/param on the
+  device) against :class:`memlab.offload.OffloadedAdamW` (bf16 weights on the device, fp32
+  master and moments on the host), with and without offloaded gradients, and torchao's
+  ``CPUOffloadOptimizer`` when it is importable.
+
+Targets (issue 12): CPU fast step >= 0.9x torch's fused CPU AdamW and >= 60% of the copy
+bandwidth; on a GPU, step time <= 1.15x on-device AdamW with >= 45% less peak device memory.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+from typing import Any
+
+import torch
+
+from memlab.bench import device_name, sync, table, time_median
+
+BYTES_PER_PARAM = 28  # AdamW in fp32: read p, g, m, v (16) + write p, m, v (12)
+
+
+def copy_bandwidth(n: int = 32 * 2**20, repeat: int = 7, kind: str = "a += b") -> float:
+    """Bytes per second read + written on float32 CPU tensors of ``n`` elements (128 MiB each by default).
+
+    ``kind="a += b"``: in place, 12 bytes per element; ``kind="copy"``: ``dst.copy_(src)``, 8 bytes counted.
+    """
+    if kind not in ("a += b", "copy"):
+        raise ValueError(f"kind={kind!r} is not known; allowed: 'a += b', 'copy'")
+    a, b = torch.randn(n), torch.randn(n)
+    if kind == "copy":
+        t = time_median(lambda: b.copy_(a), repeat=repeat, warmup=2, device="cpu")
+        return 8 * n / t
+    t = time_median(lambda: a.add_(b), repeat=repeat, warmup=2, device="cpu")
+    return 12 * n / t
+
+
+def _parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(s[-1:], 1)
+    try:
+        n = int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+    except ValueError:
+        raise ValueError(f"size={s!r} is not a number of parameters; allowed: e.g. 1M, 10M, 100M, 2500000") from None
+    if n < 1:
+        raise ValueError(f"size={s!r} must be >= 1 parameter")
+    return n
+
+
+def cpu_step_rows(sizes: list[int], repeat: int = 5, n_tensors: int = 8) -> tuple[list[list[Any]], dict[str, Any]]:
+    """Rows of the CPU step table, and a summary (copy bandwidth, ratios) for the targets."""
+    from memlab import offload
+
+    kernel = offload.kernel_name()
+    bw = copy_bandwidth()
+    rows: list[list[Any]] = []
+    summary: dict[str, Any] = {"kernel": kernel, "copy_bw": bw, "plain_copy_bw": copy_bandwidth(kind="copy"), "sizes": {}}
+    for n in sizes:
+        res: dict[str, float] = {}
+        gen = torch.Generator().manual_seed(0)
+        p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        m, v = torch.zeros(n), torch.zeros(n)
+        state = {"step": 0}
+
+        def fast() -> None:
+            state["step"] += 1
+            offload.adamw_step_flat_(p, g, m, v, state["step"], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
+
+        res["memlab flat step"] = time_median(fast, repeat=repeat, warmup=2, device="cpu")
+        del p, g, m, v
+        gc.collect()
+        for label, kw in (("torch AdamW for-loop", dict(foreach=False)), ("torch AdamW foreach", dict(foreach=True)),
+                          ("torch AdamW fused", dict(fused=True))):
+            params = [torch.nn.Parameter(t) for t in torch.randn(n, generator=gen).chunk(n_tensors)]
+            for q in params:
+                q.grad = torch.randn(q.shape, generator=gen)
+            opt = torch.optim.AdamW(params, lr=1e-3, **kw)
+            res[label] = time_median(opt.step, repeat=repeat if kw.get("foreach") is not False else max(2, repeat // 2),
+                                     warmup=1, device="cpu")
+            del params, opt
+            gc.collect()
+        fused = res["torch AdamW fused"]
+        for label, t in res.items():
+            gps = n / t
+            rows.append([f"{label}" + (f" [{kernel}]" if label.startswith("memlab") else ""), n, t * 1e3, gps / 1e9,
+                         gps * BYTES_PER_PARAM / 2**30, gps * BYTES_PER_PARAM / bw, fused / t])
+        summary["sizes"][n] = {"vs_fused": fused / res["memlab flat step"],
+                               "of_bw": n / res["memlab flat step"] * BYTES_PER_PARAM / bw}
+    return rows, summary
+
+
+# ----------------------------------------------------------------------------- GPU: offloaded training
+def _gpt(n_layer: int, n_embd: int, seq: int, dtype: torch.dtype) -> torch.nn.Module:
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    torch.manual_seed(0)
+    cfg = TinyGPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64), block_size=seq, attention="sdpa")
+    return TinyGPT(cfg).to("cuda", dtype)
+
+
+def gpu_recipe(recipe: str, *, n_layer: int, n_embd: int, batch: int, seq: int, accum: int, repeat: int) -> dict[str, Any]:
+    """Step time (median) and peak device memory of one recipe; skipped recipes say why."""
+    from memlab.models import lm_loss
+    from memlab.offload import OffloadedAdamW
+
+    autocast = recipe == "on-device fused AdamW"
+    model = _gpt(n_layer, n_embd, seq, torch.float32 if autocast else torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    if autocast:
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    elif recipe.startswith("memlab"):
+        opt = OffloadedAdamW(model.parameters(), lr=1e-4, offload_gradients="offload grads" in recipe)
+    else:
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError as exc:
+            del model
+            return {"skipped": f"torchao not importable ({exc.__class__.__name__})"}
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients="offload grads" in recipe,
+                                  fused=True, lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, 256, (batch, seq), generator=gen).cuda() for _ in range(2)]
+
+    def step() -> None:
+        for k in range(accum):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = lm_loss(model, xs[k % 2], xs[(k + 1) % 2]) / accum
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # states exist
+    sync("cuda")
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    sync("cuda")
+    peak = torch.cuda.max_memory_allocated()
+    seconds = time_median(step, repeat=repeat, warmup=0, device="cuda")
+    out = {"params": n_params, "peak": peak, "seconds": seconds}
+    del model, opt, xs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+GPU_RECIPES = ("on-device fused AdamW", "memlab OffloadedAdamW", "memlab OffloadedAdamW + offload grads",
+               "torchao CPUOffloadOptimizer", "torchao CPUOffloadOptimizer + offload grads")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from memlab.config import DEVICE, SMALL, pick
+
+    ap = argparse.ArgumentParser(prog="memlab bench offload", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default=None, help="CPU step sizes in parameters, comma-separated (default: 10M,100M; 1M,10M when small)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed repetitions, median reported")
+    ap.add_argument("--no-gpu", action="store_true", help="only the CPU step table")
+    ap.add_argument("--layers", type=int, default=24, help="GPU model: TinyGPT layers (24 x 1024 wide: 302M params)")
+    ap.add_argument("--width", type=int, default=1024, help="GPU model: n_embd")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--accum", type=int, default=16, help="micro-batches per optimizer step")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [_parse_size(s) for s in (args.sizes or pick(full="10M,100M", small="1M,10M")).split(",")]
+    except ValueError as exc:
+        ap.error(f"--sizes: {exc}")
+    for name, v in (("--repeat", args.repeat), ("--layers", args.layers), ("--width", args.width),
+                    ("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--accum", args.accum)):
+        if v < 1:
+            ap.error(f"{name}={v} must be >= 1")
+
+    rows, summary = cpu_step_rows(sizes, repeat=args.repeat)
+    header = ["CPU AdamW step", "params", "ms", "Gparam/s", "GiB/s (28 B/param)", "of copy bw", "speed vs fused"]
+    print(table(f"memlab bench offload: CPU step; copy bandwidth {summary['copy_bw'] / 2**30:.1f} GiB/s "
+                f"(a += b, read + written; dst.copy_(src): {summary['plain_copy_bw'] / 2**30:.1f} GiB/s)",
+                header, rows, "cpu"))
+    print(f"fast step ran: {summary['kernel']}")
+    for n, s in summary["sizes"].items():
+        ok1, ok2 = s["vs_fused"] >= 0.9, s["of_bw"] >= 0.6
+        print(f"target at {n:,} params: fast step {s['vs_fused']:.2f}x torch fused (>= 0.9: {'met' if ok1 else 'missed'}), "
+              f"{s['of_bw']:.0%} of copy bandwidth (>= 60%: {'met' if ok2 else 'missed'})")
+    print()
+    if args.no_gpu:
+        return 0
+    if DEVICE.type != "cuda":
+        print("offloaded training: needs CUDA: skipped on cpu (host == device, nothing to offload)")
+        return 0
+    kw = dict(n_layer=args.layers, n_embd=args.width, batch=args.batch_size, seq=args.seq_len, accum=args.accum, repeat=args.repeat)
+    results = {r: gpu_recipe(r, **kw) for r in GPU_RECIPES}
+    base = results["on-device fused AdamW"]
+    grows = []
+    for r, res in results.items():
+        if "skipped" in res:
+            grows.append([r, "-", "-", "-", "-", res["skipped"]])
+            continue
+        grows.append([r, res["seconds"], res["seconds"] / base["seconds"], res["peak"] / 2**30,
+                      f"{1 - res['peak'] / base['peak']:.0%}", ""])
+    print(table(f"memlab bench offload: TinyGPT {base['params'] / 1e6:.0f}M params, {args.accum} micro-batches of "
+                f"{args.batch_size} x {args.seq_len} per step (bf16 compute)",
+                ["recipe", "step (s)", "time vs on-device", "peak device (GiB)", "less device memory", "note"], grows, DEVICE))
+    for r in ("memlab OffloadedAdamW", "memlab OffloadedAdamW + offload grads"):
+        res = results[r]
+        t, mem = res["seconds"] / base["seconds"], 1 - res["peak"] / base["peak"]
+        print(f"target {r}: {t:.2f}x step time (<= 1.15: {'met' if t <= 1.15 else 'missed'}), "
+              f"{mem:.0%} less peak device memory (>= 45%: {'met' if mem >= 0.45 else 'missed'})")
+    return 0
