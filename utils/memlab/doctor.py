@@ -595,7 +595,11 @@ def _check_jupyterlab(ctx: _Context) -> List[CheckLine]:
 
 
 def _check_nbclient(ctx: _Context) -> List[CheckLine]:
-    return [_package_line("nbclient", "needed for `memlab grade`", missing="FAIL", install=_GRADE)]
+    return [
+        _package_line(
+            "nbclient", "needed to run notebooks headless (nbval in `make test`)", missing="FAIL", install=_GRADE
+        )
+    ]
 
 
 def _check_ipykernel(ctx: _Context) -> List[CheckLine]:
