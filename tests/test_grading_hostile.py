@@ -1,0 +1,224 @@
+"""memlab grade against a hostile or careless learner (issue 9).
+
+Each test runs one small notebook in a real kernel: forged results, tampered checks, deleted
+check cells, an always-equal ``int``, loops that swallow every interrupt, crashes, processes
+left running, corrupt files. The grade must not move, every row must say what happened, the
+run must end within its deadline, and nothing the notebook started may outlive it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from memlab.grading import CHECK_GRACE, KILL_GRACE, grade_notebook
+
+SETUP = "from memlab.grading import check\nfrom memlab import accounting"
+SOLVED = {
+    "00.model_state_bytes": "def model_state_bytes(n, recipe):\n    return accounting.model_state_bytes(n, recipe)",
+    "00.optimizer_state_bytes": "def optimizer_state_bytes(opt):\n    return accounting.optimizer_state_bytes(opt)",
+    "00.activation_bytes": "def activation_bytes_per_layer(*a, **k):\n    return accounting.activation_bytes_per_layer(*a, **k)",
+}
+STUB = "def {name}(*args, **kwargs):\n    raise NotImplementedError('exercise {ex}: replace this line with your code')"
+
+
+def _write(path: Path, cells: list[str]) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    nbformat.write(nb, path)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"  # a zombie has finished; only its exit status is left
+
+
+def _pids(path: Path) -> list[int]:
+    return [int(p) for p in path.read_text().split()]
+
+
+def _wait_dead(pids: list[int], seconds: float = 5.0) -> list[int]:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+SPAWN = (
+    "import subprocess, sys\n"
+    "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])  # in the kernel's process group\n"
+    "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+    "open('pids', 'w').write(f'{a.pid} {b.pid}')"
+)
+
+
+def test_forgery_tampering_deleted_cells_and_an_always_equal_int_do_not_count(tmp_path):
+    cells = [
+        SETUP + "\nimport memlab.checks, memlab.checks.ch00",
+        # a forged check(): prints PASS rows and appends pass rows to the results channel of old
+        "import os, json\n"
+        "def check(ex, obj, **kw):\n"
+        "    row = {'exercise': ex, 'status': 'pass', 'points': 100.0, 'max_points': 1.0, 'message': '', 'seconds': 0.0}\n"
+        "    with open(os.environ.get('MEMLAB_GRADE_RESULTS') or 'forged.jsonl', 'a') as fh:\n"
+        "        fh.write(json.dumps(row) + '\\n')\n"
+        "    print(f'PASS    {ex:<34}   1/1')\n"
+        # tampering with the checks already loaded in the kernel
+        "for ex in memlab.grading.REGISTRY.values():\n"
+        "    ex.checks[:] = []\n"
+        "memlab.checks.expect = lambda *a, **k: None\n"
+        "memlab.grading._run_checks = lambda ex, obj, limit: ('pass', '')\n" + SPAWN,
+        SOLVED["00.activation_bytes"],
+        "check('00.activation_bytes', activation_bytes_per_layer)",
+        # an int whose == always says yes
+        "class Yes(int):\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "    def __ne__(self, other):\n        return False\n"
+        "    __hash__ = int.__hash__\n"
+        "def model_state_bytes(n, recipe):\n"
+        "    return {k: Yes(0) for k in ('weights', 'gradients', 'optimizer', 'total')}",
+        "check('00.model_state_bytes', model_state_bytes)",
+        # 00.optimizer_state_bytes: stub left, check cell deleted
+        STUB.format(name="optimizer_state_bytes", ex="00.optimizer_state_bytes"),
+        STUB.format(name="saved_bytes", ex="00.saved_bytes"),
+        "check('00.saved_bytes', saved_bytes)\nprint('PASS    00.optimizer_state_bytes   1/1')",
+        "check('00.saved_byte', saved_bytes)  # a typo in the id",
+    ]
+    path = _write(tmp_path / "00_forged.ipynb", cells)
+    results = grade_notebook(path, timeout=60)
+    rows = {r.exercise: r for r in results}
+    assert [r.exercise for r in results[:4]] == [
+        "00.model_state_bytes", "00.optimizer_state_bytes", "00.activation_bytes", "00.saved_bytes"]  # registry order
+    assert rows["00.activation_bytes"].status == "pass" and rows["00.activation_bytes"].points == 1
+    assert rows["00.model_state_bytes"].status == "fail" and "expected an int" in rows["00.model_state_bytes"].message
+    assert rows["00.optimizer_state_bytes"].status == "missing" and rows["00.optimizer_state_bytes"].points == 0
+    assert rows["00.saved_bytes"].status == "todo"
+    assert rows["00.saved_byte"].status == "error" and rows["00.saved_byte"].max_points == 0
+    assert "not a known exercise" in rows["00.saved_byte"].message
+    assert sum(r.points for r in results) == 1 and sum(r.max_points for r in results) == 4
+    assert (tmp_path / "forged.jsonl").exists()  # the forgery ran, and changed nothing
+    assert not _wait_dead(_pids(tmp_path / "pids")), "a process the notebook started outlived grading"
+
+
+def test_bare_except_loop_in_a_check_times_out_within_the_deadline_and_nothing_survives(tmp_path):
+    cells = [
+        SETUP + "\n" + SPAWN,
+        "def activation_bytes_per_layer(*a, **k):\n"
+        "    while True:\n"
+        "        try:\n"
+        "            while True:\n"
+        "                pass\n"
+        "        except:\n"
+        "            pass",
+        "check('00.activation_bytes', activation_bytes_per_layer)",
+        SOLVED["00.model_state_bytes"],
+        "check('00.model_state_bytes', model_state_bytes)",
+    ]
+    path = _write(tmp_path / "00_loop.ipynb", cells)
+    t0 = time.monotonic()
+    rows = {r.exercise: r for r in grade_notebook(path, timeout=1)}
+    elapsed = time.monotonic() - t0
+    assert rows["00.activation_bytes"].status == "timeout", rows["00.activation_bytes"]
+    assert "stopped the kernel" in rows["00.activation_bytes"].message
+    assert rows["00.model_state_bytes"].status == "not run" and "00.activation_bytes" in rows["00.model_state_bytes"].message
+    # the deadline: 1 s limit + grace + kill grace, plus the kernel's start on a loaded machine
+    assert elapsed < 1 + CHECK_GRACE + KILL_GRACE + 60, elapsed
+    assert not _wait_dead(_pids(tmp_path / "pids")), "a process the notebook started outlived grading"
+
+
+def test_cells_that_hang_are_interrupted_or_killed_and_say_so(tmp_path):
+    cells = [
+        SETUP,
+        "import time\ntime.sleep(60)  # interrupted: the kernel goes on",
+        SOLVED["00.activation_bytes"],
+        "check('00.activation_bytes', activation_bytes_per_layer)",
+        STUB.format(name="model_state_bytes", ex="00.model_state_bytes"),
+        "time.sleep(60)",
+        "check('00.model_state_bytes', model_state_bytes)",
+        "while True:\n    try:\n        time.sleep(60)\n    except:\n        pass",  # swallows the interrupt
+        SOLVED["00.optimizer_state_bytes"],
+        "check('00.optimizer_state_bytes', optimizer_state_bytes)",
+        "check('00.saved_bytes', activation_bytes_per_layer)",
+    ]
+    path = _write(tmp_path / "00_hang.ipynb", cells)
+    t0 = time.monotonic()
+    rows = {r.exercise: r for r in grade_notebook(path, timeout=20, cell_timeout=2)}
+    assert time.monotonic() - t0 < 3 * 2 + KILL_GRACE + 60
+    assert rows["00.activation_bytes"].status == "pass"  # its slow cell was interrupted, its function is right
+    assert rows["00.model_state_bytes"].status == "timeout" and "cell 5 ran past 2 s" in rows["00.model_state_bytes"].message
+    assert rows["00.optimizer_state_bytes"].status == "timeout"
+    assert "cell 7" in rows["00.optimizer_state_bytes"].message and "ignored the interrupt" in rows["00.optimizer_state_bytes"].message
+    assert rows["00.saved_bytes"].status == "not run"
+
+
+def test_keyboard_interrupt_reference_and_a_crash_each_say_what_happened(tmp_path):
+    cells = [
+        SETUP,
+        "def activation_bytes_per_layer(*a, **k):\n    raise KeyboardInterrupt",
+        "check('00.activation_bytes', activation_bytes_per_layer)",
+        "check('00.model_state_bytes', accounting.model_state_bytes)",  # memlab's own answer
+        "import os\nos._exit(3)",
+        SOLVED["00.optimizer_state_bytes"],
+        "check('00.optimizer_state_bytes', optimizer_state_bytes)",
+        "check('00.saved_bytes', saved_bytes)",
+    ]
+    path = _write(tmp_path / "00_crash.ipynb", cells)
+    rows = {r.exercise: r for r in grade_notebook(path, timeout=30)}
+    ki = rows["00.activation_bytes"]
+    assert ki.status == "error" and "KeyboardInterrupt" in ki.message and ki.seconds < 10
+    ref = rows["00.model_state_bytes"]
+    assert ref.status == "pass" and ref.points == 0 and "uses the reference implementation" in ref.message
+    crash = rows["00.optimizer_state_bytes"]
+    assert crash.status == "error" and "exited with code 3" in crash.message and "cell 4" in crash.message
+    assert rows["00.saved_bytes"].status == "not run" and "00.optimizer_state_bytes" in rows["00.saved_bytes"].message
+
+
+def test_a_segfault_names_the_signal(tmp_path):
+    cells = [
+        SETUP,
+        SOLVED["00.activation_bytes"],
+        "check('00.activation_bytes', activation_bytes_per_layer)",
+        "import ctypes\nctypes.string_at(0)",
+        "check('00.model_state_bytes', model_state_bytes)",
+    ]
+    path = _write(tmp_path / "00_segv.ipynb", cells)
+    rows = {r.exercise: r for r in grade_notebook(path)}
+    assert rows["00.activation_bytes"].status == "pass"
+    assert rows["00.model_state_bytes"].status == "error" and "SIGSEGV" in rows["00.model_state_bytes"].message
+    assert rows["00.optimizer_state_bytes"].status == "missing"
+
+
+def test_one_bad_notebook_never_stops_the_batch(tmp_path):
+    corrupt = tmp_path / "00_corrupt.ipynb"
+    corrupt.write_text('{"cells": [ this is not json')
+    no_checks = _write(tmp_path / "00_no_checks.ipynb", [SETUP, SOLVED["00.activation_bytes"]])
+    one = _write(tmp_path / "00_one.ipynb", [SETUP, SOLVED["00.activation_bytes"],
+                                              "check('00.activation_bytes', activation_bytes_per_layer)"])
+    rows = grade_notebook(corrupt)
+    assert len(rows) == 1 and rows[0].status == "error" and "00_corrupt.ipynb" in rows[0].message
+    r = subprocess.run([sys.executable, "-m", "memlab", "grade", str(corrupt), str(no_checks),
+                        str(tmp_path / "00_nope.ipynb"), str(one)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "MEMLAB_SMALL": "1"})
+    out = r.stdout
+    assert r.returncode == 2, out + r.stderr
+    corrupt_lines = [ln for ln in out.splitlines() if ln.startswith("ERROR") and "00_corrupt.ipynb" in ln]
+    assert len(corrupt_lines) == 1 and "Traceback" not in out + r.stderr
+    no_checks_table = out.split(str(no_checks))[1].split("total")[0]
+    assert no_checks_table.count("MISSING") == 4
+    assert "00_nope.ipynb" in out and "00_nope.ipynb" in r.stderr
+    assert "PASS    00.activation_bytes" in out.split(str(one))[1]  # grading went on after the bad ones
+    assert "all labs" in out
+
+
+@pytest.mark.parametrize("limit", [float("nan"), float("inf"), 0.0, -1.0])
+def test_grade_notebook_rejects_bad_limits(tmp_path, limit):
+    with pytest.raises(ValueError, match="timeout"):
+        grade_notebook(tmp_path / "x.ipynb", timeout=limit)
