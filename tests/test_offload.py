@@ -281,15 +281,31 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="chunk=0"):
         O.adamw_step_flat_(torch.ones(2), torch.ones(2), torch.zeros(2), torch.zeros(2), 1, chunk=0, **HP)
     with pytest.raises(ValueError, match="recipe='sgd'"):
-        O.model_state_bytes(10, "sgd")
+        O.device_host_bytes(10, "sgd")
+    with pytest.raises(ValueError, match="recipe='sgd'"):
+        O.predict_device_bytes(nn.Linear(2, 2), "sgd")
     with pytest.raises(ValueError, match="kernel='fast'"):
         O.load_kernel("fast")
 
 
-def test_model_state_bytes():
-    assert O.model_state_bytes(10, "bf16 amp adamw") == {"device": 160, "host": 0}
-    assert O.model_state_bytes(10, "offload") == {"device": 40, "host": 160}
-    assert O.model_state_bytes(10, "offload grads") == {"device": 20, "host": 160}
+def test_device_host_bytes():
+    assert O.device_host_bytes(10, "mixed-adamw") == {"device": 160, "host": 0}
+    assert O.device_host_bytes(10, "offload-adamw") == {"device": 40, "host": 160}
+    assert O.device_host_bytes(10, "offload-adamw-grads") == {"device": 20, "host": 160}
+
+
+def test_install_grad_hooks_accumulates_and_frees():
+    ref, mine = _mlp(torch.bfloat16), _mlp(torch.bfloat16)
+    slots = [torch.zeros(p.shape) for p in mine.parameters()]
+    handles = O.install_grad_hooks(mine.parameters(), slots)
+    for x, y in _batches(2, dtype=torch.bfloat16):
+        _loss(ref, x, y).backward()
+        _loss(mine, x, y).backward()
+        assert all(p.grad is None for p in mine.parameters())
+    for p, s in zip(ref.parameters(), slots):
+        assert s.dtype == torch.float32 and torch.allclose(s, p.grad.float(), rtol=2e-2, atol=1e-3)
+    for h in handles:
+        h.remove()
 
 
 # ----------------------------------------------------------------------------- layer streaming

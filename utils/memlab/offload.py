@@ -67,7 +67,9 @@ __all__ = [
     "DEFAULT_CHUNK",
     "OffloadedAdamW",
     "StreamedSequential",
-    "model_state_bytes",
+    "device_host_bytes",
+    "predict_device_bytes",
+    "install_grad_hooks",
 ]
 
 DEFAULT_CHUNK = 16384  # floats: 4 arrays x 64 KiB = 256 KiB in flight, about an L2 cache
@@ -625,21 +627,76 @@ def _make_hook(opt: OffloadedAdamW):
 
 
 # ----------------------------------------------------------------------------- memory accounting
-def model_state_bytes(n_params: int, recipe: str) -> dict[str, int]:
-    """Device and host bytes of weights + grads + optimizer states for ``n_params`` parameters.
+# bytes per parameter (device, host) of weights + grads + optimizer state; activations not counted
+OFFLOAD_RECIPES: dict[str, tuple[int, int]] = {
+    "fp32-adamw": (16, 0),  # 4 weights + 4 grads + 8 moments, all on the device
+    "mixed-adamw": (16, 0),  # 2 weights + 2 grads + 4 fp32 master + 8 moments, all on the device
+    "offload-adamw": (4, 16),  # device: 2 + 2; host: 4 master + 4 fp32 grad slot + 8 moments
+    "offload-adamw-grads": (2, 16),  # gradients leave the device during backward
+}
 
-    Recipes: ``"fp32 adamw"`` (4+4+8 on the device), ``"bf16 amp adamw"`` (2+2+4+8: 16-bit
-    weights and grads with fp32 master and moments, all on the device), ``"offload"`` (2+2 on the
-    device; 4+4+8 host: master, fp32 grad slot, moments) and ``"offload grads"`` (2 on the device).
-    Activations and the pinned staging buffers (2 host bytes per 16-bit parameter) are not counted.
+
+def device_host_bytes(n_params: int, recipe: str) -> dict[str, int]:
+    """Device and host bytes of weights + grads + optimizer state for ``n_params`` 16-bit-trained parameters.
+
+    Recipes: ``fp32-adamw`` and ``mixed-adamw`` (16 bytes/param on the device), ``offload-adamw``
+    (4 on the device, 16 on the host), ``offload-adamw-grads`` (2 on the device). Activations
+    and the pinned staging buffers (2 host bytes per 16-bit parameter on CUDA) are not counted.
     """
     if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
         raise ValueError(f"n_params={n_params!r} must be an int >= 0")
-    per = {"fp32 adamw": (16, 0), "bf16 amp adamw": (16, 0), "offload": (4, 16), "offload grads": (2, 16)}
-    if recipe not in per:
-        raise ValueError(f"recipe={recipe!r} is not known; allowed: {', '.join(per)}")
-    dev, host = per[recipe]
+    if recipe not in OFFLOAD_RECIPES:
+        raise ValueError(f"recipe={recipe!r} is not known; allowed: {', '.join(OFFLOAD_RECIPES)}")
+    dev, host = OFFLOAD_RECIPES[recipe]
     return {"device": dev * n_params, "host": host * n_params}
+
+
+DEVICE_RECIPES = ("adamw", "offload", "offload grads")
+
+
+def predict_device_bytes(model: nn.Module, recipe: str) -> int:
+    """Device bytes of ``model``'s parameters, buffers, gradients and optimizer state after a step.
+
+    ``"adamw"``: torch AdamW on the model as it is (weights, grads and two moments in the
+    parameters' dtype); ``"offload"``: OffloadedAdamW (weights and grads stay, states leave);
+    ``"offload grads"``: OffloadedAdamW with ``offload_gradients=True`` (only the weights stay).
+    Tied parameters count once. The scalar step counters (4 bytes per tensor) are left out.
+    """
+    if recipe not in DEVICE_RECIPES:
+        raise ValueError(f"recipe={recipe!r} is not known; allowed: {', '.join(DEVICE_RECIPES)}")
+    params = list({id(p): p for p in model.parameters()}.values())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    per = {"adamw": 3, "offload": 1, "offload grads": 0}[recipe]
+    return weights + buffers + per * trained
+
+
+def install_grad_hooks(params: Iterable[torch.Tensor], slots: Sequence[torch.Tensor]) -> list[Any]:
+    """Stage gradients as backward produces them: add each finished ``p.grad`` into its fp32 slot, then free it.
+
+    ``slots[i]`` is parameter ``i``'s host buffer (same shape, float32). Uses
+    ``Tensor.register_post_accumulate_grad_hook``, which fires once ``p.grad`` holds the whole
+    gradient of this backward; setting ``p.grad = None`` there releases the device memory at
+    once, so the device never holds all gradients together. Returns the hook handles.
+    """
+    params = list(params)
+    slots = list(slots)
+    if len(params) != len(slots):
+        raise ValueError(f"{len(params)} params but {len(slots)} slots; give one slot per parameter")
+    handles = []
+    for p, slot in zip(params, slots):
+        if slot.shape != p.shape or slot.dtype != torch.float32:
+            raise ValueError(f"slot of shape {tuple(slot.shape)} and dtype {slot.dtype} for a parameter of shape "
+                             f"{tuple(p.shape)}: slots must be float32 with the parameter's shape")
+
+        def hook(param: torch.Tensor, slot: torch.Tensor = slot) -> None:
+            slot.add_(param.grad)  # float32 += grad (cast up on the fly)
+            param.grad = None
+
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(hook))
+    return handles
 
 
 # ----------------------------------------------------------------------------- layer streaming

@@ -1,0 +1,55 @@
+"""Chapter 04's checks pass on memlab's own answers, report a stub as todo, and name what is wrong."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memlab import offload
+from memlab.grading import check, get_exercise
+
+IDS = ["04.adamw_update", "04.bias_correction", "04.pack_flat", "04.chunked_step", "04.grad_hook", "04.predict_device_bytes"]
+
+
+@pytest.mark.parametrize("exercise", IDS)
+def test_reference_passes(exercise):
+    r = check(exercise, get_exercise(exercise).reference(), quiet=True)
+    assert r.status == "pass", r.message
+
+
+@pytest.mark.parametrize("exercise", IDS)
+def test_stub_is_todo(exercise):
+    def stub(*a, **k):
+        raise NotImplementedError(f"exercise {exercise}: replace this line with your code")
+
+    assert check(exercise, stub, quiet=True).status == "todo"
+
+
+def test_not_callable_fails_with_a_message():
+    r = check("04.adamw_update", 42, quiet=True)
+    assert r.status == "fail" and "expected a function" in r.message
+
+
+def test_chunked_step_with_own_update_passes():
+    # the lab's intended answer: the bitwise update applied slice by slice (torch.sqrt, not the kernel's rounding)
+    def chunked(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay, chunk):
+        for lo in range(0, param.numel(), chunk):
+            s = slice(lo, lo + chunk)
+            offload.adamw_step_(param[s], grad[s], exp_avg[s], exp_avg_sq[s], step, lr=lr, beta1=beta1, beta2=beta2,
+                                eps=eps, weight_decay=weight_decay)
+
+    assert check("04.chunked_step", chunked, quiet=True).status == "pass"
+
+
+def test_flat_kernel_passes_the_chunked_check():
+    def kernel(param, grad, exp_avg, exp_avg_sq, step, *, chunk, **hp):
+        offload.adamw_step_flat_(param, grad, exp_avg, exp_avg_sq, step, chunk=chunk, **hp)
+
+    assert check("04.chunked_step", kernel, quiet=True).status == "pass"
+
+
+def test_predict_with_exact_step_counters_passes():
+    def exact(model, recipe):
+        n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+        return offload.predict_device_bytes(model, recipe) + (4 * n_tensors if recipe == "adamw" else 0)
+
+    assert check("04.predict_device_bytes", exact, quiet=True).status == "pass"
