@@ -136,24 +136,25 @@ def test_bare_except_loop_in_a_check_times_out_within_the_deadline_and_nothing_s
 
 def test_cells_that_hang_are_interrupted_or_killed_and_say_so(tmp_path):
     cells = [
-        SETUP,
+        "from memlab.grading import check  # no torch import here: it could take longer than the cell limit",
         "import time\ntime.sleep(60)  # interrupted: the kernel goes on",
-        SOLVED["00.activation_bytes"],
+        "def activation_bytes_per_layer(*a, **k):\n    from memlab import accounting\n"
+        "    return accounting.activation_bytes_per_layer(*a, **k)",
         "check('00.activation_bytes', activation_bytes_per_layer)",
         STUB.format(name="model_state_bytes", ex="00.model_state_bytes"),
         "time.sleep(60)",
         "check('00.model_state_bytes', model_state_bytes)",
         "while True:\n    try:\n        time.sleep(60)\n    except:\n        pass",  # swallows the interrupt
-        SOLVED["00.optimizer_state_bytes"],
+        "def optimizer_state_bytes(opt):\n    return 0",
         "check('00.optimizer_state_bytes', optimizer_state_bytes)",
         "check('00.saved_bytes', activation_bytes_per_layer)",
     ]
     path = _write(tmp_path / "00_hang.ipynb", cells)
     t0 = time.monotonic()
-    rows = {r.exercise: r for r in grade_notebook(path, timeout=20, cell_timeout=2)}
-    assert time.monotonic() - t0 < 3 * 2 + KILL_GRACE + 60
-    assert rows["00.activation_bytes"].status == "pass"  # its slow cell was interrupted, its function is right
-    assert rows["00.model_state_bytes"].status == "timeout" and "cell 5 ran past 2 s" in rows["00.model_state_bytes"].message
+    rows = {r.exercise: r for r in grade_notebook(path, timeout=20, cell_timeout=3)}
+    assert time.monotonic() - t0 < 3 * 3 + KILL_GRACE + 60
+    assert rows["00.activation_bytes"].status == "pass", rows["00.activation_bytes"]  # its slow cell was interrupted
+    assert rows["00.model_state_bytes"].status == "timeout" and "cell 5 ran past 3 s" in rows["00.model_state_bytes"].message
     assert rows["00.optimizer_state_bytes"].status == "timeout"
     assert "cell 7" in rows["00.optimizer_state_bytes"].message and "ignored the interrupt" in rows["00.optimizer_state_bytes"].message
     assert rows["00.saved_bytes"].status == "not run"

@@ -556,12 +556,10 @@ def check_calls(nb: Any) -> list[CheckCall]:
     for i, cell in enumerate(nb.cells):
         if cell.get("cell_type") != "code" or not isinstance(cell.get("source"), str):
             continue
-        for line in cell.source.splitlines():
-            if line.lstrip().startswith("#"):
-                continue
-            for m in _CHECK_CALL.finditer(line):
-                name = m.group(3).rstrip(".") if m.group(3) else None
-                found.append(CheckCall(m.group(2), name, i))
+        code = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith("#"))
+        for m in _CHECK_CALL.finditer(code):  # a commented-out check is a deleted one
+            name = m.group(3).rstrip(".") if m.group(3) else None
+            found.append(CheckCall(m.group(2), name, i))
     return found
 
 
