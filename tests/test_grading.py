@@ -304,3 +304,13 @@ def test_every_exercise_has_a_reference():
     for ex_id, ex in load_all().items():
         assert ex.reference is not None, f"{ex_id} has no reference implementation"
         assert get_exercise(ex_id) is ex
+
+
+def test_check_calls_read_from_the_notebook():
+    from memlab.grading import check_calls
+
+    cells = ['check(\n    "00.a",\n    f)', '# check("00.b", g)', 'r = check("00.c", mod.fn, timeout=3)',
+             'check("00.d", lambda: 1)', 'check("typo", f)']
+    calls = check_calls(_nb(cells))
+    assert [(c.exercise, c.name, c.cell) for c in calls] == [
+        ("00.a", "f", 0), ("00.c", "mod.fn", 2), ("00.d", None, 3), ("typo", "f", 4)]

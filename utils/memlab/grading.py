@@ -36,6 +36,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import keyword
 import math
 import os
 import pkgutil
@@ -538,7 +539,7 @@ def _request(boot: str, args: dict[str, Any], with_namespace: bool = False) -> s
 
 
 # ----------------------------------------------------------------------------- the notebook's check cells
-_CHECK_CALL = re.compile(r"""\bcheck\(\s*(["'])([^"'\n]{1,80})\1\s*(?:,\s*([A-Za-z_][\w.]*)\s*)?""")
+_CHECK_CALL = re.compile(r"""\bcheck\(\s*(["'])([^"'\n]{1,80})\1\s*(?:,\s*([A-Za-z_][\w.]*)(?=\s*[,)]))?""")
 
 
 @dataclass
@@ -558,7 +559,7 @@ def check_calls(nb: Any) -> list[CheckCall]:
             continue
         code = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith("#"))
         for m in _CHECK_CALL.finditer(code):  # a commented-out check is a deleted one
-            name = m.group(3).rstrip(".") if m.group(3) else None
+            name = m.group(3) if m.group(3) and not keyword.iskeyword(m.group(3).split(".")[0]) else None
             found.append(CheckCall(m.group(2), name, i))
     return found
 
