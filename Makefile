@@ -54,6 +54,7 @@ help:
 	@echo "make labs / make check-labs   regenerate labs/ from solutions/ / check them for drift and leaks"
 	@echo "make notebooks                re-execute lectures and solutions in place (commit the outputs)"
 	@echo "make clean                    delete .venv and caches (work/ is kept)"
+	@echo "make help                     this list"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
