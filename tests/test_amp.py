@@ -141,7 +141,7 @@ def test_unscale_grads_matches_torch_kernel(device, dtype):
             unscale_grads_(grads, f_me, inv_t)
             assert f_me.item() == f_ref.item() == (0.0 if bad is None else 1.0)
             for g, r in zip(grads, ref):
-                g = g.cpu()
+                g, r = g.cpu(), r.cpu()
                 assert torch.equal(g.nan_to_num(), r.nan_to_num()), (inv, bad)
                 assert torch.equal(torch.isnan(g), torch.isnan(r))
 
