@@ -27,10 +27,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
 
 
-def _stepped(opt_factory) -> torch.optim.Optimizer:
-    model = _model()
+def _stepped(opt_factory, dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+    model = _model().to(dtype)
     opt = opt_factory(model.parameters())
-    model(torch.randn(4, 16)).square().mean().backward()
+    model(torch.randn(4, 16, dtype=dtype)).square().mean().backward()
     opt.step()
     return opt
 
@@ -43,6 +43,16 @@ def check_optimizer_state_bytes(fn):
         "SGD with momentum after one step": _stepped(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
         "Adam with amsgrad after one step": _stepped(lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True)),
     }
+    # float64 moments: not 4 bytes per element
+    cases["AdamW on a float64 model after one step"] = _stepped(lambda p: torch.optim.AdamW(p, lr=1e-3), torch.float64)
+    # state that shares storage: a flat buffer and per-parameter views into it (as fused and offloaded
+    # optimizers keep it): the buffer's bytes count once, and a view stands for its whole storage
+    shared = torch.optim.SGD(_model().parameters(), lr=0.1)
+    flat = torch.zeros(1000)
+    params = [p for g in shared.param_groups for p in g["params"]]
+    shared.state[params[0]] = {"flat": flat, "head": flat[:10], "tail": flat[500:]}
+    shared.state[params[1]] = {"slice": flat[100:200], "own": torch.zeros(7, dtype=torch.float16)}
+    cases["state tensors that are views of one flat buffer"] = shared
     for name, opt in cases.items():
         want = ref.optimizer_state_bytes(opt)
         got = fn(opt)
@@ -92,6 +102,13 @@ def check_saved_bytes(fn):
 
     got, want = fn(shared, w), ref.saved_activation_bytes(shared, w)
     expect_equal("saved bytes when a tensor and its transpose are both saved (one storage)", got, want)
+
+    def sliced(t: torch.Tensor) -> torch.Tensor:  # saves a view of 4 rows: its whole storage is kept
+        u = t[:4]
+        return (u * u).sum()
+
+    got, want = fn(sliced, w), ref.saved_activation_bytes(sliced, w)
+    expect_equal("saved bytes when the saved tensor is a 4-row view of a 32-row tensor (its storage is kept)", got, want)
 
     with torch.no_grad():
         got = fn(block, x)

@@ -38,6 +38,9 @@ def check_count_saved(fn):
         "x.t() @ x (one storage saved twice)": (lambda x: x.t() @ x, (torch.randn(8, 4, requires_grad=True),)),
         "a Linear (its weight is a parameter, not an activation)": (nn.Linear(32, 64), (h,)),
     }
+    # a slice saved for backward keeps its whole storage alive: count the storage, not the slice
+    cases["t[:2] * t[:2] (a 2-row slice of an 8-row tensor, saved twice)"] = (
+        lambda t: t[:2] * t[:2], (torch.randn(8, 4, requires_grad=True),))
     frozen = _blocks(1)[0].requires_grad_(False)
     cases["a frozen block, input requires grad"] = (frozen, (h,))
     for name, (f, args) in cases.items():
@@ -75,27 +78,45 @@ def check_checkpoint_function(fn):
     x.grad = None
     fn(block, x).square().sum().backward()
     _same_grads("gradients of the block's parameters and of x", _grads(block.parameters(), x), want)
+    # with dropout the recomputation must draw the same masks as the forward: replay the RNG state
+    block = _blocks(1, dropout=0.3)[0].train()
+    x.grad = None
+    torch.manual_seed(7)
+    block(x).square().sum().backward()
+    want = _grads(block.parameters(), x)
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.manual_seed(7)
+    out = fn(block, x)
+    torch.rand(100)  # other random draws between forward and backward, as a real training step makes
+    out.square().sum().backward()
+    _same_grads("with dropout 0.3 (save the RNG state in forward, restore it for the recomputation)",
+                _grads(block.parameters(), x), want)
 
 
 # ----------------------------------------------------------------------------- 02.rng_replay
 @register("02.rng_replay", reference=lambda: ref.RNGState, title="RNG snapshot and replay")
 def check_rng_replay(cls):
-    torch.manual_seed(0)
+    torch.manual_seed(1234)
+    untouched = torch.rand(6)
+    torch.manual_seed(1234)
     snap = cls()
     a = torch.rand(6)
+    expect(torch.equal(a, untouched), "taking a snapshot changed the random numbers drawn after it: read the state "
+                                      "with torch.get_rng_state(), never re-seed")
     b = torch.rand(6)
     with snap.replay():
         again = torch.rand(6)
     expect(torch.equal(again, a), "inside replay(), torch.rand drew other numbers than right after the snapshot "
                                    "was taken: set the saved state with torch.set_rng_state")
-    torch.manual_seed(0)
+    torch.manual_seed(1234)
     snap = cls()
     torch.rand(6)
     with snap.replay():
         torch.rand(1000)
     expect(torch.equal(torch.rand(6), b), "after replay() the RNG did not continue where it was before the block: "
                                           "save torch.get_rng_state() on entry and put it back on exit")
-    torch.manual_seed(0)
+    torch.manual_seed(1234)
     snap = cls()
     torch.rand(6)
     try:
@@ -130,7 +151,7 @@ def _counting_layers(n: int) -> tuple[list[nn.Module], list[int]]:
 @register("02.checkpoint_sequential", reference=lambda: ref.checkpoint_sequential,
           title="checkpoint_sequential with k segments")
 def check_checkpoint_sequential(fn):
-    for n, k in ((6, 3), (6, 2), (6, 1), (4, 4), (8, 4)):
+    for n, k in ((6, 3), (6, 2), (6, 1), (4, 4), (8, 4), (7, 3), (5, 2), (10, 4)):
         layers, calls = _counting_layers(n)
         params = [p for m in layers for p in m.parameters()]
         x = torch.randn(3, 8, requires_grad=True)
@@ -150,10 +171,15 @@ def check_checkpoint_sequential(fn):
         out.square().sum().backward()
         _same_grads(f"n={n}, k={k}: gradients", _grads(params, x), want)
         expect_equal(f"n={n}, k={k}: calls of each layer in forward", forward_calls, [1] * n)
-        seg = n // k
-        expected = [2] * (n - seg) + [1] * seg if k > 1 else [1] * n
-        expect_equal(f"n={n}, k={k}: calls of each layer in forward + backward (segments of {seg}; "
-                     f"every segment but the last is recomputed once)", calls, expected)
+        # k segments whose sizes differ by at most one, the longer ones first (the split the memory
+        # model n/k + k assumes: no segment longer than ceil(n/k)); every segment but the last is
+        # recomputed once in backward, the last runs plainly
+        bounds = ref.split_segments(n, k)
+        last = bounds[-1][1] - bounds[-1][0]
+        expected = [2] * (n - last) + [1] * last
+        sizes = [b - a for a, b in bounds]
+        expect_equal(f"n={n}, k={k}: calls of each layer in forward + backward (segments of {sizes} layers; "
+                     f"all but the last recomputed once)", calls, expected)
 
 
 # ----------------------------------------------------------------------------- 02.choose_segments
@@ -162,7 +188,9 @@ def check_checkpoint_sequential(fn):
 def check_choose_segments(fn):
     cases = [(16, 2000.0, 100.0, 10.0), (16, 900.0, 100.0, 10.0), (16, 500.0, 100.0, 10.0),
              (16, 440.0, 100.0, 10.0), (12, 350.0, 50.0, 20.0), (32, 1e9, 2.2e6, 1.3e5),
-             (32, 2.0e7, 2.2e6, 1.3e5), (1, 5.0, 4.0, 1.0)]
+             (32, 2.0e7, 2.2e6, 1.3e5), (1, 5.0, 4.0, 1.0),
+             (10, 350.0, 100.0, 1.0),  # k = 3 would need ceil(10/3) = 4 layers per segment: 403 > 350
+             (4, 15.0, 10.0, 1.0)]     # only k = n fits
     for n, budget, layer, boundary in cases:
         got = fn(n, budget, layer, boundary)
         want = ref.segments_for_budget(n, budget, layer, boundary)

@@ -93,7 +93,9 @@ def check_unscale_grads(fn) -> None:
                 inv_t = torch.full((), inv)
                 f_ref, f_got = torch.full((), pre), torch.full((), pre)
                 torch._amp_foreach_non_finite_check_and_unscale_(ref, f_ref, inv_t)
+                originals = list(grads)  # the caller's tensors (each p.grad): they must change in place
                 fn(grads, f_got, inv_t.clone())
+                grads = originals
                 case = f"{dtype} grads, inv_scale={inv:.4g}, {'a ' + str(bad) if bad is not None else 'all finite'}" + (", found_inf already 1.0" if pre else "")
                 expect(f_got.item() == f_ref.item(), f"unscale_grads_ ({case}): found_inf {f_got.item()}, expected {f_ref.item()}"
                        + (" (never reset found_inf: other tensors may have set it)" if pre else ""))
@@ -179,7 +181,8 @@ def check_master_step(fn) -> None:
                 g = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
                 p.grad, q.grad = g.float(), g.clone()
             ref_opt.step()
-            fn(model_params, master_params, opt)
+            model_list = list(model_params)  # the caller passes a fresh list each step; the model holds these objects
+            fn(model_list, master_params, opt)
             for i, (p, q, m) in enumerate(zip(ref.parameters(), model_params, master_params)):
                 expect(q.dtype == dtype, f"master_step ({dtype}): model param {i} became {q.dtype}; keep the model in 16 bits")
                 expect(m.dtype == torch.float32, f"master_step ({dtype}): master param {i} became {m.dtype}; keep masters in fp32")

@@ -1,0 +1,147 @@
+"""Plausible wrong answers to chapter 00's exercises; tests/test_mutants_ch00_03.py asserts each FAILS.
+
+MUTANTS maps an exercise id to (name, wrong implementation) pairs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+# ----------------------------------------------------------------------------- 00.model_state_bytes
+def _states(table):
+    def fn(n_params, recipe):
+        w, g, o = table[recipe]
+        out = {"weights": w * n_params, "gradients": g * n_params, "optimizer": o * n_params}
+        out["total"] = sum(out.values())
+        return out
+    return fn
+
+
+RIGHT = {"fp32-adamw": (4, 4, 8), "fp32-sgd": (4, 4, 0), "mixed-adamw": (2, 2, 12)}
+mixed_without_master = _states({**RIGHT, "mixed-adamw": (2, 2, 8)})     # forgets the fp32 master copy
+mixed_fp32_grads = _states({**RIGHT, "mixed-adamw": (2, 4, 12)})        # AMP's grads, not the recipe's
+sgd_with_momentum = _states({**RIGHT, "fp32-sgd": (4, 4, 4)})           # counts a momentum buffer
+adam_one_moment = _states({**RIGHT, "fp32-adamw": (4, 4, 4)})          # one moment instead of two
+
+
+def total_without_grads(n_params, recipe):
+    out = _states(RIGHT)(n_params, recipe)
+    out["total"] = out["weights"] + out["optimizer"]
+    return out
+
+
+# ----------------------------------------------------------------------------- 00.optimizer_state_bytes
+def numel_times_4(optimizer):
+    """Assumes every state tensor is fp32 (wrong for the int/float `step` counters and other dtypes)."""
+    return sum(v.numel() * 4 for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def no_dedup(optimizer):
+    """Counts each tensor, even when several are views of one storage."""
+    return sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def element_bytes_of_views(optimizer):
+    """numel * element_size of each tensor: a view counts its own elements, not its storage's."""
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def moments_only(optimizer):
+    """Counts exp_avg / exp_avg_sq / momentum_buffer, forgets step and max_exp_avg_sq."""
+    keys = {"exp_avg", "exp_avg_sq", "momentum_buffer"}
+    return sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for k, v in s.items()
+               if k in keys and isinstance(v, torch.Tensor))
+
+
+# ----------------------------------------------------------------------------- 00.activation_bytes
+def no_mask_term(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):
+    s, b, h, a, e, m = seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes
+    return s * b * h * 16 * e + a * s * s * b * 2 * e
+
+
+def hard_coded_paper(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):
+    """The paper's 34 s b h + 5 a s^2 b, ignoring act_bytes and mask_bytes."""
+    s, b, h, a = seq_len, batch_size, hidden, n_heads
+    return 34 * s * b * h + 5 * a * s * s * b
+
+
+def attention_linear_in_s(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):
+    s, b, h, a, e, m = seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes
+    return s * b * h * (16 * e + 2 * m) + a * s * b * (2 * e + m)
+
+
+def one_mask_only(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):
+    s, b, h, a, e, m = seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes
+    return s * b * h * (16 * e + m) + a * s * s * b * (2 * e + m)
+
+
+# ----------------------------------------------------------------------------- 00.saved_bytes
+def _saved(fn, args, *, dedup=True, skip_params=True, use_numel=False):
+    key = lambda t: (t.device, t.untyped_storage().data_ptr())  # noqa: E731
+    skip = {key(t) for t in list(fn.parameters()) + list(fn.buffers())} if skip_params and isinstance(fn, nn.Module) else set()
+    seen: dict = {}
+    total = [0]
+
+    def pack(t):
+        if key(t) in skip:
+            return t
+        nbytes = t.numel() * t.element_size() if use_numel else t.untyped_storage().nbytes()
+        if dedup:
+            seen[key(t)] = nbytes
+        else:
+            total[0] += nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values()) + total[0]
+
+
+def saved_no_dedup(fn, *args):
+    return _saved(fn, args, dedup=False)
+
+
+def saved_counts_weights(fn, *args):
+    return _saved(fn, args, skip_params=False)
+
+
+def saved_numel_of_views(fn, *args):
+    return _saved(fn, args, use_numel=True)
+
+
+def output_bytes(fn, *args):
+    """Measures what fn returns instead of what it saves for backward."""
+    out = fn(*args)
+    return out.numel() * out.element_size()
+
+
+MUTANTS = {
+    "00.model_state_bytes": [
+        ("mixed precision without the fp32 master copy", mixed_without_master),
+        ("mixed precision with fp32 gradients", mixed_fp32_grads),
+        ("plain SGD with a momentum buffer", sgd_with_momentum),
+        ("AdamW with one moment", adam_one_moment),
+        ("total forgets the gradients", total_without_grads),
+    ],
+    "00.optimizer_state_bytes": [
+        ("every state tensor assumed fp32", numel_times_4),
+        ("no storage dedup", no_dedup),
+        ("elements of views, not storages", element_bytes_of_views),
+        ("moments only (no step, no max_exp_avg_sq)", moments_only),
+    ],
+    "00.activation_bytes": [
+        ("no dropout-mask term", no_mask_term),
+        ("the paper's constants, ignoring act_bytes and mask_bytes", hard_coded_paper),
+        ("attention term linear in s", attention_linear_in_s),
+        ("one dropout mask per layer instead of two", one_mask_only),
+    ],
+    "00.saved_bytes": [
+        ("no storage dedup", saved_no_dedup),
+        ("the module's weights counted as activations", saved_counts_weights),
+        ("elements of views, not storages", saved_numel_of_views),
+        ("bytes of the output, not of what is saved", output_bytes),
+    ],
+}

@@ -1,0 +1,305 @@
+"""Plausible wrong answers to chapter 01's exercises; tests/test_mutants_ch00_03.py asserts each FAILS."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memlab.models import TinyGPT, lm_loss
+
+
+# ----------------------------------------------------------------------------- 01.live_bytes
+class _LiveBase:
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+        self._refs = {}
+
+    def _add(self, key, obj, n):
+        def free(ref, key=key, n=n):
+            if self._refs.get(key) is ref:
+                del self._refs[key]
+                self.current -= n
+        self._refs[key] = weakref.ref(obj, free)
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+
+class LiveNoDedup(_LiveBase):
+    """Every track() adds bytes, even for a storage already tracked."""
+    def track(self, t):
+        st = t.untyped_storage()
+        self._add(object(), st, st.nbytes())
+
+
+class LiveViewBytes(_LiveBase):
+    """Counts the view's own elements, not its storage."""
+    def track(self, t):
+        key = t.untyped_storage()._cdata
+        if key not in self._refs:
+            self._add(key, t.untyped_storage(), t.numel() * t.element_size())
+
+
+class LiveWeakrefOnTensor(_LiveBase):
+    """Watches the tensor object: frees the bytes when a view dies though its storage lives on."""
+    def track(self, t):
+        key = t.untyped_storage()._cdata
+        if key not in self._refs:
+            self._add(key, t, t.untyped_storage().nbytes())
+
+
+class LiveNoPeak(_LiveBase):
+    """Never updates the peak after a free (peak = current)."""
+    def track(self, t):
+        key = t.untyped_storage()._cdata
+        if key not in self._refs:
+            self._add(key, t.untyped_storage(), t.untyped_storage().nbytes())
+        self.peak = self.current
+
+    def __getattribute__(self, name):
+        if name == "peak":
+            return object.__getattribute__(self, "current")
+        return object.__getattribute__(self, name)
+
+
+# ----------------------------------------------------------------------------- 01.categorize
+def _params(model, optimizer):
+    ps = list(model.parameters()) + list(model.buffers()) if model is not None else []
+    if optimizer is not None:
+        ps += [p for g in optimizer.param_groups for p in g["params"]]
+    return ps
+
+
+def categorize_by_identity(t, model=None, optimizer=None):
+    """Compares tensor objects, not storages: a detached or viewed weight is missed."""
+    ps = _params(model, optimizer)
+    if any(t is p for p in ps):
+        return "parameters"
+    if any(t is p.grad for p in ps):
+        return "gradients"
+    if optimizer is not None and any(t is v for s in optimizer.state.values() for v in s.values()):
+        return "optimizer"
+    return "activations" if t.grad_fn is not None else "other"
+
+
+def categorize_grad_fn_first(t, model=None, optimizer=None):
+    """Asks about grad_fn before ownership: fine here, but requires_grad makes params 'activations'."""
+    if t.requires_grad:
+        return "activations"
+    key = t.untyped_storage()._cdata
+    same = lambda x: isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == key  # noqa: E731
+    ps = _params(model, optimizer)
+    if any(same(p) for p in ps):
+        return "parameters"
+    if any(same(p.grad) for p in ps):
+        return "gradients"
+    if optimizer is not None and any(same(v) for s in optimizer.state.values() for v in s.values()):
+        return "optimizer"
+    return "other"
+
+
+def categorize_without_buffers(t, model=None, optimizer=None):
+    """Forgets model.buffers(): BatchNorm's running statistics become 'other'."""
+    key = t.untyped_storage()._cdata
+    same = lambda x: isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == key  # noqa: E731
+    ps = list(model.parameters()) if model is not None else []
+    if any(same(p) for p in ps):
+        return "parameters"
+    if any(same(p.grad) for p in ps):
+        return "gradients"
+    if optimizer is not None and any(same(v) for s in optimizer.state.values() for v in s.values()):
+        return "optimizer"
+    return "activations" if t.grad_fn is not None else "other"
+
+
+def categorize_moments_only(t, model=None, optimizer=None):
+    """Only exp_avg / exp_avg_sq are optimizer state; the step counter becomes 'other'."""
+    key = t.untyped_storage()._cdata
+    same = lambda x: isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == key  # noqa: E731
+    ps = _params(model, optimizer)
+    if any(same(p) for p in ps):
+        return "parameters"
+    if any(same(p.grad) for p in ps):
+        return "gradients"
+    if optimizer is not None and any(same(v) for s in optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg")):
+        return "optimizer"
+    return "activations" if t.grad_fn is not None else "other"
+
+
+# ----------------------------------------------------------------------------- 01.phase_peaks
+def sum_of_category_peaks(timeline):
+    """Adds each category's own peak: categories peak at different moments, so this overshoots."""
+    out: dict = {}
+    for _, phase, by_cat in timeline:
+        cur = out.setdefault(phase, {})
+        for k, v in by_cat.items():
+            cur[k] = max(cur.get(k, 0), v)
+    return {p: sum(c.values()) for p, c in out.items()}
+
+
+def last_event_per_phase(timeline):
+    out = {}
+    for _, phase, by_cat in timeline:
+        out[phase] = sum(by_cat.values())
+    return out
+
+
+def first_event_per_phase(timeline):
+    out = {}
+    for _, phase, by_cat in timeline:
+        out.setdefault(phase, sum(by_cat.values()))
+    return out
+
+
+def activations_only(timeline):
+    out = {}
+    for _, phase, by_cat in timeline:
+        out[phase] = max(out.get(phase, 0), by_cat.get("activations", 0))
+    return out
+
+
+# ----------------------------------------------------------------------------- 01.fake_activations
+def _fake(config, batch_size, seq_len, *, skip_params=True, dedup=True, view_bytes=False):
+    with FakeTensorMode():
+        model = TinyGPT(config)
+        x = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+        y = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+        skip = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())} if skip_params else set()
+        seen: dict = {}
+        total = [0]
+
+        def pack(t):
+            st = t.untyped_storage()
+            if id(st) in skip:
+                return t
+            n = t.numel() * t.element_size() if view_bytes else st.nbytes()
+            if dedup:
+                seen[id(st)] = n
+            else:
+                total[0] += n
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x, y)
+        return int(sum(seen.values()) + total[0])
+
+
+def fake_counts_weights(config, batch_size, seq_len):
+    return _fake(config, batch_size, seq_len, skip_params=False)
+
+
+def fake_no_dedup(config, batch_size, seq_len):
+    return _fake(config, batch_size, seq_len, dedup=False)
+
+
+def fake_view_bytes(config, batch_size, seq_len):
+    return _fake(config, batch_size, seq_len, view_bytes=True)
+
+
+def fake_forward_only_logits(config, batch_size, seq_len):
+    """Saves of the forward without the loss (model(x) instead of model(x, y))."""
+    with FakeTensorMode():
+        model = TinyGPT(config)
+        x = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+        skip = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
+        seen: dict = {}
+
+        def pack(t):
+            if id(t.untyped_storage()) not in skip:
+                seen[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x)
+        return int(sum(seen.values()))
+
+
+# ----------------------------------------------------------------------------- 01.fix_the_leak
+def train_keeps_tensors(model, opt, batches, steps):
+    """The classic leak: history of loss tensors, each keeping its graph."""
+    history, it = [], iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(loss)
+    return history
+
+
+def train_no_zero_grad(model, opt, batches, steps):
+    """Floats returned, but gradients accumulate across steps: other losses."""
+    history, it = [], iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        history.append(loss.item())
+    return history
+
+
+_KEEP: list = []
+
+
+def train_hidden_leak(model, opt, batches, steps):
+    """Returns floats but stashes every loss tensor (and its graph) in a module-level list."""
+    history, it = [], iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        loss.backward(retain_graph=True)
+        opt.step()
+        opt.zero_grad()
+        _KEEP.append(loss)
+        history.append(loss.item())
+    return history
+
+
+def train_detached_tensors(model, opt, batches, steps):
+    """loss.detach(): no graph kept, but still tensors, not floats."""
+    history, it = [], iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(loss.detach())
+    return history
+
+
+MUTANTS = {
+    "01.live_bytes": [
+        ("no dedup of a storage tracked twice", LiveNoDedup),
+        ("bytes of the view, not of the storage", LiveViewBytes),
+        ("weakref on the tensor, not the storage", LiveWeakrefOnTensor),
+        ("peak follows current", LiveNoPeak),
+    ],
+    "01.categorize": [
+        ("tensor identity instead of storage", categorize_by_identity),
+        ("requires_grad means activation", categorize_grad_fn_first),
+        ("buffers not counted as parameters", categorize_without_buffers),
+        ("step counter not optimizer state", categorize_moments_only),
+    ],
+    "01.phase_peaks": [
+        ("sum of per-category peaks", sum_of_category_peaks),
+        ("last event of each phase", last_event_per_phase),
+        ("first event of each phase", first_event_per_phase),
+        ("activations only", activations_only),
+    ],
+    "01.fake_activations": [
+        ("weights counted as activations", fake_counts_weights),
+        ("no storage dedup", fake_no_dedup),
+        ("bytes of views, not storages", fake_view_bytes),
+        ("forward without the loss", fake_forward_only_logits),
+    ],
+    "01.fix_the_leak": [
+        ("history of loss tensors", train_keeps_tensors),
+        ("no zero_grad", train_no_zero_grad),
+        ("a hidden list of losses with retained graphs", train_hidden_leak),
+        ("detached tensors instead of floats", train_detached_tensors),
+    ],
+}

@@ -1,0 +1,263 @@
+"""Plausible wrong answers to chapter 03's exercises; tests/test_mutants_ch00_03.py asserts each FAILS."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+# ----------------------------------------------------------------------------- 03.underflow_fraction
+def uf_counts_zeros(t, dtype=torch.float16):
+    """Divides by every element, zeros included."""
+    finite = torch.isfinite(t)
+    return int(((t != 0) & finite & (t.to(dtype) == 0)).sum()) / max(int(finite.sum()), 1)
+
+
+def uf_threshold_normal(t, dtype=torch.float16):
+    """Calls everything below the smallest *normal* number lost (subnormals survive a cast)."""
+    nz = (t != 0) & torch.isfinite(t)
+    n = int(nz.sum())
+    return 0.0 if n == 0 else int((nz & (t.abs() < torch.finfo(dtype).tiny)).sum()) / n
+
+
+def uf_nonfinite_included(t, dtype=torch.float16):
+    """Counts inf and nan among the non-zero values."""
+    nz = t != 0
+    n = int(nz.sum())
+    return 0.0 if n == 0 else int((nz & (t.to(dtype) == 0)).sum()) / n
+
+
+def uf_ignores_dtype(t, dtype=torch.float16):
+    """Always casts to fp16."""
+    nz = (t != 0) & torch.isfinite(t)
+    n = int(nz.sum())
+    return 0.0 if n == 0 else int((nz & (t.half() == 0)).sum()) / n
+
+
+# ----------------------------------------------------------------------------- 03.update_scale
+def us_no_reset_on_inf(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    if found_inf.item() > 0:
+        scale.fill_(scale.item() * backoff_factor)
+        return
+    n = tracker.item() + 1
+    if n == growth_interval:
+        scale.fill_(scale.item() * growth_factor)
+        n = 0
+    tracker.fill_(n)
+
+
+def us_off_by_one(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """Grows one step late (tracker compared before incrementing)."""
+    if found_inf.item() > 0:
+        scale.fill_(scale.item() * backoff_factor)
+        tracker.fill_(0)
+        return
+    if tracker.item() == growth_interval:
+        scale.fill_(scale.item() * growth_factor)
+        tracker.fill_(0)
+    else:
+        tracker.fill_(tracker.item() + 1)
+
+
+def us_grows_to_inf(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """No guard when scale * growth_factor overflows float32."""
+    if found_inf.item() > 0:
+        scale.fill_(scale.item() * backoff_factor)
+        tracker.fill_(0)
+        return
+    n = tracker.item() + 1
+    if n == growth_interval:
+        scale.fill_(scale.item() * growth_factor)
+        n = 0
+    tracker.fill_(n)
+
+
+def us_new_tensors(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """Rebinds local names instead of updating in place: the caller's tensors never change."""
+    if found_inf.item() > 0:
+        scale = scale * backoff_factor
+        tracker = torch.zeros_like(tracker)
+        return
+    tracker = tracker + 1
+
+
+# ----------------------------------------------------------------------------- 03.unscale_grads
+def ug_resets_found_inf(grads, found_inf, inv_scale):
+    found_inf.fill_(0.0)
+    for g in grads:
+        if not torch.isfinite(g).all():
+            found_inf.fill_(1.0)
+        g.copy_(g.float() * inv_scale)
+
+
+def ug_16bit_product(grads, found_inf, inv_scale):
+    """Multiplies in the gradient's own dtype (one more rounding for bf16)."""
+    for g in grads:
+        if not torch.isfinite(g).all():
+            found_inf.fill_(1.0)
+        g.mul_(inv_scale.to(g.dtype))
+
+
+def ug_divides(grads, found_inf, inv_scale):
+    """Divides by the scale: 1 / inv_scale, rounded, is not the scale."""
+    for g in grads:
+        if not torch.isfinite(g).all():
+            found_inf.fill_(1.0)
+        g.copy_(g.float() / (1.0 / inv_scale))
+
+
+def ug_inf_only(grads, found_inf, inv_scale):
+    """Detects inf but not nan."""
+    for g in grads:
+        if torch.isinf(g).any():
+            found_inf.fill_(1.0)
+        g.copy_(g.float() * inv_scale)
+
+
+def ug_not_in_place(grads, found_inf, inv_scale):
+    for i, g in enumerate(grads):
+        if not torch.isfinite(g).all():
+            found_inf.fill_(1.0)
+        grads[i] = (g.float() * inv_scale).to(g.dtype)
+
+
+# ----------------------------------------------------------------------------- 03.loss_scaler
+def _scaler(step_rule):
+    class Scaler:
+        def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+            self.s, self.t, self.f = float(init_scale), 0, False
+            self.gf, self.bf, self.gi = growth_factor, backoff_factor, growth_interval
+
+        def scale(self, loss):
+            return loss * self.s
+
+        def step(self, opt):
+            return step_rule(self, opt)
+
+        def update(self):
+            if self.f:
+                self.s *= self.bf
+                self.t = 0
+            else:
+                self.t += 1
+                if self.t == self.gi:
+                    self.s *= self.gf
+                    self.t = 0
+
+        def get_scale(self):
+            return self.s
+    return Scaler
+
+
+def _grads(opt):
+    return [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _steps_anyway(self, opt):
+    """Unscales and always steps: inf/NaN gradients reach the weights."""
+    self.f = any(not torch.isfinite(g).all() for g in _grads(opt))
+    for g in _grads(opt):
+        g.mul_(1.0 / self.s)
+    opt.step()
+    return True
+
+
+def _never_unscales(self, opt):
+    """Skips on inf/NaN but steps with the scaled gradients."""
+    self.f = any(not torch.isfinite(g).all() for g in _grads(opt))
+    if self.f:
+        return False
+    opt.step()
+    return True
+
+
+def _python_float_inverse(self, opt):
+    """Unscales with a Python double 1/scale instead of GradScaler's float32 reciprocal."""
+    self.f = any(not torch.isfinite(g).all() for g in _grads(opt))
+    if self.f:
+        return False
+    for g in _grads(opt):
+        g.mul_(1.0 / self.s)
+    opt.step()
+    return True
+
+
+class ScalerStepsAnyway(_scaler(_steps_anyway)):
+    pass
+
+
+class ScalerNeverUnscales(_scaler(_never_unscales)):
+    pass
+
+
+class ScalerPythonInverse(_scaler(_python_float_inverse)):
+    pass
+
+
+# ----------------------------------------------------------------------------- 03.master_step
+def ms_16bit_grads(model_params, master_params, optimizer):
+    """Gives the masters the 16-bit gradient tensors as they are."""
+    for p, m in zip(model_params, master_params):
+        m.grad = p.grad
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model_params, master_params):
+            p.copy_(m)
+
+
+def ms_no_copy_back(model_params, master_params, optimizer):
+    for p, m in zip(model_params, master_params):
+        m.grad = None if p.grad is None else p.grad.float()
+    optimizer.step()
+
+
+def ms_zero_for_missing(model_params, master_params, optimizer):
+    """A missing gradient becomes zeros: AdamW still moves that parameter (decay and momentum)."""
+    for p, m in zip(model_params, master_params):
+        m.grad = torch.zeros_like(m) if p.grad is None else p.grad.float()
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model_params, master_params):
+            p.copy_(m)
+
+
+def ms_rebinds(model_params, master_params, optimizer):
+    """Replaces list entries with new 16-bit parameters instead of copying into them."""
+    for p, m in zip(model_params, master_params):
+        m.grad = None if p.grad is None else p.grad.float()
+    optimizer.step()
+    for i, m in enumerate(master_params):
+        model_params[i] = nn.Parameter(m.detach().to(model_params[i].dtype))
+
+
+MUTANTS = {
+    "03.underflow_fraction": [
+        ("zeros in the denominator", uf_counts_zeros),
+        ("smallest normal as the threshold", uf_threshold_normal),
+        ("inf and nan counted", uf_nonfinite_included),
+        ("always fp16", uf_ignores_dtype),
+    ],
+    "03.update_scale": [
+        ("tracker not reset on inf", us_no_reset_on_inf),
+        ("grows one step late", us_off_by_one),
+        ("grows to inf", us_grows_to_inf),
+        ("not in place", us_new_tensors),
+    ],
+    "03.unscale_grads": [
+        ("resets found_inf", ug_resets_found_inf),
+        ("16-bit multiply", ug_16bit_product),
+        ("divides by 1/inv_scale", ug_divides),
+        ("inf but not nan", ug_inf_only),
+        ("not in place", ug_not_in_place),
+    ],
+    "03.loss_scaler": [
+        ("steps even on inf/NaN", ScalerStepsAnyway),
+        ("never unscales", ScalerNeverUnscales),
+        ("Python double reciprocal", ScalerPythonInverse),
+    ],
+    "03.master_step": [
+        ("16-bit gradients to the fp32 optimizer", ms_16bit_grads),
+        ("no copy back into the model", ms_no_copy_back),
+        ("zeros for a missing gradient", ms_zero_for_missing),
+        ("rebinds instead of copying", ms_rebinds),
+    ],
+}
