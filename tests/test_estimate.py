@@ -197,19 +197,23 @@ def test_deepspeed_zero_formulas():
 def test_cli_fits(capsys, tmp_path):
     path = tmp_path / "config.json"
     tiny_llama_config(num_hidden_layers=1).to_json_file(str(path))
-    code = E.main([str(path), "--batch-size", "1", "--seq-len", "16", "--gpu", "1GB"])
+    code = E.main([str(path), "--batch-size", "1", "--seq-len", "16", "--gpu", "24GB"])
     out = capsys.readouterr().out
     assert code == 0
     assert "verdict: FITS" in out and "parameters" in out
+    assert "22.35 GiB (24GB, decimal units)" in out and "CUDA context" in out
 
 
-def test_cli_does_not_fit_suggests(capsys, tmp_path):
-    path = tmp_path / "config.json"
-    tiny_llama_config(num_hidden_layers=2).to_json_file(str(path))
-    code = E.main([str(path), "--batch-size", "2", "--seq-len", "64", "--dtype", "fp32", "--gpu", "1MB"])
+def test_cli_does_not_fit_suggests(capsys):
+    # one Llama-2-7B layer (0.46B parameters with its 32k embeddings and head): 7 GiB of fp32 AdamW states
+    code = E.main(["llama-2-7b", "--set", "num_hidden_layers=1", "--batch-size", "1", "--seq-len", "8",
+                   "--dtype", "fp32", "--gpu", "4GiB"])
     out = capsys.readouterr().out
     assert code == 0
     assert "DOES NOT FIT" in out
+    assert "peak in" in out and "fwd/bwd peak" in out
+    # the foreach AdamW's temporaries hold the peak at this size: the fused one is suggested, traced
+    assert "the optimizer step holds the peak" in out and "fused AdamW" in out
     for technique in ("gradient checkpointing", "8-bit AdamW", "CPU-offloaded AdamW", "QLoRA"):
         assert technique in out
     assert "traced" in out and "formula" in out
@@ -218,6 +222,11 @@ def test_cli_does_not_fit_suggests(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv,needle",
     [(["llama-9"], "allowed: a preset"), (["llama-2-7b", "--gpu", "abc"], "allowed"),
+     (["llama-2-7b", "--gpu", "0.4"], "less than 1 GiB"), (["llama-2-7b", "--gpu", "h100-8gb"], "did you mean h100-80gb"),
+     (["llama-2-7b", "--set", "num_hiden_layers=2"], "did you mean num_hidden_layers"),
+     (["llama-2-7b", "--seq-len", "8192"], "max_position_embeddings=4096"),
+     (["gpt2", "--seq-len", "4096", "--allow-longer-seq"], "n_positions=1024"),
+     (["llama-2-7b", "--step", "nosuchmodule_xyz:fn"], "cannot import module 'nosuchmodule_xyz'"),
      (["llama-2-7b", "--dtype", "fp8"], "invalid choice"), (["llama-2-7b", "--optimizer", "lion"], "invalid choice"),
      (["llama-2-7b", "--batch-size", "0"], "positive int")],
 )

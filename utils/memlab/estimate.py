@@ -12,8 +12,11 @@ small enough to run for real, the estimate equals the real step's tracked peak t
 (``tests/test_estimate.py``).
 
 What "a step" means here: zero the gradients (``set_to_none``), draw a batch of
-``batch_size x seq_len`` token ids, the forward pass and the loss (:func:`memlab.models.lm_loss`),
-``loss.backward()``, ``optimizer.step()``. One untracked warm-up step runs first
+``batch_size x seq_len`` token ids, the forward pass and the loss, ``loss.backward()``,
+``optimizer.step()``. The loss is the one people run: for a transformers model its own
+(``model(input_ids=x, labels=x).loss``, as the Trainer computes it, which upcasts the logits to
+fp32); ``loss="memlab"`` traces :func:`memlab.models.lm_loss` instead, and ``step=`` any
+``step(model, batch) -> loss`` of yours. One untracked warm-up step runs first
 (``warmup_steps=1``), then the tracked step: the steady state, in which the optimizer state
 already exists while the forward pass's activations are alive -- a first step never shows that,
 since Adam creates its state lazily inside the first ``optimizer.step()``.
@@ -36,12 +39,18 @@ Optimizers: ``"adamw"`` (``torch.optim.AdamW``: two fp32 moments per parameter),
 per block of 256 for tensors of at least 4096 elements, traced when bitsandbytes imports,
 otherwise modelled with that layout and said so in ``notes``).
 
-Limits, said plainly: the estimate counts tensor storages (what ``torch.cuda.memory_allocated``
-counts). It does not count the CUDA context, the caching allocator's fragmentation,
-nor workspaces that kernels allocate internally (cuBLAS, flash attention):
-keep a margin of a few percent plus the context (see :meth:`MemoryEstimate.fits`). Without a
-CUDA build the step is traced with CPU fake tensors, so device-dependent choices follow the CPU
-path (autocast's op lists, the SDPA kernel); the optimizer implementation follows the target
+The weights' dtype is the recipe's alone: a ``config.json``'s ``torch_dtype`` is ignored.
+
+What is traced and what is stated: the traced peak counts tensor storages. On a CUDA target the
+estimate adds, as named lines, what the allocator counts beyond tensors (cuBLAS's 32 MiB
+workspace for each of the forward and autograd threads: ``allocated_bytes``), a fragmentation
+margin measured on an H100 (``reserved_bytes``), and compares with the card's memory minus a
+stated CUDA-context reserve (:mod:`memlab.gpus`). Without a CUDA build the step is traced with
+CPU fake tensors: autocast follows CPU's op lists, while the attention kernel is the one the CUDA
+target would run (flash / memory-efficient: output + logsumexp; math for fp32 with grouped KV
+heads; eager's softmax-backward scratch by a per-op rule), said in ``attention``. A homogeneous
+decoder stack is traced at 1 and 2 layers and extrapolated exactly by layer count (tested equal
+to the full trace). The optimizer implementation follows the target
 device (``device="cuda"`` uses PyTorch's CUDA default, the foreach AdamW, whose
 ``sqrt(exp_avg_sq)`` temporary is a full extra copy of one moment during the step; Hugging Face's
 Trainer defaults to the fused AdamW, ``optimizer_impl="fused"``, which has none).
@@ -53,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -84,6 +94,10 @@ __all__ = [
     "deepspeed_zero_estimate",
     "suggestions",
     "main",
+    "resolve_gpu",
+    "load_step",
+    "ATTN_IMPLEMENTATIONS",
+    "LOSSES",
 ]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -127,7 +141,8 @@ def parse_size(text: str | int | float) -> int:
     """Bytes in a size such as ``"24GB"`` (10**9), ``"80GiB"`` (2**30), ``"24e9"`` or ``512``.
 
     Units (case-insensitive): B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024).
-    A GPU sold as "24 GB" usually has 24 GiB: write ``24GiB`` to use all of it.
+    A GPU sold as "24 GB" usually has 24 GiB: write ``24GiB`` (or the card's name, see
+    :func:`resolve_gpu`) to use all of it.
     """
     allowed = "a number of bytes (24e9) or a number with a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 24GB, 80GiB)"
     if isinstance(text, bool):
@@ -145,6 +160,25 @@ def parse_size(text: str | int | float) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# CUDA facts the estimate states next to the traced peak (measured on an H100; see
+# results/h100/ and memlab.gpus)
+# --------------------------------------------------------------------------------------
+
+# cuBLAS allocates a 32 MiB workspace through the caching allocator for each thread that runs
+# matmuls: the forward thread and the autograd engine's backward thread (results/h100/diag.log).
+# It is in torch.cuda.max_memory_allocated but no op returns it.
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+CUBLAS_THREADS = 2
+# max_memory_reserved / max_memory_allocated at the peak of a steady training step, measured on
+# an H100 (TinyGPT and a Llama with a 32k vocabulary, 6 x 512, batch 8 x 512, fp32 and bf16 AMP):
+# 1.05, 1.10, 1.09, 1.14 (results/h100/estimator_probe.json). The largest is the stated margin.
+FRAGMENTATION_MARGIN = 1.14
+
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash")
+LOSSES = ("auto", "hf", "memlab")
+
+
+# --------------------------------------------------------------------------------------
 # The result
 # --------------------------------------------------------------------------------------
 
@@ -153,10 +187,15 @@ def parse_size(text: str | int | float) -> int:
 class MemoryEstimate:
     """Peak bytes of a training step and where they go.
 
-    ``breakdown`` is the split of the peak over :data:`CATEGORIES` (the five keys of
-    :meth:`memlab.profiler.MemoryTracker.breakdown`); ``breakdown_end`` the same at the end of
-    the last step. ``fake`` says whether the step ran on fake tensors (an estimate) or real
-    ones (a measurement); ``notes`` lists anything modelled rather than traced.
+    ``peak_bytes`` is the traced peak of live tensor storages (what ``MemoryTracker`` counts);
+    ``breakdown`` its split over :data:`CATEGORIES`, ``breakdown_end`` the same at the end of the
+    step. ``peak_phase`` is the phase that holds the peak ("forward", "backward", "optimizer") and
+    ``phase_peaks`` the peak of each phase, so the effect of checkpointing stays visible when the
+    optimizer step holds the peak. ``extras`` are bytes outside any tensor that the allocator
+    still counts on the target (cuBLAS workspaces on CUDA): ``allocated_bytes = peak_bytes +
+    sum(extras)`` is the estimate of ``torch.cuda.max_memory_allocated``; ``reserved_bytes`` adds
+    the stated fragmentation margin. ``fake`` says whether the step ran on fake tensors (an
+    estimate) or real ones (a measurement); ``notes`` lists anything modelled rather than traced.
     """
 
     model: str
@@ -177,27 +216,55 @@ class MemoryEstimate:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     tracker: Any = field(default=None, repr=False, compare=False)
+    peak_phase: str = ""
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    extras: dict[str, int] = field(default_factory=dict)
+    attention: str = ""
+    step: str = ""
+    optimizer_impl: str = ""
+    extrapolated_from: tuple[int, ...] = ()
+    phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
-    def fits(self, gpu_bytes: int | str) -> bool:
-        """True when the peak is at most ``gpu_bytes`` (an int or a size such as "24GB").
+    @property
+    def allocated_bytes(self) -> int:
+        """``peak_bytes`` plus the stated extras: the estimate of ``max_memory_allocated``."""
+        return self.peak_bytes + sum(self.extras.values())
 
-        The comparison is bare: the CUDA context (a few hundred MiB, outside PyTorch's
-        allocator) and the caching allocator's fragmentation are not in ``peak_bytes``, so pass
-        the memory you can really give PyTorch (e.g. ``torch.cuda.mem_get_info()[0]`` on an idle
-        GPU) or subtract a margin yourself.
+    @property
+    def reserved_bytes(self) -> int:
+        """``allocated_bytes`` times the fragmentation margin on CUDA targets (what
+        ``max_memory_reserved`` reached in the measured steps); ``allocated_bytes`` elsewhere."""
+        if torch.device(self.device).type != "cuda":
+            return self.allocated_bytes
+        return int(math.ceil(self.allocated_bytes * FRAGMENTATION_MARGIN))
+
+    def _budget(self, gpu: Any) -> int:
+        return resolve_gpu(gpu)[1] if torch.device(self.device).type == "cuda" else parse_size(gpu)
+
+    def fits(self, gpu: int | str) -> bool:
+        """True when the peak fits ``gpu``: a card name (``"h100-80gb"``, see :mod:`memlab.gpus`) or
+        its memory (``"24GiB"``, ``"24GB"``, an int of bytes).
+
+        On a CUDA target the comparison is honest: ``reserved_bytes`` (tensors + cuBLAS
+        workspaces + the fragmentation margin) against the card's memory minus the stated CUDA
+        context reserve. On a CPU target, ``peak_bytes`` against ``gpu`` bytes as given.
         """
-        return self.peak_bytes <= parse_size(gpu_bytes)
+        need = self.reserved_bytes if torch.device(self.device).type == "cuda" else self.peak_bytes
+        return need <= self._budget(gpu)
 
-    def headroom(self, gpu_bytes: int | str) -> int:
-        """``gpu_bytes - peak_bytes`` (negative when it does not fit)."""
-        return parse_size(gpu_bytes) - self.peak_bytes
+    def headroom(self, gpu: int | str) -> int:
+        """Budget minus what :meth:`fits` compares (negative when it does not fit)."""
+        need = self.reserved_bytes if torch.device(self.device).type == "cuda" else self.peak_bytes
+        return self._budget(gpu) - need
 
     def describe(self) -> str:
         kind = "estimate (fake tensors)" if self.fake else "measured"
         ck = ", gradient checkpointing" if self.checkpointing else ""
+        impl = f" ({self.optimizer_impl})" if self.optimizer_impl and self.optimizer in ("adamw", "sgd") else ""
         return (
             f"{self.model} ({_params(self.n_params)} params): batch {self.batch_size} x seq "
-            f"{self.seq_len}, {self.dtype}, {self.optimizer}{ck} -- {kind} on {self.traced_on}"
+            f"{self.seq_len}, {self.dtype}, {self.optimizer}{impl}{ck} -- {kind} on {self.traced_on} "
+            f"for {self.device}"
         )
 
     def table(self) -> str:
@@ -210,27 +277,99 @@ class MemoryEstimate:
         rows.append(("total", format_bytes(self.peak_bytes), "100.0%",
                      format_bytes(sum(self.breakdown_end.values()))))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [self.describe(), ""]
+        lines = [self.describe(), f"recipe {self.dtype}: {DTYPES.get(self.dtype, '')}"]
+        if self.step:
+            lines.append(f"step: {self.step}")
+        if self.attention:
+            lines.append(f"attention: {self.attention}")
+        lines.append("")
         for j, r in enumerate(rows):
             if j == len(rows) - 1:
                 lines.append("  ".join("-" * w for w in widths))
             lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        lines.append(f"peak: {self.peak_bytes:,} bytes")
+        lines.append(f"peak: {self.peak_bytes:,} bytes of tensors, in the {self.peak_phase or '?'} phase")
+        if self.phase_peaks:
+            lines.append("phase peaks: " + ", ".join(
+                f"{p} {format_bytes(v)}" for p, v in self.phase_peaks.items() if p in ("forward", "backward", "optimizer")))
+        if self.peak_phase == "optimizer":
+            fb = max(self.phase_peaks.get("forward", 0), self.phase_peaks.get("backward", 0))
+            lines.append(f"the optimizer step holds the peak: the activations are freed by then, so checkpointing "
+                         f"or a shorter sequence lowers only the forward/backward peak ({format_bytes(fb)})")
+        for label, b in self.extras.items():
+            lines.append(f"+ {label}: {format_bytes(b)}")
+        if self.extras:
+            lines.append(f"allocated (max_memory_allocated): {format_bytes(self.allocated_bytes)}")
+        if torch.device(self.device).type == "cuda":
+            lines.append(f"reserved (allocated x {FRAGMENTATION_MARGIN}, allocator fragmentation measured on an H100): "
+                         f"{format_bytes(self.reserved_bytes)}")
+        if self.extrapolated_from:
+            a, b = self.extrapolated_from
+            lines.append(f"traced at {a} and {b} decoder layers, extrapolated exactly by layer count "
+                         f"(extrapolate=False traces all of them)")
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
 
     def plot(self, **kwargs: Any):
         """The tracker's timeline plot (see :meth:`memlab.profiler.MemoryTracker.plot`)."""
-        if self.tracker is None:
-            raise ValueError("this MemoryEstimate has no tracker (modelled, not traced)")
+        if self.tracker is None or not hasattr(self.tracker, "plot"):
+            raise ValueError("this MemoryEstimate has no timeline (extrapolated or modelled): "
+                             "estimate with extrapolate=False to plot it")
         return self.tracker.plot(**kwargs)
+
+
+class _PhaseSummary:
+    """What an extrapolated estimate can say of its (unbuilt) timeline: the peak's phase and the
+    per-phase peaks (the attributes of MemoryTracker that a reader of an estimate uses)."""
+
+    def __init__(self, peak_bytes: int, peak_phase: str, phase_peaks: dict[str, int]) -> None:
+        self.peak_bytes = peak_bytes
+        self.peak_phase = peak_phase
+        self._phase_peaks = dict(phase_peaks)
+
+    def phase_peaks(self) -> dict[str, int]:
+        return dict(self._phase_peaks)
+
+    def __repr__(self) -> str:
+        return f"_PhaseSummary(peak={format_bytes(self.peak_bytes)}, phase={self.peak_phase})"
 
 
 def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 10**8 else f"{n / 1e6:.2f}M"
+
+
+def resolve_gpu(gpu: Any) -> tuple[str, int]:
+    """(label, usable bytes) of ``--gpu``: a card name of :mod:`memlab.gpus` or a size.
+
+    A card: its total as the driver reports it, minus the stated CUDA context reserve. A size
+    (``24GiB`` = 24 x 2**30; ``24GB`` = 24 x 10**9, shown in GiB): that memory minus the same
+    reserve. Anything else (a bare number under 1 GiB such as ``0.4``, an unknown name) is a
+    ``ValueError`` naming what is allowed.
+    """
+    from memlab import gpus
+
+    card = gpus.find_gpu(gpu) if isinstance(gpu, str) else None
+    if card is not None:
+        total = card.total_bytes
+        label = f"{card.name}: {format_bytes(total)} as the driver reports it"
+    else:
+        try:
+            total = parse_size(gpu)
+        except ValueError:
+            raise ValueError(
+                f"gpu={gpu!r} is invalid{gpus.suggest(gpu) if isinstance(gpu, str) else ''}; allowed: a card "
+                f"({', '.join(gpus.gpu_names())}) or a size such as 24GiB or 24GB"
+            ) from None
+        if total < 2**30:
+            raise ValueError(f"gpu={gpu!r} is {total:,} bytes, less than 1 GiB; allowed: a card "
+                             f"({', '.join(gpus.gpu_names())}) or a size with a unit, such as 24GiB or 80GB")
+        label = f"{format_bytes(total)}"
+        if isinstance(gpu, str) and re.search(r"[0-9.]\s*[kmgt]b\s*$", gpu.strip().lower()):
+            label += f" ({gpu.strip()}, decimal units)"
+    usable = total - gpus.CONTEXT_RESERVE_BYTES
+    return f"{label} - CUDA context {format_bytes(gpus.CONTEXT_RESERVE_BYTES)} = {format_bytes(usable)} usable", usable
 
 
 # --------------------------------------------------------------------------------------
@@ -246,54 +385,161 @@ def _is_hf_config(obj: Any) -> bool:
     return isinstance(obj, PretrainedConfig)
 
 
+# A config must give these (one name of each group) for the model to have a size at all.
+_REQUIRED_DIMS = (
+    ("hidden_size", "n_embd", "d_model"),
+    ("num_hidden_layers", "n_layer", "num_layers"),
+    ("num_attention_heads", "n_head"),
+    ("vocab_size",),
+)
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions")
+# position tables of learned rows: no flag makes a longer sequence meaningful
+_LEARNED_POSITIONS = ("gpt2", "gpt_neo", "gpt_bigcode", "opt", "bert", "roberta")
+
+
 def load_config(path: str | os.PathLike):
-    """A ``transformers`` config from a local ``config.json`` (or a folder holding one), offline."""
+    """A ``transformers`` config from a local ``config.json`` (or a folder holding one), offline.
+
+    Every error names the file: missing, unreadable, not JSON, no ``model_type``, an unknown
+    ``model_type``, or a dimension missing (``hidden_size``, layers, heads, ``vocab_size``: a
+    config without them would silently become the architecture's default size).
+    """
     with needs("memlab estimate"):
         from transformers import AutoConfig
 
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path!r}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config file {path!r} cannot be read: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config file {path!r} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"config file {path!r} has no 'model_type'; allowed: a transformers config.json")
+    missing = [" / ".join(group) for group in _REQUIRED_DIMS if not any(k in data for k in group)]
+    if missing:
+        raise ValueError(f"config file {path!r} lacks {', '.join(missing)}: without them transformers would "
+                         f"use its default size for {data['model_type']!r}; allowed: a complete config.json")
     data = dict(data)
     model_type = data.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **data)
-    except ValueError as exc:
-        raise ValueError(f"config file {path!r}: model_type={model_type!r} is not known to transformers ({exc})") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"config file {path!r}: model_type={model_type!r} cannot be built by transformers ({exc})") from None
 
 
-def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> tuple[Callable[[], nn.Module], str]:
-    """(builder, display name) for a preset name, a config.json path, a config or a callable."""
+def _check_overrides(cfg: Any, overrides: Mapping[str, Any], what: str) -> None:
+    """Unknown keys are errors (a typo would otherwise be ignored)."""
+    import difflib
+
+    try:
+        default = type(cfg)()
+    except Exception:  # pragma: no cover - every transformers config has defaults
+        default = cfg
+    known = set(vars(default)) | set(vars(cfg)) | set(getattr(type(cfg), "attribute_map", {}))
+    for key in overrides:
+        if key in known or hasattr(default, key):
+            continue
+        close = difflib.get_close_matches(key, sorted(k for k in known if not k.startswith("_")), n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"config_overrides key {key!r} is not a field of {type(cfg).__name__} ({what}){hint}")
+
+
+@dataclass
+class _Spec:
+    """What to build: a display name, and either a transformers config or a plain callable."""
+
+    name: str
+    config: Any = None
+    fn: Callable[[], nn.Module] | None = None
+
+    @property
+    def is_hf(self) -> bool:
+        return self.config is not None
+
+    def layers(self) -> tuple[str, int] | None:
+        for f in _LAYER_FIELDS:
+            v = getattr(self.config, f, None) if self.config is not None else None
+            if isinstance(v, int) and v > 0:
+                return f, v
+        return None
+
+    def homogeneous(self) -> bool:
+        """A stack of identical decoder layers (no per-layer types that differ)."""
+        if self.layers() is None:
+            return False
+        for f in ("layer_types", "sliding_window_pattern_list", "block_types"):
+            v = getattr(self.config, f, None)
+            if isinstance(v, (list, tuple)) and len(set(map(str, v))) > 1:
+                return False
+        if getattr(self.config, "use_sliding_window", False) and getattr(self.config, "max_window_layers", None) not in (None, 0):
+            mw, (_, n) = self.config.max_window_layers, self.layers()
+            if 0 < mw < n:
+                return False
+        return True
+
+    def at_depth(self, depth: int) -> "_Spec":
+        cfg = copy.deepcopy(self.config)
+        f, n = self.layers()
+        setattr(cfg, f, depth)
+        for lf in ("layer_types",):
+            v = getattr(cfg, lf, None)
+            if isinstance(v, (list, tuple)) and len(v) == n:
+                setattr(cfg, lf, list(v[:1]) * depth)
+        return _Spec(self.name, config=cfg)
+
+    def build(self, dtype: str, attn: str | None) -> nn.Module:
+        if self.fn is not None:
+            return _build(self.fn, dtype)
+        with needs("memlab estimate"):
+            from transformers import AutoModelForCausalLM
+        # The weights' dtype comes from the recipe, never from the config's torch_dtype / dtype
+        # (transformers 5 would otherwise build a bf16 model from a config that says bfloat16).
+        param_dtype = torch.bfloat16 if dtype == "bf16-pure" else torch.float32
+        kw = {} if attn is None else {"attn_implementation": attn}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoModelForCausalLM.from_config(self.config, dtype=param_dtype, **kw)
+
+
+def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _Spec:
+    """A :class:`_Spec` for a preset name, a config.json path, a config or a callable."""
     overrides = dict(config_overrides or {})
     if isinstance(model, str):
         from memlab.models import PRESETS, UnknownPresetError, preset_config
 
         if model in PRESETS:
+            if overrides:
+                _check_overrides(preset_config(model), overrides, f"preset {model!r}")
             cfg = preset_config(model, **overrides)
-            name = model
-        elif model.endswith(".json") or os.path.isdir(model):
+            return _Spec(model, config=cfg)
+        if model.endswith(".json") or os.path.isdir(model) or os.sep in model:
             if not os.path.exists(model):
-                raise FileNotFoundError(f"model={model!r}: no such config file")
+                raise FileNotFoundError(f"config file {model!r}: no such file")
             cfg = load_config(model)
+            _check_overrides(cfg, overrides, f"config file {model!r}")
             for k, v in overrides.items():
                 setattr(cfg, k, v)
             name = os.path.basename(os.path.dirname(os.path.abspath(model))) if model.endswith(".json") else os.path.basename(model.rstrip("/"))
-            name = f"{name} ({getattr(cfg, 'model_type', '?')})"
-        else:
-            raise UnknownPresetError(
-                f"unknown model={model!r}; allowed: a preset ({', '.join(sorted(PRESETS))}) "
-                f"or the path of a transformers config.json"
-            )
-        return _hf_builder(cfg), name
+            return _Spec(f"{name} ({getattr(cfg, 'model_type', '?')})", config=cfg)
+        raise UnknownPresetError(
+            f"unknown model={model!r}; allowed: a preset ({', '.join(sorted(PRESETS))}) "
+            f"or the path of a transformers config.json"
+        )
     if _is_hf_config(model):
-        cfg = model
+        cfg = copy.deepcopy(model)
+        _check_overrides(cfg, overrides, type(cfg).__name__)
         for k, v in overrides.items():
             setattr(cfg, k, v)
-        return _hf_builder(cfg), f"{type(cfg).__name__}"
+        return _Spec(type(cfg).__name__, config=cfg)
     if isinstance(model, nn.Module):
         raise TypeError(
             f"model={type(model).__name__} instance: pass a function that builds it instead "
@@ -302,21 +548,35 @@ def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> tu
     if callable(model):
         if overrides:
             raise ValueError("config_overrides only apply to a preset, a config.json or a transformers config")
-        return model, getattr(model, "__name__", type(model).__name__)
+        return _Spec(getattr(model, "__name__", type(model).__name__), fn=model)
     raise TypeError(
         f"model={model!r} is invalid; allowed: a preset name, a config.json path, a transformers "
         f"config, or a callable returning an nn.Module"
     )
 
 
-def _hf_builder(cfg: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        with needs("memlab estimate"):
-            from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_config(cfg)
-
-    return build
+def _check_positions(spec: _Spec, seq_len: int, allow_longer_seq: bool) -> None:
+    """seq_len beyond the model's positions is an error (a fake trace would not notice)."""
+    if spec.config is None:
+        return
+    for f in _POSITION_FIELDS:
+        n = getattr(spec.config, f, None)
+        if isinstance(n, int) and n > 0:
+            break
+    else:
+        return
+    if seq_len <= n:
+        return
+    learned = ("n_positions" in vars(spec.config) or getattr(spec.config, "model_type", "") in _LEARNED_POSITIONS
+               or getattr(spec.config, "position_embedding_type", None) == "absolute")
+    if learned:
+        f = "n_positions" if "n_positions" in vars(spec.config) else f
+    if learned:
+        raise ValueError(f"seq_len={seq_len} exceeds {spec.name}'s {f}={n}: its position table has {n} rows; "
+                         f"allowed: seq_len <= {n} (or a larger {f} in config_overrides, a different model)")
+    if not allow_longer_seq:
+        raise ValueError(f"seq_len={seq_len} exceeds {spec.name}'s {f}={n}; allowed: seq_len <= {n}, or "
+                         f"allow_longer_seq=True (CLI --allow-longer-seq) if you extend its context (e.g. RoPE scaling)")
 
 
 def _vocab_size(model: nn.Module) -> int:
@@ -408,6 +668,12 @@ def _bnb():
     return bitsandbytes
 
 
+def _resolve_impl(impl: str, device: str) -> str:
+    if impl == "auto":
+        return "foreach" if torch.device(device).type == "cuda" else "for-loop"
+    return impl
+
+
 def make_optimizer(
     name: str, params: Any, *, impl: str = "auto", device: str = "cpu", **kwargs: Any
 ) -> torch.optim.Optimizer:
@@ -421,14 +687,36 @@ def make_optimizer(
     params = list(params)
     if name == "adamw8bit":
         return _bnb().optim.AdamW8bit(params, **kwargs)
-    if impl == "auto":
-        impl = "foreach" if torch.device(device).type == "cuda" else "for-loop"
+    impl = _resolve_impl(impl, device)
     flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
     if name == "adamw":
         return torch.optim.AdamW(params, **{**flags, **kwargs})
     if impl == "fused":
         flags = dict(foreach=False)  # SGD without momentum: fused buys nothing
     return torch.optim.SGD(params, lr=kwargs.pop("lr", 1e-3), **{**flags, **kwargs})
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
+          step: Callable[[nn.Module, dict], torch.Tensor] | None) -> torch.Tensor:
+    from memlab.models import lm_loss
+
+    if step is not None:
+        out = step(model, {"input_ids": x, "labels": x})
+        if not isinstance(out, torch.Tensor) or out.dim() != 0:
+            raise TypeError(f"step={getattr(step, '__name__', step)!r} returned {type(out).__name__}"
+                            f"{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}; allowed: a scalar loss tensor")
+        return out
+    if loss == "hf":
+        return model(input_ids=x, labels=x, use_cache=False).loss
+    return lm_loss(model, x, y)
 
 
 def training_step(
@@ -438,22 +726,28 @@ def training_step(
     y: torch.Tensor,
     *,
     dtype: str = "fp32",
+    loss: str = "memlab",
+    step: Callable[[nn.Module, dict], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One step as :func:`estimate_training_memory` runs it: zero_grad(set_to_none), forward and
-    loss (under autocast for "bf16"/"fp16"), backward, optimizer.step(). Returns the loss."""
-    from memlab.models import lm_loss
+    loss (under autocast for "bf16"/"fp16"), backward, optimizer.step(). Returns the loss.
 
+    The loss: ``step(model, {"input_ids": x, "labels": x})`` when given; else ``loss="hf"``,
+    transformers' own (``model(input_ids=x, labels=x).loss``, as the Trainer computes it: the
+    logits upcast to fp32, shifted inside); else ``loss="memlab"``, :func:`memlab.models.lm_loss`
+    of ``x`` against the targets ``y``.
+    """
     _check_choice("dtype", dtype, tuple(DTYPES))
     optimizer.zero_grad(set_to_none=True)
     if dtype in ("bf16", "fp16"):
         amp = torch.bfloat16 if dtype == "bf16" else torch.float16
         with torch.autocast(device_type=x.device.type, dtype=amp):
-            loss = lm_loss(model, x, y)
+            out = _loss(model, x, y, loss, step)
     else:
-        loss = lm_loss(model, x, y)
-    loss.backward()
+        out = _loss(model, x, y, loss, step)
+    out.backward()
     optimizer.step()
-    return loss.detach()
+    return out.detach()
 
 
 def _bnb_state_bytes(model: nn.Module, dtype: str) -> int:
@@ -471,10 +765,133 @@ def _bnb_state_bytes(model: nn.Module, dtype: str) -> int:
     return total
 
 
+def load_step(spec: str) -> Callable[[nn.Module, dict], torch.Tensor]:
+    """``"module:function"`` -> the function (the current directory is importable)."""
+    import importlib
+
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"step={spec!r} is invalid; allowed: 'module:function' (e.g. mystep:loss_fn), "
+                         f"a function (model, batch) -> loss with batch = {{'input_ids': x, 'labels': x}}")
+    mod_name, fn_name = spec.split(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ValueError(f"step={spec!r}: cannot import module {mod_name!r} ({exc})") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"step={spec!r}: module {mod_name!r} ({getattr(mod, '__file__', '?')}) has no function {fn_name!r}")
+    return fn
+
+
+# --------------------------------------------------------------------------------------
+# Attention: which kernel the target runs, and what it keeps for backward
+# --------------------------------------------------------------------------------------
+
+
+def _attention_plan(model: nn.Module, spec: _Spec, requested: str, dtype: str, target: torch.device,
+                    traced_on: str) -> tuple[str, Any, bool]:
+    """(description, context manager for the traced step, softmax-scratch rule on?).
+
+    On a CUDA target traced on CPU fake tensors, SDPA picks its CUDA kernel as PyTorch does
+    (``sdp_utils``): flash for fp16/bf16 inputs (keeps output + logsumexp, as the CPU flash kernel
+    does, bytes measured equal on an H100); memory-efficient for fp32 without grouped KV heads
+    (output + a logsumexp padded to 32 positions: the padding, < 128 B per head and sequence, is
+    not modelled); math for fp32 with grouped KV heads (no fused kernel takes fp32 GQA: it keeps
+    the b x h x s x s probabilities, measured on an H100), so the step is traced with the math
+    kernel forced. Eager attention's softmax backward on CUDA copies its incoming gradient
+    (results/h100/diag2.log): a transient rule adds those bytes while the op runs.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is None:
+        impl = getattr(getattr(model, "config", None), "attention_implementation", None) or "the model's own"
+    cuda = target.type == "cuda"
+    if impl == "eager":
+        if cuda:
+            return ("eager (softmax materialised: b x h x s x s probabilities kept for backward; "
+                    "CUDA softmax backward's copy of its incoming gradient added while it runs)"), contextlib.nullcontext(), True
+        return "eager (softmax materialised: b x h x s x s probabilities kept for backward)", contextlib.nullcontext(), False
+    if impl not in ("sdpa", "manual") and not str(impl).startswith("flash"):
+        return str(impl), contextlib.nullcontext(), False
+    if impl == "manual":  # TinyGPT's own attention
+        return "TinyGPT manual attention (softmax materialised)", contextlib.nullcontext(), cuda
+    if not cuda:
+        return "sdpa on CPU (flash kernel for CPU: keeps output + logsumexp)", contextlib.nullcontext(), False
+    cfg = spec.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    gqa = bool(heads and kv and kv < heads)
+    sixteen = dtype in ("bf16", "fp16", "bf16-pure")
+    if requested == "flash" and not sixteen:
+        raise ValueError(f"attn_implementation='flash' needs fp16/bf16 compute; dtype={dtype!r} computes in fp32")
+    if sixteen or requested == "flash":
+        kernel, backend = "flash", SDPBackend.FLASH_ATTENTION
+        what = "CUDA flash kernel: keeps output + logsumexp (no s x s matrix)"
+    elif gqa:
+        kernel, backend = "math", SDPBackend.MATH
+        what = "CUDA math kernel (fp32 with grouped KV heads has no fused kernel): keeps b x h x s x s probabilities"
+    else:
+        kernel, backend = "efficient", SDPBackend.FLASH_ATTENTION
+        what = "CUDA memory-efficient kernel: keeps output + logsumexp (no s x s matrix)"
+    label = "flash" if requested == "flash" else "sdpa"
+    if traced_on.startswith("cuda"):
+        return f"{label}: {what}, traced", (sdpa_kernel([backend]) if requested == "flash" else contextlib.nullcontext()), False
+    backends = [backend] if backend == SDPBackend.MATH else [backend, SDPBackend.MATH]
+    return (f"{label}: {what}; modelled on CPU with the {'math' if kernel == 'math' else 'CPU flash'} kernel "
+            f"(same saved tensors)"), sdpa_kernel(backends), False
+
+
+def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool):
+    """A MemoryTracker that also notes which attention ops ran, with the per-op rule for CUDA
+    softmax backward's scratch when asked."""
+    from memlab.profiler import MemoryTracker
+
+    softmax_bwd = torch.ops.aten._softmax_backward_data.default
+    flash_ops = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"):
+        op = getattr(torch.ops.aten, name, None)
+        if op is not None:
+            flash_ops.add(op.default)
+    ACT = 3  # the activations category of MemoryTracker
+
+    class _Tracker(MemoryTracker):
+        scratch_bytes = 0
+        fused_attention_calls = 0
+        softmax_calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func in flash_ops:
+                self.fused_attention_calls += 1
+            elif func is softmax_bwd:
+                self.softmax_calls += 1
+            if softmax_rule and func is softmax_bwd and isinstance(args[0], torch.Tensor) and args[0].dim() >= 3:
+                g = args[0]
+                extra = g.numel() * g.element_size()
+                if g.device.type == "cuda":
+                    extra = math.ceil(extra / 512) * 512
+                # alive while the kernel runs, with its output: count it at that moment only
+                self._cur[ACT] += extra
+                self._total += extra
+                self._dirty = True
+                self._after_op()
+                self._cur[ACT] -= extra
+                self._total -= extra
+                self._dirty = True
+                self._after_op()
+                self.scratch_bytes = max(self.scratch_bytes, extra)
+            return out
+
+    return _Tracker(model=model, optimizer=opt)
+
+
 def _run(
-    builder: Callable[[], nn.Module],
+    spec: _Spec,
     *,
-    name: str,
     batch_size: int,
     seq_len: int,
     dtype: str,
@@ -486,15 +903,23 @@ def _run(
     optimizer_kwargs: Mapping[str, Any] | None,
     fake: bool,
     seed: int,
+    loss: str = "auto",
+    step: Callable[[nn.Module, dict], torch.Tensor] | str | None = None,
+    attn_implementation: str | None = "auto",
 ) -> MemoryEstimate:
-    from memlab.profiler import MemoryTracker
-
     for arg, val, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("warmup_steps", warmup_steps, 0)):
         if isinstance(val, bool) or not isinstance(val, int) or val < low:
             raise ValueError(f"{arg}={val!r} is invalid; allowed: an int >= {low}")
     _check_choice("dtype", dtype, tuple(DTYPES))
     _check_choice("optimizer", optimizer, tuple(OPTIMIZERS))
     _check_choice("optimizer_impl", optimizer_impl, OPTIMIZER_IMPLS)
+    _check_choice("loss", loss, LOSSES)
+    attn = "auto" if attn_implementation is None else attn_implementation
+    _check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
+    if isinstance(step, str):
+        step = load_step(step)
+    if step is not None and not callable(step):
+        raise TypeError(f"step={step!r} is invalid; allowed: a callable (model, batch) -> loss or 'module:function'")
 
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
@@ -503,9 +928,12 @@ def _run(
         traced_on = "cpu"  # a CPU-only torch cannot even fake CUDA tensors: trace on CPU
     else:
         traced_on = str(target)
+    if attn == "flash" and target.type != "cuda":
+        raise ValueError("attn_implementation='flash' is a CUDA kernel; allowed on device='cpu': 'auto', 'eager', 'sdpa'")
     notes: list[str] = []
     if traced_on != str(target):
-        notes.append(f"traced on {traced_on} fake tensors (no CUDA here): autocast and attention follow the CPU path")
+        notes.append(f"traced on {traced_on} fake tensors (no CUDA here): autocast follows the CPU op lists; "
+                     f"the attention kernel is the CUDA one, modelled (see attention)")
 
     opt_name = optimizer
     modelled_8bit = False
@@ -516,6 +944,11 @@ def _run(
             modelled_8bit = True
             opt_name = "sgd"
             notes.append(f"bitsandbytes does not import ({type(exc).__name__}); 8-bit AdamW state modelled, not traced")
+
+    build_attn = None if attn == "auto" else ("sdpa" if attn == "flash" else attn)
+    if not spec.is_hf and build_attn is not None:
+        raise ValueError("attn_implementation applies to transformers models (a preset, a config); "
+                         "a callable builds its own attention")
 
     torch.manual_seed(seed)
     t0 = time.perf_counter()
@@ -528,20 +961,33 @@ def _run(
     else:
         mode = contextlib.nullcontext()
     with mode, torch.device(traced_on):
-        model = _prepare(_build(builder, dtype), dtype, checkpointing)
+        model = _prepare(spec.build(dtype, build_attn), dtype, checkpointing)
         vocab = _vocab_size(model)
+    if loss == "auto":
+        loss = "hf" if _is_hf_model(model) else "memlab"
+    if loss == "hf" and step is None and not _is_hf_model(model):
+        raise ValueError(f"loss='hf' needs a transformers model; {type(model).__name__} is not one: use loss='memlab' or step=")
+    if step is not None:
+        step_text = f"your step {getattr(step, '__module__', '?')}.{getattr(step, '__name__', '?')}(model, batch) -> loss, then backward and optimizer.step()"
+    elif loss == "hf":
+        step_text = "transformers' loss: model(input_ids=x, labels=x).loss (logits upcast to fp32, as the Trainer runs it), backward, optimizer.step()"
+    else:
+        step_text = "memlab's loss: lm_loss(model, x, y) (cross entropy on the logits), backward, optimizer.step()"
+    attention, attn_ctx, softmax_rule = _attention_plan(model, spec, attn, dtype, target, traced_on)
     params = [p for p in model.parameters() if p.requires_grad]
+    impl = _resolve_impl(optimizer_impl, str(target)) if optimizer != "adamw8bit" else "bitsandbytes"
     opt = make_optimizer(opt_name, params, impl=optimizer_impl, device=str(target), **dict(optimizer_kwargs or {}))
     gen_device = traced_on
+
     def one_step() -> None:
         x = torch.randint(0, vocab, (batch_size, seq_len), device=gen_device)
         y = torch.randint(0, vocab, (batch_size, seq_len), device=gen_device)
-        training_step(model, opt, x, y, dtype=dtype)
+        training_step(model, opt, x, y, dtype=dtype, loss=loss, step=step)
 
-    with mode:
+    with mode, attn_ctx:
         for _ in range(warmup_steps):  # untracked: afterwards the optimizer state exists
             one_step()
-        tracker = MemoryTracker(model=model, optimizer=opt)
+        tracker = _make_tracker(model, opt, softmax_rule)
         with tracker:
             one_step()
     seconds = time.perf_counter() - t0
@@ -550,16 +996,36 @@ def _run(
     at_peak = {k: int(v) for k, v in tracker.breakdown(at="peak").items()}
     at_end = {k: int(v) for k, v in tracker.breakdown(at="end").items()}
     max_act = max(_max_category(tracker, "activations"), at_peak["activations"])
+    phases: dict[str, int] = {}
+    phase_bd: dict[str, dict[str, int]] = {}
+    for ev in tracker.timeline:  # each phase's first maximum, as the tracker picks its peak
+        if ev.total > phases.get(ev.phase, -1):
+            phases[ev.phase] = ev.total
+            phase_bd[ev.phase] = {k: int(v) for k, v in ev.bytes.items()}
     if modelled_8bit:
         state = _bnb_state_bytes(model, dtype)
         peak += state  # the state is alive during the whole second step
         at_peak["optimizer"] = at_peak.get("optimizer", 0) + state
         at_end["optimizer"] = at_end.get("optimizer", 0) + state
+        phases = {k: v + state for k, v in phases.items()}
+        for bd in phase_bd.values():
+            bd["optimizer"] = bd.get("optimizer", 0) + state
+    if ("flash kernel" in attention or "efficient kernel" in attention) and tracker.fused_attention_calls == 0:
+        attention += ("; BUT the model passed an attention mask the CPU flash kernel does not take, so the trace ran the "
+                      "math kernel (keeps b x h x s x s probabilities): an overestimate of the CUDA memory-efficient kernel")
+        notes.append("attention traced with the math kernel (mask given): activations overestimated for a CUDA target")
+    if softmax_rule and getattr(tracker, "scratch_bytes", 0):
+        notes.append(f"CUDA softmax backward's scratch copy of its incoming gradient "
+                     f"({format_bytes(tracker.scratch_bytes)}) counted while it runs (per-op rule, measured on an H100)")
+    extras: dict[str, int] = {}
+    if target.type == "cuda":
+        extras[f"cuBLAS workspaces ({CUBLAS_WORKSPACE_BYTES // 2**20} MiB x {CUBLAS_THREADS} threads: "
+               f"forward and autograd, measured on an H100)"] = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS
     from memlab.models import count_parameters
 
     n_params = count_parameters(model)
     return MemoryEstimate(
-        model=name,
+        model=spec.name,
         n_params=n_params,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -577,12 +1043,73 @@ def _run(
         seconds=seconds,
         notes=notes,
         tracker=tracker,
+        peak_phase=tracker.peak_phase,
+        phase_peaks=phases,
+        extras=extras,
+        attention=attention,
+        step=step_text,
+        optimizer_impl=impl,
+        phase_breakdowns=phase_bd,
     )
 
 
 def _max_category(tracker: Any, key: str) -> int:
     """Largest value of one category over the tracker's timeline."""
     return max((ev.bytes[key] for ev in tracker.timeline), default=0)
+
+
+# Extrapolation by depth: traced at these two depths (decoder layers).
+EXTRAPOLATION_DEPTHS = (1, 2)
+EXTRAPOLATE_MIN_LAYERS = 4
+
+
+def _affine(a: int, b: int, d1: int, d2: int, n: int) -> int:
+    slope, rem = divmod(b - a, d2 - d1)
+    if rem:
+        raise ArithmeticError("not affine in the layer count")
+    return a + slope * (n - d1)
+
+
+def _extrapolated(spec: _Spec, kw: dict[str, Any], depths: tuple[int, int] = EXTRAPOLATION_DEPTHS,
+                  traced: dict[int, MemoryEstimate] | None = None) -> MemoryEstimate | None:
+    """The estimate of the whole stack from traces at two depths, or None where the two traces
+    do not show the same shape (peak in a different phase, not affine): then the caller tries
+    deeper depths or traces it all."""
+    field_name, n = spec.layers()
+    d1, d2 = depths
+    t0 = time.perf_counter()
+    traced = {} if traced is None else traced
+    for d in depths:
+        if d not in traced:
+            traced[d] = _run(spec.at_depth(d), **kw)
+    a, b = traced[d1], traced[d2]
+    if list(a.phase_breakdowns) != list(b.phase_breakdowns):
+        return None
+    try:
+        lin = lambda x, y: _affine(x, y, d1, d2, n)  # noqa: E731
+        phase_bd = {ph: {k: lin(a.phase_breakdowns[ph][k], b.phase_breakdowns[ph][k]) for k in CATEGORIES}
+                    for ph in b.phase_breakdowns}
+        end = {k: lin(a.breakdown_end[k], b.breakdown_end[k]) for k in CATEGORIES}
+        n_params = lin(a.n_params, b.n_params)
+        max_act = lin(a.max_activation_bytes, b.max_activation_bytes)
+    except ArithmeticError:
+        return None
+    phases = {ph: sum(bd.values()) for ph, bd in phase_bd.items()}
+    if any(v < 0 for v in phases.values()):
+        return None
+    peak = max(phases.values())
+    peak_phase = next(ph for ph, v in phases.items() if v == peak)  # the first in time, as the tracker
+    breakdown = phase_bd[peak_phase]
+    return MemoryEstimate(
+        model=spec.name, n_params=n_params, batch_size=b.batch_size, seq_len=b.seq_len, dtype=b.dtype,
+        optimizer=b.optimizer, checkpointing=b.checkpointing, peak_bytes=peak, breakdown=breakdown,
+        breakdown_end=end, max_activation_bytes=max_act, largest_layer_params=b.largest_layer_params,
+        device=b.device, traced_on=b.traced_on, fake=True, seconds=time.perf_counter() - t0,
+        notes=list(b.notes),
+        tracker=_PhaseSummary(peak, peak_phase, phases), peak_phase=peak_phase, phase_peaks=phases,
+        extras=dict(b.extras), attention=b.attention, step=b.step, optimizer_impl=b.optimizer_impl,
+        extrapolated_from=(d1, d2), phase_breakdowns=phase_bd,
+    )
 
 
 def estimate_training_memory(
@@ -599,27 +1126,55 @@ def estimate_training_memory(
     optimizer_kwargs: Mapping[str, Any] | None = None,
     config_overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
+    loss: str = "auto",
+    step: Callable[[nn.Module, dict], torch.Tensor] | str | None = None,
+    attn_implementation: str = "auto",
+    allow_longer_seq: bool = False,
+    extrapolate: bool | str = "auto",
 ) -> MemoryEstimate:
     """Peak memory of a (steady-state) training step of ``model``, traced on fake tensors.
 
     ``model``: a preset name of :data:`memlab.models.PRESETS`, the path of a ``config.json``,
     a ``transformers`` config, or a callable returning an ``nn.Module`` (built inside the fake
-    mode, so it may be any size). ``dtype``: one of :data:`DTYPES`; ``optimizer``: one of
-    :data:`OPTIMIZERS`; ``checkpointing``: recompute each block in backward (TinyGPT's or
-    transformers' gradient checkpointing). ``device``: the device you will train on; it sets
-    the default optimizer implementation (``optimizer_impl="auto"``) and, where this torch
-    has CUDA, the fake tensors' device. ``config_overrides`` change fields of a preset / config
-    (e.g. ``num_hidden_layers=2``).
+    mode, so it may be any size). ``dtype``: one of :data:`DTYPES`, which alone sets the weights'
+    dtype (a config's ``torch_dtype`` is ignored); ``optimizer``: one of :data:`OPTIMIZERS`;
+    ``checkpointing``: recompute each block in backward. ``device``: the device you will train
+    on; it sets the default optimizer implementation (``optimizer_impl="auto"``), the attention
+    kernel modelled and the CUDA extras, and where this torch has CUDA, the fake tensors' device.
+    ``config_overrides`` change fields of a preset / config (unknown keys are errors).
+
+    The step: ``loss="auto"`` traces transformers' own loss for transformers models
+    (``model(input_ids=x, labels=x).loss``, what the Trainer runs) and :func:`memlab.models.lm_loss`
+    for others; ``loss="memlab"`` forces the latter; ``step=`` traces your own
+    ``step(model, batch) -> loss`` (``batch = {"input_ids": x, "labels": x}``; or
+    ``"module:function"``). ``attn_implementation``: "auto" (what transformers picks), "eager",
+    "sdpa" or "flash" (CUDA). ``seq_len`` beyond the model's positions is an error unless
+    ``allow_longer_seq``. ``extrapolate``: "auto" traces a homogeneous decoder stack of at least
+    4 layers at 1 and 2 layers and extrapolates exactly by layer count (falls back to the full
+    trace when the two traces differ in shape); False traces every layer.
 
     Nothing is allocated: a Llama-2-70B step at seq_len 4096 takes seconds and well under a GB
     of host memory.
     """
-    builder, name = _resolve_model(model, config_overrides)
-    return _run(
-        builder, name=name, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
-        optimizer=optimizer, checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
-        optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs, fake=True, seed=seed,
-    )
+    spec = _resolve_model(model, config_overrides)
+    _check_positions(spec, seq_len, allow_longer_seq)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+              checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
+              optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs, fake=True, seed=seed,
+              loss=loss, step=step, attn_implementation=attn_implementation)
+    if extrapolate not in (True, False, "auto"):
+        raise ValueError(f"extrapolate={extrapolate!r} is invalid; allowed: 'auto', True, False")
+    if extrapolate and spec.is_hf and spec.homogeneous() and spec.layers()[1] >= (
+            EXTRAPOLATE_MIN_LAYERS if extrapolate == "auto" else max(EXTRAPOLATION_DEPTHS) + 1):
+        traced: dict[int, MemoryEstimate] = {}
+        d1, d2 = EXTRAPOLATION_DEPTHS
+        for depths in ((d1, d2), (d2, d2 + 1)):  # the first layer can differ in shape: then one deeper
+            if depths[1] >= spec.layers()[1]:
+                break
+            est = _extrapolated(spec, kw, depths, traced)
+            if est is not None:
+                return est
+    return _run(spec, **kw)
 
 
 def measure_training_memory(
@@ -636,14 +1191,20 @@ def measure_training_memory(
     optimizer_kwargs: Mapping[str, Any] | None = None,
     config_overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
+    loss: str = "auto",
+    step: Callable[[nn.Module, dict], torch.Tensor] | str | None = None,
+    attn_implementation: str = "auto",
+    allow_longer_seq: bool = False,
 ) -> MemoryEstimate:
     """The same step as :func:`estimate_training_memory`, run for real on ``device`` and
     tracked with :class:`memlab.profiler.MemoryTracker` (for models that fit)."""
-    builder, name = _resolve_model(model, config_overrides)
+    spec = _resolve_model(model, config_overrides)
+    _check_positions(spec, seq_len, allow_longer_seq)
     return _run(
-        builder, name=name, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
+        spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
         optimizer=optimizer, checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
         optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs, fake=False, seed=seed,
+        loss=loss, step=step, attn_implementation=attn_implementation,
     )
 
 
@@ -734,9 +1295,17 @@ class Suggestion:
     how: str  # "traced" (re-ran the estimator) or "formula"
     chapter: str = ""
     detail: str = ""
+    phase: str = ""
+    fwd_bwd_peak: int = 0
+    extra_bytes: int = 0  # extras on the target (cuBLAS workspaces), counted in allocated/reserved
 
     def saving(self, base: MemoryEstimate) -> int:
         return base.peak_bytes - self.peak_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        alloc = self.peak_bytes + self.extra_bytes
+        return int(math.ceil(alloc * FRAGMENTATION_MARGIN)) if self.extra_bytes else alloc
 
 
 # QLoRA (Dettmers et al. 2023, section 3): NF4 weights take 4 bits per parameter; double
@@ -744,29 +1313,37 @@ class Suggestion:
 QLORA_BITS_PER_PARAM = 4 + 0.127
 
 
+def _fwd_bwd(est: MemoryEstimate) -> int:
+    return max(est.phase_peaks.get("forward", 0), est.phase_peaks.get("backward", 0))
+
+
 def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[str, Any] | None = None,
                 **run_kwargs: Any) -> list[Suggestion]:
     """Techniques that lower ``base``'s peak, each with its estimated peak.
 
-    Options the estimator has (checkpointing, 8-bit AdamW, pure bf16, a smaller batch or
-    sequence) are re-estimated ("traced"); the others use a byte formula ("formula"):
-    CPU-offloaded AdamW (chapter 04) removes the optimizer state and the fp32 master copy from
-    the GPU; LoRA (chapter 06) keeps the frozen weights in 16 bits with no gradients or
-    optimizer state for them; QLoRA stores them in NF4 (4.127 bits per parameter).
+    Options the estimator has (checkpointing, 8-bit AdamW, the fused AdamW where the foreach
+    one's temporaries set the peak, pure bf16, a smaller batch or sequence) are re-estimated
+    ("traced"); the others use a byte formula ("formula"): CPU-offloaded AdamW (chapter 04)
+    removes the optimizer state and the fp32 master copy from the GPU; LoRA (chapter 06) keeps
+    the frozen weights in 16 bits with no gradients or optimizer state for them; QLoRA stores
+    them in NF4 (4.127 bits per parameter).
     """
     common = dict(batch_size=base.batch_size, seq_len=base.seq_len, dtype=base.dtype,
                   optimizer=base.optimizer, checkpointing=base.checkpointing,
                   config_overrides=config_overrides, **run_kwargs)
     out: list[Suggestion] = []
+    extra = sum(base.extras.values())
 
     def traced(technique: str, chapter: str, **change: Any) -> MemoryEstimate:
         est = estimate_training_memory(model, **{**common, **change})
         out.append(Suggestion(technique, est.peak_bytes, "traced", chapter,
-                              ", ".join(f"{k}={v}" for k, v in change.items())))
+                              ", ".join(f"{k}={v}" for k, v in change.items()), est.peak_phase, _fwd_bwd(est), extra))
         return est
 
     if not base.checkpointing:
         traced("gradient checkpointing", "02", checkpointing=True)
+    if base.optimizer == "adamw" and base.optimizer_impl == "foreach" and base.peak_phase == "optimizer":
+        traced("fused AdamW (no foreach temporaries)", "01", optimizer_impl="fused")
     if base.optimizer == "adamw":
         traced("8-bit AdamW (bitsandbytes)", "06", optimizer="adamw8bit")
     pure = base
@@ -785,13 +1362,14 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     master = 2 * P if base.dtype in ("bf16", "fp16") else 0  # fp32 weights that become 16-bit on the GPU
     out.append(Suggestion("CPU-offloaded AdamW (optimizer state and fp32 master weights in CPU RAM)",
                           max(base.peak_bytes - opt_at_peak - master, 0), "formula", "04",
-                          "peak - optimizer state at peak" + (" - 2 bytes/param (fp32 weights kept as 16-bit)" if master else "")))
+                          "peak - optimizer state at peak" + (" - 2 bytes/param (fp32 weights kept as 16-bit)" if master else ""),
+                          extra_bytes=extra))
     # Activations of a 16-bit model without autocast's weight copies: the pure-bf16 trace's.
     act = pure.max_activation_bytes
     out.append(Suggestion("LoRA on 16-bit frozen weights", 2 * P + act, "formula", "06",
-                          "2 bytes/param + the activations of the pure-bf16 trace (adapters neglected)"))
+                          "2 bytes/param + the activations of the pure-bf16 trace (adapters neglected)", extra_bytes=extra))
     out.append(Suggestion("QLoRA (NF4 frozen weights)", int(QLORA_BITS_PER_PARAM / 8 * P) + act, "formula", "06",
-                          "4.127 bits/param + the activations of the pure-bf16 trace (adapters neglected)"))
+                          "4.127 bits/param + the activations of the pure-bf16 trace (adapters neglected)", extra_bytes=extra))
     return out
 
 
@@ -801,7 +1379,7 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
 
 
 # The order in which to try techniques: least change to the training run first.
-_TRY_ORDER = ("gradient checkpointing", "8-bit AdamW", "gradient checkpointing + 8-bit AdamW",
+_TRY_ORDER = ("fused AdamW", "gradient checkpointing", "8-bit AdamW", "gradient checkpointing + 8-bit AdamW",
               "CPU-offloaded AdamW", "pure bf16", "LoRA", "QLoRA", "batch size", "sequence length")
 
 
@@ -833,34 +1411,85 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _gpu(text: str) -> tuple[str, int]:
+    try:
+        return resolve_gpu(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: KEY=VALUE (e.g. num_hidden_layers=2)")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key.strip(), parsed
+
+
+_DTYPE_HELP = "; ".join(f"{k}: {v}" for k, v in DTYPES.items())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``memlab estimate MODEL [options]``: the breakdown, the verdict for a GPU, and what
-    would make it fit."""
+    would make it fit. ``memlab estimate --validate``: the estimate against published peaks."""
+    from memlab import gpus
     from memlab.models import PRESETS
 
     parser = _Parser(
         prog="memlab estimate",
         description="Estimate the peak memory of a training step without a GPU (fake tensors).",
-        epilog="models: " + ", ".join(sorted(PRESETS)) + ", or the path of a transformers config.json",
+        epilog="models: " + ", ".join(sorted(PRESETS)) + ", or the path of a transformers config.json. "
+               "GPUs: " + ", ".join(gpus.gpu_names()) + ", or a size (24GiB = 24 x 2**30; 24GB = 24 x 10**9).",
     )
-    parser.add_argument("model", help="a preset name or the path of a config.json")
+    parser.add_argument("model", nargs="?", help="a preset name or the path of a config.json")
     parser.add_argument("--batch-size", type=_positive_int, default=1)
     parser.add_argument("--seq-len", type=_positive_int, default=2048)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help=_DTYPE_HELP)
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     parser.add_argument("--optimizer-impl", choices=list(OPTIMIZER_IMPLS), default="auto",
-                        help="torch optimizer implementation (auto: PyTorch's default on CUDA, foreach)")
+                        help="torch optimizer implementation (auto: PyTorch's default on the device: foreach on CUDA)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
-    parser.add_argument("--gpu", type=_size, default=None,
-                        help="GPU memory, e.g. 24GB (10**9), 80GiB (2**30), 24e9")
+    parser.add_argument("--loss", choices=list(LOSSES), default="auto",
+                        help="auto: transformers' own loss (model(input_ids=x, labels=x), as the Trainer) for "
+                             "transformers models; memlab: cross entropy on the logits (memlab.models.lm_loss)")
+    parser.add_argument("--step", default=None, metavar="MODULE:FUNCTION",
+                        help="trace your own step: FUNCTION(model, batch) -> loss, batch = {'input_ids': x, 'labels': x}")
+    parser.add_argument("--attn", choices=list(ATTN_IMPLEMENTATIONS), default="auto",
+                        help="attention implementation (auto: what transformers picks, sdpa for most models)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device you will train on")
+    parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field (repeatable), e.g. --set num_hidden_layers=2")
+    parser.add_argument("--allow-longer-seq", action="store_true",
+                        help="allow --seq-len beyond max_position_embeddings (RoPE scaling and the like)")
+    parser.add_argument("--no-extrapolate", action="store_true",
+                        help="trace every decoder layer instead of two depths extrapolated by layer count")
+    parser.add_argument("--gpu", type=_gpu, default=None,
+                        help="a card (" + ", ".join(gpus.gpu_names()) + ") or its memory (24GiB, 24GB, 80GiB)")
     parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
+    parser.add_argument("--validate", action="store_true",
+                        help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
     args = parser.parse_args(list(argv or []))
 
+    if args.validate:
+        from memlab import published_peaks
+
+        return published_peaks.main(model_filter=args.model)
+    if args.model is None:
+        parser.error("the following arguments are required: model (or --validate)")
+
+    run_kwargs = dict(optimizer_impl=args.optimizer_impl, device=args.device, loss=args.loss, step=args.step,
+                      attn_implementation=args.attn, allow_longer_seq=args.allow_longer_seq,
+                      extrapolate=not args.no_extrapolate)
+    overrides = dict(args.overrides) or None
     try:
+        if args.step is not None:
+            run_kwargs["step"] = load_step(args.step)
         est = estimate_training_memory(
             args.model, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-            optimizer=args.optimizer, checkpointing=args.checkpointing,
-            optimizer_impl=args.optimizer_impl, device="cuda",
+            optimizer=args.optimizer, checkpointing=args.checkpointing, config_overrides=overrides, **run_kwargs,
         )
     except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -871,28 +1500,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"estimated in {est.seconds:.1f} s on fake tensors (nothing allocated)")
     if args.gpu is None:
         return 0
-    gpu = args.gpu
-    print()
-    if est.fits(gpu):
-        print(f"verdict: FITS in {format_bytes(gpu)} with {format_bytes(est.headroom(gpu))} to spare "
-              f"(leave room for the CUDA context and fragmentation)")
+    label, usable = args.gpu
+    need = est.reserved_bytes if args.device == "cuda" else est.peak_bytes
+    print(f"\nGPU: {label}")
+    if need <= usable:
+        print(f"verdict: FITS: {format_bytes(need)} reserved (estimated) in {format_bytes(usable)} usable, "
+              f"{format_bytes(usable - need)} to spare")
         return 0
-    print(f"verdict: DOES NOT FIT in {format_bytes(gpu)}: over by {format_bytes(-est.headroom(gpu))}")
+    if est.allocated_bytes <= usable:
+        print(f"verdict: TIGHT: the allocated peak {format_bytes(est.allocated_bytes)} fits {format_bytes(usable)} but not "
+              f"with the fragmentation margin ({format_bytes(need)}); try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+              f"or one of the techniques below")
+    else:
+        print(f"verdict: DOES NOT FIT in {format_bytes(usable)} usable: over by {format_bytes(need - usable)}")
     if args.no_suggest:
         return 0
-    print("\nwhat would make it fit (estimated peak; 'traced' = re-estimated, 'formula' = byte formula):")
-    sug = suggestions(est, args.model, optimizer_impl=args.optimizer_impl, device="cuda")
+    print("\nwhat would make it fit (estimated tensor peak; 'traced' = re-estimated, 'formula' = byte formula;"
+          " 'fits' compares the reserved estimate with the usable memory):")
+    try:
+        sug = suggestions(est, args.model, config_overrides=overrides, **run_kwargs)
+    except (ValueError, TypeError) as exc:
+        print(f"memlab estimate: error: {exc}", file=sys.stderr)
+        return 2
     sug.sort(key=lambda s: s.peak_bytes)
-    rows = [("technique", "chapter", "peak", "saving", "how", "fits")]
+    rows = [("technique", "chapter", "peak", "peak in", "fwd/bwd peak", "saving", "how", "fits")]
     for s in sug:
-        rows.append((s.technique, s.chapter or "-", format_bytes(s.peak_bytes), format_bytes(s.saving(est)),
-                     s.how, "yes" if s.peak_bytes <= gpu else "no"))
+        rows.append((s.technique, s.chapter or "-", format_bytes(s.peak_bytes), s.phase or "-",
+                     format_bytes(s.fwd_bwd_peak) if s.fwd_bwd_peak else "-", format_bytes(s.saving(est)),
+                     s.how, "yes" if s.reserved_bytes <= usable else "no"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for j, r in enumerate(rows):
-        print("  " + "  ".join(c.ljust(w) if i in (0, 4) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        print("  " + "  ".join(c.ljust(w) if i in (0, 3, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
         if j == 0:
             print("  " + "  ".join("-" * w for w in widths))
-    fitting = [s for s in sug if s.peak_bytes <= gpu]
+    fitting = [s for s in sug if s.reserved_bytes <= usable]
     if fitting:
         first = min(fitting, key=lambda s: _intrusiveness(s.technique))
         print(f"\nnext to try: {first.technique} ({first.how}): {format_bytes(first.peak_bytes)}, "
