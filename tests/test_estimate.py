@@ -302,3 +302,200 @@ def test_bench_profiler_runs(capsys):
     out = capsys.readouterr().out
     assert "memlab MemoryTracker" in out and "torch MemTracker" in out
     assert ("PASS" in out) == (code == 0)
+
+
+# ---------------------------------------------------------------- issue 10: the step people run
+
+
+def vocab_llama_config(**kw):
+    # a real-sized vocabulary next to tiny layers: the logits dominate, as in a real fine-tune
+    base = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, vocab_size=4096, max_position_embeddings=64)
+    return tiny_llama_config(**{**base, **kw})
+
+
+def test_config_torch_dtype_is_ignored(tmp_path):
+    """A config.json that says bfloat16 still builds fp32 weights for the bf16 AMP recipe."""
+    plain, typed = tmp_path / "plain.json", tmp_path / "typed.json"
+    tiny_llama_config(num_hidden_layers=1).to_json_file(str(plain))
+    import json as _json
+
+    data = _json.loads(plain.read_text())
+    data["torch_dtype"] = data["dtype"] = "bfloat16"
+    typed.write_text(_json.dumps(data))
+    kw = dict(batch_size=1, seq_len=16, device="cpu")
+    a = estimate_training_memory(str(plain), dtype="bf16", **kw)
+    b = estimate_training_memory(str(typed), dtype="bf16", **kw)
+    assert a.peak_bytes == b.peak_bytes and a.breakdown_end == b.breakdown_end
+    P = a.n_params
+    assert b.breakdown_end["gradients"] == 4 * P  # fp32 gradients: fp32 weights
+    pure = estimate_training_memory(str(typed), dtype="bf16-pure", **kw)
+    assert pure.breakdown_end["gradients"] == 2 * P
+
+
+def my_step(model, batch):
+    """A user's own step: transformers' loss with label smoothing off, called their way."""
+    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss * 1.0
+
+
+@pytest.mark.parametrize("loss,step", [("auto", None), ("memlab", None), ("auto", my_step)], ids=["hf", "memlab", "step"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_each_step_kind_estimate_equals_real(loss, step, dtype):
+    kw = dict(batch_size=2, seq_len=32, dtype=dtype, device="cpu", loss=loss, step=step)
+    est = estimate_training_memory(vocab_llama_config(), **kw)
+    real = measure_training_memory(vocab_llama_config(), **kw)
+    assert est.peak_bytes == real.peak_bytes and est.breakdown == real.breakdown
+    assert est.phase_peaks == real.phase_peaks and est.peak_phase == real.peak_phase
+    assert ("transformers' loss" in est.step) == (loss == "auto" and step is None)
+
+
+def test_cli_step(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mystep_mod.py").write_text(
+        "def loss_fn(model, batch):\n    return model(input_ids=batch['input_ids'], labels=batch['labels']).loss\n")
+    monkeypatch.chdir(tmp_path)
+    code = E.main(["llama-2-7b", "--set", "num_hidden_layers=1", "--set", "hidden_size=64", "--set", "intermediate_size=64",
+                   "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+                   "--seq-len", "16", "--step", "mystep_mod:loss_fn"])
+    out = capsys.readouterr().out
+    assert code == 0 and "your step mystep_mod.loss_fn" in out
+    code = E.main(["llama-2-7b", "--step", "mystep_mod:nope"])
+    assert code == 2 and "has no function 'nope'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- issue 9 item 8: input that cannot run
+
+
+def test_input_validation(tmp_path):
+    with pytest.raises(ValueError, match="seq_len=4096 exceeds.*n_positions=1024"):
+        estimate_training_memory("gpt2", batch_size=1, seq_len=4096)
+    with pytest.raises(ValueError, match="allow_longer_seq"):
+        estimate_training_memory("llama-2-7b", batch_size=1, seq_len=8192)
+    with pytest.raises(ValueError, match="'num_hiden_layers'.*did you mean num_hidden_layers"):
+        estimate_training_memory("llama-2-7b", batch_size=1, seq_len=8, config_overrides={"num_hiden_layers": 1})
+    with pytest.raises(ValueError, match="'hiden_size'"):
+        estimate_training_memory(tiny_llama_config(), batch_size=1, seq_len=8, config_overrides={"hiden_size": 8})
+    bare = tmp_path / "bare.json"
+    bare.write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=r"bare.json.*lacks hidden_size / n_embd / d_model, num_hidden_layers"):
+        estimate_training_memory(str(bare), batch_size=1, seq_len=8)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model_type": "llama",')
+    with pytest.raises(ValueError, match=r"broken.json.*not valid JSON.*line 1"):
+        estimate_training_memory(str(broken), batch_size=1, seq_len=8)
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        estimate_training_memory(str(tmp_path / "missing.json"), batch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match="attn_implementation='flash' is a CUDA kernel"):
+        estimate_training_memory(tiny_llama_config(), batch_size=1, seq_len=8, device="cpu", attn_implementation="flash")
+    with pytest.raises(ValueError, match="loss='xent' is invalid"):
+        estimate_training_memory(small_gpt, batch_size=1, seq_len=8, loss="xent")
+    # the override flag lets a RoPE model go further (a fake trace has no table to overrun)
+    est = estimate_training_memory(tiny_llama_config(num_hidden_layers=1, max_position_embeddings=16), batch_size=1,
+                                   seq_len=32, allow_longer_seq=True, device="cpu")
+    assert est.seq_len == 32
+
+
+def test_cli_gpu_validated_before_tracing(monkeypatch, capsys):
+    def boom(*a, **k):
+        raise AssertionError("traced before --gpu was validated")
+
+    monkeypatch.setattr(E, "estimate_training_memory", boom)
+    with pytest.raises(SystemExit) as exc:
+        E.main(["llama-2-7b", "--gpu", "0.4"])
+    assert exc.value.code == 2 and "less than 1 GiB" in capsys.readouterr().err
+
+
+def test_cli_bad_config_file_named(tmp_path, capsys):
+    bad = tmp_path / "cfg.json"
+    bad.write_text("not json")
+    assert E.main([str(bad)]) == 2
+    assert "cfg.json" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- GPUs by name and true size
+
+
+def test_gpu_presets_and_sizes():
+    from memlab import gpus
+
+    label, usable = E.resolve_gpu("h100-80gb")
+    assert usable == 85_017_493_504 - gpus.CONTEXT_RESERVE_BYTES and "79.18 GiB" in label
+    assert E.resolve_gpu("H100")[1] == usable
+    assert gpus.GPUS["rtx4090"].total_bytes == 24564 * 2**20
+    label, usable = E.resolve_gpu("24GB")
+    assert usable == 24 * 10**9 - gpus.CONTEXT_RESERVE_BYTES and "22.35 GiB" in label and "decimal" in label
+    assert E.resolve_gpu("24GiB")[1] == 24 * 2**30 - gpus.CONTEXT_RESERVE_BYTES
+    for bad in ("0.4", "h100-8gb", "", "512MiB"):
+        with pytest.raises(ValueError, match="allowed"):
+            E.resolve_gpu(bad)
+
+
+def test_cuda_target_extras_and_fits():
+    est = estimate_training_memory(small_gpt, batch_size=1, seq_len=16, device="cuda", optimizer_impl="for-loop")
+    assert est.allocated_bytes == est.peak_bytes + 64 * 2**20
+    assert est.reserved_bytes == -(-est.allocated_bytes * 114 // 100)
+    assert est.fits("h100-80gb") and est.fits("1GiB")  # 1 GiB - the context reserve: a tiny model still fits
+    assert est.headroom("1GiB") == 2**30 - 718_077_952 - est.reserved_bytes
+    text = est.table()
+    assert "cuBLAS workspaces" in text and "reserved" in text and "phase peaks" in text
+
+
+# ---------------------------------------------------------------- attention kernels
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_each_cpu_kernel_estimate_equals_real(attn, dtype):
+    kw = dict(batch_size=2, seq_len=32, dtype=dtype, device="cpu", attn_implementation=attn)
+    est = estimate_training_memory(vocab_llama_config(), **kw)
+    real = measure_training_memory(vocab_llama_config(), **kw)
+    assert est.peak_bytes == real.peak_bytes and est.breakdown == real.breakdown
+    assert est.attention.startswith(attn)
+
+
+def test_cuda_target_attention_is_modelled():
+    kw = dict(batch_size=2, seq_len=64, device="cuda", optimizer_impl="for-loop", extrapolate=False)
+    gqa = vocab_llama_config(num_attention_heads=4, num_key_value_heads=2)
+    flash = estimate_training_memory(gqa, dtype="bf16", attn_implementation="sdpa", **kw)
+    assert "CUDA flash kernel" in flash.attention
+    math_ = estimate_training_memory(gqa, dtype="fp32", attn_implementation="sdpa", **kw)
+    eff = estimate_training_memory(gqa, dtype="fp32", attn_implementation="sdpa", config_overrides={"num_key_value_heads": 4}, **kw)
+    assert "math kernel" in math_.attention and "memory-efficient" in eff.attention
+    # fp32 GQA on CUDA keeps the b x h x s x s probabilities: more activations than the fused kernel
+    assert math_.max_activation_bytes > eff.max_activation_bytes
+    eager_cuda = estimate_training_memory(gqa, dtype="fp32", attn_implementation="eager", **kw)
+    eager_cpu = estimate_training_memory(gqa, dtype="fp32", attn_implementation="eager", **{**kw, "device": "cpu"})
+    assert any("softmax backward" in n for n in eager_cuda.notes)
+    # the rule adds one fp32 b x h x s x s matrix while softmax backward runs
+    assert eager_cuda.tracker.scratch_bytes == 2 * 4 * 64 * 64 * 4
+    assert eager_cuda.phase_peaks["backward"] >= eager_cpu.phase_peaks["backward"]
+    assert eager_cuda.allocated_bytes == eager_cuda.peak_bytes + 64 * 2**20
+
+
+# ---------------------------------------------------------------- extrapolation by layer count
+
+
+@pytest.mark.parametrize("kw", [
+    dict(dtype="fp32"), dict(dtype="bf16"), dict(dtype="bf16", checkpointing=True),
+    dict(dtype="fp32", batch_size=1, seq_len=4), dict(dtype="bf16", device="cpu", optimizer_impl="foreach"),
+    dict(dtype="bf16-pure", optimizer="adamw8bit"), dict(dtype="fp32", attn_implementation="sdpa"),
+    dict(dtype="bf16", attn_implementation="sdpa", loss="memlab"),
+], ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+def test_extrapolation_equals_full_trace(kw):
+    cfg = tiny_llama_config(num_hidden_layers=6, hidden_size=64, intermediate_size=160, vocab_size=512)
+    k = {**dict(batch_size=2, seq_len=32), **kw}
+    a = estimate_training_memory(cfg, extrapolate=True, **k)
+    b = estimate_training_memory(cfg, extrapolate=False, **k)
+    assert a.extrapolated_from and not b.extrapolated_from
+    assert a.peak_bytes == b.peak_bytes
+    assert a.breakdown == b.breakdown and a.breakdown_end == b.breakdown_end
+    assert a.phase_peaks == b.phase_peaks and a.peak_phase == b.peak_phase
+    assert a.n_params == b.n_params and a.max_activation_bytes == b.max_activation_bytes
+    assert a.tracker.peak_phase == b.tracker.peak_phase and a.tracker.phase_peaks() == b.tracker.phase_peaks()
+
+
+def test_extrapolation_is_fast_for_big_presets():
+    import time
+
+    t0 = time.perf_counter()
+    est = estimate_training_memory("llama-2-70b", batch_size=1, seq_len=4096)
+    assert est.extrapolated_from and est.n_params == preset_parameter_count("llama-2-70b")
+    assert time.perf_counter() - t0 < 20  # 1 s on 2 idle cores; generous for a loaded CI box
