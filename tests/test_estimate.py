@@ -499,3 +499,14 @@ def test_extrapolation_is_fast_for_big_presets():
     est = estimate_training_memory("llama-2-70b", batch_size=1, seq_len=4096)
     assert est.extrapolated_from and est.n_params == preset_parameter_count("llama-2-70b")
     assert time.perf_counter() - t0 < 20  # 1 s on 2 idle cores; generous for a loaded CI box
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="bf16"), dict(dtype="fp32", optimizer="adamw8bit"), dict(dtype="bf16-pure", optimizer_impl="fused")],
+                         ids=["bf16", "adamw8bit", "fused"])
+def test_fast_warmup_leaves_the_same_state(monkeypatch, kw):
+    """The fake trace warms up with an optimizer step on zero gradients: the same steady state as a full step."""
+    k = {**dict(batch_size=2, seq_len=32, extrapolate=False), **kw}
+    a = estimate_training_memory(small_llama, **k)
+    monkeypatch.setattr(E, "_FAST_WARMUP", False)
+    b = estimate_training_memory(small_llama, **k)
+    assert (a.peak_bytes, a.breakdown, a.breakdown_end, a.phase_peaks) == (b.peak_bytes, b.breakdown, b.breakdown_end, b.phase_peaks)
