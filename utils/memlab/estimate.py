@@ -906,6 +906,7 @@ def _run(
     loss: str = "auto",
     step: Callable[[nn.Module, dict], torch.Tensor] | str | None = None,
     attn_implementation: str | None = "auto",
+    kernel_scratch: bool = True,
 ) -> MemoryEstimate:
     for arg, val, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("warmup_steps", warmup_steps, 0)):
         if isinstance(val, bool) or not isinstance(val, int) or val < low:
@@ -974,6 +975,10 @@ def _run(
     else:
         step_text = "memlab's loss: lm_loss(model, x, y) (cross entropy on the logits), backward, optimizer.step()"
     attention, attn_ctx, softmax_rule = _attention_plan(model, spec, attn, dtype, target, traced_on)
+    if softmax_rule and not kernel_scratch:
+        softmax_rule = False
+        attention = attention.replace("; CUDA softmax backward's copy of its incoming gradient added while it runs",
+                                      "; kernel_scratch=False: CUDA softmax backward's scratch copy not added")
     params = [p for p in model.parameters() if p.requires_grad]
     impl = _resolve_impl(optimizer_impl, str(target)) if optimizer != "adamw8bit" else "bitsandbytes"
     opt = make_optimizer(opt_name, params, impl=optimizer_impl, device=str(target), **dict(optimizer_kwargs or {}))
@@ -1143,6 +1148,7 @@ def estimate_training_memory(
     attn_implementation: str = "auto",
     allow_longer_seq: bool = False,
     extrapolate: bool | str = "auto",
+    kernel_scratch: bool = True,
 ) -> MemoryEstimate:
     """Peak memory of a (steady-state) training step of ``model``, traced on fake tensors.
 
@@ -1163,7 +1169,9 @@ def estimate_training_memory(
     "sdpa" or "flash" (CUDA). ``seq_len`` beyond the model's positions is an error unless
     ``allow_longer_seq``. ``extrapolate``: "auto" traces a homogeneous decoder stack of at least
     4 layers at 1 and 2 layers and extrapolates exactly by layer count (falls back to the full
-    trace when the two traces differ in shape); False traces every layer.
+    trace when the two traces differ in shape); False traces every layer. ``kernel_scratch=False``
+    leaves out the per-op rule for scratch that CUDA kernels allocate inside themselves (softmax
+    backward's copy of its gradient), to compare with a tracker that cannot see it either.
 
     Nothing is allocated: a Llama-2-70B step at seq_len 4096 takes seconds and well under a GB
     of host memory.
@@ -1173,7 +1181,7 @@ def estimate_training_memory(
     kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
               checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
               optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs, fake=True, seed=seed,
-              loss=loss, step=step, attn_implementation=attn_implementation)
+              loss=loss, step=step, attn_implementation=attn_implementation, kernel_scratch=kernel_scratch)
     if extrapolate not in (True, False, "auto"):
         raise ValueError(f"extrapolate={extrapolate!r} is invalid; allowed: 'auto', True, False")
     if extrapolate and spec.is_hf and spec.homogeneous() and spec.layers()[1] >= (
