@@ -1217,14 +1217,16 @@ def measure_training_memory(
     allow_longer_seq: bool = False,
 ) -> MemoryEstimate:
     """The same step as :func:`estimate_training_memory`, run for real on ``device`` and
-    tracked with :class:`memlab.profiler.MemoryTracker` (for models that fit)."""
+    tracked with :class:`memlab.profiler.MemoryTracker` (for models that fit). A measurement
+    has no modelled rules: kernel scratch that no op returns is not in it (compare it with
+    ``estimate_training_memory(..., kernel_scratch=False)``)."""
     spec = _resolve_model(model, config_overrides)
     _check_positions(spec, seq_len, allow_longer_seq)
     return _run(
         spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
         optimizer=optimizer, checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
         optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs, fake=False, seed=seed,
-        loss=loss, step=step, attn_implementation=attn_implementation,
+        loss=loss, step=step, attn_implementation=attn_implementation, kernel_scratch=False,
     )
 
 
