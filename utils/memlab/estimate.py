@@ -838,7 +838,10 @@ def _attention_plan(model: nn.Module, spec: _Spec, requested: str, dtype: str, t
         what = "CUDA memory-efficient kernel: keeps output + logsumexp (no s x s matrix)"
     label = "flash" if requested == "flash" else "sdpa"
     if traced_on.startswith("cuda"):
-        return f"{label}: {what}, traced", (sdpa_kernel([backend]) if requested == "flash" else contextlib.nullcontext()), False
+        # fake CUDA tensors pick their kernel by shape rules that accept fp32 GQA; the real kernel is
+        # the math one (measured on an H100): force it there, and flash where flash was asked for
+        force = requested == "flash" or kernel == "math"
+        return f"{label}: {what}, traced", (sdpa_kernel([backend]) if force else contextlib.nullcontext()), False
     backends = [backend] if backend == SDPBackend.MATH else [backend, SDPBackend.MATH]
     return (f"{label}: {what}; modelled on CPU with the {'math' if kernel == 'math' else 'CPU flash'} kernel "
             f"(same saved tensors)"), sdpa_kernel(backends), False
