@@ -805,9 +805,10 @@ def _attention_plan(model: nn.Module, spec: _Spec, requested: str, dtype: str, t
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl is None:
-        impl = getattr(getattr(model, "config", None), "attention_implementation", None) or "the model's own"
+    cfg_ = getattr(model, "config", None)
+    impl = getattr(cfg_, "_attn_implementation", None) or getattr(cfg_, "attention", None)  # TinyGPT: "attention"
+    if not isinstance(impl, str):
+        impl = "the model's own"
     cuda = target.type == "cuda"
     if impl == "eager":
         if cuda:
@@ -817,7 +818,8 @@ def _attention_plan(model: nn.Module, spec: _Spec, requested: str, dtype: str, t
     if impl not in ("sdpa", "manual") and not str(impl).startswith("flash"):
         return str(impl), contextlib.nullcontext(), False
     if impl == "manual":  # TinyGPT's own attention
-        return "TinyGPT manual attention (softmax materialised)", contextlib.nullcontext(), cuda
+        extra = ("; CUDA softmax backward's copy of its incoming gradient added while it runs" if cuda else "")
+        return f"manual (softmax materialised: b x h x s x s probabilities kept for backward{extra})", contextlib.nullcontext(), cuda
     if not cuda:
         return "sdpa on CPU (flash kernel for CPU: keeps output + logsumexp)", contextlib.nullcontext(), False
     cfg = spec.config
