@@ -53,6 +53,8 @@ def test_lab_leaks_no_solution(sol):
     lab = nbformat.read(ROOT / "labs" / sol.name, as_version=4)
     lab_text = "\n".join(c.source for c in lab.cells)
     assert labs.BEGIN not in lab_text and labs.END not in lab_text
+    assert labs.find_markers(lab, name=sol.name) == []  # no marker in any case, with any number of '#'
+    assert lab.metadata["kernelspec"] == labs.KERNELSPEC  # what JupyterLab writes: opening it changes nothing
     assert not any(labs.SOLUTION_ONLY in c.get("metadata", {}).get("tags", []) for c in lab.cells)
     assert all(not c.get("outputs") for c in lab.cells if c.cell_type == "code")
     leaked = [line for line in _solution_lines(solution) if line in lab_text.split("\n") or f"\n{line}\n" in lab_text]
