@@ -49,9 +49,11 @@ FIGURES: tuple[Figure, ...] = (
         model=LLAMA_3_2_3B,
         settings=dict(batch_size=4, seq_len=768, dtype="bf16-pure", optimizer="adamw"),
         gpu="NVIDIA L40S, torch 2.7.1, transformers 4.52.4",
-        differs="MetaMathQA batches are padded to their longest sample, at most max_seq_length=768 (the estimate "
-                "uses 768); gradient clipping (max norm 1.0) adds foreach norm temporaries; attention left to "
-                "transformers (sdpa)",
+        differs="cuda_memory_max is torch.cuda.max_memory_allocated() over the whole run minus what was allocated "
+                "before the model loaded (method_comparison/MetaMathQA/run.py), so an evaluation pass (generation, "
+                "batch 50) counts if it peaked higher; MetaMathQA batches are padded to their longest sample, at most "
+                "max_seq_length=768 (the estimate uses 768); gradient clipping (max norm 1.0) adds foreach norm "
+                "temporaries; attention left to transformers (sdpa)",
     ),
     Figure(
         name="universal-llm-trainer: full fine-tuning, Llama 3 8B",
@@ -70,8 +72,9 @@ FIGURES: tuple[Figure, ...] = (
 NOT_COMPARABLE: tuple[tuple[str, str, str], ...] = (
     ("torchtune README: Llama 3.1 8B full fine-tune on 1x RTX 4090, batch 2 x 2048, 18.9 GiB",
      "https://github.com/pytorch/torchtune/blob/main/README.md",
-     "the recipe steps the optimizer inside backward (gradients never all alive), keeps paged 8-bit AdamW "
-     "state in unified memory and uses torch.compile with a chunked loss: none of these is a setting of the estimator"),
+     "recipes/configs/llama3_1/8B_full_single_device.yaml steps the optimizer inside backward (optimizer_in_bwd: "
+     "gradients never all alive), keeps bitsandbytes PagedAdamW8bit state in paged (unified) memory and uses "
+     "LinearCrossEntropyLoss (no full logits); the README adds torch.compile: none of these is a setting of the estimator"),
     ("litgpt resource tables: LoRA Llama 2 7B, micro-batch 1, 21.30 GB (A100 40GB)",
      "https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-tables.md",
      "LoRA is a byte formula in the estimator's suggestions, not a traced step; Alpaca samples vary in length"),
