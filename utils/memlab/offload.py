@@ -231,11 +231,14 @@ def _compile(cache: Path) -> Any:
     so = cache / f"memlab_adamw_{key}.so"
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        src = cache / f"memlab_adamw_{key}.cpp"
+        src = cache / f"memlab_adamw_{key}.{os.getpid()}.cpp"  # per process: parallel test workers may build at once
         src.write_text(KERNEL_SOURCE)
         tmp = cache / f"memlab_adamw_{key}.{os.getpid()}.so"
-        subprocess.run([cxx, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, so)
+        try:
+            subprocess.run([cxx, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, so)  # atomic: a reader sees no library or a whole one
+        finally:
+            src.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(so))
     fn = lib.memlab_adamw
     fp, i64, ci, cf = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
