@@ -223,3 +223,13 @@ def test_one_bad_notebook_never_stops_the_batch(tmp_path):
 def test_grade_notebook_rejects_bad_limits(tmp_path, limit):
     with pytest.raises(ValueError, match="timeout"):
         grade_notebook(tmp_path / "x.ipynb", timeout=limit)
+
+
+def test_a_shadow_memlab_next_to_the_notebook_is_refused(tmp_path):
+    (tmp_path / "memlab").mkdir()
+    (tmp_path / "memlab" / "__init__.py").write_text("# a learner's own memlab, found first on the kernel's path\n")
+    path = _write(tmp_path / "00_shadow.ipynb", ["def f(*a, **k):\n    return 0", "check('00.activation_bytes', f)"])
+    rows = {r.exercise: r for r in grade_notebook(path)}
+    shadow = rows["00.activation_bytes"]
+    assert shadow.status == "error" and "memlab/ folder next to the notebook" in shadow.message, shadow
+    assert shadow.points == 0

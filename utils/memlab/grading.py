@@ -10,9 +10,11 @@ Two halves:
   computes every result itself. The exercises and their points come from the chapter's
   registry, never from the notebook: an exercise whose check cell was deleted scores 0
   (``missing``). Right after an exercise's check cell has run, the grader imports memlab's
-  checks afresh inside the kernel, verifies their fingerprint against its own, and runs them
-  on the learner's object, looked up by the name the check cell passes, under its own time
-  limit. Nothing the notebook prints or writes counts as a result. ``memlab grade`` is its
+  checks (``memlab.grading``, ``memlab.checks``) afresh inside the kernel from its own files,
+  verifies their fingerprint against its own, and runs them on the learner's object, looked up
+  by the name the check cell passes, under its own time limit. The reference modules the checks
+  compare with (``memlab.accounting`` ...) are the kernel's own, so objects the learner built
+  with them keep their classes; they must come from the grader's memlab folder. Nothing the notebook prints or writes counts as a result. ``memlab grade`` is its
   command line.
 
 Threat model: casual and accidental tampering (a redefined ``check``, forged rows, deleted
@@ -323,8 +325,7 @@ def _run_checks(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str]:
 def _reference_note(obj: Any, ex: Exercise, modules: Mapping[str, Any] | None = None) -> str:
     """A note when ``obj`` is memlab's own code (the exercise's reference, or anything from memlab), else ''.
 
-    ``modules`` maps module names to the modules the learner's code sees (``sys.modules`` by
-    default); the grader passes the learner's own memlab modules there while it runs a fresh copy.
+    ``modules`` maps module names to the modules the learner's code sees (``sys.modules`` by default).
     """
     modules = sys.modules if modules is None else modules
     try:
@@ -441,21 +442,27 @@ def chapter_fingerprint(chapter: str) -> str:
 # The grader sends two requests per exercise, right after its check cell. Both run in a private
 # namespace; only lines that start with the request's random nonce count as the answer.
 _BOOT_PREPARE = r'''
-import sys, json, importlib, importlib.util
+import sys, json, importlib.util
 def _memlab_grader_prepare(args):
-    old = {k: m for k, m in list(sys.modules.items()) if k == "memlab" or k.startswith("memlab.")}
+    def ours(k):
+        return k in ("memlab.grading", "memlab.checks") or k.startswith("memlab.checks.")
+    old = {k: m for k, m in list(sys.modules.items()) if ours(k)}
     for k in old:
         del sys.modules[k]
-    try:
+    def load(name, path, package_dir=None):
         spec = importlib.util.spec_from_file_location(
-            "memlab", args["dir"] + "/__init__.py", submodule_search_locations=[args["dir"]])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["memlab"] = pkg
-        spec.loader.exec_module(pkg)
-        grading = importlib.import_module("memlab.grading")
+            name, path, submodule_search_locations=[package_dir] if package_dir else None)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    try:
+        import memlab
+        grading = load("memlab.grading", args["dir"] + "/grading.py")
+        load("memlab.checks", args["dir"] + "/checks/__init__.py", args["dir"] + "/checks")
         return grading._kernel_prepare(args, old)
     except BaseException as exc:
-        for k in [k for k in sys.modules if k == "memlab" or k.startswith("memlab.")]:
+        for k in [k for k in sys.modules if ours(k)]:
             del sys.modules[k]
         sys.modules.update(old)
         return {"ok": False, "message": "the grader could not import memlab's checks in the kernel: "
@@ -476,8 +483,13 @@ print(ARGS["nonce"] + json.dumps(_memlab_grader_run(ARGS, USER_NS)), flush=True)
 _PREPARED: dict[str, Any] = {}
 
 
+def _is_grader_module(name: str) -> bool:
+    """The modules the grader imports afresh in the kernel: itself and the checks."""
+    return name in ("memlab.grading", "memlab.checks") or name.startswith("memlab.checks.")
+
+
 def _restore_modules(old: Mapping[str, Any]) -> None:
-    for k in [k for k in sys.modules if k == "memlab" or k.startswith("memlab.")]:
+    for k in [k for k in sys.modules if _is_grader_module(k)]:
         del sys.modules[k]
     sys.modules.update(old)
 
@@ -490,6 +502,15 @@ def _kernel_prepare(args: dict[str, Any], old_modules: dict[str, Any]) -> dict[s
     except BaseException as exc:  # noqa: BLE001
         _restore_modules(old_modules)
         return {"ok": False, "message": _short(f"the chapter's checks failed to import in the kernel: {type(exc).__name__}: {exc}")}
+    root = os.path.realpath(args["dir"])
+    foreign = sorted(k for k, m in list(sys.modules.items())
+                     if (k == "memlab" or k.startswith("memlab.")) and getattr(m, "__file__", None)
+                     and not os.path.realpath(m.__file__).startswith(root + os.sep))
+    if foreign:
+        _restore_modules(old_modules)
+        where = getattr(sys.modules[foreign[0]], "__file__", "?")
+        return {"ok": False, "message": f"the kernel's {foreign[0]} comes from {where}, not from the grader's memlab "
+                                        f"({root}): is there a memlab/ folder next to the notebook?"}
     if fingerprint != args["fingerprint"]:
         _restore_modules(old_modules)
         return {"ok": False, "fingerprint": fingerprint,
@@ -521,7 +542,7 @@ def _kernel_run(args: dict[str, Any], user_ns: Mapping[str, Any]) -> dict[str, A
         except BaseException as exc:  # noqa: BLE001 - a hostile __getattr__ included
             return {"status": "error", "message": _short(f"{type(exc).__name__}: {_safe_str(exc)}"), "seconds": 0.0}
         status, message = _run_checks(ex, obj, args["limit"])
-        note = _reference_note(obj, ex, old) if status == "pass" else ""
+        note = _reference_note(obj, ex) if status == "pass" else ""
         return {"status": status, "message": message, "reference": note,
                 "seconds": round(time.perf_counter() - start, 3)}
     except BaseException as exc:  # noqa: BLE001
