@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -194,7 +195,8 @@ def test_kernel_side_rejects_other_checks():
     from memlab import grading
 
     before = {k: v for k, v in sys.modules.items() if k == "memlab" or k.startswith("memlab.")}
-    out = grading._kernel_prepare({"chapter": "00", "fingerprint": "0" * 64, "nonce": "n"}, dict(before))
+    args = {"chapter": "00", "fingerprint": "0" * 64, "nonce": "n", "dir": str(Path(grading.__file__).parent)}
+    out = grading._kernel_prepare(args, dict(before))
     assert out["ok"] is False and "fingerprint" in out["message"]
     assert all(sys.modules[k] is v for k, v in before.items())
 
