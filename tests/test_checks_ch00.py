@@ -77,3 +77,25 @@ def test_saved_bytes():
 
     assert status("00.saved_bytes", per_tensor) == "fail"
     assert status("00.saved_bytes", with_weights) == "fail"
+
+
+class _AlwaysEqual(int):
+    """An int whose == says yes to everything (issue 9): it must not pass any check."""
+
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = int.__hash__
+
+
+def test_an_always_equal_int_fails_every_exercise():
+    keys = ("weights", "gradients", "optimizer", "total")
+    assert status("00.model_state_bytes", lambda n, r: {k: _AlwaysEqual(0) for k in keys}) == "fail"
+    assert status("00.optimizer_state_bytes", lambda opt: _AlwaysEqual(0)) == "fail"
+    assert status("00.activation_bytes", lambda *a, **k: _AlwaysEqual(0)) == "fail"
+    assert status("00.saved_bytes", lambda *a: _AlwaysEqual(0)) == "fail"
+    r = check("00.activation_bytes", lambda *a, **k: _AlwaysEqual(0), quiet=True)
+    assert "expected an int" in r.message and "_AlwaysEqual" in r.message

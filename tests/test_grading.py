@@ -316,3 +316,37 @@ def test_check_calls_read_from_the_notebook():
     calls = check_calls(_nb(cells))
     assert [(c.exercise, c.name, c.cell) for c in calls] == [
         ("00.a", "f", 0), ("00.c", "mod.fn", 2), ("00.d", None, 3), ("typo", "f", 4)]
+
+
+def test_expect_equal_compares_exact_types_through_the_reference():
+    import collections
+
+    import torch
+
+    from memlab.checks import expect_close, expect_equal, same_value
+
+    class Yes(str):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = str.__hash__
+
+    assert not same_value(Yes("x"), "parameters") and not same_value(True, 1) and not same_value(1.0, 1)
+    assert same_value(1, 1.0)  # an int is an acceptable float, never the other way round
+    assert same_value(collections.defaultdict(int, a=1), {"a": 1})  # the standard library's dicts count
+    assert not same_value({Yes("a"): 1}, {"a": 1})  # keys through the reference's type too
+    assert not same_value((1, 2), [1, 2]) and same_value([1, (2, "x")], [1, (2, "x")])
+
+    class Liar(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return True
+
+    assert same_value(torch.nn.Parameter(torch.ones(2)), torch.ones(2))
+    assert not same_value(torch.ones(2).as_subclass(Liar), torch.zeros(2))
+    with pytest.raises(AssertionError, match=r"x\['a'\]: expected an int, got float"):
+        expect_equal("x", {"a": 1.0}, {"a": 1})
+    with pytest.raises(AssertionError, match="expected a number"):
+        expect_close("y", "0.5", 0.5)
+    with pytest.raises(AssertionError, match=r"\.item\(\)"):
+        expect_close("y", torch.tensor(0.5), 0.5)
