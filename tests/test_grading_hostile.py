@@ -233,3 +233,20 @@ def test_a_shadow_memlab_next_to_the_notebook_is_refused(tmp_path):
     shadow = rows["00.activation_bytes"]
     assert shadow.status == "error" and "memlab/ folder next to the notebook" in shadow.message, shadow
     assert shadow.points == 0
+
+
+def test_the_notebook_deadline_holds(tmp_path):
+    cells = [
+        "from memlab.grading import check",
+        "import time\ntime.sleep(120)",
+        "def f(*a, **k):\n    return 0",
+        "check('00.activation_bytes', f)",
+        "check('00.model_state_bytes', f)",
+    ]
+    path = _write(tmp_path / "00_slow.ipynb", cells)
+    t0 = time.monotonic()
+    rows = {r.exercise: r for r in grade_notebook(path, notebook_timeout=10)}
+    assert time.monotonic() - t0 < 10 + KILL_GRACE + 30
+    assert rows["00.activation_bytes"].status == "timeout"
+    assert "notebook ran past its 10 s limit" in rows["00.activation_bytes"].message
+    assert rows["00.model_state_bytes"].status == "not run"

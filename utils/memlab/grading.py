@@ -981,12 +981,12 @@ class _NotebookRun:
                 for i, cell in enumerate(self.nb.cells[: last + 1]):
                     current = self._owner(i)
                     if cell.get("cell_type") == "code" and isinstance(cell.get("source"), str) and cell.source.strip():
-                        stop = await self._run_cell(kernel, i, cell.source)
+                        stop = self._out_of_time(current) or await self._run_cell(kernel, i, cell.source)
                         if stop:
                             break
                     for ex in grade_after.get(i, []):
                         current = ex
-                        stop = await self._grade(kernel, ex)
+                        stop = self._out_of_time(ex) or await self._grade(kernel, ex)
                         if stop:
                             break
                     if stop:
@@ -1006,6 +1006,11 @@ class _NotebookRun:
             else:  # pragma: no cover - every exercise is graded or the run stopped
                 rows[ex.id] = self._row(ex, "error", "the grader never reached this exercise")
         return rows
+
+    def _out_of_time(self, ex: Exercise) -> tuple[Exercise, str, str] | None:
+        if self._remaining() > 0:
+            return None
+        return ex, "timeout", f"timeout: the notebook ran past its {self.notebook_limit:g} s limit"
 
     def _remaining(self) -> float:
         return self.notebook_limit - (time.monotonic() - self.t0)
