@@ -536,9 +536,12 @@ def _pow2(n: int) -> int:
 
 def triton_interpreted() -> bool:
     """Whether Triton kernels run in the interpreter here (TRITON_INTERPRET=1 when triton was imported)."""
-    from triton import knobs
+    import triton.language as tl_
+    from triton.runtime.interpreter import InterpretedFunction
 
-    return bool(knobs.runtime.interpret)
+    # the mode is fixed when triton.language is imported (its own @jit helpers, such as tl.zeros,
+    # are made then); setting the environment variable later changes nothing
+    return isinstance(tl_.zeros, InterpretedFunction)
 
 
 def _triton_setup(q: torch.Tensor) -> Any:
