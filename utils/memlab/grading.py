@@ -807,22 +807,27 @@ class _Kernel:
                 return _Outcome(state, ename, evalue, "".join(text), time.monotonic() - start)
 
     async def close(self) -> None:
-        """Shut the kernel down and stop every process this run started."""
+        """Stop every process this run started, then reap the kernel and remove its files.
+
+        The processes are killed before the kernel is reaped, so that its pid cannot have been
+        reused by an unrelated process when its session and descendants are looked up.
+        """
         try:
             if self.kc is not None:
                 self.kc.stop_channels()
         except Exception:  # noqa: BLE001
             pass
+        stop_processes(self.mark, self.pid)
         try:
             if self.km is not None and self.km.has_kernel:
-                await asyncio.wait_for(self.km.shutdown_kernel(now=True), timeout=30)  # also reaps a killed kernel
+                await asyncio.wait_for(self.km.shutdown_kernel(now=True), timeout=30)  # reaps the killed kernel
         except Exception:  # noqa: BLE001
             try:
                 await asyncio.wait_for(self.km.cleanup_resources(), timeout=10)
             except Exception:  # noqa: BLE001
                 pass
         finally:
-            stop_processes(self.mark, self.pid)
+            stop_processes(self.mark)  # anything that appeared meanwhile, by its mark only
             if self._log is not None:
                 self._log.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
