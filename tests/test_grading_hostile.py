@@ -250,3 +250,27 @@ def test_the_notebook_deadline_holds(tmp_path):
     assert rows["00.activation_bytes"].status == "timeout"
     assert "notebook ran past its 10 s limit" in rows["00.activation_bytes"].message
     assert rows["00.model_state_bytes"].status == "not run"
+
+
+def test_environment_errors_name_the_variable(tmp_path, monkeypatch):
+    path = _write(tmp_path / "00_env.ipynb", [SETUP])
+    monkeypatch.setenv("MEMLAB_CHECK_TIMEOUT", "abc")
+    with pytest.raises(ValueError, match="MEMLAB_CHECK_TIMEOUT='abc'"):
+        grade_notebook(path)
+    monkeypatch.delenv("MEMLAB_CHECK_TIMEOUT")
+    monkeypatch.setenv("MEMLAB_DEVICE", "tpu9")
+    sys.modules.pop("memlab.config", None)
+    try:
+        with pytest.raises(ValueError, match="MEMLAB_DEVICE='tpu9'"):
+            grade_notebook(path)
+    finally:
+        monkeypatch.delenv("MEMLAB_DEVICE")
+        sys.modules.pop("memlab.config", None)
+        import memlab.config  # noqa: F401 - back to the good one for later tests
+
+
+def test_a_chapter_without_checks_or_a_nameless_file_is_one_error_row(tmp_path):
+    rows = grade_notebook(_write(tmp_path / "99_unknown.ipynb", [SETUP]))
+    assert len(rows) == 1 and rows[0].status == "error" and "99_unknown.ipynb" in rows[0].message
+    rows = grade_notebook(_write(tmp_path / "mywork.ipynb", [SETUP]))
+    assert len(rows) == 1 and rows[0].status == "error" and "NN_topic.ipynb" in rows[0].message

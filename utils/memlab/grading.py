@@ -885,6 +885,7 @@ def grade_notebook(
         if value is not None:
             parse_seconds(name, value)
     env_timeout = timeout_from_env()
+    import memlab.config  # noqa: F401 - a bad MEMLAB_DEVICE or MEMLAB_SMALL is a ValueError naming it, before any kernel
     if not path.is_file():
         return _file_error(path, f"{path}: no such notebook file")
     try:
@@ -892,8 +893,11 @@ def grade_notebook(
         calls = check_calls(nb)
     except Exception as exc:  # noqa: BLE001 - one corrupt notebook must not stop a batch
         return _file_error(path, f"{path}: not a readable notebook ({type(exc).__name__}: {_short(str(exc), 160)})")
-    chapters = _chapters_of(path, calls)
-    expected = [ex for ch in chapters for ex in chapter_exercises(ch)]
+    try:
+        chapters = _chapters_of(path, calls)
+        expected = [ex for ch in chapters for ex in chapter_exercises(ch)]
+    except Exception as exc:  # noqa: BLE001 - a broken checks module is this notebook's error, not the batch's
+        return _file_error(path, f"{path}: the chapter's checks failed to import ({type(exc).__name__}: {_short(str(exc), 160)})")
     if not expected:
         return _file_error(path, f"{path}: no exercises to grade: name the file NN_topic.ipynb after its chapter, "
                                  "or keep its check(\"NN.name\", ...) cells")
