@@ -1,0 +1,133 @@
+"""LoRA: low-rank adapters on a frozen linear layer, and QLoRA when the base is a Linear4bit.
+
+Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (arXiv:2106.09685):
+the frozen weight W (out x in) gets a trainable low-rank update,
+
+    y = x W^T + b  +  (alpha / r) * dropout(x) A^T B^T,      A: r x in,  B: out x r,
+
+with A initialised like nn.Linear (kaiming-uniform, a = sqrt(5)) and B = 0, so training starts
+from the base model exactly. Only A and B (r * (in + out) numbers per layer) need gradients and
+optimizer state. ``merge()`` folds ``(alpha / r) * B A`` into W for inference; ``unmerge()``
+subtracts it again. QLoRA (Dettmers et al. 2023) is the same adapter on an NF4 base
+(:class:`memlab.quant.Linear4bit`).
+
+Written to match peft's ``LoraLayer`` / ``lora.Linear`` (peft/tuners/lora/layer.py): same
+initialisation order (two nn.Linear constructions, then kaiming A and zero B), same forward
+(``result + lora_B(lora_A(dropout(x))) * scaling`` with x cast to A's dtype, result cast back to
+the base output's dtype) and the same merge arithmetic (``W += (B @ A) * scaling``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from memlab.quant import Linear4bit
+
+__all__ = ["LoRALinear", "add_lora", "lora_parameters", "count_trainable"]
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``base`` (nn.Linear or memlab.quant.Linear4bit) plus a rank-``r`` adapter scaled by ``alpha / r``."""
+
+    def __init__(self, base: nn.Module, r: int = 8, alpha: float = 16, dropout: float = 0.0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if not isinstance(base, (nn.Linear, Linear4bit)):
+            raise TypeError(f"LoRALinear: base must be an nn.Linear or memlab.quant.Linear4bit, got {type(base).__name__}")
+        if type(r) is not int or r <= 0:
+            raise ValueError(f"LoRALinear: r must be a positive int, got {r!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRALinear: dropout must be in [0, 1), got {dropout!r}")
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # peft's order: build both nn.Linear (each draws its default init), then re-init A, zero B
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, dtype=dtype)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, dtype=dtype)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.merged = False
+
+    def delta_weight(self) -> torch.Tensor:
+        """``(B @ A) * scaling``, out x in: what merge() adds to the base weight."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base(x)
+        if self.merged:
+            return result
+        out_dtype = result.dtype
+        h = self.dropout(x.to(self.lora_A.weight.dtype))
+        result = result + self.lora_B(self.lora_A(h)) * self.scaling
+        return result.to(out_dtype)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the adapter into the base weight (an NF4 base is dequantized, updated and requantized: lossy)."""
+        if self.merged:
+            raise RuntimeError("LoRALinear.merge: already merged")
+        self._add_to_base(self.delta_weight())
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the adapter from the base weight again (exact inverse up to rounding for nn.Linear)."""
+        if not self.merged:
+            raise RuntimeError("LoRALinear.unmerge: not merged")
+        self._add_to_base(-self.delta_weight())
+        self.merged = False
+
+    def _add_to_base(self, delta: torch.Tensor) -> None:
+        if isinstance(self.base, nn.Linear):
+            self.base.weight.data += delta.to(self.base.weight.dtype)
+        else:
+            w = self.base.dequantized_weight(torch.float32) + delta.float()
+            self.base.quantize_(w)
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, merged={self.merged}"
+
+
+def add_lora(model: nn.Module, r: int = 8, alpha: float = 16, target_modules: Iterable[str] = ("q_proj", "v_proj"),
+             dropout: float = 0.0) -> nn.Module:
+    """Wrap every nn.Linear / Linear4bit whose name ends in one of ``target_modules`` in a LoRALinear, in place.
+
+    All other parameters are frozen (requires_grad=False), as peft's get_peft_model does. Returns
+    ``model``. Raises ValueError when nothing matches (a typo in target_modules is otherwise silent).
+    Modules are wrapped in ``named_modules()`` order, so the random initialisation matches peft's
+    under the same seed.
+    """
+    targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+    if not targets:
+        raise ValueError("add_lora: target_modules is empty")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    found = []
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in targets and isinstance(module, (nn.Linear, Linear4bit)):
+            found.append(name)
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, leaf, LoRALinear(module, r=r, alpha=alpha, dropout=dropout))
+    if not found:
+        raise ValueError(f"add_lora: no nn.Linear or Linear4bit named {targets} in the model")
+    return model
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapters' parameters (lora_A and lora_B of every LoRALinear), in module order."""
+    return [p for m in model.modules() if isinstance(m, LoRALinear) for p in (m.lora_A.weight, m.lora_B.weight)]
+
+
+def count_trainable(model: nn.Module) -> tuple[int, int]:
+    """(trainable parameters, all parameters, counting NF4-stored weights by their element count)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    total += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear4bit))
+    return trainable, total
