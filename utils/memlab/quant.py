@@ -22,7 +22,8 @@ copies was read in ``bitsandbytes/functional.py`` (``create_normal_map``, ``crea
   cast to float32, sorted, divided by the max in float32;
 * scaling: a full block is multiplied by ``1 / absmax`` (absmax clamped at 1e-38 so an all-zero
   block maps to code 0.0), a trailing partial block is *divided* by its absmax; then clamp to
-  [-1, 1];
+  [-1, 1]. (So an all-zero full block stores absmax 0.0 and an all-zero partial block 1e-38:
+  bitsandbytes' quirk, copied.)
 * nearest code: ``bucketize`` on the float32 midpoints ``(c_j + c_{j+1}) / 2``, so a value
   exactly on a midpoint goes to the *lower* code (the tie rule);
 * packing: element ``2k`` in the high nibble, ``2k + 1`` in the low nibble; an odd count is
@@ -161,7 +162,7 @@ def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
     p = packed.reshape(-1)
     if p.dtype != torch.uint8:
         p = p.view(torch.uint8)
-    q = torch.empty(p.numel() * 2, dtype=torch.int64)
+    q = torch.empty(p.numel() * 2, dtype=torch.int64, device=p.device)
     q[0::2] = (p >> 4).long()
     q[1::2] = (p & 0xF).long()
     if n > q.numel():

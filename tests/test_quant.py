@@ -1,0 +1,303 @@
+"""memlab.quant against bitsandbytes 0.50 on CPU: the NF4 codebook, NF4 quantize/dequantize (bit-exact),
+the dynamic map, double quantization (stated bound), Linear4bit's forward, Adam8bit, and bad arguments."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+bnb = pytest.importorskip("bitsandbytes")
+F = pytest.importorskip("bitsandbytes.functional")
+
+from memlab import quant as Q  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_dynamo():
+    """bitsandbytes' CPU fallback for odd shapes is torch.compile'd: compiling costs seconds per shape, so off."""
+    import torch._dynamo
+
+    old = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    yield
+    torch._dynamo.config.disable = old
+
+
+def _bnb_nf4(w, blocksize=64):
+    packed, st = F.quantize_4bit(w, blocksize=blocksize, quant_type="nf4")
+    return packed, st
+
+
+# ----------------------------------------------------------------------------- codebooks
+def test_nf4_codebook_bitwise_equal_to_bitsandbytes():
+    c = Q.nf4_codebook()
+    ref = F.get_4bit_type("nf4", device="cpu")
+    assert c.dtype == torch.float32 and c.shape == (16,)
+    assert torch.equal(c, ref)
+    assert c[7].item() == 0.0 and c[0].item() == -1.0 and c[15].item() == 1.0
+    assert bool((c[1:] > c[:-1]).all())
+
+
+def test_nf4_codebook_is_derived_not_pasted():
+    """Changing the quantile offset changes the levels: the code computes them."""
+    import memlab.quant as mq
+
+    old = mq.NF4_OFFSET
+    try:
+        mq.NF4_OFFSET = 0.99
+        other = mq.nf4_codebook()
+    finally:
+        mq.NF4_OFFSET = old
+    assert not torch.equal(other, Q.nf4_codebook())
+
+
+def test_fp4_and_int4_codebooks_have_the_same_levels_as_bitsandbytes():
+    ref_fp4 = F.get_4bit_type("fp4", device="cpu").sort().values
+    assert torch.equal(Q.fp4_codebook().unique(), ref_fp4.unique())
+    assert torch.equal(Q.int4_codebook().unique(), torch.arange(-7, 8) / 7)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_map_equal_to_bitsandbytes(signed):
+    assert torch.equal(Q.dynamic_map(signed=signed), F.create_dynamic_map(signed=signed))
+
+
+# ----------------------------------------------------------------------------- NF4 bit-exact
+SHAPES = [(64,), (4096,), (128, 64), (33,), (7, 13), (300, 257), (1, 1), (3, 5, 7), (2, 96)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_quantize_nf4_bit_exact(shape, dtype):
+    gen = torch.Generator().manual_seed(hash(shape) % 1000)
+    w = torch.randn(shape, generator=gen).to(dtype)
+    for blocksize in (64, 32, 128):
+        ref_packed, st = _bnb_nf4(w, blocksize)
+        packed, absmax = Q.quantize_nf4(w, blocksize)
+        assert packed.dtype == torch.uint8 and packed.shape == ref_packed.shape
+        assert torch.equal(packed, ref_packed)
+        assert torch.equal(absmax, st.absmax)
+        ref = F.dequantize_4bit(ref_packed, st)
+        got = Q.dequantize_nf4(packed, absmax, shape, dtype, blocksize)
+        assert got.shape == torch.Size(shape) and got.dtype == dtype
+        # bitsandbytes' CPU kernel returns a 1-D shape as (1, n): compare the values
+        assert torch.equal(got.reshape(-1), ref.reshape(-1))
+
+
+def test_ties_go_to_the_lower_level_as_in_bitsandbytes():
+    c = Q.nf4_codebook()
+    mids = (c[:-1] + c[1:]) / 2
+    # a block whose absmax is exactly 1.0 so scaled == value: every midpoint exactly
+    w = torch.cat([mids, torch.tensor([1.0]), -mids.flip(0)])  # 15 + 1 + 15 = 31 values
+    w = torch.cat([w, torch.zeros(64 - w.numel())])
+    ref_packed, st = _bnb_nf4(w)
+    packed, _ = Q.quantize_nf4(w)
+    assert torch.equal(packed, ref_packed)
+    q = Q.unpack_nibbles(packed, 15)
+    assert torch.equal(q, torch.arange(15))  # midpoint j/j+1 -> j (the lower one)
+
+
+def test_all_zero_blocks_and_odd_length_padding():
+    w = torch.cat([torch.zeros(64), torch.randn(64), torch.zeros(5)])  # zero block, normal block, zero tail
+    ref_packed, st = _bnb_nf4(w)
+    packed, absmax = Q.quantize_nf4(w)
+    assert torch.equal(packed, ref_packed) and torch.equal(absmax, st.absmax)
+    # bitsandbytes' quirk, copied: a zero full block keeps absmax 0, a zero partial block stores the clamp 1e-38
+    assert absmax[0].item() == 0.0 and absmax[2].item() == torch.tensor(1e-38).item()
+    d = Q.dequantize_nf4(packed, absmax, w.shape)
+    assert torch.equal(d[:64], torch.zeros(64)) and torch.equal(d[128:], torch.zeros(5))
+    # odd count: the pad is the value 0.0, i.e. code 7 in the last byte's low nibble
+    packed, _ = Q.quantize_nf4(torch.randn(65))
+    assert packed.shape == (33, 1) and packed[-1, 0].item() & 0xF == 7
+
+
+def test_nibble_order_high_first():
+    w = torch.zeros(64)
+    w[0], w[1] = -1.0, 1.0  # codes 0 and 15 with absmax 1
+    packed, _ = Q.quantize_nf4(w)
+    assert packed[0, 0].item() == 0x0F
+    assert packed[1, 0].item() == 0x77  # two zeros: code 7 twice
+
+
+def test_pack_unpack_roundtrip():
+    q = torch.randint(0, 16, (101,))
+    p = Q.pack_nibbles(q)
+    assert p.shape == (51,) and p.dtype == torch.uint8
+    assert torch.equal(Q.unpack_nibbles(p, 101), q)
+    with pytest.raises(ValueError):
+        Q.pack_nibbles(torch.tensor([16]))
+
+
+def test_nf4_error_on_normal_weights_matches_bitsandbytes_calibration():
+    """bitsandbytes' own test (tests/test_functional.py) expects NF4 mean abs error ~0.072 on randn 1024^2, blocksize 64."""
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    p, a = Q.quantize_nf4(w)
+    err = (Q.dequantize_nf4(p, a, w.shape) - w).abs().mean().item()
+    assert 0.070 < err < 0.075
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="float32"):
+        Q.quantize_nf4(torch.zeros(64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="blocksize"):
+        Q.quantize_nf4(torch.zeros(64), blocksize=48)
+    with pytest.raises(ValueError, match="empty"):
+        Q.quantize_nf4(torch.zeros(0))
+    with pytest.raises(TypeError):
+        Q.quantize_nf4([1.0, 2.0])
+    p, a = Q.quantize_nf4(torch.randn(128))
+    with pytest.raises(ValueError, match="absmax"):
+        Q.dequantize_nf4(p, a[:1], (128,))
+    with pytest.raises(ValueError, match="dtype"):
+        Q.dequantize_nf4(p, a, (128,), torch.int8)
+
+
+# ----------------------------------------------------------------------------- 8-bit blockwise and double quant
+def _bnb_default_quantize_blockwise(x, code, blocksize):
+    """bitsandbytes' reference rule (backends/default/ops.py, also the CUDA kernel's): nearest by midpoints."""
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    blocks = -(-n // blocksize)
+    pad = torch.cat([flat, flat.new_zeros(blocks * blocksize - n)]).reshape(blocks, blocksize)
+    absmax = pad.abs().amax(1)
+    scaled = torch.clamp(pad * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1), -1, 1).reshape(-1)[:n]
+    return torch.bucketize(scaled, (code[:-1] + code[1:]) / 2).to(torch.uint8), absmax
+
+
+def test_quantize_blockwise_vs_bitsandbytes_cpu_lookup_within_one_code():
+    """bitsandbytes' CPU C kernel (cquantize_blockwise_cpu_fp32) picks the level with a lookup that can be off the
+    exact nearest level near a midpoint. Stated bound: same absmax bitwise; codes differ on < 1% of values; where
+    they differ ours is the nearer level, the two are within one code (or, below 1e-4 x absmax where the map's levels
+    crowd, within 2e-5 x absmax of each other), and the two distances are equal within 20% of the gap (2% above 0.01 x absmax)."""
+    x = torch.randn(256 * 200, generator=torch.Generator().manual_seed(1))
+    code = Q.dynamic_map()
+    q_ref, st = F.quantize_blockwise(x, blocksize=256)
+    q, absmax = Q.quantize_blockwise(x, code, 256)
+    assert torch.equal(absmax, st.absmax)
+    where = q != q_ref
+    assert where.sum().item() < 0.01 * x.numel()
+    scaled = x * (1.0 / absmax).repeat_interleave(256)
+    s, lv, lv_ref = scaled[where], code[q[where].long()], code[q_ref[where].long()]
+    d_mine, d_ref, gap = (s - lv).abs(), (s - lv_ref).abs(), (lv - lv_ref).abs()
+    one_code = (q[where].int() - q_ref[where].int()).abs() <= 1
+    assert bool((one_code | ((s.abs() < 1e-4) & (gap < 2e-5))).all())
+    assert bool((d_mine <= d_ref).all())  # ours is the nearer one
+    assert bool((((d_ref - d_mine) <= 0.2 * gap) | (s.abs() < 1e-4)).all())
+    assert bool((((d_ref - d_mine) <= 0.02 * gap) | (s.abs() < 1e-2)).all())
+    # and against bitsandbytes' exact-nearest rule (default backend / CUDA kernel): bitwise
+    q_def, a_def = _bnb_default_quantize_blockwise(x, code, 256)
+    assert torch.equal(q, q_def) and torch.equal(absmax, a_def)
+    # dequantize is exact: bitsandbytes' dequantize_blockwise of our codes gives our values
+    ref = F.dequantize_blockwise(q, absmax=absmax, code=code, blocksize=256)
+    assert torch.equal(Q.dequantize_blockwise(q, absmax, code, 256), ref)
+
+
+def test_double_quantize_vs_compress_statistics():
+    """quantize_4bit(compress_statistics=True): same offset and second-level absmax bitwise, codes within one
+    step (the CPU lookup above), the dequantized absmax from bitsandbytes' codes and ours within one code step."""
+    w = torch.randn(1024 * 64 + 5, generator=torch.Generator().manual_seed(2))
+    packed, st = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    p2, absmax = Q.quantize_nf4(w)
+    assert torch.equal(packed, p2)
+    codes, absmax2, offset = Q.double_quantize(absmax)
+    assert torch.equal(offset, st.offset)
+    assert torch.equal(absmax2, st.state2.absmax) and st.state2.blocksize == 256
+    assert (codes != st.absmax).float().mean().item() < 0.01
+    mine = Q.double_dequantize(codes, absmax2, offset)
+    ref = F.dequantize_blockwise(st.absmax, st.state2) + st.offset
+    assert torch.equal(Q.double_dequantize(st.absmax, absmax2, offset), ref)  # same dequantization arithmetic
+    step = 2 * absmax2.repeat_interleave(256)[: mine.numel()] * (1 / 63)  # widest gap of the dynamic map near 1
+    assert bool(((mine - ref).abs() <= step).all())
+    assert ((mine - absmax).abs() / absmax).max().item() < 0.05
+    # the bits it saves: 0.5 -> 0.127 bits per parameter at blocksize 64
+    assert Q.bits_per_param(64, double_quant=False) == 4.5
+    assert abs(Q.bits_per_param(64, double_quant=True) - 4.127) < 1e-3
+
+
+# ----------------------------------------------------------------------------- Linear4bit
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear4bit_forward_equal_to_bitsandbytes(compute_dtype, double_quant):
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 48)
+    ref = bnb.nn.Linear4bit(128, 48, bias=True, compute_dtype=compute_dtype, compress_statistics=double_quant,
+                            quant_type="nf4")
+    ref.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                   compress_statistics=double_quant, blocksize=64)
+    ref.bias = nn.Parameter(lin.bias.data.clone())
+    ref = ref.to("cpu")  # quantizes
+    ours = Q.Linear4bit.from_linear(lin, compute_dtype=compute_dtype, double_quant=double_quant)
+    assert torch.equal(ours.weight_packed, ref.weight.data)
+    if double_quant:  # the CPU lookup may pick the neighbour code: give ours bitsandbytes' codes, then bitwise
+        ours.absmax_codes.copy_(ref.weight.quant_state.absmax)
+    x = torch.randn(5, 128)
+    y, y_ref = ours(x), ref(x)
+    assert y.dtype == y_ref.dtype == torch.float32
+    assert torch.equal(y, y_ref)
+
+
+def test_linear4bit_storage_and_no_weight_gradient():
+    m = Q.Linear4bit(256, 128, bias=False, double_quant=True)
+    n = 256 * 128
+    assert m.storage_bytes() == n // 2 + n // 64 + 4 * (n // 64 // 256) + 4
+    assert abs(m.storage_bytes() * 8 / n - Q.bits_per_param(64, True)) < 0.01
+    assert list(m.parameters()) == []
+    m2 = Q.Linear4bit(256, 128, bias=False, double_quant=False)
+    assert m2.storage_bytes() == n // 2 + 4 * (n // 64)
+    with pytest.raises(ValueError):
+        Q.Linear4bit(0, 4)
+    with pytest.raises(ValueError):
+        Q.Linear4bit(64, 4, compute_dtype=torch.int8)
+    with pytest.raises(TypeError):
+        Q.Linear4bit.from_linear(nn.Conv1d(2, 2, 1))
+
+
+# ----------------------------------------------------------------------------- Adam8bit
+def test_adam8bit_vs_bitsandbytes():
+    """Stated tolerance: after 20 steps at lr 1e-2 every parameter within 0.5 * lr of bitsandbytes.optim.Adam8bit
+    (the only difference is the CPU lookup's occasional neighbour code); small tensors (< 4096) bitwise; state
+    bytes equal."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(300, 70, generator=gen), torch.randn(100, generator=gen)]
+    a = [p.clone().requires_grad_() for p in ps]
+    b = [p.clone().requires_grad_() for p in ps]
+    oa = Q.Adam8bit(a, lr=1e-2, weight_decay=0.1)
+    ob = bnb.optim.Adam8bit(b, lr=1e-2, weight_decay=0.1)
+    full = [p.clone().requires_grad_() for p in ps]
+    ot = torch.optim.AdamW(full, lr=1e-2, weight_decay=0.1)
+    for _ in range(20):
+        gs = [torch.randn(p.shape, generator=gen) for p in ps]
+        for group in (a, b, full):
+            for p, g in zip(group, gs):
+                p.grad = g.clone()
+        oa.step(), ob.step(), ot.step()
+    assert (a[0] - b[0]).abs().max().item() < 0.5e-2
+    assert torch.equal(a[1], b[1])
+    assert (a[0] - full[0]).abs().max().item() < 2e-2  # 8-bit states stay near fp32 Adam
+    ref_bytes = sum(t.numel() * t.element_size() for st in ob.state.values() for k, t in st.items()
+                    if isinstance(t, torch.Tensor) and k not in ("qmap1", "qmap2"))
+    assert oa.state_bytes() == ref_bytes == 2 * 21000 + 2 * 4 * 83 + 2 * 4 * 100
+    assert oa.state[a[0]]["state1"].dtype == torch.uint8 and oa.state[a[1]]["state1"].dtype == torch.float32
+
+
+def test_adam8bit_bad_arguments():
+    p = [nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError):
+        Q.Adam8bit(p, lr=-1.0)
+    with pytest.raises(ValueError):
+        Q.Adam8bit(p, betas=(1.0, 0.9))
+    with pytest.raises(ValueError):
+        Q.Adam8bit(p, blocksize=0)
+
+
+@pytest.mark.cuda
+def test_nf4_bit_exact_on_cuda():
+    w = torch.randn(333, 257, device="cuda", dtype=torch.bfloat16)
+    ref_packed, st = F.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    packed, absmax = Q.quantize_nf4(w)
+    assert torch.equal(packed, ref_packed) and torch.equal(absmax, st.absmax)
+    assert torch.equal(Q.dequantize_nf4(packed, absmax, w.shape, w.dtype), F.dequantize_4bit(ref_packed, st))
