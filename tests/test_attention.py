@@ -291,3 +291,11 @@ def test_cuda_matches_sdpa(name, dtype):
     for what, gg, s, t in zip("o dq dk dv".split(), got, sdpa, truth):
         err, ref_err = (gg.double() - t).abs().max().item(), (s.double() - t).abs().max().item()
         assert err <= 2 * ref_err + floor, (what, err, ref_err)
+
+
+def test_bench_attention_runs_and_names_the_device(capsys):
+    from memlab.bench import attention as bench
+
+    assert bench.main(["--seqs", "32,64", "--repeat", "1", "--heads", "2", "--head-dim", "16", "--block", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "device: " in out and "sdpa-flash" in out and "speed vs sdpa-flash" in out and "targets" in out

@@ -1,0 +1,181 @@
+"""``memlab bench attention``: memlab.attention against F.scaled_dot_product_attention.
+
+One forward + backward of causal attention, ``(batch, heads, seq, head_dim)``, for each sequence
+length, by
+
+* ``naive``: :func:`memlab.attention.naive_attention` (the whole score matrix);
+* ``chunked``: :func:`memlab.attention.chunked_attention` (online softmax, through autograd);
+* ``flash``: :func:`memlab.attention.flash_attention` (PyTorch, FA2 backward from the logsumexp);
+* ``triton``: :func:`memlab.attention.triton_flash_attention` (CUDA only: on CPU the interpreter
+  is far too slow to time);
+* ``sdpa-math`` and ``sdpa-flash``: SDPA forced to its math and FlashAttention backends.
+
+Time: median over ``--repeat`` interleaved rounds (every configuration once per round, so a busy
+machine slows them alike), after a warm-up; CUDA synchronised before reading the clock. Memory:
+``memlab.profiler.MemoryTracker`` peak of the step above the inputs (exact live bytes), and on CUDA
+also ``torch.cuda.max_memory_allocated``. Ratios are against ``sdpa-flash`` in the same run:
+``speed`` = its time / ours (1 = as fast, higher is faster), ``mem`` = our peak / its peak. On a
+GPU also TFLOP/s (4 * b * h * s^2 * d for the causal forward + backward pair of matmuls' halves:
+forward 2 matmuls, backward 5, each 2*b*h*s^2*d FLOPs, halved by the causal mask: 7 * b*h*s^2*d).
+
+Targets (issue 13), printed as holds / MISSED: flash (PyTorch) fwd+bwd >= 0.5x SDPA on CPU; on a
+GPU, triton >= 0.7x SDPA's flash backend at seq 4096, bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from memlab.bench import device_name, sync, table
+
+
+def main(argv: list[str] | None = None) -> int:
+    from memlab import attention as att
+    from memlab.accounting import format_bytes
+    from memlab.config import DEVICE, seed_everything
+    from memlab.profiler import MemoryTracker
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    on_gpu = DEVICE.type == "cuda"
+    p = argparse.ArgumentParser(prog="memlab bench attention", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", type=str, default=None,
+                   help="comma-separated sequence lengths (default 256,512,1024,2048 on CPU; 1024,4096,16384 on GPU)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 4 on CPU, 16 on GPU)")
+    p.add_argument("--head-dim", type=int, default=64, help="head_dim (default 64)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="dtype (default float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--block", type=int, default=128, help="block / chunk size of chunked and flash (default 128)")
+    p.add_argument("--repeat", type=int, default=None, help="timed rounds (default 3 on CPU, 10 on GPU)")
+    p.add_argument("--only", type=str, default=None,
+                   help="comma-separated subset of naive,chunked,flash,triton,sdpa-math,sdpa-flash")
+    p.add_argument("--max-naive-seq", type=int, default=None,
+                   help="skip naive/chunked/sdpa-math above this length (default 4096 on GPU, none on CPU)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = p.parse_args(argv)
+    seqs = [int(s) for s in (args.seqs or ("1024,4096,16384" if on_gpu else "256,512,1024,2048")).split(",")]
+    if any(s < 1 for s in seqs):
+        p.error(f"--seqs={args.seqs} must list lengths >= 1")
+    heads = args.heads or (16 if on_gpu else 4)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
+    repeat = args.repeat or (10 if on_gpu else 3)
+    max_naive = args.max_naive_seq or (4096 if on_gpu else 1 << 30)
+    b, d, blk = args.batch, args.head_dim, args.block
+
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return run
+
+    impls: dict[str, Callable] = {
+        "naive": lambda q, k, v: att.naive_attention(q, k, v, causal=True),
+        "chunked": lambda q, k, v: att.chunked_attention(q, k, v, causal=True, q_chunk=blk, kv_chunk=blk),
+        "flash": lambda q, k, v: att.flash_attention(q, k, v, causal=True, block_q=blk, block_k=blk),
+        "triton": lambda q, k, v: att.triton_flash_attention(q, k, v, causal=True, block_q=min(blk, 128),
+                                                             block_k=min(blk, 64)),
+        "sdpa-math": sdpa(SDPBackend.MATH),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+    }
+    notes = []
+    if not on_gpu:
+        impls.pop("triton")
+        notes.append("triton: not timed on CPU (the interpreter runs kernels in Python; tests check it)")
+    elif not att.triton_available():
+        impls.pop("triton")
+        notes.append("triton: not installed")
+    if args.only:
+        keep = set(args.only.split(","))
+        unknown = keep - set(impls) - {"triton"}
+        if unknown:
+            p.error(f"--only={args.only}: unknown {sorted(unknown)}; allowed: {', '.join(impls)}")
+        impls = {k: v for k, v in impls.items() if k in keep or k == "sdpa-flash"}
+
+    seed_everything(0)
+    rows, results = [], {}
+    for s in seqs:
+        q, k, v = (torch.randn(b, heads, s, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+        do = torch.randn(b, heads, s, d, device=DEVICE, dtype=dtype)
+
+        def step(fn):
+            def run():
+                q.grad = k.grad = v.grad = None
+                fn(q, k, v).backward(do)
+            return run
+
+        fns = {name: step(fn) for name, fn in impls.items()
+               if not (s > max_naive and name in ("naive", "chunked", "sdpa-math"))}
+        peaks, cuda_peaks = {}, {}
+        for name, fn in fns.items():
+            fn()  # warm-up (and Triton compilation)
+            q.grad = k.grad = v.grad = None
+            with MemoryTracker() as tr:
+                fn()
+            peaks[name] = tr.peak_bytes
+            if on_gpu:
+                q.grad = k.grad = v.grad = None
+                sync(DEVICE)
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fn()
+                sync(DEVICE)
+                cuda_peaks[name] = torch.cuda.max_memory_allocated() - base
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(repeat):
+            for name, fn in fns.items():
+                sync(DEVICE)
+                t0 = time.perf_counter()
+                fn()
+                sync(DEVICE)
+                times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        ref = "sdpa-flash"
+        for name in fns:
+            row = [name, s, f"{med[name] * 1e3:.2f}", f"{med[ref] / med[name]:.2f}", format_bytes(peaks[name]),
+                   f"{peaks[name] / peaks[ref]:.2f}"]
+            if on_gpu:
+                flops = 7 * b * heads * s * s * d  # causal: half of (2 fwd + 5 bwd matmuls) x 2 FLOPs
+                row += [format_bytes(cuda_peaks[name]), f"{flops / med[name] / 1e12:.1f}"]
+            rows.append(row)
+            results[(name, s)] = (med[name], peaks[name], med[ref])
+        del q, k, v, do
+    header = ["impl", "seq", "fwd+bwd ms", "speed vs sdpa-flash", "peak (tracker)", "mem vs sdpa-flash"]
+    if on_gpu:
+        header += ["max_memory_allocated", "TFLOP/s"]
+    print(table(f"memlab bench attention: causal, batch {b}, {heads} heads, head_dim {d}, {dtype}, block {blk}; "
+                f"median of {repeat} interleaved rounds", header, rows, device=DEVICE))
+    for n in notes:
+        print(n)
+
+    checks = []
+    if not on_gpu:
+        for s in seqs:
+            if ("flash", s) in results:
+                t, _, tref = results[("flash", s)]
+                checks.append((f"flash (PyTorch) fwd+bwd >= 0.5x SDPA flash backend at seq {s}", tref / t, tref / t >= 0.5))
+    elif ("triton", 4096) in results:
+        t, _, tref = results[("triton", 4096)]
+        checks.append((f"triton fwd+bwd >= 0.7x SDPA flash backend at seq 4096, head_dim {d}, {dtype}", tref / t,
+                       tref / t >= 0.7))
+    for s in seqs:
+        if ("flash", s) in results and ("flash", 2 * s) in results:
+            r = results[("flash", 2 * s)][1] / results[("flash", s)][1]
+            checks.append((f"flash peak grows <= 2.2x from seq {s} to {2 * s} (linear)", r, r <= 2.2))
+    if checks:
+        print()
+        print(f"targets ({device_name(DEVICE)}):")
+        for text, ratio, ok in checks:
+            print(f"  {'holds ' if ok else 'MISSED'}  ratio {ratio:.3f}  {text}")
+    missed = sum(not ok for _, _, ok in checks)
+    if missed:
+        print(f"{missed} target(s) missed; timings on a shared machine are noisy: rerun with more --repeat")
+    return 1 if (missed and args.strict) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
