@@ -256,6 +256,26 @@ def test_triton_matches_sdpa_under_interpreter(mode, shape):
 
 
 @needs_triton
+@pytest.mark.skipif(not _interpreter_ok(), reason="triton was imported without TRITON_INTERPRET=1 in this process")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_matches_sdpa_half_precision_within_2x_sdpa_error(dtype):
+    q, k, v = _inputs(4, 2, 40, 40, 16, 16, dtype=dtype, seed=2, batch=1)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    o64 = att.sdpa_reference(q64, k64, v64, causal=True)
+    do = torch.randn_like(o64)
+    truth = (o64,) + torch.autograd.grad(o64, (q64, k64, v64), do)
+    o_ref = att.sdpa_reference(q, k, v, causal=True)
+    sdpa = (o_ref,) + torch.autograd.grad(o_ref, (q, k, v), do.to(dtype))
+    got = _fwd_bwd(lambda *a, **kw: att.triton_flash_attention(*a, block_q=16, block_k=16, **kw), q, k, v,
+                   do.to(dtype), causal=True)
+    floor = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for what, g, s_, t in zip("o dq dk dv".split(), got, sdpa, truth):
+        assert g.dtype == dtype, what
+        err, ref_err = (g.double() - t).abs().max().item(), (s_.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + floor, (what, err, ref_err)
+
+
+@needs_triton
 def test_triton_in_a_fresh_process_when_this_one_cannot_interpret():
     """Another test module may have imported triton before TRITON_INTERPRET was set: run them afresh."""
     if _interpreter_ok() or torch.cuda.is_available():
@@ -263,7 +283,7 @@ def test_triton_in_a_fresh_process_when_this_one_cannot_interpret():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                         "triton_matches_sdpa"], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "9 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and "11 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -391,7 +391,7 @@ def _kernels() -> Any:
         @triton.jit
         def fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                 H, G, Lq, Lk, D, Dv, scale, offset,
-                CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
             pid_m = tl.program_id(0)
             bh = tl.program_id(1)
             b = bh // H
@@ -402,7 +402,7 @@ def _kernels() -> Any:
             rd = tl.arange(0, BD)
             rdv = tl.arange(0, BDV)
             q = tl.load(Q + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :],
-                        mask=(rm[:, None] < Lq) & (rd[None, :] < D), other=0.0).to(tl.float32)
+                        mask=(rm[:, None] < Lq) & (rd[None, :] < D), other=0.0)
             m_i = tl.full([BM], float("-inf"), tl.float32)
             l_i = tl.zeros([BM], tl.float32)
             acc = tl.zeros([BM, BDV], tl.float32)
@@ -412,8 +412,8 @@ def _kernels() -> Any:
             for start in range(0, hi, BN):
                 cn = start + rn
                 kt = tl.load(K + b * skb + hk * skh + cn[None, :] * skn + rd[:, None],
-                             mask=(cn[None, :] < Lk) & (rd[:, None] < D), other=0.0).to(tl.float32)
-                s = tl.dot(q, kt, input_precision="ieee") * scale
+                             mask=(cn[None, :] < Lk) & (rd[:, None] < D), other=0.0)
+                s = tl.dot(q, kt, input_precision=PREC) * scale
                 ok = (cn[None, :] < Lk) & (rm[:, None] >= 0)
                 if CAUSAL:
                     ok = ok & (cn[None, :] <= rm[:, None] + offset)
@@ -424,8 +424,8 @@ def _kernels() -> Any:
                 p = tl.exp(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 vv = tl.load(V + b * svb + hk * svh + cn[:, None] * svn + rdv[None, :],
-                             mask=(cn[:, None] < Lk) & (rdv[None, :] < Dv), other=0.0).to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p, vv, input_precision="ieee")
+                             mask=(cn[:, None] < Lk) & (rdv[None, :] < Dv), other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
                 m_i = m_new
             empty = l_i == 0.0
             l_safe = tl.where(empty, 1.0, l_i)
@@ -439,7 +439,7 @@ def _kernels() -> Any:
         @triton.jit
         def bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                    H, G, Lq, Lk, D, Dv, scale, offset,
-                   CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                   CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
             # Q, DO, DQ share the strides sq* (contiguous, same shape when Dv == D; DO uses svn-like Dv)
             pid_m = tl.program_id(0)
             bh = tl.program_id(1)
@@ -452,9 +452,9 @@ def _kernels() -> Any:
             rdv = tl.arange(0, BDV)
             mrow = rm < Lq
             q = tl.load(Q + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :],
-                        mask=mrow[:, None] & (rd[None, :] < D), other=0.0).to(tl.float32)
+                        mask=mrow[:, None] & (rd[None, :] < D), other=0.0)
             do = tl.load(DO + bh * Lq * Dv + rm[:, None] * Dv + rdv[None, :],
-                         mask=mrow[:, None] & (rdv[None, :] < Dv), other=0.0).to(tl.float32)
+                         mask=mrow[:, None] & (rdv[None, :] < Dv), other=0.0)
             lse = tl.load(LSE + bh * Lq + rm, mask=mrow, other=float("inf"))
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
             delta = tl.load(DELTA + bh * Lq + rm, mask=mrow, other=0.0)
@@ -465,24 +465,24 @@ def _kernels() -> Any:
             for start in range(0, hi, BN):
                 cn = start + rn
                 kk = tl.load(K + b * skb + hk * skh + cn[:, None] * skn + rd[None, :],
-                             mask=(cn[:, None] < Lk) & (rd[None, :] < D), other=0.0).to(tl.float32)
+                             mask=(cn[:, None] < Lk) & (rd[None, :] < D), other=0.0)
                 vt = tl.load(V + b * svb + hk * svh + cn[None, :] * svn + rdv[:, None],
-                             mask=(cn[None, :] < Lk) & (rdv[:, None] < Dv), other=0.0).to(tl.float32)
-                s = tl.dot(q, tl.trans(kk), input_precision="ieee") * scale
+                             mask=(cn[None, :] < Lk) & (rdv[:, None] < Dv), other=0.0)
+                s = tl.dot(q, tl.trans(kk), input_precision=PREC) * scale
                 ok = (cn[None, :] < Lk) & mrow[:, None]
                 if CAUSAL:
                     ok = ok & (cn[None, :] <= rm[:, None] + offset)
                 p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-                dp = tl.dot(do, vt, input_precision="ieee")
+                dp = tl.dot(do, vt, input_precision=PREC)
                 ds = p * (dp - delta[:, None])
-                dq += tl.dot(ds, kk, input_precision="ieee") * scale
+                dq += tl.dot(ds.to(kk.dtype), kk, input_precision=PREC) * scale
             tl.store(DQ + bh * Lq * D + rm[:, None] * D + rd[None, :], dq,
                      mask=mrow[:, None] & (rd[None, :] < D))
 
         @triton.jit
         def bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                      H, HK, G, Lq, Lk, D, Dv, scale, offset,
-                     CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                     CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
             pid_n = tl.program_id(0)
             bhk = tl.program_id(1)
             b = bhk // HK
@@ -493,9 +493,9 @@ def _kernels() -> Any:
             rdv = tl.arange(0, BDV)
             mcol = cn < Lk
             kk = tl.load(K + b * skb + hk * skh + cn[:, None] * skn + rd[None, :],
-                         mask=mcol[:, None] & (rd[None, :] < D), other=0.0).to(tl.float32)
+                         mask=mcol[:, None] & (rd[None, :] < D), other=0.0)
             vv = tl.load(V + b * svb + hk * svh + cn[:, None] * svn + rdv[None, :],
-                         mask=mcol[:, None] & (rdv[None, :] < Dv), other=0.0).to(tl.float32)
+                         mask=mcol[:, None] & (rdv[None, :] < Dv), other=0.0)
             dk = tl.zeros([BN, BD], tl.float32)
             dv = tl.zeros([BN, BDV], tl.float32)
             lo = 0
@@ -508,26 +508,31 @@ def _kernels() -> Any:
                     rm = start + rm0
                     mrow = rm < Lq
                     q = tl.load(Q + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :],
-                                mask=mrow[:, None] & (rd[None, :] < D), other=0.0).to(tl.float32)
+                                mask=mrow[:, None] & (rd[None, :] < D), other=0.0)
                     do = tl.load(DO + bh * Lq * Dv + rm[:, None] * Dv + rdv[None, :],
-                                 mask=mrow[:, None] & (rdv[None, :] < Dv), other=0.0).to(tl.float32)
+                                 mask=mrow[:, None] & (rdv[None, :] < Dv), other=0.0)
                     lse = tl.load(LSE + bh * Lq + rm, mask=mrow, other=float("inf"))
                     lse = tl.where(lse == float("-inf"), float("inf"), lse)
                     delta = tl.load(DELTA + bh * Lq + rm, mask=mrow, other=0.0)
-                    s = tl.dot(q, tl.trans(kk), input_precision="ieee") * scale  # [BM, BN]
+                    s = tl.dot(q, tl.trans(kk), input_precision=PREC) * scale  # [BM, BN]
                     ok = mcol[None, :] & mrow[:, None]
                     if CAUSAL:
                         ok = ok & (cn[None, :] <= rm[:, None] + offset)
                     p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-                    dv += tl.dot(tl.trans(p), do, input_precision="ieee")
-                    dp = tl.dot(do, tl.trans(vv), input_precision="ieee")
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+                    dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
                     ds = p * (dp - delta[:, None])
-                    dk += tl.dot(tl.trans(ds), q, input_precision="ieee") * scale
+                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
             tl.store(DK + bhk * Lk * D + cn[:, None] * D + rd[None, :], dk, mask=mcol[:, None] & (rd[None, :] < D))
             tl.store(DV + bhk * Lk * Dv + cn[:, None] * Dv + rdv[None, :], dv,
                      mask=mcol[:, None] & (rdv[None, :] < Dv))
     _KERNELS["k"] = types.SimpleNamespace(fwd=fwd, bwd_dq=bwd_dq, bwd_dkdv=bwd_dkdv)
     return _KERNELS["k"]
+
+
+def _precision(q: torch.Tensor) -> str:
+    """fp32 inputs: exact fp32 products ("ieee", not TF32); fp16/bf16: tensor-core dots, fp32 accumulation."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def _pow2(n: int) -> int:
@@ -569,6 +574,10 @@ class TritonFlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mode, scale, g, block_m, block_n):  # type: ignore[override]
         kern = _triton_setup(q)
+        out_dtype = q.dtype
+        if q.dtype == torch.bfloat16 and triton_interpreted():
+            # the interpreter computes with NumPy, which has no bfloat16: run its kernels in fp32
+            q, k, v = q.float(), k.float(), v.float()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, h, lq, d = q.shape
         hk, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -578,18 +587,19 @@ class TritonFlashAttentionFunction(torch.autograd.Function):
         kern.fwd[grid](q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
                        h, g, lq, lk, d, dv, scale, _offset(mode, lq, lk),
-                       CAUSAL=mode is not None, BM=block_m, BN=block_n, BD=_pow2(d), BDV=_pow2(dv))
+                       CAUSAL=mode is not None, PREC=_precision(q), BM=block_m, BN=block_n, BD=_pow2(d),
+                       BDV=_pow2(dv))
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.opts = (mode, scale, g, block_m, block_n, hk)
+        ctx.opts = (mode, scale, g, block_m, block_n, hk, out_dtype)
         ctx.mark_non_differentiable(lse)
-        return o, lse
+        return o.to(out_dtype), lse
 
     @staticmethod
     def backward(ctx, do, _dlse):  # type: ignore[override]
         q, k, v, o, lse = ctx.saved_tensors
-        mode, scale, g, block_m, block_n, hk = ctx.opts
+        mode, scale, g, block_m, block_n, hk, out_dtype = ctx.opts
         kern = _triton_setup(q)
-        do = do.contiguous()
+        do = do.to(q.dtype).contiguous()
         b, h, lq, d = q.shape
         lk, dvd = k.shape[2], v.shape[-1]
         delta = (do.float() * o.float()).sum(-1).contiguous()  # D = rowsum(dO * O), (B, H, Lq)
@@ -599,12 +609,12 @@ class TritonFlashAttentionFunction(torch.autograd.Function):
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   v.stride(0), v.stride(1), v.stride(2))
         off = _offset(mode, lq, lk)
-        meta = dict(CAUSAL=mode is not None, BM=block_m, BN=block_n, BD=_pow2(d), BDV=_pow2(dvd))
+        meta = dict(CAUSAL=mode is not None, PREC=_precision(q), BM=block_m, BN=block_n, BD=_pow2(d), BDV=_pow2(dvd))
         kern.bwd_dq[(-(-lq // block_m), b * h)](q, k, v, do, lse, delta, dq, *common,
                                                 h, g, lq, lk, d, dvd, scale, off, **meta)
         kern.bwd_dkdv[(-(-lk // block_n), b * hk)](q, k, v, do, lse, delta, dk, dv, *common,
                                                    h, hk, g, lq, lk, d, dvd, scale, off, **meta)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype), None, None, None, None, None
 
 
 def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: Any = False,
