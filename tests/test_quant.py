@@ -44,15 +44,11 @@ def test_nf4_codebook_bitwise_equal_to_bitsandbytes():
 
 def test_nf4_codebook_is_derived_not_pasted():
     """Changing the quantile offset changes the levels: the code computes them."""
-    import memlab.quant as mq
-
-    old = mq.NF4_OFFSET
-    try:
-        mq.NF4_OFFSET = 0.99
-        other = mq.nf4_codebook()
-    finally:
-        mq.NF4_OFFSET = old
+    other = Q.nf4_codebook(0.99)
     assert not torch.equal(other, Q.nf4_codebook())
+    assert other[7].item() == 0.0 and other[15].item() == 1.0
+    with pytest.raises(ValueError):
+        Q.nf4_codebook(1.0)
 
 
 def test_fp4_and_int4_codebooks_have_the_same_levels_as_bitsandbytes():

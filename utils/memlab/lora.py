@@ -26,7 +26,8 @@ from torch import nn
 
 from memlab.quant import Linear4bit
 
-__all__ = ["LoRALinear", "add_lora", "lora_parameters", "count_trainable"]
+__all__ = ["LoRALinear", "add_lora", "lora_parameters", "count_trainable", "quantize_model", "qlora_model",
+           "model_storage_bytes", "predict_qlora_bytes"]
 
 
 class LoRALinear(nn.Module):
@@ -131,3 +132,68 @@ def count_trainable(model: nn.Module) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     total += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear4bit))
     return trainable, total
+
+
+# ----------------------------------------------------------------------------- the QLoRA model and its bytes
+def quantize_model(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16, blocksize: int = 64,
+                   double_quant: bool = True, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
+    """Replace every nn.Linear (except those named in ``skip``) by a Linear4bit, in place, as
+    transformers' BitsAndBytesConfig(load_in_4bit=True) does (it keeps lm_head in 16/32 bit). Returns ``model``."""
+    skip = tuple(skip)
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and leaf not in skip:
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, leaf, Linear4bit.from_linear(module, compute_dtype, blocksize, double_quant))
+    return model
+
+
+def qlora_model(model: nn.Module, r: int = 8, alpha: float = 16, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
+    """QLoRA as in the paper: every linear layer (but lm_head) in NF4 with double quant, blocksize 64, bf16
+    compute, and a rank-``r`` fp32 LoRA adapter on each of them. In place; returns ``model``."""
+    quantize_model(model, skip=skip)
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, Linear4bit)}
+    return add_lora(model, r=r, alpha=alpha, target_modules=sorted(names))
+
+
+def model_storage_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct storage held by the model's parameters and buffers (shared storages once)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        st = t.untyped_storage()
+        key = (st.data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def predict_qlora_bytes(model: nn.Module, r: int = 8, skip: Iterable[str] = ("lm_head",)) -> int:
+    """Predict :func:`model_storage_bytes` of ``qlora_model(model, r)`` from the float model, without building it.
+
+    Per quantized linear (n = in*out weights): n/2 code bytes (ceil), one uint8 code per 64-block scale,
+    a float32 second-level scale per 256 first-level scales, a float32 offset, the bias in bf16, and
+    LoRA's r*(in+out) float32 numbers. Everything else keeps its bytes (tied storages once).
+    """
+    skip = tuple(skip)
+    quantized = {id(m.weight) for n, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in skip}
+    total = 0
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in skip:
+            numel = m.in_features * m.out_features
+            blocks = -(-numel // 64)
+            total += -(-numel // 2) + blocks + 4 * -(-blocks // 256) + 4
+            total += 0 if m.bias is None else 2 * m.out_features
+            total += 4 * r * (m.in_features + m.out_features)
+    seen = set()
+    for n, m in model.named_modules():
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in skip:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in seen or id(t) in quantized:
+                continue
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total

@@ -41,7 +41,7 @@ from torch import nn
 
 __all__ = [
     "NF4_OFFSET", "nf4_codebook", "fp4_codebook", "int4_codebook", "dynamic_map",
-    "quantize_nf4", "dequantize_nf4", "pack_nibbles", "unpack_nibbles",
+    "nf4_codes", "quantize_nf4", "dequantize_nf4", "pack_nibbles", "unpack_nibbles",
     "quantize_blockwise", "dequantize_blockwise", "double_quantize", "double_dequantize",
     "Linear4bit", "bits_per_param", "Adam8bit",
 ]
@@ -50,14 +50,19 @@ NF4_OFFSET = 0.9677083  # bitsandbytes' create_normal_map default: the outermost
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def nf4_codebook() -> torch.Tensor:
+def nf4_codebook(offset: float | None = None) -> torch.Tensor:
     """The 16 NF4 levels, derived from normal quantiles (QLoRA sec. 3, eq. 4), float32, sorted.
 
-    8 quantiles for the positive half and 7 for the negative half, plus an exact 0, then
-    normalised so the largest is 1.0. Equal bitwise to ``bitsandbytes.functional.get_4bit_type("nf4")``.
+    8 quantiles ``ndtri(p)`` at ``p = linspace(offset, 0.5, 9)[:-1]`` for the positive half and 7 at
+    ``linspace(offset, 0.5, 8)[:-1]`` (negated) for the negative half, plus an exact 0, then normalised
+    so the largest is 1.0. With the default offset (0.9677083, bitsandbytes' choice) equal bitwise to
+    ``bitsandbytes.functional.get_4bit_type("nf4")``.
     """
-    pos = torch.linspace(NF4_OFFSET, 0.5, 9)[:-1].double()  # 8 probabilities, the last (0.5) dropped
-    neg = torch.linspace(NF4_OFFSET, 0.5, 8)[:-1].double()  # 7 probabilities
+    offset = NF4_OFFSET if offset is None else offset
+    if not 0.5 < offset < 1.0:
+        raise ValueError(f"nf4_codebook: offset must be in (0.5, 1), got {offset!r}")
+    pos = torch.linspace(offset, 0.5, 9)[:-1].double()  # 8 probabilities, the last (0.5) dropped
+    neg = torch.linspace(offset, 0.5, 8)[:-1].double()  # 7 probabilities
     values = torch.cat([torch.special.ndtri(pos), torch.zeros(1, dtype=torch.float64), -torch.special.ndtri(neg)])
     values = values.float().sort().values
     return values / values.max()
@@ -143,17 +148,19 @@ def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(scaled, midpoints, out_int32=True)
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte: element 2k in the high nibble, 2k+1 in the low; odd length padded with ``pad``=0.
+def pack_nibbles(q: torch.Tensor, pad: int = 7) -> torch.Tensor:
+    """Two 4-bit codes per byte: element 2k in the high nibble, 2k+1 in the low nibble.
 
-    Returns a flat uint8 tensor of ceil(n / 2) bytes. (quantize_nf4 pads with the *value* 0.0
-    before quantizing, so its pad nibble is code 7, not 0.)
+    An odd count is padded with code ``pad`` (7, NF4's 0.0 level: bitsandbytes pads with the value
+    0.0 before quantizing). Returns a flat uint8 tensor of ceil(n / 2) bytes, so that
+    ``pack_nibbles(nf4_codes(w)[0])`` equals ``quantize_nf4(w)[0].flatten()``.
     """
-    q = q.reshape(-1).to(torch.uint8)
-    if q.numel() % 2:
-        q = torch.cat([q, q.new_zeros(1)])
-    if bool((q > 15).any()):
+    q = q.reshape(-1)
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError("pack_nibbles: codes must be in 0..15")
+    q = q.to(torch.uint8)
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_full((1,), pad)])
     return (q[0::2] << 4) | q[1::2]
 
 
@@ -171,6 +178,14 @@ def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- NF4
+def nf4_codes(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise NF4 codes before packing: ``(codes uint8 of length numel, absmax float32 per block)``."""
+    _check_float(w, "nf4_codes")
+    _check_blocksize(blocksize)
+    scaled, absmax = _scale_blocks(w.detach(), blocksize)
+    return _nearest(scaled, nf4_codebook().to(scaled.device)).to(torch.uint8), absmax
+
+
 def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """NF4-quantize ``w`` blockwise: returns ``(packed, absmax)``.
 

@@ -1,0 +1,44 @@
+"""Chapter 06's checks pass on memlab's own answers, report a stub as todo, and name what is wrong."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memlab import quant
+from memlab.grading import check, get_exercise
+
+IDS = ["06.nf4_codebook", "06.nf4_codes", "06.pack_nibbles", "06.dequantize_nf4", "06.lora_linear",
+       "06.predict_qlora_bytes"]
+
+
+@pytest.mark.parametrize("exercise", IDS)
+def test_reference_passes(exercise):
+    r = check(exercise, get_exercise(exercise).reference(), quiet=True)
+    assert r.status == "pass", r.message
+
+
+def test_a_copy_of_the_reference_passes_and_earns_points():
+    def nf4_codebook(offset=0.9677083):
+        return quant.nf4_codebook(offset)
+
+    r = check("06.nf4_codebook", nf4_codebook, quiet=True)
+    assert r.status == "pass" and "no points" not in (r.message or "")
+
+
+def test_stub_is_todo():
+    def stub(*a, **k):
+        raise NotImplementedError("exercise 06.pack_nibbles: replace this line with your code")
+
+    for e in IDS:
+        assert check(e, stub, quiet=True).status == "todo"
+
+
+def test_messages_name_the_problem():
+    r = check("06.pack_nibbles", lambda q: quant.pack_nibbles(q, pad=0), quiet=True)
+    assert r.status == "fail" and "odd" in r.message
+    r = check("06.nf4_codes", lambda w, bs=64: (quant.nf4_codes(w, bs)[0].long(), quant.nf4_codes(w, bs)[1]), quiet=True)
+    assert r.status == "fail" and "uint8" in r.message
+    r = check("06.predict_qlora_bytes", lambda model, r=8: 1, quiet=True)
+    assert r.status == "fail" and "allowed 0.5%" in r.message
+    r = check("06.dequantize_nf4", lambda p, a, s, d=torch.float32, b=64: torch.zeros(s, dtype=d), quiet=True)
+    assert r.status == "fail" and "differ" in r.message

@@ -1,0 +1,185 @@
+"""Checks for chapter 06, the QLoRA stack.
+
+06.nf4_codebook        the 16 NF4 levels from normal quantiles, for any outer quantile ``offset``
+06.nf4_codes           blockwise absmax scaling and the nearest level (bitsandbytes' tie rule), unpacked
+06.pack_nibbles        two codes per byte, high nibble first, odd counts padded with code 7
+06.dequantize_nf4      packed bytes + absmax back to values, bit-exact
+06.lora_linear         a LoRA layer equal to peft's: init under a seed, forward, gradients, merge / unmerge
+06.predict_qlora_bytes predict the bytes of a QLoRA model from the float model; graded on the error (0.5%)
+
+The references are memlab.quant and memlab.lora, which tests/test_quant.py and tests/test_lora.py
+prove bit-exact against bitsandbytes and equal to peft.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from memlab import lora, quant
+from memlab.checks import expect, expect_type, register
+
+
+def _tensor_equal(name: str, got, want) -> None:
+    expect_type(name, got, torch.Tensor)
+    expect(tuple(got.shape) == tuple(want.shape), f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+    expect(got.dtype == want.dtype, f"{name}: dtype {got.dtype}, expected {want.dtype}")
+    g, w = got.detach().cpu(), want.detach().cpu()
+    if torch.equal(g, w):
+        return
+    bad = (g != w).nonzero()
+    first = tuple(bad[0].tolist()) if bad.numel() else ()
+    extra = ""
+    if g.is_floating_point():
+        extra = f", max abs diff {(g.float() - w.float()).abs().max().item():.3g}"
+    raise AssertionError(f"{name}: {len(bad)} of {w.numel()} entries differ (first at {first}: got {g[first].item()!r}, "
+                         f"expected {w[first].item()!r}){extra}")
+
+
+# ----------------------------------------------------------------------------- 06.nf4_codebook
+@register("06.nf4_codebook", reference=lambda: quant.nf4_codebook, title="NF4 codebook from normal quantiles")
+def check_nf4_codebook(fn) -> None:
+    expect(callable(fn), f"nf4_codebook: expected a function, got {type(fn).__name__}")
+    _tensor_equal("nf4_codebook()", fn(), quant.nf4_codebook())
+    for offset in (0.99, 0.95, 0.9):
+        _tensor_equal(f"nf4_codebook(offset={offset}) (derive the levels from the quantiles; do not paste them)",
+                      fn(offset), quant.nf4_codebook(offset))
+
+
+# ----------------------------------------------------------------------------- 06.nf4_codes
+def _code_cases() -> list[tuple[str, torch.Tensor, int]]:
+    gen = torch.Generator().manual_seed(6)
+    c = quant.nf4_codebook()
+    mids = (c[:-1] + c[1:]) / 2
+    ties = torch.cat([mids, torch.tensor([1.0]), -mids.flip(0), torch.zeros(33)])  # absmax 1: scaled == value
+    return [
+        ("randn 256 float32, blocksize 64", torch.randn(256, generator=gen), 64),
+        ("randn (8, 96) float32, blocksize 32", torch.randn(8, 96, generator=gen), 32),
+        ("randn 300 (a partial last block), blocksize 64", torch.randn(300, generator=gen), 64),
+        ("values exactly on the midpoints between levels (ties)", ties, 64),
+        ("an all-zero block between two others", torch.cat([torch.randn(64, generator=gen), torch.zeros(64),
+                                                             torch.randn(64, generator=gen) * 5]), 64),
+        ("randn (5, 77) bfloat16, blocksize 64", torch.randn(5, 77, generator=gen).bfloat16(), 64),
+        ("randn 200 float16 x 100, blocksize 128", (torch.randn(200, generator=gen) * 100).half(), 128),
+        ("blocks of very different scales", torch.randn(4, 64, generator=gen) * torch.tensor([[1e-3], [1.0], [10.0], [1e3]]), 64),
+    ]
+
+
+@register("06.nf4_codes", reference=lambda: quant.nf4_codes, title="blockwise NF4 codes (unpacked)")
+def check_nf4_codes(fn) -> None:
+    expect(callable(fn), f"nf4_codes: expected a function, got {type(fn).__name__}")
+    for name, w, bs in _code_cases():
+        got = fn(w.clone(), bs)
+        expect(isinstance(got, tuple) and len(got) == 2, f"nf4_codes({name}): return a tuple (codes, absmax), got {type(got).__name__}")
+        want_q, want_a = quant.nf4_codes(w, bs)
+        _tensor_equal(f"nf4_codes({name}) absmax", got[1], want_a)
+        _tensor_equal(f"nf4_codes({name}) codes", got[0], want_q)
+
+
+# ----------------------------------------------------------------------------- 06.pack_nibbles
+@register("06.pack_nibbles", reference=lambda: quant.pack_nibbles, title="pack two codes per byte")
+def check_pack_nibbles(fn) -> None:
+    expect(callable(fn), f"pack_nibbles: expected a function, got {type(fn).__name__}")
+    gen = torch.Generator().manual_seed(7)
+    cases = [("codes 0x0, 0xF", torch.tensor([0, 15], dtype=torch.uint8)),
+             ("codes 1, 2, 3, 4", torch.tensor([1, 2, 3, 4], dtype=torch.uint8)),
+             ("3 codes (odd count)", torch.tensor([15, 0, 9], dtype=torch.uint8)),
+             ("1000 random codes", torch.randint(0, 16, (1000,), generator=gen, dtype=torch.uint8)),
+             ("333 random codes (odd)", torch.randint(0, 16, (333,), generator=gen, dtype=torch.uint8))]
+    for name, q in cases:
+        _tensor_equal(f"pack_nibbles({name})", fn(q.clone()), quant.pack_nibbles(q))
+    w = torch.randn(7, 13, generator=gen)
+    packed = fn(quant.nf4_codes(w)[0])
+    _tensor_equal("pack_nibbles(nf4_codes(w)) for w of shape (7, 13), vs bitsandbytes' packed bytes",
+                  packed, quant.quantize_nf4(w)[0].reshape(-1))
+
+
+# ----------------------------------------------------------------------------- 06.dequantize_nf4
+@register("06.dequantize_nf4", reference=lambda: quant.dequantize_nf4, title="dequantize NF4, bit-exact")
+def check_dequantize_nf4(fn) -> None:
+    expect(callable(fn), f"dequantize_nf4: expected a function, got {type(fn).__name__}")
+    gen = torch.Generator().manual_seed(8)
+    for shape, dtype, bs in [((256,), torch.float32, 64), ((16, 64), torch.bfloat16, 64), ((7, 13), torch.float16, 64),
+                             ((3, 100), torch.float32, 32), ((2, 300), torch.bfloat16, 128)]:
+        w = (torch.randn(shape, generator=gen) * 3).to(dtype)
+        packed, absmax = quant.quantize_nf4(w, bs)
+        got = fn(packed.clone(), absmax.clone(), shape, dtype, bs)
+        _tensor_equal(f"dequantize_nf4(shape={shape}, dtype={dtype}, blocksize={bs})", got,
+                      quant.dequantize_nf4(packed, absmax, shape, dtype, bs))
+
+
+# ----------------------------------------------------------------------------- 06.lora_linear
+@register("06.lora_linear", reference=lambda: lora.LoRALinear, title="LoRA layer equal to peft", timeout=120)
+def check_lora_linear(cls) -> None:
+    expect(callable(cls), f"LoRALinear: expected a class, got {type(cls).__name__}")
+    for (fin, fout, r, alpha, bias) in [(32, 24, 4, 8, True), (16, 40, 8, 32, False), (64, 64, 2, 2, True)]:
+        torch.manual_seed(0)
+        base = nn.Linear(fin, fout, bias=bias)
+        where = f"base nn.Linear({fin}, {fout}, bias={bias}), r={r}, alpha={alpha}"
+        torch.manual_seed(11)
+        got = cls(copy.deepcopy(base), r=r, alpha=alpha)
+        torch.manual_seed(11)
+        want = lora.LoRALinear(copy.deepcopy(base), r=r, alpha=alpha)
+        for attr in ("lora_A", "lora_B", "base"):
+            expect(isinstance(getattr(got, attr, None), nn.Module), f"LoRALinear ({where}): needs a submodule .{attr}")
+        _tensor_equal(f"LoRALinear ({where}): lora_A.weight after init under torch.manual_seed (peft's order: build "
+                      "both nn.Linear, then kaiming_uniform_(A, a=sqrt(5)), zeros_(B))", got.lora_A.weight, want.lora_A.weight)
+        _tensor_equal(f"LoRALinear ({where}): lora_B.weight after init", got.lora_B.weight, want.lora_B.weight)
+        trainable = sorted(n for n, p in got.named_parameters() if p.requires_grad)
+        expect(trainable == ["lora_A.weight", "lora_B.weight"],
+               f"LoRALinear ({where}): trainable parameters {trainable}, expected only lora_A.weight and lora_B.weight")
+        gen = torch.Generator().manual_seed(r)
+        with torch.no_grad():
+            b = torch.randn(want.lora_B.weight.shape, generator=gen)
+            got.lora_B.weight.copy_(b)
+            want.lora_B.weight.copy_(b)
+        x = torch.randn(5, fin, generator=gen)
+        y, y_want = got(x), want(x)
+        _tensor_equal(f"LoRALinear ({where}): forward", y, y_want)
+        y.square().sum().backward()
+        y_want.square().sum().backward()
+        _tensor_equal(f"LoRALinear ({where}): lora_A.weight.grad", got.lora_A.weight.grad, want.lora_A.weight.grad)
+        _tensor_equal(f"LoRALinear ({where}): lora_B.weight.grad", got.lora_B.weight.grad, want.lora_B.weight.grad)
+        with torch.no_grad():
+            got.merge()
+            want.merge()
+            _tensor_equal(f"LoRALinear ({where}): base.weight after merge()", got.base.weight, want.base.weight)
+            _tensor_equal(f"LoRALinear ({where}): forward after merge() (do not add the adapter twice)", got(x), want(x))
+            got.unmerge()
+            want.unmerge()
+            _tensor_equal(f"LoRALinear ({where}): base.weight after unmerge()", got.base.weight, want.base.weight)
+            _tensor_equal(f"LoRALinear ({where}): forward after unmerge()", got(x), want(x))
+
+
+# ----------------------------------------------------------------------------- 06.predict_qlora_bytes
+def _predict_models() -> list[tuple[str, nn.Module, int]]:
+    from memlab.models import tiny_llama
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.Linear(256, 64, bias=False))
+    mlp.lm_head = nn.Linear(64, 10)
+    out = [("an MLP with biases (nn.Sequential + lm_head)", mlp, 8)]
+    torch.manual_seed(0)
+    out.append(("tiny_llama()", tiny_llama(), 8))
+    torch.manual_seed(0)
+    out.append(("tiny_llama(hidden_size=192, intermediate_size=512, num_hidden_layers=3), r=16",
+                tiny_llama(hidden_size=192, intermediate_size=512, num_hidden_layers=3), 16))
+    torch.manual_seed(0)
+    out.append(("tiny_llama(tie_word_embeddings=True), r=4", tiny_llama(tie_word_embeddings=True), 4))
+    return out
+
+
+@register("06.predict_qlora_bytes", reference=lambda: lora.predict_qlora_bytes,
+          title="predict QLoRA model bytes, then measure", timeout=180)
+def check_predict_qlora_bytes(fn) -> None:
+    expect(callable(fn), f"predict_qlora_bytes: expected a function, got {type(fn).__name__}")
+    for name, model, r in _predict_models():
+        predicted = fn(copy.deepcopy(model), r)
+        expect(isinstance(predicted, (int, float)) and not isinstance(predicted, bool),
+               f"predict_qlora_bytes({name}): expected a number of bytes, got {type(predicted).__name__}")
+        measured = lora.model_storage_bytes(lora.qlora_model(copy.deepcopy(model), r=r))
+        err = abs(predicted - measured) / measured
+        expect(err <= 0.005, f"predict_qlora_bytes({name}, r={r}): predicted {int(predicted):,} bytes, measured "
+               f"{measured:,} ({100 * err:.2f}% off; allowed 0.5%). Count: 4-bit codes, one 8-bit code per 64-block "
+               "scale, fp32 second-level scales, bf16 biases, fp32 LoRA A and B, and lm_head / embeddings unquantized")
