@@ -319,3 +319,33 @@ def test_bench_attention_runs_and_names_the_device(capsys):
     assert bench.main(["--seqs", "32,64", "--repeat", "1", "--heads", "2", "--head-dim", "16", "--block", "16"]) == 0
     out = capsys.readouterr().out
     assert "device: " in out and "sdpa-flash" in out and "speed vs sdpa-flash" in out and "targets" in out
+
+
+def test_transformers_tiny_llama_trains_the_same_with_memlab_attention():
+    pytest.importorskip("transformers")
+    from memlab.models import tiny_llama
+
+    name = att.register_transformers()
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    losses, peaks = {}, {}
+    for impl in ("eager", "sdpa", name):
+        torch.manual_seed(0)
+        model = tiny_llama(attn_implementation=impl)
+        assert model.config._attn_implementation == impl
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses[impl] = []
+        for _ in range(2):
+            with MemoryTracker(model, opt) as tr:
+                loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[impl].append(loss.item())
+        peaks[impl] = max(e.bytes["activations"] for e in tr.timeline)
+    for a, b in zip(losses[name], losses["sdpa"]):
+        assert abs(a - b) <= 1e-5, losses  # fp32: same losses to 1e-5
+    for a, b in zip(losses[name], losses["eager"]):
+        assert abs(a - b) <= 1e-5, losses
+    assert peaks[name] < peaks["eager"], peaks
+    with pytest.raises(ValueError, match="impl='fast'"):
+        att.register_transformers(impl="fast")

@@ -33,6 +33,8 @@ What is here (all take ``(batch, heads, seq, head_dim)`` tensors like
   causal blocks;
 * :func:`triton_flash_attention` -- the same as Triton kernels (forward and backward); on CPU
   tensors they run in Triton's interpreter (``TRITON_INTERPRET``), on CUDA compiled;
+* :func:`register_transformers` -- memlab's attention as a ``transformers`` attention implementation
+  (``attn_implementation="memlab"``; transformers treats any name with "flash" in it as a flash-attn kernel);
 * helpers: :func:`causal_mask`, :func:`merge_partials`, :func:`attention_saved_bytes`.
 
 Options: ``causal=False``; ``True`` or ``"top_left"`` (SDPA's ``is_causal``: query ``i`` sees keys
@@ -64,6 +66,7 @@ __all__ = [
     "merge_partials",
     "attention_saved_bytes",
     "sdpa_reference",
+    "register_transformers",
 ]
 
 #: the accepted values of ``causal``
@@ -637,3 +640,40 @@ def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     o, lse = TritonFlashAttentionFunction.apply(q, k, v, mode, scale, g, block_q, block_k)
     return (o, lse) if return_lse else o
 
+
+
+# ----------------------------------------------------------------------------- transformers
+_IMPLS = {"flash": "flash_attention", "chunked": "chunked_attention", "naive": "naive_attention",
+          "triton": "triton_flash_attention"}
+
+
+def register_transformers(name: str = "memlab", impl: str = "flash") -> str:
+    """Register memlab's attention with transformers' ``AttentionInterface``; returns ``name``.
+
+    Then ``LlamaForCausalLM(config)`` with ``config._attn_implementation = name`` (or
+    ``model.set_attn_implementation(name)``) runs it. transformers passes no mask to an
+    implementation it has no mask function for, so this handles causal (bottom-right: right for
+    both training and decoding with a cache) and non-causal attention, not padding masks: use it on
+    batches without padding. GQA goes to memlab's own grouped heads (no repeat of k and v).
+    """
+    if impl not in _IMPLS:
+        raise ValueError(f"register_transformers: impl={impl!r} is not understood; allowed: {', '.join(map(repr, _IMPLS))}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_transformers: name={name!r} must be a non-empty string")
+    from transformers import AttentionInterface
+
+    fn = globals()[_IMPLS[impl]]
+
+    def attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if dropout:
+            raise ValueError(f"{name}: dropout={dropout} is not supported; allowed: 0.0 (set attention_dropout=0)")
+        if attention_mask is not None:
+            raise ValueError(f"{name}: got an attention_mask; only causal / full attention without padding is supported")
+        causal = "bottom_right" if kwargs.get("is_causal", getattr(module, "is_causal", True)) else False
+        out = fn(query, key, value, causal=causal, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attention_forward)
+    return name
