@@ -130,17 +130,15 @@ def _offset(mode: str | None, lq: int, lk: int) -> int:
     return lk - lq if mode == "bottom_right" else 0
 
 
-def causal_mask(lq: int, lk: int, causal: Any = True, *, q_start: int = 0, k_start: int = 0,
-                device: Any = None) -> torch.Tensor | None:
-    """Boolean ``(lq, lk)`` mask, True where query ``q_start + i`` may see key ``k_start + j``.
+def causal_mask(lq: int, lk: int, causal: Any = True, *, device: Any = None) -> torch.Tensor | None:
+    """Boolean ``(lq, lk)`` mask, True where query ``i`` may see key ``j``; None when ``causal`` is False.
 
-    ``lq`` and ``lk`` here are the *block's* sizes; the offset between the diagonals comes from
-    the full lengths, so pass them as ``causal_mask(Lq, Lk, mode)`` for a whole matrix, or use
-    :func:`_block_mask` for a block. Returns None when ``causal`` is False.
+    ``True`` / ``"top_left"``: ``j <= i`` (SDPA's ``is_causal``); ``"bottom_right"``:
+    ``j <= i + lk - lq`` (flash-attn >= 2.1). Blocks use the same rule with absolute indices.
     """
     mode = _mode("causal_mask", causal)
-    if mode is None:
-        return None
+    _positive("causal_mask", "lq", lq)
+    _positive("causal_mask", "lk", lk)
     return _block_mask(mode, 0, lq, 0, lk, lq, lk, device)
 
 
