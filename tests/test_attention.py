@@ -349,3 +349,30 @@ def test_transformers_tiny_llama_trains_the_same_with_memlab_attention():
     assert peaks[name] < peaks["eager"], peaks
     with pytest.raises(ValueError, match="impl='fast'"):
         att.register_transformers(impl="fast")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["flash", "triton"])
+def test_cuda_peak_is_linear_in_seq(name):
+    """max_memory_allocated of fwd+bwd (net of the inputs): at 4L at most 4.2x that at L; SDPA math quadratic."""
+    if name == "triton" and (not att.triton_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs compiled triton")
+    fn = {"flash": lambda q, k, v: att.flash_attention(q, k, v, causal=True),
+          "triton": lambda q, k, v: att.triton_flash_attention(q, k, v, causal=True)}[name]
+
+    def peak(f, s):
+        q, k, v = (torch.randn(1, 8, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        f(q, k, v).sum().backward()  # warm-up (compilation, workspaces)
+        q.grad = k.grad = v.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        f(q, k, v).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    small, large = peak(fn, 2048), peak(fn, 8192)
+    assert large <= 4.2 * small, (small, large)
+    naive_small, naive_large = peak(att.naive_attention, 1024), peak(att.naive_attention, 4096)
+    assert naive_large >= 12 * naive_small, (naive_small, naive_large)
