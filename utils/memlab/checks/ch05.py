@@ -52,8 +52,14 @@ def check_merge_partials(fn):
 
 
 # ----------------------------------------------------------------------------- 05.chunked_forward
-@register("05.chunked_forward", reference=lambda: lambda q, k, v, kv_chunk: ref.chunked_attention(
-    q, k, v, kv_chunk=kv_chunk, q_chunk=1 << 30, return_lse=True), title="online-softmax forward over key chunks")
+def chunked_forward_reference(q, k, v, kv_chunk):
+    """memlab's answer: all queries at once, keys kv_chunk at a time; (output, logsumexp)."""
+    q4, k4, v4 = (t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v))
+    o, lse = ref.chunked_attention(q4, k4, v4, kv_chunk=kv_chunk, q_chunk=q.shape[-2], return_lse=True)
+    return o.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
+
+
+@register("05.chunked_forward", reference=lambda: chunked_forward_reference, title="online-softmax forward over key chunks")
 def check_chunked_forward(fn):
     q, k, v = _randn(2, 3, 7, 8, seed=4), _randn(2, 3, 13, 8, seed=5), _randn(2, 3, 13, 6, seed=6)
     for chunk, mult in ((4, 1.0), (5, 1.0), (1, 1.0), (13, 1.0), (100, 1.0), (3, 1000.0)):
@@ -70,11 +76,12 @@ def check_chunked_forward(fn):
 
 
 # ----------------------------------------------------------------------------- 05.flash_backward
-def _ref_backward(q, k, v, o, lse, do):
+def flash_backward_reference(q, k, v, o, lse, do):
+    """memlab's answer: FA2's backward with one block covering the whole matrices."""
     return ref.flash_attention_backward(do, q, k, v, o, lse, block_q=1 << 30, block_k=1 << 30)
 
 
-@register("05.flash_backward", reference=lambda: _ref_backward, title="backward from the logsumexp (FA2)")
+@register("05.flash_backward", reference=lambda: flash_backward_reference, title="backward from the logsumexp (FA2)")
 def check_flash_backward(fn):
     for lq, lk, dv in ((6, 6, 8), (4, 9, 8), (9, 4, 5)):
         q, k, v = (_randn(2, 2, lq, 8, seed=7).requires_grad_(True), _randn(2, 2, lk, 8, seed=8).requires_grad_(True),
@@ -89,8 +96,12 @@ def check_flash_backward(fn):
 
 
 # ----------------------------------------------------------------------------- 05.causal_mask
-@register("05.causal_mask", reference=lambda: lambda qs, qe, ks, ke, lq, lk, causal: ref._block_mask(
-    ref._mode("causal_mask", causal), qs, qe, ks, ke, lq, lk, None), title="causal mask of one block, both corners")
+def causal_mask_reference(q_start, q_end, k_start, k_end, lq, lk, causal):
+    """memlab's answer: True where query i may see key j (absolute indices); None without a mask."""
+    return ref._block_mask(ref._mode("causal_mask", causal), q_start, q_end, k_start, k_end, lq, lk, None)
+
+
+@register("05.causal_mask", reference=lambda: causal_mask_reference, title="causal mask of one block, both corners")
 def check_causal_mask(fn):
     cases = [(0, 4, 0, 4, 4, 4), (0, 3, 0, 5, 3, 5), (0, 5, 0, 3, 5, 3), (2, 5, 1, 4, 7, 7), (4, 8, 0, 4, 8, 12),
              (0, 4, 8, 12, 8, 12), (3, 6, 0, 2, 6, 2)]
@@ -98,7 +109,7 @@ def check_causal_mask(fn):
         for causal in (True, "top_left", "bottom_right"):
             args = f"fn(q_start={qs}, q_end={qe}, k_start={ks}, k_end={ke}, Lq={lq}, Lk={lk}, causal={causal!r})"
             got = fn(qs, qe, ks, ke, lq, lk, causal)
-            want = ref._block_mask(ref._mode("check", causal), qs, qe, ks, ke, lq, lk, None)
+            want = causal_mask_reference(qs, qe, ks, ke, lq, lk, causal)
             expect_type(args, got, torch.Tensor)
             expect(got.dtype == torch.bool and tuple(got.shape) == tuple(want.shape),
                    f"{args}: got {got.dtype} {tuple(got.shape)}, expected torch.bool {tuple(want.shape)}")
@@ -107,7 +118,12 @@ def check_causal_mask(fn):
 
 
 # ----------------------------------------------------------------------------- 05.predict_saved_bytes
-@register("05.predict_saved_bytes", reference=lambda: lambda b, h, s, d: (b * h * s * s * 4, b * h * s * (d + 1) * 4),
+def predict_saved_bytes_reference(batch, heads, seq, head_dim):
+    """fp32, no mask: naive keeps the probabilities P; flash keeps the output O and the logsumexp."""
+    return batch * heads * seq * seq * 4, batch * heads * seq * (head_dim + 1) * 4
+
+
+@register("05.predict_saved_bytes", reference=lambda: predict_saved_bytes_reference,
           title="predict, then measure, the bytes saved for backward")
 def check_predict_saved_bytes(fn):
     for b, h, s, d in ((1, 2, 64, 16), (2, 4, 128, 32), (1, 2, 256, 8)):
