@@ -151,6 +151,15 @@ def _block_mask(mode: str | None, qs: int, qe: int, ks: int, ke: int, lq: int, l
     return j <= i + _offset(mode, lq, lk)
 
 
+def _loop_mask(mode: str | None, qs: int, qe: int, ks: int, ke: int, lq: int, lk: int,
+               device: Any) -> torch.Tensor | None:
+    """The block's mask inside the loops: None also when the block lies wholly below the diagonal
+    (every query sees every key of it), so most blocks of a causal matrix pay nothing for masking."""
+    if mode is None or ke - 1 <= qs + _offset(mode, lq, lk):
+        return None
+    return _block_mask(mode, qs, qe, ks, ke, lq, lk, device)
+
+
 def _kv_end(mode: str | None, qe: int, lq: int, lk: int) -> int:
     """Keys [0, end) can be seen by query rows < qe; later key blocks are fully masked (skipped)."""
     if mode is None:
@@ -236,7 +245,7 @@ def _online_forward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: st
         for ks in range(0, _kv_end(mode, qe, lq, lk), kv_chunk):
             ke = min(lk, ks + kv_chunk)
             s = torch.einsum("bhgqd,bhkd->bhgqk", qi, k[:, :, ks:ke].to(acc)) * scale
-            mask = _block_mask(mode, qs, qe, ks, ke, lq, lk, q5.device)
+            mask = _loop_mask(mode, qs, qe, ks, ke, lq, lk, q5.device)
             if mask is not None:
                 s = s.masked_fill(~mask, float("-inf"))
             # the running max only stabilises exp(); the result does not depend on it: no gradient
@@ -315,7 +324,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             qi, doi = q5[..., qs:qe, :].to(acc), do5[..., qs:qe, :].to(acc)
             s = torch.einsum("bhgqd,bhkd->bhgqk", qi, kj) * scale
             p = torch.exp(s - lse5[..., qs:qe].unsqueeze(-1))
-            mask = _block_mask(mode, qs, qe, ks, ke, lq, lk, q.device)
+            mask = _loop_mask(mode, qs, qe, ks, ke, lq, lk, q.device)
             if mask is not None:
                 p = p.masked_fill(~mask, 0.0)
             dv[:, :, ks:ke] += torch.einsum("bhgqk,bhgqd->bhkd", p, doi)
