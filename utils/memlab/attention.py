@@ -633,7 +633,12 @@ def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """FlashAttention-2 forward and backward as Triton kernels, same options as :func:`flash_attention`.
 
     CUDA tensors run compiled; CPU tensors run in Triton's interpreter (slow: small sizes only).
-    Accumulates in fp32 (fp64 inputs are not supported here). ``block_q`` and ``block_k`` must be
+    The interpreter is chosen when triton is first imported: with CPU tensors, set
+    ``TRITON_INTERPRET=1`` before anything imports triton (memlab sets it itself when triton is not
+    imported yet; importing ``torch.nn.attention.bias`` or ``torch._dynamo`` first imports triton).
+    Operands keep their dtype in ``tl.dot`` (tensor cores for fp16 / bf16; exact "ieee" products
+    for fp32, not TF32), accumulating in fp32; fp64 is not supported here (use
+    :func:`flash_attention`). Under the interpreter bf16 runs in fp32 (NumPy has no bfloat16). ``block_q`` and ``block_k`` must be
     powers of two >= 16 (``tl.dot``'s smallest tile).
     """
     mode, scale, g = _check("triton_flash_attention", q, k, v, causal, scale)
