@@ -33,6 +33,7 @@ copies was read in ``bitsandbytes/functional.py`` (``create_normal_map``, ``crea
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -66,6 +67,13 @@ def nf4_codebook(offset: float | None = None) -> torch.Tensor:
     values = torch.cat([torch.special.ndtri(pos), torch.zeros(1, dtype=torch.float64), -torch.special.ndtri(neg)])
     values = values.float().sort().values
     return values / values.max()
+
+
+@functools.lru_cache(maxsize=None)
+def _codebook_cached(name: str, device: str) -> torch.Tensor:
+    """Read-only cached codebooks for the hot paths (never handed to a caller to mutate)."""
+    table = {"nf4": nf4_codebook, "dynamic": lambda: dynamic_map(True), "udynamic": lambda: dynamic_map(False)}
+    return table[name]().to(device)
 
 
 def fp4_codebook() -> torch.Tensor:
@@ -183,7 +191,7 @@ def nf4_codes(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch
     _check_float(w, "nf4_codes")
     _check_blocksize(blocksize)
     scaled, absmax = _scale_blocks(w.detach(), blocksize)
-    return _nearest(scaled, nf4_codebook().to(scaled.device)).to(torch.uint8), absmax
+    return _nearest(scaled, _codebook_cached("nf4", str(scaled.device))).to(torch.uint8), absmax
 
 
 def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +207,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
     scaled, absmax = _scale_blocks(w.detach(), blocksize)
     if scaled.numel() % 2:
         scaled = torch.cat([scaled, scaled.new_zeros(1)])  # pad with the value 0.0 (-> code 7)
-    q = _nearest(scaled, nf4_codebook().to(scaled.device)).to(torch.uint8)
+    q = _nearest(scaled, _codebook_cached("nf4", str(scaled.device))).to(torch.uint8)
     packed = ((q[0::2] << 4) | q[1::2]).unsqueeze(1)
     return packed, absmax
 
@@ -214,10 +222,24 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     nblocks = -(-n // blocksize)
     if absmax.numel() != nblocks:
         raise ValueError(f"dequantize_nf4: {n} values in blocks of {blocksize} need {nblocks} absmax, got {absmax.numel()}")
-    q = unpack_nibbles(packed, n).to(packed.device)
-    values = nf4_codebook().to(packed.device)[q]
-    scale = absmax.float().repeat_interleave(blocksize)[:n]
-    return (values * scale).reshape(tuple(shape)).to(dtype)
+    p = packed.reshape(-1)
+    p = p if p.dtype == torch.uint8 else p.view(torch.uint8)
+    if 2 * p.numel() < n:
+        raise ValueError(f"dequantize_nf4: {p.numel()} bytes hold {2 * p.numel()} codes, shape {tuple(shape)} needs {n}")
+    q = torch.stack([p >> 4, p & 0xF], dim=1).reshape(-1)[:n].long()
+    values = _codebook_cached("nf4", str(p.device))[q]
+    return _scale_back(values, absmax, blocksize).reshape(tuple(shape)).to(dtype)
+
+
+def _scale_back(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """``values * absmax`` of each value's block, in float32 (full blocks as one broadcast multiply)."""
+    n = values.numel()
+    full = n - n % blocksize
+    absmax = absmax.float()
+    out = (values[:full].view(-1, blocksize) * absmax[: full // blocksize].unsqueeze(1)).reshape(-1)
+    if full < n:
+        out = torch.cat([out, values[full:] * absmax[full // blocksize]])
+    return out
 
 
 # ----------------------------------------------------------------------------- 8-bit blockwise (dynamic map)
@@ -230,7 +252,7 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor | None = None,
     """
     _check_float(x, "quantize_blockwise")
     _check_blocksize(blocksize)
-    code = dynamic_map(signed=True) if code is None else code
+    code = _codebook_cached("dynamic", str(x.device)) if code is None else code
     scaled, absmax = _scale_blocks(x.detach(), blocksize)
     q = _nearest(scaled, code.to(scaled.device).float()).to(torch.uint8)
     return q.reshape(x.shape), absmax
@@ -242,11 +264,9 @@ def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
     if q.dtype != torch.uint8:
         raise ValueError(f"dequantize_blockwise: codes must be uint8, got {q.dtype}")
     _check_blocksize(blocksize)
-    code = dynamic_map(signed=True) if code is None else code
-    n = q.numel()
-    values = code.to(q.device).float()[q.reshape(-1).long()]
-    scale = absmax.float().repeat_interleave(blocksize)[:n]
-    return (values * scale).reshape(q.shape).to(dtype)
+    code = _codebook_cached("dynamic", str(q.device)) if code is None else code.to(q.device).float()
+    values = code[q.reshape(-1).long()]
+    return _scale_back(values, absmax, blocksize).reshape(q.shape).to(dtype)
 
 
 def double_quantize(absmax: torch.Tensor, blocksize: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -260,14 +280,14 @@ def double_quantize(absmax: torch.Tensor, blocksize: int = 256) -> tuple[torch.T
     if absmax.dtype != torch.float32:
         raise ValueError(f"double_quantize: absmax must be float32, got {absmax.dtype}")
     offset = absmax.mean()
-    codes, absmax2 = quantize_blockwise(absmax - offset, dynamic_map(signed=True), blocksize)
+    codes, absmax2 = quantize_blockwise(absmax - offset, _codebook_cached("dynamic", str(absmax.device)), blocksize)
     return codes, absmax2, offset
 
 
 def double_dequantize(codes: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor,
                       blocksize: int = 256) -> torch.Tensor:
     """Inverse of :func:`double_quantize`: the float32 first-level absmax, ``code[q] * absmax2 + offset``."""
-    return dequantize_blockwise(codes, absmax2, dynamic_map(signed=True), blocksize) + offset
+    return dequantize_blockwise(codes, absmax2, None, blocksize) + offset
 
 
 def bits_per_param(blocksize: int = 64, double_quant: bool = True, blocksize2: int = 256) -> float:
@@ -390,7 +410,7 @@ class Adam8bit(torch.optim.Optimizer):
         _check_blocksize(blocksize)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.blocksize, self.min_8bit_size = blocksize, min_8bit_size
-        self.qmap1, self.qmap2 = dynamic_map(signed=True), dynamic_map(signed=False)
+        self.qmap1, self.qmap2 = _codebook_cached("dynamic", "cpu"), _codebook_cached("udynamic", "cpu")
 
     def _init(self, p: torch.Tensor) -> dict:
         st = self.state[p]
@@ -432,13 +452,14 @@ class Adam8bit(torch.optim.Optimizer):
                     pf.add_(m / (v.sqrt() + eps * c2), alpha=-lr * c2 / c1)
                 else:
                     bs = self.blocksize
-                    m = dequantize_blockwise(st["state1"], st["absmax1"], self.qmap1, bs)
-                    v = dequantize_blockwise(st["state2"], st["absmax2"], self.qmap2, bs)
+                    q1, q2 = self.qmap1.to(p.device), self.qmap2.to(p.device)
+                    m = dequantize_blockwise(st["state1"], st["absmax1"], q1, bs)
+                    v = dequantize_blockwise(st["state2"], st["absmax2"], q2, bs)
                     m.mul_(b1).add_(g, alpha=1.0 - b1)
                     v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
                     pf.addcdiv_(m, (v.sqrt() / c2).add_(eps), value=-lr / c1)
-                    st["state1"], st["absmax1"] = quantize_blockwise(m, self.qmap1, bs)
-                    st["state2"], st["absmax2"] = quantize_blockwise(v, self.qmap2, bs)
+                    st["state1"], st["absmax1"] = quantize_blockwise(m, q1, bs)
+                    st["state2"], st["absmax2"] = quantize_blockwise(v, q2, bs)
                 p.data.copy_(pf)
         return loss
 
