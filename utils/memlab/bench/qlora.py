@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench_linear((size, size), 16, DEVICE, args.repeat)
     print(table(f"memlab bench qlora: Linear4bit({size}, {size}) forward, batch 16, double quant",
                 ["op", "memlab (ms)", "bitsandbytes (ms)", "speed vs bnb", "max abs diff"], rows, DEVICE))
+    print("max abs diff: bitsandbytes' CPU kernel picks some 8-bit codes of the double-quantized scales one level off\n"
+          "the nearest (a lookup); given the same codes the forward is bitwise equal (tests/test_quant.py).")
     print()
     if not args.skip_steps:
         rows = bench_steps(DEVICE, 4, 64 if SMALL else 256)
