@@ -2,7 +2,6 @@
 the dynamic map, double quantization (stated bound), Linear4bit's forward, Adam8bit, and bad arguments."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
