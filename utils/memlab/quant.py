@@ -70,12 +70,24 @@ def nf4_codebook(offset: float | None = None) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _codebook_cached(name: str, device: str) -> torch.Tensor:
-    """Read-only cached codebooks for the hot paths (never handed to a caller to mutate)."""
+def _real_codebook(name: str, device: str) -> torch.Tensor:
+    """Read-only cached codebooks for the hot paths (never handed to a caller to mutate), always real tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     table = {"nf4": nf4_codebook, "dynamic": lambda: dynamic_map(True), "udynamic": lambda: dynamic_map(False),
              # byte -> its two NF4 values (high nibble, low nibble): one gather per byte when dequantizing
              "nf4_pairs": lambda: torch.stack([nf4_codebook()[torch.arange(256) >> 4], nf4_codebook()[torch.arange(256) & 0xF]], 1)}
-    return table[name]().to(device)
+    with unset_fake_temporarily():  # built for real even when first asked for inside a FakeTensorMode
+        return table[name]().to(device)
+
+
+def _codebook_cached(name: str, device: str, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The cached codebook; under a FakeTensorMode (``like`` is fake: memlab.estimate's traces) a fake copy."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(like, FakeTensor):
+        return like.new_zeros(_real_codebook(name, "cpu").shape, dtype=torch.float32)  # values do not matter on fake tensors, shapes do
+    return _real_codebook(name, device)
 
 
 def fp4_codebook() -> torch.Tensor:
@@ -193,7 +205,7 @@ def nf4_codes(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch
     _check_float(w, "nf4_codes")
     _check_blocksize(blocksize)
     scaled, absmax = _scale_blocks(w.detach(), blocksize)
-    return _nearest(scaled, _codebook_cached("nf4", str(scaled.device))).to(torch.uint8), absmax
+    return _nearest(scaled, _codebook_cached("nf4", str(scaled.device), scaled)).to(torch.uint8), absmax
 
 
 def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +221,7 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
     scaled, absmax = _scale_blocks(w.detach(), blocksize)
     if scaled.numel() % 2:
         scaled = torch.cat([scaled, scaled.new_zeros(1)])  # pad with the value 0.0 (-> code 7)
-    q = _nearest(scaled, _codebook_cached("nf4", str(scaled.device))).to(torch.uint8)
+    q = _nearest(scaled, _codebook_cached("nf4", str(scaled.device), scaled)).to(torch.uint8)
     packed = ((q[0::2] << 4) | q[1::2]).unsqueeze(1)
     return packed, absmax
 
@@ -228,7 +240,7 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     p = p if p.dtype == torch.uint8 else p.view(torch.uint8)
     if 2 * p.numel() < n:
         raise ValueError(f"dequantize_nf4: {p.numel()} bytes hold {2 * p.numel()} codes, shape {tuple(shape)} needs {n}")
-    pairs = _codebook_cached("nf4_pairs", str(p.device))
+    pairs = _codebook_cached("nf4_pairs", str(p.device), absmax)
     values = pairs.index_select(0, p.long()).reshape(-1)[:n]  # (bytes, 2) -> high, low, ...; index_select: 4x faster than [] on CPU
     return _scale_back(values, absmax, blocksize).reshape(tuple(shape)).to(dtype)
 
@@ -254,7 +266,7 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor | None = None,
     """
     _check_float(x, "quantize_blockwise")
     _check_blocksize(blocksize)
-    code = _codebook_cached("dynamic", str(x.device)) if code is None else code
+    code = _codebook_cached("dynamic", str(x.device), x) if code is None else code
     scaled, absmax = _scale_blocks(x.detach(), blocksize)
     q = _nearest(scaled, code.to(scaled.device).float()).to(torch.uint8)
     return q.reshape(x.shape), absmax
@@ -266,7 +278,7 @@ def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
     if q.dtype != torch.uint8:
         raise ValueError(f"dequantize_blockwise: codes must be uint8, got {q.dtype}")
     _check_blocksize(blocksize)
-    code = _codebook_cached("dynamic", str(q.device)) if code is None else code.to(q.device).float()
+    code = _codebook_cached("dynamic", str(q.device), absmax) if code is None else code.to(q.device).float()
     values = code.index_select(0, q.reshape(-1).long())
     return _scale_back(values, absmax, blocksize).reshape(q.shape).to(dtype)
 
@@ -282,7 +294,7 @@ def double_quantize(absmax: torch.Tensor, blocksize: int = 256) -> tuple[torch.T
     if absmax.dtype != torch.float32:
         raise ValueError(f"double_quantize: absmax must be float32, got {absmax.dtype}")
     offset = absmax.mean()
-    codes, absmax2 = quantize_blockwise(absmax - offset, _codebook_cached("dynamic", str(absmax.device)), blocksize)
+    codes, absmax2 = quantize_blockwise(absmax - offset, _codebook_cached("dynamic", str(absmax.device), absmax), blocksize)
     return codes, absmax2, offset
 
 
