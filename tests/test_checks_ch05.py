@@ -1,4 +1,4 @@
-"""Chapter 05 checks: pass on memlab's own answers (wrong answers: tests/test_mutants_ch05.py), todo on stubs."""
+"""Chapter 05 checks: pass on memlab's own answers (wrong answers: tests/test_mutants.py), todo on stubs."""
 from __future__ import annotations
 
 import pytest

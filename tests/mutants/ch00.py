@@ -1,4 +1,4 @@
-"""Plausible wrong answers to chapter 00's exercises; tests/test_mutants_ch00_03.py asserts each FAILS.
+"""Plausible wrong answers to chapter 00's exercises; tests/test_mutants.py asserts each FAILS.
 
 MUTANTS maps an exercise id to (name, wrong implementation) pairs.
 """

@@ -1,4 +1,4 @@
-"""Plausible wrong answers to chapter 03's exercises; tests/test_mutants_ch00_03.py asserts each FAILS."""
+"""Plausible wrong answers to chapter 03's exercises; tests/test_mutants.py asserts each FAILS."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Plausible wrong answers to chapter 04's exercises; tests/test_mutants_ch04.py asserts each FAILS its check.
+"""Plausible wrong answers to chapter 04's exercises; tests/test_mutants.py asserts each FAILS its check.
 
 MUTANTS maps an exercise id to (name, wrong implementation) pairs.
 """
