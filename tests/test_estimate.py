@@ -510,3 +510,102 @@ def test_fast_warmup_leaves_the_same_state(monkeypatch, kw):
     monkeypatch.setattr(E, "_FAST_WARMUP", False)
     b = estimate_training_memory(small_llama, **k)
     assert (a.peak_bytes, a.breakdown, a.breakdown_end, a.phase_peaks) == (b.peak_bytes, b.breakdown, b.breakdown_end, b.phase_peaks)
+
+
+# ---------------------------------------------------------------- offload-adamw (chapter 04)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16-pure", "bf16"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_offload_estimate_device_bytes_equal_real_cpu_run(name, dtype, offload_gradients):
+    """The fake trace of optimizer="offload-adamw" against a real CPU step of memlab.offload.OffloadedAdamW
+    (fast C++ kernel) tracked by MemoryTracker (measure_training_memory runs it).
+
+    On a CPU host == device, so the real tracker also sees OffloadedAdamW's host buffers: master weights,
+    moments and step counters (in optimizer.state, counted from the tracker's start) and the fp32 grad
+    slots (seen once written: in backward with offload_gradients, else in the step). What is compared:
+    parameters and gradients at the end of the step byte for byte; the forward peak (and the backward
+    peak without offload_gradients) equal to the estimate's device peak of that phase + the state the
+    tracker already holds (12 bytes/param + step counters); the optimizer-phase peak equal to the
+    estimate's + all of host_bytes; and the real end-of-step bytes beyond parameters and gradients equal
+    to host_bytes.
+    """
+    kw = dict(batch_size=2, seq_len=32, dtype=dtype, optimizer="offload-adamw", device="cpu",
+              optimizer_kwargs={"offload_gradients": offload_gradients})
+    est = estimate_training_memory(MODELS[name], **kw)
+    real = measure_training_memory(MODELS[name], **kw)
+    assert est.fake and not real.fake
+    for key in ("parameters", "gradients"):
+        assert est.breakdown_end[key] == real.breakdown_end[key]
+    if offload_gradients:
+        assert est.breakdown_end["gradients"] == 0
+    assert est.breakdown["optimizer"] == est.breakdown_end["optimizer"] == 0  # nothing on the device
+    assert real.host_bytes == est.host_bytes
+    state = 12 * est.n_params + est.host_breakdown["step counters"]
+    assert real.phase_peaks["forward"] == est.phase_peaks["forward"] + state
+    if offload_gradients:  # grad slots appear in backward as the hooks write them
+        assert state <= real.phase_peaks["backward"] - est.phase_peaks["backward"] <= est.host_bytes
+    else:
+        assert real.phase_peaks["backward"] == est.phase_peaks["backward"] + state
+    assert real.phase_peaks["optimizer"] == est.phase_peaks["optimizer"] + est.host_bytes
+    # end of step: beyond params and grads the real run holds exactly the host buffers (the grad slots
+    # labelled where the tracker first saw them: activations with offload_gradients, else other)
+    dev_end = est.breakdown_end["parameters"] + est.breakdown_end["gradients"]
+    assert sum(est.breakdown_end.values()) == dev_end
+    assert sum(real.breakdown_end.values()) - dev_end == est.host_bytes
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16-pure"])
+def test_offload_host_bytes_are_the_optimizers_buffers(dtype):
+    """Host bytes: 16 per trained parameter (fp32 master 4 + fp32 grad slot 4 + two fp32 moments 8; the
+    slot is in OffloadedAdamW too, so not the 12 of master + moments alone) + 4 per step counter, equal to
+    the buffers a real OffloadedAdamW allocates; a CUDA target adds the pinned staging copy in the
+    params' dtype (2 bytes/param for bf16). The device keeps what memlab.offload.predict_device_bytes says."""
+    from memlab.offload import OffloadedAdamW, device_host_bytes, predict_device_bytes
+
+    model = E._build(small_llama, dtype)  # as the estimator builds it (buffers keep their own dtype)
+    P, n = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    kw = dict(batch_size=1, seq_len=16, dtype=dtype, optimizer="offload-adamw")
+    cpu = estimate_training_memory(small_llama, device="cpu", **kw)
+    assert cpu.n_params == P
+    assert cpu.host_bytes == 16 * P + 4 * n == device_host_bytes(P, "offload-adamw")["host"] + 4 * n
+    assert cpu.host_breakdown["fp32 master weights"] + cpu.host_breakdown["fp32 moments"] == 12 * P
+    opt = OffloadedAdamW(model.parameters())
+    real = sum(b.flat.numel() * b.flat.element_size() for bufs in opt._flats for b in bufs.values())
+    real += sum(st["step"].numel() * st["step"].element_size() for st in opt.state.values())
+    assert cpu.host_bytes == real
+    cuda = estimate_training_memory(small_llama, device="cuda", **kw)
+    staging = P * (2 if dtype == "bf16-pure" else 4)
+    assert cuda.host_breakdown["pinned staging (param dtype)"] == staging
+    assert cuda.host_bytes == cpu.host_bytes + staging
+    end = cpu.breakdown_end
+    assert end["parameters"] + end["gradients"] == predict_device_bytes(model, "offload")
+    grads = estimate_training_memory(small_llama, device="cpu", optimizer_kwargs={"offload_gradients": True}, **kw)
+    assert grads.breakdown_end["parameters"] + grads.breakdown_end["gradients"] == predict_device_bytes(model, "offload grads")
+    assert grads.host_bytes == cpu.host_bytes
+
+
+def test_offload_table_extrapolation_cli_and_errors(capsys):
+    kw = dict(batch_size=1, seq_len=64, dtype="bf16-pure", device="cuda")
+    plain = estimate_training_memory("llama-2-7b", optimizer="adamw", **kw)
+    off = estimate_training_memory("llama-2-7b", optimizer="offload-adamw", **kw)
+    assert off.extrapolated_from and off.host_bytes == 16 * off.n_params + off.host_breakdown["step counters"] + 2 * off.n_params
+    assert off.peak_bytes < plain.peak_bytes and off.breakdown_end["optimizer"] == 0
+    four = dict(kw, optimizer="offload-adamw", config_overrides={"num_hidden_layers": 4})
+    ex, full = (estimate_training_memory("llama-2-7b", extrapolate=x, **four) for x in ("auto", False))
+    assert ex.extrapolated_from and not full.extrapolated_from
+    assert (ex.host_bytes, ex.host_breakdown, ex.peak_bytes) == (full.host_bytes, full.host_breakdown, full.peak_bytes)
+    text = off.table()
+    assert "host:" in text and "counted, not traced" in text and "device: traced" in text
+    with pytest.raises(ValueError, match="optimizer_kwargs"):
+        estimate_training_memory(small_gpt, batch_size=1, seq_len=8, device="cpu", optimizer="offload-adamw",
+                                 optimizer_kwargs={"offload_gradient": True})
+    with pytest.raises(ValueError, match="offload_gradients"):
+        estimate_training_memory(small_gpt, batch_size=1, seq_len=8, device="cpu", optimizer="offload-adamw",
+                                 optimizer_kwargs={"offload_gradients": "yes"})
+    assert E.main(["gpt2", "--seq-len", "64", "--optimizer", "offload-adamw", "--offload-gradients",
+                   "--no-suggest"]) == 0
+    assert "host:" in capsys.readouterr().out
+    assert E.main(["gpt2", "--seq-len", "64", "--offload-gradients"]) == 2
+    assert "--offload-gradients needs --optimizer offload-adamw" in capsys.readouterr().err

@@ -37,7 +37,14 @@ Optimizers: ``"adamw"`` (``torch.optim.AdamW``: two fp32 moments per parameter),
 (``torch.optim.SGD`` without momentum: no state), ``"adamw8bit"``
 (``bitsandbytes.optim.AdamW8bit``: both moments in 1 byte per element plus one fp32 absmax
 per block of 256 for tensors of at least 4096 elements, traced when bitsandbytes imports,
-otherwise modelled with that layout and said so in ``notes``).
+otherwise modelled with that layout and said so in ``notes``), ``"offload-adamw"``
+(:class:`memlab.offload.OffloadedAdamW`, chapter 04: the device side of the step is traced --
+the parameters in their dtype, their gradients (freed by the hook with
+``optimizer_kwargs={"offload_gradients": True}``), the activations; the CPU step writes the
+parameters in place and allocates nothing on the device -- and the host side is counted, not
+traced: fp32 master weights, fp32 gradient slots and two fp32 moments (16 bytes per parameter,
+:func:`memlab.offload.device_host_bytes`), the step counters, and on CUDA the pinned staging copy
+in each parameter's dtype; ``MemoryEstimate.host_bytes``).
 
 The weights' dtype is the recipe's alone: a ``config.json``'s ``torch_dtype`` is ignored.
 
@@ -113,6 +120,8 @@ OPTIMIZERS: dict[str, str] = {
     "adamw": "torch.optim.AdamW (2 moments per parameter, in the parameter's dtype)",
     "sgd": "torch.optim.SGD without momentum (no state)",
     "adamw8bit": "bitsandbytes.optim.AdamW8bit (2 moments of 1 byte, fp32 absmax per 256 elements)",
+    "offload-adamw": "memlab.offload.OffloadedAdamW (chapter 04): device keeps the params in their dtype and their "
+                     "grads; host keeps fp32 master weights, an fp32 grad slot and 2 fp32 moments (+ staging on CUDA)",
 }
 
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
@@ -196,6 +205,8 @@ class MemoryEstimate:
     sum(extras)`` is the estimate of ``torch.cuda.max_memory_allocated``; ``reserved_bytes`` adds
     the stated fragmentation margin. ``fake`` says whether the step ran on fake tensors (an
     estimate) or real ones (a measurement); ``notes`` lists anything modelled rather than traced.
+    ``host_bytes`` (with ``optimizer="offload-adamw"``) is host memory the optimizer keeps, split in
+    ``host_breakdown``; it is counted, not traced, and is not part of ``peak_bytes`` (the device's).
     """
 
     model: str
@@ -224,6 +235,8 @@ class MemoryEstimate:
     optimizer_impl: str = ""
     extrapolated_from: tuple[int, ...] = ()
     phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
+    host_bytes: int = 0
+    host_breakdown: dict[str, int] = field(default_factory=dict)
 
     @property
     def allocated_bytes(self) -> int:
@@ -260,7 +273,7 @@ class MemoryEstimate:
     def describe(self) -> str:
         kind = "estimate (fake tensors)" if self.fake else "measured"
         ck = ", gradient checkpointing" if self.checkpointing else ""
-        impl = f" ({self.optimizer_impl})" if self.optimizer_impl and self.optimizer in ("adamw", "sgd") else ""
+        impl = f" ({self.optimizer_impl})" if self.optimizer_impl and self.optimizer in ("adamw", "sgd", "offload-adamw") else ""
         return (
             f"{self.model} ({_params(self.n_params)} params): batch {self.batch_size} x seq "
             f"{self.seq_len}, {self.dtype}, {self.optimizer}{impl}{ck} -- {kind} on {self.traced_on} "
@@ -297,6 +310,12 @@ class MemoryEstimate:
             fb = max(self.phase_peaks.get("forward", 0), self.phase_peaks.get("backward", 0))
             lines.append(f"the optimizer step holds the peak: the activations are freed by then, so checkpointing "
                          f"or a shorter sequence lowers only the forward/backward peak ({format_bytes(fb)})")
+        if self.host_breakdown:
+            lines.append("device: traced (params in their dtype, grads, activations; the CPU step writes the params "
+                         "in place and allocates nothing on the device)")
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_breakdown.items())
+            lines.append(f"host: {format_bytes(self.host_bytes)} counted, not traced ({parts}); "
+                         f"not in the device peak")
         for label, b in self.extras.items():
             lines.append(f"+ {label}: {format_bytes(b)}")
         if self.extras:
@@ -687,6 +706,10 @@ def make_optimizer(
     params = list(params)
     if name == "adamw8bit":
         return _bnb().optim.AdamW8bit(params, **kwargs)
+    if name == "offload-adamw":
+        from memlab.offload import OffloadedAdamW
+
+        return OffloadedAdamW(params, **kwargs)
     impl = _resolve_impl(impl, device)
     flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
     if name == "adamw":
@@ -694,6 +717,45 @@ def make_optimizer(
     if impl == "fused":
         flags = dict(foreach=False)  # SGD without momentum: fused buys nothing
     return torch.optim.SGD(params, lr=kwargs.pop("lr", 1e-3), **{**flags, **kwargs})
+
+
+class _OffloadDeviceSide(torch.optim.Optimizer):
+    """What :class:`memlab.offload.OffloadedAdamW` does on the device, for a fake trace: nothing is
+    allocated there. Gradients stay on the device until the step (or, with ``offload_gradients``,
+    a post-accumulate-grad hook frees each one once copied to the host); the step runs on the host
+    and copies the updated weights back into the parameters in place. The host side is counted
+    (:func:`_offload_host_breakdown`)."""
+
+    def __init__(self, params: Any, offload_gradients: bool = False, **hparams: Any) -> None:
+        super().__init__(list(params), {})
+        self.offload_gradients = offload_gradients
+        if offload_gradients:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(_free_grad)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return None
+
+
+def _free_grad(p: torch.Tensor) -> None:
+    p.grad = None  # copied to its host slot (a device-to-host copy allocates nothing on the device)
+
+
+def _offload_host_breakdown(params: Sequence[torch.Tensor], target: torch.device) -> dict[str, int]:
+    """Host bytes of OffloadedAdamW over ``params``: what its constructor allocates on the host."""
+    from memlab.offload import device_host_bytes
+
+    n = sum(p.numel() for p in params)
+    fp32 = device_host_bytes(n, "offload-adamw")["host"]  # 16 bytes/param: master + grad slot + 2 moments
+    out = {"fp32 master weights": 4 * n, "fp32 grad slots": 4 * n, "fp32 moments": 8 * n}
+    assert sum(out.values()) == fp32
+    if target.type == "cuda":
+        out["pinned staging (param dtype)"] = sum(p.numel() * p.element_size() for p in params)
+    out["step counters"] = 4 * len(params)
+    return out
 
 
 def _is_hf_model(model: nn.Module) -> bool:
@@ -986,7 +1048,36 @@ def _run(
                                       "; kernel_scratch=False: CUDA softmax backward's scratch copy not added")
     params = [p for p in model.parameters() if p.requires_grad]
     impl = _resolve_impl(optimizer_impl, str(target)) if optimizer != "adamw8bit" else "bitsandbytes"
-    opt = make_optimizer(opt_name, params, impl=optimizer_impl, device=str(target), **dict(optimizer_kwargs or {}))
+    host_breakdown: dict[str, int] = {}
+    if optimizer == "offload-adamw":
+        okw = dict(optimizer_kwargs or {})
+        og = okw.get("offload_gradients", False)
+        if not isinstance(og, bool):
+            raise ValueError(f"optimizer_kwargs['offload_gradients']={og!r} is invalid; allowed: True, False")
+        impl = "memlab.offload, step on the CPU" + (", gradients offloaded during backward" if og else "")
+        host_breakdown = _offload_host_breakdown(params, target)
+        import inspect
+
+        from memlab.offload import OffloadedAdamW
+
+        try:
+            inspect.signature(OffloadedAdamW.__init__).bind(None, params, **okw)
+        except TypeError as exc:
+            raise ValueError(f"optimizer_kwargs={okw!r} is invalid for OffloadedAdamW ({exc}); allowed: lr, betas, eps, "
+                             f"weight_decay, pin_memory, overlap, offload_gradients, kernel") from None
+        if fake:
+            opt = _OffloadDeviceSide(params, **okw)
+        else:
+            opt = make_optimizer(opt_name, params, device=str(target), **okw)
+            if target.type == "cpu":
+                notes.append("measured on the CPU, where host == device: OffloadedAdamW's host buffers (master weights, "
+                             "moments, step counters; the fp32 grad slots once written) are in the tracked bytes too")
+        notes.append("offload-adamw: host bytes counted from OffloadedAdamW's buffers, not traced; device bytes traced")
+        if dtype == "bf16-pure":
+            notes.append("with offload-adamw the bf16 params have fp32 master weights on the host: "
+                         "the update is not rounded to bf16 as plain bf16-pure AdamW's is")
+    else:
+        opt = make_optimizer(opt_name, params, impl=optimizer_impl, device=str(target), **dict(optimizer_kwargs or {}))
     gen_device = traced_on
 
     def one_step() -> None:
@@ -1068,6 +1159,8 @@ def _run(
         step=step_text,
         optimizer_impl=impl,
         phase_breakdowns=phase_bd,
+        host_bytes=sum(host_breakdown.values()),
+        host_breakdown=host_breakdown,
     )
 
 
@@ -1114,6 +1207,7 @@ def _extrapolated(spec: _Spec, kw: dict[str, Any], depths: tuple[int, int] = EXT
         end = {k: lin(a.breakdown_end[k], b.breakdown_end[k]) for k in CATEGORIES}
         n_params = lin(a.n_params, b.n_params)
         max_act = lin(a.max_activation_bytes, b.max_activation_bytes)
+        host_bd = {k: lin(a.host_breakdown[k], b.host_breakdown[k]) for k in b.host_breakdown}
     except ArithmeticError:
         return None
     phases = {ph: sum(bd.values()) for ph, bd in phase_bd.items()}
@@ -1131,6 +1225,7 @@ def _extrapolated(spec: _Spec, kw: dict[str, Any], depths: tuple[int, int] = EXT
         tracker=_PhaseSummary(peak, peak_phase, phases), peak_phase=peak_phase, phase_peaks=phases,
         extras=dict(b.extras), attention=b.attention, step=b.step, optimizer_impl=b.optimizer_impl,
         extrapolated_from=(d1, d2), phase_breakdowns=phase_bd,
+        host_bytes=sum(host_bd.values()), host_breakdown=host_bd,
     )
 
 
@@ -1479,6 +1574,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--optimizer-impl", choices=list(OPTIMIZER_IMPLS), default="auto",
                         help="torch optimizer implementation (auto: PyTorch's default on the device: foreach on CUDA)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    parser.add_argument("--offload-gradients", action="store_true",
+                        help="with --optimizer offload-adamw: free each gradient on the device once copied to the host")
     parser.add_argument("--loss", choices=list(LOSSES), default="auto",
                         help="auto: transformers' own loss (model(input_ids=x, labels=x), as the Trainer) for "
                              "transformers models; memlab: cross entropy on the logits (memlab.models.lm_loss)")
@@ -1511,12 +1608,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                       attn_implementation=args.attn, allow_longer_seq=args.allow_longer_seq,
                       extrapolate=not args.no_extrapolate)
     overrides = dict(args.overrides) or None
+    if args.offload_gradients and args.optimizer != "offload-adamw":
+        print(f"memlab estimate: error: --offload-gradients needs --optimizer offload-adamw "
+              f"(got --optimizer {args.optimizer})", file=sys.stderr)
+        return 2
     try:
         if args.step is not None:
             run_kwargs["step"] = load_step(args.step)
         est = estimate_training_memory(
             args.model, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-            optimizer=args.optimizer, checkpointing=args.checkpointing, config_overrides=overrides, **run_kwargs,
+            optimizer=args.optimizer, checkpointing=args.checkpointing, config_overrides=overrides,
+            optimizer_kwargs={"offload_gradients": True} if args.offload_gradients else None, **run_kwargs,
         )
     except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
