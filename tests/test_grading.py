@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from memlab import accounting
-from memlab.grading import CheckResult, check, format_table, get_exercise, grade_notebook, time_limit, CheckTimeout
+from memlab.grading import CheckResult, CheckTimeout, check, format_table, get_exercise, grade_notebook, load_all, time_limit
 
 EX = "00.activation_bytes"
 
@@ -249,6 +249,8 @@ SOLVED_00 = [
     "check('00.activation_bytes', activation_bytes_per_layer)",
     "def saved_bytes(fn, *args):\n    return accounting.saved_activation_bytes(fn, *args)",
     "check('00.saved_bytes', saved_bytes)",
+    "def predict_peak(config, batch_size, seq_len):\n    return accounting.tinygpt_step_peak(config, batch_size, seq_len)",
+    "check('00.predict_peak', predict_peak)",
 ]
 
 
@@ -266,11 +268,12 @@ def test_cli_grade_exit_codes(tmp_path):
     nbformat.write(_nb(HOSTILE[:4]), bad)
     ok = _memlab(str(good))
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "total" in ok.stdout and "4/4" in ok.stdout
+    n00 = sum(e.startswith("00.") for e in load_all())
+    assert "total" in ok.stdout and f"{n00}/{n00}" in ok.stdout
     assert "TCP" not in ok.stderr and "encryption" not in ok.stderr, ok.stderr  # ipc transport: no warning
     ko = _memlab(str(bad))
     assert ko.returncode == 1 and "TODO" in ko.stdout and "MISSING" in ko.stdout
-    assert "uses the reference implementation" in ko.stdout and "0/4" in ko.stdout  # memlab's own answer earns nothing
+    assert "uses the reference implementation" in ko.stdout and f"0/{n00}" in ko.stdout  # memlab's own answer earns nothing
     missing = _memlab(str(tmp_path / "nope.ipynb"), timeout=60)
     assert missing.returncode == 2 and "nope.ipynb" in missing.stderr
 

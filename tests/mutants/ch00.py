@@ -145,3 +145,49 @@ MUTANTS = {
         ("bytes of the output, not of what is saved", output_bytes),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- 00.predict_peak
+def _peak_parts(config, b, s, *, e=4, m=4):
+    from memlab.accounting import activation_bytes_per_layer
+    from memlab.models import TinyGPT
+
+    with torch.device("meta"):
+        model = TinyGPT(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    h, a, V = config.n_embd, config.n_head, config.vocab_size
+    acts = config.n_layer * activation_bytes_per_layer(s, b, h, a, act_bytes=e, mask_bytes=m, layernorm_stats_bytes=4)
+    acts += b * s * h * m + 3 * b * s * h * e + b * s * V * e
+    return n_params, acts
+
+
+def peak_states_only(config, batch_size, seq_len):
+    """16 bytes per parameter, no activations."""
+    n, _ = _peak_parts(config, batch_size, seq_len)
+    return 16 * n
+
+
+def peak_backward_only(config, batch_size, seq_len):
+    """Weights + Adam state + activations: forgets that the optimizer step can hold the peak."""
+    n, acts = _peak_parts(config, batch_size, seq_len)
+    return 12 * n + acts
+
+
+def peak_everything_at_once(config, batch_size, seq_len):
+    """Gradients counted in full while the activations are alive (they never coexist in full)."""
+    n, acts = _peak_parts(config, batch_size, seq_len)
+    return 16 * n + acts
+
+
+def peak_16bit_activations(config, batch_size, seq_len):
+    """The paper's 16-bit activations and 1-byte masks for an fp32 step on a CPU."""
+    n, acts = _peak_parts(config, batch_size, seq_len, e=2, m=1)
+    return max(16 * n, 12 * n + acts)
+
+
+MUTANTS["00.predict_peak"] = [
+    ("states only", peak_states_only),
+    ("backward phase only", peak_backward_only),
+    ("gradients and activations at once", peak_everything_at_once),
+    ("16-bit activations", peak_16bit_activations),
+]

@@ -272,6 +272,48 @@ def plot_breakdown(
     return ax
 
 
+def tinygpt_step_peak(config: Any, batch_size: int, seq_len: int) -> int:
+    """Predicted peak bytes of one fp32 AdamW training step of ``TinyGPT(config)`` on a CPU.
+
+    The step after the first (Adam's state exists), with ``zero_grad(set_to_none=True)`` before the
+    forward, the for-loop AdamW (PyTorch's CPU default) and dropout on (``config.dropout > 0``: a
+    4-byte noise tensor per dropout on a CPU). Two candidates, the larger wins:
+
+    * backward: weights + Adam's two moments (12 bytes/param, plus buffers and a 4-byte ``step``
+      per tensor) + every saved activation (the per-layer formula plus the embedding, final
+      LayerNorm, LM head and loss terms) + the gradient of the logits and of one attention-score
+      matrix, alive together at the top of backward;
+    * optimizer step: all states with gradients (16 bytes/param) + the for-loop's two temporaries
+      the size of the largest parameter.
+
+    Within 2% of ``MemoryTracker``'s measured peak on the configurations the lab checks.
+    """
+    from memlab.models import TinyGPT
+
+    _positive(batch_size=batch_size, seq_len=seq_len)
+    if not getattr(config, "dropout", 0) > 0:
+        raise ValueError(f"config.dropout={getattr(config, 'dropout', None)!r}: this model assumes dropout on (> 0)")
+    with torch.device("meta"):
+        model = TinyGPT(config)
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    buffers = sum(t.numel() * t.element_size() for t in model.buffers())
+    largest = max(p.numel() for p in params) * 4
+    e = m = 4
+    s, b, h, a, V = seq_len, batch_size, config.n_embd, config.n_head, config.vocab_size
+    acts = config.n_layer * activation_bytes_per_layer(s, b, h, a, act_bytes=e, mask_bytes=m, layernorm_stats_bytes=4)
+    acts += (b * s * 8 + s * 8          # token ids and positions (embedding backward)
+             + b * s * h * m            # dropout after the embeddings
+             + b * s * h * e + 2 * b * s * 4  # final LayerNorm input, mean and 1/std
+             + b * s * h * e            # LM head input
+             + b * s * V * e            # log-softmax output
+             + b * s * 8 + 4)           # targets, loss normaliser
+    states = 12 * n_params + buffers + 4 * len(params)
+    backward = states + acts + b * s * V * 4 + a * s * s * b * 4
+    optimizer = states + 4 * n_params + 2 * largest
+    return int(max(backward, optimizer))
+
+
 __all__ = [
     "dtype_bytes",
     "Recipe",
@@ -279,6 +321,7 @@ __all__ = [
     "model_state_bytes",
     "activation_bytes_per_layer",
     "korthikanti_bytes_per_layer",
+    "tinygpt_step_peak",
     "saved_storages",
     "saved_activation_bytes",
     "optimizer_state_bytes",

@@ -113,3 +113,51 @@ def check_saved_bytes(fn):
     with torch.no_grad():
         got = fn(block, x)
     expect_equal("saved bytes under torch.no_grad()", got, 0)
+
+
+# ----------------------------------------------------------------------------- 00.predict_peak
+PEAK_CASES = [  # (n_layer, n_embd, n_head, batch, seq): states-bound, activation-bound and in between
+    (2, 256, 4, 1, 16),
+    (4, 96, 6, 2, 96),
+    (6, 64, 2, 4, 64),
+    (2, 192, 6, 6, 48),
+]
+PEAK_TOLERANCE = 0.10
+
+
+def measured_step_peak(config, batch_size: int, seq_len: int) -> tuple[int, str]:
+    """(peak bytes, phase) of the second fp32 AdamW step of TinyGPT(config), tracked on the CPU."""
+    from memlab.models import TinyGPT
+    from memlab.profiler import MemoryTracker
+
+    torch.manual_seed(0)
+    model = TinyGPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+    y = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+    model(x, y)[1].backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with MemoryTracker(model, opt) as tracker:
+        model(x, y)[1].backward()
+        opt.step()
+    return tracker.peak_bytes, tracker.peak_phase
+
+
+@register("00.predict_peak", reference=lambda: ref.tinygpt_step_peak, timeout=120,
+          title="predict a training step's peak, then measure it")
+def check_predict_peak(fn):
+    from memlab.models import TinyGPTConfig
+
+    for n_layer, n_embd, n_head, b, s in PEAK_CASES:
+        cfg = TinyGPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=s, dropout=0.1)
+        got = fn(cfg, b, s)
+        where = f"TinyGPT {n_layer} layers x {n_embd} wide, {n_head} heads, batch {b} x {s}"
+        expect(isinstance(got, (int, float)) and not isinstance(got, bool) and got > 0,
+               f"predict_peak({where}): expected a positive number of bytes, got {type(got).__name__} {got!r:.60}")
+        measured, phase = measured_step_peak(cfg, b, s)
+        err = float(got) / measured - 1
+        expect(abs(err) <= PEAK_TOLERANCE,
+               f"predict_peak({where}): predicted {float(got):,.0f} B, measured {measured:,} B (peak in the {phase} "
+               f"phase): off by {err:+.1%}, allowed +-{PEAK_TOLERANCE:.0%}. Which phase holds the peak, and what is "
+               f"alive then?")
