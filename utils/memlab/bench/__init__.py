@@ -65,6 +65,20 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], devi
     return "\n".join(out)
 
 
+def report_targets(checks: Sequence[tuple[str, float, bool]], device: Any = None, *, strict: bool = False) -> int:
+    """Print ``(text, ratio, holds)`` targets as holds / MISSED under the device's name; return the
+    exit code: 1 when a target is missed and ``strict``, else 0."""
+    if checks:
+        print()
+        print(f"targets ({device_name(device)}):")
+        for text, ratio, ok in checks:
+            print(f"  {'holds ' if ok else 'MISSED'}  ratio {ratio:.3f}  {text}")
+    missed = sum(not ok for _, _, ok in checks)
+    if missed:
+        print(f"{missed} target(s) missed; timings on a shared machine are noisy: rerun with more --repeat")
+    return 1 if (missed and strict) else 0
+
+
 def _fmt(x: Any) -> str:
     if isinstance(x, float):
         return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from memlab.bench import device_name, sync, table
+from memlab.bench import report_targets, sync, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,15 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         if ("flash", s) in results and ("flash", 2 * s) in results:
             r = results[("flash", 2 * s)][1] / results[("flash", s)][1]
             checks.append((f"flash peak grows <= 2.2x from seq {s} to {2 * s} (linear)", r, r <= 2.2))
-    if checks:
-        print()
-        print(f"targets ({device_name(DEVICE)}):")
-        for text, ratio, ok in checks:
-            print(f"  {'holds ' if ok else 'MISSED'}  ratio {ratio:.3f}  {text}")
-    missed = sum(not ok for _, _, ok in checks)
-    if missed:
-        print(f"{missed} target(s) missed; timings on a shared machine are noisy: rerun with more --repeat")
-    return 1 if (missed and args.strict) else 0
+    return report_targets(checks, DEVICE, strict=args.strict)
 
 
 if __name__ == "__main__":  # pragma: no cover

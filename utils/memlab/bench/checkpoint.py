@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 
-from memlab.bench import device_name, sync, table
+from memlab.bench import report_targets, sync, table
 
 
 def _interleaved_medians(fns: dict[str, Callable[[], None]], repeat: int, device: torch.device) -> dict[str, float]:
@@ -183,14 +183,7 @@ def main(argv: list[str] | None = None) -> int:
          times["memlab, every block"] / times["torch, every block"],
          times["memlab, every block"] / times["torch, every block"] <= 1.10),
     ]
-    print()
-    print(f"targets ({device_name(dev)}):")
-    for text, ratio, ok in checks:
-        print(f"  {'holds ' if ok else 'MISSED'}  ratio {ratio:.3f}  {text}")
-    missed = sum(not ok for _, _, ok in checks)
-    if missed:
-        print(f"{missed} target(s) missed; timings on a shared machine are noisy: rerun with more --repeat")
-    return 1 if (missed and args.strict) else 0
+    return report_targets(checks, dev, strict=args.strict)
 
 
 if __name__ == "__main__":  # pragma: no cover
