@@ -365,6 +365,23 @@ def test_phase_peaks_function():
     assert phase_peaks(tl) == {"other": 10, "forward": 19, "backward": 13}
 
 
+def test_add_transient_raises_the_peak_for_one_moment():
+    x = torch.zeros(256)  # 1 KiB, alive before and after
+    with MemoryTracker() as tr:
+        y = x * 2  # 1 KiB more
+        before = tr.current_bytes
+        tr.add_transient(10_000)
+        assert tr.current_bytes == before  # gone again
+        assert tr.peak_bytes == before + 10_000
+        assert tr.breakdown(at="peak")["activations"] - tr.breakdown(at="end")["activations"] <= 10_000
+        tr.add_transient(0)
+        with pytest.raises(ValueError, match="nbytes=-1"):
+            tr.add_transient(-1)
+        with pytest.raises(ValueError, match="category='weights'"):
+            tr.add_transient(5, category="weights")
+    del y
+
+
 def test_kernel_scratch_at_peak_reads_a_snapshot():
     fr = lambda name: [{"name": name, "filename": "x.cpp", "line": 1}]  # noqa: E731
     trace = [

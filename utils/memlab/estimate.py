@@ -923,7 +923,6 @@ def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bo
         op = getattr(torch.ops.aten, name, None)
         if op is not None:
             flash_ops.add(op.default)
-    ACT = 3  # the activations category of MemoryTracker
 
     class _Tracker(MemoryTracker):
         scratch_bytes = 0
@@ -942,14 +941,7 @@ def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bo
                 if g.device.type == "cuda":
                     extra = math.ceil(extra / 512) * 512
                 # alive while the kernel runs, with its output: count it at that moment only
-                self._cur[ACT] += extra
-                self._total += extra
-                self._dirty = True
-                self._after_op()
-                self._cur[ACT] -= extra
-                self._total -= extra
-                self._dirty = True
-                self._after_op()
+                self.add_transient(extra)
                 self.scratch_bytes = max(self.scratch_bytes, extra)
             return out
 

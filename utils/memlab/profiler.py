@@ -278,6 +278,23 @@ class MemoryTracker(TorchDispatchMode):
         self._after_op()
         return out
 
+    def add_transient(self, nbytes: int, category: str = "activations") -> None:
+        """Count ``nbytes`` alive for one moment, now, in ``category``: buffers no tensor shows,
+        such as scratch a kernel allocates inside itself (see :func:`kernel_scratch_at_peak`).
+        The peak and the timeline see the spike; the current total is unchanged afterwards."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes={nbytes!r} is invalid; allowed: an int >= 0")
+        if category not in CATEGORIES:
+            raise ValueError(f"category={category!r} is not known; allowed: {', '.join(CATEGORIES)}")
+        if nbytes == 0:
+            return
+        cat = CATEGORIES.index(category)
+        for sign in (1, -1):
+            self._cur[cat] += sign * nbytes
+            self._total += sign * nbytes
+            self._dirty = True
+            self._after_op()
+
     def _after_op(self) -> None:
         total = self._total
         if self._stack and total > self._stack[-1][1]:
