@@ -108,6 +108,33 @@ class _NoInputGrad(torch.autograd.Function):
         return None, torch.zeros_like(x)
 
 
+class _ParamsLost(torch.autograd.Function):
+    """Recomputes with RNG replay, but takes torch.autograd.grad on the input only: the parameters
+    inside fn never get their gradients."""
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.rng = torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                out = ctx.fn(x)
+        (gx,) = torch.autograd.grad(out, x, g)
+        return None, gx
+
+
+def ckpt_params_lost(fn, x):
+    return _ParamsLost.apply(fn, x)
+
+
 def ckpt_no_replay(fn, x):
     return _NoReplay.apply(fn, x)
 
@@ -266,6 +293,11 @@ def choose_largest(n, b, l, bd):
     return _choose(n, b, l, bd, largest=True)
 
 
+def choose_sqrt_always(n, b, l, bd):
+    """Ignores the budget: sqrt(n) segments, the memory-optimal k of the lecture."""
+    return max(1, round(math.sqrt(n)))
+
+
 def choose_returns_none(n, b, l, bd):
     try:
         return _choose(n, b, l, bd)
@@ -285,6 +317,7 @@ MUTANTS = {
         ("keeps the graph (saves nothing)", ckpt_keeps_graph),
         ("no gradient for the input", ckpt_no_input_grad),
         ("a plain call, no Function", ckpt_plain_call),
+        ("parameters get no gradient", ckpt_params_lost),
     ],
     "02.rng_replay": [
         ("state not restored after replay", SnapshotNoRestore),
@@ -306,5 +339,6 @@ MUTANTS = {
         ("strict < budget", choose_strict),
         ("the largest k that fits", choose_largest),
         ("None instead of ValueError", choose_returns_none),
+        ("sqrt(n), whatever the budget", choose_sqrt_always),
     ],
 }
