@@ -462,3 +462,66 @@ def test_bench_checkpoint_runs(capsys):
     out = capsys.readouterr().out
     assert "memlab, 2 segments" in out and "torch, every block" in out and "targets" in out
     assert "memory within 2% of torch.utils.checkpoint (k=2 segments)" in out
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+PEAK_CASES = [(7, 64, 4, 2, 32, 3), (20, 32, 2, 4, 16, 10), (4, 128, 4, 1, 16, 2), (6, 32, 4, 2, 64, 1),
+              (9, 48, 4, 2, 48, 3), (6, 64, 4, 2, 32, 6), (5, 32, 2, 4, 64, 2)]
+
+
+@pytest.mark.parametrize("n,h,a,b,s,k", PEAK_CASES)
+def test_sequential_activation_peak_within_2_percent_of_measured(n, h, a, b, s, k):
+    from memlab.checkpoint import measure_sequential_activation_peak, sequential_activation_peak
+
+    cfg = TinyGPTConfig(n_layer=n, n_embd=h, n_head=a, block_size=s, dropout=0.1)
+    predicted = sequential_activation_peak(cfg, b, s, k)
+    measured = measure_sequential_activation_peak(cfg, b, s, k)
+    assert abs(predicted / measured - 1) <= 0.02, (predicted, measured)
+
+
+def test_measured_sequential_peak_falls_with_segments_and_matches_the_formula_terms():
+    """k = 1 holds every layer; k = sqrt(n) far less; the difference is (n - ceil(n/k)) layers minus boundaries."""
+    from memlab.accounting import activation_bytes_per_layer
+    from memlab.checkpoint import measure_sequential_activation_peak
+
+    cfg = TinyGPTConfig(n_layer=9, n_embd=32, n_head=4, block_size=32, dropout=0.1)
+    plain = measure_sequential_activation_peak(cfg, 2, 32, 1)
+    three = measure_sequential_activation_peak(cfg, 2, 32, 3)
+    layer = activation_bytes_per_layer(32, 2, 32, 4, act_bytes=4, mask_bytes=4, layernorm_stats_bytes=4)
+    boundary = 4 * 2 * 32 * 32
+    assert plain - three == pytest.approx(6 * layer - 2 * boundary, rel=0.01)
+
+
+def test_measured_sequential_peak_same_for_torch_checkpoint():
+    """memlab's checkpoint and torch's non-reentrant one keep the same bytes: the measurement is not memlab's artefact."""
+    from memlab.checkpoint import measure_sequential_activation_peak
+
+    cfg = TinyGPTConfig(n_layer=6, n_embd=32, n_head=4, block_size=16, dropout=0.1)
+    ours = measure_sequential_activation_peak(cfg, 2, 16, 3)
+    torch_ckpt = measure_sequential_activation_peak(
+        cfg, 2, 16, 3, checkpoint_fn=lambda f, x: tuc.checkpoint(f, x, use_reentrant=False))
+    assert ours == pytest.approx(torch_ckpt, rel=0.02)
+
+
+def test_sequential_activation_peak_without_dropout_drops_the_masks():
+    from memlab.checkpoint import sequential_activation_peak
+
+    on = TinyGPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16, dropout=0.1)
+    off = TinyGPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16, dropout=0.0)
+    assert sequential_activation_peak(off, 2, 16, 2) < sequential_activation_peak(on, 2, 16, 2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(batch_size=0), "batch_size=0"),
+    (dict(seq_len=17), "seq_len=17 exceeds config.block_size=16"),
+    (dict(segments=5), "segments=5"),
+    (dict(config="gpt"), "config='gpt'"),
+])
+def test_sequential_activation_peak_bad_arguments(kwargs, match):
+    from memlab.checkpoint import measure_sequential_activation_peak, sequential_activation_peak
+
+    args = dict(config=TinyGPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16, dropout=0.1),
+                batch_size=2, seq_len=16, segments=2) | kwargs
+    for fn in (sequential_activation_peak, measure_sequential_activation_peak):
+        with pytest.raises(ValueError, match=match):
+            fn(**args)

@@ -8,13 +8,15 @@ from memlab.grading import check, load_chapter
 
 load_chapter("02")
 
-IDS = ["02.count_saved", "02.checkpoint_function", "02.rng_replay", "02.checkpoint_sequential", "02.choose_segments"]
+IDS = ["02.count_saved", "02.checkpoint_function", "02.rng_replay", "02.checkpoint_sequential", "02.choose_segments",
+       "02.predict_ckpt_peak"]
 REFERENCES = {
     "02.count_saved": ck.count_saved_tensors,
     "02.checkpoint_function": ck.checkpoint_reentrant,
     "02.rng_replay": ck.RNGState,
     "02.checkpoint_sequential": ck.checkpoint_sequential,
     "02.choose_segments": ck.segments_for_budget,
+    "02.predict_ckpt_peak": ck.sequential_activation_peak,
 }
 
 
@@ -32,3 +34,18 @@ def test_stub_is_todo():
         raise NotImplementedError("exercise 02.count_saved: replace this line with your code")
 
     assert check("02.count_saved", stub, quiet=True).status == "todo"
+
+
+def test_predict_ckpt_peak_stub_is_todo():
+    def stub(config, batch_size, seq_len, segments):
+        raise NotImplementedError("exercise 02.predict_ckpt_peak: replace this line with your code")
+
+    assert check("02.predict_ckpt_peak", stub, quiet=True).status == "todo"
+
+
+def test_predict_ckpt_peak_accepts_a_prediction_within_tolerance():
+    """The check grades on relative error: 5% off the measurement passes, as a prediction should."""
+    def close(config, batch_size, seq_len, segments):
+        return 0.95 * ck.sequential_activation_peak(config, batch_size, seq_len, segments)
+
+    assert check("02.predict_ckpt_peak", close, quiet=True).status == "pass"

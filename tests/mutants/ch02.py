@@ -342,3 +342,69 @@ MUTANTS = {
         ("sqrt(n), whatever the budget", choose_sqrt_always),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- 02.predict_ckpt_peak
+def _peak(config, b, s, k, *, layers=math.ceil, boundaries=True, working=True, masks=4, act=4):
+    from memlab.accounting import activation_bytes_per_layer
+
+    h, a, r = config.n_embd, config.n_head, config.mlp_ratio
+    layer = activation_bytes_per_layer(s, b, h, a, act_bytes=act, mask_bytes=masks, layernorm_stats_bytes=4)
+    out = layers(config.n_layer / k) * layer
+    if boundaries:
+        out += (k - 1) * 4 * b * s * h
+    if working:
+        out += r * h * b * s * 4 + r * h * h * 4
+    return out
+
+
+def peak_ignores_k(config, b, s, k):
+    """Every layer's activations, as without checkpointing."""
+    return _peak(config, b, s, 1)
+
+
+def peak_floor_layers(config, b, s, k):
+    """floor(n/k) layers in the recomputed segment: the longer segments come first."""
+    return _peak(config, b, s, k, layers=math.floor)
+
+
+def peak_fractional_layers(config, b, s, k):
+    """n/k layers, a fraction: a segment holds whole layers."""
+    return _peak(config, b, s, k, layers=lambda x: x)
+
+
+def peak_no_boundaries(config, b, s, k):
+    """Forgets the checkpoint inputs kept through the whole step."""
+    return _peak(config, b, s, k, boundaries=False)
+
+
+def peak_lecture_model_only(config, b, s, k):
+    """k * boundary + ceil(n/k) * layer and nothing else: no backward working set."""
+    return _peak(config, b, s, k, working=False) + 4 * b * s * config.n_embd
+
+
+def peak_bool_masks(config, b, s, k):
+    """1-byte dropout masks, as on CUDA: on the CPU they are 4-byte floats."""
+    return _peak(config, b, s, k, masks=1)
+
+
+def peak_no_masks(config, b, s, k):
+    """The dropout-0 formula although dropout is on."""
+    return _peak(config, b, s, k, masks=0)
+
+
+def peak_16bit(config, b, s, k):
+    """Korthikanti's 16-bit activations for an fp32 run."""
+    return _peak(config, b, s, k, masks=1, act=2)
+
+
+MUTANTS["02.predict_ckpt_peak"] = [
+    ("ignores k (no checkpointing)", peak_ignores_k),
+    ("floor(n/k) layers recomputed", peak_floor_layers),
+    ("n/k layers, a fraction", peak_fractional_layers),
+    ("checkpoint inputs forgotten", peak_no_boundaries),
+    ("no backward working set", peak_lecture_model_only),
+    ("1-byte dropout masks", peak_bool_masks),
+    ("no dropout masks", peak_no_masks),
+    ("16-bit activations", peak_16bit),
+]

@@ -229,12 +229,183 @@ def ms_rebinds(model_params, master_params, optimizer):
         model_params[i] = nn.Parameter(m.detach().to(model_params[i].dtype))
 
 
+
+# ----------------------------------------------------------------------------- wrong answers once in tests/test_checks_ch03.py
+def uf_below_min_subnormal(t, dtype=torch.float16):
+    """Compares with the smallest subnormal: forgets that the cast rounds to nearest near the bottom."""
+    nz = (t != 0) & torch.isfinite(t)
+    sub = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    return ((t.abs() < sub) & nz).sum().item() / max(nz.sum().item(), 1)
+
+
+def uf_over_numel(t, dtype=torch.float16):
+    """Divides by every element (zeros, inf and nan too)."""
+    return ((t != 0) & (t.to(dtype) == 0)).sum().item() / t.numel()
+
+
+def ug_divides_rounded_scale(grads, found_inf, inv_scale):
+    """Divides by 1/inv_scale computed in Python, with the inf/NaN detection right."""
+    from memlab import amp
+
+    f = torch.zeros(())
+    amp.unscale_grads_([g.clone() for g in grads], f, torch.ones(()))
+    found_inf.copy_(torch.maximum(found_inf, f))
+    scale = 1.0 / inv_scale.item()
+    for g in grads:
+        g.div_(scale)
+
+
+class _Base:
+    """Right scale(), get_scale() and update() (memlab's rule); subclasses get step() wrong."""
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.s = torch.tensor(float(init_scale))
+        self.t = torch.zeros((), dtype=torch.int32)
+        self.kw = (growth_factor, backoff_factor, growth_interval)
+        self.found = torch.zeros(())
+
+    def scale(self, loss):
+        return loss * self.s
+
+    def get_scale(self):
+        return self.s.item()
+
+    def update(self):
+        from memlab import amp
+
+        amp.update_scale_(self.s, self.t, self.found, *self.kw)
+
+
+class ScalerNeverSkips(_Base):
+    """Unscales with GradScaler's reciprocal and detects inf/NaN, but steps anyway."""
+
+    def step(self, opt):
+        from memlab import amp
+
+        self.found = torch.zeros(())
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        amp.unscale_grads_(grads, self.found, self.s.double().reciprocal().float())
+        opt.step()
+        return True
+
+
+class ScalerDividesByScale(_Base):
+    """Right in every respect but dividing by the scale instead of multiplying by its fp32 reciprocal."""
+
+    def step(self, opt):
+        from memlab import amp
+
+        self.found = torch.zeros(())
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        amp.unscale_grads_(grads, self.found, torch.ones(()))
+        if self.found.item():
+            return False
+        for g in grads:
+            g.div_(self.s)
+        opt.step()
+        return True
+
+
+class ScalerNoBackoff(_Base):
+    """Skips the bad step, then forgets it in update(): the scale never backs off."""
+
+    def step(self, opt):
+        from memlab import amp
+
+        self.found = torch.zeros(())
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        amp.unscale_grads_(grads, self.found, self.s.double().reciprocal().float())
+        if self.found.item():
+            return False
+        opt.step()
+        return True
+
+    def update(self):
+        self.found = torch.zeros(())
+        super().update()
+
+
+def ms_keeps_stale_master_grad(model_params, master_params, optimizer):
+    """A parameter without a gradient this step keeps last step's master gradient."""
+    for p, m in zip(model_params, master_params):
+        if p.grad is not None:
+            m.grad = p.grad.float()
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model_params, master_params):
+            p.copy_(m)
+
+
+def ms_steps_in_16_bit(model_params, master_params, optimizer):
+    """Steps the 16-bit parameters with a 16-bit AdamW and copies them into the masters."""
+    opt16 = torch.optim.AdamW(model_params, lr=1e-3)
+    opt16.step()
+    with torch.no_grad():
+        for p, m in zip(model_params, master_params):
+            m.copy_(p)
+
+
+# ----------------------------------------------------------------------------- 03.predict_update_peak
+def _update(model, recipe, *, per_mixed=18, per_fp32=16, temporaries=2, tied_twice=False, buffers=True, steps=True):
+    params = list(model.parameters()) if not tied_twice else [p for _, p in model.named_parameters(remove_duplicate=False)]
+    n = sum(p.numel() for p in params)
+    largest = max(p.numel() for p in params)
+    out = (per_fp32 if recipe == "fp32" else per_mixed) * n + temporaries * 4 * largest
+    if steps:
+        out += 4 * len(params)
+    if buffers:
+        out += sum(b.numel() * b.element_size() for b in model.buffers())
+    return out
+
+
+def up_masters_no_grads(model, recipe):
+    """2 + 2 + 4 + 8 = 16 bytes per parameter, as often quoted: no fp32 gradients of the masters."""
+    return _update(model, recipe, per_mixed=16)
+
+
+def up_keeps_16bit_grads(model, recipe):
+    """Keeps the 16-bit gradients next to the fp32 ones: 20 bytes per parameter."""
+    return _update(model, recipe, per_mixed=20)
+
+
+def up_half_of_fp32(model, recipe):
+    """Half precision, half the bytes: 8 per parameter."""
+    return _update(model, recipe, per_mixed=8)
+
+
+def up_16bit_masters(model, recipe):
+    """Master weights and their gradients in 16 bits: 2 + 2 + 2 + 8."""
+    return _update(model, recipe, per_mixed=14)
+
+
+def up_16bit_moments(model, recipe):
+    """Adam's moments in the model's 16-bit dtype: 2 + 4 + 4 + 4."""
+    return _update(model, recipe, per_mixed=14 if recipe != "fp32" else 16)
+
+
+def up_no_temporaries(model, recipe):
+    """Only the states: nothing for the for-loop AdamW's temporaries."""
+    return _update(model, recipe, temporaries=0)
+
+
+def up_tied_twice(model, recipe):
+    """Counts a tied weight once per module that uses it."""
+    return _update(model, recipe, tied_twice=True)
+
+
+def up_fp32_without_grads(model, recipe):
+    """fp32 at 12 bytes per parameter (weights + m + v), forgetting the gradients."""
+    return _update(model, recipe, per_fp32=12)
+
+
 MUTANTS = {
     "03.underflow_fraction": [
         ("zeros in the denominator", uf_counts_zeros),
         ("smallest normal as the threshold", uf_threshold_normal),
         ("inf and nan counted", uf_nonfinite_included),
         ("always fp16", uf_ignores_dtype),
+        ("smallest subnormal as the threshold", uf_below_min_subnormal),
+        ("divides by every element", uf_over_numel),
     ],
     "03.update_scale": [
         ("tracker not reset on inf", us_no_reset_on_inf),
@@ -248,16 +419,32 @@ MUTANTS = {
         ("divides by 1/inv_scale", ug_divides),
         ("inf but not nan", ug_inf_only),
         ("not in place", ug_not_in_place),
+        ("divides by a Python 1/inv_scale", ug_divides_rounded_scale),
     ],
     "03.loss_scaler": [
         ("steps even on inf/NaN", ScalerStepsAnyway),
         ("never unscales", ScalerNeverUnscales),
         ("Python double reciprocal", ScalerPythonInverse),
+        ("never skips", ScalerNeverSkips),
+        ("divides by the scale", ScalerDividesByScale),
+        ("no backoff after a skipped step", ScalerNoBackoff),
     ],
     "03.master_step": [
         ("16-bit gradients to the fp32 optimizer", ms_16bit_grads),
         ("no copy back into the model", ms_no_copy_back),
         ("zeros for a missing gradient", ms_zero_for_missing),
         ("rebinds instead of copying", ms_rebinds),
+        ("stale master gradient reused", ms_keeps_stale_master_grad),
+        ("steps in 16 bits", ms_steps_in_16_bit),
+    ],
+    "03.predict_update_peak": [
+        ("masters without fp32 gradients (16 bytes/param)", up_masters_no_grads),
+        ("16-bit gradients kept too (20 bytes/param)", up_keeps_16bit_grads),
+        ("half of fp32 (8 bytes/param)", up_half_of_fp32),
+        ("16-bit masters", up_16bit_masters),
+        ("16-bit Adam moments", up_16bit_moments),
+        ("no optimizer temporaries", up_no_temporaries),
+        ("tied weight counted twice", up_tied_twice),
+        ("fp32 without gradients", up_fp32_without_grads),
     ],
 }

@@ -520,3 +520,87 @@ def count_saved_tensors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tu
     with torch.enable_grad():
         seen = saved_storages(fn, *args, **kwargs)
     return len(seen), sum(seen.values())
+
+
+# ----------------------------------------------------------------------------- predict, then measure
+def _check_run_args(where: str, config: Any, batch_size: Any, seq_len: Any, segments: Any) -> None:
+    for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}: {name}={v!r} must be a positive int")
+    n_layer = getattr(config, "n_layer", None)
+    if not isinstance(n_layer, int) or not hasattr(config, "n_embd"):
+        raise ValueError(f"{where}: config={config!r} must be a memlab.models.TinyGPTConfig")
+    if seq_len > config.block_size:
+        raise ValueError(f"{where}: seq_len={seq_len} exceeds config.block_size={config.block_size}; "
+                         f"allowed: 1 to {config.block_size}")
+    _check_segments(where, segments, n_layer)
+
+
+def sequential_activation_peak(config: Any, batch_size: int, seq_len: int, segments: int) -> int:
+    """Predicted activation peak (bytes) of :func:`checkpoint_sequential` over TinyGPT's blocks.
+
+    The run is the one :func:`measure_sequential_activation_peak` measures: ``config.n_layer``
+    training-mode blocks (fp32 on the CPU, dropout on: masks are 4-byte floats there), an input
+    ``x`` of shape ``(batch_size, seq_len, n_embd)`` made before the step (so not counted), cut into
+    ``segments`` segments and run forward and backward. With ``n`` layers, ``k`` segments,
+    ``B = 4*b*s*h`` (one hidden state), ``L`` the bytes one block saves (the per-layer formula of
+    chapter 00 with 4-byte activations, 4-byte masks and fp32 LayerNorm statistics) and ``r`` the
+    MLP ratio::
+
+        (k - 1) * B                 the segment boundaries kept through the step (Chen et al. 2016)
+      + ceil(n / k) * L             the longest segment's activations, alive again when recomputed
+      + r*h*b*s*4 + r*h*h*4         the working set of that segment's top block in backward: the
+                                    gradient of the MLP hidden and a fresh MLP weight gradient
+                                    (an allocation of backward until autograd stores it in .grad)
+
+    Within 2% of the measurement on the configurations chapter 02's lab checks.
+    """
+    from memlab.accounting import activation_bytes_per_layer
+
+    _check_run_args("sequential_activation_peak", config, batch_size, seq_len, segments)
+    n, k = config.n_layer, segments
+    s, b, h, a, r = seq_len, batch_size, config.n_embd, config.n_head, config.mlp_ratio
+    masks = 4 if config.dropout > 0 else 0
+    layer = activation_bytes_per_layer(s, b, h, a, act_bytes=4, mask_bytes=masks, layernorm_stats_bytes=4)
+    boundary = 4 * b * s * h
+    working = r * h * b * s * 4 + r * h * h * 4
+    return (k - 1) * boundary + math.ceil(n / k) * layer + working
+
+
+class _Segments(nn.Module):
+    """The blocks of a TinyGPT run by :func:`checkpoint_sequential` (a root module for the tracker)."""
+
+    def __init__(self, blocks: nn.ModuleList, segments: int, checkpoint_fn: Callable[..., Any] | None) -> None:
+        super().__init__()
+        self.blocks, self.segments, self.checkpoint_fn = blocks, segments, checkpoint_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(list(self.blocks), self.segments, x, checkpoint_fn=self.checkpoint_fn)
+
+
+def measure_sequential_activation_peak(config: Any, batch_size: int, seq_len: int, segments: int, *,
+                                       checkpoint_fn: Callable[..., Any] | None = None, seed: int = 0) -> int:
+    """Measured activation peak (bytes) of :func:`checkpoint_sequential` over TinyGPT's blocks.
+
+    Builds ``TinyGPT(config)`` on the CPU (seed ``seed``), takes its blocks in training mode, makes
+    ``x`` (``(batch_size, seq_len, n_embd)``, requires grad) and an output gradient, then runs
+    ``checkpoint_sequential(blocks, segments, x)`` forward and backward inside a
+    :class:`memlab.profiler.MemoryTracker`. Returns the largest number of bytes the tracker's
+    ``activations`` category held (saved and recomputed activations, the gradients flowing back,
+    boundaries); parameters and their accumulated ``.grad`` are not in it.
+    """
+    from memlab.models import TinyGPT
+    from memlab.profiler import MemoryTracker
+
+    _check_run_args("measure_sequential_activation_peak", config, batch_size, seq_len, segments)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        run = _Segments(TinyGPT(config).blocks, segments, checkpoint_fn).train()
+        x = torch.randn(batch_size, seq_len, config.n_embd, requires_grad=True)
+        grad = torch.randn(batch_size, seq_len, config.n_embd)
+    with MemoryTracker(run) as tracker:
+        run(x).backward(grad)
+    return max(e.bytes["activations"] for e in tracker.timeline)
+
+
+__all__ += ["sequential_activation_peak", "measure_sequential_activation_peak"]

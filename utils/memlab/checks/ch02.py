@@ -203,3 +203,31 @@ def check_choose_segments(fn):
             continue
         raise AssertionError(f"fn(n_layers={n}, budget_bytes={budget:g}, layer_bytes={layer:g}, "
                              f"boundary_bytes={boundary:g}) returned {got!r}; no k fits, expected a ValueError")
+
+
+# ----------------------------------------------------------------------------- 02.predict_ckpt_peak
+CKPT_PEAK_CASES = [  # (n_layer, n_embd, n_head, batch, seq, segments), dropout on
+    (7, 64, 4, 2, 32, 3),    # uneven: segments of 3, 2, 2 layers
+    (20, 32, 2, 4, 16, 10),  # many segments: the boundaries add up
+    (4, 128, 4, 1, 16, 2),   # wide and short: the backward working set is a large share
+    (6, 32, 4, 2, 64, 1),    # no checkpointing, attention scores dominate
+    (9, 48, 4, 2, 48, 3),    # sqrt(n) segments
+]
+CKPT_PEAK_TOLERANCE = 0.10
+
+
+@register("02.predict_ckpt_peak", reference=lambda: ref.sequential_activation_peak, timeout=120,
+          title="predict checkpoint_sequential's activation peak, then measure it")
+def check_predict_ckpt_peak(fn):
+    for n, h, a, b, s, k in CKPT_PEAK_CASES:
+        cfg = TinyGPTConfig(n_layer=n, n_embd=h, n_head=a, block_size=s, dropout=0.1)
+        where = f"{n} TinyGPT blocks {h} wide, {a} heads, batch {b} x {s}, {k} segment{'s' * (k > 1)}"
+        got = fn(cfg, b, s, k)
+        expect(isinstance(got, (int, float)) and not isinstance(got, bool) and got > 0,
+               f"predict_ckpt_peak({where}): expected a positive number of bytes, got {type(got).__name__} {got!r:.60}")
+        measured = ref.measure_sequential_activation_peak(cfg, b, s, k)
+        err = float(got) / measured - 1
+        expect(abs(err) <= CKPT_PEAK_TOLERANCE,
+               f"predict_ckpt_peak({where}): predicted {float(got):,.0f} B, measured {measured:,} B: off by "
+               f"{err:+.1%}, allowed +-{CKPT_PEAK_TOLERANCE:.0%}. Which segment is being recomputed at the peak, "
+               f"which boundaries are still alive, and what does that block's backward allocate?")

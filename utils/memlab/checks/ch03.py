@@ -195,3 +195,41 @@ def check_master_step(fn) -> None:
                            "copy the updated masters back into the model")
             for q in model_params:
                 q.grad = None
+
+
+# ----------------------------------------------------------------------------- 03.predict_update_peak
+def _update_models() -> list:
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    return [
+        ("TinyGPT 2 layers x 64 wide (tied embeddings, mask buffers)",
+         lambda: TinyGPT(TinyGPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32))),
+        ("TinyGPT 1 layer x 32 wide, vocabulary 1024 (the tied embedding is most of it)",
+         lambda: TinyGPT(TinyGPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16, vocab_size=1024))),
+        ("MLP 64 -> 256 -> 64 (two large matrices)",
+         lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))),
+        ("8 x Linear(48, 48)", lambda: nn.Sequential(*[nn.Linear(48, 48) for _ in range(8)])),
+    ]
+
+
+UPDATE_PEAK_TOLERANCE = 0.05
+
+
+@register("03.predict_update_peak", reference=lambda: amp.update_peak_bytes, timeout=120,
+          title="predict an update's peak, fp32 vs fp32 master weights, then measure it")
+def check_predict_update_peak(fn) -> None:
+    expect(callable(fn), f"predict_update_peak: expected a function, got {type(fn).__name__}")
+    for name, make in _update_models():
+        for recipe in amp.UPDATE_RECIPES:
+            torch.manual_seed(0)
+            got = fn(make(), recipe)
+            expect(isinstance(got, (int, float)) and not isinstance(got, bool) and got > 0,
+                   f"predict_update_peak({name}, {recipe!r}): expected a positive number of bytes, "
+                   f"got {type(got).__name__} {got!r:.60}")
+            torch.manual_seed(0)
+            measured = amp.measure_update_peak(make(), recipe)
+            err = float(got) / measured - 1
+            expect(abs(err) <= UPDATE_PEAK_TOLERANCE,
+                   f"predict_update_peak({name}, {recipe!r}): predicted {float(got):,.0f} B, measured {measured:,} B: "
+                   f"off by {err:+.1%}, allowed +-{UPDATE_PEAK_TOLERANCE:.0%}. Which tensors exist per parameter "
+                   f"while the optimizer steps, in which dtype, and what does the step itself allocate?")
