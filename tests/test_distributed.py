@@ -1,0 +1,235 @@
+"""memlab.distributed on CPU with gloo and 2 processes: launch(), ZeRO-1/2 from scratch and FSDP2
+against single-process training, per-rank bytes. The training runs share one launch (a fork costs
+well under a second, the training a few seconds)."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from memlab import distributed as D
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+# ----------------------------------------------------------------------------- launch
+def test_launch_runs_a_local_function_on_every_rank_and_returns_in_rank_order():
+    offset = 10  # a closure: not importable by a spawned child, fine for a forked one
+
+    def fn(rank, world_size, scale):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        return {"rank": rank, "ws": world_size, "sum": t.item() * scale + offset, "pid": os.getpid(),
+                "tensor": torch.arange(3) + rank}
+
+    out = D.launch(fn, 2, 2.0)
+    assert [o["rank"] for o in out] == [0, 1] and {o["ws"] for o in out} == {2}
+    assert [o["sum"] for o in out] == [16.0, 16.0]
+    assert out[0]["pid"] != out[1]["pid"] != os.getpid()
+    assert torch.equal(out[1]["tensor"], torch.tensor([1, 2, 3]))  # tensors come back by value
+    assert not multiprocessing.active_children()
+
+
+def _raises_on_rank1(rank, world_size):
+    if rank == 1:
+        raise ValueError("bad shard on rank one")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 waits here for a peer that never comes
+    return t.item()
+
+
+def test_a_rank_that_raises_stops_the_launch_with_its_traceback_and_no_process_left():
+    t0 = time.monotonic()
+    with pytest.raises(D.RankError) as info:
+        D.launch(_raises_on_rank1, 2, timeout=60)
+    assert time.monotonic() - t0 < 20  # no hang on rank 0's collective
+    msg = str(info.value)
+    assert info.value.rank == 1 and "rank 1 of 2 raised" in msg
+    assert "ValueError: bad shard on rank one" in msg and "_raises_on_rank1" in msg  # the remote traceback
+    assert not multiprocessing.active_children()
+
+
+def test_a_rank_that_dies_or_hangs_is_reported():
+    def dies(rank, world_size):
+        if rank == 0:
+            os._exit(3)
+        return rank
+
+    with pytest.raises(D.RankError, match="rank 0 of 2 died with exit code 3"):
+        D.launch(dies, 2, timeout=30)
+
+    def hangs(rank, world_size):
+        time.sleep(60 if rank == 1 else 0)
+        return rank
+
+    t0 = time.monotonic()
+    with pytest.raises(D.RankError, match=r"timed out after 2 s: rank\(s\) \[1\]"):
+        D.launch(hangs, 2, timeout=2)
+    assert time.monotonic() - t0 < 15
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(world_size=0), "world_size=0"), (dict(world_size=2, timeout=0), "timeout=0"),
+    (dict(world_size=2, start_method="nope"), "start_method='nope'"),
+])
+def test_launch_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        D.launch(lambda r, w: r, **kwargs)
+
+
+@pytest.mark.slow
+def test_the_same_function_runs_under_torchrun(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from memlab.distributed import launch
+
+        def fn(rank, world_size, base):
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t)
+            return (rank, world_size, base + t.item())
+
+        if __name__ == "__main__":
+            out = launch(fn, 2, 100.0)
+            if dist.is_initialized():
+                raise SystemExit("process group left behind")
+            import os
+            print("RESULT", os.environ["RANK"], out, flush=True)
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(D._free_port()), str(script)], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("RESULT"))
+    assert lines == ["RESULT 0 [(0, 2, 101.0), (1, 2, 101.0)]", "RESULT 1 [(0, 2, 101.0), (1, 2, 101.0)]"]
+
+
+# ----------------------------------------------------------------------------- flat buffers
+def test_shard_ranges_pad_to_equal_contiguous_pieces():
+    assert D.padded_size(10, 4) == 12 and D.padded_size(12, 4) == 12 and D.padded_size(1, 2) == 2
+    assert [D.shard_range(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    x = torch.arange(1.0, 11.0)
+    shards = [D.shard_flat(x, r, 4) for r in range(4)]
+    assert [s.numel() for s in shards] == [3, 3, 3, 3]
+    assert torch.equal(shards[3], torch.tensor([10.0, 0.0, 0.0]))  # zero padding at the end
+    assert torch.equal(D.gather_flat(shards, 10), x)
+    even = torch.arange(8.0)
+    assert D.shard_flat(even, 1, 2).data_ptr() == even[4:].data_ptr()  # no padding: a view
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: D.shard_range(10, 2, 2), "rank=2"), (lambda: D.shard_range(10, 0, 0), "world_size=0"),
+    (lambda: D.shard_flat(torch.zeros(2, 2), 0, 2), "1-D"), (lambda: D.gather_flat([torch.zeros(2)], 5), "numel=5"),
+    (lambda: D.zero_model_state_bytes(10, 2, 4), "stage=4"), (lambda: D.comm_volume_bytes(10, 2, -1), "stage=-1"),
+])
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_zero_arithmetic_follows_the_paper():
+    # Rajbhandari et al. 2020, Figure 1: Psi = 7.5B, N = 64, K = 12 -> 120 GB, 31.4 GB, 16.6 GB, 1.9 GB
+    psi = 7.5e9
+    got = [D.zero_model_state_bytes(psi, 64, s)["total"] / 1e9 for s in range(4)]
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
+    assert D.comm_volume_bytes(100, 4, 0)["total"] == D.comm_volume_bytes(100, 4, 2)["total"] == 2 * 0.75 * 100 * 2
+    assert D.comm_volume_bytes(100, 4, 3)["total"] == 1.5 * D.comm_volume_bytes(100, 4, 1)["total"]
+
+
+def _collectives(rank, world_size):
+    flat = torch.arange(6.0) * (rank + 1)  # rank 0: 0..5, rank 1: 0..10 step 2
+    shard = D.reduce_scatter_flat(flat, average=False)
+    mean = D.reduce_scatter_flat(flat)
+    gathered = D.all_gather_flat(torch.full((3,), float(rank)))
+    return shard, mean, gathered
+
+
+def _all_runs(rank, world_size):
+    runs = [D.train_rank(rank, world_size, s, return_params=True) for s in (0, 1, 2, 3)]
+    runs.append(D.train_rank(rank, world_size, 3, param_dtype=torch.bfloat16))
+    runs.append(D.train_rank(rank, world_size, 3, cpu_offload=True, return_params=True))
+    return {"collectives": _collectives(rank, world_size), "runs": runs}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return D.launch(_all_runs, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return D.single_process_losses(3), D.single_process_losses(3, full_batch=True)
+
+
+def test_gloo_reduce_scatter_and_all_gather_on_cpu(ranks):
+    for rank, out in enumerate(ranks):
+        shard, mean, gathered = out["collectives"]
+        want = (torch.arange(6.0) * 3)[rank * 3:(rank + 1) * 3]
+        assert torch.equal(shard, want) and torch.equal(mean, want / 2)
+        assert torch.equal(gathered, torch.tensor([0.0, 0, 0, 1, 1, 1]))
+
+
+# ----------------------------------------------------------------------------- ZeRO and FSDP2 vs one process
+@pytest.mark.parametrize("index,stage", [(0, 0), (1, 1), (2, 2), (3, 3), (5, 3)],
+                         ids=["ddp", "zero1", "zero2", "fsdp2", "fsdp2-cpu-offload"])
+def test_losses_and_weights_equal_single_process_training_bitwise(ranks, single, index, stage):
+    ref, _ = single
+    for rank in (0, 1):
+        run = ranks[rank]["runs"][index]
+        assert run["stage"] == stage
+        assert run["losses"] == ref["losses"]  # bit for bit: same sums, exact halving
+        assert torch.equal(run["params"], ref["params"])
+
+
+def test_single_process_full_batch_differs_only_by_rounding(single):
+    accum, full = single
+    diff = max(abs(a - b) for a, b in zip(accum["losses"], full["losses"]))
+    assert diff < 1e-5  # measured 4.8e-7: the mean over 4 rows vs the mean of two means of 2
+    assert (accum["params"] - full["params"]).abs().max().item() < 1e-5
+
+
+def test_fsdp2_bf16_mixed_precision_tracks_fp32_losses(ranks, single):
+    ref, _ = single
+    bf16 = ranks[0]["runs"][4]["losses"]
+    assert max(abs(a - b) for a, b in zip(bf16, ref["losses"])) < 0.05  # bf16 logits: ~3 significant digits
+    assert bf16 == ranks[1]["runs"][4]["losses"]
+
+
+def test_per_rank_bytes_follow_the_stage(ranks):
+    runs = ranks[0]["runs"]
+    n = runs[0]["n_params"]
+    full = 4 * n  # fp32
+    half = 4 * D.padded_size(n, 2) // 2
+    b = [r["bytes"] for r in runs]
+    assert b[0] == {"parameters": full, "gradients": 0, "optimizer": 2 * full + 4 * runs[0]["n_tensors"]}  # + step counters
+    assert b[1]["parameters"] == 4 * D.padded_size(n, 2) and b[1]["gradients"] == 4 * D.padded_size(n, 2)
+    assert b[1]["optimizer"] == 2 * half + 4  # two moments of the slice + one step counter
+    assert b[2]["gradients"] == half and b[2]["optimizer"] == b[1]["optimizer"]
+    # FSDP2: parameters and optimizer state about 1/2 per rank (dim-0 shards, padded per parameter)
+    assert abs(b[3]["parameters"] - full / 2) <= 0.01 * full and abs(b[3]["optimizer"] - full) <= 0.01 * full
+    assert ranks[1]["runs"][3]["bytes"]["parameters"] + b[3]["parameters"] >= full
+    # the tracker on each rank sees the same split at the end of the step (DTensors as their local shard)
+    for r in runs[1:4]:
+        assert r["at_end"]["optimizer"] == r["bytes"]["optimizer"]
+        assert abs(r["at_end"]["parameters"] - r["bytes"]["parameters"]) <= 1024  # + the rotary buffer
+    # ZeRO-2 peaks below ZeRO-1 by about the gradient half it frees
+    assert runs[1]["peak_bytes"] - runs[2]["peak_bytes"] >= 0.9 * half
+
+
+def test_zero_optimizer_needs_a_process_group_and_valid_arguments():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="stage=3"):
+        D.ZeroOptimizer(p, torch.optim.AdamW, stage=3)
+    with pytest.raises(TypeError, match="optimizer_cls"):
+        D.ZeroOptimizer(p, "adamw", stage=1)
+    with pytest.raises(RuntimeError, match="launch"):
+        D.ZeroOptimizer(p, torch.optim.AdamW, stage=1)
