@@ -23,6 +23,7 @@ _COMMANDS = {
     "labs": ("memlab.labs", "main", "labs start | reset NN | build | check"),
     "bench": ("memlab.bench", "main", "benchmarks: from-scratch vs production"),
     "estimate": ("memlab.estimate", "main", "estimate training memory without a GPU"),
+    "plan": ("memlab.plan", "main", "pick the stack that fits a memory budget (chapter 07)"),
 }
 
 
