@@ -24,7 +24,9 @@ Three pieces, each checked against PyTorch in tests/test_amp.py:
   model in 16 bits for compute and an fp32 copy for the update, so that an update much smaller
   than the weight (lr * grad < weight * 2**-11 in fp16) is not rounded away. The bytes per
   parameter for Adam become 2 (16-bit weights) + 2 (16-bit grads) + 4 (fp32 master) + 8 (Adam m,
-  v) = 16, the same as fp32 training: "half precision" halves activations, not model states.
+  v) = 16 between steps, the same as fp32 training; during the update, when the 16-bit grads have
+  been copied into fp32 grads of the masters, it is 2 + 4 + 4 + 8 = 18 (:func:`update_peak_bytes`,
+  measured): "half precision" halves activations, not model states.
 """
 from __future__ import annotations
 
