@@ -63,6 +63,52 @@ class LiveNoPeak(_LiveBase):
         return object.__getattribute__(self, name)
 
 
+class LivePerTensor:
+    """Adds every tracked tensor's own bytes (views counted again) and never subtracts."""
+    def __init__(self):
+        self.current = self.peak = 0
+
+    def track(self, t):
+        self.current += t.numel() * t.element_size()
+        self.peak = max(self.peak, self.current)
+
+
+class LiveNoFinalizer:
+    """Counts each storage once (by data_ptr) but gives nothing back when it dies."""
+    def __init__(self):
+        self.current = self.peak = 0
+        self.seen = set()
+
+    def track(self, t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.seen:
+            self.seen.add(st.data_ptr())
+            self.current += st.nbytes()
+            self.peak = max(self.peak, self.current)
+
+
+class LiveFinalizeTensor:
+    """Keyed by data_ptr, with weakref.finalize on the tensor: a dead view frees a live storage."""
+    def __init__(self):
+        self.current = self.peak = 0
+        self.seen = {}
+
+    def track(self, t):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.seen:
+            return
+        n = st.nbytes()
+
+        def free(key=key, n=n):
+            self.seen.pop(key, None)
+            self.current -= n
+
+        self.seen[key] = weakref.finalize(t, free)
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+
 # ----------------------------------------------------------------------------- 01.categorize
 def _params(model, optimizer):
     ps = list(model.parameters()) + list(model.buffers()) if model is not None else []
@@ -125,6 +171,20 @@ def categorize_moments_only(t, model=None, optimizer=None):
     if optimizer is not None and any(same(v) for s in optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg")):
         return "optimizer"
     return "activations" if t.grad_fn is not None else "other"
+
+
+def categorize_by_requires_grad(t, model=None, optimizer=None):
+    """'Needs a gradient' taken for 'is an activation', buffers forgotten, storages by data_ptr."""
+    key = t.untyped_storage().data_ptr()
+    ps = list(model.parameters()) if model is not None else []
+    if any(p.untyped_storage().data_ptr() == key for p in ps):
+        return "parameters"
+    if any(p.grad is not None and p.grad.untyped_storage().data_ptr() == key for p in ps):
+        return "gradients"
+    if optimizer is not None and any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == key
+                                     for s in optimizer.state.values() for v in s.values()):
+        return "optimizer"
+    return "activations" if t.requires_grad else "other"
 
 
 # ----------------------------------------------------------------------------- 01.phase_peaks
@@ -215,6 +275,29 @@ def fake_forward_only_logits(config, batch_size, seq_len):
         return int(sum(seen.values()))
 
 
+def fake_keyed_by_data_ptr(config, batch_size, seq_len):
+    """Dedup by data_ptr(), which means nothing on fake tensors: storages collide."""
+    import warnings
+
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("ignore")
+        model = TinyGPT(config)
+        x = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+        y = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+        skip = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(model.buffers())}
+        seen: dict = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in skip:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x, y)
+        return int(sum(seen.values()))
+
+
 # ----------------------------------------------------------------------------- 01.fix_the_leak
 def train_keeps_tensors(model, opt, batches, steps):
     """The classic leak: history of loss tensors, each keeping its graph."""
@@ -271,18 +354,50 @@ def train_detached_tensors(model, opt, batches, steps):
     return history
 
 
+def train_retained_history(model, opt, batches, steps):
+    """The lab's buggy loop: loss tensors in the history, each graph retained."""
+    history, it = [], iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        history.append(loss)
+        loss.backward(retain_graph=True)
+        opt.step()
+        opt.zero_grad()
+    return history
+
+
+def train_floats_kept_on_function(model, opt, batches, steps):
+    """Returns floats, but parks the loss tensors (graphs retained) on a function attribute."""
+    history, kept, it = [], [], iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        loss.backward(retain_graph=True)
+        opt.step()
+        opt.zero_grad()
+        kept.append(loss)
+        history.append(loss.item())
+    train_floats_kept_on_function.kept = kept
+    return history
+
+
 MUTANTS = {
     "01.live_bytes": [
         ("no dedup of a storage tracked twice", LiveNoDedup),
         ("bytes of the view, not of the storage", LiveViewBytes),
         ("weakref on the tensor, not the storage", LiveWeakrefOnTensor),
         ("peak follows current", LiveNoPeak),
+        ("bytes per tensor, never subtracted", LivePerTensor),
+        ("no finalizer", LiveNoFinalizer),
+        ("weakref.finalize on the tensor, keyed by data_ptr", LiveFinalizeTensor),
     ],
     "01.categorize": [
         ("tensor identity instead of storage", categorize_by_identity),
         ("requires_grad means activation", categorize_grad_fn_first),
         ("buffers not counted as parameters", categorize_without_buffers),
         ("step counter not optimizer state", categorize_moments_only),
+        ("requires_grad means activation, buffers forgotten", categorize_by_requires_grad),
     ],
     "01.phase_peaks": [
         ("sum of per-category peaks", sum_of_category_peaks),
@@ -295,11 +410,14 @@ MUTANTS = {
         ("no storage dedup", fake_no_dedup),
         ("bytes of views, not storages", fake_view_bytes),
         ("forward without the loss", fake_forward_only_logits),
+        ("storages keyed by data_ptr on fake tensors", fake_keyed_by_data_ptr),
     ],
     "01.fix_the_leak": [
         ("history of loss tensors", train_keeps_tensors),
         ("no zero_grad", train_no_zero_grad),
         ("a hidden list of losses with retained graphs", train_hidden_leak),
         ("detached tensors instead of floats", train_detached_tensors),
+        ("loss tensors in the history, graphs retained", train_retained_history),
+        ("floats returned, tensors kept on the function", train_floats_kept_on_function),
     ],
 }
