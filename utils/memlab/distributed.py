@@ -32,8 +32,8 @@ unchanged. Rank ``r`` owns the contiguous slice ``[r S, (r + 1) S)``: the inner 
 ``torch.optim`` class) sees a single parameter, that slice (a view: no copy), so its state is
 ``1/N`` of the full state.
 
-* Stage 1: the parameters' ``.grad`` are views into one flat gradient buffer (as DDP's buckets), so
-  autograd accumulates into it; ``step()`` all-reduces it (SUM, then / N: gloo has no AVG), the inner
+* Stage 1: one persistent flat gradient buffer (as DDP's buckets); a post-accumulate-grad hook copies
+  each parameter's new gradient into its slice and makes ``.grad`` a view of it; ``step()`` all-reduces it (SUM, then / N: gloo has no AVG), the inner
   optimizer steps on the rank's slice, and an all-gather of the updated slices refreshes every
   parameter.
 * Stage 2: only the rank's ``S``-element gradient slice is kept. As soon as autograd has accumulated
@@ -428,8 +428,6 @@ class ZeroOptimizer:
         if stage == 1:
             # the full gradient, one flat buffer (as DDP's buckets); the parameters' .grad are views into it
             self.flat_grad: torch.Tensor | None = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-            for p, (o, n) in zip(self.params, self._slices):
-                p.grad = self.flat_grad[o:o + n].view_as(p)
             self.shard_grad = self.flat_grad[self.shard_start:self.shard_stop]
         else:
             # only this rank's slice of the gradient lives on: 1/N of the gradient bytes
@@ -459,9 +457,9 @@ class ZeroOptimizer:
             with torch.no_grad():
                 if self.stage == 1:
                     view = self.flat_grad[o:o + n]
-                    if g.data_ptr() != view.data_ptr():  # someone set .grad to None: back into the flat buffer
-                        view.add_(g.reshape(-1))
-                        p.grad = view.view_as(p)
+                    if g.data_ptr() != view.data_ptr():  # autograd's new gradient: into the flat buffer
+                        view.copy_(g.reshape(-1))
+                        p.grad = view.view_as(p)  # frees it; a second backward accumulates in place
                     return
                 # stage 2: reduce this gradient now, each piece to the rank that owns it (a reduce-scatter,
                 # one parameter at a time), keep our piece, free the full gradient
@@ -486,13 +484,14 @@ class ZeroOptimizer:
         _all_gather(self.flat_param, self.flat_param[a:b].clone(), self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers in place (the flat buffers persist: ``set_to_none`` is accepted for
-        the optimizer API and means the same here)."""
+        """Zero the gradient buffers in place and set the parameters' ``.grad`` to None (the flat buffers
+        persist; ``set_to_none`` is accepted for the optimizer API). Autograd's next gradient of each
+        parameter is copied into the flat buffer by the hook and freed; a second backward before
+        ``step()`` accumulates into the buffer in place."""
+        for p in self.params:
+            p.grad = None
         if self.flat_grad is not None:
-            self.flat_grad.zero_()
-            for p, (o, n) in zip(self.params, self._slices):
-                if p.grad is None or p.grad.data_ptr() != self.flat_grad[o:o + n].data_ptr():
-                    p.grad = self.flat_grad[o:o + n].view_as(p)
+            self.flat_grad.zero_()  # a parameter without a gradient in the next step contributes zeros
         else:
             self.shard_grad.zero_()
             for p in self.params:
@@ -567,15 +566,40 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
-def rank_tracker(model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any):
+def rank_tracker(model: nn.Module | None = None, optimizer: Any = None, *, resizes: bool | None = None,
+                 **kwargs: Any):
     """A :class:`memlab.profiler.MemoryTracker` for one rank: DTensors (FSDP2's sharded parameters,
     their gradients and optimizer state) count their local shard, not the global size their wrapper
-    reports; a :class:`ZeroOptimizer` is tracked through its inner optimizer."""
+    reports; a :class:`ZeroOptimizer` is tracked through its inner optimizer.
+
+    FSDP2 frees an unsharded parameter by resizing its storage to 0 bytes (and regrows it before the
+    next all-gather), which no op returns: with ``resizes`` (default: when ``model`` holds DTensors)
+    the tracker re-reads every live storage's size after each op, so those frees and regrowths count
+    when they happen (slower: a pass over the live storages per op)."""
     from memlab.profiler import MemoryTracker
+
+    if resizes is None:
+        resizes = model is not None and any(hasattr(p, "_local_tensor") for p in model.parameters())
 
     class RankMemoryTracker(MemoryTracker):
         def _track(self, t: torch.Tensor, cat: int, relabel: bool = False) -> None:
             super()._track(_unwrap(t), cat, relabel)
+
+        def _after_op(self) -> None:
+            if resizes:
+                for e in list(self._live.values()):
+                    st = e[2]()
+                    if st is None:
+                        continue
+                    n = st.nbytes()
+                    if e[3]:
+                        n = -(-n // 512) * 512
+                    if n != e[0]:
+                        self._cur[e[1]] += n - e[0]
+                        self._total += n - e[0]
+                        e[0] = n
+                        self._dirty = True
+            super()._after_op()
 
     inner = optimizer.optim if isinstance(optimizer, ZeroOptimizer) else optimizer
     return RankMemoryTracker(model, inner, **kwargs)

@@ -105,6 +105,8 @@ __all__ = [
     "load_step",
     "ATTN_IMPLEMENTATIONS",
     "LOSSES",
+    "ZERO_STAGES",
+    "shard_estimate",
 ]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -237,6 +239,8 @@ class MemoryEstimate:
     phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     host_bytes: int = 0
     host_breakdown: dict[str, int] = field(default_factory=dict)
+    world_size: int = 1
+    zero_stage: int = 0
 
     @property
     def allocated_bytes(self) -> int:
@@ -276,9 +280,14 @@ class MemoryEstimate:
         impl = f" ({self.optimizer_impl})" if self.optimizer_impl and self.optimizer in ("adamw", "sgd", "offload-adamw") else ""
         return (
             f"{self.model} ({_params(self.n_params)} params): batch {self.batch_size} x seq "
-            f"{self.seq_len}, {self.dtype}, {self.optimizer}{impl}{ck} -- {kind} on {self.traced_on} "
+            f"{self.seq_len}, {self.dtype}, {self.optimizer}{impl}{ck}{self._ranks()} -- {kind} on {self.traced_on} "
             f"for {self.device}"
         )
+
+    def _ranks(self) -> str:
+        if self.world_size == 1 and self.zero_stage == 0:
+            return ""
+        return f", ZeRO stage {self.zero_stage}, per rank of {self.world_size} (batch per rank)"
 
     def table(self) -> str:
         """The peak and its breakdown (and the end-of-step state) as a plain-text table."""
@@ -1241,6 +1250,8 @@ def estimate_training_memory(
     allow_longer_seq: bool = False,
     extrapolate: bool | str = "auto",
     kernel_scratch: bool = True,
+    world_size: int = 1,
+    zero_stage: int = 0,
 ) -> MemoryEstimate:
     """Peak memory of a (steady-state) training step of ``model``, traced on fake tensors.
 
@@ -1265,9 +1276,31 @@ def estimate_training_memory(
     leaves out the per-op rule for scratch that CUDA kernels allocate inside themselves (softmax
     backward's copy of its gradient), to compare with a tracker that cannot see it either.
 
+    ``world_size`` / ``zero_stage`` (chapter 08): the memory of *one* of ``world_size`` data-parallel
+    ranks under ZeRO stage 0 (plain data parallelism), 1, 2 or 3 (FSDP), ``batch_size`` being the
+    batch of one rank; see :func:`shard_estimate` for what is traced and what is modelled.
+
     Nothing is allocated: a Llama-2-70B step at seq_len 4096 takes seconds and well under a GB
     of host memory.
     """
+    _check_zero(world_size, zero_stage, optimizer)
+    est = _estimate_one_rank(model, batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                             checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
+                             optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs,
+                             config_overrides=config_overrides, seed=seed, loss=loss, step=step,
+                             attn_implementation=attn_implementation, allow_longer_seq=allow_longer_seq,
+                             extrapolate=extrapolate, kernel_scratch=kernel_scratch)
+    if world_size == 1 and zero_stage == 0:
+        return est
+    units = _fsdp_units(_resolve_model(model, config_overrides), dtype) if zero_stage == 3 else None
+    return shard_estimate(est, world_size, zero_stage, units=units)
+
+
+def _estimate_one_rank(model: Any, *, batch_size: int, seq_len: int, dtype: str, optimizer: str, checkpointing: bool,
+                       warmup_steps: int, device: str, optimizer_impl: str, optimizer_kwargs: Mapping[str, Any] | None,
+                       config_overrides: Mapping[str, Any] | None, seed: int, loss: str,
+                       step: Callable[[nn.Module, dict], torch.Tensor] | str | None, attn_implementation: str,
+                       allow_longer_seq: bool, extrapolate: bool | str, kernel_scratch: bool) -> MemoryEstimate:
     spec = _resolve_model(model, config_overrides)
     _check_positions(spec, seq_len, allow_longer_seq)
     kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
@@ -1287,6 +1320,137 @@ def estimate_training_memory(
             if est is not None:
                 return est
     return _run(spec, **kw)
+
+
+# --------------------------------------------------------------------------------------
+# Per rank: ZeRO stages and FSDP (chapter 08)
+# --------------------------------------------------------------------------------------
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is invalid; allowed: an int >= 1")
+    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage={zero_stage!r} is invalid; allowed: 0 (data parallel), 1 (optimizer state "
+                         f"sharded), 2 (and gradients), 3 (and parameters: FSDP)")
+    if zero_stage and optimizer == "offload-adamw":
+        raise ValueError(f"zero_stage={zero_stage} with optimizer='offload-adamw' is not modelled; allowed with ZeRO: "
+                         f"'adamw', 'sgd', 'adamw8bit'")
+
+
+def _fsdp_units(spec: _Spec, dtype: str) -> tuple[int, int]:
+    """(parameters of one decoder layer, parameters outside the layers): FSDP2's units when
+    ``fully_shard`` wraps every decoder layer and the root (memlab.distributed.fsdp2_shard)."""
+    if not spec.is_hf or spec.layers() is None:
+        raise ValueError("zero_stage=3 needs a decoder stack (a preset, a config.json or a transformers config) "
+                         "to know FSDP's units; allowed for a callable model: zero_stage 0, 1, 2")
+    from memlab.models import count_parameters
+
+    counts = []
+    for depth in (1, 2):
+        with torch.device("meta"):
+            counts.append(count_parameters(spec.at_depth(depth).build(dtype, None)))
+    layer = counts[1] - counts[0]
+    return layer, counts[0] - layer
+
+
+def shard_estimate(est: MemoryEstimate, world_size: int, zero_stage: int, *,
+                   units: tuple[int, int] | None = None) -> MemoryEstimate:
+    """One rank's share of a traced single-process step (``est``, traced with the batch of one rank).
+
+    Traced: every phase's bytes by category. Sharded, per Rajbhandari et al. 2020 (ZeRO), with
+    ``S(x) = ceil(x / world_size)``:
+
+    * stage 0 (data parallelism): as traced (DDP's gradient buckets, an extra copy of the gradients
+      unless ``gradient_as_bucket_view``, are not added);
+    * stage 1: optimizer state ``S(optimizer)`` in every phase (its temporaries too: the step runs on
+      a shard); the gradients are the full gradient in every phase: one flat buffer that persists, as
+      memlab.distributed.ZeroOptimizer and DDP keep it;
+    * stage 2: the gradients ``S(full gradient)`` in every phase (each gradient is reduced to its
+      owner and freed as soon as autograd accumulates it; one parameter's gradient at a time is not
+      added);
+    * stage 3 (FSDP2, ``fully_shard`` per decoder layer and on the root): parameters, gradients and
+      optimizer state sharded; during forward and backward the unsharded units are *modelled*: the
+      root's parameters (kept unsharded from forward to backward), the running layer and the one
+      prefetched (2 layers), and in backward one layer's unsharded gradients before its
+      reduce-scatter, in the parameters' dtype. ``units`` = (parameters of one layer, of the root).
+
+    With a full trace (``extrapolate=False`` or a shallow model) every event of the timeline is
+    sharded and the peak taken over them; an extrapolated estimate has only its phase peaks. The
+    activations are the traced ones of the per-rank batch. ``tests/test_estimate_distributed.py``
+    checks every stage against ranks measured with 2 gloo processes on CPU.
+    """
+    _check_zero(world_size, zero_stage, est.optimizer)
+    N = world_size
+
+    def S(x: int) -> int:
+        return -(-int(x) // N)
+
+    bds = dict(est.phase_breakdowns) or {est.peak_phase or "other": dict(est.breakdown)}
+    g_full = max((bd.get("gradients", 0) for bd in bds.values()), default=0)
+    p_bytes = 2 if est.dtype == "bf16-pure" else 4
+    extra_fwd = extra_bwd = 0
+    if zero_stage == 3:
+        if units is None:
+            raise ValueError("zero_stage=3 needs units=(parameters of one decoder layer, parameters of the root)")
+        layer, root = units
+        extra_fwd = (root + 2 * layer) * p_bytes
+        extra_bwd = extra_fwd + layer * p_bytes
+
+    def one(bd: Mapping[str, int], phase: str, end: bool = False) -> dict[str, int]:
+        b = {k: int(bd.get(k, 0)) for k in CATEGORIES}
+        if zero_stage >= 1:
+            b["optimizer"] = S(b["optimizer"])
+        if zero_stage == 1:
+            b["gradients"] = g_full
+        elif zero_stage == 2:
+            b["gradients"] = S(g_full)
+        elif zero_stage == 3:
+            b["gradients"] = S(b["gradients"])
+            b["parameters"] = S(b["parameters"])
+            if not end and phase == "forward":
+                b["parameters"] += extra_fwd
+            elif not end and phase == "backward":
+                b["parameters"] += extra_bwd
+        return b
+
+    timeline = getattr(est.tracker, "timeline", None)
+    if isinstance(timeline, list) and timeline:  # a full trace: shard every event of its timeline
+        phase_bd: dict[str, dict[str, int]] = {}
+        phases: dict[str, int] = {}
+        peak, peak_phase, at_peak = -1, "", {}
+        for ev in timeline:
+            b = one(ev.bytes, ev.phase)
+            t = sum(b.values())
+            if t > phases.get(ev.phase, -1):
+                phases[ev.phase], phase_bd[ev.phase] = t, b
+            if t > peak:
+                peak, peak_phase, at_peak = t, ev.phase, b
+    else:  # extrapolated: the phase peaks are all there is
+        phase_bd = {ph: one(bd, ph) for ph, bd in bds.items()}
+        phases = {ph: sum(bd.values()) for ph, bd in phase_bd.items()}
+        peak = max(phases.values())
+        peak_phase = next(ph for ph, v in phases.items() if v == peak)
+        at_peak = phase_bd[peak_phase]
+    notes = list(est.notes) + [
+        f"per rank of {N}, ZeRO stage {zero_stage}: the single-rank trace with parameters / gradients / optimizer "
+        f"state sharded by stage (memlab.estimate.shard_estimate)"
+        + ("; FSDP's unsharded units in forward/backward modelled (root + 2 layers, + 1 layer of gradients)"
+           if zero_stage == 3 else "")]
+    out = copy.copy(est)
+    out.peak_bytes = peak
+    out.breakdown = at_peak
+    out.breakdown_end = one(est.breakdown_end, "end", end=True)
+    out.phase_breakdowns = phase_bd
+    out.phase_peaks = phases
+    out.peak_phase = peak_phase
+    out.tracker = _PhaseSummary(peak, peak_phase, phases)
+    out.notes = notes
+    out.world_size = N
+    out.zero_stage = zero_stage
+    return out
 
 
 def measure_training_memory(
@@ -1584,6 +1748,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="trace every decoder layer instead of two depths extrapolated by layer count")
     parser.add_argument("--gpu", type=_gpu, default=None,
                         help="a card (" + ", ".join(gpus.gpu_names()) + ") or its memory (24GiB, 24GB, 80GiB)")
+    parser.add_argument("--world-size", type=_positive_int, default=1,
+                        help="data-parallel ranks: the estimate is per rank, --batch-size being one rank's batch")
+    parser.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), default=0,
+                        help="0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters (FSDP)")
     parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
     parser.add_argument("--validate", action="store_true",
                         help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
@@ -1610,7 +1778,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         est = estimate_training_memory(
             args.model, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
             optimizer=args.optimizer, checkpointing=args.checkpointing, config_overrides=overrides,
-            optimizer_kwargs={"offload_gradients": True} if args.offload_gradients else None, **run_kwargs,
+            optimizer_kwargs={"offload_gradients": True} if args.offload_gradients else None,
+            world_size=args.world_size, zero_stage=args.zero_stage, **run_kwargs,
         )
     except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -1635,6 +1804,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"verdict: DOES NOT FIT in {format_bytes(usable)} usable: over by {format_bytes(need - usable)}")
     if args.no_suggest:
+        return 0
+    if args.world_size > 1 or args.zero_stage:
+        print(f"\nsuggestions are computed for one GPU; per rank, try a higher --zero-stage (now {args.zero_stage}) or a "
+              f"larger --world-size (now {args.world_size}), then the techniques of chapters 02-06 on top")
         return 0
     print("\nwhat would make it fit (estimated tensor peak; 'traced' = re-estimated, 'formula' = byte formula;"
           " 'fits' compares the reserved estimate with the usable memory):")
