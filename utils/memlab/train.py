@@ -70,7 +70,8 @@ from memlab.plan import Stack
 from memlab.profiler import MemoryTracker
 
 __all__ = ["BudgetTrainer", "BudgetTracker", "Backoff", "back_off", "bucket_batches", "random_batches",
-           "padding_stats", "pad_batch", "measure_stack_peak", "SUPPORTED"]
+           "padding_stats", "pad_batch", "measure_stack_peak", "estimate_stack_peak", "cheapest_stack",
+           "back_off_chain", "SUPPORTED"]
 
 SUPPORTED: dict[str, tuple[str, ...]] = {
     "precision": ("fp32", "bf16-mixed"),
@@ -506,7 +507,8 @@ class BudgetTrainer:
             return MemoryTracker(self.model, self.optimizer, timeline=False)
         return contextlib.nullcontext()
 
-    def _optimizer_step(self, step: int, stack: Stack) -> float:
+    def _optimizer_step(self, step: int, stack: Stack) -> torch.Tensor:
+        """One optimizer step of ``stack`` on the batch of ``step``; the mean loss (a 0-d tensor)."""
         assert self.optimizer is not None
         from memlab.models import lm_loss
 
@@ -531,7 +533,7 @@ class BudgetTrainer:
             del loss, x, y
         self.optimizer.step()
         assert total is not None
-        return (total / k).item() if k > 1 else total.item()
+        return total / k if k > 1 else total
 
     def _free(self) -> None:
         if self.optimizer is not None:
@@ -575,7 +577,7 @@ class BudgetTrainer:
                     if self.device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(self.device)
                     with self._guard() as tracker:
-                        loss = self._optimizer_step(self.step, stack)
+                        loss = self._optimizer_step(self.step, stack).item()
                 except torch.OutOfMemoryError as exc:
                     reason = str(exc).splitlines()[0][:300]
                     tracker = None
@@ -611,6 +613,60 @@ class BudgetTrainer:
             raise RuntimeError(f"BudgetTrainer: no complete checkpoint in {self.ckpt_dir} to restore after the OOM")
         self._restore(latest, resume=False)
         self.backoffs.append(Backoff(failed_at, stack, self.stack, reason, self.step))
+
+
+def estimate_stack_peak(model_fn: Callable[[], nn.Module], stack: Stack, seq_len: int, *, steps: int = 2,
+                        vocab_size: int = 256) -> int:
+    """Predict :func:`measure_stack_peak` without running anything for real: the same trainer step,
+    traced on fake tensors (``FakeTensorMode``: shapes only, nothing allocated) and counted by
+    :class:`~memlab.profiler.MemoryTracker`. The lab's predict-then-measure reference."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _positive_int("steps", steps)
+    with FakeTensorMode():
+        model = model_fn()
+        E = stack.effective_batch
+
+        def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.randint(0, vocab_size, (E, seq_len)), torch.randint(0, vocab_size, (E, seq_len)))
+
+        t = BudgetTrainer.__new__(BudgetTrainer)
+        t.model, t.device, t.lr, t.weight_decay = model.train(), torch.device("cpu"), 1e-3, 0.0
+        t.effective_batch, t.seq_len, t._batch = E, seq_len, data
+        t.optimizer, t._applied = None, None
+        t._apply(stack)
+        peak = 0
+        for step in range(steps):
+            with MemoryTracker(model, t.optimizer, timeline=False) as tracker:
+                t._optimizer_step(step, stack)
+            peak = max(peak, tracker.peak_bytes)
+    return peak
+
+
+def cheapest_stack(effective_batch: int, budget: int, estimate: Callable[[Stack], float],
+                   cost: Callable[[Stack], float]) -> Stack | None:
+    """The planner of chapter 07's lab over a small search space.
+
+    Candidates: ``Stack(micro_batch=m, grad_accum=effective_batch // m, checkpointing=c)`` for every
+    divisor ``m`` of ``effective_batch``, largest first, and ``c`` in ``("none", "full")``. A
+    candidate fits when ``estimate(stack) <= budget``. Among those that fit: the smallest
+    ``cost(stack)``; ties go to the smaller estimate, then to the earlier candidate. ``None``
+    when nothing fits. (:func:`memlab.plan.plan` is the full planner.)
+    """
+    _positive_int("effective_batch", effective_batch)
+    best: tuple[float, float, int] | None = None
+    pick = None
+    i = 0
+    for m in sorted((d for d in range(1, effective_batch + 1) if effective_batch % d == 0), reverse=True):
+        for c in ("none", "full"):
+            s = Stack(micro_batch=m, grad_accum=effective_batch // m, checkpointing=c)
+            peak = estimate(s)
+            if peak <= budget:
+                key = (cost(s), peak, i)
+                if best is None or key < best:
+                    best, pick = key, s
+            i += 1
+    return pick
 
 
 def measure_stack_peak(model_fn: Callable[[], nn.Module], stack: Stack, seq_len: int, *, steps: int = 2,

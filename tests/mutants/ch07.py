@@ -1,0 +1,359 @@
+"""Plausible wrong answers to chapter 07's exercises; tests/test_mutants.py asserts each FAILS its check.
+
+MUTANTS maps an exercise id to (name, wrong implementation) pairs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memlab import train
+from memlab.plan import Stack
+from memlab.profiler import MemoryTracker
+
+
+# ----------------------------------------------------------------------------- 07.cheapest_stack
+def _candidates(eb, micro_batches=None, modes=("none", "full")):
+    ms = micro_batches if micro_batches is not None else [d for d in range(eb, 0, -1) if eb % d == 0]
+    return [Stack(micro_batch=m, grad_accum=eb // m, checkpointing=c) for m in ms for c in modes]
+
+
+def _best(cands, budget, estimate, cost, fits=lambda p, b: p <= b, key=None):
+    ok = [(s, estimate(s)) for s in cands if fits(estimate(s), budget)]
+    if not ok:
+        return None
+    key = key or (lambda sp: (cost(sp[0]), sp[1]))
+    return min(ok, key=key)[0]
+
+
+def plan_strict_budget(eb, budget, estimate, cost):
+    """``<`` instead of ``<=``: a stack that needs exactly the budget is thrown away."""
+    return _best(_candidates(eb), budget, estimate, cost, fits=lambda p, b: p < b)
+
+
+def plan_smallest_peak(eb, budget, estimate, cost):
+    """Picks the stack that needs the least memory, not the cheapest one that fits."""
+    return _best(_candidates(eb), budget, estimate, cost, key=lambda sp: (sp[1], cost(sp[0])))
+
+
+def plan_powers_of_two(eb, budget, estimate, cost):
+    """Halves the micro-batch from the effective batch: misses divisors such as 3, 6 and 9."""
+    ms, m = [], eb
+    while m >= 1:
+        if eb % m == 0:
+            ms.append(m)
+        m //= 2
+    return _best(_candidates(eb, ms), budget, estimate, cost)
+
+
+def plan_no_checkpointing(eb, budget, estimate, cost):
+    """Forgets checkpointing: only micro-batch x accumulation."""
+    return _best(_candidates(eb, modes=("none",)), budget, estimate, cost)
+
+
+def plan_first_fit(eb, budget, estimate, cost):
+    """Returns the first candidate that fits (the biggest micro-batch), whatever it costs."""
+    for s in _candidates(eb):
+        if estimate(s) <= budget:
+            return s
+    return None
+
+
+def plan_ties_to_larger_peak(eb, budget, estimate, cost):
+    """Equal costs go to the larger estimated peak."""
+    return _best(_candidates(eb), budget, estimate, cost, key=lambda sp: (cost(sp[0]), -sp[1]))
+
+
+# ----------------------------------------------------------------------------- 07.back_off
+def back_off_naive_halving(stack):
+    """micro_batch // 2 even when it does not divide the effective batch (18 -> 9 -> 4: effective 16)."""
+    eff = stack.effective_batch
+    if stack.micro_batch > 1:
+        mb = stack.micro_batch // 2
+        return dataclasses.replace(stack, micro_batch=mb, grad_accum=eff // mb)
+    return dataclasses.replace(stack, checkpointing="full") if stack.checkpointing != "full" else None
+
+
+def back_off_no_accumulation(stack):
+    """Halves the micro-batch but keeps grad_accum: the effective batch shrinks."""
+    if stack.micro_batch > 1:
+        return dataclasses.replace(stack, micro_batch=max(d for d in range(1, stack.micro_batch // 2 + 1)
+                                                          if stack.effective_batch % d == 0))
+    return dataclasses.replace(stack, checkpointing="full") if stack.checkpointing != "full" else None
+
+
+def back_off_checkpointing_first(stack):
+    """Turns on checkpointing before shrinking the micro-batch."""
+    if stack.checkpointing != "full":
+        return dataclasses.replace(stack, checkpointing="full")
+    if stack.micro_batch > 1:
+        eff = stack.effective_batch
+        mb = max(d for d in range(1, stack.micro_batch // 2 + 1) if eff % d == 0)
+        return dataclasses.replace(stack, micro_batch=mb, grad_accum=eff // mb)
+    return None
+
+
+def back_off_drops_knobs(stack):
+    """Builds a fresh Stack: precision, optimizer, attention and ckpt_every fall back to the defaults."""
+    nxt = train.back_off(stack)
+    if nxt is None:
+        return None
+    return Stack(micro_batch=nxt.micro_batch, grad_accum=nxt.grad_accum, checkpointing=nxt.checkpointing)
+
+
+def back_off_minus_one(stack):
+    """The next smaller divisor instead of the largest one at most half: 18 -> 9 -> 6 (expected 3)."""
+    eff = stack.effective_batch
+    if stack.micro_batch > 1:
+        mb = max(d for d in range(1, stack.micro_batch) if eff % d == 0)
+        return dataclasses.replace(stack, micro_batch=mb, grad_accum=eff // mb)
+    return dataclasses.replace(stack, checkpointing="full") if stack.checkpointing != "full" else None
+
+
+def back_off_loops_forever(stack):
+    """At the end returns the same stack instead of None: the trainer would retry it forever."""
+    return train.back_off(stack) or stack
+
+
+# ----------------------------------------------------------------------------- 07.atomic_write
+def write_in_place(path, chunks):
+    """Writes straight into the file: a kill leaves it torn."""
+    with open(path, "wb") as f:
+        for c in chunks:
+            f.write(c)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_no_fsync(path, chunks):
+    """Temp file + rename, but no fsync: after a power cut the rename may land without the data."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def write_temp_elsewhere(path, chunks):
+    """The temp file in the system temp directory: the rename crosses directories (file systems)."""
+    fd, tmp = tempfile.mkstemp()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dfd = os.open(Path(path).parent, os.O_RDONLY)
+    os.fsync(dfd)
+    os.close(dfd)
+
+
+def write_no_dir_fsync(path, chunks):
+    """Everything but the directory fsync: the new name itself may be lost on a power cut."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_rename_then_fsync(path, chunks):
+    """Renames first, fsyncs after: the order that lets a crash publish an empty file."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".tmp")
+    try:
+        f = open(tmp, "wb")
+        for c in chunks:
+            f.write(c)
+        f.flush()
+        os.replace(tmp, path)
+        os.fsync(f.fileno())
+        f.close()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def write_leaves_temp_on_error(path, chunks):
+    """Right order, but an error leaves the half-written temp file behind."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for c in chunks:
+            f.write(c)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def write_truncate_then_rename(path, chunks):
+    """Empties the target first ("to make room"), then writes the temp file and renames it."""
+    path = Path(path)
+    open(path, "wb").close()
+    tmp = path.with_name("." + path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def write_move_old_away(path, chunks):
+    """Keeps a backup: moves the good file aside, writes the new one, restores the backup on an error.
+    Right on errors, wrong on a kill: between the two renames there is no file under the name."""
+    path = Path(path)
+    bak = path.with_name(path.name + ".bak")
+    tmp = path.with_name("." + path.name + ".tmp")
+    had_old = path.exists()
+    if had_old:
+        os.replace(path, bak)
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        if had_old:
+            os.replace(bak, path)
+        raise
+    if had_old:
+        bak.unlink()
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+# ----------------------------------------------------------------------------- 07.predict_peak
+def _fake_trace(model_fn, stack, seq_len, *, micro_batch=None, grad_accum=None, steps=2, keep_batch=True,
+                checkpointing=None):
+    """A fake-tensor trace of a simplified step, with one thing changed per mutant."""
+    import torch
+
+    from memlab.models import lm_loss
+
+    mb = micro_batch or stack.micro_batch
+    ga = grad_accum or stack.grad_accum
+    with FakeTensorMode():
+        model = model_fn().train()
+        s = dataclasses.replace(stack, checkpointing=checkpointing or stack.checkpointing)
+        t = train.BudgetTrainer.__new__(train.BudgetTrainer)
+        t.model, t.device, t.lr, t.weight_decay, t.optimizer, t._applied = model, torch.device("cpu"), 1e-3, 0.0, None, None
+        t._apply(s)
+        opt = t.optimizer
+        peak = 0
+        for _ in range(steps):
+            with MemoryTracker(model, opt, timeline=False) as tr:
+                opt.zero_grad(set_to_none=True)
+                x_all = torch.randint(0, 256, (mb * ga, seq_len)) if keep_batch else None
+                for j in range(ga):
+                    x = x_all[j * mb:(j + 1) * mb] if keep_batch else torch.randint(0, 256, (mb, seq_len))
+                    loss = lm_loss(model, x, x)
+                    (loss / ga).backward()
+                    del loss, x
+                opt.step()
+            peak = max(peak, tr.peak_bytes)
+    return peak
+
+
+def predict_first_step(model_fn, stack, seq_len):
+    """Traces only the first optimizer step: AdamW's state does not exist yet during its forward."""
+    return _fake_trace(model_fn, stack, seq_len, steps=1)
+
+
+def predict_effective_batch_activations(model_fn, stack, seq_len):
+    """Activations of the whole effective batch at once (ignores the micro-batching)."""
+    return _fake_trace(model_fn, stack, seq_len, micro_batch=stack.effective_batch, grad_accum=1)
+
+
+def predict_without_accumulated_grads(model_fn, stack, seq_len):
+    """One micro-batch as a whole step: the gradients that accumulation keeps alive are missed."""
+    return _fake_trace(model_fn, stack, seq_len, grad_accum=1)
+
+
+def predict_ignores_checkpointing(model_fn, stack, seq_len):
+    """Every block's activations kept, as if checkpointing were off."""
+    return _fake_trace(model_fn, stack, seq_len, checkpointing="none")
+
+
+def predict_formula_16_bytes(model_fn, stack, seq_len):
+    """16 bytes per parameter (weights, gradients, two Adam moments) and no activations."""
+    with FakeTensorMode():
+        n = sum(p.numel() for p in model_fn().parameters())
+    return 16 * n
+
+
+MUTANTS = {
+    "07.cheapest_stack": [
+        ("strict budget (<)", plan_strict_budget),
+        ("smallest peak instead of cheapest", plan_smallest_peak),
+        ("powers-of-two micro-batches only", plan_powers_of_two),
+        ("no checkpointing candidates", plan_no_checkpointing),
+        ("first fit", plan_first_fit),
+        ("ties to the larger peak", plan_ties_to_larger_peak),
+    ],
+    "07.back_off": [
+        ("micro_batch // 2 not a divisor", back_off_naive_halving),
+        ("grad_accum not increased", back_off_no_accumulation),
+        ("checkpointing first", back_off_checkpointing_first),
+        ("other knobs dropped", back_off_drops_knobs),
+        ("next smaller divisor (not at most half)", back_off_minus_one),
+        ("same stack at the end instead of None", back_off_loops_forever),
+    ],
+    "07.atomic_write": [
+        ("writes in place", write_in_place),
+        ("no fsync of the data", write_no_fsync),
+        ("temp file in /tmp", write_temp_elsewhere),
+        ("no directory fsync", write_no_dir_fsync),
+        ("rename before fsync", write_rename_then_fsync),
+        ("temp file left after an error", write_leaves_temp_on_error),
+        ("truncates the target first", write_truncate_then_rename),
+        ("moves the good file away (a backup)", write_move_old_away),
+    ],
+    "07.predict_peak": [
+        ("first step only (no optimizer state)", predict_first_step),
+        ("whole effective batch at once", predict_effective_batch_activations),
+        ("accumulated gradients missed", predict_without_accumulated_grads),
+        ("checkpointing ignored", predict_ignores_checkpointing),
+        ("16 bytes per parameter", predict_formula_16_bytes),
+    ],
+}

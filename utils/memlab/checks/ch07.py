@@ -1,0 +1,270 @@
+"""Checks for chapter 07, fitting a training run into a memory budget.
+
+07.cheapest_stack   a planner over a small search space: every divisor micro-batch x checkpointing none/full,
+                    the cheapest stack whose estimated peak fits (ties: smaller peak, then earlier), None if none
+07.back_off         the OOM back-off rule: halve the micro-batch to a divisor of the effective batch (same
+                    effective batch), then full checkpointing, then None; every other knob kept
+07.atomic_write     an atomic file writer, graded by killing it (SIGKILL in a forked child) in the middle of a
+                    write: the good file must survive every torn write; temp file in the same directory,
+                    fsync before the rename, the directory fsynced after it, no temp file left after an error
+07.predict_peak     predict the tracked peak of a BudgetTrainer stack without running it, graded against
+                    the measurement (MemoryTracker on the real run) within 2%
+
+The references are memlab.train.cheapest_stack, memlab.train.back_off, memlab.ckpt.atomic_write and
+memlab.train.estimate_stack_peak (tests/test_train.py and tests/test_ckpt.py test them).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+from memlab import ckpt, train
+from memlab.checks import expect, expect_equal, register
+from memlab.plan import Stack
+
+
+# ----------------------------------------------------------------------------- 07.cheapest_stack
+def _planner_cases() -> list[tuple[str, int, int, object, object]]:
+    """(name, effective_batch, budget, estimate, cost). Peaks in bytes, costs in relative step time."""
+
+    def est(params: int, act: int, ckpt_factor: float = 0.25):
+        def estimate(s: Stack) -> int:
+            a = act * s.micro_batch
+            if s.checkpointing == "full":
+                a = int(a * ckpt_factor)
+            return params + (params // 4 if s.grad_accum > 1 else 0) + a
+        return estimate
+
+    def cost(per_micro: float = 0.05, recompute: float = 0.33):
+        def c(s: Stack) -> float:
+            return round((1.0 + per_micro * (s.grad_accum - 1)) * (1 + (recompute if s.checkpointing == "full" else 0)), 9)
+        return c
+
+    return [
+        ("everything fits: the cheapest is the whole batch at once", 8, 10**9, est(1000, 100), cost()),
+        ("budget 1000 + 250 + 100*2 = 1450 exactly: micro-batch 2 fits (<= budget)", 8, 1450, est(1000, 100), cost()),
+        ("effective batch 12: micro-batch 4 is a divisor too (12, 6, 4, 3, 2, 1)", 12, 1250 + 100 * 4, est(1000, 100), cost()),
+        ("effective batch 18: micro-batch 9 (no power of two)", 18, 1250 + 100 * 9, est(1000, 100), cost()),
+        ("checkpointing beats more accumulation when recompute is cheap", 8, 1260 + 100 * 4 // 4 + 100,
+         est(1000, 100), cost(per_micro=0.2, recompute=0.1)),
+        ("accumulation beats checkpointing when recompute is dear", 8, 1250 + 100 * 4,
+         est(1000, 100), cost(per_micro=0.05, recompute=0.5)),
+        ("equal costs: the smaller peak wins", 6, 10**9, est(1000, 100), lambda s: 1.0),
+        ("equal costs and peaks: the earlier candidate", 4, 10**9, lambda s: 500, lambda s: 1.0),
+        ("effective batch 7 (prime): micro-batch 7 or 1 only, tight budget", 7, 1000 + 250 + 25,
+         est(1000, 100), cost()),
+        ("nothing fits: None", 8, 999, est(1000, 100), cost()),
+    ]
+
+
+@register("07.cheapest_stack", reference=lambda: train.cheapest_stack, title="planner: the cheapest stack that fits")
+def check_cheapest_stack(fn) -> None:
+    expect(callable(fn), f"cheapest_stack: expected a function, got {type(fn).__name__}")
+    for name, eb, budget, estimate, cost in _planner_cases():
+        got = fn(eb, budget, estimate, cost)
+        want = train.cheapest_stack(eb, budget, estimate, cost)
+        if got != want or type(got) is not type(want):
+            detail = ""
+            if isinstance(got, Stack) and want is not None:
+                detail = (f" (yours: estimate {estimate(got)}, cost {cost(got)}; expected: estimate {estimate(want)}, "
+                          f"cost {cost(want)}; budget {budget})")
+            short = (lambda s: s if s is None else f"micro_batch={s.micro_batch}, grad_accum={s.grad_accum}, "
+                     f"checkpointing={s.checkpointing!r}")
+            shown = short(got) if isinstance(got, Stack) or got is None else repr(got)
+            raise AssertionError(f"cheapest_stack({name}): got {shown}, expected {short(want)}{detail}")
+
+
+# ----------------------------------------------------------------------------- 07.back_off
+_BACK_OFF_CASES = [
+    Stack(micro_batch=8),
+    Stack(micro_batch=4, grad_accum=2),
+    Stack(micro_batch=18),
+    Stack(micro_batch=9, grad_accum=2),
+    Stack(micro_batch=5, grad_accum=2),
+    Stack(micro_batch=12, grad_accum=1, precision="bf16-mixed", optimizer="adamw-fused", attention="eager"),
+    Stack(micro_batch=3, grad_accum=4, checkpointing="every-k", ckpt_every=2),
+    Stack(micro_batch=1, grad_accum=16),
+    Stack(micro_batch=1, grad_accum=8, checkpointing="every-k", ckpt_every=3, precision="bf16"),
+    Stack(micro_batch=1, grad_accum=8, checkpointing="full"),
+]
+
+
+@register("07.back_off", reference=lambda: train.back_off, title="the OOM back-off rule")
+def check_back_off(fn) -> None:
+    expect(callable(fn), f"back_off: expected a function, got {type(fn).__name__}")
+    for s in _BACK_OFF_CASES:
+        got = fn(s)
+        want = train.back_off(s)
+        expect(got is None or isinstance(got, Stack),
+               f"back_off({s}): expected a memlab.plan.Stack or None, got {type(got).__name__}")
+        if want is None:
+            expect(got is None, f"back_off({s}): nothing is left to give up, expected None, got {got}")
+            continue
+        expect(got is not None, f"back_off({s}): returned None, expected {want}")
+        expect(got.effective_batch == s.effective_batch,
+               f"back_off({s}): effective batch {got.micro_batch} x {got.grad_accum} = {got.effective_batch}, "
+               f"expected {s.effective_batch} (the trainer must see the same data per optimizer step)")
+        expect_equal(f"back_off({s})", got, want)
+
+
+# ----------------------------------------------------------------------------- 07.atomic_write
+class _Spy:
+    """Records os.fsync / os.replace / os.rename while a writer runs (patched on the os module)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self._orig = {n: getattr(os, n) for n in ("fsync", "replace", "rename")}
+
+    def __enter__(self) -> "_Spy":
+        orig = self._orig
+
+        def fsync(fd):
+            n = fd if isinstance(fd, int) else fd.fileno()
+            kind = "dir" if stat.S_ISDIR(os.fstat(n).st_mode) else "file"
+            self.events.append(("fsync", kind))
+            return orig["fsync"](fd)
+
+        def replace(src, dst, *a, **k):
+            self.events.append(("replace", str(Path(os.fspath(src)).resolve().parent)))
+            return orig["replace"](src, dst, *a, **k)
+
+        def rename(src, dst, *a, **k):
+            self.events.append(("replace", str(Path(os.fspath(src)).resolve().parent)))
+            return orig["rename"](src, dst, *a, **k)
+
+        os.fsync, os.replace, os.rename = fsync, replace, rename
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.fsync, os.replace, os.rename = self._orig["fsync"], self._orig["replace"], self._orig["rename"]
+
+
+def _killed_in_child(fn, path: Path, chunks: list[bytes], kill_after: int) -> int:
+    """Run ``fn(path, generator)`` in a forked child that SIGKILLs itself after yielding ``kill_after``
+    chunks (or when asked for the one after the last). Returns the wait status."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            def gen():
+                for i, c in enumerate(chunks):
+                    if i == kill_after:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    yield c
+                os.kill(os.getpid(), signal.SIGKILL)  # the writer asked for more: it has not renamed yet
+
+            fn(path, gen())
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+@register("07.atomic_write", reference=lambda: ckpt.atomic_write, title="atomic checkpoint writer", timeout=120)
+def check_atomic_write(fn) -> None:
+    expect(callable(fn), f"atomic_write: expected a function, got {type(fn).__name__}")
+    d = Path(tempfile.mkdtemp(prefix="memlab-07-"))
+    try:
+        target = d / "model.ckpt"
+        old = b"OLD complete checkpoint " * 1000
+        new = [b"NEW header|", b"x" * 50_000, b"y" * 50_000, b"|NEW end"]
+        # 1. a plain write, then an overwrite, with the durability calls in the right order
+        with _Spy() as spy:
+            fn(target, [old])
+        expect(target.exists() and target.read_bytes() == old,
+               "atomic_write(path, [data]): the file does not hold exactly the bytes written")
+        with _Spy() as spy:
+            fn(target, iter(new))
+        expect(target.read_bytes() == b"".join(new),
+               "atomic_write(path, chunks): overwriting an existing file did not leave exactly the new bytes")
+        ev = spy.events
+        replaces = [i for i, e in enumerate(ev) if e[0] == "replace"]
+        expect(len(replaces) >= 1, "atomic_write: no os.replace / os.rename seen: write a temp file and rename it "
+               "onto the path (a copy or a direct write can be torn)")
+        r = replaces[-1]
+        expect(ev[r][1] == str(d.resolve()),
+               f"atomic_write: the temp file was in {ev[r][1]}, not in the target's directory {d}: a rename is only "
+               "atomic within one file system, so create the temp file next to the target")
+        expect(("fsync", "file") in ev[:r], "atomic_write: the temp file was not os.fsync'ed before the rename: after "
+               "a power cut the rename can survive while the data does not")
+        expect(("fsync", "dir") in ev[r + 1:], "atomic_write: the directory was not fsync'ed after the rename "
+               "(os.open(dir, os.O_RDONLY), os.fsync, os.close): the new name itself may not be durable")
+        leftovers = sorted(p.name for p in d.iterdir() if p != target)
+        expect(not leftovers, f"atomic_write: files left next to the target after a successful write: {leftovers}")
+        # 2. an error while writing: the old file stays, the temp file goes
+        target.write_bytes(old)
+
+        def failing():
+            yield b"partial"
+            raise OSError("disk full (raised by the check)")
+
+        try:
+            fn(target, failing())
+        except OSError:
+            pass
+        else:
+            raise AssertionError("atomic_write: an OSError raised while writing was swallowed; let it propagate")
+        expect(target.read_bytes() == old, "atomic_write: an error in the middle of the write replaced the good file")
+        leftovers = sorted(p.name for p in d.iterdir() if p != target)
+        expect(not leftovers, f"atomic_write: after a failed write the temp file is still there: {leftovers} "
+               "(remove it, then re-raise)")
+        # 3. kill -9 in the middle of the write: the good file must survive every torn write
+        if hasattr(os, "fork") and sys.platform != "darwin":
+            for k in (0, 1, 2, 3, 4):
+                status = _killed_in_child(fn, target, new, k)
+                expect(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
+                       f"atomic_write: the writer (killed after {k} chunks) ended without being killed: "
+                       "it must consume the chunks as it writes")
+                got = target.read_bytes() if target.exists() else None
+                expect(got == old, f"atomic_write killed with SIGKILL after {k} of {len(new)} chunks"
+                       f"{' (all written, before the rename)' if k == len(new) else ''}: the file under the name is "
+                       f"{'gone' if got is None else f'{len(got)} bytes, not the previous complete file'}: "
+                       "a torn write replaced the good checkpoint")
+                for p in d.iterdir():
+                    if p != target:
+                        p.unlink()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- 07.predict_peak
+def _tiny(cfg: dict):
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    return TinyGPT(TinyGPTConfig(**cfg))
+
+
+_PREDICT_CASES = [
+    (dict(block_size=32, n_layer=2, n_head=2, n_embd=64), Stack(micro_batch=4), 32),
+    (dict(block_size=32, n_layer=2, n_head=2, n_embd=64), Stack(micro_batch=2, grad_accum=2), 32),
+    (dict(block_size=64, n_layer=3, n_head=4, n_embd=32), Stack(micro_batch=1, grad_accum=4, checkpointing="full"), 48),
+    (dict(block_size=64, n_layer=3, n_head=4, n_embd=32), Stack(micro_batch=2, grad_accum=2, attention="eager"), 64),
+]
+
+
+@register("07.predict_peak", reference=lambda: train.estimate_stack_peak,
+          title="predict a stack's peak, then measure", timeout=240)
+def check_predict_peak(fn) -> None:
+    expect(callable(fn), f"predict_peak: expected a function, got {type(fn).__name__}")
+    for cfg, stack, seq_len in _PREDICT_CASES:
+        model_fn = functools.partial(_tiny, cfg)
+        predicted = fn(model_fn, stack, seq_len)
+        where = (f"predict_peak(TinyGPT({', '.join(f'{k}={v}' for k, v in cfg.items())}), micro_batch={stack.micro_batch}, "
+                 f"grad_accum={stack.grad_accum}, checkpointing={stack.checkpointing!r}, attention={stack.attention!r}, "
+                 f"seq_len={seq_len})")
+        expect(isinstance(predicted, (int, float)) and not isinstance(predicted, bool),
+               f"{where}: expected a number of bytes, got {type(predicted).__name__}")
+        measured = train.measure_stack_peak(model_fn, stack, seq_len)
+        err = abs(predicted - measured) / measured
+        expect(err <= 0.02, f"{where}: predicted {int(predicted):,} bytes, measured {measured:,} ({100 * err:.1f}% off; "
+               "allowed 2%). Count the steady state (a second optimizer step: AdamW's state exists), the whole "
+               "effective batch of token ids alive, one micro-batch's activations, and the gradients that "
+               "accumulation keeps alive between micro-batches")
+
+
+__all__ = ["check_cheapest_stack", "check_back_off", "check_atomic_write", "check_predict_peak"]
