@@ -1,0 +1,178 @@
+"""Plausible wrong answers to chapter 08's exercises; tests/test_mutants.py asserts each FAILS its check.
+
+MUTANTS maps an exercise id to (name, wrong implementation) pairs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from memlab import distributed as D
+
+
+# ----------------------------------------------------------------------------- 08.shard_flat
+def shard_chunk(flat, rank, world_size):
+    """torch.chunk: uneven pieces, and fewer than world_size of them for short buffers."""
+    pieces = flat.chunk(world_size)
+    return pieces[rank] if rank < len(pieces) else flat[:0]
+
+
+def shard_interleaved(flat, rank, world_size):
+    """Every world_size-th element: equal counts, but not a contiguous piece."""
+    s = D.padded_size(flat.numel(), world_size)
+    return torch.cat([flat, flat.new_zeros(s - flat.numel())])[rank::world_size]
+
+
+def shard_floor(flat, rank, world_size):
+    """S = numel // world_size: the tail is lost when numel is not a multiple."""
+    s = flat.numel() // world_size
+    return flat[rank * s:(rank + 1) * s]
+
+
+def shard_pad_front(flat, rank, world_size):
+    """The padding in front: the first shard holds the zeros."""
+    s = D.padded_size(flat.numel(), world_size)
+    full = torch.cat([flat.new_zeros(s - flat.numel()), flat])
+    return full.chunk(world_size)[rank]
+
+
+def shard_float32(flat, rank, world_size):
+    """The right piece, cast to float32."""
+    return D.shard_flat(flat, rank, world_size).float()
+
+
+# ----------------------------------------------------------------------------- 08.reduce_scatter
+def _pad(flat, ws):
+    return torch.cat([flat, flat.new_zeros(D.padded_size(flat.numel(), ws) - flat.numel())])
+
+
+def rs_sum(flat_grad, group=None):
+    """The sum, not the mean."""
+    return D.reduce_scatter_flat(_pad(flat_grad, dist.get_world_size(group)), group, average=False)
+
+
+def rs_local_only(flat_grad, group=None):
+    """No communication: this rank's own gradient, sharded."""
+    ws = dist.get_world_size(group)
+    return D.shard_flat(flat_grad, dist.get_rank(group), ws).clone()
+
+
+def rs_wrong_shard(flat_grad, group=None):
+    """All-reduce, then the other rank's piece."""
+    ws, rank = dist.get_world_size(group), dist.get_rank(group)
+    total = _pad(flat_grad, ws)
+    dist.all_reduce(total)
+    return D.shard_flat(total / ws, (rank + 1) % ws, ws).clone()
+
+
+def rs_no_padding(flat_grad, group=None):
+    """Reduce-scatter without padding: fails on lengths that are not a multiple of the world size."""
+    return D.reduce_scatter_flat(flat_grad, group)
+
+
+# ----------------------------------------------------------------------------- 08.zero1_step
+def zero1_no_all_gather(flat_param, flat_grad, optimizer):
+    """Steps on the shard but never all-gathers: the other shard stays stale on this rank."""
+    dist.all_reduce(flat_grad)
+    flat_grad.div_(dist.get_world_size())
+    a, b = D.shard_range(flat_param.numel(), dist.get_rank(), dist.get_world_size())
+    shard = optimizer.param_groups[0]["params"][0]
+    shard.grad = flat_grad[a:b]
+    optimizer.step()
+
+
+def zero1_sum(flat_param, flat_grad, optimizer):
+    """The summed gradient (no division by the world size)."""
+    dist.all_reduce(flat_grad)
+    a, b = D.shard_range(flat_param.numel(), dist.get_rank(), dist.get_world_size())
+    optimizer.param_groups[0]["params"][0].grad = flat_grad[a:b]
+    optimizer.step()
+    D.all_gather_flat(flat_param[a:b].clone(), out=flat_param)
+
+
+def zero1_local_grad(flat_param, flat_grad, optimizer):
+    """Forgets to average the gradients over the ranks: each shard steps on its own rank's gradient."""
+    a, b = D.shard_range(flat_param.numel(), dist.get_rank(), dist.get_world_size())
+    optimizer.param_groups[0]["params"][0].grad = flat_grad[a:b].clone()
+    optimizer.step()
+    D.all_gather_flat(flat_param[a:b].clone(), out=flat_param)
+
+
+def zero1_gather_before_step(flat_param, flat_grad, optimizer):
+    """All-gathers before the step: every rank sees the other shard one step late."""
+    dist.all_reduce(flat_grad)
+    flat_grad.div_(dist.get_world_size())
+    a, b = D.shard_range(flat_param.numel(), dist.get_rank(), dist.get_world_size())
+    D.all_gather_flat(flat_param[a:b].clone(), out=flat_param)
+    optimizer.param_groups[0]["params"][0].grad = flat_grad[a:b]
+    optimizer.step()
+
+
+# ----------------------------------------------------------------------------- 08.predict_rank_bytes
+def _counts(model, world_size):
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    return params, n, D.padded_size(n, world_size) // world_size
+
+
+def predict_stage2_grads_full(model, world_size, stage):
+    """ZeRO-2 keeps the whole gradient (the gradients are not sharded)."""
+    params, n, shard = _counts(model, world_size)
+    if stage == 0:
+        return {"parameters": 4 * n, "gradients": 0, "optimizer": 8 * n + 4 * len(params)}
+    if stage in (1, 2):
+        return {"parameters": 4 * shard * world_size, "gradients": 4 * shard * world_size, "optimizer": 8 * shard + 4}
+    return {"parameters": 4 * n // world_size, "gradients": 0, "optimizer": 8 * n // world_size}
+
+
+def predict_one_moment(model, world_size, stage):
+    """AdamW keeps one 4-byte moment per parameter (it keeps two)."""
+    params, n, shard = _counts(model, world_size)
+    share = {0: n, 1: shard, 2: shard, 3: n / world_size}[stage]
+    return {"parameters": int(4 * n / (world_size if stage == 3 else 1)),
+            "gradients": {0: 0, 1: 4 * shard * world_size, 2: 4 * shard, 3: 0}[stage],
+            "optimizer": int(4 * share)}
+
+
+def predict_params_sharded_from_stage1(model, world_size, stage):
+    """Shards the parameters from stage 1 on (that is stage 3's saving, not stage 1's)."""
+    params, n, shard = _counts(model, world_size)
+    return {"parameters": 4 * shard if stage >= 1 else 4 * n,
+            "gradients": {0: 0, 1: 4 * shard * world_size, 2: 4 * shard, 3: 0}[stage],
+            "optimizer": 8 * shard if stage >= 1 else 8 * n}
+
+
+def predict_grads_after_zero_grad(model, world_size, stage):
+    """Counts a full gradient at every stage: zero_grad(set_to_none) frees stage 0's and FSDP2's."""
+    params, n, shard = _counts(model, world_size)
+    return {"parameters": 4 * (n if stage < 3 else shard), "gradients": 4 * n,
+            "optimizer": 8 * (n if stage == 0 else shard)}
+
+
+MUTANTS = {
+    "08.shard_flat": [
+        ("torch.chunk: uneven shards", shard_chunk),
+        ("interleaved, not contiguous", shard_interleaved),
+        ("floor division: tail lost", shard_floor),
+        ("padding in front", shard_pad_front),
+        ("cast to float32", shard_float32),
+    ],
+    "08.reduce_scatter": [
+        ("sum, not mean", rs_sum),
+        ("no communication", rs_local_only),
+        ("the other rank's shard", rs_wrong_shard),
+        ("no padding", rs_no_padding),
+    ],
+    "08.zero1_step": [
+        ("no all-gather after the step", zero1_no_all_gather),
+        ("summed gradient", zero1_sum),
+        ("local gradient only", zero1_local_grad),
+        ("all-gather before the step", zero1_gather_before_step),
+    ],
+    "08.predict_rank_bytes": [
+        ("ZeRO-2 gradients not sharded", predict_stage2_grads_full),
+        ("one AdamW moment", predict_one_moment),
+        ("parameters sharded from stage 1", predict_params_sharded_from_stage1),
+        ("gradients held after zero_grad", predict_grads_after_zero_grad),
+    ],
+}
