@@ -100,10 +100,17 @@ _OPTIMIZER = {
     "adam8bit": ("adamw8bit", "auto", None),
     "offload-adamw": ("offload-adamw", "auto", {"offload_gradients": True}),
 }
-# device memory, most to least, at equal everything else: the foreach AdamW's step temporaries
-# (a moment-sized copy) > fused AdamW's 8 bytes/param of fp32 moments > 8-bit moments (2 bytes/param)
-# > nothing (state, master weights and gradients on the host)
-_OPT_MEMORY_RANK = {"adamw": 3, "adamw-fused": 2, "adam8bit": 1, "offload-adamw": 0}
+# Device memory by optimizer, at equal everything else, where it is ordered whatever the model:
+# the foreach AdamW (PyTorch's CUDA default) holds at least what the fused one does (its step's
+# moment-sized temporaries; the same on a CPU, where both loop), and every optimizer holds at least
+# what the offloaded one does (state, master weights and gradients on the host). 8-bit AdamW is
+# ordered against neither AdamW: tensors under 4,096 elements keep fp32 moments, and bf16 weights
+# have 2-byte AdamW moments, so on a small model it can hold more.
+_OPT_GE = {("adamw", "adamw-fused")} | {(o, "offload-adamw") for o in OPTIMIZERS}
+
+
+def _opt_ge(a: str, b: str) -> bool:
+    return a == b or (a, b) in _OPT_GE
 
 
 def fidelity_tier(stack: Stack) -> int:
@@ -468,8 +475,28 @@ def _estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, l
     return _CACHE[key]
 
 
+_QUANT_WARM = False
+
+
+def _warm_quant() -> None:
+    """Build memlab.quant's cached codebooks once, for real and outside any trace: built inside the
+    first traced step, they would count in that trace only (2 KiB, enough to bend an extrapolation)."""
+    global _QUANT_WARM
+    if not _QUANT_WARM:
+        import torch
+
+        from memlab.quant import Linear4bit
+
+        with torch.no_grad():
+            Linear4bit.from_linear(torch.nn.Linear(64, 64))(torch.zeros(1, 64))
+        _QUANT_WARM = True
+
+
 def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, extrapolate: bool) -> Any:
     from memlab.estimate import estimate_training_memory
+
+    if stack.adapter == "qlora":
+        _warm_quant()
 
     opt, impl, okw = _OPTIMIZER[stack.optimizer]
     kw = dict(batch_size=stack.micro_batch, seq_len=seq_len, dtype=_DTYPE[stack.precision], optimizer=opt,
@@ -486,7 +513,9 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
 
     if extrapolate and L % unit == 0:
         traced: dict[int, Any] = {}
-        for d1, d2 in ((unit, 2 * unit), (2 * unit, 3 * unit)):
+        # from the second unit on: with a frozen embedding the first layer's input needs no
+        # gradient, so the first layer differs from the others (measured: QLoRA on a tiny Llama)
+        for d1, d2 in ((2 * unit, 3 * unit), (3 * unit, 4 * unit)):
             if d2 >= L:
                 break
             for d in (d1, d2):
@@ -608,7 +637,7 @@ def _needs_at_least(c: Stack, d: Stack, n_layers: int) -> bool:
     at least as much."""
     return (_family(c) == _family(d) and c.micro_batch >= d.micro_batch
             and _ckpt_set(c, n_layers) <= _ckpt_set(d, n_layers)
-            and _OPT_MEMORY_RANK[c.optimizer] >= _OPT_MEMORY_RANK[d.optimizer])
+            and _opt_ge(c.optimizer, d.optimizer))
 
 
 @dataclass
@@ -862,22 +891,33 @@ def plan(
 
         bar = tqdm(total=len(live), desc=f"plan {name}", unit="stack", leave=False)
     # 2. The floor of each family (the smallest micro-batch, the most checkpointing, the leanest
-    # optimizer): every member needs at least its memory, so if it does not fit, none does.
+    # optimizer): every member needs at least its memory, so if it does not fit, none does (only
+    # where offload-adamw is allowed: the one optimizer below all others).
     families: dict[tuple, list[PlanRow]] = {}
     for r in live:
         families.setdefault(_family(r.stack), []).append(r)
     for members in sorted(families.values(), key=lambda m: min(r.key for r in m)):
         floor = min(members, key=lambda r: (r.stack.micro_batch, -len(_ckpt_set(r.stack, L)),
-                                             _OPT_MEMORY_RANK[r.stack.optimizer]))
+                                             r.stack.optimizer != "offload-adamw"))
         if all(_needs_at_least(o.stack, floor.stack, L) for o in members):
             trace(floor)
-    # 3. Cheapest first. A stack not yet decided decides its line (same family, optimizer and
-    # checkpointing; micro-batches ascending, monotone in memory) by bisection, smallest first.
+    # 3. Cheapest first. A stack not yet decided is decided by tracing, in this order, the floor of
+    # its family and optimizer (the smallest micro-batch, the most checkpointing), then its line (the
+    # same family, optimizer and checkpointing; micro-batches ascending, monotone in memory): the
+    # smallest micro-batch first, then by bisection.
+    groups: dict[tuple, list[PlanRow]] = {}
+    for r in live:
+        groups.setdefault((_family(r.stack), r.stack.optimizer), []).append(r)
     found = 0
     for r in live:
         if found >= top:
             break
         while known(r) is None:
+            group = groups[(_family(r.stack), r.stack.optimizer)]
+            floor = min(group, key=lambda m: (m.stack.micro_batch, -len(_ckpt_set(m.stack, L))))
+            if all(_needs_at_least(m.stack, floor.stack, L) for m in group) and known(floor) is None:
+                trace(floor)
+                continue
             line = lines[(_family(r.stack), r.stack.optimizer, r.stack.checkpointing, r.stack.ckpt_every)]
             open_ = [m for m in line if known(m) is None]
             trace(open_[0] if open_[0] is line[0] else open_[len(open_) // 2])

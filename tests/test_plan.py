@@ -1,0 +1,191 @@
+"""memlab.plan: the pick fits (re-estimated) and is the cheapest stack that fits (brute force over a
+small search space on a tiny Llama); extrapolated LoRA / QLoRA / every-k traces equal full traces;
+errors name the argument; the CLI runs."""
+from __future__ import annotations
+
+import pytest
+
+from memlab import plan as P
+from memlab.models import tiny_llama_config
+from memlab.plan import Stack
+
+SEQ = 32
+BATCH = 4
+ALLOW = {"precision": ["bf16-mixed", "bf16"], "checkpointing": ["none", "full"], "optimizer": ["adamw", "adamw-fused"],
+         "adapter": ["full", "lora"], "micro_batch": [1, 4]}
+
+
+def tiny_cfg(layers: int = 4):
+    return tiny_llama_config(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _brute_force(cfg):
+    """Every stack of ALLOW, each traced (no pruning): {stack: peak bytes}."""
+    stacks, _ = P.enumerate_stacks(BATCH, 2, ALLOW, device="cpu")
+    return {s: P._estimate("tiny", cfg, s, seq_len=SEQ, device="cpu", lora_r=4).peak_bytes for s in stacks}
+
+
+@pytest.fixture(scope="module")
+def brute():
+    cfg = tiny_cfg(layers=2)  # two layers: one trace per stack (no extrapolation), fast
+    return cfg, _brute_force(cfg)
+
+
+def test_enumeration_covers_the_space():
+    stacks, _ = P.enumerate_stacks(BATCH, 4, ALLOW, device="cpu")
+    # full: 2 precisions x 2 checkpointing x 2 optimizers x 2 micro-batches; LoRA: bf16-mixed only
+    assert len(stacks) == 16 + 8 == len(set(stacks))
+    assert all(s.effective_batch == BATCH for s in stacks)
+    assert {s.adapter for s in stacks} == {"full", "lora"}
+    assert all(s.precision == "bf16-mixed" for s in stacks if s.adapter == "lora")
+
+
+@pytest.mark.parametrize("quantile", [0.25, 0.6])
+@pytest.mark.parametrize("prefer", ["fidelity", "cost"])
+def test_pick_is_the_cheapest_stack_that_fits(brute, quantile, prefer):
+    cfg, peaks = brute
+    values = sorted(peaks.values())
+    budget = values[int(quantile * len(values))]
+    res = P.plan(cfg, budget, batch_size=BATCH, seq_len=SEQ, allow=ALLOW, device="cpu", lora_r=4, prefer=prefer, top=3)
+    shape = P._count_shape(cfg, 4)
+    cost = res.cost_model
+
+    def key(s):
+        c, _ = P.stack_cost(s, shape, SEQ, cost)
+        return (P.fidelity_tier(s) if prefer == "fidelity" else 0, c)
+
+    feasible = [s for s, p in peaks.items() if p <= budget]
+    assert feasible and len(feasible) < len(peaks)  # the budget splits the space
+    best = min(feasible, key=key)
+    assert res.pick is not None and res.pick.stack == best, (P._label(res.pick.stack), P._label(best))
+    # the pick, re-estimated with every layer traced (no extrapolation, no cache entry shared), fits
+    again = P.estimate_stack(cfg, res.pick.stack, seq_len=SEQ, device="cpu", lora_r=4, extrapolate=False)
+    assert again.peak_bytes == res.pick.peak_bytes <= budget
+    # the rows that fit are in rank order, and no feasible stack ranked above the last of them is
+    # missing unless it is dominated (another stack of its family needs no more memory, ranks no lower)
+    listed = [r.stack for r in res.feasible]
+    assert len(listed) >= 3 and all(peaks[s] <= budget for s in listed)
+    assert [key(s) for s in listed] == sorted(key(s) for s in listed)
+    listed = listed[:3]  # the three the search stopped after (others were traced on the way)
+    status = {r.stack: r.status for r in res.rows}
+    for s in feasible:
+        if key(s) < key(listed[-1]):
+            assert s in listed or status[s] == "dominated", P._label(s)
+    # every verdict agrees with the brute force: traced peaks equal, untraced 'exceeds' really exceed
+    for r in res.rows:
+        if r.status == "traced":
+            assert r.peak_bytes == peaks[r.stack] and r.fits == (peaks[r.stack] <= budget)
+        elif r.status == "exceeds":
+            assert peaks[r.stack] > budget
+    assert res.traces < len(peaks)  # it pruned something
+
+
+@pytest.mark.parametrize("layers,stack", [
+    (5, Stack(precision="bf16-mixed", adapter="qlora", checkpointing="full", micro_batch=2)),
+    (8, Stack(precision="bf16-mixed", checkpointing="every-k", ckpt_every=2, optimizer="adamw-fused", micro_batch=1)),
+])
+def test_extrapolated_traces_equal_full_traces(layers, stack):
+    cfg = tiny_cfg(layers=layers)
+    ext = P.estimate_stack(cfg, stack, seq_len=SEQ, device="cpu", lora_r=4)
+    full = P.estimate_stack(cfg, stack, seq_len=SEQ, device="cpu", lora_r=4, extrapolate=False)
+    assert ext.extrapolated_from and not full.extrapolated_from
+    assert ext.peak_bytes == full.peak_bytes, (P._label(stack), ext.peak_bytes, full.peak_bytes)
+    assert ext.phase_peaks == full.phase_peaks and ext.n_params == full.n_params
+
+
+def test_every_k_checkpoints_one_layer_in_k():
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model = P._builder(tiny_cfg(layers=6), Stack(checkpointing="every-k", ckpt_every=3), 4)()
+    flags = [m.gradient_checkpointing for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert flags == [True, False, False] * 2
+
+
+def test_cost_model_orders_the_knobs():
+    shape = P._count_shape(tiny_llama_config(), 8)
+    cost = P.GPU_SPECS["rtx4090"]
+
+    def c(**kw):
+        return P.stack_cost(Stack(**{"precision": "bf16-mixed", "micro_batch": 4, "grad_accum": 4, **kw}), shape, 2048, cost)[0]
+
+    assert c(checkpointing="full") > c(checkpointing="every-k", ckpt_every=2) > c()  # recompute FLOPs
+    assert c(precision="fp32") > c()  # fp32 at half the 4090's 16-bit rate
+    assert c(optimizer="offload-adamw") > c(optimizer="adamw") > c(optimizer="adamw-fused") > c(optimizer="adam8bit")
+    assert c(micro_batch=1, grad_accum=16) > c()  # accumulation is not free
+    assert c(adapter="qlora") > c(adapter="lora")  # dequantization
+
+
+def test_infeasible_budget_says_so():
+    res = P.plan(tiny_cfg(), "64KiB", batch_size=2, seq_len=SEQ, device="cpu", lora_r=4,
+                 allow={"precision": ["bf16"], "optimizer": ["adamw-fused"], "adapter": ["full"],
+                        "checkpointing": ["full"]})
+    assert res.pick is None and res.feasible == []
+    assert res.verdict.startswith("nothing fits 64.00 KiB budget")
+    assert res.traces == 1  # the family's floor does not fit: nothing else is traced
+    assert all(r.fits is False for r in res.rows)
+
+
+def test_budget_from_a_card():
+    from memlab import gpus
+
+    card = gpus.GPUS["rtx4090"]
+    budget, label = P._parse_budget(None, "rtx4090", "cuda")
+    assert budget == card.total_bytes - gpus.CONTEXT_RESERVE_BYTES and "RTX 4090" in label
+    assert P._parse_budget("24GiB", None, "cuda")[0] == 24 * 2**30
+    assert P._parse_budget("24GB", None, "cuda")[0] == 24 * 10**9
+    assert P._cost_model_for("rtx4090")[0] is P.GPU_SPECS["rtx4090"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(budget="lots"), r"budget='lots' is invalid; allowed: a number of bytes"),
+    (dict(budget=None), r"budget=None and gpu=None; allowed"),
+    (dict(gpu="rtx9999", budget=None, device="cuda"), r"gpu='rtx9999' is invalid"),
+    (dict(gpu="rtx4090", budget=None), r"gpu='rtx4090' with device='cpu': a card is a CUDA target"),
+    (dict(batch_size=0), r"batch_size=0 is invalid; allowed: an int >= 1"),
+    (dict(seq_len=4096), r"seq_len=4096 exceeds"),
+    (dict(device="tpu"), r"device='tpu' is invalid; allowed: 'cuda', 'cpu'"),
+    (dict(prefer="speed"), r"prefer='speed' is invalid"),
+    (dict(allow={"optimiser": ["adamw"]}), r"allow key 'optimiser' is invalid; allowed: 'precision'"),
+    (dict(allow={"optimizer": ["sgd"]}), r"allow\['optimizer'\] value 'sgd' is invalid; allowed: 'adamw'"),
+    (dict(allow={"checkpointing": ["selective"]}), r"'selective' is not enumerated"),
+    (dict(allow={"micro_batch": [3]}), r"allow\['micro_batch'\] value 3 is invalid; allowed: divisors of batch_size=4: \[1, 2, 4\]"),
+    (dict(allow={"adapter": ["lora"], "precision": ["fp32"]}), r"leaves no stack to try"),
+])
+def test_bad_arguments(kwargs, match):
+    args = dict(budget="1GiB", batch_size=4, seq_len=SEQ, device="cpu")
+    args.update(kwargs)
+    budget = args.pop("budget")
+    with pytest.raises(ValueError, match=match):
+        P.plan(tiny_cfg(), budget, **args)
+
+
+def test_bad_model():
+    with pytest.raises(ValueError, match=r"model='llama-9' is invalid; allowed: a preset"):
+        P.plan("llama-9", "1GiB", batch_size=1, seq_len=8)
+    with pytest.raises(TypeError, match="allowed: a preset name, a config.json path or a transformers config"):
+        P.plan(lambda: None, "1GiB", batch_size=1, seq_len=8)
+
+
+def test_cli(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    tiny_cfg().to_json_file(str(path))
+    narrow = ["--allow", "precision=bf16", "--allow", "optimizer=adamw-fused", "--allow", "adapter=full",
+              "--allow", "checkpointing=full", "--allow", "micro_batch=1,2"]
+    code = P.main([str(path), "--budget", "8MiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
+                   "--no-progress", *narrow])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "for the CPU" in out and "8.00 MiB budget" in out and "pick: bf16 adamw-fused ckpt all mb 2x1" in out
+    code = P.main([str(path), "--budget", "64KiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
+                   "--no-progress", *narrow])
+    assert code == 1 and "nothing fits" in capsys.readouterr().out
+    code = P.main([str(path), "--budget", "8MiB", "--batch-size", "2", "--seq-len", str(SEQ), "--allow", "adapter=dora"])
+    assert code == 2 and "allow['adapter'] value 'dora' is invalid" in capsys.readouterr().err
+
+
+def test_memlab_command_lists_plan(capsys):
+    from memlab import cli
+
+    assert cli.main(["--help"]) == 0
+    assert "plan" in capsys.readouterr().out
