@@ -7,15 +7,17 @@ use. :func:`save` writes the whole tree as **one safetensors file** (the format 
 ``safetensors``: an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
 shape and byte range, then the raw bytes). The tensors are the file's tensors; everything else is
 JSON in the header's ``__metadata__`` (key ``memlab.state``), where each tensor leaf is replaced by
-``{"__tensor__": name}``. The writer is written here (about 40 lines, no dependency); the files it
+``{"__tensor__": name}``. The format is specified at https://github.com/huggingface/safetensors
+(README, "Format"). The writer is written here (about 40 lines, no dependency); the files it
 writes load with the ``safetensors`` package too (``tests/test_ckpt.py``). Reading never unpickles
 anything: tensors are rebuilt from raw bytes with ``torch.frombuffer``, the rest is ``json``.
 
 Nothing is lost, nothing is half-read:
 
 * **atomic**: :func:`atomic_write` writes to a temporary file in the same directory, flushes,
-  ``os.fsync``s it, ``os.replace``s it onto the target name (atomic on POSIX and Windows within
-  one file system) and ``fsync``s the directory, so that the rename itself survives a power cut.
+  ``os.fsync``s it, ``os.replace``s it onto the target name (POSIX ``rename(2)`` swaps an
+  existing name in one step within one file system: no reader ever finds the name missing or
+  half-written) and ``fsync``s the directory, so that the rename itself survives a power cut.
   A process killed at any instant (``kill -9``, mid-write included) leaves either the previous
   complete file or the new complete file under the name, never a mixture; at worst a stray
   ``.<name>.tmp-*`` file, which :func:`remove_stale_temps` clears and loaders ignore.

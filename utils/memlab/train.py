@@ -21,6 +21,12 @@ inside ``budget`` bytes:
   ``ckpt_dir`` resumes from the newest complete checkpoint, after a crash or ``kill -9`` at any
   instant, with nothing lost or repeated.
 
+The one formula: with ``k`` equal micro-batches and mean losses, the accumulated gradient
+``g = (1/k) * sum_j grad L(micro-batch j)`` is the gradient of the mean loss of the whole effective
+batch, so ``micro_batch * grad_accum`` is all that training sees (gradient accumulation). The
+stacks' other knobs are those of chapters 02-06 (checkpointing: Chen et al. 2016, "Training Deep
+Nets with Sublinear Memory Cost", arXiv:1604.06174).
+
 What "the same losses" means. The data is addressed by position: optimizer step ``i`` always
 draws the same ``effective_batch`` windows (a generator seeded with ``seed`` and ``i``), whatever
 the micro-batch, so a restore only needs the step number. Given the state after step ``i``, step
@@ -33,8 +39,10 @@ gradient, ``sum_j (1/k) grad(mean loss of micro-batch j)``, but not with the sam
 additions: a matmul's weight gradient sums over batch x sequence in one reduction for the whole
 batch and in ``k`` partial reductions plus ``k - 1`` additions with accumulation, and fp32
 addition is not associative. So a stack change in mid-run moves the losses by rounding only:
-measured on TinyGPT on this CPU, at most a few 1e-7 relative over 12 steps
-(``tests/test_train.py::test_micro_batch_split_changes_losses_by_rounding_only`` asserts < 1e-5).
+micro-batch 8 against 8 micro-batches of 1, TinyGPT (2 layers, width 32), 12 steps, measured on a
+2-core x86 CPU: at most 1.9e-7 relative
+(``tests/test_train.py::test_micro_batch_split_changes_losses_by_rounding_only`` prints it and
+asserts < 1e-5).
 
 Stacks this trainer runs (other values are errors that say so): precision ``fp32`` or
 ``bf16-mixed`` (autocast); checkpointing ``none``, ``every-k`` or ``full`` (each chosen block's
@@ -44,7 +52,10 @@ forward is recomputed in backward, torch's non-reentrant ``checkpoint``); optimi
 
 :func:`bucket_batches` groups variable-length sequences of similar length into batches, which
 cuts the padding (and the activation memory padding costs) against random batching
-(:func:`padding_stats` measures both).
+(:func:`padding_stats` counts both). On the standard library's source lines in batches of 32,
+padding is 56% of the padded slots with random batches, 15% with pools of 8 batches and 0.9%
+fully sorted; the tracked forward + backward peaks of TinyGPT summed over 72 lines in batches of 8
+are 26% lower bucketed (``tests/test_train.py`` prints both).
 """
 from __future__ import annotations
 
