@@ -50,16 +50,19 @@ def test_peaks_shrink_along_the_back_off_chain(solo):
     assert max(a) > max(b) > max(c)
 
 
-def test_oom_in_the_first_step_gives_the_final_stacks_losses_bitwise(solo):
+def test_oom_in_the_first_step_gives_the_final_stacks_losses_bitwise(solo, tmp_path):
     # A's first step does not fit, B's steady state does
     budget = (solo[A].step_peaks[0] + max(solo[B].step_peaks)) // 2
     assert max(solo[B].step_peaks) < budget < solo[A].step_peaks[0]
-    t = run([A, B, C], budget=budget)
+    t = run([A, B, C], budget=budget, ckpt_dir=tmp_path)
     assert [(e.step, e.from_stack, e.to_stack, e.restored) for e in t.backoffs] == [(0, A, B, 0)]
     assert "exceeded" in t.backoffs[0].reason
     assert t.peak_bytes <= budget
     assert t.losses == solo[B].losses  # bitwise
     assert t.step_peaks == solo[B].step_peaks
+    # a new trainer on the same directory resumes with the stack it backed off to, and its history
+    again = BudgetTrainer(model(), budget, stacks=[A, B, C], effective_batch=E, seq_len=T, ckpt_dir=tmp_path)
+    assert again.step == 4 and again.stack == B and again.backoffs == t.backoffs
 
 
 def test_oom_in_mid_run_restores_the_last_checkpoint_and_loses_nothing(solo, tmp_path):

@@ -304,8 +304,9 @@ class BudgetTrainer:
             tensor of token ids (windows are drawn from its first 90%), or ``data(step) -> (x, y)``
             returning ``(effective_batch, seq_len)`` long tensors, a pure function of ``step``.
         effective_batch, seq_len: sequences per optimizer step and tokens per sequence.
-        ckpt_dir: where checkpoints go (a temporary directory when ``None``); an existing
-            checkpoint there is resumed.
+        ckpt_dir: where checkpoints go (a temporary directory when ``None``); the newest complete
+            checkpoint there is resumed, with its stack and back-off history when that stack is
+            in ``stacks`` (else from ``stacks[0]``).
         seed: seeds the default model, the data order and the RNGs at the start.
         lr, weight_decay: AdamW's.
         ckpt_interval: optimizer steps between checkpoints (also one at the start and at the end).

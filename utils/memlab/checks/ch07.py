@@ -161,7 +161,12 @@ def _killed_in_child(fn, path: Path, chunks: list[bytes], kill_after: int) -> in
             fn(path, gen())
         finally:
             os._exit(0)
-    _, status = os.waitpid(pid, 0)
+    try:
+        _, status = os.waitpid(pid, 0)
+    except BaseException:  # the time limit fired while the child still runs: do not leave it behind
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
     return status
 
 
