@@ -525,3 +525,54 @@ def test_sequential_activation_peak_bad_arguments(kwargs, match):
     for fn in (sequential_activation_peak, measure_sequential_activation_peak):
         with pytest.raises(ValueError, match=match):
             fn(**args)
+
+
+# ----------------------------------------------------------------------------- offloading: weights stay put
+def _linear_stack() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def test_offload_moves_activations_only_not_the_weight_views_addmm_saves():
+    # addmm saves weight.t(), a view of the parameter's storage, not the nn.Parameter itself
+    model, b = _linear_stack(), 5
+    x = torch.randn(b, 8)
+    ref_loss = model(x).square().sum()
+    ref_loss.backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with offload_activations(include_cpu=True) as stats:
+        loss = model(x).square().sum()
+    loss.backward()
+    # saved activations, one copy per saved tensor: the input (by the first addmm), each ReLU output twice
+    # (by the ReLU and by the next addmm); the last output's square saves it once more
+    f32 = 4
+    want = (b * 8 + 2 * b * 16 + 2 * b * 32 + b * 4) * f32
+    assert stats.offloaded_bytes == want, (stats.offloaded_bytes, want)
+    assert stats.offloaded_tensors == 6
+    assert stats.kept_tensors == 2  # the views of the 2nd and 3rd weights (x needs no grad: the 1st is not saved)
+    assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), ref))
+
+
+def test_offload_keeps_buffers_and_frozen_weight_views_in_place():
+    class ScaledFrozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6).requires_grad_(False)   # a frozen base (LoRA-like)
+            self.register_buffer("scale", torch.full((6,), 0.5))
+
+        def forward(self, t):
+            return self.lin(t) * self.scale                      # mul saves the buffer (grad w.r.t. t)
+
+    torch.manual_seed(0)
+    model = ScaledFrozen()
+    x = torch.randn(3, 6, requires_grad=True)
+    with offload_activations(include_cpu=True) as stats:
+        out = model(x)
+    out.sum().backward()
+    # the linear saves only weight.t() (no weight grad needed), mul only the buffer: nothing to move
+    assert stats.offloaded_bytes == 0 and stats.kept_tensors == 2, stats
+    assert torch.equal(x.grad, (0.5 * torch.ones(3, 6)) @ model.lin.weight)
+    with offload_activations(include_cpu=True, skip_parameters=False) as stats:
+        model(x)
+    assert stats.offloaded_bytes == (6 * 6 + 6) * 4 and stats.kept_tensors == 0, stats

@@ -475,19 +475,36 @@ def offload_activations(pin_memory: bool = True, min_bytes: int = 0, include_cpu
     Every tensor autograd saves inside the block is copied to a CPU tensor (page-locked when
     ``pin_memory`` and CUDA is available, so the copy can run asynchronously) and the device copy
     is dropped; backward copies it back to its device. Compared with
-    ``torch.autograd.graph.save_on_cpu`` this version skips parameters (``skip_parameters``: they
-    already live on the device, copying them is pure waste), tensors smaller than ``min_bytes``,
-    and CPU tensors (nothing to gain) unless ``include_cpu`` (for teaching on a CPU-only machine:
-    they are copied to a fresh host buffer). Yields an :class:`OffloadStats`.
+    ``torch.autograd.graph.save_on_cpu`` this version skips the model's state
+    (``skip_parameters``: it lives on the device anyway, copying it is pure waste), tensors smaller
+    than ``min_bytes``, and CPU tensors (nothing to gain) unless ``include_cpu`` (for teaching on a
+    CPU-only machine: they are copied to a fresh host buffer). Yields an :class:`OffloadStats`.
+
+    "The model's state" is decided by *storage*, not by type: a saved weight is often a view of a
+    parameter (``addmm`` saves ``weight.t()``), and a buffer is a plain tensor. A saved tensor is
+    kept in place when it is an ``nn.Parameter`` or a view of one, or when its storage is the
+    storage of a parameter or buffer of a module called inside the block (a global module
+    forward-pre-hook records those while the block runs).
     """
     if min_bytes < 0:
         raise ValueError(f"offload_activations: min_bytes={min_bytes!r} must be >= 0")
     stats = OffloadStats()
     pin = pin_memory and torch.cuda.is_available()
+    state_storages: set[int] = set()                     # storages of the called modules' params and buffers
+
+    def record_state(module: nn.Module, args: Any) -> None:
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr:
+                state_storages.add(ptr)
+
+    def is_state(t: torch.Tensor) -> bool:
+        return (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+                or t.untyped_storage().data_ptr() in state_storages)
 
     def pack(t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
-        if ((skip_parameters and isinstance(t, nn.Parameter)) or nbytes < min_bytes
+        if ((skip_parameters and is_state(t)) or nbytes < min_bytes
                 or (t.device.type == "cpu" and not include_cpu)):
             stats.kept_tensors += 1
             return t
@@ -503,8 +520,13 @@ def offload_activations(pin_memory: bool = True, min_bytes: int = 0, include_cpu
         device, host = packed
         return host.to(device, non_blocking=pin)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield stats
+    handle = nn.modules.module.register_module_forward_pre_hook(record_state) if skip_parameters else None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield stats
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 # ----------------------------------------------------------------------------- counting
