@@ -107,6 +107,7 @@ __all__ = [
     "LOSSES",
     "ZERO_STAGES",
     "shard_estimate",
+    "fsdp_units",
 ]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -1338,6 +1339,12 @@ def _check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
     if zero_stage and optimizer == "offload-adamw":
         raise ValueError(f"zero_stage={zero_stage} with optimizer='offload-adamw' is not modelled; allowed with ZeRO: "
                          f"'adamw', 'sgd', 'adamw8bit'")
+
+
+def fsdp_units(model: Any, dtype: str = "bf16", config_overrides: Mapping[str, Any] | None = None) -> tuple[int, int]:
+    """(parameters of one decoder layer, parameters outside the layers) of a preset / config: the
+    ``units`` of :func:`shard_estimate` for ``zero_stage=3`` (built on the meta device: nothing allocated)."""
+    return _fsdp_units(_resolve_model(model, config_overrides), dtype)
 
 
 def _fsdp_units(spec: _Spec, dtype: str) -> tuple[int, int]:
