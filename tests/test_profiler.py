@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,12 @@ except ImportError:  # package not installed: use the source tree
 
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 from memlab.models import TinyGPT, TinyGPTConfig, lm_loss, tiny_llama  # noqa: E402
 from memlab.profiler import (  # noqa: E402
     CATEGORIES,
+    PHASES,
     LiveBytes,
     MemoryTracker,
     categorize,
@@ -351,12 +354,100 @@ def test_categorize():
     loss = model(x).sum()
     loss.backward()
     p = model[0].weight
-    assert categorize(p, model, opt) == "parameters"
-    assert categorize(p[:3], model, opt) == "parameters"
-    assert categorize(p.grad, model, opt) == "gradients"
-    assert categorize(opt.state[p]["exp_avg"], model, opt) == "optimizer"
+    for phase in (None, *PHASES):  # owners first, whatever the phase
+        assert categorize(p, model, opt, phase) == "parameters"
+        assert categorize(p[:3], model, opt, phase) == "parameters"
+        assert categorize(p.detach(), None, opt, phase) == "parameters"
+        assert categorize(p.grad, model, opt, phase) == "gradients"
+        assert categorize(opt.state[p]["exp_avg"], model, opt, phase) == "optimizer"
+        assert categorize(opt.state[p]["step"], model, opt, phase) == "optimizer"
+    want = {"forward": "activations", "backward": "activations", "optimizer": "optimizer", "other": "other"}
+    for phase, cat in want.items():  # else the birth phase decides, grad_fn or not
+        assert categorize(h, model, opt, phase) == cat
+        assert categorize(torch.zeros(3), model, opt, phase=phase) == cat
+    # phase=None: the documented grad_fn guess of the two-argument call
     assert categorize(h, model, opt) == "activations"
     assert categorize(torch.zeros(3), model, opt) == "other"
+
+
+def test_categorize_bad_phase():
+    with pytest.raises(ValueError, match=r"phase='fwd'.*'forward', 'backward', 'optimizer', 'other'"):
+        categorize(torch.zeros(3), phase="fwd")
+
+
+class _Births(TorchDispatchMode):
+    """Nested inside a MemoryTracker: remembers the phase each new storage was born in (the phase
+    the test is running, set by hand, not read from the tracker), and after every op compares
+    categorize(t, model, opt, born) with the tracker's label for every storage alive (after
+    every third op, to keep the test fast)."""
+
+    def __init__(self, tracker, model, opt):
+        super().__init__()
+        self.tracker, self.model, self.opt = tracker, model, opt
+        self.phase = "other"
+        self.born = {}  # storage key -> (weakref to the storage, phase)
+        self.compared, self.bad, self.seen, self.ops = 0, [], set(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                st = o.untyped_storage()
+                b = self.born.get(st._cdata)
+                if b is None or b[0]() is not st:  # new, or an old address reused
+                    self.born[st._cdata] = (weakref.ref(st), self.phase)
+        self.ops += 1
+        if self.ops % 3 == 0:  # every third op keeps the test fast; each phase still has hundreds
+            with _disable_current_modes():
+                self.compare(f"after op {self.ops} ({func})")
+        return out
+
+    def compare(self, where):
+        for key, (n, cat, ref, _) in list(self.tracker._live.items()):
+            st = ref()
+            if st is None:
+                continue
+            b = self.born.get(key)
+            born = b[1] if b is not None and b[0]() is st else "other"  # tracked at __enter__
+            t = torch.empty(0, dtype=torch.uint8).set_(st)  # a tensor on that storage, nothing more
+            got = categorize(t, self.model, self.opt, born)
+            self.compared += 1
+            self.seen.add((born, CATEGORIES[cat]))
+            if got != CATEGORIES[cat]:
+                self.bad.append((where, born, got, CATEGORIES[cat], n))
+
+
+def test_categorize_agrees_with_the_tracker_on_every_live_storage():
+    """A TinyGPT step with dropout (masks have no grad_fn), two steps so the second accumulates
+    into existing state: categorize(t, model, opt, birth phase) equals the tracker's category for
+    every storage alive, after every third op and at the end of each step."""
+    model, opt = setup(lambda: gpt(dropout=0.1, n_layer=1))
+    tracker = MemoryTracker(model, opt)
+    probe = _Births(tracker, model, opt)
+    for _ in range(2):
+        with tracker, probe:
+            probe.phase = "other"
+            g = torch.Generator().manual_seed(1)
+            x = torch.randint(0, 256, (2, 16), generator=g)  # the batch, born in "other"
+            y = torch.randint(0, 256, (2, 16), generator=g)
+            probe.phase = "forward"
+            loss = lm_loss(model, x, y)
+            probe.phase = "backward"
+            loss.backward()
+            probe.phase = "optimizer"
+            opt.step()
+            probe.phase = "other"
+            opt.zero_grad()
+            del loss
+        with _disable_current_modes():
+            probe.compare("after exit")
+    assert probe.bad == [], probe.bad[:5]
+    assert probe.compared > 5_000
+    # every rule was exercised: each owner, and each birth phase of a storage nobody owns
+    for pair in [("other", "parameters"), ("backward", "gradients"), ("optimizer", "optimizer"),
+                 ("forward", "activations"), ("backward", "activations"), ("other", "other")]:
+        assert pair in probe.seen, (pair, sorted(probe.seen))
 
 
 def test_phase_peaks_function():

@@ -593,13 +593,32 @@ class LiveBytes:
 
 
 def categorize(t: torch.Tensor, model: torch.nn.Module | None = None,
-               optimizer: torch.optim.Optimizer | None = None) -> str:
-    """Which of ``CATEGORIES`` a live tensor belongs to, judged by its storage.
+               optimizer: torch.optim.Optimizer | None = None, phase: str | None = None) -> str:
+    """Which of ``CATEGORIES`` :class:`MemoryTracker` gives a live tensor's storage.
 
-    parameters (a parameter or buffer of ``model``), gradients (the ``.grad`` of one), optimizer
-    (in ``optimizer.state``), activations (produced by an op autograd recorded: ``grad_fn`` set),
-    other (anything else).
+    The tracker's rule, owners first:
+
+    * ``parameters``: the storage is shared with a parameter or buffer of ``model`` or a
+      parameter of ``optimizer`` (a view or ``.detach()`` of one too: storages are compared,
+      not tensor objects);
+    * ``gradients``: shared with the ``.grad`` of one of those;
+    * ``optimizer``: shared with a tensor in ``optimizer.state`` (moments, the step counter);
+
+    else by ``phase``, the phase the storage was born in (one of ``PHASES``): ``"forward"`` or
+    ``"backward"`` -> ``activations`` (saved tensors, dropout masks and normalisation statistics,
+    which have no ``grad_fn``, and activation gradients), ``"optimizer"`` -> ``optimizer`` (the
+    step's temporaries), ``"other"`` -> ``other`` (an input batch, anything made outside the three
+    phases, even with a ``grad_fn``). One caveat: when a step ends, the tracker moves what the step
+    allocated and still holds outside ``optimizer.state`` to ``other``; pass ``phase="other"`` for
+    such a survivor.
+
+    ``phase=None`` (the old two-argument call) falls back to a guess the tracker never makes:
+    ``activations`` when ``t.grad_fn`` is set, else ``other``. It mislabels dropout masks, the
+    statistics LayerNorm saves and activation gradients as ``other`` (lecture 01 shows it on a real
+    step); pass the birth phase to get the tracker's label.
     """
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"phase={phase!r} is not a phase; allowed: {', '.join(map(repr, PHASES))} or None")
     key = t.untyped_storage()._cdata
 
     def same(x: Any) -> bool:
@@ -614,9 +633,10 @@ def categorize(t: torch.Tensor, model: torch.nn.Module | None = None,
         return "gradients"
     if optimizer is not None and any(same(v) for s in optimizer.state.values() for v in _tensors_in(s)):
         return "optimizer"
-    if t.grad_fn is not None:
-        return "activations"
-    return "other"
+    if phase is None:  # the grad_fn guess, kept for two-argument callers
+        return "activations" if t.grad_fn is not None else "other"
+    born = PHASES.index(phase)  # the same mapping as MemoryTracker.__torch_dispatch__
+    return CATEGORIES[_A if born in (_FWD, _BWD) else (_O if born == _OPT else _X)]
 
 
 def phase_peaks(timeline: Iterable[Any]) -> dict[str, int]:
