@@ -121,7 +121,7 @@ def test_infeasible_budget_says_so():
                  allow={"precision": ["bf16"], "optimizer": ["adamw-fused"], "adapter": ["full"],
                         "checkpointing": ["full"]})
     assert res.pick is None and res.feasible == []
-    assert res.verdict.startswith("nothing fits 64.00 KiB budget")
+    assert res.verdict.startswith("nothing fits 64.00 KiB")
     assert res.traces == 1  # the family's floor does not fit: nothing else is traced
     assert all(r.fits is False for r in res.rows)
 
@@ -189,3 +189,13 @@ def test_memlab_command_lists_plan(capsys):
 
     assert cli.main(["--help"]) == 0
     assert "plan" in capsys.readouterr().out
+
+
+def test_host_budget_bounds_offloaded_stacks():
+    allow = {"precision": ["bf16"], "optimizer": ["offload-adamw"], "adapter": ["full"], "checkpointing": ["full"],
+             "micro_batch": [1]}
+    free = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow)
+    assert free.pick is not None and free.pick.host_bytes > 0
+    tight = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow,
+                   host_budget=free.pick.host_bytes - 1)
+    assert tight.pick is None and "> host budget" in tight.rows[0].notes

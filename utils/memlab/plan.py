@@ -708,13 +708,14 @@ class PlanResult:
 
         if self.pick is not None:
             p = self.pick
-            return (f"pick: {_label(p.stack)}: {format_bytes(p.peak_bytes)} estimated in {self.budget_label}, "
-                    f"relative cost {p.cost:.2f} ({_TIER_TEXT[p.tier]})")
+            host = f", host {format_bytes(p.host_bytes)}" if p.host_bytes else ""
+            return (f"pick: {_label(p.stack)}: {format_bytes(p.peak_bytes)} estimated of {format_bytes(self.budget)}"
+                    f"{host}, relative cost {p.cost:.2f} ({_TIER_TEXT[fidelity_tier(p.stack)]})")
         traced = [r for r in self.rows if r.status == "traced"]
         if not traced:
-            return f"nothing fits {self.budget_label}: no stack was traced"
+            return f"nothing fits {format_bytes(self.budget)}: no stack was traced"
         low = min(traced, key=lambda r: r.peak_bytes)
-        return (f"nothing fits {self.budget_label}: the smallest estimate is {format_bytes(low.peak_bytes)} "
+        return (f"nothing fits {format_bytes(self.budget)}: the smallest estimate is {format_bytes(low.peak_bytes)} "
                 f"({_label(low.stack)}); allow more (adapters, offload, checkpointing), a shorter sequence, or more GPUs (chapter 08)")
 
     def table(self, limit: int | None = 12) -> str:
@@ -784,6 +785,7 @@ def plan(
     cost: CostModel | None = None,
     lora_r: int = 16,
     config_overrides: Mapping[str, Any] | None = None,
+    host_budget: int | str | None = None,
     progress: bool = False,
 ) -> PlanResult:
     """The cheapest training stacks of ``model`` whose estimated peak fits ``budget``.
@@ -808,6 +810,8 @@ def plan(
     checkpointed layers; an optimizer that keeps at least as much) is ruled out untraced; the
     smallest stack of each family is traced first, so a family that cannot fit costs one trace;
     the search stops after ``top`` stacks that fit (the first of them is the cheapest that fits).
+    ``host_budget`` (bytes or a size) also bounds the host memory of offloaded stacks
+    (``MemoryEstimate.host_bytes``: fp32 master weights, gradient slots and moments).
     """
     t0 = time.perf_counter()
     for arg, val in (("batch_size", batch_size), ("seq_len", seq_len), ("top", top), ("lora_r", lora_r)):
@@ -820,6 +824,15 @@ def plan(
     if gpu is not None and device != "cuda":
         raise ValueError(f"gpu={gpu!r} with device={device!r}: a card is a CUDA target; allowed: device='cuda'")
     budget_bytes, budget_label = _parse_budget(budget, gpu, device)
+    from memlab.accounting import format_bytes
+    from memlab.estimate import parse_size
+
+    host_budget_bytes = None
+    if host_budget is not None:
+        try:
+            host_budget_bytes = parse_size(host_budget)
+        except ValueError:
+            raise ValueError(f"host_budget={host_budget!r} is invalid; allowed: bytes or a size such as '128GiB'") from None
     if cost is None:
         cost, cost_note = _cost_model_for(gpu if gpu is not None else budget)
     else:
@@ -857,6 +870,11 @@ def plan(
         r.host_bytes, r.phase = est.host_bytes, est.peak_phase
         r.notes = f"peak in {est.peak_phase}" + (", extrapolated" if est.extrapolated_from else "")
         (fitted if r.fits else failed).append(r)
+        if r.fits and host_budget_bytes is not None and r.host_bytes > host_budget_bytes:
+            # fits the device, not the host: the device-memory order says nothing about it
+            fitted.remove(r)
+            r.fits = False
+            r.notes += f"; host {format_bytes(r.host_bytes)} > host budget {format_bytes(host_budget_bytes)}"
 
     def known(r: PlanRow) -> bool | None:
         """Whether r fits, as far as the traces so far decide it (None: not decided)."""
@@ -982,6 +1000,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--allow", type=_allow_arg, action="append", default=[], metavar="KEY=V1,V2")
     parser.add_argument("--prefer", choices=["fidelity", "cost"], default="fidelity")
+    parser.add_argument("--host-budget", default=None, help="host memory for offloaded stacks (e.g. 128GiB)")
     parser.add_argument("--top", type=int, default=5, help="stop after this many stacks that fit")
     parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--all", action="store_true", help="print every row")
@@ -993,7 +1012,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         res = plan(args.model, args.budget, batch_size=args.batch_size, seq_len=args.seq_len, gpu=args.gpu,
                    allow=allow or None, device=args.device, top=args.top, prefer=args.prefer,
-                   config_overrides=dict(args.overrides) or None, progress=not args.no_progress)
+                   config_overrides=dict(args.overrides) or None, host_budget=args.host_budget,
+                   progress=not args.no_progress)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"memlab plan: error: {exc}", file=sys.stderr)
         return 2
@@ -1013,8 +1033,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: {n}")
     print(f"\n{res.traces} stacks traced on fake tensors in {res.seconds:.1f} s (of {len(res.rows)} candidates)")
     print(res.verdict)
-    if res.pick is not None and res.pick.host_bytes:
-        print(f"host memory for the pick: {format_bytes(res.pick.host_bytes)}")
     return 0 if res.pick is not None else 1
 
 
