@@ -110,81 +110,76 @@ class LiveFinalizeTensor:
 
 
 # ----------------------------------------------------------------------------- 01.categorize
-def _params(model, optimizer):
-    ps = list(model.parameters()) + list(model.buffers()) if model is not None else []
+_BORN = {"forward": "activations", "backward": "activations", "optimizer": "optimizer", "other": "other"}
+
+
+def _params(model, optimizer, buffers=True):
+    ps = list(model.parameters()) if model is not None else []
+    if model is not None and buffers:
+        ps += list(model.buffers())
     if optimizer is not None:
         ps += [p for g in optimizer.param_groups for p in g["params"]]
     return ps
 
 
-def categorize_by_identity(t, model=None, optimizer=None):
-    """Compares tensor objects, not storages: a detached or viewed weight is missed."""
-    ps = _params(model, optimizer)
-    if any(t is p for p in ps):
+def _owner(t, model, optimizer, same=None, buffers=True, state=lambda k: True):
+    """The owner of t's storage ('parameters', 'gradients', 'optimizer') or None; the knobs make mutants."""
+    if same is None:
+        key = t.untyped_storage()._cdata
+        same = lambda x: isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == key  # noqa: E731
+    ps = _params(model, optimizer, buffers)
+    if any(same(p) for p in ps):
         return "parameters"
-    if any(t is p.grad for p in ps):
+    if any(same(p.grad) for p in ps):
         return "gradients"
-    if optimizer is not None and any(t is v for s in optimizer.state.values() for v in s.values()):
+    if optimizer is not None and any(same(v) for s in optimizer.state.values() for k, v in s.items() if state(k)):
         return "optimizer"
-    return "activations" if t.grad_fn is not None else "other"
+    return None
 
 
-def categorize_grad_fn_first(t, model=None, optimizer=None):
-    """Asks about grad_fn before ownership: fine here, but requires_grad makes params 'activations'."""
+def categorize_grad_fn_rule(t, model=None, optimizer=None, phase=None):
+    """The old shortcut: owners, then grad_fn -> activations, else other; the phase is ignored,
+    so dropout masks, LayerNorm statistics and activation gradients come out 'other'."""
+    return _owner(t, model, optimizer) or ("activations" if t.grad_fn is not None else "other")
+
+
+def categorize_phase_first(t, model=None, optimizer=None, phase=None):
+    """Asks the phase before the owner: a weight used in forward becomes 'activations'."""
+    if phase in ("forward", "backward"):
+        return "activations"
+    return _owner(t, model, optimizer) or _BORN[phase]
+
+
+def categorize_optimizer_temps_other(t, model=None, optimizer=None, phase=None):
+    """Only optimizer.state is 'optimizer': the step's temporaries (Adam's denominator) become 'other'."""
+    return _owner(t, model, optimizer) or ("other" if phase == "optimizer" else _BORN[phase])
+
+
+def categorize_backward_is_gradients(t, model=None, optimizer=None, phase=None):
+    """Everything born in backward is a gradient: activation gradients become 'gradients'."""
+    return _owner(t, model, optimizer) or ("gradients" if phase == "backward" else _BORN[phase])
+
+
+def categorize_by_identity(t, model=None, optimizer=None, phase=None):
+    """Compares tensor objects (``is``), not storages: a detached or viewed weight is missed."""
+    return _owner(t, model, optimizer, same=lambda x: x is t) or _BORN[phase]
+
+
+def categorize_without_buffers(t, model=None, optimizer=None, phase=None):
+    """Forgets model.buffers(): BatchNorm's running statistics go by their phase."""
+    return _owner(t, model, optimizer, buffers=False) or _BORN[phase]
+
+
+def categorize_moments_only(t, model=None, optimizer=None, phase=None):
+    """Only exp_avg / exp_avg_sq are optimizer state; the step counter goes by its phase."""
+    return _owner(t, model, optimizer, state=lambda k: k.startswith("exp_avg")) or _BORN[phase]
+
+
+def categorize_requires_grad_first(t, model=None, optimizer=None, phase=None):
+    """'Needs a gradient' taken for 'is an activation', before asking the owner: weights fail."""
     if t.requires_grad:
         return "activations"
-    key = t.untyped_storage()._cdata
-    same = lambda x: isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == key  # noqa: E731
-    ps = _params(model, optimizer)
-    if any(same(p) for p in ps):
-        return "parameters"
-    if any(same(p.grad) for p in ps):
-        return "gradients"
-    if optimizer is not None and any(same(v) for s in optimizer.state.values() for v in s.values()):
-        return "optimizer"
-    return "other"
-
-
-def categorize_without_buffers(t, model=None, optimizer=None):
-    """Forgets model.buffers(): BatchNorm's running statistics become 'other'."""
-    key = t.untyped_storage()._cdata
-    same = lambda x: isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == key  # noqa: E731
-    ps = list(model.parameters()) if model is not None else []
-    if any(same(p) for p in ps):
-        return "parameters"
-    if any(same(p.grad) for p in ps):
-        return "gradients"
-    if optimizer is not None and any(same(v) for s in optimizer.state.values() for v in s.values()):
-        return "optimizer"
-    return "activations" if t.grad_fn is not None else "other"
-
-
-def categorize_moments_only(t, model=None, optimizer=None):
-    """Only exp_avg / exp_avg_sq are optimizer state; the step counter becomes 'other'."""
-    key = t.untyped_storage()._cdata
-    same = lambda x: isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == key  # noqa: E731
-    ps = _params(model, optimizer)
-    if any(same(p) for p in ps):
-        return "parameters"
-    if any(same(p.grad) for p in ps):
-        return "gradients"
-    if optimizer is not None and any(same(v) for s in optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg")):
-        return "optimizer"
-    return "activations" if t.grad_fn is not None else "other"
-
-
-def categorize_by_requires_grad(t, model=None, optimizer=None):
-    """'Needs a gradient' taken for 'is an activation', buffers forgotten, storages by data_ptr."""
-    key = t.untyped_storage().data_ptr()
-    ps = list(model.parameters()) if model is not None else []
-    if any(p.untyped_storage().data_ptr() == key for p in ps):
-        return "parameters"
-    if any(p.grad is not None and p.grad.untyped_storage().data_ptr() == key for p in ps):
-        return "gradients"
-    if optimizer is not None and any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == key
-                                     for s in optimizer.state.values() for v in s.values()):
-        return "optimizer"
-    return "activations" if t.requires_grad else "other"
+    return _owner(t, model, optimizer) or _BORN[phase]
 
 
 # ----------------------------------------------------------------------------- 01.phase_peaks
@@ -393,11 +388,14 @@ MUTANTS = {
         ("weakref.finalize on the tensor, keyed by data_ptr", LiveFinalizeTensor),
     ],
     "01.categorize": [
-        ("tensor identity instead of storage", categorize_by_identity),
-        ("requires_grad means activation", categorize_grad_fn_first),
+        ("grad_fn rule, phase ignored", categorize_grad_fn_rule),
+        ("phase first, owners ignored", categorize_phase_first),
+        ("optimizer-phase temporaries as other", categorize_optimizer_temps_other),
+        ("backward-born tensors as gradients", categorize_backward_is_gradients),
+        ("tensor identity (is) instead of the same storage", categorize_by_identity),
         ("buffers not counted as parameters", categorize_without_buffers),
         ("step counter not optimizer state", categorize_moments_only),
-        ("requires_grad means activation, buffers forgotten", categorize_by_requires_grad),
+        ("requires_grad means activation", categorize_requires_grad_first),
     ],
     "01.phase_peaks": [
         ("sum of per-category peaks", sum_of_category_peaks),

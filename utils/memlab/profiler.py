@@ -608,9 +608,11 @@ def categorize(t: torch.Tensor, model: torch.nn.Module | None = None,
     ``"backward"`` -> ``activations`` (saved tensors, dropout masks and normalisation statistics,
     which have no ``grad_fn``, and activation gradients), ``"optimizer"`` -> ``optimizer`` (the
     step's temporaries), ``"other"`` -> ``other`` (an input batch, anything made outside the three
-    phases, even with a ``grad_fn``). One caveat: when a step ends, the tracker moves what the step
-    allocated and still holds outside ``optimizer.state`` to ``other``; pass ``phase="other"`` for
-    such a survivor.
+    phases, even with a ``grad_fn``). Two caveats, both about time: when a step ends, the tracker
+    moves what the step allocated and still holds outside ``optimizer.state`` to ``other`` (pass
+    ``phase="other"`` for such a survivor); and its owner labels stick, so an old ``.grad`` that
+    you still hold after autograd replaced it stays ``gradients`` there, while this function,
+    which sees only the present, calls it by its birth phase.
 
     ``phase=None`` (the old two-argument call) falls back to a guess the tracker never makes:
     ``activations`` when ``t.grad_fn`` is set, else ``other``. It mislabels dropout masks, the

@@ -5,8 +5,11 @@ import gc
 import itertools
 import math
 
+import weakref
+
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memlab import profiler as ref
 from memlab.checks import expect, expect_equal, expect_type, register
@@ -57,43 +60,128 @@ def check_live_bytes(cls):
 
 
 # ---------------------------------------------------------------------------- 01.categorize
-def _trained_mlp():
+def _mlp():
+    """Linear, BatchNorm (buffers), LayerNorm (saves statistics), Dropout (saves a mask), one AdamW step."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.LayerNorm(16), nn.Dropout(0.5), nn.ReLU(),
+                          nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(5, 8)).square().mean().backward()
     opt.step()
     return model, opt
 
 
+class _Births(TorchDispatchMode):
+    """Entered inside a MemoryTracker: remembers the phase each new storage is born in (the phase
+    the check is running, set by hand) and, after every op, asks ``fn(t, model, optimizer, born)``
+    about every storage the tracker holds; ``self.bad`` keeps the first disagreement."""
+
+    def __init__(self, fn, tracker, model, opt):
+        super().__init__()
+        self.fn, self.tracker, self.model, self.opt = fn, tracker, model, opt
+        self.phase, self.born, self.bad, self.asked = "other", {}, None, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, torch.Tensor):
+                st = o.untyped_storage()
+                b = self.born.get(st._cdata)
+                if b is None or b[0]() is not st:  # a new storage (or a dead one's address reused)
+                    self.born[st._cdata] = (weakref.ref(st), self.phase, f"{func} {tuple(o.shape)}")
+        if self.bad is None:
+            with _disable_current_modes():
+                self.compare()
+        return out
+
+    def compare(self):
+        for key, (n, cat, ref_, _) in list(self.tracker._live.items()):
+            st = ref_()
+            if st is None:
+                continue
+            b = self.born.get(key)
+            if b is None or b[0]() is not st:  # held by the model or the optimizer before the step
+                b = (None, "other", "the model or the optimizer before the step")
+            t = torch.empty(0, dtype=torch.uint8).set_(st)  # a tensor on that storage, nothing more
+            got = self.fn(t, self.model, self.opt, b[1])
+            self.asked += 1
+            if got != ref.CATEGORIES[cat]:
+                self.bad = (f"a real step with MemoryTracker: a storage of {n} bytes made by {b[2]}, "
+                            f"born in phase {b[1]!r}: categorize(t, model, optimizer, {b[1]!r}) got {got!r}, "
+                            f"the tracker says {ref.CATEGORIES[cat]!r}")
+                return
+
+
 @register("01.categorize", reference=lambda: ref.categorize, title="which category a tensor belongs to")
 def check_categorize(fn):
-    model, opt = _trained_mlp()
-    x = torch.randn(5, 8)
-    h = model[0](x)  # an activation: produced by an op autograd recorded
-    loss = model(x).square().mean()
-    loss.backward()
-    w = model[0].weight
+    model, opt = _mlp()
+    x = torch.randn(5, 8)  # an input batch: made outside forward, backward and the step
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h = model[0](x)  # a layer's output (it has a grad_fn)
+        out = model[1:](h)
+    masks = [t for t in saved if t.grad_fn is None and t.shape == (5, 16) and not t.requires_grad
+             and set(t.unique().tolist()) <= {0.0, 2.0}]
+    stats = [t for t in saved if t.shape == (5, 1)]  # LayerNorm's mean and 1/std
+    expect(len(masks) == 1 and len(stats) == 2, "internal: the dropout mask and LayerNorm statistics were not found")
+    act_grads = []
+    h.register_hook(lambda g: act_grads.append(g))
+    out.square().mean().backward()
+    w, st = model[0].weight, opt.state[model[0].weight]
+    temp = st["exp_avg_sq"].sqrt().add_(1e-8)  # AdamW's denominator: a temporary of the step
+    outside = model[0](x)  # a grad_fn, but made outside the three phases
     cases = [
-        ("model[0].weight", w, "parameters"),
-        ("model[0].weight.detach() (another tensor, the same storage)", w.detach(), "parameters"),
-        ("model[0].weight[:3] (a view)", w[:3], "parameters"),
-        ("model[1].running_mean (a buffer)", model[1].running_mean, "parameters"),
-        ("model[0].weight.grad", w.grad, "gradients"),
-        ("model[3].bias.grad", model[3].bias.grad, "gradients"),
-        ("opt.state[weight]['exp_avg']", opt.state[w]["exp_avg"], "optimizer"),
-        ("opt.state[weight]['exp_avg_sq']", opt.state[w]["exp_avg_sq"], "optimizer"),
-        ("opt.state[weight]['step']", opt.state[w]["step"], "optimizer"),
-        ("model[0](x) (the output of a layer, with a grad_fn)", h, "activations"),
-        ("loss", loss, "activations"),
-        ("torch.zeros(3) (nobody's tensor)", torch.zeros(3), "other"),
-        ("x (an input batch)", x, "other"),
+        # owners first: the phase does not matter
+        ("model[0].weight", w, "other", "parameters"),
+        ("model[0].weight.detach() (another tensor, the same storage)", w.detach(), "forward", "parameters"),
+        ("model[0].weight[:3] (a view)", w[:3], "backward", "parameters"),
+        ("model[1].running_mean (a buffer)", model[1].running_mean, "forward", "parameters"),
+        ("model[0].weight.grad", w.grad, "backward", "gradients"),
+        ("model[5].bias.grad", model[5].bias.grad, "backward", "gradients"),
+        ("opt.state[weight]['exp_avg']", st["exp_avg"], "optimizer", "optimizer"),
+        ("opt.state[weight]['exp_avg_sq']", st["exp_avg_sq"], "other", "optimizer"),
+        ("opt.state[weight]['step']", st["step"], "other", "optimizer"),
+        # else the phase it was born in
+        ("model[0](x) (a layer's output)", h, "forward", "activations"),
+        ("the dropout mask saved for backward (no grad_fn)", masks[0], "forward", "activations"),
+        ("LayerNorm's saved mean (no grad_fn)", stats[0], "forward", "activations"),
+        ("the gradient of model[0](x) (an activation gradient)", act_grads[0], "backward", "activations"),
+        ("exp_avg_sq.sqrt() (a temporary of the step)", temp, "optimizer", "optimizer"),
+        ("x (the input batch)", x, "other", "other"),
+        ("model[0](x) made outside forward (a grad_fn, phase 'other')", outside, "other", "other"),
     ]
-    for name, t, want in cases:
-        got = fn(t, model, opt)
-        expect(got in ref.CATEGORIES, f"categorize({name}): got {got!r}, expected one of {ref.CATEGORIES}")
-        expect_equal(f"categorize({name})", got, want)
-    expect_equal("categorize(h, model=None, optimizer=None)", fn(h, None, None), "activations")
+    cases += [(f"model[0].weight born in phase {p!r}", w, p, "parameters") for p in ref.PHASES]
+    cases += [(f"model[1].running_var born in phase {p!r}", model[1].running_var, p, "parameters") for p in ref.PHASES]
+    cases += [(f"torch.zeros(3) born in phase {p!r}", torch.zeros(3), p, want)
+              for p, want in zip(ref.PHASES, ("activations", "activations", "optimizer", "other"))]
+    for name, t, phase, want in cases:
+        got = fn(t, model, opt, phase)
+        expect(got in ref.CATEGORIES, f"categorize({name}, phase={phase!r}): got {got!r}, expected one of {ref.CATEGORIES}")
+        expect_equal(f"categorize({name}, phase={phase!r})", got, want)
+    expect_equal("categorize(model[0](x), model=None, optimizer=None, phase='forward')",
+                 fn(h, None, None, "forward"), "activations")
+    expect_equal("categorize(model[0].weight, model=None, optimizer=None, phase='other') (no owner given)",
+                 fn(w, None, None, "other"), "other")
+
+    # the same function against the tracker: every storage alive after every op of a real step
+    # (no reference to an old .grad may survive: the tracker's labels stick, so a .grad replaced
+    # while we still held it would stay "gradients" for the tracker and no longer be one here)
+    del saved, masks, stats, act_grads, temp, outside, h, out, cases, w, st, t
+    tracker = ref.MemoryTracker(model, opt)
+    probe = _Births(fn, tracker, model, opt)
+    with tracker, probe:
+        xb = torch.randn(5, 8)
+        probe.phase = "forward"
+        loss = model(xb).square().mean()
+        probe.phase = "backward"
+        loss.backward()
+        probe.phase = "optimizer"
+        opt.step()
+        probe.phase = "other"
+        opt.zero_grad()
+        del loss
+    expect(probe.bad is None, probe.bad or "")
+    expect(probe.asked > 100, f"internal: only {probe.asked} storages compared with the tracker")
 
 
 # ---------------------------------------------------------------------------- 01.phase_peaks
