@@ -18,10 +18,14 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 BATCH, SEQ = 2, 32  # per rank
+# the default tiny Llama (4 layers): FSDP's modelled units (root + 2 layers) need more than 2 layers to be
+# a fair model (on a 2-layer model of width 64 the stage-3 estimate is 10% high, measured)
+MODEL: dict = {}
 
 
 def _stages(rank, world_size):
-    return [D.train_rank(rank, world_size, s, steps=2, batch_size=BATCH * world_size, seq_len=SEQ) for s in D.STAGES]
+    return [D.train_rank(rank, world_size, s, steps=2, batch_size=BATCH * world_size, seq_len=SEQ, model_kwargs=MODEL)
+            for s in D.STAGES]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +37,9 @@ def measured():
 def estimates():
     kw = dict(batch_size=BATCH, seq_len=SEQ, dtype="fp32", optimizer="adamw", device="cpu", loss="memlab",
               extrapolate=False)
-    base = estimate_training_memory(tiny_llama_config(), **kw)
-    return base, {s: estimate_training_memory(tiny_llama_config(), world_size=2, zero_stage=s, **kw) for s in D.STAGES}
+    cfg = tiny_llama_config(**MODEL)
+    base = estimate_training_memory(cfg, **kw)
+    return base, {s: estimate_training_memory(cfg, world_size=2, zero_stage=s, **kw) for s in D.STAGES}
 
 
 @pytest.mark.parametrize("stage", D.STAGES)
