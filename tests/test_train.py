@@ -9,12 +9,10 @@ import signal
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-from memlab import ckpt
 from memlab.models import TinyGPT, TinyGPTConfig
 from memlab.plan import Stack
 from memlab.train import (BudgetTracker, BudgetTrainer, back_off, back_off_chain, bucket_batches, pad_batch,

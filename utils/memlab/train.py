@@ -5,9 +5,11 @@ memory-hungry first, as a planner ranks them) on a real model and real data, and
 inside ``budget`` bytes:
 
 * **the budget is enforced, not hoped for.** On CUDA the allocator itself refuses: the trainer
-  sets ``torch.cuda.set_per_process_memory_fraction(budget / total)`` and an allocation beyond it
-  raises ``torch.OutOfMemoryError``. On the CPU :class:`BudgetTracker` (a
-  :class:`memlab.profiler.MemoryTracker` that sees every storage an op creates) raises the same
+  sets ``torch.cuda.set_per_process_memory_fraction(budget / total)`` while ``train()`` runs, and
+  an allocation beyond it raises ``torch.OutOfMemoryError`` (the limit is on the caching
+  allocator's reserved bytes, so ``max_memory_allocated <= budget``; the CUDA context is outside).
+  On the CPU :class:`BudgetTracker` (a :class:`memlab.profiler.MemoryTracker` that sees every
+  storage an op creates) raises the same
   ``torch.OutOfMemoryError`` as soon as the live tensor bytes -- parameters, gradients, optimizer
   state, activations, the batch -- would exceed ``budget``; a refused total never counts toward the
   peak, as a refused ``cudaMalloc`` never counts toward ``max_memory_allocated``.
@@ -366,7 +368,6 @@ class BudgetTrainer:
         self._applied: Stack | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._apply(self.stacks[0])
-        self._cuda_fraction_set = False
         latest = self._latest_checkpoint()
         if latest is not None:
             self._restore(latest, resume=True)
@@ -554,13 +555,13 @@ class BudgetTrainer:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _set_cuda_fraction(self) -> None:
-        if self.budget is None or self.device.type != "cuda" or self._cuda_fraction_set:
+    def _set_cuda_fraction(self, on: bool) -> None:
+        """Limit this process's CUDA caching allocator to ``budget`` bytes (``on``), or lift the limit."""
+        if self.budget is None or self.device.type != "cuda":
             return
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), index)
-        self._cuda_fraction_set = True
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total) if on else 1.0, index)
 
     # -------------------------------------------------------------- the loop
     @property
@@ -573,7 +574,6 @@ class BudgetTrainer:
         returns the loss of every step, ``0 .. steps - 1``."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps={steps!r} is invalid; allowed: an int >= 0")
-        self._set_cuda_fraction()
         if not any(True for _ in _ckpt.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB)):
             self.save_checkpoint()  # the starting point, so that an OOM in the first step can restore it
         bar = None
@@ -581,6 +581,7 @@ class BudgetTrainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=steps, initial=min(self.step, steps), desc="BudgetTrainer", unit="step")
+        self._set_cuda_fraction(True)  # lifted again when train() returns or raises
         try:
             while self.step < steps:
                 stack = self.stack
@@ -607,6 +608,7 @@ class BudgetTrainer:
                 if self.step % self.ckpt_interval == 0 or self.step == steps:
                     self.save_checkpoint()
         finally:
+            self._set_cuda_fraction(False)
             if bar is not None:
                 bar.close()
         return list(self.losses[:steps])
