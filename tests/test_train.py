@@ -112,7 +112,7 @@ def test_resume_after_kill_9_loses_and_repeats_nothing(solo, tmp_path):
     steps = 12
     ref = solo[B].losses + run([B], steps=steps, ckpt_dir=tmp_path / "ref").losses[4:]
     rng = random.Random(3)
-    killed_at = []
+    killed_at, torn = [], 0
     for trial in range(5):
         d = tmp_path / f"run{trial}"
         pid = os.fork()
@@ -132,12 +132,15 @@ def test_resume_after_kill_9_loses_and_repeats_nothing(solo, tmp_path):
         _, status = os.waitpid(pid, 0)
         t = BudgetTrainer(model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=d)
         resumed = t.step
+        assert not list(d.glob(".*.tmp-*"))  # a write the kill interrupted left its temp file: removed
         assert 0 <= resumed <= steps
         assert t.losses == ref[:resumed]  # what was done before the kill is kept, bitwise
         assert t.train(steps) == ref  # and the rest continues as if nothing had happened
         if os.WIFSIGNALED(status):
             killed_at.append(resumed)
-    print(f"kill -9 of a training process: {len(killed_at)} of 5 killed before the end, resumed at steps {killed_at}")
+            torn += t.stale_temps_removed
+    print(f"kill -9 of a training process: {len(killed_at)} of 5 killed before the end, resumed at steps {killed_at}, "
+          f"{torn} killed in a checkpoint write")
     assert any(0 < s < steps for s in killed_at), "no kill landed in the middle of training"
 
 

@@ -308,7 +308,8 @@ class BudgetTrainer:
         effective_batch, seq_len: sequences per optimizer step and tokens per sequence.
         ckpt_dir: where checkpoints go (a temporary directory when ``None``); the newest complete
             checkpoint there is resumed, with its stack and back-off history when that stack is
-            in ``stacks`` (else from ``stacks[0]``).
+            in ``stacks`` (else from ``stacks[0]``). The directory belongs to one trainer at a
+            time: leftover temp files of a killed writer are removed when a trainer opens it.
         seed: seeds the default model, the data order and the RNGs at the start.
         lr, weight_decay: AdamW's.
         ckpt_interval: optimizer steps between checkpoints (also one at the start and at the end).
@@ -357,6 +358,8 @@ class BudgetTrainer:
             ckpt_dir = self._tmp.name
         self.ckpt_dir = Path(ckpt_dir)
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # temp files of a writer that was killed (the directory is this trainer's alone)
+        self.stale_temps_removed = _ckpt.remove_stale_temps(self.ckpt_dir)
 
         self.step = 0
         self.losses: list[float] = []
