@@ -87,6 +87,16 @@ def test_launch_rejects_bad_arguments(kwargs, match):
 
 
 @pytest.mark.slow
+def test_spawn_cannot_import_a_local_function_and_says_why():
+    def local(rank, world_size):
+        return rank
+
+    with pytest.raises(D.RankError, match="not importable there"):
+        D.launch(local, 2, start_method="spawn", timeout=120)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
 def test_the_same_function_runs_under_torchrun(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""

@@ -206,8 +206,12 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
                         rank, status, payload = queue.get(timeout=0.5)
                     except _queue.Empty:
                         r, code = dead[0]
+                        hint = ("killed, os._exit, or a crash in native code" if start_method == "fork" else
+                                f"with start_method={start_method!r} the child imports fn by name: a function defined "
+                                f"in a notebook or a script's __main__ is not importable there (its stderr says so); "
+                                f"use the default fork on Linux or move fn into a module")
                         error = RankError(f"rank {r} of {world_size} died with exit code {code} without a result "
-                                          f"(killed, os._exit, or a crash in native code)", r)
+                                          f"({hint})", r)
                         break
                 elif time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in results]
