@@ -21,7 +21,8 @@ inside ``budget`` bytes:
 * **it checkpoints with** :mod:`memlab.ckpt` (one safetensors file, atomic rename, SHA-256
   verified) every ``ckpt_interval`` optimizer steps; a new ``BudgetTrainer`` on the same
   ``ckpt_dir`` resumes from the newest complete checkpoint, after a crash or ``kill -9`` at any
-  instant, with nothing lost or repeated.
+  instant, with nothing lost or repeated. Checkpoints are written between optimizer steps,
+  outside the budgeted step (from host memory: on a GPU the state is copied to the host).
 
 The one formula: with ``k`` equal micro-batches and mean losses, the accumulated gradient
 ``g = (1/k) * sum_j grad L(micro-batch j)`` is the gradient of the mean loss of the whole effective
@@ -466,7 +467,7 @@ class BudgetTrainer:
             "backoffs": [b.to_json() for b in self.backoffs],
             "data": {"position": self.step, "seed": self.seed, "effective_batch": self.effective_batch,
                      "seq_len": self.seq_len},
-            "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "rng": _rng_state(),
         }
