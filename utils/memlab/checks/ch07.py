@@ -16,6 +16,8 @@ memlab.train.estimate_stack_peak (tests/test_train.py and tests/test_ckpt.py tes
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 import shutil
 import signal
@@ -262,8 +264,10 @@ def check_predict_peak(fn) -> None:
         where = (f"predict_peak(TinyGPT({', '.join(f'{k}={v}' for k, v in cfg.items())}), micro_batch={stack.micro_batch}, "
                  f"grad_accum={stack.grad_accum}, checkpointing={stack.checkpointing!r}, attention={stack.attention!r}, "
                  f"seq_len={seq_len})")
-        expect(isinstance(predicted, (int, float)) and not isinstance(predicted, bool),
-               f"{where}: expected a number of bytes, got {type(predicted).__name__}")
+        expect(isinstance(predicted, numbers.Real) and not isinstance(predicted, bool),
+               f"{where}: expected a number of bytes (an int), got {type(predicted).__name__}")
+        predicted = float(predicted)
+        expect(math.isfinite(predicted), f"{where}: predicted {predicted}, expected a finite number of bytes")
         measured = train.measure_stack_peak(model_fn, stack, seq_len)
         err = abs(predicted - measured) / measured
         expect(err <= 0.02, f"{where}: predicted {int(predicted):,} bytes, measured {measured:,} ({100 * err:.1f}% off; "
