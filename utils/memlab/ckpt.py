@@ -8,7 +8,7 @@ use. :func:`save` writes the whole tree as **one safetensors file** (the format 
 shape and byte range, then the raw bytes). The tensors are the file's tensors; everything else is
 JSON in the header's ``__metadata__`` (key ``memlab.state``), where each tensor leaf is replaced by
 ``{"__tensor__": name}``. The format is specified at https://github.com/huggingface/safetensors
-(README, "Format"). The writer is written here (about 40 lines, no dependency); the files it
+(README, "Format"). The reader and the writer are written here (no dependency); the files it
 writes load with the ``safetensors`` package too (``tests/test_ckpt.py``). Reading never unpickles
 anything: tensors are rebuilt from raw bytes with ``torch.frombuffer``, the rest is ``json``.
 
