@@ -87,12 +87,21 @@ def test_launch_rejects_bad_arguments(kwargs, match):
 
 
 @pytest.mark.slow
-def test_spawn_cannot_import_a_local_function_and_says_why():
+def test_spawn_cannot_import_a_notebook_function_and_says_why(monkeypatch):
+    def from_a_notebook(rank, world_size):
+        return rank
+
+    # as a notebook cell defines it: an attribute of this process's __main__, absent from a fresh one
+    from_a_notebook.__module__, from_a_notebook.__qualname__ = "__main__", "memlab_test_from_a_notebook"
+    monkeypatch.setattr(sys.modules["__main__"], "memlab_test_from_a_notebook", from_a_notebook, raising=False)
+    with pytest.raises(D.RankError, match="not importable there"):
+        D.launch(from_a_notebook, 2, start_method="spawn", timeout=120)
+
     def local(rank, world_size):
         return rank
 
-    with pytest.raises(D.RankError, match="not importable there"):
-        D.launch(local, 2, start_method="spawn", timeout=120)
+    with pytest.raises(ValueError, match="cannot be sent to a 'spawn' child"):
+        D.launch(local, 2, start_method="spawn")
     assert not multiprocessing.active_children()
 
 

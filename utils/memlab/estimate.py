@@ -62,6 +62,12 @@ device (``device="cuda"`` uses PyTorch's CUDA default, the foreach AdamW, whose
 ``sqrt(exp_avg_sq)`` temporary is a full extra copy of one moment during the step; Hugging Face's
 Trainer defaults to the fused AdamW, ``optimizer_impl="fused"``, which has none).
 
+Per rank (chapter 08): ``world_size=N, zero_stage=S`` (CLI ``--world-size N --zero-stage S``) estimate
+one of N data-parallel ranks under ZeRO stage S: the step of one rank's batch is traced once and its
+parameters / gradients / optimizer state sharded as the stage shards them, FSDP's unsharded units
+modelled for stage 3 (:func:`shard_estimate`); ``tests/test_estimate_distributed.py`` checks it
+against ranks measured with 2 gloo processes on CPU.
+
 Reference formulas kept here for comparison: :func:`accelerate_estimate` (``accelerate
 estimate-memory``) and :func:`deepspeed_zero_estimate` (DeepSpeed's model-state estimators).
 """
