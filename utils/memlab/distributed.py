@@ -35,7 +35,9 @@ unchanged. Rank ``r`` owns the contiguous slice ``[r S, (r + 1) S)``: the inner 
 * Stage 1: one persistent flat gradient buffer (as DDP's buckets); a post-accumulate-grad hook
   copies each parameter's new gradient into its slice and makes ``.grad`` a view of it; ``step()``
   all-reduces the buffer (SUM, then / N: gloo has no AVG), the inner optimizer steps on the rank's
-  slice, and an all-gather of the updated slices refreshes every parameter.
+  slice, and an all-gather of the updated slices refreshes every parameter. The all-reduce gives
+  every rank the whole averaged gradient, of which it uses 1/N: 3 ring passes per step where the
+  paper's ZeRO-1 reduce-scatters (2), the price of the simplest code (:class:`CommCounter` measures it).
 * Stage 2: only the rank's ``S``-element gradient slice is kept. As soon as autograd has accumulated
   a parameter's gradient (a post-accumulate-grad hook), each piece of it is reduced to the rank that
   owns that piece and the full gradient is freed: a reduce-scatter done one parameter at a time
@@ -82,6 +84,7 @@ __all__ = [
     "fsdp2_shard",
     "rank_bytes",
     "rank_tracker",
+    "CommCounter",
     "zero_model_state_bytes",
     "comm_volume_bytes",
     "STAGES",
@@ -703,6 +706,71 @@ def comm_volume_bytes(n_params: int, world_size: int, stage: int, *, bytes_per_e
     return parts
 
 
+class CommCounter:
+    """Count the bytes this rank sends in collectives while the ``with`` block runs.
+
+    A ``TorchDispatchMode`` sees the c10d ops (``allreduce_``, ``reduce_``, ``_reduce_scatter_base_``,
+    ``_allgather_base_``, ``broadcast_``): ours and FSDP2's alike. Bytes sent per rank are counted as a
+    ring algorithm sends them (ZeRO, sec. 7): a reduce-scatter or an all-gather of a buffer of B bytes
+    ``(N-1)/N B``, an all-reduce ``2 (N-1)/N B``; a ``reduce`` to one owner is counted as its piece of
+    a reduce-scatter, ``(N-1)/N B``; a broadcast ``(N-1)/N B``. ``sent`` maps a kind to bytes,
+    ``calls`` to the number of collectives, ``total`` sums ``sent``.
+    """
+
+    KINDS = {"allreduce_": "all-reduce", "reduce_": "reduce (pieces of a reduce-scatter)",
+             "_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_tensor_coalesced_": "reduce-scatter",
+             "_allgather_base_": "all-gather", "allgather_into_tensor_coalesced_": "all-gather",
+             "broadcast_": "broadcast"}
+
+    def __init__(self, world_size: int | None = None) -> None:
+        self.world_size = world_size
+        self.sent: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._mode: Any = None
+
+    @property
+    def total(self) -> float:
+        return sum(self.sent.values())
+
+    def _count(self, name: str, args: tuple) -> None:
+        kind = self.KINDS.get(name)
+        if kind is None:
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                tensors += [t for t in a if isinstance(t, torch.Tensor)]
+                for inner in a:
+                    if isinstance(inner, (list, tuple)):
+                        tensors += [t for t in inner if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return
+        n = self.world_size or dist.get_world_size()
+        nbytes = max(t.numel() * t.element_size() for t in tensors)  # the full buffer (all-gather out, RS in)
+        factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+        self.sent[kind] = self.sent.get(kind, 0.0) + factor * nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def __enter__(self) -> "CommCounter":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if "c10d" in func.namespace:
+                    counter._count(func._schema.name.split("::")[-1], args)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
+
+
 # --------------------------------------------------------------------------------------
 # One training run per rank, shared by the tests, the bench and chapter 08
 # --------------------------------------------------------------------------------------
@@ -756,7 +824,8 @@ def train_rank(rank: int, world_size: int, stage: int, steps: int = 3, *, batch_
     under :func:`rank_tracker`. Returns ``losses`` (the global batch's mean loss per step, the same
     on every rank), ``bytes`` (:func:`rank_bytes` after the last step), ``peak_bytes``, ``at_peak``
     and ``at_end`` (the tracker's breakdowns), ``peak_phase``, ``step_seconds`` (the median step),
-    ``n_params``, ``n_tensors`` (parameter tensors), and with ``return_params`` the full flat parameters (gathered for stage 3).
+    ``n_params``, ``n_tensors`` (parameter tensors), ``comm_bytes`` / ``comm_calls`` (:class:`CommCounter`
+    over the last step, the loss's all-reduce for reporting excluded), and with ``return_params`` the full flat parameters (gathered for stage 3).
     """
     from memlab.models import lm_loss, tiny_llama
 
@@ -777,11 +846,13 @@ def train_rank(rank: int, world_size: int, stage: int, steps: int = 3, *, batch_
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, times = [], []
     tracker = rank_tracker(model, opt)
+    counter = CommCounter(world_size)
     for i, (x, y) in enumerate(_batches(steps, batch_size, seq_len, model.config.vocab_size, seed + 1)):
         xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
         last = i == steps - 1
         if last:
             tracker.__enter__()
+            counter.__enter__()
         t0 = time.perf_counter()
         try:
             loss = lm_loss(model, xs, ys)
@@ -795,6 +866,7 @@ def train_rank(rank: int, world_size: int, stage: int, steps: int = 3, *, batch_
             opt.zero_grad(set_to_none=True)
         finally:
             if last:
+                counter.__exit__(None, None, None)
                 tracker.__exit__(None, None, None)
         times.append(time.perf_counter() - t0)
         total = loss.detach().clone()
@@ -804,6 +876,7 @@ def train_rank(rank: int, world_size: int, stage: int, steps: int = 3, *, batch_
         "rank": rank, "stage": stage, "losses": losses, "bytes": rank_bytes(model, opt),
         "peak_bytes": tracker.peak_bytes, "at_peak": tracker.breakdown("peak"), "at_end": tracker.breakdown("end"),
         "peak_phase": tracker.peak_phase, "step_seconds": sorted(times)[len(times) // 2], "n_params": n_params, "n_tensors": n_tensors,
+        "comm_bytes": dict(counter.sent), "comm_calls": dict(counter.calls),
     }
     if return_params:
         flat = []

@@ -69,14 +69,16 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([NAMES[s] if r == 0 else "", r, format_bytes(m["peak_bytes"]), f"{m['peak_bytes'] / base['peak_bytes']:.2f}",
                          format_bytes(est[s].peak_bytes) if r == 0 else "", format_bytes(b["parameters"]),
                          format_bytes(b["gradients"]), format_bytes(b["optimizer"]), f"{1000 * m['step_seconds']:.1f}",
-                         f"{m['step_seconds'] / ranks[r][0]['step_seconds']:.2f}"])
+                         f"{m['step_seconds'] / ranks[r][0]['step_seconds']:.2f}",
+                         format_bytes(sum(m["comm_bytes"].values()))])
     print(table(f"memlab bench distributed: tiny Llama ({base['n_params'] / 1e6:.2f}M params, {args.layers} layers, fp32 "
                 f"AdamW), {args.world_size} ranks (gloo), batch {args.batch_size} x {args.seq_len} per rank, "
                 f"median of {steps} steps",
                 ["stage", "rank", "peak", "vs stage 0", "estimate", "params held", "grads held", "optimizer held",
-                 "step ms", "time vs stage 0"], rows, "cpu"))
+                 "step ms", "time vs stage 0", "sent/step"], rows, "cpu"))
     print("peak: MemoryTracker on each rank over the last step; held: after optimizer.step() and zero_grad() "
-          "(stage 0 and FSDP2 free their gradients there, stages 1-2 keep their buffers)")
+          "(stage 0 and FSDP2 free their gradients there, stages 1-2 keep their buffers); sent/step: bytes this "
+          "rank sent in the last step's collectives, ring cost (memlab.distributed.CommCounter)")
     n = args.world_size
     b0 = ranks[0][0]["bytes"]
     checks = []
