@@ -444,7 +444,7 @@ def _affine_estimate(a: Any, b: Any, d1: int, d2: int, n: int) -> Any | None:
 
 def estimate_stack(model: Any, stack: Stack, *, seq_len: int, device: str = "cuda",
                    config_overrides: Mapping[str, Any] | None = None, lora_r: int = 16,
-                   extrapolate: bool = True) -> Any:
+                   extrapolate: bool = True, loss: str = "auto") -> Any:
     """memlab.estimate's traced estimate (a :class:`memlab.estimate.MemoryEstimate`) of one
     micro-batch step of ``stack`` (batch ``stack.micro_batch`` x ``seq_len``).
 
@@ -453,9 +453,11 @@ def estimate_stack(model: Any, stack: Stack, *, seq_len: int, device: str = "cud
     a model built by a callable (memlab.lora / memlab.quant applied to the fake model, checkpointing
     switched on layer by layer), at two depths that are multiples of k and extrapolated the same way
     (checked against the full trace in tests/test_plan.py); ``extrapolate=False`` traces every layer.
+    ``loss``: the estimator's (``"auto"``: transformers' own loss, as the Trainer computes it;
+    ``"memlab"``: :func:`memlab.models.lm_loss`, the loss :class:`memlab.train.BudgetTrainer` runs).
     """
     name, cfg = _resolve_config(model, config_overrides)
-    return _estimate(name, cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate)
+    return _estimate(name, cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate, loss=loss)
 
 
 _CACHE: dict[tuple, Any] = {}
@@ -463,15 +465,16 @@ _CACHE_MAX = 512
 
 
 def _estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int,
-              extrapolate: bool = True) -> Any:
+              extrapolate: bool = True, loss: str = "auto") -> Any:
     """The traced estimate of ``stack``'s micro-batch step, cached by (config, stack, seq_len, ...):
     the accumulation count does not change a micro-batch's peak."""
     key = (cfg.to_json_string(use_diff=False), dataclasses.replace(stack, grad_accum=1), seq_len, device, lora_r,
-           extrapolate)
+           extrapolate, loss)
     if key not in _CACHE:
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _trace(cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate)
+        _CACHE[key] = _trace(cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate,
+                             loss=loss)
     return _CACHE[key]
 
 
@@ -492,7 +495,8 @@ def _warm_quant() -> None:
         _QUANT_WARM = True
 
 
-def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, extrapolate: bool) -> Any:
+def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, extrapolate: bool,
+           loss: str = "auto") -> Any:
     from memlab.estimate import estimate_training_memory
 
     if stack.adapter == "qlora":
@@ -500,7 +504,7 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
 
     opt, impl, okw = _OPTIMIZER[stack.optimizer]
     kw = dict(batch_size=stack.micro_batch, seq_len=seq_len, dtype=_DTYPE[stack.precision], optimizer=opt,
-              optimizer_impl=impl, optimizer_kwargs=okw, device=device, allow_longer_seq=False)
+              optimizer_impl=impl, optimizer_kwargs=okw, device=device, allow_longer_seq=False, loss=loss)
     if stack.adapter == "full" and stack.checkpointing in ("none", "full"):
         return estimate_training_memory(cfg, checkpointing=stack.checkpointing == "full",
                                         attn_implementation=stack.attention, extrapolate=extrapolate, **kw)
@@ -786,6 +790,7 @@ def plan(
     lora_r: int = 16,
     config_overrides: Mapping[str, Any] | None = None,
     host_budget: int | str | None = None,
+    loss: str = "auto",
     progress: bool = False,
 ) -> PlanResult:
     """The cheapest training stacks of ``model`` whose estimated peak fits ``budget``.
@@ -810,7 +815,7 @@ def plan(
     checkpointed layers; an optimizer that keeps at least as much) is ruled out untraced; the
     smallest stack of each family is traced first, so a family that cannot fit costs one trace;
     the search stops after ``top`` stacks that fit (the first of them is the cheapest that fits).
-    ``host_budget`` (bytes or a size) also bounds the host memory of offloaded stacks
+    ``loss`` is the estimator's (see :func:`estimate_stack`). ``host_budget`` (bytes or a size) also bounds the host memory of offloaded stacks
     (``MemoryEstimate.host_bytes``: fp32 master weights, gradient slots and moments).
     """
     t0 = time.perf_counter()
@@ -819,6 +824,8 @@ def plan(
             raise ValueError(f"{arg}={val!r} is invalid; allowed: an int >= 1")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} is invalid; allowed: 'cuda', 'cpu'")
+    if loss not in ("auto", "hf", "memlab"):
+        raise ValueError(f"loss={loss!r} is invalid; allowed: 'auto', 'hf', 'memlab'")
     if prefer not in ("fidelity", "cost"):
         raise ValueError(f"prefer={prefer!r} is invalid; allowed: 'fidelity', 'cost'")
     if gpu is not None and device != "cuda":
@@ -863,7 +870,7 @@ def plan(
 
     def trace(r: PlanRow) -> None:
         nonlocal traces
-        est = _estimate(name, cfg, r.stack, seq_len=seq_len, device=device, lora_r=lora_r)
+        est = _estimate(name, cfg, r.stack, seq_len=seq_len, device=device, lora_r=lora_r, loss=loss)
         traces += 1
         need = est.reserved_bytes if device == "cuda" else est.peak_bytes
         r.peak_bytes, r.fits, r.status = int(need), need <= budget_bytes, "traced"
