@@ -812,6 +812,12 @@ def single_process_losses(steps: int = 3, *, batch_size: int = 4, seq_len: int =
     return {"losses": losses, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
 
 
+def _median(xs: Sequence[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
 def train_rank(rank: int, world_size: int, stage: int, steps: int = 3, *, batch_size: int = 4, seq_len: int = 32,
                lr: float = 1e-3, seed: int = 0, param_dtype: torch.dtype | None = None, cpu_offload: bool = False,
                model_kwargs: dict | None = None, return_params: bool = False) -> dict[str, Any]:
@@ -823,7 +829,8 @@ def train_rank(rank: int, world_size: int, stage: int, steps: int = 3, *, batch_
     Every rank takes its ``batch_size / world_size`` rows of each global batch. The last step runs
     under :func:`rank_tracker`. Returns ``losses`` (the global batch's mean loss per step, the same
     on every rank), ``bytes`` (:func:`rank_bytes` after the last step), ``peak_bytes``, ``at_peak``
-    and ``at_end`` (the tracker's breakdowns), ``peak_phase``, ``step_seconds`` (the median step),
+    and ``at_end`` (the tracker's breakdowns), ``peak_phase``, ``step_seconds`` (the median untracked step after the first; the first alone when
+    ``steps`` is 2),
     ``n_params``, ``n_tensors`` (parameter tensors), ``comm_bytes`` / ``comm_calls`` (:class:`CommCounter`
     over the last step, the loss's all-reduce for reporting excluded), and with ``return_params`` the full flat parameters (gathered for stage 3).
     """
@@ -868,14 +875,16 @@ def train_rank(rank: int, world_size: int, stage: int, steps: int = 3, *, batch_
             if last:
                 counter.__exit__(None, None, None)
                 tracker.__exit__(None, None, None)
-        times.append(time.perf_counter() - t0)
+        if not last:  # the tracked step is slower (the tracker's bookkeeping): not timed
+            times.append(time.perf_counter() - t0)
         total = loss.detach().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         losses.append((total / world_size).item())
     out = {
         "rank": rank, "stage": stage, "losses": losses, "bytes": rank_bytes(model, opt),
         "peak_bytes": tracker.peak_bytes, "at_peak": tracker.breakdown("peak"), "at_end": tracker.breakdown("end"),
-        "peak_phase": tracker.peak_phase, "step_seconds": sorted(times)[len(times) // 2], "n_params": n_params, "n_tensors": n_tensors,
+        "peak_phase": tracker.peak_phase, "step_seconds": _median(times[1:] or times or [float("nan")]),
+        "n_params": n_params, "n_tensors": n_tensors,
         "comm_bytes": dict(counter.sent), "comm_calls": dict(counter.calls),
     }
     if return_params:

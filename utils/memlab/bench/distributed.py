@@ -40,20 +40,22 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="memlab bench distributed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", type=int, default=2, help="ranks (processes, gloo on CPU)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per stage; the median step time is reported "
-                                                           "(default 5; 3 when small)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per stage: the first warms up, the last is tracked, "
+                                                           "the median of the others is the step time (default 7; 5 when small)")
     ap.add_argument("--batch-size", type=int, default=2, help="batch per rank")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Llama")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = ap.parse_args(argv)
-    steps = args.steps if args.steps is not None else pick(full=5, small=3)
+    steps = args.steps if args.steps is not None else pick(full=7, small=5)
     for name, v in (("--world-size", args.world_size), ("--steps", steps), ("--batch-size", args.batch_size),
                     ("--seq-len", args.seq_len), ("--layers", args.layers)):
         if v < 1:
             ap.error(f"{name}={v} is invalid; allowed: an int >= 1")
     if steps < 2:
         ap.error(f"--steps={steps} is invalid; allowed: >= 2 (the last step is tracked once the optimizer state exists)")
+    if steps < 3:
+        print(f"note: --steps={steps}: the step time is the first (warm-up) step's")
 
     ranks = launch(_ranks, args.world_size, steps, args.batch_size, args.seq_len, args.layers, timeout=600)
     cfg = tiny_llama_config(num_hidden_layers=args.layers)
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                          format_bytes(sum(m["comm_bytes"].values()))])
     print(table(f"memlab bench distributed: tiny Llama ({base['n_params'] / 1e6:.2f}M params, {args.layers} layers, fp32 "
                 f"AdamW), {args.world_size} ranks (gloo), batch {args.batch_size} x {args.seq_len} per rank, "
-                f"median of {steps} steps",
+                f"step time: median of steps 2-{steps - 1} of {steps}",
                 ["stage", "rank", "peak", "vs stage 0", "estimate", "params held", "grads held", "optimizer held",
                  "step ms", "time vs stage 0", "sent/step"], rows, "cpu"))
     print("peak: MemoryTracker on each rank over the last step; held: after optimizer.step() and zero_grad() "
