@@ -59,6 +59,7 @@ def test_pick_is_the_cheapest_stack_that_fits(brute, quantile, prefer):
     assert feasible and len(feasible) < len(peaks)  # the budget splits the space
     best = min(feasible, key=key)
     assert res.pick is not None and res.pick.stack == best, (P._label(res.pick.stack), P._label(best))
+    assert res.pick.tier == P.fidelity_tier(best) and res.pick.key == key(best)
     # the pick, re-estimated with every layer traced (no extrapolation, no cache entry shared), fits
     again = P.estimate_stack(cfg, res.pick.stack, seq_len=SEQ, device="cpu", lora_r=4, extrapolate=False)
     assert again.peak_bytes == res.pick.peak_bytes <= budget
@@ -146,6 +147,8 @@ def test_budget_from_a_card():
     (dict(seq_len=4096), r"seq_len=4096 exceeds"),
     (dict(device="tpu"), r"device='tpu' is invalid; allowed: 'cuda', 'cpu'"),
     (dict(prefer="speed"), r"prefer='speed' is invalid"),
+    (dict(loss="mse"), r"loss='mse' is invalid; allowed: 'auto', 'hf', 'memlab'"),
+    (dict(host_budget="lots"), r"host_budget='lots' is invalid"),
     (dict(allow={"optimiser": ["adamw"]}), r"allow key 'optimiser' is invalid; allowed: 'precision'"),
     (dict(allow={"optimizer": ["sgd"]}), r"allow\['optimizer'\] value 'sgd' is invalid; allowed: 'adamw'"),
     (dict(allow={"checkpointing": ["selective"]}), r"'selective' is not enumerated"),

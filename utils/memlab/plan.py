@@ -664,11 +664,8 @@ class PlanRow:
     phase: str = ""
     notes: str = ""
     terms: dict[str, float] = field(default_factory=dict, repr=False)
-    stack_id: int = 0  # its place in the cost order (the table's "#")
-
-    @property
-    def key(self) -> tuple[int, float]:
-        return (self.tier, self.cost)
+    stack_id: int = 0  # its place in the ranking order (the table's "rank")
+    key: tuple[int, float] = (0, 0.0)  # the ranking key: (fidelity tier, cost), or (0, cost) with prefer="cost"
 
 
 def _label(s: Stack) -> str:
@@ -714,7 +711,7 @@ class PlanResult:
             p = self.pick
             host = f", host {format_bytes(p.host_bytes)}" if p.host_bytes else ""
             return (f"pick: {_label(p.stack)}: {format_bytes(p.peak_bytes)} estimated of {format_bytes(self.budget)}"
-                    f"{host}, relative cost {p.cost:.2f} ({_TIER_TEXT[fidelity_tier(p.stack)]})")
+                    f"{host}, relative cost {p.cost:.2f} ({_TIER_TEXT[p.tier]})")
         traced = [r for r in self.rows if r.status == "traced"]
         if not traced:
             return f"nothing fits {format_bytes(self.budget)}: no stack was traced"
@@ -851,6 +848,15 @@ def plan(
     _check_positions(_Spec(name, config=cfg), seq_len, False)
     shape = _count_shape(cfg, lora_r)
     stacks, notes = enumerate_stacks(batch_size, L, allow, device)
+    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    if device == "cuda" and heads and kv and kv < heads:
+        # fp32 with grouped KV heads runs SDPA's math kernel on CUDA (T x T probabilities kept); the
+        # estimator models that from the config, which a callable-built model (every-k) does not pass
+        dropped = [s for s in stacks if s.precision == "fp32" and s.checkpointing == "every-k"]
+        if dropped:
+            stacks = [s for s in stacks if s not in dropped]
+            notes.append(f"fp32 with every-k left out ({len(dropped)} stacks): with grouped KV heads CUDA runs the math "
+                         f"attention kernel, which the estimator models only for a full fine-tune traced from the config")
     if not stacks:
         raise ValueError(f"allow={dict(allow or {})!r} leaves no stack to try (LoRA/QLoRA need bf16-mixed or "
                          f"fp16-mixed and adamw or adamw-fused; flash needs device='cuda' and 16-bit)")
@@ -861,7 +867,8 @@ def plan(
     rows = []
     for s in stacks:
         c, terms = stack_cost(s, shape, seq_len, cost)
-        rows.append(PlanRow(stack=s, cost=c, tier=fidelity_tier(s) if prefer == "fidelity" else 0, terms=terms))
+        tier = fidelity_tier(s)
+        rows.append(PlanRow(stack=s, cost=c, tier=tier, terms=terms, key=(tier if prefer == "fidelity" else 0, c)))
     rows.sort(key=lambda r: r.key)
 
     failed: list[PlanRow] = []
@@ -1024,8 +1031,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"memlab plan: error: {exc}", file=sys.stderr)
         return 2
-    from memlab.accounting import format_bytes
-
     target = f"{args.gpu} (CUDA)" if args.gpu else ("a CUDA GPU" if args.device == "cuda" else "the CPU")
     print(f"{res.model} ({res.n_params / 1e9:.2f}B params), effective batch {res.batch_size} x seq {res.seq_len}, "
           f"for {target}")
