@@ -125,8 +125,8 @@ def test_the_same_function_runs_under_torchrun(tmp_path):
             print("RESULT", os.environ["RANK"], out, flush=True)
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(D._free_port()), str(script)], capture_output=True, text=True, timeout=240, env=env)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script)], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = sorted(line for line in r.stdout.splitlines() if line.startswith("RESULT"))
     assert lines == ["RESULT 0 [(0, 2, 101.0), (1, 2, 101.0)]", "RESULT 1 [(0, 2, 101.0), (1, 2, 101.0)]"]

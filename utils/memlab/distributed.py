@@ -170,9 +170,10 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
     ``launch(fn, 2)``), nothing is started: this process joins the group torchrun set up
     (pass ``backend="nccl"`` on GPUs), runs ``fn(RANK, WORLD_SIZE, *args)`` and
     returns every rank's result gathered with ``all_gather_object``: the same list as here.
-    """
-    import multiprocessing as mp
 
+    The rendezvous port is a free local port picked here; if another process takes it before rank 0
+    binds it ("address already in use"), the launch is retried with a new port (up to 3 tries).
+    """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is invalid; allowed: an int >= 1")
     if not callable(fn):
@@ -181,6 +182,19 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
         raise ValueError(f"timeout={timeout!r} is invalid; allowed: seconds > 0")
     if in_torchrun():
         return _run_under_torchrun(fn, world_size, args, backend, timeout)
+    for attempt in range(3):
+        try:
+            return _launch(fn, world_size, args, backend, timeout, start_method, threads)
+        except RankError as exc:  # the free port was taken by another process in between: once more
+            if attempt == 2 or "ddress already in use" not in exc.remote_traceback:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, backend: str, timeout: float, start_method: str | None,
+            threads: int | None) -> list[Any]:
+    import multiprocessing as mp
+
     if start_method is None:
         start_method = "fork" if sys.platform.startswith("linux") else "spawn"
     if start_method not in mp.get_all_start_methods():
