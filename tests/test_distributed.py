@@ -77,6 +77,22 @@ def test_a_rank_that_dies_or_hangs_is_reported():
     assert not multiprocessing.active_children()
 
 
+def test_a_port_taken_meanwhile_is_retried(monkeypatch):
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    ports = iter([busy.getsockname()[1]])
+    real = D._free_port
+    monkeypatch.setattr(D, "_free_port", lambda: next(ports, None) or real())
+    try:
+        assert D.launch(lambda rank, world_size: rank * 10, 2, timeout=60) == [0, 10]
+    finally:
+        busy.close()
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(world_size=0), "world_size=0"), (dict(world_size=2, timeout=0), "timeout=0"),
     (dict(world_size=2, start_method="nope"), "start_method='nope'"),
