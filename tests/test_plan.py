@@ -48,7 +48,7 @@ def test_pick_is_the_cheapest_stack_that_fits(brute, quantile, prefer):
     values = sorted(peaks.values())
     budget = values[int(quantile * len(values))]
     res = P.plan(cfg, budget, batch_size=BATCH, seq_len=SEQ, allow=ALLOW, device="cpu", lora_r=4, prefer=prefer, top=3)
-    shape = P._count_shape(cfg, 4)
+    shape = P.model_shape(cfg, 4)
     cost = res.cost_model
 
     def key(s):
@@ -58,7 +58,7 @@ def test_pick_is_the_cheapest_stack_that_fits(brute, quantile, prefer):
     feasible = [s for s, p in peaks.items() if p <= budget]
     assert feasible and len(feasible) < len(peaks)  # the budget splits the space
     best = min(feasible, key=key)
-    assert res.pick is not None and res.pick.stack == best, (P._label(res.pick.stack), P._label(best))
+    assert res.pick is not None and res.pick.stack == best, (P.stack_label(res.pick.stack), P.stack_label(best))
     assert res.pick.tier == P.fidelity_tier(best) and res.pick.key == key(best)
     # the pick, re-estimated with every layer traced (no extrapolation, no cache entry shared), fits
     again = P.estimate_stack(cfg, res.pick.stack, seq_len=SEQ, device="cpu", lora_r=4, extrapolate=False)
@@ -72,7 +72,7 @@ def test_pick_is_the_cheapest_stack_that_fits(brute, quantile, prefer):
     status = {r.stack: r.status for r in res.rows}
     for s in feasible:
         if key(s) < key(listed[-1]):
-            assert s in listed or status[s] == "dominated", P._label(s)
+            assert s in listed or status[s] == "dominated", P.stack_label(s)
     # every verdict agrees with the brute force: traced peaks equal, untraced 'exceeds' really exceed
     for r in res.rows:
         if r.status == "traced":
@@ -91,7 +91,7 @@ def test_extrapolated_traces_equal_full_traces(layers, stack):
     ext = P.estimate_stack(cfg, stack, seq_len=SEQ, device="cpu", lora_r=4)
     full = P.estimate_stack(cfg, stack, seq_len=SEQ, device="cpu", lora_r=4, extrapolate=False)
     assert ext.extrapolated_from and not full.extrapolated_from
-    assert ext.peak_bytes == full.peak_bytes, (P._label(stack), ext.peak_bytes, full.peak_bytes)
+    assert ext.peak_bytes == full.peak_bytes, (P.stack_label(stack), ext.peak_bytes, full.peak_bytes)
     assert ext.phase_peaks == full.phase_peaks and ext.n_params == full.n_params
 
 
@@ -104,7 +104,7 @@ def test_every_k_checkpoints_one_layer_in_k():
 
 
 def test_cost_model_orders_the_knobs():
-    shape = P._count_shape(tiny_llama_config(), 8)
+    shape = P.model_shape(tiny_llama_config(), 8)
     cost = P.GPU_SPECS["rtx4090"]
 
     def c(**kw):
@@ -131,10 +131,10 @@ def test_budget_from_a_card():
     from memlab import gpus
 
     card = gpus.GPUS["rtx4090"]
-    budget, label = P._parse_budget(None, "rtx4090", "cuda")
+    budget, label = P.resolve_budget(None, "rtx4090", "cuda")
     assert budget == card.total_bytes - gpus.CONTEXT_RESERVE_BYTES and "RTX 4090" in label
-    assert P._parse_budget("24GiB", None, "cuda")[0] == 24 * 2**30
-    assert P._parse_budget("24GB", None, "cuda")[0] == 24 * 10**9
+    assert P.resolve_budget("24GiB", None, "cuda")[0] == 24 * 2**30
+    assert P.resolve_budget("24GB", None, "cuda")[0] == 24 * 10**9
     assert P._cost_model_for("rtx4090")[0] is P.GPU_SPECS["rtx4090"]
 
 

@@ -71,7 +71,8 @@ class Stack:
 
 __all__ = ["Stack", "PRECISIONS", "CHECKPOINTING", "OPTIMIZERS", "ADAPTERS", "ATTENTIONS",
            "CostModel", "GPU_SPECS", "PlanRow", "PlanResult", "plan", "enumerate_stacks", "estimate_stack",
-           "stack_cost", "fidelity_tier", "main", "DEFAULT_ALLOW"]
+           "stack_cost", "fidelity_tier", "main", "DEFAULT_ALLOW", "ModelShape", "model_shape", "stack_label",
+           "resolve_budget"]
 
 # --------------------------------------------------------------------------------------
 # What the planner enumerates by default (``allow=`` narrows or widens it)
@@ -202,7 +203,7 @@ def _cost_model_for(gpu: Any) -> tuple[CostModel, str | None]:
 
 
 @dataclass(frozen=True)
-class _Shape:
+class ModelShape:
     """What the cost model needs to know of the model (counted on the meta device)."""
 
     n_layers: int
@@ -215,7 +216,7 @@ class _Shape:
     quantized: int             # weights stored in NF4 under QLoRA
 
 
-def stack_cost(stack: Stack, shape: _Shape, seq_len: int, cost: CostModel) -> tuple[float, dict[str, float]]:
+def stack_cost(stack: Stack, shape: ModelShape, seq_len: int, cost: CostModel) -> tuple[float, dict[str, float]]:
     """(relative cost, seconds by term) of one optimizer step of ``stack``.
 
     The step's time, term by term, divided by the ideal: the effective batch's 16-bit
@@ -376,8 +377,9 @@ def _builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
     return build
 
 
-def _count_shape(cfg: Any, lora_r: int) -> _Shape:
-    """Parameter counts at depths 1 and 2 on the meta device, extrapolated by layer count."""
+def model_shape(cfg: Any, lora_r: int = 16) -> ModelShape:
+    """What :func:`stack_cost` needs of a transformers config: parameter counts at depths 1 and 2
+    on the meta device, extrapolated by layer count."""
     import torch
     from torch import nn
 
@@ -400,7 +402,7 @@ def _count_shape(cfg: Any, lora_r: int) -> _Shape:
     ext = {k: counts[1][k] + (counts[2][k] - counts[1][k]) * (L - 1) for k in counts[1]}
     d = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or getattr(cfg, "d_model")
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
-    return _Shape(n_layers=L, d_model=int(d), n_heads=int(heads), matmul_params=ext["matmul"],
+    return ModelShape(n_layers=L, d_model=int(d), n_heads=int(heads), matmul_params=ext["matmul"],
                   block_matmul_params=ext["matmul"] - ext["head"], all_params=ext["all"],
                   trainable={a: ext[a] for a in ADAPTERS}, quantized=ext["quantized"])
 
@@ -668,7 +670,8 @@ class PlanRow:
     key: tuple[int, float] = (0, 0.0)  # the ranking key: (fidelity tier, cost), or (0, cost) with prefer="cost"
 
 
-def _label(s: Stack) -> str:
+def stack_label(s: Stack) -> str:
+    """A short name: ``"qlora bf16-mixed adamw-fused ckpt all mb 4x4"`` (micro-batch x accumulation)."""
     ck = {"none": "no ckpt", "full": "ckpt all"}.get(s.checkpointing, f"ckpt 1/{s.ckpt_every}")
     ad = "" if s.adapter == "full" else f"{s.adapter} "
     at = "" if s.attention == "sdpa" else f" {s.attention}"
@@ -710,14 +713,14 @@ class PlanResult:
         if self.pick is not None:
             p = self.pick
             host = f", host {format_bytes(p.host_bytes)}" if p.host_bytes else ""
-            return (f"pick: {_label(p.stack)}: {format_bytes(p.peak_bytes)} estimated of {format_bytes(self.budget)}"
+            return (f"pick: {stack_label(p.stack)}: {format_bytes(p.peak_bytes)} estimated of {format_bytes(self.budget)}"
                     f"{host}, relative cost {p.cost:.2f} ({_TIER_TEXT[p.tier]})")
         traced = [r for r in self.rows if r.status == "traced"]
         if not traced:
             return f"nothing fits {format_bytes(self.budget)}: no stack was traced"
         low = min(traced, key=lambda r: r.peak_bytes)
         return (f"nothing fits {format_bytes(self.budget)}: the smallest estimate is {format_bytes(low.peak_bytes)} "
-                f"({_label(low.stack)}); allow more (adapters, offload, checkpointing), a shorter sequence, or more GPUs (chapter 08)")
+                f"({stack_label(low.stack)}); allow more (adapters, offload, checkpointing), a shorter sequence, or more GPUs (chapter 08)")
 
     def table(self, limit: int | None = 12) -> str:
         from memlab.accounting import format_bytes
@@ -726,7 +729,7 @@ class PlanResult:
         rows = [head]
         shown = self.rows if limit is None else self.rows[:limit]
         for r in shown:
-            rows.append((str(r.stack_id), _label(r.stack), format_bytes(r.peak_bytes) if r.peak_bytes is not None else "-",
+            rows.append((str(r.stack_id), stack_label(r.stack), format_bytes(r.peak_bytes) if r.peak_bytes is not None else "-",
                          {True: "yes", False: "no", None: "?"}[r.fits], f"{r.cost:.2f}", str(r.tier),
                          format_bytes(r.host_bytes) if r.host_bytes else "-", r.notes))
         widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
@@ -743,7 +746,8 @@ class PlanResult:
         return self.table()
 
 
-def _parse_budget(budget: Any, gpu: Any, device: str) -> tuple[int, str]:
+def resolve_budget(budget: Any, gpu: Any = None, device: str = "cuda") -> tuple[int, str]:
+    """(bytes, label) of :func:`plan`'s ``budget`` / ``gpu`` arguments (see there)."""
     from memlab import estimate as E
     from memlab import gpus
     from memlab.accounting import format_bytes
@@ -827,7 +831,7 @@ def plan(
         raise ValueError(f"prefer={prefer!r} is invalid; allowed: 'fidelity', 'cost'")
     if gpu is not None and device != "cuda":
         raise ValueError(f"gpu={gpu!r} with device={device!r}: a card is a CUDA target; allowed: device='cuda'")
-    budget_bytes, budget_label = _parse_budget(budget, gpu, device)
+    budget_bytes, budget_label = resolve_budget(budget, gpu, device)
     from memlab.accounting import format_bytes
     from memlab.estimate import parse_size
 
@@ -846,7 +850,7 @@ def plan(
     from memlab.estimate import _check_positions, _Spec
 
     _check_positions(_Spec(name, config=cfg), seq_len, False)
-    shape = _count_shape(cfg, lora_r)
+    shape = model_shape(cfg, lora_r)
     stacks, notes = enumerate_stacks(batch_size, L, allow, device)
     heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
     if device == "cuda" and heads and kv and kv < heads:
