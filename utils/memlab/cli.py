@@ -6,6 +6,7 @@
     memlab labs build | check          generate labs/ from solutions/, or check for drift and leaks
     memlab bench NAME [...]            from-scratch vs production, side by side (memlab bench --list)
     memlab estimate MODEL [...]        will this fine-tune fit? (chapter 01)
+    memlab plan MODEL [...]            which stack fits a memory budget, cheapest first (chapter 07)
 
 A command whose optional dependency is missing prints one line naming the extra to install
 (``memlab estimate needs transformers: pip install 'memlab[hf]'``) and exits 2.
