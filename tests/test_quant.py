@@ -296,3 +296,24 @@ def test_nf4_bit_exact_on_cuda():
     packed, absmax = Q.quantize_nf4(w)
     assert torch.equal(packed, ref_packed) and torch.equal(absmax, st.absmax)
     assert torch.equal(Q.dequantize_nf4(packed, absmax, w.shape, w.dtype), F.dequantize_4bit(ref_packed, st))
+
+
+def test_codebook_first_built_inside_a_trace_is_not_counted():
+    """The cached codebooks are built for real outside every dispatch mode: the first fake trace in a
+    process must not count them (it once counted ~2 KiB of tables as activations)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memlab.profiler import MemoryTracker
+
+    def traced_peak() -> int:
+        with FakeTensorMode():
+            w = torch.randn(64, 128)
+            with MemoryTracker() as tracker:
+                packed, absmax = Q.quantize_nf4(w)
+                Q.dequantize_nf4(packed, absmax, w.shape)
+        return tracker.peak_bytes
+
+    Q._real_codebook.cache_clear()
+    cold = traced_peak()
+    warm = traced_peak()
+    assert cold == warm, f"first trace {cold} B, later traces {warm} B: the codebook build was counted"

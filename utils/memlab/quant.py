@@ -72,12 +72,15 @@ def nf4_codebook(offset: float | None = None) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _real_codebook(name: str, device: str) -> torch.Tensor:
     """Read-only cached codebooks for the hot paths (never handed to a caller to mutate), always real tensors."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
 
     table = {"nf4": nf4_codebook, "dynamic": lambda: dynamic_map(True), "udynamic": lambda: dynamic_map(False),
              # byte -> its two NF4 values (high nibble, low nibble): one gather per byte when dequantizing
              "nf4_pairs": lambda: torch.stack([nf4_codebook()[torch.arange(256) >> 4], nf4_codebook()[torch.arange(256) & 0xF]], 1)}
-    with unset_fake_temporarily():  # built for real even when first asked for inside a FakeTensorMode
+    # built for real, and unseen, even when first asked for inside a FakeTensorMode and a MemoryTracker
+    # (memlab.estimate's traces): every dispatch mode is set aside, or the tracker would count the
+    # cache's tables as the first trace's activations
+    with _disable_current_modes():
         return table[name]().to(device)
 
 
