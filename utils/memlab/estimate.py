@@ -63,10 +63,15 @@ device (``device="cuda"`` uses PyTorch's CUDA default, the foreach AdamW, whose
 Trainer defaults to the fused AdamW, ``optimizer_impl="fused"``, which has none).
 
 Per rank (chapter 08): ``world_size=N, zero_stage=S`` (CLI ``--world-size N --zero-stage S``) estimate
-one of N data-parallel ranks under ZeRO stage S: the step of one rank's batch is traced once and its
-parameters / gradients / optimizer state sharded as the stage shards them, FSDP's unsharded units
-modelled for stage 3 (:func:`shard_estimate`); ``tests/test_estimate_distributed.py`` checks it
-against ranks measured with 2 gloo processes on CPU.
+one of N data-parallel ranks under ZeRO stage S. Stages 1 and 2: the step of one rank's batch is traced
+once and its optimizer state / gradients sharded as the stage shards them (:func:`shard_estimate`).
+Stage 3 is traced with FSDP2 itself, as PyTorch's ``FSDPMemTracker`` does it: the fake-tensor model is
+sharded with ``fully_shard`` under a fake process group of N ranks (created for the trace and destroyed
+after it) and rank 0's step tracked, FSDP2's all-gathers and frees included; a deep stack is traced at 3
+and 4 layers, checked at 5 and extrapolated. Where that cannot run (``torch.distributed`` already
+initialised in the process, no decoder layers for ``fully_shard``, FSDP2 failing on fake tensors) FSDP's
+unsharded units are modelled instead and a note says why. ``tests/test_estimate_distributed.py`` checks
+every stage against ranks measured with 2 gloo processes on CPU.
 
 Reference formulas kept here for comparison: :func:`accelerate_estimate` (``accelerate
 estimate-memory``) and :func:`deepspeed_zero_estimate` (DeepSpeed's model-state estimators).
@@ -927,10 +932,17 @@ def _attention_plan(model: nn.Module, spec: _Spec, requested: str, dtype: str, t
             f"(same saved tensors)"), sdpa_kernel(backends), False
 
 
-def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool):
+def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool, per_rank: bool = False):
     """A MemoryTracker that also notes which attention ops ran, with the per-op rule for CUDA
-    softmax backward's scratch when asked."""
+    softmax backward's scratch when asked. ``per_rank`` (a model sharded by FSDP2): the tracker of
+    :func:`memlab.distributed.rank_tracker`, which counts a DTensor's local shard and FSDP2's storage
+    resizes."""
     from memlab.profiler import MemoryTracker
+
+    if per_rank:
+        from memlab.distributed import rank_tracker
+
+        MemoryTracker = type(rank_tracker(model, opt, resizes=True))  # noqa: N806 (the base class)
 
     softmax_bwd = torch.ops.aten._softmax_backward_data.default
     flash_ops = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
@@ -982,6 +994,7 @@ def _run(
     step: Callable[[nn.Module, dict], torch.Tensor] | str | None = None,
     attn_implementation: str | None = "auto",
     kernel_scratch: bool = True,
+    fsdp_world_size: int = 0,
 ) -> MemoryEstimate:
     for arg, val, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("warmup_steps", warmup_steps, 0)):
         if isinstance(val, bool) or not isinstance(val, int) or val < low:
@@ -1039,6 +1052,12 @@ def _run(
     with mode, torch.device(traced_on):
         model = _prepare(spec.build(dtype, build_attn), dtype, checkpointing)
         vocab = _vocab_size(model)
+    n_params = None
+    if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values
+        from memlab.models import count_parameters
+
+        n_params = count_parameters(model)  # before sharding (then counted from the DTensors' storages)
+        _fully_shard(model)
     if loss == "auto":
         loss = "hf" if _is_hf_model(model) else "memlab"
     if loss == "hf" and step is None and not _is_hf_model(model):
@@ -1104,7 +1123,7 @@ def _run(
                 opt.zero_grad(set_to_none=True)
             else:
                 one_step()
-        tracker = _make_tracker(model, opt, softmax_rule)
+        tracker = _make_tracker(model, opt, softmax_rule, per_rank=bool(fsdp_world_size))
         with tracker:
             one_step()
     seconds = time.perf_counter() - t0
@@ -1140,7 +1159,8 @@ def _run(
                f"forward and autograd, measured on an H100)"] = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS
     from memlab.models import count_parameters
 
-    n_params = count_parameters(model)
+    if n_params is None:
+        n_params = count_parameters(model)
     return MemoryEstimate(
         model=spec.name,
         n_params=n_params,
@@ -1237,6 +1257,32 @@ def _extrapolated(spec: _Spec, kw: dict[str, Any], depths: tuple[int, int] = EXT
     )
 
 
+# FSDP2's per-rank timeline is affine in the layer count only from 3 layers on (with 1 or 2 layers the
+# units gathered at the backward peak differ: measured on Llama shapes), so a sharded stack is traced at
+# 3 and 4 layers, checked against a trace at 5, and extrapolated; a mismatch traces the whole stack.
+FSDP_EXTRAPOLATION_DEPTHS = (3, 4, 5)
+
+
+def _extrapolated_fsdp(spec: _Spec, kw: dict[str, Any]) -> MemoryEstimate | None:
+    """The FSDP-sharded estimate of the whole stack from traces at 3 and 4 layers, when their
+    extrapolation to 5 layers equals the trace at 5 (every phase's breakdown and the end state); else None."""
+    t0 = time.perf_counter()
+    d1, d2, d3 = FSDP_EXTRAPOLATION_DEPTHS
+    traced: dict[int, MemoryEstimate] = {}
+    check = _extrapolated(spec.at_depth(d3), kw, (d1, d2), traced)
+    if check is None:
+        return None
+    at_d3 = _run(spec.at_depth(d3), **kw)
+    if check.phase_breakdowns != at_d3.phase_breakdowns or check.breakdown_end != at_d3.breakdown_end:
+        return None
+    est = _extrapolated(spec, kw, (d1, d2), traced)
+    if est is not None:
+        est.seconds = time.perf_counter() - t0
+        est.notes.append(f"FSDP2 per-rank trace: the extrapolation from {d1} and {d2} layers equals the trace at {d3} "
+                         f"layers (checked in this run)")
+    return est
+
+
 def estimate_training_memory(
     model: Any,
     *,
@@ -1285,37 +1331,57 @@ def estimate_training_memory(
 
     ``world_size`` / ``zero_stage`` (chapter 08): the memory of *one* of ``world_size`` data-parallel
     ranks under ZeRO stage 0 (plain data parallelism), 1, 2 or 3 (FSDP), ``batch_size`` being the
-    batch of one rank; see :func:`shard_estimate` for what is traced and what is modelled.
+    batch of one rank. Stages 1 and 2 shard the traced step (:func:`shard_estimate`); stage 3 traces FSDP2
+    (``fully_shard`` on the fake-tensor model under a fake process group of ``world_size`` ranks, created and
+    destroyed around the trace), falling back to :func:`shard_estimate`'s model of FSDP's units, with a note
+    saying why, where torch.distributed is already initialised in this process or FSDP2 cannot shard the model.
 
     Nothing is allocated: a Llama-2-70B step at seq_len 4096 takes seconds and well under a GB
     of host memory.
     """
     _check_zero(world_size, zero_stage, optimizer)
-    est = _estimate_one_rank(model, batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                             checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
-                             optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs,
-                             config_overrides=config_overrides, seed=seed, loss=loss, step=step,
-                             attn_implementation=attn_implementation, allow_longer_seq=allow_longer_seq,
-                             extrapolate=extrapolate, kernel_scratch=kernel_scratch)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+              checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
+              optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs,
+              config_overrides=config_overrides, seed=seed, loss=loss, step=step,
+              attn_implementation=attn_implementation, allow_longer_seq=allow_longer_seq,
+              extrapolate=extrapolate, kernel_scratch=kernel_scratch)
+    why = ""
+    if zero_stage == 3:
+        traced, why = _trace_fsdp(model, world_size, kw)
+        if traced is not None:
+            return traced
+    est = _estimate_one_rank(model, **kw)
     if world_size == 1 and zero_stage == 0:
         return est
     units = _fsdp_units(_resolve_model(model, config_overrides), dtype) if zero_stage == 3 else None
-    return shard_estimate(est, world_size, zero_stage, units=units)
+    out = shard_estimate(est, world_size, zero_stage, units=units)
+    if why:
+        out.notes.append(f"FSDP2 not traced ({why}): its unsharded units are modelled")
+    return out
 
 
 def _estimate_one_rank(model: Any, *, batch_size: int, seq_len: int, dtype: str, optimizer: str, checkpointing: bool,
                        warmup_steps: int, device: str, optimizer_impl: str, optimizer_kwargs: Mapping[str, Any] | None,
                        config_overrides: Mapping[str, Any] | None, seed: int, loss: str,
                        step: Callable[[nn.Module, dict], torch.Tensor] | str | None, attn_implementation: str,
-                       allow_longer_seq: bool, extrapolate: bool | str, kernel_scratch: bool) -> MemoryEstimate:
+                       allow_longer_seq: bool, extrapolate: bool | str, kernel_scratch: bool,
+                       fsdp_world_size: int = 0) -> MemoryEstimate:
     spec = _resolve_model(model, config_overrides)
     _check_positions(spec, seq_len, allow_longer_seq)
     kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
               checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
               optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs, fake=True, seed=seed,
-              loss=loss, step=step, attn_implementation=attn_implementation, kernel_scratch=kernel_scratch)
+              loss=loss, step=step, attn_implementation=attn_implementation, kernel_scratch=kernel_scratch,
+              fsdp_world_size=fsdp_world_size)
     if extrapolate not in (True, False, "auto"):
         raise ValueError(f"extrapolate={extrapolate!r} is invalid; allowed: 'auto', True, False")
+    if fsdp_world_size:
+        if extrapolate and spec.is_hf and spec.homogeneous() and spec.layers()[1] > max(FSDP_EXTRAPOLATION_DEPTHS):
+            est = _extrapolated_fsdp(spec, kw)
+            if est is not None:
+                return est
+        return _run(spec, **kw)
     if extrapolate and spec.is_hf and spec.homogeneous() and spec.layers()[1] >= (
             EXTRAPOLATE_MIN_LAYERS if extrapolate == "auto" else max(EXTRAPOLATION_DEPTHS) + 1):
         traced: dict[int, MemoryEstimate] = {}
@@ -1345,6 +1411,72 @@ def _check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
     if zero_stage and optimizer == "offload-adamw":
         raise ValueError(f"zero_stage={zero_stage} with optimizer='offload-adamw' is not modelled; allowed with ZeRO: "
                          f"'adamw', 'sgd', 'adamw8bit'")
+
+
+class _NoFSDPUnits(Exception):
+    """The model has no decoder layers for ``fully_shard`` to wrap (memlab.distributed.fsdp2_shard)."""
+
+
+def _fully_shard(model: nn.Module) -> None:
+    """FSDP2 as :func:`memlab.distributed.fsdp2_shard` applies it (``fully_shard`` on every decoder layer,
+    then the root), here on a model of fake tensors under the fake process group."""
+    from memlab.distributed import fsdp2_shard
+
+    try:
+        fsdp2_shard(model)
+    except ValueError as exc:
+        if "has no decoder layers" in str(exc):
+            raise _NoFSDPUnits(str(exc)) from None
+        raise
+
+
+@contextlib.contextmanager
+def _fake_process_group(world_size: int):
+    """A default process group of ``world_size`` fake ranks, this process being rank 0 (PyTorch's
+    ``FakeProcessGroup``: collectives return at once, nothing is sent), destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _trace_fsdp(model: Any, world_size: int, kw: dict[str, Any]) -> tuple[MemoryEstimate | None, str]:
+    """ZeRO stage 3 traced: (the estimate, "") or (None, why it cannot be traced).
+
+    The model is built on fake tensors, sharded with FSDP2 (``fully_shard``) under a fake process group
+    of ``world_size`` ranks, and one rank's step is tracked with the tracker of
+    :func:`memlab.distributed.rank_tracker` (DTensors count their local shard; FSDP2's all-gathered
+    parameters count from the all-gather until FSDP2 resizes their storage to 0 after the unit ran). The
+    process group exists only during the trace. Not traced (the caller models FSDP's units instead):
+    when ``torch.distributed`` is unavailable or already initialised in this process (a rank of a real
+    run: a second default group cannot exist beside it), when the model has no decoder layers that
+    ``fsdp2_shard`` finds, or when FSDP2 or the optimizer fails on fake DTensors (the reason is returned).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None, "torch.distributed is not available in this torch build"
+    if dist.is_initialized():
+        return None, (f"torch.distributed is already initialised in this process (rank {dist.get_rank()} of "
+                      f"{dist.get_world_size()}): the fake process group of the trace cannot be created beside it")
+    try:
+        with _fake_process_group(world_size):
+            est = _estimate_one_rank(model, fsdp_world_size=world_size, **kw)
+    except _NoFSDPUnits as exc:
+        return None, str(exc)
+    except (ValueError, TypeError, KeyError, FileNotFoundError):
+        raise  # bad arguments: the same errors as without ZeRO
+    except Exception as exc:  # FSDP2 / DTensor on fake tensors: fall back to the model of the units
+        return None, f"tracing FSDP2 failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    est.world_size, est.zero_stage = world_size, 3
+    est.notes = list(est.notes) + [
+        f"per rank of {world_size}, ZeRO stage 3: traced with FSDP2 (fully_shard on every decoder layer and the "
+        f"root) on fake tensors under a fake process group, as rank 0; all-gathered units counted while alive"]
+    return est, ""
 
 
 def fsdp_units(model: Any, dtype: str = "bf16", config_overrides: Mapping[str, Any] | None = None) -> tuple[int, int]:
@@ -1384,7 +1516,8 @@ def shard_estimate(est: MemoryEstimate, world_size: int, zero_stage: int, *,
     * stage 2: the gradients ``S(full gradient)`` in every phase (each gradient is reduced to its
       owner and freed as soon as autograd accumulates it; one parameter's gradient at a time is not
       added);
-    * stage 3 (FSDP2, ``fully_shard`` per decoder layer and on the root): parameters, gradients and
+    * stage 3 (FSDP2, ``fully_shard`` per decoder layer and on the root; the fallback of
+      :func:`estimate_training_memory`, which traces FSDP2 itself where it can): parameters, gradients and
       optimizer state sharded; during forward and backward the unsharded units are *modelled*: the
       root's parameters (kept unsharded from forward to backward), the running layer and the one
       prefetched (2 layers), and in backward one layer's unsharded gradients before its
