@@ -1259,27 +1259,70 @@ def _extrapolated(spec: _Spec, kw: dict[str, Any], depths: tuple[int, int] = EXT
 
 # FSDP2's per-rank timeline is affine in the layer count only from 3 layers on (with 1 or 2 layers the
 # units gathered at the backward peak differ: measured on Llama shapes), so a sharded stack is traced at
-# 3 and 4 layers, checked against a trace at 5, and extrapolated; a mismatch traces the whole stack.
+# 3 and 4 layers, checked against a trace at 5, and extrapolated; a mismatch traces the whole stack. A
+# peak that moved to another moment of the same run of a phase only beyond 5 layers would go unseen:
+# Llama-2-70B (batch 1 x 256, 8 ranks) extrapolated equals its 80-layer trace (tests/test_estimate_distributed.py).
 FSDP_EXTRAPOLATION_DEPTHS = (3, 4, 5)
 
 
+def _segments(est: MemoryEstimate) -> list[tuple[str, dict[str, int]]]:
+    """Each run of consecutive events of one phase in the traced timeline: (phase, breakdown at its first
+    maximum). The "other" phase occurs more than once in a step (before the forward pass; between backward
+    and the optimizer step), and which of its runs holds its peak can change with the layer count, so the
+    runs are extrapolated one by one."""
+    out: list[list[Any]] = []
+    best = -1
+    for ev in est.tracker.timeline:
+        if not out or out[-1][0] != ev.phase:
+            out.append([ev.phase, None])
+            best = -1
+        if ev.total > best:
+            best, out[-1][1] = ev.total, {k: int(ev.bytes.get(k, 0)) for k in CATEGORIES}
+    return [(ph, bd) for ph, bd in out]
+
+
 def _extrapolated_fsdp(spec: _Spec, kw: dict[str, Any]) -> MemoryEstimate | None:
-    """The FSDP-sharded estimate of the whole stack from traces at 3 and 4 layers, when their
-    extrapolation to 5 layers equals the trace at 5 (every phase's breakdown and the end state); else None."""
+    """The FSDP-sharded estimate of the whole stack from traces at 3 and 4 layers, each run of one phase
+    (:func:`_segments`) extrapolated by layer count, when the same extrapolation to 5 layers equals the trace
+    at 5 (every run's breakdown and the end state); else None (the caller traces every layer)."""
+    if kw.get("optimizer") == "adamw8bit":  # its state may be modelled beside the timeline: trace it all
+        return None
     t0 = time.perf_counter()
     d1, d2, d3 = FSDP_EXTRAPOLATION_DEPTHS
-    traced: dict[int, MemoryEstimate] = {}
-    check = _extrapolated(spec.at_depth(d3), kw, (d1, d2), traced)
-    if check is None:
+    traced = {d: _run(spec.at_depth(d), **kw) for d in (d1, d2, d3)}
+    segs = {d: _segments(est) for d, est in traced.items()}
+    if len({tuple(ph for ph, _ in sg) for sg in segs.values()}) != 1:
         return None
-    at_d3 = _run(spec.at_depth(d3), **kw)
-    if check.phase_breakdowns != at_d3.phase_breakdowns or check.breakdown_end != at_d3.breakdown_end:
+
+    def runs_at(n: int) -> list[tuple[str, dict[str, int]]] | None:
+        try:
+            return [(ph, {k: a[k] + (b[k] - a[k]) * (n - d1) for k in CATEGORIES})
+                    for (ph, a), (_, b) in zip(segs[d1], segs[d2])]
+        except ArithmeticError:  # pragma: no cover - integer arithmetic
+            return None
+
+    check = _extrapolated(spec.at_depth(d3), kw, (d1, d2), dict(traced))
+    if check is None or runs_at(d3) != segs[d3] or check.breakdown_end != traced[d3].breakdown_end:
         return None
-    est = _extrapolated(spec, kw, (d1, d2), traced)
-    if est is not None:
-        est.seconds = time.perf_counter() - t0
-        est.notes.append(f"FSDP2 per-rank trace: the extrapolation from {d1} and {d2} layers equals the trace at {d3} "
-                         f"layers (checked in this run)")
+    est = _extrapolated(spec, kw, (d1, d2), dict(traced))
+    runs = runs_at(spec.layers()[1])
+    if est is None or runs is None or any(sum(bd.values()) < 0 for _, bd in runs):
+        return None
+    phase_bd: dict[str, dict[str, int]] = {}
+    peak, at_peak, peak_phase = -1, {}, ""
+    for ph, bd in runs:  # in time order: each phase's first maximum, and the step's, as the tracker picks them
+        total = sum(bd.values())
+        if ph not in phase_bd or total > sum(phase_bd[ph].values()):
+            phase_bd[ph] = bd
+        if total > peak:
+            peak, at_peak, peak_phase = total, bd, ph
+    phases = {ph: sum(bd.values()) for ph, bd in phase_bd.items()}
+    est.phase_breakdowns, est.phase_peaks = phase_bd, phases
+    est.peak_bytes, est.breakdown, est.peak_phase = peak, dict(at_peak), peak_phase
+    est.tracker = _PhaseSummary(peak, peak_phase, phases)
+    est.seconds = time.perf_counter() - t0
+    est.notes.append(f"FSDP2 per-rank trace: the extrapolation from {d1} and {d2} layers equals the trace at {d3} "
+                     f"layers (checked in this run)")
     return est
 
 
