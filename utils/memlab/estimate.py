@@ -939,10 +939,11 @@ def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bo
     resizes."""
     from memlab.profiler import MemoryTracker
 
+    base: type = MemoryTracker
     if per_rank:
         from memlab.distributed import rank_tracker
 
-        MemoryTracker = type(rank_tracker(model, opt, resizes=True))  # noqa: N806 (the base class)
+        base = type(rank_tracker(model, opt, resizes=True))
 
     softmax_bwd = torch.ops.aten._softmax_backward_data.default
     flash_ops = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
@@ -952,7 +953,7 @@ def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bo
         if op is not None:
             flash_ops.add(op.default)
 
-    class _Tracker(MemoryTracker):
+    class _Tracker(base):  # type: ignore[valid-type, misc]
         scratch_bytes = 0
         fused_attention_calls = 0
         softmax_calls = 0
