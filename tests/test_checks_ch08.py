@@ -43,3 +43,17 @@ def test_messages_name_the_problem():
     assert r.status == "error" and "on rank" in r.message and "KeyError" in r.message
     r = check("08.predict_rank_bytes", lambda m, ws, s: {"parameters": 0, "gradients": 0, "optimizer": 0}, quiet=True)
     assert r.status == "fail" and "measured" in r.message and "stage 0, parameters" in r.message
+
+
+def test_zero1_step_that_all_reduces_fails_on_the_bytes_it_sends():
+    # the same parameters as a reduce-scatter, bit for bit: only CommCounter's count tells them apart
+    def all_reduce_step(flat_param, flat_grad, optimizer):
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        dist.all_reduce(flat_grad)
+        a, b = D.shard_range(flat_param.numel(), rank, ws)
+        optimizer.param_groups[0]["params"][0].grad = flat_grad[a:b] / ws
+        optimizer.step()
+        D.all_gather_flat(flat_param[a:b].clone(), out=flat_param)
+
+    r = check("08.zero1_step", all_reduce_step, quiet=True)
+    assert r.status == "fail" and "3.00 ring passes" in r.message and "all-reduce x1" in r.message, r.message

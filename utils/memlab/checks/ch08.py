@@ -4,8 +4,10 @@
                        the r-th of N equal contiguous pieces
 08.reduce_scatter      this rank's shard of the mean of every rank's flat gradient, with collectives
                        (run on 2 gloo processes)
-08.zero1_step          one ZeRO-1 step: average the gradients, step on this rank's shard, all-gather
-                       (2 gloo processes, 3 steps, bit for bit against AdamW on one process)
+08.zero1_step          one ZeRO-1 step: reduce-scatter the gradients, step on this rank's shard,
+                       all-gather (2 gloo processes, 3 steps, bit for bit against AdamW on one process;
+                       at most 2 ring passes sent per step, counted by CommCounter: an all-reduce,
+                       which gives the same numbers, sends 3)
 08.predict_rank_bytes  predict the parameter / gradient / optimizer bytes one rank holds under ZeRO
                        stages 0-3; graded on the error (1%) against ranks measured on 2 processes
 
@@ -118,18 +120,22 @@ def _zero_grads(step: int, rank: int) -> torch.Tensor:
     return torch.randn(ZERO_NUMEL, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-def _zero_worker(rank: int, world_size: int, fn: Any) -> torch.Tensor:
+def _zero_worker(rank: int, world_size: int, fn: Any) -> tuple[torch.Tensor, float, dict[str, int]]:
     n_pad = D.padded_size(ZERO_NUMEL, world_size)
     flat = torch.zeros(n_pad)
     flat[:ZERO_NUMEL] = torch.linspace(-1, 1, ZERO_NUMEL)
     a, b = D.shard_range(ZERO_NUMEL, rank, world_size)
     shard = torch.nn.Parameter(flat[a:b])
     opt = torch.optim.AdamW([shard], lr=0.1)
+    counter = D.CommCounter(world_size)
     for step in range(ZERO_STEPS):
         grad = torch.zeros(n_pad)
         grad[:ZERO_NUMEL] = _zero_grads(step, rank)
-        fn(flat, grad, opt)
-    return flat[:ZERO_NUMEL].clone()
+        with counter:
+            fn(flat, grad, opt)
+    # bytes sent per step in ring passes over the padded fp32 buffer: (N-1)/N x 4 x n_pad bytes each
+    passes = counter.total / ZERO_STEPS / ((world_size - 1) / world_size * 4 * n_pad)
+    return flat[:ZERO_NUMEL].clone(), passes, dict(counter.calls)
 
 
 def _zero_expected() -> torch.Tensor:
@@ -146,10 +152,8 @@ def _zero1_reference():
     def zero1_step(flat_param: torch.Tensor, flat_grad: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         shard = optimizer.param_groups[0]["params"][0]
         ws, rank = dist.get_world_size(), dist.get_rank()
-        dist.all_reduce(flat_grad)
-        flat_grad.div_(ws)
         a, b = D.shard_range(flat_param.numel(), rank, ws)
-        shard.grad = flat_grad[a:b]
+        shard.grad = D.reduce_scatter_flat(flat_grad)  # this rank's shard of the mean, in a new buffer
         optimizer.step()
         D.all_gather_flat(flat_param[a:b].clone(), out=flat_param)
     return zero1_step
@@ -160,11 +164,17 @@ def check_zero1_step(fn) -> None:
     expect(callable(fn), f"zero1_step: expected a function, got {type(fn).__name__}")
     ranks = _launch(_zero_worker, fn)
     want = _zero_expected()
-    for rank, got in enumerate(ranks):
+    for rank, (got, passes, calls) in enumerate(ranks):
         name = f"rank {rank}: the parameters after {ZERO_STEPS} steps"
+        expect_type(name, got, torch.Tensor)
         expect(torch.equal(got, want),
                f"{name}: max abs diff {(got - want).abs().max().item():.3g} from AdamW on one process with the mean "
                f"gradient; every rank must hold every updated parameter (all-gather after the step)")
+        sent = ", ".join(f"{k} x{v // ZERO_STEPS}" for k, v in calls.items()) or "no collective"
+        expect(passes <= 2 + 1e-9,
+               f"rank {rank}: sent {passes:.2f} ring passes over the flat buffer per step ({sent}), expected 2: "
+               f"ZeRO-1 reduce-scatters the gradient (a rank needs only its shard of the mean; an all-reduce costs "
+               f"2 passes by itself) and all-gathers the updated shards (1 pass)")
 
 
 # ----------------------------------------------------------------------------- 08.predict_rank_bytes
