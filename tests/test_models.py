@@ -423,3 +423,14 @@ def test_count_parameters_on_fake_tensors():
     with FakeTensorMode():
         fake_model = TinyGPT(cfg)
     assert count_parameters(fake_model) == real
+
+
+def test_decoder_layers_finds_each_family_and_names_the_model_when_none():
+    from memlab.models import NoDecoderLayersError, TinyGPT, TinyGPTConfig, decoder_layers, tiny_llama
+
+    gpt = TinyGPT(TinyGPTConfig(n_layer=3, n_embd=16, n_head=2, block_size=8, vocab_size=32))
+    assert decoder_layers(gpt) == list(gpt.blocks)
+    llama = tiny_llama(num_hidden_layers=2)
+    assert decoder_layers(llama) == list(llama.model.layers)
+    with pytest.raises(NoDecoderLayersError, match=r"model=Linear has no stack of decoder layers"):
+        decoder_layers(nn.Linear(2, 2))

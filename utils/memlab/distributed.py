@@ -77,6 +77,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memlab.models import decoder_layers
+
 __all__ = [
     "launch",
     "RankError",
@@ -556,19 +558,6 @@ class ZeroOptimizer:
 # --------------------------------------------------------------------------------------
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    for path in ("model.layers", "transformer.h", "blocks", "layers", "h"):
-        obj: Any = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, (nn.ModuleList, nn.Sequential)) and len(obj):
-            return list(obj)
-    raise ValueError(f"model={type(model).__name__} has no decoder layers at model.layers, transformer.h, blocks, "
-                     f"layers or h; allowed: a transformers decoder (Llama, GPT-2) or memlab.models.TinyGPT")
-
-
 def fsdp2_shard(model: nn.Module, *, param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None, cpu_offload: bool = False,
                 reshard_after_forward: bool = True) -> nn.Module:
@@ -590,7 +579,7 @@ def fsdp2_shard(model: nn.Module, *, param_dtype: torch.dtype | None = None,
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for layer in _decoder_layers(model):
+    for layer in decoder_layers(model):
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     return model

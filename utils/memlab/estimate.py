@@ -1465,13 +1465,12 @@ def _fully_shard(model: nn.Module) -> None:
     """FSDP2 as :func:`memlab.distributed.fsdp2_shard` applies it (``fully_shard`` on every decoder layer,
     then the root), here on a model of fake tensors under the fake process group."""
     from memlab.distributed import fsdp2_shard
+    from memlab.models import NoDecoderLayersError
 
     try:
         fsdp2_shard(model)
-    except ValueError as exc:
-        if "has no decoder layers" in str(exc):
-            raise _NoFSDPUnits(str(exc)) from None
-        raise
+    except NoDecoderLayersError as exc:
+        raise _NoFSDPUnits(str(exc)) from None
 
 
 @contextlib.contextmanager

@@ -55,6 +55,8 @@ __all__ = [
     "build_preset",
     "preset_parameter_count",
     "count_parameters",
+    "decoder_layers",
+    "NoDecoderLayersError",
     "lm_loss",
 ]
 
@@ -577,6 +579,34 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
                 seen_storage.add(key)
         total += param.numel()
     return total
+
+
+_LAYER_PATHS = ("blocks", "model.layers", "transformer.h", "base_model.model.model.layers", "gpt_neox.layers",
+                "layers", "h")
+
+
+class NoDecoderLayersError(ValueError):
+    """Raised by :func:`decoder_layers` for a model without a stack of decoder layers."""
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's stack of transformer blocks: TinyGPT ``.blocks``, Llama/Mistral/Qwen ``.model.layers``,
+    GPT-2 ``.transformer.h``, a peft-wrapped Llama, GPT-NeoX; else the longest ``nn.ModuleList`` in it.
+    What checkpointing wraps (memlab.train) and FSDP2 shards unit by unit (memlab.distributed)."""
+    for path in _LAYER_PATHS:
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, (nn.ModuleList, nn.Sequential)) and len(obj):
+            return list(obj)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if lists:
+        return list(max(lists, key=len))
+    raise NoDecoderLayersError(f"model={type(model).__name__} has no stack of decoder layers (looked at "
+                     f"{', '.join(_LAYER_PATHS)} and for any nn.ModuleList); allowed: a transformers decoder "
+                     f"(Llama, GPT-2, ...) or memlab.models.TinyGPT")
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

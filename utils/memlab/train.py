@@ -80,6 +80,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from memlab import ckpt as _ckpt
 from memlab.accounting import format_bytes
+from memlab.models import decoder_layers
 from memlab.plan import Stack
 from memlab.profiler import MemoryTracker
 
@@ -209,23 +210,6 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= 1")
     return value
-
-
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of transformer blocks (TinyGPT ``.blocks``, Llama/Mistral/Qwen ``.model.layers``,
-    GPT-2 ``.transformer.h``)."""
-    for path in ("blocks", "model.layers", "transformer.h", "base_model.model.model.layers", "gpt_neox.layers"):
-        obj: Any = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.ModuleList):
-            return obj
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if lists:
-        return max(lists, key=len)
-    raise ValueError(f"model: found no nn.ModuleList of blocks in {type(model).__name__}; checkpointing needs one")
 
 
 def _set_attention(model: nn.Module, attention: str) -> None:
@@ -426,7 +410,7 @@ class BudgetTrainer:
         blocks = None
         if old is None or (old.checkpointing, old.ckpt_every) != (stack.checkpointing, stack.ckpt_every):
             if stack.checkpointing != "none" or (old is not None and old.checkpointing != "none"):
-                blocks = _blocks(self.model)
+                blocks = decoder_layers(self.model)
             if blocks is not None:
                 k = 1 if stack.checkpointing == "full" else stack.ckpt_every
                 for i, block in enumerate(blocks):
