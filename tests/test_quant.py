@@ -65,9 +65,24 @@ def test_dynamic_map_equal_to_bitsandbytes(signed):
 SHAPES = [(64,), (4096,), (128, 64), (33,), (7, 13), (300, 257), (1, 1), (3, 5, 7), (2, 96)]
 
 
+def _dequantize_by_definition(packed, absmax, shape, dtype, blocksize):
+    """NF4 dequantization written from its definition, independently of memlab and of bitsandbytes' kernels:
+    byte k holds codes 2k (high nibble) and 2k+1 (low nibble); value = codebook[code] * absmax of its block, in
+    float32, then cast. The codebook is bitsandbytes' own table (equal to memlab's, tested above)."""
+    n = 1
+    for d in shape:
+        n *= d
+    b = packed.reshape(-1).to(torch.int64)
+    codes = torch.stack([b // 16, b % 16], dim=1).reshape(-1)[:n]
+    scale = absmax.float().repeat_interleave(blocksize)[:n]
+    return (F.get_4bit_type("nf4", device="cpu")[codes] * scale).reshape(shape).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_quantize_nf4_bit_exact(shape, dtype):
+    """Codes and scales bitwise equal to bitsandbytes' quantize_4bit (right on every CPU path); the dequantization
+    bitwise equal to the definition (bitsandbytes' own dequantize is compared in the next test)."""
     gen = torch.Generator().manual_seed(hash(shape) % 1000)
     w = torch.randn(shape, generator=gen).to(dtype)
     for blocksize in (64, 32, 128):
@@ -76,11 +91,45 @@ def test_quantize_nf4_bit_exact(shape, dtype):
         assert packed.dtype == torch.uint8 and packed.shape == ref_packed.shape
         assert torch.equal(packed, ref_packed)
         assert torch.equal(absmax, st.absmax)
-        ref = F.dequantize_4bit(ref_packed, st)
         got = Q.dequantize_nf4(packed, absmax, shape, dtype, blocksize)
         assert got.shape == torch.Size(shape) and got.dtype == dtype
+        assert torch.equal(got, _dequantize_by_definition(packed, absmax, shape, dtype, blocksize))
+
+
+def _bnb_dequantize_fault(ref, definition, packed, absmax, shape, blocksize):
+    """Why bitsandbytes' dequantize_4bit differs from the definition, in words (for the xfail reason)."""
+    differ = int((ref.reshape(-1) != definition.reshape(-1)).sum())
+    n = definition.numel()
+    block0 = _dequantize_by_definition(packed, absmax[:1].expand(absmax.numel()), shape, ref.dtype, blocksize)
+    reused = torch.equal(ref.reshape(-1), block0.reshape(-1))
+    what = "it scales every block by block 0's absmax" if reused else "its values are not codebook[code] * absmax"
+    return f"shape {tuple(shape)} blocksize {blocksize}: {differ} of {n} values differ ({what})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dequantize_nf4_equal_to_bitsandbytes(shape, dtype):
+    """memlab's dequantization bitwise equal to bitsandbytes.functional.dequantize_4bit wherever bitsandbytes' kernel
+    on this CPU computes the definition. bitsandbytes 0.50's CPU kernel on AVX-512 machines reuses block 0's scale
+    for every block at some shapes: detected here at run time (its output compared with the definition), reported as
+    an expected failure naming the shape, never counted against memlab (which the test above checks against the
+    definition on every CPU)."""
+    gen = torch.Generator().manual_seed(hash(shape) % 1000)
+    w = torch.randn(shape, generator=gen).to(dtype)
+    faults = []
+    for blocksize in (64, 32, 128):
+        packed, st = _bnb_nf4(w, blocksize)
+        definition = _dequantize_by_definition(packed, st.absmax, shape, dtype, blocksize)
+        ref = F.dequantize_4bit(packed, st)
         # bitsandbytes' CPU kernel returns a 1-D shape as (1, n): compare the values
+        if not torch.equal(ref.reshape(-1), definition.reshape(-1)):
+            faults.append(_bnb_dequantize_fault(ref, definition, packed, st.absmax, shape, blocksize))
+            continue
+        got = Q.dequantize_nf4(packed, st.absmax, shape, dtype, blocksize)
         assert torch.equal(got.reshape(-1), ref.reshape(-1))
+    if faults:
+        pytest.xfail(f"bitsandbytes {bnb.__version__} dequantize_4bit is wrong on this CPU ({torch.backends.cpu.get_cpu_capability()}): "
+                     + "; ".join(faults))
 
 
 def test_ties_go_to_the_lower_level_as_in_bitsandbytes():
