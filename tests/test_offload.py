@@ -329,12 +329,14 @@ def test_streamed_layers_equal_resident_model(prefetch):
 
 # ----------------------------------------------------------------------------- CUDA
 @pytest.mark.cuda
+@pytest.mark.parametrize("step_in_backward", [False, True])
 @pytest.mark.parametrize("offload_gradients", [False, True])
-def test_cuda_offloaded_bf16_matches_cpu_reference(offload_gradients):
+def test_cuda_offloaded_bf16_matches_cpu_reference(offload_gradients, step_in_backward):
     ref, mine = _mlp(torch.bfloat16), _mlp(torch.bfloat16, device="cuda")
     masters = [nn.Parameter(p.detach().float()) for p in ref.parameters()]
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
-    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, offload_gradients=offload_gradients, kernel="exact")
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, offload_gradients=offload_gradients, kernel="exact",
+                           accumulation_steps=2, step_in_backward=step_in_backward)
     assert opt.state[next(mine.parameters())]["master"].is_pinned()
     for x, y in _batches(4, dtype=torch.bfloat16):
         opt.zero_grad()
@@ -350,6 +352,8 @@ def test_cuda_offloaded_bf16_matches_cpu_reference(offload_gradients):
             assert torch.equal(mp.data.to(torch.bfloat16), q.cpu())
     if offload_gradients:
         assert all(p.grad is None for p in mine.parameters())
+    n = len(list(mine.parameters()))
+    assert opt.traffic["to_host_copies"] == 4 * n * (2 if offload_gradients else 1)  # 4 steps of 2 micro-batches
 
 
 @pytest.mark.cuda
