@@ -543,3 +543,31 @@ def test_step_in_backward_bitwise_and_updates_start_before_backward_ends(kernel,
         assert torch.equal(p, q)
     with pytest.raises(RuntimeError, match="step_in_backward"):
         opt.clip_grad_norm_(1.0)
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_scaler_unscale_then_clip_bitwise_vs_torch(offload_gradients, one_thread):
+    """scaler.unscale_(opt); clip; scaler.step(opt): the clipped, unscaled host grads are the ones stepped."""
+    batches = _inf_batches(8, bad=2)
+    ref, mine, ref_kw = _pair("exact")
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, kernel="exact", offload_gradients=offload_gradients,
+                           accumulation_steps=2, grad_scaler=scaler if offload_gradients else None)
+    for k in range(0, 8, 2):
+        for m, o, sc in ((ref, ref_opt, ref_scaler), (mine, opt, scaler)):
+            o.zero_grad()
+            for x, y in batches[k:k + 2]:
+                sc.scale(_loss(m, x, y) / 2).backward()
+            sc.unscale_(o)
+            if o is opt:
+                got = opt.clip_grad_norm_(0.05)
+            else:
+                want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, foreach=False)
+            sc.step(o)
+            sc.update()
+        assert torch.equal(got, want) or (not torch.isfinite(want) and not torch.isfinite(got))
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            assert torch.equal(p, q)
+    assert scaler.get_scale() == ref_scaler.get_scale()

@@ -442,6 +442,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._count: dict[torch.Tensor, int] = {}  # backward passes that finished p's gradient this step
         self._pending: dict[torch.Tensor, Any] = {}  # CUDA event of a grad copy still in flight
         self._stepped: dict[torch.Tensor, bool] = {}  # updated by the worker during this backward
+        self._copied: dict[torch.Tensor, tuple[int, int]] = {}  # (id, _version) of the p.grad last sent to the host
+        self._unscaled_found: torch.Tensor | None = None  # host grads already unscaled (clip under a scaler)
         self._lock = threading.Lock()
         self._queue: Any = None
         self._worker: Any = None
@@ -508,7 +510,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # -- copies: pickling and deepcopy keep the buffers and rebuild hooks, streams and the worker
     def __getstate__(self) -> dict[str, Any]:
         self._drain()
-        skip = {"_hooks", "_slot", "_ready", "_count", "_pending", "_stepped", "_lock", "_queue", "_worker",
+        skip = {"_hooks", "_slot", "_ready", "_count", "_pending", "_stepped", "_copied", "_unscaled_found", "_lock",
+                "_queue", "_worker",
                 "_worker_error", "_d2h_stream", "_h2d_stream", "_h2d_event", "_cycle_open", "timeline"}
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
@@ -562,6 +565,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         gi, i = self._slot[p]
         grad = p.grad
         self._count_copy("to_host", grad)
+        self._copied[p] = (id(grad), grad._version)
         if not self.cuda:
             slot = self._flats[gi]["grad"].views[i]
             if self._ready[p] and self.offload_gradients:
@@ -600,20 +604,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._ready[p] += 1
         self._pending[p] = None
 
-    def _gather(self, p: torch.Tensor, fresh: bool = False) -> bool:
+    def _gather(self, p: torch.Tensor) -> bool:
         """Make ``p``'s host gradient ready; False when ``p`` has no gradient this step.
 
-        ``fresh``: copy ``p.grad`` again even if a hook already sent it (a loss scaler may have
-        unscaled it in place since).
+        Without offloaded gradients ``p.grad`` stays the truth: if it changed in place since a
+        hook sent it (a loss scaler's ``unscale_``, another micro-batch), it is sent again.
         """
         if self._pending.get(p) is not None:
             self._fold(p)
         if not self.offload_gradients and p.grad is None:
             return False  # the gradient stays on the device: none there (or set to None since), no update, like torch
-        if p.grad is not None and not self.offload_gradients and (fresh or not self._ready[p]):
+        if p.grad is not None and not self.offload_gradients and (
+                not self._ready[p] or self._copied.get(p) != (id(p.grad), p.grad._version)):
             gi, i = self._slot[p]
             self._count_copy("to_host", p.grad)
-            self._flats[gi]["grad"].views[i].copy_(p.grad)  # synchronous: no hook sent it (or it went stale)
+            self._copied[p] = (id(p.grad), p.grad._version)
+            self._flats[gi]["grad"].views[i].copy_(p.grad)  # synchronous: no hook sent it, or it went stale
             self._ready[p] = 1
         return bool(self._ready[p])
 
@@ -685,6 +691,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if self._gather(p):
                     grads.append(self._flats[gi]["grad"].views[i])
+        if self.offload_gradients and self.grad_scaler is not None and self._unscaled_found is None:
+            # the scaler's unscale_ found no .grad on the device: the host grads are still scaled
+            self._unscaled_found = self._unscale_host(grads)
         if not grads:
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
@@ -694,27 +703,34 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return total
 
     # -- loss scaling
+    def _unscale_host(self, host_grads: list[torch.Tensor]) -> torch.Tensor:
+        """Offloaded gradients under the attached scaler: unscale the host grads, report the inf check to the scaler."""
+        scale = self.grad_scaler._scale
+        found = torch.zeros((), dtype=torch.float32)
+        if scale is not None and host_grads:
+            inv = scale.double().reciprocal().float().cpu()
+            torch._amp_foreach_non_finite_check_and_unscale_(host_grads, found, inv)
+        dev = scale.device if scale is not None else torch.device("cpu")
+        self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {dev: found.to(dev)}
+        return found
+
     def _unscale(self, host_grads: list[torch.Tensor]) -> bool:
         """Under a loss scaler: unscale the host gradients in place; True when the step must be skipped."""
-        grad_scale = getattr(self, "grad_scale", None)
-        found = torch.zeros((), dtype=torch.float32)
+        scaler_found = getattr(self, "found_inf", 0)
         if self.offload_gradients:
             if self.grad_scaler is None:
                 raise RuntimeError(
                     "OffloadedAdamW(offload_gradients=True) under a loss scaler: the gradients left the device during "
                     "backward, so the scaler finds no .grad to check for inf/NaN and its update() would fail ('No inf "
                     "checks were recorded'). Pass the scaler to the optimizer: OffloadedAdamW(..., grad_scaler=scaler)")
-            # the host grads are still scaled whatever the scaler's stage says: it found no .grad to unscale
-            grad_scale = self.grad_scaler._scale
+            if self._unscaled_found is None:  # the host grads are still scaled whatever the scaler's stage says
+                self._unscaled_found = self._unscale_host(host_grads)
+            return bool(self._unscaled_found.item())
+        grad_scale = getattr(self, "grad_scale", None)
+        found = torch.zeros((), dtype=torch.float32)
         if grad_scale is not None and host_grads:
             inv = grad_scale.double().reciprocal().float().cpu()
             torch._amp_foreach_non_finite_check_and_unscale_(host_grads, found, inv)
-        elif host_grads:
-            found = (~torch.stack([torch.isfinite(g).all() for g in host_grads]).all()).float()
-        if self.offload_gradients:
-            dev = self.grad_scaler._scale.device
-            self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {dev: found.to(dev)}
-        scaler_found = getattr(self, "found_inf", 0)
         return bool(found.item()) or bool(float(scaler_found))
 
     # -- the step
@@ -745,7 +761,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if self._stepped[p]:
                     continue
-                if self._gather(p, fresh=scaled):
+                if self._gather(p):
                     idx.append(i)
                     host_grads.append(self._flats[gi]["grad"].views[i])
             todo.append((gi, idx))
@@ -776,6 +792,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return loss
 
     def _end_cycle(self) -> None:
+        self._unscaled_found = None
         for p in self._ready:
             self._ready[p] = 0
             self._count[p] = 0
