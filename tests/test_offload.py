@@ -571,3 +571,35 @@ def test_scaler_unscale_then_clip_bitwise_vs_torch(offload_gradients, one_thread
         for p, q in zip(ref.parameters(), mine.parameters()):
             assert torch.equal(p, q)
     assert scaler.get_scale() == ref_scaler.get_scale()
+
+
+@pytest.mark.parametrize("kernel", ["exact", "fast"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_delay_update_is_adamw_on_one_step_old_weights(kernel, offload_gradients, one_thread):
+    """delay_update=True: step t's gradient is computed on the weights of update t-1, bitwise."""
+    ref, mine, ref_kw = _pair(kernel)
+    lag = copy.deepcopy(ref)  # the weights the device computes with
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, kernel=kernel, offload_gradients=offload_gradients,
+                           accumulation_steps=2, delay_update=True)
+    batches = _batches(10, model=mine)
+    for k in range(0, 10, 2):
+        lag.zero_grad()
+        opt.zero_grad()
+        for x, y in batches[k:k + 2]:
+            (_loss(lag, x, y) / 2).backward()
+            (_loss(mine, x, y) / 2).backward()
+        for p, q in zip(ref.parameters(), lag.parameters()):
+            p.grad = q.grad.clone()
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), lag.parameters()):
+                q.copy_(p)  # the device receives the previous update now
+        ref_opt.step()
+        opt.step()  # returns while the CPU steps
+        for p, q in zip(lag.parameters(), mine.parameters()):
+            assert torch.equal(p, q)
+    opt.flush()
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="pick one"):
+        O.OffloadedAdamW(mine.parameters(), step_in_backward=True, delay_update=True)

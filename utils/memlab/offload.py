@@ -379,6 +379,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
       anything could look at all the gradients together: no gradient clipping and no loss scaler
       with it (both raise, saying why).
     * :meth:`step` (without ``step_in_backward``) steps every parameter on the CPU after backward.
+    * ``delay_update=True``: DeepSpeed's one-step delayed parameter update (ZeRO-Offload paper, sec.
+      4.2): :meth:`step` hands this step's update to the worker thread and returns; the device runs
+      the next step's forward and backward on the weights it has while the CPU steps, and the
+      result reaches the device at the next :meth:`step` (call :meth:`flush` after the last one).
+      Every gradient is then computed on weights one update old: a different trajectory, traded for
+      a CPU step that hides behind a whole step instead of the tail of backward. A second fp32
+      gradient buffer (4 host bytes per parameter) holds the step's gradients while the hooks fill
+      the other.
     * A loss scaler (``torch.amp.GradScaler`` or :class:`memlab.amp.DynamicLossScaler`) works:
       the optimizer unscales the host gradients itself and skips the step on inf/NaN. With
       ``offload_gradients=True`` the scaler finds no ``.grad`` on the device, so pass it as
@@ -398,7 +406,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, pin_memory: bool | None = None,
                  overlap: bool = True, offload_gradients: bool = False, kernel: str = "fast",
-                 accumulation_steps: int = 1, step_in_backward: bool = False, grad_scaler: Any = None) -> None:
+                 accumulation_steps: int = 1, step_in_backward: bool = False, grad_scaler: Any = None,
+                 delay_update: bool = False) -> None:
         if kernel not in ("fast", "exact"):
             raise ValueError(f"kernel={kernel!r} is not known; allowed: 'fast' (C++ flat step), 'exact' (torch's for-loop order)")
         self.kernel = kernel
@@ -406,7 +415,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
         _check_hparams(lr, betas[0], betas[1], eps, weight_decay)
         for name, flag in (("overlap", overlap), ("offload_gradients", offload_gradients),
-                           ("step_in_backward", step_in_backward)):
+                           ("step_in_backward", step_in_backward), ("delay_update", delay_update)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} must be True or False")
         if pin_memory is not None and not isinstance(pin_memory, bool):
@@ -415,6 +424,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1 (micro-batches per step)")
         if step_in_backward and not (overlap or offload_gradients):
             raise ValueError("step_in_backward=True needs overlap=True: the update starts from the gradient hook")
+        if step_in_backward and delay_update:
+            raise ValueError("step_in_backward=True and delay_update=True: pick one way to overlap the CPU update "
+                             "(during this backward, or during the next step's forward and backward)")
         if step_in_backward and grad_scaler is not None:
             raise ValueError("step_in_backward=True with grad_scaler: each parameter is updated during backward, before "
                              "the scaler could check every gradient for inf/NaN; use step_in_backward=False with a scaler")
@@ -424,6 +436,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.overlap, self.offload_gradients = overlap, offload_gradients
         self.accumulation_steps, self.step_in_backward = accumulation_steps, step_in_backward
         self.grad_scaler = grad_scaler
+        self.delay_update = delay_update
+        self._delayed: list[tuple[int, int]] = []  # (group, index): updated on the host, not yet copied back
         self._pin_arg = pin_memory
         self._flats: list[dict[str, Any]] = []
         self._hooks: list[Any] = []
@@ -628,15 +642,37 @@ class OffloadedAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
 
-    def _update_one(self, p: torch.Tensor) -> None:
+    def _update_one(self, p: torch.Tensor, grad: FlatBuffer | None = None, copy_back: bool = True) -> None:
         gi, i = self._slot[p]
         bufs = self._flats[gi]
+        grad = grad if grad is not None else bufs["grad"]
         st = self.state[p]
         st["step"] += 1
         update = adamw_step_flat_ if self.kernel == "fast" else adamw_step_
-        update(bufs["master"].views[i], bufs["grad"].views[i], bufs["exp_avg"].views[i], bufs["exp_avg_sq"].views[i],
+        update(bufs["master"].views[i], grad.views[i], bufs["exp_avg"].views[i], bufs["exp_avg_sq"].views[i],
                int(st["step"].item()), **self._hp(self.param_groups[gi]))
-        self._copy_back(p, gi, i)
+        if copy_back:
+            self._copy_back(p, gi, i)
+
+    def _apply(self, todo: list[tuple[int, list[int]]], grads: list[FlatBuffer], copy_back: bool) -> None:
+        """Step the parameters ``todo`` lists, group by group, from the gradient buffers ``grads``."""
+        for (gi, idx), grad in zip(todo, grads):
+            group = self.param_groups[gi]
+            params = group["params"]
+            bufs = self._flats[gi]
+            steps = {int(self.state[params[i]]["step"].item()) for i in idx}
+            if not self.cuda and self.kernel == "fast" and len(idx) == len(params) and len(steps) == 1 and idx:
+                # CPU, every grad on the host: one fast call over the whole group
+                for p in params:
+                    self.state[p]["step"] += 1
+                adamw_step_flat_(bufs["master"].flat, grad.flat, bufs["exp_avg"].flat, bufs["exp_avg_sq"].flat,
+                                 steps.pop() + 1, **self._hp(group))
+                if copy_back:
+                    for i in idx:
+                        self._copy_back(params[i], gi, i)
+            else:
+                for i in idx:
+                    self._update_one(params[i], grad, copy_back)
 
     def _start_worker(self) -> None:
         if self._worker is not None and self._worker.is_alive():
@@ -651,7 +687,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             try:
                 if p is None:
                     return
-                if self._worker_error is None:
+                if callable(p):  # delay_update: a whole step's update
+                    if self._worker_error is None:
+                        with torch.no_grad():
+                            p()
+                elif self._worker_error is None:
                     self._fold(p)
                     self._log("update_start", p)
                     with torch.no_grad():
@@ -752,6 +792,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 raise RuntimeError(f"OffloadedAdamW(step_in_backward=True, accumulation_steps={self.accumulation_steps}): "
                                    f"a parameter got {sorted(wrong)} backward passes this step; the update ran after "
                                    f"micro-batch {self.accumulation_steps}, so call step() after exactly that many")
+        if self.delay_update:
+            self._copy_back_delayed()  # the previous step's update, computed during this step's forward/backward
         if self._h2d_event is not None:
             self._h2d_event.synchronize()  # last step's copies have left the staging buffers
         todo: list[tuple[int, list[int]]] = []
@@ -768,28 +810,42 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if scaled and self._unscale(host_grads):
             self._end_cycle()  # inf/NaN: skip the update, as GradScaler does
             return loss
-        for gi, idx in todo:
-            group = self.param_groups[gi]
-            params = group["params"]
-            bufs = self._flats[gi]
-            steps = {int(self.state[params[i]]["step"].item()) for i in idx}
-            if not self.cuda and self.kernel == "fast" and len(idx) == len(params) and len(steps) == 1 and idx:
-                # CPU, every grad on the host: one fast call over the whole group
-                for p in params:
-                    self.state[p]["step"] += 1
-                adamw_step_flat_(bufs["master"].flat, bufs["grad"].flat, bufs["exp_avg"].flat, bufs["exp_avg_sq"].flat,
-                                 steps.pop() + 1, **self._hp(group))
-                for i in idx:
-                    self._copy_back(params[i], gi, i)
-            else:
-                for i in idx:
-                    self._update_one(params[i])
+        if not self.delay_update:
+            self._apply(todo, [self._flats[gi]["grad"] for gi, _ in todo], copy_back=True)
+        else:
+            # one-step delayed update: the CPU steps on this step's gradients while the device runs the next
+            # step's forward and backward on the weights it has; the result reaches the device at the next step()
+            grads = []
+            for gi, _ in todo:
+                bufs = self._flats[gi]
+                if "grad_next" not in bufs:
+                    bufs["grad_next"] = FlatBuffer(bufs["grad"].shapes, pin_memory=bufs["grad"].flat.is_pinned())
+                bufs["grad"], bufs["grad_next"] = bufs["grad_next"], bufs["grad"]  # the hooks fill the other one
+                grads.append(bufs["grad_next"])
+            self._delayed = [(gi, i) for gi, idx in todo for i in idx]
+            self._start_worker()
+            self._queue.put(lambda: self._apply(todo, grads, copy_back=False))
         if self.cuda:
             self._h2d_event = torch.cuda.Event()
             self._h2d_event.record(self._h2d_stream)
             torch.cuda.current_stream(self._device).wait_stream(self._h2d_stream)  # the next forward reads the weights
         self._end_cycle()
         return loss
+
+    def _copy_back_delayed(self) -> None:
+        self._drain()
+        if self.cuda and self._delayed:
+            self._h2d_stream.wait_stream(torch.cuda.current_stream(self._device))  # backward has read the old weights
+        for gi, i in self._delayed:
+            self._copy_back(self.param_groups[gi]["params"][i], gi, i)
+        self._delayed = []
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """``delay_update=True``: wait for the update still running and copy its weights to the model (end of training)."""
+        self._copy_back_delayed()
+        if self.cuda:
+            torch.cuda.current_stream(self._device).wait_stream(self._h2d_stream)
 
     def _end_cycle(self) -> None:
         self._unscaled_found = None
@@ -815,7 +871,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             p.data.copy_(src, non_blocking=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._drain()
+        if self.step_in_backward:
+            self._drain()  # (a delayed update keeps running: it reads its own gradient buffer)
         super().zero_grad(set_to_none=set_to_none)
         self._end_cycle()
 
@@ -834,6 +891,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from OffloadedAdamW.state_dict())")
         self._drain()
+        self._delayed = []  # the masters below replace whatever update was in flight
         saved = state_dict["state"]
         views = {id(p): {k: self.state[p][k] for k in ("exp_avg", "exp_avg_sq", "master")}
                  for g in self.param_groups for p in g["params"]}
