@@ -284,7 +284,7 @@ def check_predict_device_bytes(fn) -> None:
         for recipe in offload.DEVICE_RECIPES:
             measured = _measure_device_bytes(model, recipe)
             predicted = fn(copy.deepcopy(model), recipe)
-            expect(isinstance(predicted, (int, float)) and not isinstance(predicted, bool) and math.isfinite(predicted),
+            expect(type(predicted) in (int, float) and math.isfinite(predicted),
                    f"predict_device_bytes({name}, {recipe!r}): expected a number of bytes, got {predicted!r:.80}")
             err = abs(predicted - measured) / measured
             expect(err <= 0.02, f"predict_device_bytes({name}, {recipe!r}): predicted {int(predicted):,} bytes, measured "
