@@ -169,3 +169,67 @@ def test_contributing_names_only_what_exists():
             continue
         assert (ROOT / path).exists(), f"CONTRIBUTING.md names {path}, which does not exist"
     assert "DESIGN` in the README" not in text
+
+
+# ----------------------------------------------------------------------------- hostile estimator / planner input
+def _rc(main, argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's refusal
+        return int(exc.code)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--world-size", "100000", "--zero-stage", "3"], "--world-size: '100000' is too large"),
+    (["--set", "num_hidden_layers=1000000000"], "num_hidden_layers=1000000000 is invalid"),
+    (["--batch-size", "99999999999999999999999"], "--batch-size: '99999999999999999999999' is too large"),
+    (["--set", "num_attention_heads=0"], "num_attention_heads=0 is invalid"),
+    (["--set", "hidden_size=100", "--set", "num_attention_heads=3"], "hidden_size=100 is not divisible by num_attention_heads=3"),
+    (["--set", "hidden_size=-5"], "hidden_size=-5 is invalid"),
+    (["--set", "hidden_size=big"], "hidden_size='big' is invalid"),
+    (["--set", "vocab_size=0"], "vocab_size=0 is invalid"),
+    (["--set", "num_key_value_heads=3"], "num_key_value_heads=3 does not divide num_attention_heads=14"),
+])
+def test_estimate_refuses_hostile_sizes_in_one_line_before_any_work(argv, needle, capsys):
+    import time
+
+    from memlab.estimate import main
+
+    t0 = time.monotonic()
+    assert _rc(main, ["qwen2.5-0.5b", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert needle in err[-1] and "Traceback" not in "\n".join(err), err
+    assert time.monotonic() - t0 < 20
+
+
+def test_config_files_are_read_with_a_limit(tmp_path):
+    from memlab.estimate import MAX_CONFIG_BYTES, load_config
+
+    with pytest.raises(ValueError, match=r"'/dev/zero' is not a regular file"):
+        load_config("/dev/zero")
+    big = tmp_path / "config.json"
+    big.write_text(" " * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ValueError, match="larger than 4 MiB"):
+        load_config(big)
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 0, '
+                   '"vocab_size": 10}')
+    with pytest.raises(ValueError, match=r"c\.json'?: num_attention_heads=0 is invalid; allowed: an int from 1"):
+        load_config(cfg)
+
+
+def test_plan_bounds_batch_and_finds_divisors_fast(capsys):
+    import time
+
+    from memlab.plan import _divisors, main
+
+    t0 = time.monotonic()
+    assert _divisors(2**20) == [2**k for k in range(21)] and _divisors(1_000_003) == [1, 1_000_003]
+    assert _divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert time.monotonic() - t0 < 1
+    assert _rc(main, ["qwen2.5-0.5b", "--batch-size", "999999999999999999999999", "--seq-len", "64"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
+    from memlab.plan import plan
+
+    with pytest.raises(ValueError, match=r"batch_size=1073741824 is invalid; allowed: an int from 1 to 1,048,576"):
+        plan("qwen2.5-0.5b", "24GiB", batch_size=2**30, seq_len=64)
