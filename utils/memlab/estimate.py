@@ -583,6 +583,8 @@ class _Spec:
 
 def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _Spec:
     """A :class:`_Spec` for a preset name, a config.json path, a config or a callable."""
+    from memlab.models import validate_config
+
     overrides = dict(config_overrides or {})
     if isinstance(model, str):
         from memlab.models import PRESETS, UnknownPresetError, preset_config, validate_config
