@@ -416,3 +416,27 @@ def test_huge_time_limits_are_refused_where_they_are_parsed(flag, capsys, monkey
     monkeypatch.setenv("MEMLAB_CHECK_TIMEOUT", "1e12")
     r = check("00.activation_bytes", lambda *a: 0, quiet=True)
     assert r.status == "error" and "MEMLAB_CHECK_TIMEOUT" in r.message
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, setsid and /proc (Linux)")
+def test_a_double_forked_process_in_its_own_session_with_no_environment_does_not_survive(tmp_path):
+    escape = (
+        "import os, sys\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        open('escaped', 'w').write(str(os.getpid()))\n"
+        "        os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(300)'], {})\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "import time\n"
+        "while not os.path.exists('escaped'):\n"
+        "    time.sleep(0.05)"
+    )
+    nb = _write(tmp_path / "00_escape.ipynb", [SETUP, escape, SOLVED["00.activation_bytes"],
+                                              "check('00.activation_bytes', activation_bytes_per_layer)"])
+    rows = {r.exercise: r for r in grade_notebook(nb, timeout=30)}
+    assert rows["00.activation_bytes"].status == "pass", rows["00.activation_bytes"]
+    pid = int((tmp_path / "escaped").read_text())
+    assert not _wait_dead([pid]), "a double-forked process with its own session outlived memlab grade"

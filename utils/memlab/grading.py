@@ -397,7 +397,8 @@ def _reference_codes(ex: Exercise) -> dict[types.CodeType, str]:
 def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
     """Note in ``found`` when the learner's code calls the exercise's reference, however wrapped.
 
-    A profile hook sees every call of the reference's code objects; the caller chain is walked up
+    A global trace function (called on Python function calls only, never per line) sees every
+    call of the reference's code objects; the caller chain is walked up
     past library frames (functools, builtins' ``map``, decorators): if the first frame that is not
     a library's is the learner's, the answer delegates to memlab's reference. Calls made by the
     checks themselves (and by memlab's other code) do not count.
@@ -423,14 +424,19 @@ def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
                 return  # memlab's own code (a check, or a helper) made the call
             f = f.f_back
 
-    old = sys.getprofile()
-    sys.setprofile(hook)
-    threading.setprofile(hook)
+    def tracer(frame: Any, event: str, arg: Any) -> None:  # global trace: called on Python calls only
+        if frame.f_code in codes:
+            hook(frame, event, arg)
+        return None  # no per-line tracing
+
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    threading.settrace(tracer)
     try:
         yield
     finally:
-        sys.setprofile(old)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        sys.settrace(old)
+        threading.settrace(None)  # type: ignore[arg-type]
 
 
 def _run_checks_watched(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str, str]:
@@ -873,9 +879,39 @@ def _proc_stat(pid: int) -> tuple[int, int, int, str] | None:
     return int(fields[1]), int(fields[2]), int(fields[3]), fields[0]
 
 
-def _marked_processes(mark: str, kernel_pid: int | None) -> set[int]:
+def _subreaper(on: bool) -> bool:
+    """Make this process the Linux "child subreaper" (``prctl(PR_SET_CHILD_SUBREAPER)``) or not;
+    returns the previous setting. While the grader is one, a process the notebook orphans (a
+    double fork into a session of its own, with a scrubbed environment) is reparented to the
+    grader instead of init, so that it is still found and killed. False where prctl is missing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prev = ctypes.c_int(0)
+        libc.prctl(37, ctypes.byref(prev), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+        libc.prctl(36, 1 if on else 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        return bool(prev.value)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return False
+
+
+def _children_of_this_process() -> set[int]:
+    me, out = os.getpid(), set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st is not None and st[0] == me:
+                out.add(int(entry))
+    return out
+
+
+def _marked_processes(mark: str, kernel_pid: int | None, adopted: set[int] | None = None) -> set[int]:
     """Processes of this grading run: those whose environment carries ``mark``, those in the
-    kernel's session or process group, and the kernel's descendants. Never this process."""
+    kernel's session or process group, the kernel's descendants, and ``adopted`` (orphans of the
+    run reparented to this process) with their descendants. Never this process."""
     me = os.getpid()
     own_pgid, own_sid = os.getpgid(0), os.getsid(0)
     needle = f"{RUN_MARK_ENV}={mark}".encode()
@@ -895,8 +931,9 @@ def _marked_processes(mark: str, kernel_pid: int | None) -> set[int]:
             env = b""
         if needle in env.split(b"\0"):
             found.add(pid)
-    if kernel_pid is not None:
-        roots = {kernel_pid}
+    found |= {pid for pid in (adopted or ()) if pid in stats}
+    if kernel_pid is not None or adopted:
+        roots = {kernel_pid} if kernel_pid is not None else set()
         for pid, (ppid, pgid, sid, _state) in stats.items():
             if (sid == kernel_pid and sid != own_sid) or (pgid == kernel_pid and pgid != own_pgid):
                 found.add(pid)
@@ -913,8 +950,11 @@ def _marked_processes(mark: str, kernel_pid: int | None) -> set[int]:
     return found
 
 
-def stop_processes(mark: str, kernel_pid: int | None = None) -> int:
-    """SIGKILL every process of a grading run (see ``_marked_processes``); returns how many were stopped."""
+def stop_processes(mark: str, kernel_pid: int | None = None, before: set[int] | None = None) -> int:
+    """SIGKILL every process of a grading run (see ``_marked_processes``); returns how many were stopped.
+
+    ``before``: this process's children before the run started; any other child now (but the
+    kernel) is an orphan of the run that the grader, as child subreaper, adopted: killed and reaped."""
     if not Path("/proc/self/stat").exists():  # not Linux: the kernel's process group is the best we can do
         if kernel_pid is not None:
             try:
@@ -923,8 +963,11 @@ def stop_processes(mark: str, kernel_pid: int | None = None) -> int:
                 pass
         return 0
     stopped: set[int] = set()
+    adopted: set[int] = set()
     for _ in range(50):
-        victims = _marked_processes(mark, kernel_pid)
+        if before is not None:
+            adopted |= _children_of_this_process() - before - {kernel_pid}
+        victims = _marked_processes(mark, kernel_pid, adopted)
         if not victims:
             break
         for pid in victims:
@@ -934,6 +977,11 @@ def stop_processes(mark: str, kernel_pid: int | None = None) -> int:
             except OSError:
                 pass
         time.sleep(0.05)
+    for pid in adopted:  # our children now: reap them, no zombies left
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except OSError:
+            pass
     return len(stopped)
 
 
@@ -964,6 +1012,8 @@ class _Kernel:
         self.pid: int | None = None
         self.dead = False
         self._log: Any = None
+        self.before: set[int] | None = None  # this process's children before the kernel started
+        self._was_subreaper: bool | None = None
 
     async def start(self) -> None:
         with needs("memlab grade"):
@@ -986,6 +1036,9 @@ class _Kernel:
         self.km = AsyncKernelManager(kernel_name="memlab-current-env", kernel_spec_manager=_CurrentEnvSpecs(),
                                      connection_file=str(self.tmp / "kernel.json"), **extra)
         self._log = open(self.tmp / "kernel.log", "wb")
+        if Path("/proc/self/stat").exists():
+            self.before = _children_of_this_process()
+            self._was_subreaper = _subreaper(True)  # orphans of the notebook come back to the grader
         await self.km.start_kernel(env=self.env, cwd=str(self.cwd), stdout=self._log, stderr=self._log)
         proc = getattr(getattr(self.km, "provisioner", None), "process", None)
         self.pid = getattr(proc, "pid", None)
@@ -1028,7 +1081,7 @@ class _Kernel:
     def kill(self) -> None:
         """Kill every process of this run now."""
         self.dead = True
-        stop_processes(self.mark, self.pid)
+        stop_processes(self.mark, self.pid, self.before)
 
     async def execute(self, code: str, limit: float, *, keep_text: bool = False, store_history: bool = True,
                       silent: bool = False) -> _Outcome:
@@ -1086,7 +1139,7 @@ class _Kernel:
                 self.kc.stop_channels()
         except Exception:  # noqa: BLE001
             pass
-        stop_processes(self.mark, self.pid)
+        stop_processes(self.mark, self.pid, self.before)
         try:
             if self.km is not None and self.km.has_kernel:
                 await asyncio.wait_for(self.km.shutdown_kernel(now=True), timeout=30)  # reaps the killed kernel
@@ -1096,7 +1149,10 @@ class _Kernel:
             except Exception:  # noqa: BLE001
                 pass
         finally:
-            stop_processes(self.mark)  # anything that appeared meanwhile, by its mark only
+            stop_processes(self.mark, None, (self.before or set()) | ({self.pid} if self.pid else set())
+                           if self.before is not None else None)  # anything that appeared meanwhile
+            if self._was_subreaper is False:
+                _subreaper(False)
             if self._log is not None:
                 self._log.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
