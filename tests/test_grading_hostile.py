@@ -440,3 +440,37 @@ def test_a_double_forked_process_in_its_own_session_with_no_environment_does_not
     assert rows["00.activation_bytes"].status == "pass", rows["00.activation_bytes"]
     pid = int((tmp_path / "escaped").read_text())
     assert not _wait_dead([pid]), "a double-forked process with its own session outlived memlab grade"
+
+
+def test_verify_memlab_modules_sees_each_kind_of_patch(monkeypatch):
+    import types
+
+    import memlab
+    from memlab import accounting, profiler
+    from memlab.grading import load_all, verify_memlab_modules
+
+    load_all()
+    assert verify_memlab_modules() == ""
+    patches = [
+        (accounting, "model_state_bytes", lambda n, r: {}),                       # a replaced function
+        (profiler.LiveBytes, "__init__", lambda self, *a, **k: None),              # a replaced method
+        (profiler.LiveBytes, "extra", lambda self: 0),                             # an added method
+        (accounting, "Recipe", type("Recipe", (), {})),                           # a replaced class
+    ]
+    for owner, name, value in patches:
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, value, raising=False)
+            assert name in verify_memlab_modules(), (owner, name)
+        assert verify_memlab_modules() == ""
+    with monkeypatch.context() as m:  # the same code object under another name
+        m.setattr(accounting.model_state_bytes, "__code__", accounting.optimizer_state_bytes.__code__)
+        assert "model_state_bytes" in verify_memlab_modules()
+    with monkeypatch.context() as m:  # another module object in sys.modules, or as the package's attribute
+        fake = types.ModuleType("memlab.accounting")
+        fake.__dict__.update(vars(accounting))
+        m.setitem(__import__("sys").modules, "memlab.accounting", fake)
+        assert "memlab.accounting" in verify_memlab_modules()
+    with monkeypatch.context() as m:
+        m.setattr(memlab, "accounting", types.ModuleType("memlab.accounting"))
+        assert "memlab.accounting" in verify_memlab_modules()
+    assert verify_memlab_modules() == ""

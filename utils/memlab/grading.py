@@ -475,6 +475,17 @@ def _code_table(path: str) -> dict[str, Any]:
 
     walk(compile(tree, path, "exec"))
     functions, classes, constants = set(), {}, {}
+    # names the module rebinds (assigned twice at top level, augmented, or declared global in a
+    # function) are state, not constants
+    seen: dict[str, int] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        seen[n.id] = seen.get(n.id, 0) + (2 if isinstance(node, ast.AugAssign) else 1)
+    rebound = {k for k, v in seen.items() if v > 1}
+    rebound |= {name for n in ast.walk(tree) if isinstance(n, ast.Global) for name in n.names}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             functions.add(node.name)
@@ -489,7 +500,7 @@ def _code_table(path: str) -> dict[str, Any]:
             if not isinstance(value, (int, float, str, bytes, tuple, frozenset, type(None))):
                 continue  # a mutable registry ({}, []) that the module fills later
             for t in targets:
-                if isinstance(t, ast.Name) and not t.id.startswith("__"):
+                if isinstance(t, ast.Name) and not t.id.startswith("__") and t.id not in rebound:
                     constants[t.id] = value
     table = {"codes": codes, "functions": functions, "classes": classes, "constants": constants}
     _COMPILED[key] = table
