@@ -368,3 +368,23 @@ def test_resuming_with_another_lr_applies_it_and_says_so(tmp_path):
         warnings.simplefilter("error")  # the same lr again: nothing to say
         u = BudgetTrainer(model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=tmp_path, lr=1e-2)
     assert u.hparams_applied == {} and u.step == 2
+
+
+def test_a_checkpoint_that_does_not_verify_after_writing_deletes_nothing(tmp_path, monkeypatch):
+    from memlab import ckpt
+
+    t = run([B], steps=2, ckpt_dir=tmp_path)
+    before = sorted(f.name for f in tmp_path.glob("step-*.safetensors"))
+    real = ckpt.save
+
+    def torn(state, path):  # the disk returns other bytes than were written
+        out = real(state, path)
+        data = bytearray(out.read_bytes())
+        data[-3] ^= 0xFF
+        out.write_bytes(bytes(data))
+        return out
+
+    monkeypatch.setattr(ckpt, "save", torn)
+    with pytest.warns(UserWarning, match="does not verify.*keeping every older one"):
+        t.train(3)
+    assert sorted(f.name for f in tmp_path.glob("step-*.safetensors")) == before + ["step-00000003.safetensors"]

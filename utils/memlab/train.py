@@ -486,10 +486,17 @@ class BudgetTrainer:
         }
 
     def save_checkpoint(self) -> Path:
-        """Write the current state atomically; keep the ``keep`` checkpoints of the highest steps up to
-        this one (by step number). The one just written is never deleted; a file of a higher step
-        (one this run did not write since it resumed) is never deleted either."""
+        """Write the current state atomically and read it back verified; then keep the ``keep``
+        checkpoints of the highest steps up to this one (by step number). The one just written is
+        never deleted; if it does not verify, nothing older is deleted either; a file of a higher
+        step (one this run did not write since it resumed) is never deleted."""
         path = _ckpt.save(self.state(), self._ckpt_path(self.step))
+        try:  # read back and verified before any older checkpoint goes
+            _ckpt.read_state_json(path)
+        except _ckpt.CheckpointError as exc:
+            warnings.warn(f"the checkpoint just written does not verify ({exc}); keeping every older one",
+                          stacklevel=2)
+            return path
         older = [p for p in _ckpt.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB)
                  if p != path and (_ckpt.step_of(p) is not None and _ckpt.step_of(p) <= self.step)]
         for old in older[self.keep - 1:]:
