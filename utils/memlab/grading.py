@@ -14,14 +14,19 @@ Two halves:
   verifies their fingerprint against its own, and runs them on the learner's object, looked up
   by the name the check cell passes, under its own time limit. The reference modules the checks
   compare with (``memlab.accounting`` ...) are the kernel's own, so objects the learner built
-  with them keep their classes; they must come from the grader's memlab folder. Nothing the notebook prints or writes counts as a result. ``memlab grade`` is its
-  command line.
+  with them keep their classes; before and after each check :func:`verify_memlab_modules`
+  compares every one of them with its source file (replaced or wrapped functions, a swapped
+  ``__code__``, another module in ``sys.modules`` make the row an error). The requests run as
+  silent executions and write their answer to a new file in the grader's private folder: nothing
+  the notebook prints counts as a result. ``memlab grade`` is its command line.
 
-Threat model: casual and accidental tampering (a redefined ``check``, forged rows, deleted
-check cells, an ``int`` whose ``==`` is always true, a ``while True: try: ... except: pass``
-loop, subprocesses left running) has no effect on the grade. A determined learner owns their
-kernel (they can patch the interpreter the checks run in); the grader does not claim to stop
-them.
+Threat model: tampering from the notebook (a redefined ``check``, forged rows or answers, IPython
+hooks, deleted check cells, an ``int`` whose ``==`` is always true, a prediction that is not
+exactly an int or a float, a patched reference, a wrapper of the reference, a
+``while True: try: ... except: pass`` loop, processes left running, double-forked ones included)
+has no effect on the grade. A determined learner still owns their kernel (they can patch the
+interpreter the checks run in, or rewrite the answer file from a background thread); the grader
+does not claim to stop them.
 
 Statuses: ``pass`` (full points), ``fail`` (a check's assertion did not hold: its message says
 what was expected), ``todo`` (the stub still raises NotImplementedError), ``error`` (any other
