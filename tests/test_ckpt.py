@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from memlab import ckpt
+from memlab.ckpt import CheckpointError
 
 
 def _state(k: int = 0) -> dict:
@@ -199,3 +200,31 @@ def test_bad_arguments(tmp_path):
         ckpt.load(tmp_path / "missing.safetensors")
     with pytest.raises(ValueError, match="not a file name"):
         ckpt.atomic_write(tmp_path / "..", [b""])
+
+
+def test_hostile_headers_are_checkpoint_errors(tmp_path):
+    import struct
+
+    def file(name, header: bytes, body=b""):
+        p = tmp_path / name
+        p.write_bytes(struct.pack("<Q", len(header)) + header + body)
+        return p
+
+    nested = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(CheckpointError, match=r"deep\.safetensors: malformed header \(JSON nested too deeply"):
+        ckpt.load(file("deep.safetensors", nested))
+    # a valid safetensors file of other content (no memlab metadata)
+    other = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    with pytest.raises(CheckpointError, match=r"other\.safetensors: not a memlab checkpoint"):
+        ckpt.load(file("other.safetensors", other, b"\0" * 4))
+    with pytest.raises(CheckpointError, match=r"adir: unreadable"):
+        (tmp_path / "adir").mkdir()
+        ckpt.load(tmp_path / "adir")
+
+
+def test_iter_checkpoints_orders_by_step_number(tmp_path):
+    for name in ("step-99999999.safetensors", "step-100000000.safetensors", "step-00000002.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "step-x.safetensors").mkdir()  # not a file: not listed
+    assert [p.name for p in ckpt.iter_checkpoints(tmp_path)] == [
+        "step-100000000.safetensors", "step-99999999.safetensors", "step-00000002.safetensors"]

@@ -19,8 +19,9 @@ from memlab.grading import CheckResult, CheckTimeout, check, format_table, get_e
 EX = "00.activation_bytes"
 
 
-def mine(*args, **kwargs):  # the learner's own function (it happens to call memlab's)
-    return accounting.activation_bytes_per_layer(*args, **kwargs)
+def mine(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):  # the learner's own function
+    s, b, h, a, e, m = seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes
+    return s * b * h * (16 * e + 2 * m) + a * s * s * b * (2 * e + m)
 
 
 def test_pass_records_and_prints(capsys):
@@ -239,17 +240,26 @@ def test_grade_hostile_notebook(tmp_path):
     assert "AttributeError" in results["00.optimizer_state_bytes"].message
 
 
+def _solution(name: str) -> str:
+    """The course's own solution of ``name`` from solutions/00 (learner code, not a call of memlab's reference)."""
+    path = Path(__file__).resolve().parents[1] / "solutions" / "00_where_the_memory_goes.ipynb"
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            return cell.source
+    raise LookupError(name)
+
+
 SOLVED_00 = [
-    "from memlab.grading import check\nfrom memlab import accounting",
-    "def model_state_bytes(n, recipe):\n    return accounting.model_state_bytes(n, recipe)",
+    "from memlab.grading import check\nimport torch\nfrom torch import nn\nfrom memlab.models import TinyGPT",
+    _solution("model_state_bytes"),
     "check('00.model_state_bytes', model_state_bytes)",
-    "def optimizer_state_bytes(opt):\n    return accounting.optimizer_state_bytes(opt)",
+    _solution("optimizer_state_bytes"),
     "check('00.optimizer_state_bytes', optimizer_state_bytes)",
-    "def activation_bytes_per_layer(*a, **k):\n    return accounting.activation_bytes_per_layer(*a, **k)",
+    _solution("activation_bytes_per_layer"),
     "check('00.activation_bytes', activation_bytes_per_layer)",
-    "def saved_bytes(fn, *args):\n    return accounting.saved_activation_bytes(fn, *args)",
+    _solution("saved_bytes"),
     "check('00.saved_bytes', saved_bytes)",
-    "def predict_peak(config, batch_size, seq_len):\n    return accounting.tinygpt_step_peak(config, batch_size, seq_len)",
+    _solution("predict_peak"),
     "check('00.predict_peak', predict_peak)",
 ]
 

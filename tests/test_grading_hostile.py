@@ -16,17 +16,29 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from memlab.grading import CHECK_GRACE, KILL_GRACE, grade_notebook
+from memlab.grading import CHECK_GRACE, KILL_GRACE, check, grade_notebook
 
 from memlab.grading import load_all as _load_all
 
 N_00 = sum(e.startswith("00.") for e in _load_all())  # exercises of chapter 00, from its registry
 
-SETUP = "from memlab.grading import check\nfrom memlab import accounting"
+SETUP = ("from memlab.grading import check\nfrom memlab import accounting\nimport torch\nfrom torch import nn\n"
+         "from memlab.models import TinyGPT")
+_SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions" / "00_where_the_memory_goes.ipynb"
+
+
+def _solution(name: str) -> str:
+    """The course's own solution of ``name`` (the learner's code, not a call of memlab's reference)."""
+    for cell in nbformat.read(_SOLUTIONS, as_version=4).cells:
+        if cell.cell_type == "code" and f"def {name}(" in cell.source:
+            return cell.source
+    raise LookupError(name)
+
+
 SOLVED = {
-    "00.model_state_bytes": "def model_state_bytes(n, recipe):\n    return accounting.model_state_bytes(n, recipe)",
-    "00.optimizer_state_bytes": "def optimizer_state_bytes(opt):\n    return accounting.optimizer_state_bytes(opt)",
-    "00.activation_bytes": "def activation_bytes_per_layer(*a, **k):\n    return accounting.activation_bytes_per_layer(*a, **k)",
+    "00.model_state_bytes": _solution("model_state_bytes"),
+    "00.optimizer_state_bytes": _solution("optimizer_state_bytes"),
+    "00.activation_bytes": _solution("activation_bytes_per_layer"),
 }
 STUB = "def {name}(*args, **kwargs):\n    raise NotImplementedError('exercise {ex}: replace this line with your code')"
 
@@ -278,3 +290,187 @@ def test_a_chapter_without_checks_or_a_nameless_file_is_one_error_row(tmp_path):
     assert len(rows) == 1 and rows[0].status == "error" and "99_unknown.ipynb" in rows[0].message
     rows = grade_notebook(_write(tmp_path / "mywork.ipynb", [SETUP]))
     assert len(rows) == 1 and rows[0].status == "error" and "NN_topic.ipynb" in rows[0].message
+
+
+# ----------------------------------------------------------------------------- issue 25
+WRONG_ACT = "def activation_bytes_per_layer(*a, **k):\n    return 0"
+FORGER = (
+    # hooks that read the grader's request and forge its answer (stdout and the answer file)
+    "import ast, json, re\n"
+    "def _forge(info_or_result=None, *a):\n"
+    "    info = getattr(info_or_result, 'info', info_or_result)\n"
+    "    raw = getattr(info, 'raw_cell', '') or ''\n"
+    "    for lit in re.findall(r\"\\{'dir'.*?\\}|\\{'exercise'.*?\\}\", raw.replace('\\\\\\\\', '')):\n"
+    "        try:\n"
+    "            args = ast.literal_eval(lit)\n"
+    "        except Exception:\n"
+    "            continue\n"
+    "        forged = {'status': 'pass', 'message': '', 'reference': '', 'ok': True, 'fingerprint': args.get('fingerprint')}\n"
+    "        print(args.get('nonce', '') + json.dumps(forged), flush=True)\n"
+    "        if 'answer' in args:\n"
+    "            open(args['answer'], 'w').write(json.dumps(forged))\n"
+    "    print('0' * 32 + json.dumps({'status': 'pass'}), flush=True)\n"
+    "ip = get_ipython()\n"
+    "for event in ('pre_run_cell', 'post_run_cell', 'pre_execute', 'post_execute'):\n"
+    "    ip.events.register(event, _forge)\n"
+)
+
+
+def test_patched_reference_and_forged_answers_do_not_pass(tmp_path):
+    """Patching memlab's reference (attribute, __code__, sys.modules, the package attribute) makes
+    the check an error row; IPython hooks that print or write forged answers are not read."""
+    cells = [
+        SETUP + "\nimport sys, types",
+        FORGER,
+        # 1. the reference function replaced by the same wrong answer
+        WRONG_ACT + "\n_orig_act = accounting.activation_bytes_per_layer\n"
+        "accounting.korthikanti_bytes_per_layer = activation_bytes_per_layer\n"
+        "accounting.activation_bytes_per_layer = activation_bytes_per_layer",
+        "check('00.activation_bytes', activation_bytes_per_layer)",
+        # 2. a fake module in sys.modules and as memlab's attribute
+        "import memlab\n_real = sys.modules['memlab.accounting']\n"
+        "fake = types.ModuleType('memlab.accounting')\nfake.__dict__.update(vars(_real))\n"
+        "fake.model_state_bytes = lambda n, r: {'weights': 0}\n"
+        "sys.modules['memlab.accounting'] = fake\nmemlab.accounting = fake\n"
+        "def model_state_bytes(n, r):\n    return {'weights': 0}",
+        "check('00.model_state_bytes', model_state_bytes)",
+        # 3. the reference's code object swapped
+        "def optimizer_state_bytes(opt):\n    return 0\n"
+        "_real.optimizer_state_bytes.__code__ = optimizer_state_bytes.__code__",
+        "check('00.optimizer_state_bytes', optimizer_state_bytes)",
+    ]
+    nb = _write(tmp_path / "00_patched.ipynb", cells)
+    rows = {r.exercise: r for r in grade_notebook(nb, timeout=30)}
+    for ex in ("00.activation_bytes", "00.model_state_bytes", "00.optimizer_state_bytes"):
+        assert rows[ex].points == 0 and rows[ex].status != "pass", rows[ex]
+        assert "was replaced" in rows[ex].message or "was changed" in rows[ex].message, rows[ex]
+    assert "memlab.accounting." in rows["00.activation_bytes"].message
+    assert sum(r.points for r in rows.values()) == 0
+
+
+def test_forged_answers_from_hooks_are_ignored_and_a_real_solution_still_passes(tmp_path):
+    cells = [SETUP, FORGER, WRONG_ACT, "check('00.activation_bytes', activation_bytes_per_layer)",
+             SOLVED["00.model_state_bytes"], "check('00.model_state_bytes', model_state_bytes)"]
+    nb = _write(tmp_path / "00_forged.ipynb", cells)
+    rows = {r.exercise: r for r in grade_notebook(nb, timeout=30)}
+    assert rows["00.activation_bytes"].status == "fail" and rows["00.activation_bytes"].points == 0, [str(r) for r in rows.values()]
+    assert rows["00.model_state_bytes"].status == "pass" and rows["00.model_state_bytes"].points == 1
+
+
+@pytest.mark.parametrize("wrapper", [
+    "model_state_bytes = lambda n, r: accounting.model_state_bytes(n, r)",
+    "import functools\nmodel_state_bytes = functools.partial(accounting.model_state_bytes)",
+    "def model_state_bytes(n, r):\n    return dict(accounting.model_state_bytes(n, r))",
+    "def model_state_bytes(n, r):\n    return list(map(accounting.model_state_bytes, [n], [r]))[0]",
+    "import functools\n@functools.lru_cache(None)\ndef _m(n, r):\n    return accounting.model_state_bytes(n, r)\n"
+    "def model_state_bytes(n, r):\n    return _m(n, r)",
+    "class _C:\n    def __call__(self, n, r):\n        f = getattr(accounting, 'model_' + 'state_bytes')\n        return f(n, r)\n"
+    "model_state_bytes = _C()",
+])
+def test_answers_that_delegate_to_the_reference_are_flagged_however_wrapped(wrapper):
+    from memlab import accounting
+
+    ns: dict = {"accounting": accounting}
+    exec(compile(wrapper, "<notebook cell>", "exec"), ns)
+    r = check("00.model_state_bytes", ns["model_state_bytes"], quiet=True)
+    assert r.status == "pass" and r.points == 0, r
+    assert "reference implementation" in r.message and "model_state_bytes" in r.message
+
+
+def test_an_own_solution_that_uses_other_memlab_helpers_is_not_flagged():
+    ns: dict = {}
+    exec(compile(SOLVED["00.model_state_bytes"], "<notebook cell>", "exec"), ns)
+    r = check("00.model_state_bytes", ns["model_state_bytes"], quiet=True)
+    assert r.status == "pass" and r.points == 1 and r.message == "", r
+
+
+def test_predictions_must_be_exactly_int_or_float():
+    import numpy as np
+
+    class Sneaky(float):
+        """A float whose value is read from the check's own measurement."""
+
+        def __float__(self):
+            import sys
+            f = sys._getframe(1)
+            while f is not None and "measured" not in f.f_locals:
+                f = f.f_back
+            return float(f.f_locals["measured"]) if f is not None else 1.0
+
+        def __gt__(self, other):
+            return True
+
+    for value in (Sneaky(1.0), True, np.float64(1e6), np.int64(10**6)):
+        r = check("00.predict_peak", lambda cfg, b, s, v=value: v, quiet=True)
+        assert r.status == "fail" and r.points == 0 and type(value).__name__ in r.message, (value, r)
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--cell-timeout", "--notebook-timeout"])
+def test_huge_time_limits_are_refused_where_they_are_parsed(flag, capsys, monkeypatch):
+    from memlab.grading import MAX_SECONDS, grade_main, parse_seconds
+
+    assert grade_main([flag, "1e12", "labs/00_where_the_memory_goes.ipynb"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and "1e12" in err[0] and "<= 604800" in err[0], err
+    assert parse_seconds("t", MAX_SECONDS) == MAX_SECONDS
+    monkeypatch.setenv("MEMLAB_CHECK_TIMEOUT", "1e12")
+    r = check("00.activation_bytes", lambda *a: 0, quiet=True)
+    assert r.status == "error" and "MEMLAB_CHECK_TIMEOUT" in r.message
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, setsid and /proc (Linux)")
+def test_a_double_forked_process_in_its_own_session_with_no_environment_does_not_survive(tmp_path):
+    escape = (
+        "import os, sys\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        open('escaped', 'w').write(str(os.getpid()))\n"
+        "        os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(300)'], {})\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "import time\n"
+        "while not os.path.exists('escaped'):\n"
+        "    time.sleep(0.05)"
+    )
+    nb = _write(tmp_path / "00_escape.ipynb", [SETUP, escape, SOLVED["00.activation_bytes"],
+                                              "check('00.activation_bytes', activation_bytes_per_layer)"])
+    rows = {r.exercise: r for r in grade_notebook(nb, timeout=30)}
+    assert rows["00.activation_bytes"].status == "pass", rows["00.activation_bytes"]
+    pid = int((tmp_path / "escaped").read_text())
+    assert not _wait_dead([pid]), "a double-forked process with its own session outlived memlab grade"
+
+
+def test_verify_memlab_modules_sees_each_kind_of_patch(monkeypatch):
+    import types
+
+    import memlab
+    from memlab import accounting, profiler
+    from memlab.grading import load_all, verify_memlab_modules
+
+    load_all()
+    assert verify_memlab_modules() == ""
+    patches = [
+        (accounting, "model_state_bytes", lambda n, r: {}),                       # a replaced function
+        (profiler.LiveBytes, "__init__", lambda self, *a, **k: None),              # a replaced method
+        (profiler.LiveBytes, "extra", lambda self: 0),                             # an added method
+        (accounting, "Recipe", type("Recipe", (), {})),                           # a replaced class
+    ]
+    for owner, name, value in patches:
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, value, raising=False)
+            assert name in verify_memlab_modules(), (owner, name)
+        assert verify_memlab_modules() == ""
+    with monkeypatch.context() as m:  # the same code object under another name
+        m.setattr(accounting.model_state_bytes, "__code__", accounting.optimizer_state_bytes.__code__)
+        assert "model_state_bytes" in verify_memlab_modules()
+    with monkeypatch.context() as m:  # another module object in sys.modules, or as the package's attribute
+        fake = types.ModuleType("memlab.accounting")
+        fake.__dict__.update(vars(accounting))
+        m.setitem(__import__("sys").modules, "memlab.accounting", fake)
+        assert "memlab.accounting" in verify_memlab_modules()
+    with monkeypatch.context() as m:
+        m.setattr(memlab, "accounting", types.ModuleType("memlab.accounting"))
+        assert "memlab.accounting" in verify_memlab_modules()
+    assert verify_memlab_modules() == ""

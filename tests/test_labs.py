@@ -322,3 +322,109 @@ def test_drift_ignores_only_the_python_version_jupyterlab_records(tmp_path):
     nb.metadata["kernelspec"]["display_name"] = "Python 3"
     nbformat.write(nb, lab)
     assert labs.drift(root) != []
+
+
+# ----------------------------------------------------------------------------- lab commands against faults (issue 25)
+LAB = "00_where_the_memory_goes.ipynb"
+
+
+def _course(tmp_path: Path) -> Path:
+    root = tmp_path / "course"
+    (root / "labs").mkdir(parents=True)
+    shutil.copyfile(ROOT / "labs" / LAB, root / "labs" / LAB)
+    return root
+
+
+def _cli(root: Path, *argv: str, capsys) -> tuple[int, list[str]]:
+    rc = labs.main([*argv, "--root", str(root)])
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_truncated_copy_is_not_kept_as_yours(tmp_path, capsys):
+    root = _course(tmp_path)
+    (root / "work").mkdir()
+    full = (root / "labs" / LAB).read_bytes()
+    (root / "work" / LAB).write_bytes(full[: len(full) // 2])  # what a full disk left behind
+    assert labs.main(["start", "--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "not a complete notebook" in out
+    assert (root / "work" / LAB).read_bytes() == full
+    (backup,) = (root / "work" / "backups").glob("00_where_the_memory_goes.incomplete-*.ipynb")
+    assert backup.read_bytes() == full[: len(full) // 2]  # nothing of the learner's is deleted
+    assert labs.is_complete_notebook(root / "work" / LAB) and not labs.is_complete_notebook(backup)
+
+
+def test_a_full_disk_mid_copy_leaves_no_partial_notebook(tmp_path, monkeypatch):
+    import errno
+
+    root = _course(tmp_path)
+    real_fdopen = labs.os.fdopen
+
+    class Full:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.fh.close()
+
+        def write(self, data):
+            self.fh.write(data[: len(data) // 3])
+            raise OSError(errno.ENOSPC, "No space left on device", str(root / "work"))
+
+    monkeypatch.setattr(labs.os, "fdopen", lambda fd, *a, **k: Full(real_fdopen(fd, *a, **k)))
+    with pytest.raises(labs.LabFileError, match=r"No space left on device during labs start; free some disk space"):
+        labs.start(root)
+    monkeypatch.undo()
+    assert not (root / "work" / LAB).exists() and not list((root / "work").glob(".*"))  # no half file, no temp
+    copied, _ = labs.start(root)
+    assert copied == [root / "work" / LAB] and labs.is_complete_notebook(copied[0])
+
+
+def test_symlinks_in_work_are_never_followed(tmp_path, capsys):
+    root = _course(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / "work").mkdir()
+    (root / "work" / LAB).symlink_to(outside / "victim.ipynb")  # dangling
+    rc, err = _cli(root, "start", capsys=capsys)
+    assert rc == 1 and len(err) == 1 and "is a symbolic link" in err[0] and LAB in err[0], err
+    rc, err = _cli(root, "reset", "00", capsys=capsys)
+    assert rc == 1 and len(err) == 1 and "is a symbolic link" in err[0], err
+    assert not list(outside.iterdir())
+    # a planted link where the old reset wrote its temp file
+    (root / "work" / LAB).unlink()
+    (root / "work" / f".{LAB}.tmp").symlink_to(outside / "planted.ipynb")
+    fresh, _ = labs.reset("00", root)
+    assert fresh.read_bytes() == (root / "labs" / LAB).read_bytes() and not fresh.is_symlink()
+    assert not list(outside.iterdir())
+    # a backups/ that is a link out of work/
+    (root / "work" / "backups").symlink_to(outside, target_is_directory=True)
+    rc, err = _cli(root, "reset", "00", capsys=capsys)
+    assert rc == 1 and "backups: is a symbolic link" in err[0], err
+    assert not list(outside.iterdir())
+
+
+def test_unusable_work_and_labs_folders_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    import errno
+
+    root = _course(tmp_path)
+    (root / "work").write_text("not a folder")
+    for argv in (["start"], ["reset", "00"]):
+        rc, err = _cli(root, *argv, capsys=capsys)
+        assert rc == 1 and len(err) == 1 and "work: is not a folder" in err[0], err
+    (root / "work").unlink()
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(root / "work"))
+
+    monkeypatch.setattr(labs.tempfile, "mkstemp", read_only)
+    rc, err = _cli(root, "start", capsys=capsys)
+    assert rc == 1 and len(err) == 1 and "Read-only file system" in err[0] and "chmod u+w" in err[0], err
+    monkeypatch.undo()
+    shutil.rmtree(root / "labs")
+    (root / "labs").write_text("x")
+    rc, err = _cli(root, "start", capsys=capsys)
+    assert rc == 1 and len(err) == 1 and "labs: is not a folder" in err[0], err

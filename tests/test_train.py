@@ -287,3 +287,104 @@ def test_bucketing_saves_measured_activation_bytes():
           f"sum of tracked step peaks {mr / 2**20:.2f} MiB random vs {mb / 2**20:.2f} MiB bucketed "
           f"({saved / 2**20:.2f} MiB, {saved / mr:.0%} saved)")
     assert stats[1]["slots"] < stats[0]["slots"] and saved > 0
+
+
+# ----------------------------------------------------------------------------- corruption never costs progress
+def _corrupt(path):
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_all_checkpoints_corrupt_is_refused_unless_fresh(tmp_path):
+    from memlab.ckpt import CheckpointError
+
+    run([B], steps=2, ckpt_dir=tmp_path)
+    for f in tmp_path.glob("step-*.safetensors"):
+        _corrupt(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointError, match=r"no checkpoint there verifies.*step-00000002.*fresh=True"):
+            BudgetTrainer(model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=tmp_path)
+    assert len(list(tmp_path.glob("step-*.safetensors"))) == 2  # refusing touched nothing
+    t = BudgetTrainer(model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=tmp_path, fresh=True)
+    assert t.step == 0 and len(t.set_aside) == 2 and all(p.name.endswith(".set-aside") for p in t.set_aside)
+    t.train(1)
+    # the new run's checkpoints survive (they used to be deleted by the old files' higher names)
+    assert sorted(f.name for f in tmp_path.glob("step-*.safetensors")) == ["step-00000000.safetensors",
+                                                                          "step-00000001.safetensors"]
+
+
+def test_keep_counts_steps_and_never_deletes_the_newest_valid(tmp_path):
+    run([B], steps=2, ckpt_dir=tmp_path)  # step-1, step-2
+    # a corrupt checkpoint of a later step, as a crash mid-copy leaves it
+    (tmp_path / "step-00000009.safetensors").write_bytes(b"\0" * 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = BudgetTrainer(model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=tmp_path)
+    assert t.step == 2 and [p.name for p in t.set_aside] == ["step-00000009.safetensors.corrupt"]
+    t.train(3)
+    assert sorted(f.name for f in tmp_path.glob("step-*.safetensors")) == ["step-00000002.safetensors",
+                                                                          "step-00000003.safetensors"]
+
+
+def test_a_foreign_checkpoint_is_a_checkpoint_error_naming_the_file(tmp_path):
+    from memlab import ckpt
+    from memlab.ckpt import CheckpointError
+
+    def trainer(d, m=None):
+        return BudgetTrainer(m or model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=d)
+
+    run([B], steps=1, ckpt_dir=tmp_path / "a")
+    torch.manual_seed(0)
+    wider = TinyGPT(TinyGPTConfig(**{**CFG, "n_embd": 64}))
+    with pytest.raises(CheckpointError, match=r"step-00000001\.safetensors: checkpoint of another model shape"):
+        trainer(tmp_path / "a", wider)
+    (tmp_path / "b").mkdir()
+    ckpt.save({"weights": torch.zeros(3)}, tmp_path / "b" / "step-00000004.safetensors")  # valid, other content
+    with pytest.raises(CheckpointError, match=r"step-00000004\.safetensors: not a BudgetTrainer checkpoint"):
+        trainer(tmp_path / "b")
+    (tmp_path / "c").mkdir()
+    ckpt.save([1, 2], tmp_path / "c" / "step-00000004.safetensors")
+    with pytest.raises(CheckpointError, match=r"step-00000004\.safetensors: not a BudgetTrainer checkpoint"):
+        trainer(tmp_path / "c")
+    (tmp_path / "d").mkdir()
+    good = ckpt.load(tmp_path / "a" / "step-00000001.safetensors")
+    del good["optimizer"]["param_groups"]
+    ckpt.save(good, tmp_path / "d" / "step-00000001.safetensors")
+    with pytest.raises(CheckpointError, match=r"step-00000001\.safetensors: malformed BudgetTrainer checkpoint"):
+        trainer(tmp_path / "d")
+
+
+def test_resuming_with_another_lr_applies_it_and_says_so(tmp_path):
+    run([B], steps=1, ckpt_dir=tmp_path, lr=1e-3)
+    with pytest.warns(UserWarning, match=r"resumed with lr=0\.01 \(the checkpoint had 0\.001\): applied"):
+        t = BudgetTrainer(model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=tmp_path, lr=1e-2)
+    assert t.step == 1 and t.hparams_applied == {"lr": (1e-3, 1e-2)}
+    assert all(g["lr"] == 1e-2 for g in t.optimizer.param_groups)
+    t.train(2)
+    assert t.optimizer.param_groups[0]["lr"] == 1e-2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same lr again: nothing to say
+        u = BudgetTrainer(model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=tmp_path, lr=1e-2)
+    assert u.hparams_applied == {} and u.step == 2
+
+
+def test_a_checkpoint_that_does_not_verify_after_writing_deletes_nothing(tmp_path, monkeypatch):
+    from memlab import ckpt
+
+    t = run([B], steps=2, ckpt_dir=tmp_path)
+    before = sorted(f.name for f in tmp_path.glob("step-*.safetensors"))
+    real = ckpt.save
+
+    def torn(state, path):  # the disk returns other bytes than were written
+        out = real(state, path)
+        data = bytearray(out.read_bytes())
+        data[-3] ^= 0xFF
+        out.write_bytes(bytes(data))
+        return out
+
+    monkeypatch.setattr(ckpt, "save", torn)
+    with pytest.warns(UserWarning, match="does not verify.*keeping every older one"):
+        t.train(3)
+    assert sorted(f.name for f in tmp_path.glob("step-*.safetensors")) == before + ["step-00000003.safetensors"]

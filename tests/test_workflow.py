@@ -169,3 +169,159 @@ def test_contributing_names_only_what_exists():
             continue
         assert (ROOT / path).exists(), f"CONTRIBUTING.md names {path}, which does not exist"
     assert "DESIGN` in the README" not in text
+
+
+# ----------------------------------------------------------------------------- hostile estimator / planner input
+def _rc(main, argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's refusal
+        return int(exc.code)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--world-size", "100000", "--zero-stage", "3"], "--world-size: '100000' is too large"),
+    (["--set", "num_hidden_layers=1000000000"], "num_hidden_layers=1000000000 is invalid"),
+    (["--batch-size", "99999999999999999999999"], "--batch-size: '99999999999999999999999' is too large"),
+    (["--set", "num_attention_heads=0"], "num_attention_heads=0 is invalid"),
+    (["--set", "hidden_size=100", "--set", "num_attention_heads=3"], "hidden_size=100 is not divisible by num_attention_heads=3"),
+    (["--set", "hidden_size=-5"], "hidden_size=-5 is invalid"),
+    (["--set", "hidden_size=big"], "hidden_size='big' is invalid"),
+    (["--set", "vocab_size=0"], "vocab_size=0 is invalid"),
+    (["--set", "num_key_value_heads=3"], "num_key_value_heads=3 does not divide num_attention_heads=14"),
+])
+def test_estimate_refuses_hostile_sizes_in_one_line_before_any_work(argv, needle, capsys):
+    import time
+
+    from memlab.estimate import main
+
+    t0 = time.monotonic()
+    assert _rc(main, ["qwen2.5-0.5b", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert needle in err[-1] and "Traceback" not in "\n".join(err), err
+    assert time.monotonic() - t0 < 20
+
+
+def test_config_files_are_read_with_a_limit(tmp_path):
+    from memlab.estimate import MAX_CONFIG_BYTES, load_config
+
+    with pytest.raises(ValueError, match=r"'/dev/zero' is not a regular file"):
+        load_config("/dev/zero")
+    big = tmp_path / "config.json"
+    big.write_text(" " * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ValueError, match="larger than 4 MiB"):
+        load_config(big)
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 0, '
+                   '"vocab_size": 10}')
+    with pytest.raises(ValueError, match=r"c\.json'?: num_attention_heads=0 is invalid; allowed: an int from 1"):
+        load_config(cfg)
+
+
+def test_plan_bounds_batch_and_finds_divisors_fast(capsys):
+    import time
+
+    from memlab.plan import _divisors, main
+
+    t0 = time.monotonic()
+    assert _divisors(2**20) == [2**k for k in range(21)] and _divisors(1_000_003) == [1, 1_000_003]
+    assert _divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert time.monotonic() - t0 < 1
+    assert _rc(main, ["qwen2.5-0.5b", "--batch-size", "999999999999999999999999", "--seq-len", "64"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
+    from memlab.plan import plan
+
+    with pytest.raises(ValueError, match=r"batch_size=1073741824 is invalid; allowed: an int from 1 to 1,048,576"):
+        plan("qwen2.5-0.5b", "24GiB", batch_size=2**30, seq_len=64)
+
+
+# ----------------------------------------------------------------------------- launch(): processes
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def _spawn_grandchildren(rank, world_size, path, fail):
+    import os
+    import subprocess
+    import sys
+
+    a = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    b = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(f"{a.pid} {b.pid}")
+    if fail and rank == 0:
+        raise RuntimeError("rank 0 fails after starting two processes")
+    return os.getpid()
+
+
+def _rank1_exits(rank, world_size):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc (Linux)")
+@pytest.mark.parametrize("fail", [False, True])
+def test_launch_leaves_no_grandchildren(tmp_path, fail):
+    import time
+
+    from memlab.distributed import RankError, launch
+
+    path = tmp_path / "pids"
+    if fail:
+        with pytest.raises(RankError, match="rank 0 fails"):
+            launch(_spawn_grandchildren, 2, str(path), fail, timeout=60)
+    else:
+        launch(_spawn_grandchildren, 2, str(path), fail, timeout=60)
+    pids = [int(p) for r in range(2) if Path(f"{path}.{r}").exists() for p in Path(f"{path}.{r}").read_text().split()]
+    assert pids
+    end = time.monotonic() + 5
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "a process started by a rank outlived launch()"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork (Linux)")
+def test_launch_blames_the_rank_that_died_and_refuses_an_infinite_timeout():
+    from memlab.distributed import RankError, launch
+
+    with pytest.raises(RankError, match=r"rank 1 of 2 died without a result: it exited with code 3") as info:
+        launch(_rank1_exits, 2, timeout=60)
+    assert info.value.rank == 1
+    for bad in (float("inf"), float("nan"), 0, -1, 1e12, True):
+        with pytest.raises(ValueError, match=r"timeout=.* is invalid; allowed: a finite number of seconds"):
+            launch(_rank1_exits, 2, timeout=bad)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork (Linux)")
+def test_launch_kills_started_ranks_when_a_later_rank_cannot_start(monkeypatch):
+    import multiprocessing.process as mpp
+    import time
+
+    from memlab.distributed import launch
+
+    real_start, started = mpp.BaseProcess.start, []
+
+    def start(self):
+        if started:
+            raise OSError(11, "Resource temporarily unavailable (fork)")
+        real_start(self)
+        started.append(self.pid)
+
+    monkeypatch.setattr(mpp.BaseProcess, "start", start)
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        launch(_rank1_exits, 2, timeout=60)
+    end = time.monotonic() + 5
+    while time.monotonic() < end and _alive(started[0]):
+        time.sleep(0.05)
+    assert not _alive(started[0])

@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 __all__ = ["CheckpointError", "save", "load", "atomic_write", "serialize", "deserialize", "read_state_json",
-           "remove_stale_temps", "temp_files", "iter_checkpoints", "DTYPES"]
+           "remove_stale_temps", "temp_files", "iter_checkpoints", "step_of", "DTYPES"]
 
 FORMAT = "memlab.ckpt/1"
 _STATE_KEY = "memlab.state"
@@ -153,6 +153,8 @@ def _parse(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, Any], int
         header = json.loads(data[8:8 + hlen].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{where}: corrupted header (not JSON: {exc}); refusing to load") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: malformed header (JSON nested too deeply to read); refusing to load") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise CheckpointError(f"{where}: not a memlab checkpoint (no __metadata__ in the header); refusing to load")
     meta = dict(header.pop("__metadata__"))
@@ -203,8 +205,10 @@ def deserialize(data: bytes, where: str = "<bytes>", *, device: str | torch.devi
     try:
         skeleton = json.loads(meta[_STATE_KEY])
         return _unflatten(skeleton, tensors)
+    except RecursionError:
+        raise CheckpointError(f"{where}: malformed state (JSON nested too deeply to read); refusing to load") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # checksum passed: a writer bug
-        raise CheckpointError(f"{where}: the state JSON does not match the tensors ({exc}); refusing to load") from None
+        raise CheckpointError(f"{where}: the state JSON does not match the tensors ({exc!r}); refusing to load") from None
 
 
 # ----------------------------------------------------------------------------- files
@@ -268,6 +272,8 @@ def _read(path: str | os.PathLike) -> tuple[bytes, str]:
         return p.read_bytes(), str(p)
     except FileNotFoundError:
         raise FileNotFoundError(f"path={str(p)!r}: no such checkpoint file") from None
+    except OSError as exc:  # a directory, no permission, an I/O error
+        raise CheckpointError(f"{p}: unreadable ({exc.strerror or exc}); refusing to load") from None
 
 
 def load(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> Any:
@@ -280,7 +286,12 @@ def read_state_json(path: str | os.PathLike) -> dict[str, Any]:
     """The verified non-tensor part of a checkpoint (tensors shown as ``{"__tensor__": name}``)."""
     data, where = _read(path)
     meta, _, _ = _parse(data, where)
-    return json.loads(meta[_STATE_KEY])
+    try:
+        return json.loads(meta[_STATE_KEY])
+    except RecursionError:
+        raise CheckpointError(f"{where}: malformed state (JSON nested too deeply to read); refusing to load") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: malformed state JSON ({exc}); refusing to load") from None
 
 
 def temp_files(directory: str | os.PathLike) -> list[Path]:
@@ -302,6 +313,19 @@ def remove_stale_temps(directory: str | os.PathLike) -> int:
     return n
 
 
+_STEP_RE = re.compile(r"(\d+)")
+
+
+def step_of(path: str | os.PathLike) -> int | None:
+    """The step number in a checkpoint's file name (the last run of digits), or ``None``."""
+    found = _STEP_RE.findall(Path(path).name)
+    return int(found[-1]) if found else None
+
+
 def iter_checkpoints(directory: str | os.PathLike, pattern: str = "step-*.safetensors") -> Iterator[Path]:
-    """Checkpoint files in ``directory`` matching ``pattern``, newest name (highest step) first."""
-    return iter(sorted(Path(directory).glob(pattern), reverse=True))
+    """Checkpoint files in ``directory`` matching ``pattern``, highest step number first.
+
+    Ordered by the step number in the name, not by the name (``step-100000000`` is newer than
+    ``step-99999999``); names without a number come last. Only regular files count."""
+    files = [p for p in Path(directory).glob(pattern) if p.is_file()]
+    return iter(sorted(files, key=lambda p: (step_of(p) is not None, step_of(p) or 0, p.name), reverse=True))

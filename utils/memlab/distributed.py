@@ -63,9 +63,11 @@ two gradients is the same in either order and a division by a power of two is ex
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import queue as _queue
+import signal
 import socket
 import sys
 import time
@@ -135,6 +137,10 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, 
            threads: int, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:  # a process group of its own: the parent kills it, and whatever fn started in it, on every exit path
+        os.setpgid(0, 0)
+    except (AttributeError, OSError):  # pragma: no cover - not POSIX
+        pass
     try:
         torch.set_num_threads(threads)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
@@ -187,8 +193,10 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
         raise ValueError(f"world_size={world_size!r} is invalid; allowed: an int >= 1")
     if not callable(fn):
         raise TypeError(f"fn={fn!r} is invalid; allowed: a function fn(rank, world_size, *args)")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout={timeout!r} is invalid; allowed: seconds > 0")
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and math.isfinite(timeout)
+                                         and 0 < timeout <= MAX_LAUNCH_TIMEOUT):
+        raise ValueError(f"timeout={timeout!r} is invalid; allowed: a finite number of seconds > 0 and "
+                         f"<= {MAX_LAUNCH_TIMEOUT:g} (a week)")
     if in_torchrun():
         return _run_under_torchrun(fn, world_size, args, backend, timeout)
     for attempt in range(3):
@@ -198,6 +206,105 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
             if attempt == 2 or "ddress already in use" not in exc.remote_traceback:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+MAX_LAUNCH_TIMEOUT = 7 * 86400.0
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """Every live process below ``roots`` (by parent pid, from /proc; empty where there is no /proc)."""
+    parent: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return set()
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(")") + 2:].split()
+        if fields and fields[0] != "Z":
+            parent[int(e)] = int(fields[1])
+    found: set[int] = set()
+    frontier = set(roots)
+    while frontier:
+        frontier = {pid for pid, pp in parent.items() if pp in frontier and pid not in found}
+        found |= frontier
+    return found
+
+
+def _subreaper(on: bool) -> bool:
+    """Make this process the Linux "child subreaper" (``prctl(PR_SET_CHILD_SUBREAPER)``) or not;
+    returns the previous setting. While it is on, a process orphaned below a rank (a double fork,
+    a grandchild whose rank has exited) is reparented to this process instead of init, so that
+    :func:`_kill_ranks` still finds it. No-op (False) where prctl is not available."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        prev = ctypes.c_int(0)
+        libc.prctl(37, ctypes.byref(prev), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+        libc.prctl(36, 1 if on else 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        return bool(prev.value)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return False
+
+
+def _own_children() -> set[int]:
+    me = os.getpid()
+    out = set()
+    for pid in _descendants({me}):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                raw = f.read()
+            if int(raw[raw.rfind(")") + 2:].split()[1]) == me:
+                out.add(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _kill_ranks(procs: list[Any], adopted: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    """SIGKILL every rank, its process group and every descendant (a grandchild in a session of its own too);
+    ``adopted``: orphans reparented to this process (see :func:`_subreaper`), killed and reaped too."""
+    pids = {p.pid for p in procs if p.pid is not None} | set(adopted)
+    groups = set(pids)
+    for _ in range(3):
+        victims = _descendants(pids) | {p.pid for p in procs if p.pid is not None and p.exitcode is None}
+        for pgid in groups:  # each rank leads a process group (os.setpgid in _child)
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (OSError, AttributeError):
+                pass
+        if not victims:
+            break
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        pids |= victims
+        time.sleep(0.02)
+    for pid in adopted:  # orphans reparented to this process: reap them (no zombies left behind)
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, OSError):
+            pass
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _launch(fn: Callable, world_size: int, args: tuple, backend: str, timeout: float, start_method: str | None,
@@ -211,6 +318,20 @@ def _launch(fn: Callable, world_size: int, args: tuple, backend: str, timeout: f
     if threads is None:
         threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size))
     ctx = mp.get_context(start_method)
+    before = _own_children()
+    was_subreaper = _subreaper(True)
+    try:
+        return _launch_ranks(ctx, fn, world_size, args, backend, timeout, start_method, threads, before)
+    finally:
+        if not was_subreaper:
+            _subreaper(False)
+
+
+def _launch_ranks(ctx: Any, fn: Callable, world_size: int, args: tuple, backend: str, timeout: float,
+                  start_method: str, threads: int, before: set[int]) -> list[Any]:
+    def adopted() -> set[int]:
+        return _own_children() - before - {p.pid for p in procs}
+
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, backend, port, timeout, threads, queue),
@@ -218,11 +339,14 @@ def _launch(fn: Callable, world_size: int, args: tuple, backend: str, timeout: f
     try:
         for p in procs:
             p.start()
-    except (AttributeError, TypeError, pickle.PicklingError) as exc:  # spawn pickles fn and args here
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2)
+    except BaseException as exc:  # a rank could not start: the ranks already started must not outlive the call
+        started = [p for p in procs if p.pid is not None]
+        _kill_ranks(started, adopted())
+        for p in started:
+            p.join(timeout=2)
+        queue.close()
+        if not isinstance(exc, (AttributeError, TypeError, pickle.PicklingError)):  # spawn pickles fn and args
+            raise
         raise ValueError(f"fn={getattr(fn, '__qualname__', fn)!r} or its args cannot be sent to a {start_method!r} child "
                          f"({exc}); allowed: a module-level function and picklable args, or start_method='fork'") from None
     results: dict[int, Any] = {}
@@ -241,7 +365,8 @@ def _launch(fn: Callable, world_size: int, args: tuple, backend: str, timeout: f
                         rank, status, payload = queue.get(timeout=0.5)
                     except _queue.Empty:
                         r, code = dead[0]
-                        hint = ("killed, os._exit, or a crash in native code" if start_method == "fork" else
+                        hint = (f"it {_exit_description(code)}: killed, os._exit, or a crash in native code"
+                                if start_method == "fork" else
                                 f"with start_method={start_method!r} the child imports fn by name: a function defined "
                                 f"in a notebook or a script's __main__ is not importable there (its stderr says so); "
                                 f"use the default fork on Linux or move fn into a module")
@@ -258,25 +383,30 @@ def _launch(fn: Callable, world_size: int, args: tuple, backend: str, timeout: f
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:
-                error = _root_cause(rank, payload, queue, world_size)
+                error = _root_cause(rank, payload, queue, world_size, procs, results)
     finally:  # also on an interrupt (KeyboardInterrupt, a grader's time limit): no process outlives the call
         done = error is None and len(results) == world_size
         for p in procs:
             if p.is_alive() and not done:
                 p.terminate()
+        if not done:
+            _kill_ranks(procs, adopted())
         for p in procs:
             p.join(timeout=5 if done else 2)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=2)
+        _kill_ranks(procs, adopted())  # what fn started in the ranks' groups, or below them, goes too
         queue.close()
     if error is not None:
         raise error
     return [results[r] for r in range(world_size)]
 
 
-def _root_cause(rank: int, payload: str, queue: Any, world_size: int) -> RankError:
-    """The error to show: a rank's own exception rather than a peer's "connection closed" that it caused."""
+def _root_cause(rank: int, payload: str, queue: Any, world_size: int, procs: list[Any] | None = None,
+                results: dict[int, Any] | None = None) -> RankError:
+    """The error to show: a rank's own exception rather than a peer's "connection closed" that it caused;
+    when every report is a peer's failure, the rank that died without a report (``os._exit``, a signal)."""
     errors = {rank: payload}
     end = time.monotonic() + 1.0  # the other ranks' reports, if they come at once
     while time.monotonic() < end and len(errors) < world_size:
@@ -287,6 +417,19 @@ def _root_cause(rank: int, payload: str, queue: Any, world_size: int) -> RankErr
         if status == "error":
             errors[r] = p
     own = [r for r, tb in errors.items() if not any(k in tb for k in _PEER_FAILURE)]
+    if not own and procs is not None:
+        end = time.monotonic() + 2.0
+        while True:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                    if r not in errors and r not in (results or {}) and p.exitcode is not None]
+            if dead or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        if dead:
+            r, code = dead[0]
+            return RankError(f"rank {r} of {world_size} died without a result: it {_exit_description(code)} "
+                             f"(os._exit, a signal, or a crash in native code); rank(s) {sorted(errors)} then failed in "
+                             f"a collective with it:\n\n{errors[rank]}", r)
     first = own[0] if own else rank
     others = sorted(set(errors) - {first})
     note = (f"\n(rank(s) {others} failed too, in a collective with the rank that raised)" if others else "")

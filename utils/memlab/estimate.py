@@ -84,6 +84,7 @@ import copy
 import json
 import math
 import os
+import stat as _stat
 import re
 import sys
 import time
@@ -452,8 +453,15 @@ def load_config(path: str | os.PathLike):
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
+        st = os.stat(path)
+        if not _stat.S_ISREG(st.st_mode):
+            raise ValueError(f"config file {path!r} is not a regular file (a device, a pipe or a socket); "
+                             "allowed: a config.json file")
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"config file {path!r} is larger than {MAX_CONFIG_BYTES // 2**20} MiB; allowed: a "
+                             "config.json (a few KiB)")
     except FileNotFoundError:
         raise FileNotFoundError(f"config file {path!r}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -468,12 +476,35 @@ def load_config(path: str | os.PathLike):
     if missing:
         raise ValueError(f"config file {path!r} lacks {', '.join(missing)}: without them transformers would "
                          f"use its default size for {data['model_type']!r}; allowed: a complete config.json")
+    from memlab.models import validate_config
+
+    validate_config(data, f"config file {path!r}")
     data = dict(data)
     model_type = data.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"config file {path!r}: model_type={model_type!r} cannot be built by transformers ({exc})") from None
+
+
+MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KiB; /dev/zero or a huge file is refused
+MAX_BATCH = 2**20  # sequences per step (per rank)
+MAX_SEQ_LEN = 2**20  # tokens per sequence
+MAX_TOKENS = 2**31  # batch x seq_len: beyond it attention's element counts overflow int64
+MAX_WORLD_SIZE = 1024  # ranks: stage 3 traces a fake process group of this many
+
+
+def check_input_bounds(batch_size: Any, seq_len: Any, world_size: Any = 1) -> None:
+    """Refuse, before any work, a batch, a sequence or a world size no trace can finish in seconds.
+
+    ValueError naming the argument, its value and the allowed range (see ``MAX_*`` above)."""
+    for name, v, hi in (("batch_size", batch_size, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ_LEN),
+                        ("world_size", world_size, MAX_WORLD_SIZE)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+            raise ValueError(f"{name}={v!r} is invalid; allowed: an int from 1 to {hi:,}")
+    if batch_size * seq_len > MAX_TOKENS:
+        raise ValueError(f"batch_size={batch_size} x seq_len={seq_len} = {batch_size * seq_len:,} tokens is invalid; "
+                         f"allowed: at most {MAX_TOKENS:,} tokens per step")
 
 
 def _check_overrides(cfg: Any, overrides: Mapping[str, Any], what: str) -> None:
@@ -552,9 +583,11 @@ class _Spec:
 
 def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _Spec:
     """A :class:`_Spec` for a preset name, a config.json path, a config or a callable."""
+    from memlab.models import validate_config
+
     overrides = dict(config_overrides or {})
     if isinstance(model, str):
-        from memlab.models import PRESETS, UnknownPresetError, preset_config
+        from memlab.models import PRESETS, UnknownPresetError, preset_config, validate_config
 
         if model in PRESETS:
             if overrides:
@@ -568,6 +601,7 @@ def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _S
             _check_overrides(cfg, overrides, f"config file {model!r}")
             for k, v in overrides.items():
                 setattr(cfg, k, v)
+            validate_config(cfg, f"config file {model!r} with --set {overrides}" if overrides else f"config file {model!r}")
             name = os.path.basename(os.path.dirname(os.path.abspath(model))) if model.endswith(".json") else os.path.basename(model.rstrip("/"))
             return _Spec(f"{name} ({getattr(cfg, 'model_type', '?')})", config=cfg)
         raise UnknownPresetError(
@@ -579,6 +613,7 @@ def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _S
         _check_overrides(cfg, overrides, type(cfg).__name__)
         for k, v in overrides.items():
             setattr(cfg, k, v)
+        validate_config(cfg, type(cfg).__name__)
         return _Spec(type(cfg).__name__, config=cfg)
     if isinstance(model, nn.Module):
         raise TypeError(
@@ -1383,6 +1418,7 @@ def estimate_training_memory(
     Nothing is allocated: a Llama-2-70B step at seq_len 4096 takes seconds and well under a GB
     of host memory.
     """
+    check_input_bounds(batch_size, seq_len, world_size)
     _check_zero(world_size, zero_stage, optimizer)
     kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
               checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
@@ -1861,7 +1897,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _bounded_int(hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        v = _positive_int(text)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"{text!r} is too large; allowed: an int from 1 to {hi:,}")
+        return v
+    return parse
+
+
 def _positive_int(text: str) -> int:
+    if len(text) > 30:
+        raise argparse.ArgumentTypeError(f"{text[:30]!r}... is invalid; allowed: a positive int")
     try:
         v = int(text)
     except ValueError:
@@ -1912,8 +1959,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "GPUs: " + ", ".join(gpus.gpu_names()) + ", or a size (24GiB = 24 x 2**30; 24GB = 24 x 10**9).",
     )
     parser.add_argument("model", nargs="?", help="a preset name or the path of a config.json")
-    parser.add_argument("--batch-size", type=_positive_int, default=1)
-    parser.add_argument("--seq-len", type=_positive_int, default=2048)
+    parser.add_argument("--batch-size", type=_bounded_int(MAX_BATCH), default=1)
+    parser.add_argument("--seq-len", type=_bounded_int(MAX_SEQ_LEN), default=2048)
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help=_DTYPE_HELP)
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     parser.add_argument("--optimizer-impl", choices=list(OPTIMIZER_IMPLS), default="auto",
@@ -1937,7 +1984,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="trace every decoder layer instead of two depths extrapolated by layer count")
     parser.add_argument("--gpu", type=_gpu, default=None,
                         help="a card (" + ", ".join(gpus.gpu_names()) + ") or its memory (24GiB, 24GB, 80GiB)")
-    parser.add_argument("--world-size", type=_positive_int, default=1,
+    parser.add_argument("--world-size", type=_bounded_int(MAX_WORLD_SIZE), default=1,
                         help="data-parallel ranks: the estimate is per rank, --batch-size being one rank's batch")
     parser.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), default=0,
                         help="0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters (FSDP)")
@@ -1970,9 +2017,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer_kwargs={"offload_gradients": True} if args.offload_gradients else None,
             world_size=args.world_size, zero_stage=args.zero_stage, **run_kwargs,
         )
-    except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
+    except (KeyError, ValueError, TypeError, FileNotFoundError, OverflowError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"memlab estimate: error: {msg}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # torch refused a size: one line, not C++ frames
+        print(f"memlab estimate: error: {str(exc).splitlines()[0][:300]}", file=sys.stderr)
         return 2
 
     print(est.table())

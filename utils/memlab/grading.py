@@ -14,14 +14,19 @@ Two halves:
   verifies their fingerprint against its own, and runs them on the learner's object, looked up
   by the name the check cell passes, under its own time limit. The reference modules the checks
   compare with (``memlab.accounting`` ...) are the kernel's own, so objects the learner built
-  with them keep their classes; they must come from the grader's memlab folder. Nothing the notebook prints or writes counts as a result. ``memlab grade`` is its
-  command line.
+  with them keep their classes; before and after each check :func:`verify_memlab_modules`
+  compares every one of them with its source file (replaced or wrapped functions, a swapped
+  ``__code__``, another module in ``sys.modules`` make the row an error). The requests run as
+  silent executions and write their answer to a new file in the grader's private folder: nothing
+  the notebook prints counts as a result. ``memlab grade`` is its command line.
 
-Threat model: casual and accidental tampering (a redefined ``check``, forged rows, deleted
-check cells, an ``int`` whose ``==`` is always true, a ``while True: try: ... except: pass``
-loop, subprocesses left running) has no effect on the grade. A determined learner owns their
-kernel (they can patch the interpreter the checks run in); the grader does not claim to stop
-them.
+Threat model: tampering from the notebook (a redefined ``check``, forged rows or answers, IPython
+hooks, deleted check cells, an ``int`` whose ``==`` is always true, a prediction that is not
+exactly an int or a float, a patched reference, a wrapper of the reference, a
+``while True: try: ... except: pass`` loop, processes left running, double-forked ones included)
+has no effect on the grade. A determined learner still owns their kernel (they can patch the
+interpreter the checks run in, or rewrite the answer file from a background thread); the grader
+does not claim to stop them.
 
 Statuses: ``pass`` (full points), ``fail`` (a check's assertion did not hold: its message says
 what was expected), ``todo`` (the stub still raises NotImplementedError), ``error`` (any other
@@ -52,6 +57,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +74,7 @@ RUN_MARK_ENV = "MEMLAB_GRADE_RUN"  # a random mark in that kernel's environment:
 CHECK_GRACE = 5.0  # seconds past a check's own limit before the grader interrupts the kernel
 KILL_GRACE = 3.0  # seconds after an interrupt before the grader kills the kernel's processes
 PREPARE_TIMEOUT = 120.0  # seconds for the fresh import of the checks inside the kernel
+MAX_SECONDS = 7 * 86400.0  # the longest time limit any option or variable accepts (a week)
 _ID_RE = re.compile(r"^\d{2}\.[A-Za-z_][\w]*$")
 
 
@@ -190,8 +197,9 @@ def parse_seconds(name: str, raw: Any) -> float:
         value = float(raw)
     except (TypeError, ValueError):
         value = float("nan")
-    if isinstance(raw, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={raw!r} is not a time limit; allowed: a positive, finite number of seconds")
+    if isinstance(raw, bool) or not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
+        raise ValueError(f"{name}={raw!r} is not a time limit; allowed: a number of seconds > 0 and "
+                         f"<= {MAX_SECONDS:g} (a week)")
     return value
 
 
@@ -356,6 +364,266 @@ def _reference_note(obj: Any, ex: Exercise, modules: Mapping[str, Any] | None = 
         return ""
 
 
+def _is_learner_file(filename: str) -> bool:
+    """Code the learner wrote (a notebook cell, a script): neither memlab's nor a library's."""
+    f = filename.replace("\\", "/")
+    return not (f.startswith("<frozen") or _is_library_frame(filename) or os.path.realpath(filename).startswith(_OWN_DIR + os.sep))
+
+
+def _reference_codes(ex: Exercise) -> dict[types.CodeType, str]:
+    """The code objects of the exercise's reference: the function, or the methods its class defines."""
+    if ex.reference is None:
+        return {}
+    ref = ex.reference()
+    codes: dict[types.CodeType, str] = {}
+
+    def add(fn: Any, where: str) -> None:
+        for f in (fn, getattr(fn, "__func__", None), getattr(fn, "fget", None), getattr(fn, "fset", None)):
+            if f is None:
+                continue
+            try:
+                f = inspect.unwrap(f)
+            except ValueError:
+                continue
+            code = getattr(f, "__code__", None)
+            if isinstance(code, types.CodeType):
+                codes[code] = where
+
+    name = f"{getattr(ref, '__module__', 'memlab')}.{getattr(ref, '__qualname__', type(ref).__name__)}"
+    if isinstance(ref, type):
+        for attr, value in vars(ref).items():
+            add(value, f"{name}.{attr}")
+    else:
+        add(ref, name)
+    return codes
+
+
+@contextmanager
+def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
+    """Note in ``found`` when the learner's code calls the exercise's reference, however wrapped.
+
+    A global trace function (called on Python function calls only, never per line) sees every
+    call of the reference's code objects; the caller chain is walked up
+    past library frames (functools, builtins' ``map``, decorators): if the first frame that is not
+    a library's is the learner's, the answer delegates to memlab's reference. Calls made by the
+    checks themselves (and by memlab's other code) do not count.
+    """
+    try:
+        codes = _reference_codes(ex)
+    except Exception:  # noqa: BLE001
+        codes = {}
+    if not codes:
+        yield
+        return
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or found or frame.f_code not in codes:
+            return
+        f = frame.f_back
+        while f is not None:
+            filename = f.f_code.co_filename
+            if _is_learner_file(filename):
+                found.append(codes[frame.f_code])
+                return
+            if not (_is_library_frame(filename) or filename.startswith("<frozen")):
+                return  # memlab's own code (a check, or a helper) made the call
+            f = f.f_back
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:  # global trace: called on Python calls only
+        if frame.f_code in codes:
+            hook(frame, event, arg)
+        return None  # no per-line tracing
+
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(old)
+        threading.settrace(None)  # type: ignore[arg-type]
+
+
+def _run_checks_watched(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str, str]:
+    """:func:`_run_checks`, and a note when the answer is (or calls) memlab's reference."""
+    found: list[str] = []
+    with _watch_reference(ex, found):
+        status, message = _run_checks(ex, obj, limit)
+    note = ""
+    if status == "pass":
+        note = _reference_note(obj, ex)
+        if not note and found:
+            note = f"calls the reference implementation ({found[0]}) from your code: no points"
+    return status, message, note
+
+
+_COMPILED: dict[tuple[str, float], dict[str, Any]] = {}
+
+
+def _code_table(path: str) -> dict[str, Any]:
+    """For a memlab source file: its top-level functions, classes (with their methods) and literal
+    constants, and every code object it compiles to, by qualified name."""
+    key = (path, os.stat(path).st_mtime)
+    if key in _COMPILED:
+        return _COMPILED[key]
+    import ast
+
+    source = Path(path).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    codes: dict[str, types.CodeType] = {}
+
+    def walk(code: types.CodeType) -> None:
+        codes.setdefault(code.co_qualname, code)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                walk(c)
+
+    walk(compile(tree, path, "exec"))
+    functions, classes, constants = set(), {}, {}
+    # names the module rebinds (assigned twice at top level, augmented, or declared global in a
+    # function) are state, not constants
+    seen: dict[str, int] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        seen[n.id] = seen.get(n.id, 0) + (2 if isinstance(node, ast.AugAssign) else 1)
+    rebound = {k for k, v in seen.items() if v > 1}
+    rebound |= {name for n in ast.walk(tree) if isinstance(n, ast.Global) for name in n.names}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            functions.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            classes[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            try:
+                value = ast.literal_eval(node.value)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                continue
+            if not isinstance(value, (int, float, str, bytes, tuple, frozenset, type(None))):
+                continue  # a mutable registry ({}, []) that the module fills later
+            for t in targets:
+                if isinstance(t, ast.Name) and not t.id.startswith("__") and t.id not in rebound:
+                    constants[t.id] = value
+    table = {"codes": codes, "functions": functions, "classes": classes, "constants": constants}
+    _COMPILED[key] = table
+    return table
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    if a.co_code != b.co_code or a.co_names != b.co_names or len(a.co_consts) != len(b.co_consts):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):
+        if isinstance(x, types.CodeType) or isinstance(y, types.CodeType):
+            if not (isinstance(x, types.CodeType) and isinstance(y, types.CodeType) and _same_code(x, y)):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _function_ok(obj: Any, qualname: str, table: dict[str, Any]) -> bool:
+    """Whether ``obj`` (a module's or a class's attribute) still runs the code ``qualname`` of the file."""
+    for f in (getattr(obj, "__func__", None), getattr(obj, "fget", None), obj):
+        if f is None:
+            continue
+        if isinstance(f, types.FunctionType) and _is_learner_file(f.__code__.co_filename):
+            return False  # a wrapper written in the notebook
+        try:
+            inner = inspect.unwrap(f)
+        except ValueError:
+            return False
+        if isinstance(inner, types.FunctionType):
+            want = table["codes"].get(qualname)
+            return want is not None and inner.__qualname__ == qualname and _same_code(inner.__code__, want)
+    return True  # not a Python function (a C object made by a decorator): nothing to compare
+
+
+def verify_memlab_modules(root: str | None = None) -> str:
+    """'' when every ``memlab`` module the kernel has imported still holds its file's code; else what changed.
+
+    Each module in ``sys.modules`` must be a module loaded from ``root`` (memlab's folder); every
+    top-level function and every method of a top-level class must run the code its source file
+    compiles to (a replaced function, a patched ``__code__``, a wrapper, a rebound name all show),
+    every class must still be that file's class, and every literal constant must hold its value.
+    The grader calls it in the kernel before and after a check runs, so that a notebook that
+    patches memlab's reference (or ``sys.modules``) cannot make a wrong answer pass.
+    """
+    root = os.path.realpath(root or _OWN_DIR)
+    for name, mod in sorted(list(sys.modules.items()), key=lambda kv: kv[0]):
+        if not (name == "memlab" or name.startswith("memlab.")) or _is_grader_module(name) or mod is None:
+            continue
+        file = getattr(mod, "__file__", None)
+        if not isinstance(mod, types.ModuleType) or not isinstance(file, str):
+            return f"sys.modules[{name!r}] is not memlab's module (a {type(mod).__name__})"
+        real = os.path.realpath(file)
+        if not real.startswith(root + os.sep) or not real.endswith(".py"):
+            return f"sys.modules[{name!r}] comes from {file}, not from memlab's folder {root}"
+        try:
+            table = _code_table(real)
+        except (OSError, SyntaxError, ValueError) as exc:
+            return f"{name}: cannot read {file} ({type(exc).__name__})"
+        ns = vars(mod)
+        gone = sorted(n for n in (*table["functions"], *table["classes"]) if n not in ns)
+        if gone:
+            return f"{name} has no {gone[0]} (defined in {file}): the module was replaced or changed in the kernel"
+        for fname in table["functions"]:
+            if not _function_ok(ns[fname], fname, table):
+                return f"{name}.{fname} was replaced or changed in the kernel"
+        for cname, methods in table["classes"].items():
+            cls = ns.get(cname)
+            if cls is None:
+                continue
+            if not isinstance(cls, type) or cls.__qualname__ != cname or cls.__module__ != name:
+                return f"{name}.{cname} was replaced in the kernel"
+            for mname, value in list(vars(cls).items()):
+                if mname in methods:
+                    ok = _function_ok(value, f"{cname}.{mname}", table)
+                elif isinstance(value, (types.FunctionType, staticmethod, classmethod, property)):
+                    # a method the class body does not define (a dataclass's, an Enum's generated ones):
+                    # refused when the notebook wrote it
+                    f = getattr(value, "__func__", None) or getattr(value, "fget", None) or value
+                    filename = getattr(getattr(f, "__code__", None), "co_filename", "<string>")
+                    ok = filename == "<string>" or not _is_learner_file(filename)
+                else:
+                    continue
+                if not ok:
+                    return f"{name}.{cname}.{mname} was replaced or added in the kernel"
+            if any(m not in vars(cls) for m in methods):
+                return f"a method of {name}.{cname} was deleted in the kernel"
+        for const, value in table["constants"].items():
+            if const in ns and not (type(ns[const]) is type(value) and ns[const] == value):
+                return f"{name}.{const} was changed in the kernel"
+    # a package's attribute for a submodule must be that submodule (``from memlab import accounting``)
+    for name, mod in list(sys.modules.items()):
+        if "." in name and name.startswith("memlab.") and isinstance(mod, types.ModuleType) and not _is_grader_module(name):
+            parent, _, leaf = name.rpartition(".")
+            pkg = sys.modules.get(parent)
+            if pkg is not None and leaf in vars(pkg) and vars(pkg)[leaf] is not mod:
+                return f"{parent}.{leaf} is not sys.modules[{name!r}]: a module was replaced in the kernel"
+    # names the (fresh) checks bound from memlab's modules must be those modules' own objects
+    for name, mod in list(sys.modules.items()):
+        if not (_is_grader_module(name) and isinstance(mod, types.ModuleType)):
+            continue
+        for key, value in list(vars(mod).items()):
+            if isinstance(value, types.ModuleType) and str(getattr(value, "__name__", "")).startswith("memlab"):
+                if sys.modules.get(value.__name__) is not value:
+                    return f"{name}.{key} is not sys.modules[{value.__name__!r}]: a module was replaced in the kernel"
+                continue
+            origin = getattr(value, "__module__", None) if isinstance(value, (types.FunctionType, type)) else None
+            if not (isinstance(origin, str) and origin.startswith("memlab.")) or _is_grader_module(origin):
+                continue
+            owner = sys.modules.get(origin)
+            top = str(getattr(value, "__qualname__", "")).split(".")[0]
+            if owner is None or "<" in top:
+                continue
+            if getattr(owner, top, None) is not value and "." not in value.__qualname__:
+                return f"{name}.{key} is not {origin}.{top}: it was replaced in the kernel"
+    return ""
+
+
 def check(exercise_id: str, obj: Any, *, timeout: float | None = None, quiet: bool = False) -> CheckResult:
     """Grade ``obj`` (your function or class) for ``exercise_id``; print and return the row.
 
@@ -378,9 +646,8 @@ def check(exercise_id: str, obj: Any, *, timeout: float | None = None, quiet: bo
     except Exception as exc:  # noqa: BLE001 - a typo in the id or the environment is a row, not a crash
         result = CheckResult(str(exercise_id)[:60], "error", 0.0, 0.0, _short(_safe_str(exc)))
     else:
-        status, message = _run_checks(ex, obj, limit)
+        status, message, note = _run_checks_watched(ex, obj, limit)
         points = ex.points if status == "pass" else 0.0
-        note = _reference_note(obj, ex) if status == "pass" else ""
         if note:
             points, message = 0.0, note
         result = CheckResult(exercise_id, status, points, ex.points, message, round(time.perf_counter() - start, 3))
@@ -440,7 +707,9 @@ def chapter_fingerprint(chapter: str) -> str:
 
 # ----------------------------------------------------------------------------- inside the graded kernel
 # The grader sends two requests per exercise, right after its check cell. Both run in a private
-# namespace; only lines that start with the request's random nonce count as the answer.
+# namespace, as silent executions (IPython's pre/post_run_cell hooks do not fire), and write their
+# answer to a new file whose random name only the request knows, in the grader's private folder;
+# nothing the notebook prints is read.
 _BOOT_PREPARE = r'''
 import sys, json, importlib.util
 def _memlab_grader_prepare(args):
@@ -467,7 +736,12 @@ def _memlab_grader_prepare(args):
         sys.modules.update(old)
         return {"ok": False, "message": "the grader could not import memlab's checks in the kernel: "
                                         + type(exc).__name__ + ": " + str(exc)[:300]}
-print(ARGS["nonce"] + json.dumps(_memlab_grader_prepare(ARGS)), flush=True)
+def _memlab_grader_answer(path, data):
+    import os
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data))
+_memlab_grader_answer(ARGS["answer"], _memlab_grader_prepare(ARGS))
 '''
 
 _BOOT_RUN = r'''
@@ -477,7 +751,12 @@ def _memlab_grader_run(args, user_ns):
     if grading is None or getattr(grading, "_PREPARED", {}).get("nonce") != args["prepared"]:
         return {"status": "error", "message": "the grader's fresh copy of the checks was replaced before it ran"}
     return grading._kernel_run(args, user_ns)
-print(ARGS["nonce"] + json.dumps(_memlab_grader_run(ARGS, USER_NS)), flush=True)
+def _memlab_grader_answer(path, data):
+    import os
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data))
+_memlab_grader_answer(ARGS["answer"], _memlab_grader_run(ARGS, USER_NS))
 '''
 
 _PREPARED: dict[str, Any] = {}
@@ -516,6 +795,11 @@ def _kernel_prepare(args: dict[str, Any], old_modules: dict[str, Any]) -> dict[s
         return {"ok": False, "fingerprint": fingerprint,
                 "message": "the checks the kernel imports differ from memlab's own (fingerprint mismatch): "
                            "is another `memlab` package on the notebook's path?"}
+    changed = verify_memlab_modules(root)
+    if changed:
+        _restore_modules(old_modules)
+        return {"ok": False, "message": f"{changed}: memlab's reference code was changed in the notebook's kernel; "
+                                        "the checks need memlab's own: restart the kernel and do not patch memlab"}
     _PREPARED.update(nonce=args["nonce"], old=old_modules)
     return {"ok": True, "fingerprint": fingerprint}
 
@@ -541,8 +825,14 @@ def _kernel_run(args: dict[str, Any], user_ns: Mapping[str, Any]) -> dict[str, A
             obj = _resolve(args["name"], user_ns)
         except BaseException as exc:  # noqa: BLE001 - a hostile __getattr__ included
             return {"status": "error", "message": _short(f"{type(exc).__name__}: {_safe_str(exc)}"), "seconds": 0.0}
-        status, message = _run_checks(ex, obj, args["limit"])
-        note = _reference_note(obj, ex) if status == "pass" else ""
+        changed = verify_memlab_modules(args["dir"])
+        if not changed:
+            status, message, note = _run_checks_watched(ex, obj, args["limit"])
+            changed = verify_memlab_modules(args["dir"])  # the learner's code ran: look again
+        if changed:
+            return {"status": "error", "seconds": round(time.perf_counter() - start, 3),
+                    "message": f"{changed}: memlab's reference code was changed in the notebook's kernel; the check "
+                               "needs memlab's own: restart the kernel and do not patch memlab"}
         return {"status": status, "message": message, "reference": note,
                 "seconds": round(time.perf_counter() - start, 3)}
     except BaseException as exc:  # noqa: BLE001
@@ -605,9 +895,39 @@ def _proc_stat(pid: int) -> tuple[int, int, int, str] | None:
     return int(fields[1]), int(fields[2]), int(fields[3]), fields[0]
 
 
-def _marked_processes(mark: str, kernel_pid: int | None) -> set[int]:
+def _subreaper(on: bool) -> bool:
+    """Make this process the Linux "child subreaper" (``prctl(PR_SET_CHILD_SUBREAPER)``) or not;
+    returns the previous setting. While the grader is one, a process the notebook orphans (a
+    double fork into a session of its own, with a scrubbed environment) is reparented to the
+    grader instead of init, so that it is still found and killed. False where prctl is missing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prev = ctypes.c_int(0)
+        libc.prctl(37, ctypes.byref(prev), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+        libc.prctl(36, 1 if on else 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        return bool(prev.value)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return False
+
+
+def _children_of_this_process() -> set[int]:
+    me, out = os.getpid(), set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st is not None and st[0] == me:
+                out.add(int(entry))
+    return out
+
+
+def _marked_processes(mark: str, kernel_pid: int | None, adopted: set[int] | None = None) -> set[int]:
     """Processes of this grading run: those whose environment carries ``mark``, those in the
-    kernel's session or process group, and the kernel's descendants. Never this process."""
+    kernel's session or process group, the kernel's descendants, and ``adopted`` (orphans of the
+    run reparented to this process) with their descendants. Never this process."""
     me = os.getpid()
     own_pgid, own_sid = os.getpgid(0), os.getsid(0)
     needle = f"{RUN_MARK_ENV}={mark}".encode()
@@ -627,8 +947,9 @@ def _marked_processes(mark: str, kernel_pid: int | None) -> set[int]:
             env = b""
         if needle in env.split(b"\0"):
             found.add(pid)
-    if kernel_pid is not None:
-        roots = {kernel_pid}
+    found |= {pid for pid in (adopted or ()) if pid in stats}
+    if kernel_pid is not None or adopted:
+        roots = {kernel_pid} if kernel_pid is not None else set()
         for pid, (ppid, pgid, sid, _state) in stats.items():
             if (sid == kernel_pid and sid != own_sid) or (pgid == kernel_pid and pgid != own_pgid):
                 found.add(pid)
@@ -645,8 +966,11 @@ def _marked_processes(mark: str, kernel_pid: int | None) -> set[int]:
     return found
 
 
-def stop_processes(mark: str, kernel_pid: int | None = None) -> int:
-    """SIGKILL every process of a grading run (see ``_marked_processes``); returns how many were stopped."""
+def stop_processes(mark: str, kernel_pid: int | None = None, before: set[int] | None = None) -> int:
+    """SIGKILL every process of a grading run (see ``_marked_processes``); returns how many were stopped.
+
+    ``before``: this process's children before the run started; any other child now (but the
+    kernel) is an orphan of the run that the grader, as child subreaper, adopted: killed and reaped."""
     if not Path("/proc/self/stat").exists():  # not Linux: the kernel's process group is the best we can do
         if kernel_pid is not None:
             try:
@@ -655,8 +979,11 @@ def stop_processes(mark: str, kernel_pid: int | None = None) -> int:
                 pass
         return 0
     stopped: set[int] = set()
+    adopted: set[int] = set()
     for _ in range(50):
-        victims = _marked_processes(mark, kernel_pid)
+        if before is not None:
+            adopted |= _children_of_this_process() - before - {kernel_pid}
+        victims = _marked_processes(mark, kernel_pid, adopted)
         if not victims:
             break
         for pid in victims:
@@ -666,6 +993,11 @@ def stop_processes(mark: str, kernel_pid: int | None = None) -> int:
             except OSError:
                 pass
         time.sleep(0.05)
+    for pid in adopted:  # our children now: reap them, no zombies left
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except OSError:
+            pass
     return len(stopped)
 
 
@@ -696,6 +1028,8 @@ class _Kernel:
         self.pid: int | None = None
         self.dead = False
         self._log: Any = None
+        self.before: set[int] | None = None  # this process's children before the kernel started
+        self._was_subreaper: bool | None = None
 
     async def start(self) -> None:
         with needs("memlab grade"):
@@ -718,6 +1052,9 @@ class _Kernel:
         self.km = AsyncKernelManager(kernel_name="memlab-current-env", kernel_spec_manager=_CurrentEnvSpecs(),
                                      connection_file=str(self.tmp / "kernel.json"), **extra)
         self._log = open(self.tmp / "kernel.log", "wb")
+        if Path("/proc/self/stat").exists():
+            self.before = _children_of_this_process()
+            self._was_subreaper = _subreaper(True)  # orphans of the notebook come back to the grader
         await self.km.start_kernel(env=self.env, cwd=str(self.cwd), stdout=self._log, stderr=self._log)
         proc = getattr(getattr(self.km, "provisioner", None), "process", None)
         self.pid = getattr(proc, "pid", None)
@@ -760,14 +1097,15 @@ class _Kernel:
     def kill(self) -> None:
         """Kill every process of this run now."""
         self.dead = True
-        stop_processes(self.mark, self.pid)
+        stop_processes(self.mark, self.pid, self.before)
 
-    async def execute(self, code: str, limit: float, *, keep_text: bool = False, store_history: bool = True) -> _Outcome:
+    async def execute(self, code: str, limit: float, *, keep_text: bool = False, store_history: bool = True,
+                      silent: bool = False) -> _Outcome:
         """Run ``code``; past ``limit`` seconds interrupt, ``KILL_GRACE`` later kill. Never raises."""
         start = time.monotonic()
         if self.dead:
             return _Outcome("died")
-        msg_id = self.kc.execute(code, silent=False, store_history=store_history, allow_stdin=False, stop_on_error=False)
+        msg_id = self.kc.execute(code, silent=silent, store_history=store_history, allow_stdin=False, stop_on_error=False)
         deadline, interrupted_at = start + max(limit, 0.0), None
         ename = evalue = ""
         text: list[str] = []
@@ -817,7 +1155,7 @@ class _Kernel:
                 self.kc.stop_channels()
         except Exception:  # noqa: BLE001
             pass
-        stop_processes(self.mark, self.pid)
+        stop_processes(self.mark, self.pid, self.before)
         try:
             if self.km is not None and self.km.has_kernel:
                 await asyncio.wait_for(self.km.shutdown_kernel(now=True), timeout=30)  # reaps the killed kernel
@@ -827,22 +1165,33 @@ class _Kernel:
             except Exception:  # noqa: BLE001
                 pass
         finally:
-            stop_processes(self.mark)  # anything that appeared meanwhile, by its mark only
+            stop_processes(self.mark, None, (self.before or set()) | ({self.pid} if self.pid else set())
+                           if self.before is not None else None)  # anything that appeared meanwhile
+            if self._was_subreaper is False:
+                _subreaper(False)
             if self._log is not None:
                 self._log.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- grading a notebook
-def _answer(outcome: _Outcome, nonce: str) -> dict[str, Any] | None:
-    for line in reversed(outcome.text.splitlines()):
-        if line.startswith(nonce):
-            try:
-                data = json.loads(line[len(nonce):])
-            except ValueError:
-                return None
-            return data if isinstance(data, dict) else None
-    return None
+def _answer(path: Path) -> dict[str, Any] | None:
+    """The answer a grader request wrote to ``path`` (in the grader's private folder), or None."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4_000_000)
+    except OSError:
+        return None
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _chapters_of(path: Path, calls: list[CheckCall]) -> list[str]:
@@ -1045,22 +1394,27 @@ class _NotebookRun:
         chapter = ex.id[:2]
         memlab_dir = str(Path(__file__).resolve().parent)
         nonce = secrets.token_hex(16)
-        args = {"dir": memlab_dir, "chapter": chapter, "fingerprint": chapter_fingerprint(chapter), "nonce": nonce}
+        answer = kernel.tmp / f"answer-{nonce}.json"
+        args = {"dir": memlab_dir, "chapter": chapter, "fingerprint": chapter_fingerprint(chapter), "nonce": nonce,
+                "answer": str(answer)}
         budget = min(PREPARE_TIMEOUT, self._remaining())
-        out = await kernel.execute(_request(_BOOT_PREPARE, args), budget, keep_text=True, store_history=False)
+        out = await kernel.execute(_request(_BOOT_PREPARE, args), budget, store_history=False, silent=True)
         stop = self._ended(kernel, ex, out, "while the grader imported the checks")
         if stop:
             return stop
-        ready = _answer(out, nonce)
+        ready = _answer(answer)
         if not ready or not ready.get("ok") or ready.get("fingerprint") != args["fingerprint"]:
-            why = (ready or {}).get("message") or f"the grader got no answer from the kernel ({out.ename or 'sys.stdout replaced?'})"
+            why = (ready or {}).get("message") or f"the grader got no answer from the kernel ({out.ename or 'no answer file was written'})"
             self.rows[ex.id] = self._row(ex, "error", why)
             return None
         limit = self.limit_of[ex.id]
         run_nonce = secrets.token_hex(16)
-        run_args = {"exercise": ex.id, "name": self.where[ex.id].name, "limit": limit, "prepared": nonce, "nonce": run_nonce}
+        answer = kernel.tmp / f"answer-{run_nonce}.json"
+        run_args = {"exercise": ex.id, "name": self.where[ex.id].name, "limit": limit, "prepared": nonce, "nonce": run_nonce,
+                    "answer": str(answer), "dir": memlab_dir}
         budget = min(limit + CHECK_GRACE, self._remaining())
-        out = await kernel.execute(_request(_BOOT_RUN, run_args, with_namespace=True), budget, keep_text=True, store_history=False)
+        out = await kernel.execute(_request(_BOOT_RUN, run_args, with_namespace=True), budget, store_history=False,
+                                   silent=True)
         over = (f"the notebook ran past its {self.notebook_limit:g} s limit" if budget < limit + CHECK_GRACE
                 else f"ran longer than the {limit:g} s limit")
         if out.state == "killed":
@@ -1071,9 +1425,9 @@ class _NotebookRun:
         if out.state == "interrupted":
             self.rows[ex.id] = self._row(ex, "timeout", f"the check {over}: look for a loop that never ends", out.seconds)
             return None
-        res = _answer(out, run_nonce)
+        res = _answer(answer)
         if res is None:
-            self.rows[ex.id] = self._row(ex, "error", f"the grader got no answer from the kernel ({out.ename or 'sys.stdout replaced?'})")
+            self.rows[ex.id] = self._row(ex, "error", f"the grader got no answer from the kernel ({out.ename or 'no answer file was written'})")
             return None
         status = res.get("status") if res.get("status") in STATUSES else "error"
         message = str(res.get("message", ""))
@@ -1182,6 +1536,7 @@ __all__ = [
     "grade_main",
     "parse_seconds",
     "stop_processes",
+    "verify_memlab_modules",
     "time_limit",
     "timeout_from_env",
     "CheckTimeout",

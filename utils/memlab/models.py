@@ -42,6 +42,8 @@ from torch.utils.checkpoint import checkpoint
 from memlab._optional import needs
 
 __all__ = [
+    "validate_config",
+    "CONFIG_LIMITS",
     "TinyGPTConfig",
     "TinyGPT",
     "Block",
@@ -484,10 +486,57 @@ def _model_class(family: str):
     }[family]
 
 
+# Bounds on a config's dimensions: past them no real model exists, and a trace would run for
+# minutes or overflow int64 element counts (the largest published models stay far inside them).
+CONFIG_LIMITS: dict[str, tuple[tuple[str, ...], int, int]] = {
+    "hidden": (("hidden_size", "n_embd", "d_model"), 1, 2**17),
+    "layers": (("num_hidden_layers", "n_layer", "num_layers"), 1, 1024),
+    "heads": (("num_attention_heads", "n_head"), 1, 1024),
+    "kv_heads": (("num_key_value_heads",), 1, 1024),
+    "vocab": (("vocab_size",), 1, 2**22),
+    "intermediate": (("intermediate_size", "n_inner"), 1, 2**20),
+    "positions": (("max_position_embeddings", "n_positions"), 1, 2**22),
+    "head_dim": (("head_dim",), 1, 2**14),
+}
+
+
+def validate_config(config: Any, where: str = "config") -> None:
+    """Refuse a model config whose dimensions cannot build a model, in one line naming the field.
+
+    ``config``: a mapping (a config.json's fields, a preset's fields with overrides) or a
+    ``transformers`` config. Each size present must be an int (not a bool, a float or a string)
+    within :data:`CONFIG_LIMITS`; the hidden size must divide by the heads (unless ``head_dim``
+    is given) and the heads by the key/value heads. ``None`` (an optional field left unset)
+    passes. ValueError otherwise: ``"<where>: num_attention_heads=0 is invalid; allowed: ..."``.
+    """
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    found: dict[str, tuple[str, int]] = {}
+    for what, (fields, lo, hi) in CONFIG_LIMITS.items():
+        for f in fields:
+            v = get(f, None)
+            if v is None or (f == "n_inner" and v is None):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{where}: {f}={v!r} is invalid; allowed: an int from {lo} to {hi:,}")
+            found.setdefault(what, (f, v))
+            break
+    if "hidden" in found and "heads" in found and "head_dim" not in found:
+        (hf, h), (af, a) = found["hidden"], found["heads"]
+        if h % a:
+            raise ValueError(f"{where}: {hf}={h} is not divisible by {af}={a}; allowed: a {hf} that is a "
+                             f"multiple of {af} (or an explicit head_dim)")
+    if "heads" in found and "kv_heads" in found:
+        (af, a), (kf, k) = found["heads"], found["kv_heads"]
+        if a % k:
+            raise ValueError(f"{where}: {kf}={k} does not divide {af}={a}; allowed: a divisor of {a}")
+
+
 def preset_config(name: str, **overrides: Any):
     """The ``transformers`` config (GPT2Config / LlamaConfig / MistralConfig / Qwen2Config)
-    of preset ``name``, with keyword ``overrides`` applied (e.g. ``num_hidden_layers=2``)."""
+    of preset ``name``, with keyword ``overrides`` applied (e.g. ``num_hidden_layers=2``);
+    ValueError naming the field for a size out of :func:`validate_config`'s bounds."""
     family, fields = _preset_fields(name, overrides)
+    validate_config(fields, f"preset {name!r}")
     return _config_class(family)(**fields)
 
 

@@ -539,7 +539,16 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, by trial division up to sqrt(n)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def _check_allow(allow: Mapping[str, Any] | None, batch_size: int) -> dict[str, tuple]:
@@ -823,6 +832,9 @@ def plan(
     for arg, val in (("batch_size", batch_size), ("seq_len", seq_len), ("top", top), ("lora_r", lora_r)):
         if type(val) is not int or val < 1:
             raise ValueError(f"{arg}={val!r} is invalid; allowed: an int >= 1")
+    from memlab.estimate import check_input_bounds
+
+    check_input_bounds(batch_size, seq_len)  # before any work: a huge batch or sequence is refused here
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} is invalid; allowed: 'cuda', 'cpu'")
     if loss not in ("auto", "hf", "memlab"):
@@ -1000,7 +1012,7 @@ def _allow_arg(text: str) -> tuple[str, list[Any]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``memlab plan MODEL --gpu CARD | --budget SIZE --batch-size B --seq-len T``: the ranked stacks."""
     from memlab import gpus
-    from memlab.estimate import _override
+    from memlab.estimate import MAX_BATCH, MAX_SEQ_LEN, _bounded_int, _override
     from memlab.models import PRESETS
 
     parser = argparse.ArgumentParser(
@@ -1013,13 +1025,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("model")
     parser.add_argument("--gpu", default=None, help="a card: its memory as the driver reports it and its cost constants")
     parser.add_argument("--budget", default=None, help="bytes or a size (24GiB, 24GB); default: the card's usable memory")
-    parser.add_argument("--batch-size", type=int, required=True, help="the effective batch (micro-batch x accumulation)")
-    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--batch-size", type=_bounded_int(MAX_BATCH), required=True,
+                        help="the effective batch (micro-batch x accumulation)")
+    parser.add_argument("--seq-len", type=_bounded_int(MAX_SEQ_LEN), required=True)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--allow", type=_allow_arg, action="append", default=[], metavar="KEY=V1,V2")
     parser.add_argument("--prefer", choices=["fidelity", "cost"], default="fidelity")
     parser.add_argument("--host-budget", default=None, help="host memory for offloaded stacks (e.g. 128GiB)")
-    parser.add_argument("--top", type=int, default=5, help="stop after this many stacks that fit")
+    parser.add_argument("--top", type=_bounded_int(10_000), default=5, help="stop after this many stacks that fit")
     parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--all", action="store_true", help="print every row")
     parser.add_argument("--no-progress", action="store_true")
@@ -1032,8 +1045,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    allow=allow or None, device=args.device, top=args.top, prefer=args.prefer,
                    config_overrides=dict(args.overrides) or None, host_budget=args.host_budget,
                    progress=not args.no_progress)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, OverflowError) as exc:
         print(f"memlab plan: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # torch refused a size: one line, not C++ frames
+        print(f"memlab plan: error: {str(exc).splitlines()[0][:300]}", file=sys.stderr)
         return 2
     target = f"{args.gpu} (CUDA)" if args.gpu else ("a CUDA GPU" if args.device == "cuda" else "the CPU")
     print(f"{res.model} ({res.n_params / 1e9:.2f}B params), effective batch {res.batch_size} x seq {res.seq_len}, "

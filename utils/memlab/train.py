@@ -67,6 +67,7 @@ import dataclasses
 import functools
 import gc
 import math
+import os
 import random
 import tempfile
 import warnings
@@ -298,14 +299,26 @@ class BudgetTrainer:
         seed: seeds the default model, the data order and the RNGs at the start.
         lr, weight_decay: AdamW's.
         ckpt_interval: optimizer steps between checkpoints (also one at the start and at the end).
-        keep: how many complete checkpoints to keep (>= 2, so a corrupted newest one has a fallback).
+        keep: how many complete checkpoints to keep (>= 2, so a corrupted newest one has a fallback),
+            counted by step number among the verified ones; the newest verified one is never deleted.
         progress: show a tqdm bar over the optimizer steps.
+        fresh: start at step 0 even though ``ckpt_dir`` holds checkpoints: they are renamed to
+            ``<name>.set-aside`` (never deleted). Without it, a directory whose checkpoints all
+            fail verification is refused (:class:`memlab.ckpt.CheckpointError`), so that a
+            corruption never silently restarts a run from step 0.
+
+    Checkpoints that fail verification are skipped (newest first) and renamed to
+    ``<name>.corrupt``; one that verifies but belongs to another run (another model's tensors,
+    another ``effective_batch``/``seq_len``/``seed``, not a trainer's state) raises
+    :class:`~memlab.ckpt.CheckpointError` naming the file. Resuming with another ``lr`` or
+    ``weight_decay`` than the checkpoint's applies the new value to the optimizer and warns
+    (``hparams_applied`` lists what changed).
     """
 
     def __init__(self, model: nn.Module | None = None, budget: int | str | None = None, *,
                  stacks: Sequence[Stack] | Stack, data: Any = None, effective_batch: int, seq_len: int,
                  ckpt_dir: str | Path | None = None, seed: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
-                 ckpt_interval: int = 1, keep: int = 2, progress: bool = False) -> None:
+                 ckpt_interval: int = 1, keep: int = 2, progress: bool = False, fresh: bool = False) -> None:
         self.effective_batch = _positive_int("effective_batch", effective_batch)
         self.seq_len = _positive_int("seq_len", seq_len)
         self.ckpt_interval = _positive_int("ckpt_interval", ckpt_interval)
@@ -317,6 +330,11 @@ class BudgetTrainer:
         self.seed = seed
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr={lr!r} is invalid; allowed: a finite number > 0")
+        if not (isinstance(weight_decay, (int, float)) and not isinstance(weight_decay, bool)
+                and math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"weight_decay={weight_decay!r} is invalid; allowed: a finite number >= 0")
+        if not isinstance(fresh, bool):
+            raise ValueError(f"fresh={fresh!r} is invalid; allowed: True or False")
         self.lr, self.weight_decay = float(lr), float(weight_decay)
         self.budget = _parse_budget(budget)
         self.stacks = self._check_stacks(stacks)
@@ -353,12 +371,23 @@ class BudgetTrainer:
         self.stack_index = 0
         self.resumed_from: Path | None = None
         self.rejected: list[tuple[Path, str]] = []  # checkpoints that failed verification
+        self.set_aside: list[Path] = []  # checkpoints renamed out of the way (corrupt, or fresh=True)
+        self.hparams_applied: dict[str, tuple[float, float]] = {}  # name: (checkpoint's, now)
         self._applied: Stack | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._apply(self.stacks[0])
+        if fresh:
+            for path in list(_ckpt.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB)):
+                self._set_aside(path, "set-aside")
         latest = self._latest_checkpoint()
         if latest is not None:
             self._restore(latest, resume=True)
+        elif self.rejected:
+            lines = "; ".join(f"{p.name}: {why.split(': ', 1)[-1]}" for p, why in self.rejected[:5])
+            raise _ckpt.CheckpointError(
+                f"ckpt_dir={str(self.ckpt_dir)!r}: no checkpoint there verifies ({len(self.rejected)} rejected: "
+                f"{lines}); refusing to restart from step 0 over them. Restore a good copy, or pass fresh=True "
+                "(--fresh) to set them aside and start from step 0")
 
     # -------------------------------------------------------------- arguments
     @staticmethod
@@ -457,31 +486,117 @@ class BudgetTrainer:
         }
 
     def save_checkpoint(self) -> Path:
-        """Write the current state atomically; keep the newest ``keep`` checkpoints."""
+        """Write the current state atomically and read it back verified; then keep the ``keep``
+        checkpoints of the highest steps up to this one (by step number). The one just written is
+        never deleted; if it does not verify, nothing older is deleted either; a file of a higher
+        step (one this run did not write since it resumed) is never deleted."""
         path = _ckpt.save(self.state(), self._ckpt_path(self.step))
-        for old in list(_ckpt.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB))[self.keep:]:
+        try:  # read back and verified before any older checkpoint goes
+            _ckpt.read_state_json(path)
+        except _ckpt.CheckpointError as exc:
+            warnings.warn(f"the checkpoint just written does not verify ({exc}); keeping every older one",
+                          stacklevel=2)
+            return path
+        older = [p for p in _ckpt.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB)
+                 if p != path and (_ckpt.step_of(p) is not None and _ckpt.step_of(p) <= self.step)]
+        for old in older[self.keep - 1:]:
             old.unlink(missing_ok=True)
         return path
 
+    def _set_aside(self, path: Path, suffix: str) -> None:
+        """Rename ``path`` to ``<name>.<suffix>`` (out of the checkpoint pattern; never deleted)."""
+        target = path.with_name(f"{path.name}.{suffix}")
+        n = 1
+        while target.exists():
+            target, n = path.with_name(f"{path.name}.{suffix}-{n}"), n + 1
+        try:
+            os.replace(path, target)
+        except OSError as exc:
+            raise _ckpt.CheckpointError(f"{path}: cannot rename it to {target.name} ({exc.strerror}); move it out "
+                                        f"of {self.ckpt_dir} by hand") from None
+        self.set_aside.append(target)
+
     def _latest_checkpoint(self) -> dict[str, Any] | None:
+        """The newest checkpoint that verifies; newer ones that fail are renamed ``<name>.corrupt``
+        once a verified one is found (so the keep rule never weighs them against new ones)."""
+        bad: list[Path] = []
         for path in _ckpt.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB):
             try:
                 state = _ckpt.load(path)
             except _ckpt.CheckpointError as exc:
                 self.rejected.append((path, str(exc)))
+                bad.append(path)
                 warnings.warn(f"skipping a checkpoint that failed verification: {exc}", stacklevel=3)
                 continue
+            if not isinstance(state, dict):
+                raise _ckpt.CheckpointError(f"{path}: not a BudgetTrainer checkpoint (its state is a "
+                                            f"{type(state).__name__}); use another ckpt_dir, or fresh=True")
+            for b in bad:
+                self._set_aside(b, "corrupt")
             state["__path__"] = path
             return state
         return None
 
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a verified checkpoint of another run before anything is loaded from it."""
+        where = state.get("__path__")
+        fix = "use another ckpt_dir, or fresh=True (--fresh) to set its checkpoints aside"
+        if state.get("format") != "memlab.train/1":
+            raise _ckpt.CheckpointError(f"{where}: not a BudgetTrainer checkpoint (format={state.get('format')!r}, "
+                                        f"expected 'memlab.train/1'); {fix}")
+        need = {"step": int, "losses": list, "step_peaks": list, "stack": dict, "backoffs": list, "data": dict,
+                "model": dict, "optimizer": dict, "rng": dict}
+        for key, typ in need.items():
+            if not isinstance(state.get(key), typ) or isinstance(state.get(key), bool):
+                raise _ckpt.CheckpointError(f"{where}: malformed BudgetTrainer checkpoint: {key!r} is "
+                                            f"{type(state.get(key)).__name__}, expected {typ.__name__}; {fix}")
+        data = state["data"]
+        got = tuple(data.get(k) for k in ("effective_batch", "seq_len", "seed"))
+        if got != (self.effective_batch, self.seq_len, self.seed):
+            raise _ckpt.CheckpointError(
+                f"{where}: checkpoint of effective_batch={got[0]}, seq_len={got[1]}, seed={got[2]}; this trainer "
+                f"has {self.effective_batch}, {self.seq_len}, {self.seed}; {fix}")
+        mine = self.model.state_dict()
+        theirs = state["model"]
+        missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+        if missing or extra:
+            raise _ckpt.CheckpointError(f"{where}: checkpoint of another model (missing tensors {missing[:3]}, "
+                                        f"unexpected {extra[:3]}); {fix}")
+        for k, v in mine.items():
+            t = theirs[k]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(v.shape):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise _ckpt.CheckpointError(f"{where}: checkpoint of another model shape: {k} is {shape} there, "
+                                            f"{tuple(v.shape)} in this model; {fix}")
+        if not (0 <= state["step"] == len(state["losses"]) == len(state["step_peaks"])):
+            raise _ckpt.CheckpointError(f"{where}: malformed BudgetTrainer checkpoint: step={state['step']} with "
+                                        f"{len(state['losses'])} losses; {fix}")
+
     def _restore(self, state: dict[str, Any], resume: bool) -> None:
         """Load ``state``; on ``resume`` (a new trainer) also its stack and back-off history."""
-        data = state["data"]
-        if (data["effective_batch"], data["seq_len"], data["seed"]) != (self.effective_batch, self.seq_len, self.seed):
-            raise ValueError(f"{state.get('__path__')}: checkpoint of effective_batch={data['effective_batch']}, "
-                             f"seq_len={data['seq_len']}, seed={data['seed']}; this trainer has "
-                             f"{self.effective_batch}, {self.seq_len}, {self.seed}")
+        self._check_state(state)
+        try:
+            self._load_state(state, resume)
+        except _ckpt.CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+            raise _ckpt.CheckpointError(f"{state.get('__path__')}: malformed BudgetTrainer checkpoint "
+                                        f"({type(exc).__name__}: {str(exc)[:200]}); use another ckpt_dir, or "
+                                        "fresh=True") from None
+        # hyperparameters are this trainer's, applied explicitly (the optimizer state carries the saved ones)
+        assert self.optimizer is not None
+        for name, now in (("lr", self.lr), ("weight_decay", self.weight_decay)):
+            for g in self.optimizer.param_groups:
+                if g.get(name) != now:
+                    if resume and name not in self.hparams_applied:
+                        self.hparams_applied[name] = (float(g.get(name)), now)
+                    g[name] = now
+        if resume and self.hparams_applied:
+            what = ", ".join(f"{k}={new!r} (the checkpoint had {old!r})" for k, (old, new) in self.hparams_applied.items())
+            warnings.warn(f"{state.get('__path__')}: resumed with {what}: applied the new value to the optimizer",
+                          stacklevel=3)
+
+    def _load_state(self, state: dict[str, Any], resume: bool) -> None:
         if resume:
             saved = Stack(**state["stack"])
             self.stack_index = self.stacks.index(saved) if saved in self.stacks else 0

@@ -153,7 +153,7 @@ def check_predict_peak(fn):
         cfg = TinyGPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=s, dropout=0.1)
         got = fn(cfg, b, s)
         where = f"TinyGPT {n_layer} layers x {n_embd} wide, {n_head} heads, batch {b} x {s}"
-        expect(isinstance(got, (int, float)) and not isinstance(got, bool) and got > 0,
+        expect(type(got) in (int, float) and got > 0,
                f"predict_peak({where}): expected a positive number of bytes, got {type(got).__name__} {got!r:.60}")
         measured, phase = measured_step_peak(cfg, b, s)
         err = float(got) / measured - 1

@@ -477,7 +477,7 @@ def check_predict_traffic(fn) -> None:
             measured = _measure_traffic(model, micro_batches, offload_gradients)
             predicted = fn(copy.deepcopy(model), micro_batches, offload_gradients)
             expect(isinstance(predicted, (tuple, list)) and len(predicted) == 2
-                   and all(isinstance(v, int) and not isinstance(v, bool) for v in predicted),
+                   and all(type(v) is int for v in predicted),
                    f"{where}: expected a pair of ints (bytes to the host, bytes to the device), got {predicted!r:.80}")
             for direction, got, want in zip(("to the host", "to the device"), predicted, measured):
                 # exact: the count is exact, and the smallest plausible omission (one bias of 8 bf16 values) is 16 bytes

@@ -176,7 +176,7 @@ def check_predict_qlora_bytes(fn) -> None:
     expect(callable(fn), f"predict_qlora_bytes: expected a function, got {type(fn).__name__}")
     for name, model, r in _predict_models():
         predicted = fn(copy.deepcopy(model), r)
-        expect(isinstance(predicted, (int, float)) and not isinstance(predicted, bool),
+        expect(type(predicted) in (int, float),
                f"predict_qlora_bytes({name}): expected a number of bytes, got {type(predicted).__name__}")
         measured = lora.model_storage_bytes(lora.qlora_model(copy.deepcopy(model), r=r))
         err = abs(predicted - measured) / measured

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import os
 import shutil
 import signal
@@ -264,8 +263,9 @@ def check_predict_peak(fn) -> None:
         where = (f"predict_peak(TinyGPT({', '.join(f'{k}={v}' for k, v in cfg.items())}), micro_batch={stack.micro_batch}, "
                  f"grad_accum={stack.grad_accum}, checkpointing={stack.checkpointing!r}, attention={stack.attention!r}, "
                  f"seq_len={seq_len})")
-        expect(isinstance(predicted, numbers.Real) and not isinstance(predicted, bool),
-               f"{where}: expected a number of bytes (an int), got {type(predicted).__name__}")
+        expect(type(predicted) in (int, float),
+               f"{where}: expected a number of bytes, exactly an int or a float (convert NumPy or tensor values "
+               f"with int()), got {type(predicted).__name__}")
         predicted = float(predicted)
         expect(math.isfinite(predicted), f"{where}: predicted {predicted}, expected a finite number of bytes")
         measured = train.measure_stack_peak(model_fn, stack, seq_len)
