@@ -253,6 +253,7 @@ class MemoryEstimate:
     host_breakdown: dict[str, int] = field(default_factory=dict)
     world_size: int = 1
     zero_stage: int = 0
+    adapter: str = ""  # memlab.adapters.AdapterSpec.describe() of a LoRA/QLoRA estimate, "" for a full fine-tune
 
     @property
     def allocated_bytes(self) -> int:
@@ -292,7 +293,8 @@ class MemoryEstimate:
         impl = f" ({self.optimizer_impl})" if self.optimizer_impl and self.optimizer in ("adamw", "sgd", "offload-adamw") else ""
         return (
             f"{self.model} ({_params(self.n_params)} params): batch {self.batch_size} x seq "
-            f"{self.seq_len}, {self.dtype}, {self.optimizer}{impl}{ck}{self._ranks()} -- {kind} on {self.traced_on} "
+            f"{self.seq_len}, {self.dtype}, {self.optimizer}{impl}{ck}{self._ranks()}"
+            f"{'; ' + self.adapter if self.adapter else ''} -- {kind} on {self.traced_on} "
             f"for {self.device}"
         )
 
@@ -500,6 +502,7 @@ class _Spec:
     name: str
     config: Any = None
     fn: Callable[[], nn.Module] | None = None
+    adapter: Any = None  # a memlab.adapters.AdapterSpec: LoRA / QLoRA built on the base (memlab.adapters)
 
     @property
     def is_hf(self) -> bool:
@@ -534,16 +537,27 @@ class _Spec:
             v = getattr(cfg, lf, None)
             if isinstance(v, (list, tuple)) and len(v) == n:
                 setattr(cfg, lf, list(v[:1]) * depth)
-        return _Spec(self.name, config=cfg)
+        return _Spec(self.name, config=cfg, adapter=self.adapter)
 
     def build(self, dtype: str, attn: str | None) -> nn.Module:
+        if self.adapter is not None:  # the one builder of adapted models (estimate, CLI and plan)
+            from memlab import adapters
+
+            base = adapters.base_dtype(dtype)
+            if self.fn is not None:
+                model = _build_in(self.fn, base)
+            else:
+                model = self._from_config(base, attn)
+            return adapters.apply_adapter(model, self.adapter, dtype)
         if self.fn is not None:
             return _build(self.fn, dtype)
-        with needs("memlab estimate"):
-            from transformers import AutoModelForCausalLM
         # The weights' dtype comes from the recipe, never from the config's torch_dtype / dtype
         # (transformers 5 would otherwise build a bf16 model from a config that says bfloat16).
-        param_dtype = torch.bfloat16 if dtype == "bf16-pure" else torch.float32
+        return self._from_config(torch.bfloat16 if dtype == "bf16-pure" else torch.float32, attn)
+
+    def _from_config(self, param_dtype: torch.dtype, attn: str | None) -> nn.Module:
+        with needs("memlab estimate"):
+            from transformers import AutoModelForCausalLM
         kw = {} if attn is None else {"attn_implementation": attn}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -668,11 +682,17 @@ def _build(builder: Callable[[], nn.Module], dtype: str) -> nn.Module:
     fake parameters in place is refused, and building in bf16 never holds an fp32 copy)."""
     if dtype != "bf16-pure":
         return builder()
-    with _default_dtype(torch.bfloat16):
+    return _build_in(builder, torch.bfloat16)
+
+
+def _build_in(builder: Callable[[], nn.Module], param_dtype: torch.dtype) -> nn.Module:
+    if param_dtype == torch.float32:
+        return builder()
+    with _default_dtype(param_dtype):
         model = builder()
     for p in model.parameters():  # anything built with an explicit fp32 dtype
-        if p.is_floating_point() and p.dtype != torch.bfloat16:
-            p.data = p.data.to(torch.bfloat16)
+        if p.is_floating_point() and p.dtype != param_dtype:
+            p.data = p.data.to(param_dtype)
     return model
 
 
@@ -1025,6 +1045,14 @@ def _run(
         notes.append(f"traced on {traced_on} fake tensors (no CUDA here): autocast follows the CPU op lists; "
                      f"the attention kernel is the CUDA one, modelled (see attention)")
 
+    if spec.adapter is not None:
+        from memlab import adapters as _adapters
+
+        base = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[_adapters.base_dtype(dtype)]
+        notes.append(f"{spec.adapter.describe()}; frozen base in {base}"
+                     + (" (NF4 linears)" if spec.adapter.kind == "qlora" else "")
+                     + (f", forward under autocast({dtype})" if dtype in ("bf16", "fp16") else "")
+                     + ": gradients and optimizer state for the adapters only (memlab.adapters)")
     opt_name = optimizer
     modelled_8bit = False
     if optimizer == "adamw8bit":
@@ -1190,6 +1218,7 @@ def _run(
         phase_breakdowns=phase_bd,
         host_bytes=sum(host_breakdown.values()),
         host_breakdown=host_breakdown,
+        adapter=spec.adapter.describe() if spec.adapter is not None else "",
     )
 
 
@@ -1254,7 +1283,7 @@ def _extrapolated(spec: _Spec, kw: dict[str, Any], depths: tuple[int, int] = EXT
         tracker=_PhaseSummary(peak, peak_phase, phases), peak_phase=peak_phase, phase_peaks=phases,
         extras=dict(b.extras), attention=b.attention, step=b.step, optimizer_impl=b.optimizer_impl,
         extrapolated_from=(d1, d2), phase_breakdowns=phase_bd,
-        host_bytes=sum(host_bd.values()), host_breakdown=host_bd,
+        host_bytes=sum(host_bd.values()), host_breakdown=host_bd, adapter=b.adapter,
     )
 
 
@@ -1349,6 +1378,12 @@ def estimate_training_memory(
     kernel_scratch: bool = True,
     world_size: int = 1,
     zero_stage: int = 0,
+    adapter: str | None = None,
+    lora_r: int = 16,
+    lora_alpha: float | None = None,
+    target_modules: str | Sequence[str] | None = None,
+    lora_dropout: float = 0.0,
+    adapter_dtype: str | None = None,
 ) -> MemoryEstimate:
     """Peak memory of a (steady-state) training step of ``model``, traced on fake tensors.
 
@@ -1380,16 +1415,26 @@ def estimate_training_memory(
     destroyed around the trace), falling back to :func:`shard_estimate`'s model of FSDP's units, with a note
     saying why, where torch.distributed is already initialised in this process or FSDP2 cannot shard the model.
 
+    ``adapter="lora"`` / ``"qlora"`` (CLI ``--adapter``): train adapters on a frozen base, built by
+    :mod:`memlab.adapters` (the planner's builder too): ``lora_r`` (16), ``lora_alpha`` (2 x r),
+    ``target_modules`` ("all-linear": every linear layer but the head; or names such as
+    ``"q_proj,v_proj"``), ``lora_dropout`` (0) and ``adapter_dtype`` ("fp32"; "bf16" under
+    "bf16-pure"). The frozen base is 16-bit under a 16-bit ``dtype`` (bf16 / fp16) and NF4 for QLoRA.
+
     Nothing is allocated: a Llama-2-70B step at seq_len 4096 takes seconds and well under a GB
     of host memory.
     """
     _check_zero(world_size, zero_stage, optimizer)
+    from memlab import adapters as _adapters
+
+    ad = _adapters.adapter_spec(adapter, recipe=dtype, lora_r=lora_r, lora_alpha=lora_alpha,
+                                target_modules=target_modules, lora_dropout=lora_dropout, adapter_dtype=adapter_dtype)
     kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
               checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
               optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs,
               config_overrides=config_overrides, seed=seed, loss=loss, step=step,
               attn_implementation=attn_implementation, allow_longer_seq=allow_longer_seq,
-              extrapolate=extrapolate, kernel_scratch=kernel_scratch)
+              extrapolate=extrapolate, kernel_scratch=kernel_scratch, adapter=ad)
     why = ""
     if zero_stage == 3:
         traced, why = _trace_fsdp(model, world_size, kw)
@@ -1410,9 +1455,15 @@ def _estimate_one_rank(model: Any, *, batch_size: int, seq_len: int, dtype: str,
                        config_overrides: Mapping[str, Any] | None, seed: int, loss: str,
                        step: Callable[[nn.Module, dict], torch.Tensor] | str | None, attn_implementation: str,
                        allow_longer_seq: bool, extrapolate: bool | str, kernel_scratch: bool,
-                       fsdp_world_size: int = 0) -> MemoryEstimate:
+                       fsdp_world_size: int = 0, adapter: Any = None) -> MemoryEstimate:
     spec = _resolve_model(model, config_overrides)
     _check_positions(spec, seq_len, allow_longer_seq)
+    if adapter is not None:
+        from memlab import adapters as _adapters
+
+        spec = _Spec(spec.name, config=spec.config, fn=spec.fn, adapter=adapter)
+        if adapter.kind == "qlora":
+            _adapters.warm_quant()
     kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
               checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
               optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs, fake=True, seed=seed,
@@ -1430,6 +1481,8 @@ def _estimate_one_rank(model: Any, *, batch_size: int, seq_len: int, dtype: str,
             EXTRAPOLATE_MIN_LAYERS if extrapolate == "auto" else max(EXTRAPOLATION_DEPTHS) + 1):
         traced: dict[int, MemoryEstimate] = {}
         d1, d2 = EXTRAPOLATION_DEPTHS
+        if adapter is not None:  # a frozen embedding: the first layer's input needs no gradient, so the
+            d1, d2 = d1 + 1, d2 + 1  # first layer differs from the others (an affine fit from 1 layer is wrong)
         for depths in ((d1, d2), (d2, d2 + 1)):  # the first layer can differ in shape: then one deeper
             if depths[1] >= spec.layers()[1]:
                 break
@@ -1660,13 +1713,27 @@ def measure_training_memory(
     step: Callable[[nn.Module, dict], torch.Tensor] | str | None = None,
     attn_implementation: str = "auto",
     allow_longer_seq: bool = False,
+    adapter: str | None = None,
+    lora_r: int = 16,
+    lora_alpha: float | None = None,
+    target_modules: str | Sequence[str] | None = None,
+    lora_dropout: float = 0.0,
+    adapter_dtype: str | None = None,
 ) -> MemoryEstimate:
     """The same step as :func:`estimate_training_memory`, run for real on ``device`` and
     tracked with :class:`memlab.profiler.MemoryTracker` (for models that fit). A measurement
     has no modelled rules: kernel scratch that no op returns is not in it (compare it with
     ``estimate_training_memory(..., kernel_scratch=False)``)."""
+    from memlab import adapters as _adapters
+
     spec = _resolve_model(model, config_overrides)
     _check_positions(spec, seq_len, allow_longer_seq)
+    ad = _adapters.adapter_spec(adapter, recipe=dtype, lora_r=lora_r, lora_alpha=lora_alpha,
+                                target_modules=target_modules, lora_dropout=lora_dropout, adapter_dtype=adapter_dtype)
+    if ad is not None:
+        spec = _Spec(spec.name, config=spec.config, fn=spec.fn, adapter=ad)
+        if ad.kind == "qlora":
+            _adapters.warm_quant()
     return _run(
         spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
         optimizer=optimizer, checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
