@@ -140,6 +140,21 @@ OPTIMIZERS: dict[str, str] = {
 
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 
+# One vocabulary across estimate, plan and train: other spellings accepted, one canonical name kept.
+# Note "bf16": here (and in memlab.amp, Trainer(bf16=True)) mixed precision with fp32 master weights;
+# memlab.plan's Stack(precision="bf16") and memlab.train's "bf16" are pure bf16 = this module's
+# "bf16-pure" (plan's "bf16-mixed" = this "bf16").
+OPTIMIZER_ALIASES = {"adam8bit": "adamw8bit", "adamw-8bit": "adamw8bit", "adamw_8bit": "adamw8bit"}
+DTYPE_ALIASES = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+
+
+def _canonical_optimizer(name: Any) -> Any:
+    return OPTIMIZER_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
+def _canonical_dtype(name: Any) -> Any:
+    return DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+
 # bitsandbytes' blockwise 8-bit optimizers (bitsandbytes/optim/optimizer.py, Optimizer8bit /
 # Optimizer2State.init_state): tensors with fewer than min_8bit_size elements keep 32-bit
 # state; larger ones keep uint8 states and one fp32 absmax per block of 256 elements.
@@ -742,6 +757,7 @@ def make_optimizer(
     ``impl`` picks torch's implementation: "auto" is what ``torch.optim.AdamW(params)`` picks on
     ``device`` (foreach on CUDA, the for-loop on CPU), or "for-loop" / "foreach" / "fused".
     """
+    name = _canonical_optimizer(name)
     _check_choice("optimizer", name, tuple(OPTIMIZERS))
     _check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
     params = list(params)
@@ -1424,6 +1440,7 @@ def estimate_training_memory(
     Nothing is allocated: a Llama-2-70B step at seq_len 4096 takes seconds and well under a GB
     of host memory.
     """
+    optimizer, dtype = _canonical_optimizer(optimizer), _canonical_dtype(dtype)
     _check_zero(world_size, zero_stage, optimizer)
     from memlab import adapters as _adapters
 
@@ -1726,6 +1743,7 @@ def measure_training_memory(
     ``estimate_training_memory(..., kernel_scratch=False)``)."""
     from memlab import adapters as _adapters
 
+    optimizer, dtype = _canonical_optimizer(optimizer), _canonical_dtype(dtype)
     spec = _resolve_model(model, config_overrides)
     _check_positions(spec, seq_len, allow_longer_seq)
     ad = _adapters.adapter_spec(adapter, recipe=dtype, lora_r=lora_r, lora_alpha=lora_alpha,
@@ -1832,6 +1850,7 @@ class Suggestion:
     phase: str = ""
     fwd_bwd_peak: int = 0
     extra_bytes: int = 0  # extras on the target (cuBLAS workspaces), counted in allocated/reserved
+    command: str = ""  # the memlab estimate command that reproduces a traced row ("" for a formula)
 
     def saving(self, base: MemoryEstimate) -> int:
         return base.peak_bytes - self.peak_bytes
@@ -1847,6 +1866,41 @@ class Suggestion:
 QLORA_BITS_PER_PARAM = 4 + 0.127
 
 
+def estimate_command(model: Any, **kw: Any) -> str:
+    """The ``memlab estimate`` command line for keywords of :func:`estimate_training_memory`
+    (defaults left out; a model that is not a name or a path shows as ``MODEL``)."""
+    import shlex
+
+    from memlab import adapters as _adapters
+
+    out = ["memlab", "estimate", model if isinstance(model, str) else "MODEL"]
+    flags = (("batch_size", "--batch-size", None), ("seq_len", "--seq-len", None), ("dtype", "--dtype", "bf16"),
+             ("optimizer", "--optimizer", "adamw"), ("optimizer_impl", "--optimizer-impl", "auto"),
+             ("device", "--device", "cuda"), ("loss", "--loss", "auto"), ("attn_implementation", "--attn", "auto"),
+             ("world_size", "--world-size", 1), ("zero_stage", "--zero-stage", 0))
+    for key, flag, default in flags:
+        if key in kw and kw[key] != default:
+            out += [flag, str(kw[key])]
+    if kw.get("checkpointing"):
+        out.append("--checkpointing")
+    if isinstance(kw.get("step"), str):
+        out += ["--step", kw["step"]]
+    if kw.get("allow_longer_seq"):
+        out.append("--allow-longer-seq")
+    if kw.get("extrapolate") is False:
+        out.append("--no-extrapolate")
+    if (kw.get("optimizer_kwargs") or {}).get("offload_gradients"):
+        out.append("--offload-gradients")
+    for k, v in (kw.get("config_overrides") or {}).items():
+        out += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+    ad = _adapters.adapter_spec(kw.get("adapter"), recipe=kw.get("dtype", "bf16"),
+                                **{k: kw[k] for k in ("lora_r", "lora_alpha", "target_modules", "lora_dropout",
+                                                      "adapter_dtype") if k in kw})
+    if ad is not None:
+        out += ad.cli_args()
+    return " ".join(shlex.quote(x) for x in out)
+
+
 def _fwd_bwd(est: MemoryEstimate) -> int:
     return max(est.phase_peaks.get("forward", 0), est.phase_peaks.get("backward", 0))
 
@@ -1860,7 +1914,9 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     ("traced"); the others use a byte formula ("formula"): CPU-offloaded AdamW (chapter 04)
     removes the optimizer state and the fp32 master copy from the GPU; LoRA (chapter 06) keeps
     the frozen weights in 16 bits with no gradients or optimizer state for them; QLoRA stores
-    them in NF4 (4.127 bits per parameter).
+    them in NF4. LoRA and QLoRA (rank 16, every linear layer but the head, :mod:`memlab.adapters`)
+    are traced where ``base`` is a full fine-tune; each traced row carries the ``memlab estimate``
+    command that reproduces it (``Suggestion.command``).
     """
     common = dict(batch_size=base.batch_size, seq_len=base.seq_len, dtype=base.dtype,
                   optimizer=base.optimizer, checkpointing=base.checkpointing,
@@ -1869,9 +1925,11 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     extra = sum(base.extras.values())
 
     def traced(technique: str, chapter: str, **change: Any) -> MemoryEstimate:
-        est = estimate_training_memory(model, **{**common, **change})
+        kw = {**common, **change}
+        est = estimate_training_memory(model, **kw)
         out.append(Suggestion(technique, est.peak_bytes, "traced", chapter,
-                              ", ".join(f"{k}={v}" for k, v in change.items()), est.peak_phase, _fwd_bwd(est), extra))
+                              ", ".join(f"{k}={v}" for k, v in change.items()), est.peak_phase, _fwd_bwd(est), extra,
+                              command=estimate_command(model, **kw)))
         return est
 
     if not base.checkpointing:
@@ -1880,9 +1938,8 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
         traced("fused AdamW (no foreach temporaries)", "01", optimizer_impl="fused")
     if base.optimizer == "adamw":
         traced("8-bit AdamW (bitsandbytes)", "06", optimizer="adamw8bit")
-    pure = base
     if base.dtype != "bf16-pure":
-        pure = traced("pure bf16 weights and AdamW state (no fp32 master copy)", "03", dtype="bf16-pure")
+        traced("pure bf16 weights and AdamW state (no fp32 master copy)", "03", dtype="bf16-pure")
     if not base.checkpointing and base.optimizer == "adamw":
         traced("gradient checkpointing + 8-bit AdamW", "02+06", checkpointing=True, optimizer="adamw8bit")
     if base.batch_size > 1:
@@ -1893,17 +1950,22 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     # Formulas, from the traced breakdowns.
     P = base.n_params
     opt_at_peak = base.breakdown.get("optimizer", 0)
-    master = 2 * P if base.dtype in ("bf16", "fp16") else 0  # fp32 weights that become 16-bit on the GPU
+    # fp32 weights that become 16-bit on the GPU (an adapter's frozen base is 16-bit already)
+    master = 2 * P if base.dtype in ("bf16", "fp16") and not base.adapter else 0
     out.append(Suggestion("CPU-offloaded AdamW (optimizer state and fp32 master weights in CPU RAM)",
                           max(base.peak_bytes - opt_at_peak - master, 0), "formula", "04",
                           "peak - optimizer state at peak" + (" - 2 bytes/param (fp32 weights kept as 16-bit)" if master else ""),
                           extra_bytes=extra))
-    # Activations of a 16-bit model without autocast's weight copies: the pure-bf16 trace's.
-    act = pure.max_activation_bytes
-    out.append(Suggestion("LoRA on 16-bit frozen weights", 2 * P + act, "formula", "06",
-                          "2 bytes/param + the activations of the pure-bf16 trace (adapters neglected)", extra_bytes=extra))
-    out.append(Suggestion("QLoRA (NF4 frozen weights)", int(QLORA_BITS_PER_PARAM / 8 * P) + act, "formula", "06",
-                          "4.127 bits/param + the activations of the pure-bf16 trace (adapters neglected)", extra_bytes=extra))
+    if base.adapter:
+        return out
+    # LoRA / QLoRA traced (memlab.adapters): a 16-bit recipe (bf16 mixed for an fp32 run), AdamW on the adapters
+    ad_kw = dict(dtype="bf16" if base.dtype == "fp32" else base.dtype,
+                 optimizer="adamw" if base.optimizer == "offload-adamw" else base.optimizer, optimizer_kwargs=None)
+    try:
+        traced("LoRA on 16-bit frozen weights (rank 16, all linear layers)", "06", adapter="lora", **ad_kw)
+        traced("QLoRA (NF4 frozen weights, rank 16, all linear layers)", "06", adapter="qlora", **ad_kw)
+    except ValueError:  # a model without linear layers to adapt
+        pass
     return out
 
 
@@ -1981,8 +2043,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", help="a preset name or the path of a config.json")
     parser.add_argument("--batch-size", type=_positive_int, default=1)
     parser.add_argument("--seq-len", type=_positive_int, default=2048)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help=_DTYPE_HELP)
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    parser.add_argument("--dtype", choices=list(DTYPES) + list(DTYPE_ALIASES), default="bf16",
+                        help=_DTYPE_HELP + " (bf16-mixed = bf16; note: plan's and train's 'bf16' is this 'bf16-pure')")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS) + list(OPTIMIZER_ALIASES), default="adamw",
+                        help="adam8bit is another name of adamw8bit")
     parser.add_argument("--optimizer-impl", choices=list(OPTIMIZER_IMPLS), default="auto",
                         help="torch optimizer implementation (auto: PyTorch's default on the device: foreach on CUDA)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
@@ -2008,6 +2072,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="data-parallel ranks: the estimate is per rank, --batch-size being one rank's batch")
     parser.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), default=0,
                         help="0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters (FSDP)")
+    from memlab import adapters as _adapters
+
+    parser.add_argument("--adapter", choices=list(_adapters.ADAPTERS), default=None,
+                        help="train LoRA adapters on a frozen 16-bit base (lora) or on an NF4 base (qlora)")
+    parser.add_argument("--lora-r", type=_positive_int, default=16, help="adapter rank (default 16)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="adapter scale numerator (default 2 x rank)")
+    parser.add_argument("--target-modules", default=None, metavar="NAMES",
+                        help="comma-separated linear layer names (e.g. q_proj,v_proj) or all-linear (default)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    parser.add_argument("--adapter-dtype", choices=list(_adapters.ADAPTER_DTYPES), default=None,
+                        help="the adapters' dtype (default fp32; bf16 with --dtype bf16-pure)")
+    parser.add_argument("--compare", action="store_true",
+                        help="print accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers beside memlab's")
     parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
     parser.add_argument("--validate", action="store_true",
                         help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
@@ -2024,6 +2101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       attn_implementation=args.attn, allow_longer_seq=args.allow_longer_seq,
                       extrapolate=not args.no_extrapolate)
     overrides = dict(args.overrides) or None
+    adapter_kw = dict(adapter=args.adapter, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                      target_modules=args.target_modules, lora_dropout=args.lora_dropout,
+                      adapter_dtype=args.adapter_dtype)
     if args.offload_gradients and args.optimizer != "offload-adamw":
         print(f"memlab estimate: error: --offload-gradients needs --optimizer offload-adamw "
               f"(got --optimizer {args.optimizer})", file=sys.stderr)
@@ -2035,7 +2115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
             optimizer=args.optimizer, checkpointing=args.checkpointing, config_overrides=overrides,
             optimizer_kwargs={"offload_gradients": True} if args.offload_gradients else None,
-            world_size=args.world_size, zero_stage=args.zero_stage, **run_kwargs,
+            world_size=args.world_size, zero_stage=args.zero_stage, **run_kwargs, **adapter_kw,
         )
     except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -2044,6 +2124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(est.table())
     print(f"estimated in {est.seconds:.1f} s on fake tensors (nothing allocated)")
+    if args.compare:
+        from memlab import peers
+
+        print("\n" + peers.format_compare(est))
     if args.gpu is None:
         return 0
     label, usable = args.gpu
@@ -2068,7 +2152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nwhat would make it fit (estimated tensor peak; 'traced' = re-estimated, 'formula' = byte formula;"
           " 'fits' compares the reserved estimate with the usable memory):")
     try:
-        sug = suggestions(est, args.model, config_overrides=overrides, **run_kwargs)
+        sug = suggestions(est, args.model, config_overrides=overrides,
+                          **{**run_kwargs, "step": args.step}, **(adapter_kw if args.adapter else {}))
     except (ValueError, TypeError) as exc:
         print(f"memlab estimate: error: {exc}", file=sys.stderr)
         return 2
@@ -2090,6 +2175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"saves {format_bytes(first.saving(est))}")
     else:
         print("\nno single technique above fits: combine them (chapter 07 plans the stack) or use more GPUs (chapter 08)")
+    commands = [s for s in sug if s.command]
+    if commands:
+        print("\nto reproduce a traced row:")
+        for s in commands:
+            print(f"  {s.technique}: {s.command}")
     return 0
 
 
