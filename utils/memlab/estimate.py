@@ -1057,9 +1057,13 @@ def _run(
     if attn == "flash" and target.type != "cuda":
         raise ValueError("attn_implementation='flash' is a CUDA kernel; allowed on device='cpu': 'auto', 'eager', 'sdpa'")
     notes: list[str] = []
+    cuda_rules = None
     if traced_on != str(target):
-        notes.append(f"traced on {traced_on} fake tensors (no CUDA here): autocast follows the CPU op lists; "
-                     f"the attention kernel is the CUDA one, modelled (see attention)")
+        from memlab import cuda_rules as _cuda_rules
+
+        cuda_rules = _cuda_rules.cuda_semantics()  # CUDA's dropout and autocast op lists (memlab.cuda_rules)
+        notes.append(f"traced on {traced_on} fake tensors (no CUDA here): CUDA's dropout and autocast op lists are "
+                     f"modelled (memlab.cuda_rules); the attention kernel is the CUDA one, modelled (see attention)")
 
     if spec.adapter is not None:
         from memlab import adapters as _adapters
@@ -1155,7 +1159,8 @@ def _run(
     def one_step() -> None:
         x = torch.randint(0, vocab, (batch_size, seq_len), device=gen_device)
         y = torch.randint(0, vocab, (batch_size, seq_len), device=gen_device)
-        training_step(model, opt, x, y, dtype=dtype, loss=loss, step=step)
+        with cuda_rules if cuda_rules is not None else contextlib.nullcontext():
+            training_step(model, opt, x, y, dtype=dtype, loss=loss, step=step)
 
     with mode, attn_ctx:
         for _ in range(warmup_steps):  # untracked: afterwards the optimizer state exists
@@ -1195,6 +1200,10 @@ def _run(
         attention += ("; BUT the model passed an attention mask the CPU flash kernel does not take, so the trace ran the "
                       "math kernel (keeps b x h x s x s probabilities): an overestimate of the CUDA memory-efficient kernel")
         notes.append("attention traced with the math kernel (mask given): activations overestimated for a CUDA target")
+    if cuda_rules is not None:
+        from memlab import cuda_rules as _cuda_rules
+
+        notes.extend(_cuda_rules.rule_notes(cuda_rules))
     if softmax_rule and getattr(tracker, "scratch_bytes", 0):
         notes.append(f"CUDA softmax backward's scratch copy of its incoming gradient "
                      f"({format_bytes(tracker.scratch_bytes)}) counted while it runs (per-op rule, measured on an H100)")
