@@ -590,6 +590,14 @@ def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _S
                 _check_overrides(preset_config(model), overrides, f"preset {model!r}")
             cfg = preset_config(model, **overrides)
             return _Spec(model, config=cfg)
+        from memlab import hub
+
+        if hub.looks_like_repo_id(model):  # "org/name": its config.json through transformers (memlab.hub)
+            cfg = hub.load_hub_config(model)
+            _check_overrides(cfg, overrides, f"model {model!r}")
+            for k, v in overrides.items():
+                setattr(cfg, k, v)
+            return _Spec(f"{model} ({getattr(cfg, 'model_type', '?')})", config=cfg)
         if model.endswith(".json") or os.path.isdir(model) or os.sep in model:
             if not os.path.exists(model):
                 raise FileNotFoundError(f"config file {model!r}: no such file")
@@ -600,8 +608,8 @@ def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _S
             name = os.path.basename(os.path.dirname(os.path.abspath(model))) if model.endswith(".json") else os.path.basename(model.rstrip("/"))
             return _Spec(f"{name} ({getattr(cfg, 'model_type', '?')})", config=cfg)
         raise UnknownPresetError(
-            f"unknown model={model!r}; allowed: a preset ({', '.join(sorted(PRESETS))}) "
-            f"or the path of a transformers config.json"
+            f"unknown model={model!r}; allowed: a preset ({', '.join(sorted(PRESETS))}), "
+            f"the path of a transformers config.json, or a Hub model id such as meta-llama/Llama-3.1-8B"
         )
     if _is_hf_config(model):
         cfg = copy.deepcopy(model)
@@ -2049,7 +2057,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="models: " + ", ".join(sorted(PRESETS)) + ", or the path of a transformers config.json. "
                "GPUs: " + ", ".join(gpus.gpu_names()) + ", or a size (24GiB = 24 x 2**30; 24GB = 24 x 10**9).",
     )
-    parser.add_argument("model", nargs="?", help="a preset name or the path of a config.json")
+    parser.add_argument("model", nargs="?", help="a preset name, the path of a config.json, or a Hub model id "
+                        "(org/name: only its config.json is read, through transformers' cache; HF_HUB_OFFLINE=1 works)")
     parser.add_argument("--batch-size", type=_positive_int, default=1)
     parser.add_argument("--seq-len", type=_positive_int, default=2048)
     parser.add_argument("--dtype", choices=list(DTYPES) + list(DTYPE_ALIASES), default="bf16",
