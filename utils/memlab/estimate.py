@@ -53,8 +53,9 @@ estimate adds, as named lines, what the allocator counts beyond tensors (cuBLAS'
 workspace for each of the forward and autograd threads: ``allocated_bytes``), a fragmentation
 margin measured on an H100 (``reserved_bytes``), and compares with the card's memory minus a
 stated CUDA-context reserve (:mod:`memlab.gpus`). Without a CUDA build the step is traced with
-CPU fake tensors: autocast follows CPU's op lists, while the attention kernel is the one the CUDA
-target would run (flash / memory-efficient: output + logsumexp; math for fp32 with grouped KV
+CPU fake tensors under CUDA's rules (:mod:`memlab.cuda_rules`, each rule that fired in ``notes``):
+dropout keeps CUDA's 1-byte mask, autocast follows CUDA's op lists (layer_norm, softmax, log_softmax,
+sum, pow, ... in fp32), and the attention kernel is the one the CUDA target would run (flash / memory-efficient: output + logsumexp; math for fp32 with grouped KV
 heads; eager's softmax-backward scratch by a per-op rule), said in ``attention``. A homogeneous
 decoder stack is traced at 1 and 2 layers and extrapolated exactly by layer count (tested equal
 to the full trace). The optimizer implementation follows the target
@@ -72,6 +73,16 @@ and 4 layers, checked at 5 and extrapolated. Where that cannot run (``torch.dist
 initialised in the process, no decoder layers for ``fully_shard``, FSDP2 failing on fake tensors) FSDP's
 unsharded units are modelled instead and a note says why. ``tests/test_estimate_distributed.py`` checks
 every stage against ranks measured with 2 gloo processes on CPU.
+
+Adapters (``adapter="lora" | "qlora"``, CLI ``--adapter``): :mod:`memlab.adapters` builds the fake
+model (frozen 16-bit or NF4 base, rank-r adapters on the target modules), the one builder that
+``memlab plan`` uses too. Hub ids (``meta-llama/Llama-3.1-8B``): only the config.json, through
+transformers (:mod:`memlab.hub`). ``--compare``: the rules of thumb beside the trace (:mod:`memlab.peers`).
+
+Vocabulary: "bf16" here is mixed precision with fp32 master weights (as in :mod:`memlab.amp` and
+``Trainer(bf16=True)``); :mod:`memlab.plan`'s and :mod:`memlab.train`'s "bf16" is pure bf16, this
+module's "bf16-pure" ("bf16-mixed" is accepted here as "bf16"). ``adam8bit`` is another name of
+``adamw8bit``.
 
 Reference formulas kept here for comparison: :func:`accelerate_estimate` (``accelerate
 estimate-memory``) and :func:`deepspeed_zero_estimate` (DeepSpeed's model-state estimators).
@@ -119,6 +130,9 @@ __all__ = [
     "ZERO_STAGES",
     "shard_estimate",
     "fsdp_units",
+    "estimate_command",
+    "OPTIMIZER_ALIASES",
+    "DTYPE_ALIASES",
 ]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
