@@ -100,10 +100,10 @@ def rule_notes(mode: _CudaSemantics) -> list[str]:
     c = mode.counts
     if c["dropout"]:
         out.append(f"CUDA rule: dropout keeps a 1-byte bool mask (fused native_dropout), not CPU's mask in the "
-                   f"input dtype ({c['dropout']} calls in the traced step)")
+                   f"input dtype ({c['dropout']} calls in the last traced step)")
     if c["fp32"]:
         out.append(f"CUDA rule: autocast's CUDA float32 list (layer_norm, softmax, log_softmax, sum, pow, ...) runs "
-                   f"in fp32 where CPU autocast runs 16-bit ({c['fp32']} calls)")
+                   f"in fp32 where CPU autocast runs 16-bit ({c['fp32']} calls in the last traced step)")
     if c["lower"]:
         out.append(f"CUDA rule: autocast's CUDA lower-precision mv/addmv/addr ({c['lower']} calls)")
     return out

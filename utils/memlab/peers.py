@@ -109,7 +109,6 @@ def format_compare(est: Any) -> str:
     lines.append("  sources: " + "; ".join(f"{r['tool']}: {r['source']}" for r in rows[1:]))
     if getattr(est, "adapter", ""):
         lines.append("  none of the rules models adapters: they answer for a full fine-tune of the same model")
-    acts = est.breakdown.get("activations", 0)
-    lines.append(f"  what they leave out here: activations at the peak {format_bytes(acts)} "
-                 f"(peak in {est.peak_phase}), optimizer-step temporaries, the fp32 logits")
+    lines.append(f"  what they leave out here: the activations (up to {format_bytes(est.max_activation_bytes)} during "
+                 f"the step; the peak is in {est.peak_phase}), optimizer-step temporaries, the fp32 logits")
     return "\n".join(lines)
