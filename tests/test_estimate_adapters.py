@@ -14,6 +14,7 @@ from memlab import plan as P
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=4, vocab_size=512)
+SMALL3 = {**SMALL, "num_hidden_layers": 3}  # traced whole (one trace per route: kept fast)
 
 
 def _cli_peak(argv, capsys) -> int:
@@ -31,14 +32,14 @@ def _set_args(overrides):
 
 @pytest.mark.parametrize("adapter", ["lora", "qlora"])
 def test_api_cli_and_plan_agree_to_the_byte(adapter, capsys):
-    api = E.estimate_training_memory("llama-2-7b", config_overrides=SMALL, batch_size=2, seq_len=32, dtype="bf16",
+    api = E.estimate_training_memory("llama-2-7b", config_overrides=SMALL3, batch_size=2, seq_len=32, dtype="bf16",
                                      adapter=adapter, lora_r=8)
-    cli = _cli_peak(["llama-2-7b", *_set_args(SMALL), "--batch-size", "2", "--seq-len", "32", "--adapter", adapter,
+    cli = _cli_peak(["llama-2-7b", *_set_args(SMALL3), "--batch-size", "2", "--seq-len", "32", "--adapter", adapter,
                      "--lora-r", "8"], capsys)
     stack = P.Stack(precision="bf16-mixed", adapter=adapter, micro_batch=2)
-    planned = P.estimate_stack("llama-2-7b", stack, seq_len=32, config_overrides=SMALL, lora_r=8)
+    planned = P.estimate_stack("llama-2-7b", stack, seq_len=32, config_overrides=SMALL3, lora_r=8)
     assert api.peak_bytes == cli == planned.peak_bytes
-    assert api.extrapolated_from == (2, 3)  # a frozen embedding: extrapolated from the second layer on
+    assert api.breakdown == planned.breakdown and api.phase_peaks == planned.phase_peaks
     assert api.breakdown["gradients"] < api.breakdown["parameters"] / 10
     assert adapter in api.adapter and any("memlab.adapters" in n for n in api.notes)
 
@@ -46,6 +47,7 @@ def test_api_cli_and_plan_agree_to_the_byte(adapter, capsys):
 def test_adapter_extrapolation_equals_the_full_trace():
     api = E.estimate_training_memory("llama-2-7b", config_overrides=SMALL, batch_size=2, seq_len=32, dtype="bf16",
                                      adapter="qlora", lora_r=8)
+    assert api.extrapolated_from == (2, 3)  # a frozen embedding: extrapolated from the second layer on
     full = E.estimate_training_memory("llama-2-7b", config_overrides=SMALL, batch_size=2, seq_len=32, dtype="bf16",
                                       adapter="qlora", lora_r=8, extrapolate=False)
     assert full.peak_bytes == api.peak_bytes and full.breakdown == api.breakdown
@@ -106,10 +108,10 @@ def test_cli_bad_adapter_value(capsys):
 def test_suggestion_commands_reproduce_their_rows(capsys):
     # a base with nothing else to try (checkpointing, 8-bit AdamW, pure bf16, batch 1, one token): the
     # traced rows are LoRA and QLoRA only (kept fast)
-    kw = dict(config_overrides=SMALL, batch_size=1, seq_len=1, dtype="bf16-pure", optimizer="adamw8bit",
+    kw = dict(config_overrides=SMALL3, batch_size=1, seq_len=1, dtype="bf16-pure", optimizer="adamw8bit",
               checkpointing=True)
     base = E.estimate_training_memory("llama-2-7b", **kw)
-    rows = E.suggestions(base, "llama-2-7b", config_overrides=SMALL)
+    rows = E.suggestions(base, "llama-2-7b", config_overrides=SMALL3)
     traced = [s for s in rows if s.how == "traced"]
     assert [s.technique.split()[0] for s in traced] == ["LoRA", "QLoRA"]
     assert "--adapter lora" in traced[0].command and "--adapter qlora" in traced[1].command
@@ -123,7 +125,7 @@ def test_peers_formulas():
     assert peers.bytes_per_param_rule(10**9, "bf16-pure", "adamw") == 8 * 10**9
     with pytest.raises(ValueError, match="dtype='fp8' is invalid"):
         peers.bytes_per_param_rule(1, "fp8")
-    est = E.estimate_training_memory("llama-2-7b", config_overrides=SMALL, batch_size=2, seq_len=32)
+    est = E.estimate_training_memory("llama-2-7b", config_overrides=SMALL3, batch_size=2, seq_len=32)
     rows = peers.compare(est)
     assert [r["tool"] for r in rows][1:] == ["accelerate estimate-memory", "DeepSpeed ZeRO estimator",
                                              "bytes-per-parameter rule"]
@@ -133,7 +135,7 @@ def test_peers_formulas():
 
 
 def test_cli_compare(capsys):
-    assert E.main(["llama-2-7b", *_set_args(SMALL), "--seq-len", "32", "--compare"]) == 0
+    assert E.main(["llama-2-7b", *_set_args(SMALL3), "--seq-len", "32", "--compare"]) == 0
     out = capsys.readouterr().out
     for needle in ("accelerate estimate-memory", "DeepSpeed ZeRO estimator", "bytes-per-parameter rule",
                    peers.ANATOMY_URL, peers.DEEPSPEED_URL, "what they leave out"):
