@@ -53,8 +53,9 @@ estimate adds, as named lines, what the allocator counts beyond tensors (cuBLAS'
 workspace for each of the forward and autograd threads: ``allocated_bytes``), a fragmentation
 margin measured on an H100 (``reserved_bytes``), and compares with the card's memory minus a
 stated CUDA-context reserve (:mod:`memlab.gpus`). Without a CUDA build the step is traced with
-CPU fake tensors: autocast follows CPU's op lists, while the attention kernel is the one the CUDA
-target would run (flash / memory-efficient: output + logsumexp; math for fp32 with grouped KV
+CPU fake tensors under CUDA's rules (:mod:`memlab.cuda_rules`, each rule that fired in ``notes``):
+dropout keeps CUDA's 1-byte mask, autocast follows CUDA's op lists (layer_norm, softmax, log_softmax,
+sum, pow, ... in fp32), and the attention kernel is the one the CUDA target would run (flash / memory-efficient: output + logsumexp; math for fp32 with grouped KV
 heads; eager's softmax-backward scratch by a per-op rule), said in ``attention``. A homogeneous
 decoder stack is traced at 1 and 2 layers and extrapolated exactly by layer count (tested equal
 to the full trace). The optimizer implementation follows the target
@@ -72,6 +73,16 @@ and 4 layers, checked at 5 and extrapolated. Where that cannot run (``torch.dist
 initialised in the process, no decoder layers for ``fully_shard``, FSDP2 failing on fake tensors) FSDP's
 unsharded units are modelled instead and a note says why. ``tests/test_estimate_distributed.py`` checks
 every stage against ranks measured with 2 gloo processes on CPU.
+
+Adapters (``adapter="lora" | "qlora"``, CLI ``--adapter``): :mod:`memlab.adapters` builds the fake
+model (frozen 16-bit or NF4 base, rank-r adapters on the target modules), the one builder that
+``memlab plan`` uses too. Hub ids (``meta-llama/Llama-3.1-8B``): only the config.json, through
+transformers (:mod:`memlab.hub`). ``--compare``: the rules of thumb beside the trace (:mod:`memlab.peers`).
+
+Vocabulary: "bf16" here is mixed precision with fp32 master weights (as in :mod:`memlab.amp` and
+``Trainer(bf16=True)``); :mod:`memlab.plan`'s and :mod:`memlab.train`'s "bf16" is pure bf16, this
+module's "bf16-pure" ("bf16-mixed" is accepted here as "bf16"). ``adam8bit`` is another name of
+``adamw8bit``.
 
 Reference formulas kept here for comparison: :func:`accelerate_estimate` (``accelerate
 estimate-memory``) and :func:`deepspeed_zero_estimate` (DeepSpeed's model-state estimators).
@@ -120,6 +131,9 @@ __all__ = [
     "ZERO_STAGES",
     "shard_estimate",
     "fsdp_units",
+    "estimate_command",
+    "OPTIMIZER_ALIASES",
+    "DTYPE_ALIASES",
 ]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -140,6 +154,21 @@ OPTIMIZERS: dict[str, str] = {
 }
 
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
+
+# One vocabulary across estimate, plan and train: other spellings accepted, one canonical name kept.
+# Note "bf16": here (and in memlab.amp, Trainer(bf16=True)) mixed precision with fp32 master weights;
+# memlab.plan's Stack(precision="bf16") and memlab.train's "bf16" are pure bf16 = this module's
+# "bf16-pure" (plan's "bf16-mixed" = this "bf16").
+OPTIMIZER_ALIASES = {"adam8bit": "adamw8bit", "adamw-8bit": "adamw8bit", "adamw_8bit": "adamw8bit"}
+DTYPE_ALIASES = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+
+
+def _canonical_optimizer(name: Any) -> Any:
+    return OPTIMIZER_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
+def _canonical_dtype(name: Any) -> Any:
+    return DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
 
 # bitsandbytes' blockwise 8-bit optimizers (bitsandbytes/optim/optimizer.py, Optimizer8bit /
 # Optimizer2State.init_state): tensors with fewer than min_8bit_size elements keep 32-bit
@@ -254,6 +283,7 @@ class MemoryEstimate:
     host_breakdown: dict[str, int] = field(default_factory=dict)
     world_size: int = 1
     zero_stage: int = 0
+    adapter: str = ""  # memlab.adapters.AdapterSpec.describe() of a LoRA/QLoRA estimate, "" for a full fine-tune
 
     @property
     def allocated_bytes(self) -> int:
@@ -293,7 +323,8 @@ class MemoryEstimate:
         impl = f" ({self.optimizer_impl})" if self.optimizer_impl and self.optimizer in ("adamw", "sgd", "offload-adamw") else ""
         return (
             f"{self.model} ({_params(self.n_params)} params): batch {self.batch_size} x seq "
-            f"{self.seq_len}, {self.dtype}, {self.optimizer}{impl}{ck}{self._ranks()} -- {kind} on {self.traced_on} "
+            f"{self.seq_len}, {self.dtype}, {self.optimizer}{impl}{ck}{self._ranks()}"
+            f"{'; ' + self.adapter if self.adapter else ''} -- {kind} on {self.traced_on} "
             f"for {self.device}"
         )
 
@@ -531,6 +562,7 @@ class _Spec:
     name: str
     config: Any = None
     fn: Callable[[], nn.Module] | None = None
+    adapter: Any = None  # a memlab.adapters.AdapterSpec: LoRA / QLoRA built on the base (memlab.adapters)
 
     @property
     def is_hf(self) -> bool:
@@ -565,16 +597,27 @@ class _Spec:
             v = getattr(cfg, lf, None)
             if isinstance(v, (list, tuple)) and len(v) == n:
                 setattr(cfg, lf, list(v[:1]) * depth)
-        return _Spec(self.name, config=cfg)
+        return _Spec(self.name, config=cfg, adapter=self.adapter)
 
     def build(self, dtype: str, attn: str | None) -> nn.Module:
+        if self.adapter is not None:  # the one builder of adapted models (estimate, CLI and plan)
+            from memlab import adapters
+
+            base = adapters.base_dtype(dtype)
+            if self.fn is not None:
+                model = _build_in(self.fn, base)
+            else:
+                model = self._from_config(base, attn)
+            return adapters.apply_adapter(model, self.adapter, dtype)
         if self.fn is not None:
             return _build(self.fn, dtype)
-        with needs("memlab estimate"):
-            from transformers import AutoModelForCausalLM
         # The weights' dtype comes from the recipe, never from the config's torch_dtype / dtype
         # (transformers 5 would otherwise build a bf16 model from a config that says bfloat16).
-        param_dtype = torch.bfloat16 if dtype == "bf16-pure" else torch.float32
+        return self._from_config(torch.bfloat16 if dtype == "bf16-pure" else torch.float32, attn)
+
+    def _from_config(self, param_dtype: torch.dtype, attn: str | None) -> nn.Module:
+        with needs("memlab estimate"):
+            from transformers import AutoModelForCausalLM
         kw = {} if attn is None else {"attn_implementation": attn}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -587,13 +630,22 @@ def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _S
 
     overrides = dict(config_overrides or {})
     if isinstance(model, str):
-        from memlab.models import PRESETS, UnknownPresetError, preset_config, validate_config
+        from memlab.models import PRESETS, UnknownPresetError, preset_config
 
         if model in PRESETS:
             if overrides:
                 _check_overrides(preset_config(model), overrides, f"preset {model!r}")
             cfg = preset_config(model, **overrides)
             return _Spec(model, config=cfg)
+        from memlab import hub
+
+        if hub.looks_like_repo_id(model):  # "org/name": its config.json through transformers (memlab.hub)
+            cfg = hub.load_hub_config(model)
+            _check_overrides(cfg, overrides, f"model {model!r}")
+            for k, v in overrides.items():
+                setattr(cfg, k, v)
+            validate_config(cfg, f"model {model!r}")
+            return _Spec(f"{model} ({getattr(cfg, 'model_type', '?')})", config=cfg)
         if model.endswith(".json") or os.path.isdir(model) or os.sep in model:
             if not os.path.exists(model):
                 raise FileNotFoundError(f"config file {model!r}: no such file")
@@ -605,8 +657,8 @@ def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _S
             name = os.path.basename(os.path.dirname(os.path.abspath(model))) if model.endswith(".json") else os.path.basename(model.rstrip("/"))
             return _Spec(f"{name} ({getattr(cfg, 'model_type', '?')})", config=cfg)
         raise UnknownPresetError(
-            f"unknown model={model!r}; allowed: a preset ({', '.join(sorted(PRESETS))}) "
-            f"or the path of a transformers config.json"
+            f"unknown model={model!r}; allowed: a preset ({', '.join(sorted(PRESETS))}), "
+            f"the path of a transformers config.json, or a Hub model id such as meta-llama/Llama-3.1-8B"
         )
     if _is_hf_config(model):
         cfg = copy.deepcopy(model)
@@ -703,11 +755,17 @@ def _build(builder: Callable[[], nn.Module], dtype: str) -> nn.Module:
     fake parameters in place is refused, and building in bf16 never holds an fp32 copy)."""
     if dtype != "bf16-pure":
         return builder()
-    with _default_dtype(torch.bfloat16):
+    return _build_in(builder, torch.bfloat16)
+
+
+def _build_in(builder: Callable[[], nn.Module], param_dtype: torch.dtype) -> nn.Module:
+    if param_dtype == torch.float32:
+        return builder()
+    with _default_dtype(param_dtype):
         model = builder()
     for p in model.parameters():  # anything built with an explicit fp32 dtype
-        if p.is_floating_point() and p.dtype != torch.bfloat16:
-            p.data = p.data.to(torch.bfloat16)
+        if p.is_floating_point() and p.dtype != param_dtype:
+            p.data = p.data.to(param_dtype)
     return model
 
 
@@ -757,6 +815,7 @@ def make_optimizer(
     ``impl`` picks torch's implementation: "auto" is what ``torch.optim.AdamW(params)`` picks on
     ``device`` (foreach on CUDA, the for-loop on CPU), or "for-loop" / "foreach" / "fused".
     """
+    name = _canonical_optimizer(name)
     _check_choice("optimizer", name, tuple(OPTIMIZERS))
     _check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
     params = list(params)
@@ -1056,10 +1115,22 @@ def _run(
     if attn == "flash" and target.type != "cuda":
         raise ValueError("attn_implementation='flash' is a CUDA kernel; allowed on device='cpu': 'auto', 'eager', 'sdpa'")
     notes: list[str] = []
+    cuda_rules = None
     if traced_on != str(target):
-        notes.append(f"traced on {traced_on} fake tensors (no CUDA here): autocast follows the CPU op lists; "
-                     f"the attention kernel is the CUDA one, modelled (see attention)")
+        from memlab import cuda_rules as _cuda_rules
 
+        cuda_rules = _cuda_rules.cuda_semantics()  # CUDA's dropout and autocast op lists (memlab.cuda_rules)
+        notes.append(f"traced on {traced_on} fake tensors (no CUDA here): CUDA's dropout and autocast op lists are "
+                     f"modelled (memlab.cuda_rules); the attention kernel is the CUDA one, modelled (see attention)")
+
+    if spec.adapter is not None:
+        from memlab import adapters as _adapters
+
+        base = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[_adapters.base_dtype(dtype)]
+        notes.append(f"{spec.adapter.describe()}; frozen base in {base}"
+                     + (" (NF4 linears)" if spec.adapter.kind == "qlora" else "")
+                     + (f", forward under autocast({dtype})" if dtype in ("bf16", "fp16") else "")
+                     + ": gradients and optimizer state for the adapters only (memlab.adapters)")
     opt_name = optimizer
     modelled_8bit = False
     if optimizer == "adamw8bit":
@@ -1146,7 +1217,8 @@ def _run(
     def one_step() -> None:
         x = torch.randint(0, vocab, (batch_size, seq_len), device=gen_device)
         y = torch.randint(0, vocab, (batch_size, seq_len), device=gen_device)
-        training_step(model, opt, x, y, dtype=dtype, loss=loss, step=step)
+        with cuda_rules if cuda_rules is not None else contextlib.nullcontext():
+            training_step(model, opt, x, y, dtype=dtype, loss=loss, step=step)
 
     with mode, attn_ctx:
         for _ in range(warmup_steps):  # untracked: afterwards the optimizer state exists
@@ -1186,6 +1258,10 @@ def _run(
         attention += ("; BUT the model passed an attention mask the CPU flash kernel does not take, so the trace ran the "
                       "math kernel (keeps b x h x s x s probabilities): an overestimate of the CUDA memory-efficient kernel")
         notes.append("attention traced with the math kernel (mask given): activations overestimated for a CUDA target")
+    if cuda_rules is not None:
+        from memlab import cuda_rules as _cuda_rules
+
+        notes.extend(_cuda_rules.rule_notes(cuda_rules))
     if softmax_rule and getattr(tracker, "scratch_bytes", 0):
         notes.append(f"CUDA softmax backward's scratch copy of its incoming gradient "
                      f"({format_bytes(tracker.scratch_bytes)}) counted while it runs (per-op rule, measured on an H100)")
@@ -1225,6 +1301,7 @@ def _run(
         phase_breakdowns=phase_bd,
         host_bytes=sum(host_breakdown.values()),
         host_breakdown=host_breakdown,
+        adapter=spec.adapter.describe() if spec.adapter is not None else "",
     )
 
 
@@ -1289,7 +1366,7 @@ def _extrapolated(spec: _Spec, kw: dict[str, Any], depths: tuple[int, int] = EXT
         tracker=_PhaseSummary(peak, peak_phase, phases), peak_phase=peak_phase, phase_peaks=phases,
         extras=dict(b.extras), attention=b.attention, step=b.step, optimizer_impl=b.optimizer_impl,
         extrapolated_from=(d1, d2), phase_breakdowns=phase_bd,
-        host_bytes=sum(host_bd.values()), host_breakdown=host_bd,
+        host_bytes=sum(host_bd.values()), host_breakdown=host_bd, adapter=b.adapter,
     )
 
 
@@ -1384,6 +1461,12 @@ def estimate_training_memory(
     kernel_scratch: bool = True,
     world_size: int = 1,
     zero_stage: int = 0,
+    adapter: str | None = None,
+    lora_r: int = 16,
+    lora_alpha: float | None = None,
+    target_modules: str | Sequence[str] | None = None,
+    lora_dropout: float = 0.0,
+    adapter_dtype: str | None = None,
 ) -> MemoryEstimate:
     """Peak memory of a (steady-state) training step of ``model``, traced on fake tensors.
 
@@ -1415,17 +1498,28 @@ def estimate_training_memory(
     destroyed around the trace), falling back to :func:`shard_estimate`'s model of FSDP's units, with a note
     saying why, where torch.distributed is already initialised in this process or FSDP2 cannot shard the model.
 
+    ``adapter="lora"`` / ``"qlora"`` (CLI ``--adapter``): train adapters on a frozen base, built by
+    :mod:`memlab.adapters` (the planner's builder too): ``lora_r`` (16), ``lora_alpha`` (2 x r),
+    ``target_modules`` ("all-linear": every linear layer but the head; or names such as
+    ``"q_proj,v_proj"``), ``lora_dropout`` (0) and ``adapter_dtype`` ("fp32"; "bf16" under
+    "bf16-pure"). The frozen base is 16-bit under a 16-bit ``dtype`` (bf16 / fp16) and NF4 for QLoRA.
+
     Nothing is allocated: a Llama-2-70B step at seq_len 4096 takes seconds and well under a GB
     of host memory.
     """
     check_input_bounds(batch_size, seq_len, world_size)
+    optimizer, dtype = _canonical_optimizer(optimizer), _canonical_dtype(dtype)
     _check_zero(world_size, zero_stage, optimizer)
+    from memlab import adapters as _adapters
+
+    ad = _adapters.adapter_spec(adapter, recipe=dtype, lora_r=lora_r, lora_alpha=lora_alpha,
+                                target_modules=target_modules, lora_dropout=lora_dropout, adapter_dtype=adapter_dtype)
     kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
               checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
               optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs,
               config_overrides=config_overrides, seed=seed, loss=loss, step=step,
               attn_implementation=attn_implementation, allow_longer_seq=allow_longer_seq,
-              extrapolate=extrapolate, kernel_scratch=kernel_scratch)
+              extrapolate=extrapolate, kernel_scratch=kernel_scratch, adapter=ad)
     why = ""
     if zero_stage == 3:
         traced, why = _trace_fsdp(model, world_size, kw)
@@ -1446,9 +1540,15 @@ def _estimate_one_rank(model: Any, *, batch_size: int, seq_len: int, dtype: str,
                        config_overrides: Mapping[str, Any] | None, seed: int, loss: str,
                        step: Callable[[nn.Module, dict], torch.Tensor] | str | None, attn_implementation: str,
                        allow_longer_seq: bool, extrapolate: bool | str, kernel_scratch: bool,
-                       fsdp_world_size: int = 0) -> MemoryEstimate:
+                       fsdp_world_size: int = 0, adapter: Any = None) -> MemoryEstimate:
     spec = _resolve_model(model, config_overrides)
     _check_positions(spec, seq_len, allow_longer_seq)
+    if adapter is not None:
+        from memlab import adapters as _adapters
+
+        spec = _Spec(spec.name, config=spec.config, fn=spec.fn, adapter=adapter)
+        if adapter.kind == "qlora":
+            _adapters.warm_quant()
     kw = dict(batch_size=batch_size, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
               checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
               optimizer_impl=optimizer_impl, optimizer_kwargs=optimizer_kwargs, fake=True, seed=seed,
@@ -1466,6 +1566,8 @@ def _estimate_one_rank(model: Any, *, batch_size: int, seq_len: int, dtype: str,
             EXTRAPOLATE_MIN_LAYERS if extrapolate == "auto" else max(EXTRAPOLATION_DEPTHS) + 1):
         traced: dict[int, MemoryEstimate] = {}
         d1, d2 = EXTRAPOLATION_DEPTHS
+        if adapter is not None:  # a frozen embedding: the first layer's input needs no gradient, so the
+            d1, d2 = d1 + 1, d2 + 1  # first layer differs from the others (an affine fit from 1 layer is wrong)
         for depths in ((d1, d2), (d2, d2 + 1)):  # the first layer can differ in shape: then one deeper
             if depths[1] >= spec.layers()[1]:
                 break
@@ -1696,13 +1798,28 @@ def measure_training_memory(
     step: Callable[[nn.Module, dict], torch.Tensor] | str | None = None,
     attn_implementation: str = "auto",
     allow_longer_seq: bool = False,
+    adapter: str | None = None,
+    lora_r: int = 16,
+    lora_alpha: float | None = None,
+    target_modules: str | Sequence[str] | None = None,
+    lora_dropout: float = 0.0,
+    adapter_dtype: str | None = None,
 ) -> MemoryEstimate:
     """The same step as :func:`estimate_training_memory`, run for real on ``device`` and
     tracked with :class:`memlab.profiler.MemoryTracker` (for models that fit). A measurement
     has no modelled rules: kernel scratch that no op returns is not in it (compare it with
     ``estimate_training_memory(..., kernel_scratch=False)``)."""
+    from memlab import adapters as _adapters
+
+    optimizer, dtype = _canonical_optimizer(optimizer), _canonical_dtype(dtype)
     spec = _resolve_model(model, config_overrides)
     _check_positions(spec, seq_len, allow_longer_seq)
+    ad = _adapters.adapter_spec(adapter, recipe=dtype, lora_r=lora_r, lora_alpha=lora_alpha,
+                                target_modules=target_modules, lora_dropout=lora_dropout, adapter_dtype=adapter_dtype)
+    if ad is not None:
+        spec = _Spec(spec.name, config=spec.config, fn=spec.fn, adapter=ad)
+        if ad.kind == "qlora":
+            _adapters.warm_quant()
     return _run(
         spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
         optimizer=optimizer, checkpointing=checkpointing, warmup_steps=warmup_steps, device=device,
@@ -1801,6 +1918,7 @@ class Suggestion:
     phase: str = ""
     fwd_bwd_peak: int = 0
     extra_bytes: int = 0  # extras on the target (cuBLAS workspaces), counted in allocated/reserved
+    command: str = ""  # the memlab estimate command that reproduces a traced row ("" for a formula)
 
     def saving(self, base: MemoryEstimate) -> int:
         return base.peak_bytes - self.peak_bytes
@@ -1816,6 +1934,41 @@ class Suggestion:
 QLORA_BITS_PER_PARAM = 4 + 0.127
 
 
+def estimate_command(model: Any, **kw: Any) -> str:
+    """The ``memlab estimate`` command line for keywords of :func:`estimate_training_memory`
+    (defaults left out; a model that is not a name or a path shows as ``MODEL``)."""
+    import shlex
+
+    from memlab import adapters as _adapters
+
+    out = ["memlab", "estimate", model if isinstance(model, str) else "MODEL"]
+    flags = (("batch_size", "--batch-size", None), ("seq_len", "--seq-len", None), ("dtype", "--dtype", "bf16"),
+             ("optimizer", "--optimizer", "adamw"), ("optimizer_impl", "--optimizer-impl", "auto"),
+             ("device", "--device", "cuda"), ("loss", "--loss", "auto"), ("attn_implementation", "--attn", "auto"),
+             ("world_size", "--world-size", 1), ("zero_stage", "--zero-stage", 0))
+    for key, flag, default in flags:
+        if key in kw and kw[key] != default:
+            out += [flag, str(kw[key])]
+    if kw.get("checkpointing"):
+        out.append("--checkpointing")
+    if isinstance(kw.get("step"), str):
+        out += ["--step", kw["step"]]
+    if kw.get("allow_longer_seq"):
+        out.append("--allow-longer-seq")
+    if kw.get("extrapolate") is False:
+        out.append("--no-extrapolate")
+    if (kw.get("optimizer_kwargs") or {}).get("offload_gradients"):
+        out.append("--offload-gradients")
+    for k, v in (kw.get("config_overrides") or {}).items():
+        out += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+    ad = _adapters.adapter_spec(kw.get("adapter"), recipe=kw.get("dtype", "bf16"),
+                                **{k: kw[k] for k in ("lora_r", "lora_alpha", "target_modules", "lora_dropout",
+                                                      "adapter_dtype") if k in kw})
+    if ad is not None:
+        out += ad.cli_args()
+    return " ".join(shlex.quote(x) for x in out)
+
+
 def _fwd_bwd(est: MemoryEstimate) -> int:
     return max(est.phase_peaks.get("forward", 0), est.phase_peaks.get("backward", 0))
 
@@ -1829,7 +1982,9 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     ("traced"); the others use a byte formula ("formula"): CPU-offloaded AdamW (chapter 04)
     removes the optimizer state and the fp32 master copy from the GPU; LoRA (chapter 06) keeps
     the frozen weights in 16 bits with no gradients or optimizer state for them; QLoRA stores
-    them in NF4 (4.127 bits per parameter).
+    them in NF4. LoRA and QLoRA (rank 16, every linear layer but the head, :mod:`memlab.adapters`)
+    are traced where ``base`` is a full fine-tune; each traced row carries the ``memlab estimate``
+    command that reproduces it (``Suggestion.command``).
     """
     common = dict(batch_size=base.batch_size, seq_len=base.seq_len, dtype=base.dtype,
                   optimizer=base.optimizer, checkpointing=base.checkpointing,
@@ -1838,9 +1993,11 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     extra = sum(base.extras.values())
 
     def traced(technique: str, chapter: str, **change: Any) -> MemoryEstimate:
-        est = estimate_training_memory(model, **{**common, **change})
+        kw = {**common, **change}
+        est = estimate_training_memory(model, **kw)
         out.append(Suggestion(technique, est.peak_bytes, "traced", chapter,
-                              ", ".join(f"{k}={v}" for k, v in change.items()), est.peak_phase, _fwd_bwd(est), extra))
+                              ", ".join(f"{k}={v}" for k, v in change.items()), est.peak_phase, _fwd_bwd(est), extra,
+                              command=estimate_command(model, **kw)))
         return est
 
     if not base.checkpointing:
@@ -1849,9 +2006,8 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
         traced("fused AdamW (no foreach temporaries)", "01", optimizer_impl="fused")
     if base.optimizer == "adamw":
         traced("8-bit AdamW (bitsandbytes)", "06", optimizer="adamw8bit")
-    pure = base
     if base.dtype != "bf16-pure":
-        pure = traced("pure bf16 weights and AdamW state (no fp32 master copy)", "03", dtype="bf16-pure")
+        traced("pure bf16 weights and AdamW state (no fp32 master copy)", "03", dtype="bf16-pure")
     if not base.checkpointing and base.optimizer == "adamw":
         traced("gradient checkpointing + 8-bit AdamW", "02+06", checkpointing=True, optimizer="adamw8bit")
     if base.batch_size > 1:
@@ -1862,17 +2018,22 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     # Formulas, from the traced breakdowns.
     P = base.n_params
     opt_at_peak = base.breakdown.get("optimizer", 0)
-    master = 2 * P if base.dtype in ("bf16", "fp16") else 0  # fp32 weights that become 16-bit on the GPU
+    # fp32 weights that become 16-bit on the GPU (an adapter's frozen base is 16-bit already)
+    master = 2 * P if base.dtype in ("bf16", "fp16") and not base.adapter else 0
     out.append(Suggestion("CPU-offloaded AdamW (optimizer state and fp32 master weights in CPU RAM)",
                           max(base.peak_bytes - opt_at_peak - master, 0), "formula", "04",
                           "peak - optimizer state at peak" + (" - 2 bytes/param (fp32 weights kept as 16-bit)" if master else ""),
                           extra_bytes=extra))
-    # Activations of a 16-bit model without autocast's weight copies: the pure-bf16 trace's.
-    act = pure.max_activation_bytes
-    out.append(Suggestion("LoRA on 16-bit frozen weights", 2 * P + act, "formula", "06",
-                          "2 bytes/param + the activations of the pure-bf16 trace (adapters neglected)", extra_bytes=extra))
-    out.append(Suggestion("QLoRA (NF4 frozen weights)", int(QLORA_BITS_PER_PARAM / 8 * P) + act, "formula", "06",
-                          "4.127 bits/param + the activations of the pure-bf16 trace (adapters neglected)", extra_bytes=extra))
+    if base.adapter:
+        return out
+    # LoRA / QLoRA traced (memlab.adapters): a 16-bit recipe (bf16 mixed for an fp32 run), AdamW on the adapters
+    ad_kw = dict(dtype="bf16" if base.dtype == "fp32" else base.dtype,
+                 optimizer="adamw" if base.optimizer == "offload-adamw" else base.optimizer, optimizer_kwargs=None)
+    try:
+        traced("LoRA on 16-bit frozen weights (rank 16, all linear layers)", "06", adapter="lora", **ad_kw)
+        traced("QLoRA (NF4 frozen weights, rank 16, all linear layers)", "06", adapter="qlora", **ad_kw)
+    except ValueError:  # a model without linear layers to adapt
+        pass
     return out
 
 
@@ -1958,11 +2119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="models: " + ", ".join(sorted(PRESETS)) + ", or the path of a transformers config.json. "
                "GPUs: " + ", ".join(gpus.gpu_names()) + ", or a size (24GiB = 24 x 2**30; 24GB = 24 x 10**9).",
     )
-    parser.add_argument("model", nargs="?", help="a preset name or the path of a config.json")
+    parser.add_argument("model", nargs="?", help="a preset name, the path of a config.json, or a Hub model id "
+                        "(org/name: only its config.json is read, through transformers' cache; HF_HUB_OFFLINE=1 works)")
     parser.add_argument("--batch-size", type=_bounded_int(MAX_BATCH), default=1)
     parser.add_argument("--seq-len", type=_bounded_int(MAX_SEQ_LEN), default=2048)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help=_DTYPE_HELP)
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    parser.add_argument("--dtype", choices=list(DTYPES) + list(DTYPE_ALIASES), default="bf16",
+                        help=_DTYPE_HELP + " (bf16-mixed = bf16; note: plan's and train's 'bf16' is this 'bf16-pure')")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS) + list(OPTIMIZER_ALIASES), default="adamw",
+                        help="adam8bit is another name of adamw8bit")
     parser.add_argument("--optimizer-impl", choices=list(OPTIMIZER_IMPLS), default="auto",
                         help="torch optimizer implementation (auto: PyTorch's default on the device: foreach on CUDA)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
@@ -1988,6 +2152,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="data-parallel ranks: the estimate is per rank, --batch-size being one rank's batch")
     parser.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), default=0,
                         help="0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters (FSDP)")
+    from memlab import adapters as _adapters
+
+    parser.add_argument("--adapter", choices=list(_adapters.ADAPTERS), default=None,
+                        help="train LoRA adapters on a frozen 16-bit base (lora) or on an NF4 base (qlora)")
+    parser.add_argument("--lora-r", type=_positive_int, default=16, help="adapter rank (default 16)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="adapter scale numerator (default 2 x rank)")
+    parser.add_argument("--target-modules", default=None, metavar="NAMES",
+                        help="comma-separated linear layer names (e.g. q_proj,v_proj) or all-linear (default)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    parser.add_argument("--adapter-dtype", choices=list(_adapters.ADAPTER_DTYPES), default=None,
+                        help="the adapters' dtype (default fp32; bf16 with --dtype bf16-pure)")
+    parser.add_argument("--compare", action="store_true",
+                        help="print accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers beside memlab's")
     parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
     parser.add_argument("--validate", action="store_true",
                         help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
@@ -2004,6 +2181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       attn_implementation=args.attn, allow_longer_seq=args.allow_longer_seq,
                       extrapolate=not args.no_extrapolate)
     overrides = dict(args.overrides) or None
+    adapter_kw = dict(adapter=args.adapter, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                      target_modules=args.target_modules, lora_dropout=args.lora_dropout,
+                      adapter_dtype=args.adapter_dtype)
     if args.offload_gradients and args.optimizer != "offload-adamw":
         print(f"memlab estimate: error: --offload-gradients needs --optimizer offload-adamw "
               f"(got --optimizer {args.optimizer})", file=sys.stderr)
@@ -2015,7 +2195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
             optimizer=args.optimizer, checkpointing=args.checkpointing, config_overrides=overrides,
             optimizer_kwargs={"offload_gradients": True} if args.offload_gradients else None,
-            world_size=args.world_size, zero_stage=args.zero_stage, **run_kwargs,
+            world_size=args.world_size, zero_stage=args.zero_stage, **run_kwargs, **adapter_kw,
         )
     except (KeyError, ValueError, TypeError, FileNotFoundError, OverflowError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -2027,6 +2207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(est.table())
     print(f"estimated in {est.seconds:.1f} s on fake tensors (nothing allocated)")
+    if args.compare:
+        from memlab import peers
+
+        print("\n" + peers.format_compare(est))
     if args.gpu is None:
         return 0
     label, usable = args.gpu
@@ -2051,7 +2235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nwhat would make it fit (estimated tensor peak; 'traced' = re-estimated, 'formula' = byte formula;"
           " 'fits' compares the reserved estimate with the usable memory):")
     try:
-        sug = suggestions(est, args.model, config_overrides=overrides, **run_kwargs)
+        sug = suggestions(est, args.model, config_overrides=overrides,
+                          **{**run_kwargs, "step": args.step}, **(adapter_kw if args.adapter else {}))
     except (ValueError, TypeError) as exc:
         print(f"memlab estimate: error: {exc}", file=sys.stderr)
         return 2
@@ -2073,6 +2258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"saves {format_bytes(first.saving(est))}")
     else:
         print("\nno single technique above fits: combine them (chapter 07 plans the stack) or use more GPUs (chapter 08)")
+    commands = [s for s in sug if s.command]
+    if commands:
+        print("\nto reproduce a traced row:")
+        for s in commands:
+            print(f"  {s.technique}: {s.command}")
     return 0
 
 

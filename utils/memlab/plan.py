@@ -341,6 +341,17 @@ def _linear_targets(model: Any) -> list[str]:
                    if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] != "lm_head"})
 
 
+def _adapter_spec(stack: Stack, lora_r: int) -> Any:
+    """The planner's LoRA/QLoRA as a :class:`memlab.adapters.AdapterSpec` (None for a full fine-tune):
+    rank ``lora_r``, alpha 2 x r, every linear layer but the head, fp32 adapters -- the same adapters
+    ``memlab estimate --adapter`` builds (one builder: :func:`memlab.adapters.apply_adapter`)."""
+    from memlab import adapters
+
+    if stack.adapter == "full":
+        return None
+    return adapters.adapter_spec(stack.adapter, recipe=_DTYPE[stack.precision], lora_r=lora_r)
+
+
 def _builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
     """A callable that builds ``stack``'s model from ``cfg`` (called inside the estimator's fake mode)."""
     import torch
@@ -351,18 +362,19 @@ def _builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
         from transformers import AutoModelForCausalLM
         from transformers.modeling_layers import GradientCheckpointingLayer
 
-        from memlab import lora
+        from memlab import adapters
 
-        adapters = stack.adapter != "full"
-        dtype = torch.bfloat16 if (adapters or stack.precision == "bf16") else torch.float32
+        spec = _adapter_spec(stack, lora_r)
+        if spec is not None:
+            dtype = adapters.base_dtype(_DTYPE[stack.precision])
+        else:
+            dtype = torch.bfloat16 if stack.precision == "bf16" else torch.float32
         attn = "sdpa" if stack.attention == "flash" else stack.attention
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
-        if stack.adapter == "lora":
-            lora.add_lora(model, r=lora_r, alpha=2 * lora_r, target_modules=_linear_targets(model))
-        elif stack.adapter == "qlora":
-            lora.qlora_model(model, r=lora_r, alpha=2 * lora_r)
+        if spec is not None:
+            adapters.apply_adapter(model, spec, _DTYPE[stack.precision])
         if stack.checkpointing != "none":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -507,9 +519,11 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
     opt, impl, okw = _OPTIMIZER[stack.optimizer]
     kw = dict(batch_size=stack.micro_batch, seq_len=seq_len, dtype=_DTYPE[stack.precision], optimizer=opt,
               optimizer_impl=impl, optimizer_kwargs=okw, device=device, allow_longer_seq=False, loss=loss)
-    if stack.adapter == "full" and stack.checkpointing in ("none", "full"):
+    if stack.checkpointing in ("none", "full"):  # the estimator's own route, adapters included (memlab.adapters)
+        ad = _adapter_spec(stack, lora_r)
         return estimate_training_memory(cfg, checkpointing=stack.checkpointing == "full",
-                                        attn_implementation=stack.attention, extrapolate=extrapolate, **kw)
+                                        attn_implementation=stack.attention, extrapolate=extrapolate,
+                                        adapter=ad, **kw)
     _, L = _layers(cfg)
     unit = stack.ckpt_every if stack.checkpointing == "every-k" else 1
 

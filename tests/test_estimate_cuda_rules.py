@@ -1,0 +1,95 @@
+"""memlab.cuda_rules: a CPU trace answers for a CUDA card (dropout's mask, CUDA autocast's op lists), op by op."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memlab import cuda_rules as R
+from memlab import estimate as E
+
+
+def _saved_dtypes(t: torch.Tensor) -> set[torch.dtype]:
+    fn, out = t.grad_fn, set()
+    for name in dir(fn):
+        if name.startswith("_saved_"):
+            v = getattr(fn, name)
+            if isinstance(v, torch.Tensor):
+                out.add(v.dtype)
+    return out
+
+
+def test_dropout_keeps_a_bool_mask_as_cuda_does():
+    x = torch.randn(64, 32, requires_grad=True)
+    cpu = F.dropout(x, 0.1, training=True)
+    assert _saved_dtypes(cpu) == {torch.float32}  # CPU: the noise tensor in the input's dtype
+    with R.cuda_semantics() as mode:
+        cuda = F.dropout(x, 0.1, training=True)
+        same = F.dropout(x, 0.1, training=False)
+    assert _saved_dtypes(cuda) == {torch.bool}  # native_dropout: 1 byte per element
+    assert same is x and mode.counts["dropout"] == 1
+    cuda.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("op", [lambda t: F.layer_norm(t, (32,)), lambda t: F.softmax(t, -1),
+                                lambda t: F.log_softmax(t, -1), lambda t: t.softmax(-1), lambda t: t.sum(),
+                                lambda t: torch.pow(t, 3), lambda t: t ** 2, lambda t: torch.exp(t),
+                                lambda t: torch.rsqrt(t.abs() + 1), lambda t: F.group_norm(t.view(4, 8, 4), 2)])
+def test_cuda_float32_list_under_autocast(op):
+    x = torch.randn(4, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x.to(torch.bfloat16)
+        assert op(h).dtype == torch.bfloat16  # CPU autocast runs it in 16 bits
+        with R.cuda_semantics() as mode:
+            out = op(h)
+    assert out.dtype == torch.float32 and mode.counts["fp32"] == 1  # CUDA autocast: fp32
+    if out.grad_fn is not None and _saved_dtypes(out):
+        assert torch.bfloat16 not in _saved_dtypes(out)  # what backward keeps is fp32 too
+
+
+def test_rules_leave_fp32_and_explicit_dtype_alone():
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), R.cuda_semantics() as mode:
+        assert F.softmax(x, -1).dtype == torch.float32
+        assert x.to(torch.bfloat16).sum(dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert mode.counts["fp32"] == 0
+    with R.cuda_semantics() as mode:  # no autocast: nothing changes
+        assert F.layer_norm(x.to(torch.bfloat16), (32,)).dtype == torch.bfloat16
+    assert mode.counts["fp32"] == 0
+
+
+def test_cuda_lower_precision_list():
+    a, v = torch.randn(8, 4), torch.randn(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mv(a, v).dtype == torch.float32  # CPU autocast leaves mv in fp32
+        with R.cuda_semantics():
+            assert torch.mv(a, v).dtype == torch.bfloat16  # CUDA's list lowers it
+
+
+def test_gpt2_estimate_states_the_rules():
+    est = E.estimate_training_memory("gpt2", config_overrides=dict(n_layer=1, n_embd=64, n_head=2),
+                                     batch_size=2, seq_len=32, dtype="bf16", extrapolate=False)
+    rules = [n for n in est.notes if n.startswith("CUDA rule")]
+    assert any("1-byte bool mask" in n for n in rules) and any("float32 list" in n for n in rules)
+    cpu = E.estimate_training_memory("gpt2", config_overrides=dict(n_layer=1, n_embd=64, n_head=2),
+                                     batch_size=2, seq_len=32, dtype="bf16", extrapolate=False, device="cpu")
+    assert not any(n.startswith("CUDA rule") for n in cpu.notes)
+
+
+def test_llama_h100_traces_still_agree():
+    # results/h100/estimator_cuda_trace.json: llama-2-7b, batch 1 x 2048, bf16, traced with CUDA fake tensors
+    # on an H100: 134,768,347,788 bytes. The CPU trace with the CUDA rules is within 1 KiB of it.
+    est = E.estimate_training_memory("llama-2-7b", batch_size=1, seq_len=2048, dtype="bf16")
+    assert abs(est.peak_bytes - 134_768_347_788) <= 1024
+
+
+@pytest.mark.cuda
+def test_real_cuda_fake_trace_agrees_with_the_modelled_one(monkeypatch):
+    kw = dict(config_overrides=dict(n_layer=2), batch_size=4, seq_len=256, dtype="bf16", extrapolate=False)
+    real = E.estimate_training_memory("gpt2", **kw)
+    assert real.traced_on.startswith("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    modelled = E.estimate_training_memory("gpt2", **kw)
+    assert modelled.traced_on == "cpu" and any(n.startswith("CUDA rule") for n in modelled.notes)
+    assert abs(modelled.peak_bytes - real.peak_bytes) <= max(64 * 1024, real.peak_bytes // 1000)

@@ -1,0 +1,61 @@
+"""memlab estimate ORG/NAME: only config.json, through transformers' cache and offline switch; no network."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlab import estimate as E
+from memlab import hub
+from memlab.models import preset_config
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hub_cache(home, repo="memlab-test/Tiny-Llama", config=None):
+    """A hub-style cache with config.json and no weights: HF_HOME/hub/models--org--name/{refs,snapshots}."""
+    root = home / "hub" / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(SHA)
+    snap = root / "snapshots" / SHA
+    snap.mkdir(parents=True)
+    cfg = config or dict(preset_config("llama-2-7b").to_dict(), num_hidden_layers=2, hidden_size=64,
+                         intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, vocab_size=256)
+    (snap / "config.json").write_text(json.dumps(cfg))
+    return repo
+
+
+@pytest.fixture
+def offline_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path
+
+
+def test_hub_id_reads_the_cached_config_only(offline_home, capsys):
+    repo = _hub_cache(offline_home)
+    est = E.estimate_training_memory(repo, batch_size=1, seq_len=16, device="cpu")
+    cfg = hub.load_hub_config(repo)
+    same = E.estimate_training_memory(cfg, batch_size=1, seq_len=16, device="cpu")
+    assert est.peak_bytes == same.peak_bytes and est.model.startswith(repo)
+    assert E.main([repo, "--seq-len", "16", "--no-suggest"]) == 0
+    assert repo in capsys.readouterr().out
+    files = sorted(p.name for p in offline_home.rglob("*") if p.is_file())
+    assert files == ["config.json", "main"]  # nothing else was fetched or written
+
+
+def test_offline_without_a_cached_copy_is_one_line(offline_home, capsys):
+    with pytest.raises(hub.HubConfigError) as exc:
+        E.estimate_training_memory("meta-llama/Llama-3.1-8B", batch_size=1, seq_len=16)
+    msg = str(exc.value)
+    assert "\n" not in msg and "offline" in msg and "llama-2-7b" in msg and "config.json" in msg
+    assert E.main(["meta-llama/Llama-3.1-8B"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model='meta-llama/Llama-3.1-8B'" in err[0] and "the path of a config.json" in err[0]
+
+
+def test_repo_id_shape():
+    assert hub.looks_like_repo_id("meta-llama/Llama-3.1-8B")
+    assert not hub.looks_like_repo_id("llama-2-7b") and not hub.looks_like_repo_id("a/b/config.json")
+    assert not hub.looks_like_repo_id("dir/config.json")
