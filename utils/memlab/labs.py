@@ -386,16 +386,32 @@ def _lab_for(chapter: str, root: Path) -> Path:
     return matches[0]
 
 
+def _untouched(copy: Path, lab: Path) -> bool:
+    """True when the learner's copy has the lab's cells, source for source (outputs, execution counts
+    and metadata aside: running a fresh lab writes nothing worth a backup)."""
+    def sources(path: Path) -> list[tuple[str, str]] | None:
+        try:
+            cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+            return [(c["cell_type"], c["source"] if isinstance(c["source"], str) else "".join(c["source"]))
+                    for c in cells]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # unreadable: keep a backup
+
+    mine = sources(copy)
+    return mine is not None and mine == sources(lab)
+
+
 def reset(chapter: str, root: str | Path = ".", *, now: _dt.datetime | None = None) -> tuple[Path, Path | None]:
     """Give a fresh copy of lab ``chapter`` in ``work/``, after moving the learner's copy to
-    ``work/backups/NN_topic.YYYYmmdd-HHMMSS.ipynb``. Returns (fresh copy, backup or None)."""
+    ``work/backups/NN_topic.YYYYmmdd-HHMMSS.ipynb`` (no backup of a copy whose cells are still the
+    lab's, see :func:`_untouched`). Returns (fresh copy, backup or None)."""
     root = Path(root)
     lab = _lab_for(chapter, root)
     work = root / WORK
     work.mkdir(exist_ok=True)
     target = work / lab.name
     backup = None
-    if target.exists():
+    if target.exists() and not _untouched(target, lab):
         stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
         (work / BACKUPS).mkdir(exist_ok=True)
         backup = work / BACKUPS / f"{lab.stem}.{stamp}.ipynb"
@@ -458,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             fresh, backup = reset(args.chapter, args.root)
             if backup is not None:
                 print(f"kept your copy as {backup}")
+            else:
+                print("no backup: there was no copy, or it still had the lab's cells as given")
             print(f"fresh copy: {fresh}")
             return 0
         problems = drift(args.root)
