@@ -5,6 +5,8 @@ For every ``solutions/NN_topic.ipynb`` the lab ``labs/NN_topic.ipynb`` is the sa
 * each solution block (``### BEGIN SOLUTION`` ... ``### END SOLUTION``) replaced by one line,
   ``raise NotImplementedError("exercise NN.name: ...")``, indented like the block;
 * cells tagged ``solution-only`` dropped;
+* a first line ``# NBVAL_CHECK_OUTPUT`` moved out of the learner's sight into the cell tag
+  ``nbval-check-output`` (nbval reads it the same way);
 * outputs, execution counts and timing metadata cleared; cell ids kept;
 * the notebook metadata JupyterLab writes when it opens a notebook (the ipykernel kernelspec and
   ``language_info``), so that opening a lab and saving it changes nothing.
@@ -141,6 +143,28 @@ def _exercise_after(cells: Sequence[Any], start: int) -> str | None:
     return None
 
 
+#: nbval's first-line comments and the cell tags nbval reads the same way (nbval/plugin.py:
+#: ``metadata_tags`` is each comment marker lower-cased with ``-`` for ``_``)
+NBVAL_TAGS = {
+    "# NBVAL_CHECK_OUTPUT": "nbval-check-output",
+    "# NBVAL_IGNORE_OUTPUT": "nbval-ignore-output",
+    "# NBVAL_SKIP": "nbval-skip",
+}
+
+
+def _nbval_comment_to_tag(cell: Any) -> None:
+    """A lab shows the learner no nbval marker: a first line ``# NBVAL_CHECK_OUTPUT`` (the
+    solutions' convention) becomes the cell tag ``nbval-check-output``, which nbval honours alike."""
+    first, nl, rest = cell.source.partition("\n")
+    tag = NBVAL_TAGS.get(first.strip())
+    if tag is None:
+        return
+    cell.source = rest if nl else ""
+    tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+    if tag not in tags:
+        tags.append(tag)
+
+
 def build_lab(solution: Any, name: str = "notebook") -> Any:
     """Return the lab notebook (an nbformat node) made from a solution notebook; the solution is
     not modified. Raises :class:`LabBuildError` naming ``name`` and the cell on a bad marker."""
@@ -154,6 +178,7 @@ def build_lab(solution: Any, name: str = "notebook") -> Any:
         if cell.cell_type == "code":
             if _MARKER_ANYWHERE.search(cell.source):
                 cell.source = _strip_solutions(cell.source, _exercise_after(nb.cells, i), where)
+            _nbval_comment_to_tag(cell)
             cell.outputs = []
             cell.execution_count = None
         else:
