@@ -84,3 +84,18 @@ def test_results_table_moved_to_its_own_page():
     assert results.count("\n| 0") >= 50  # the rows, one per measurement
     assert "](docs/results.md)" in README
     assert README.count("\n| 0") < 30  # README keeps the short tables only
+
+
+def test_readme_estimate_sample_is_a_real_run():
+    """README's `memlab estimate` sample (written by tools/readme_samples.py): its GPU and verdict
+    lines are what the command prints now (the suggestions are left out here: they take longer)."""
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("readme_samples", ROOT / "tools" / "readme_samples.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    shown = mod.block(README)
+    fresh = mod.run([*mod.ARGS, "--no-suggest"])
+    for prefix in ("GPU:", "verdict:"):
+        line = next(ln for ln in fresh.splitlines() if ln.startswith(prefix))
+        assert line in shown, f"stale README sample: {line!r} not in it; run python tools/readme_samples.py"
+    assert f"memlab estimate {' '.join(mod.ARGS)}" in shown
