@@ -99,3 +99,17 @@ def test_readme_estimate_sample_is_a_real_run():
         line = next(ln for ln in fresh.splitlines() if ln.startswith(prefix))
         assert line in shown, f"stale README sample: {line!r} not in it; run python tools/readme_samples.py"
     assert f"memlab estimate {' '.join(mod.ARGS)}" in shown
+
+
+def test_hosted_first_cell_names_the_device_without_installing(monkeypatch, capsys):
+    """README's first cell for Colab/Kaggle: where memlab is importable it installs nothing and
+    prints describe()'s line."""
+    import subprocess
+
+    code = _block_after("<!-- first-cell -->")
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a))
+    exec(compile(code, "README.md:first-cell", "exec"), {"__name__": "first_cell"})
+    from memlab.config import describe
+
+    assert calls == [] and capsys.readouterr().out.strip() == describe()
