@@ -40,7 +40,7 @@ endef
 # side, opened on docs/start.md (rendered: .jupyter/lab/settings/overrides.json opens Markdown as a
 # preview). No news pop-up or update checks (.jupyter/labconfig/page_config.json disables the
 # announcements plugin); of the server's start-up banner only the URL to open is printed
-# (LAB_FILTER; later warnings pass through), and its terminals find `memlab`, `python` and
+# (LAB_FILTER; later warnings pass through; one Ctrl-C stops it: answer_yes), and its terminals find `memlab`, `python` and
 # `jupyter` from .venv (PATH is set for the server, and its terminals start a plain, not a login,
 # shell: a login shell's /etc/profile may reset PATH).
 JUPYTER_ENV  := PATH="$(CURDIR)/$(BIN):$$PATH" \
@@ -53,7 +53,7 @@ JUPYTER_OPTS := --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/
 	--ServerApp.ip=$(LAB_IP) --ServerApp.log_format="%(message)s" \
 	--LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate \
 	--ServerApp.log_level=WARN --LabApp.log_level=WARN \
-	--ServerApp.terminado_settings=shell_command="$${SHELL:-/bin/sh}"
+	--ServerApp.terminado_settings=shell_command="$${SHELL:-/bin/sh}" --ServerApp.answer_yes=True
 # keeps the banner's first http URL, drops its other lines (a shell loop: awk and sed buffer a
 # pipe); ignores Ctrl-C so that JupyterLab's own shutdown messages still get through
 LAB_FILTER := trap '' INT; set -f; url=; while IFS= read -r line; do set -- $$line; [ $$\# -gt 0 ] || continue; \

@@ -120,6 +120,7 @@ def test_make_lab_roots_jupyterlab_at_the_repository_with_venv_on_path(tmp_path)
     assert "--LabApp.default_url=/lab/tree/docs/start.md" in line
     assert (ROOT / "docs" / "start.md").is_file()
     assert 'shell_command="${SHELL:-/bin/sh}"' in line
+    assert "--ServerApp.answer_yes=True" in line  # one Ctrl-C stops it (the y/n prompt would be hidden by the filter)
     assert f'--LabApp.app_settings_dir="{ROOT}/.jupyter/lab/settings"' in line
     assert "memlab labs start" in out  # the learner's copies are made first (never overwriting)
 
