@@ -1,7 +1,7 @@
 """The ``memlab`` command.
 
     memlab doctor                      environment report for bug reports
-    memlab grade [PATH ...]            grade lab notebooks (default: work/*.ipynb, else labs/*.ipynb)
+    memlab grade [PATH|NN ...]         grade lab notebooks, or lab NN (default: work/*.ipynb, else labs/*.ipynb)
     memlab labs start | reset NN       copy the labs into work/ (never overwriting), or a fresh copy
     memlab labs build | check          generate labs/ from solutions/, or check for drift and leaks
     memlab bench NAME [...]            from-scratch vs production, side by side (memlab bench --list)
@@ -28,7 +28,7 @@ from memlab._optional import EXTRAS, MissingExtraError, missing_optional
 
 _COMMANDS = {
     "doctor": ("memlab.doctor", "main", "environment report for bug reports"),
-    "grade": ("memlab.grading", "grade_main", "grade lab notebooks headless (default: work/, else labs/)"),
+    "grade": ("memlab.grading", "grade_main", "grade lab notebooks headless, or lab NN (default: work/, else labs/)"),
     "labs": ("memlab.labs", "main", "labs start | reset NN | build | check"),
     "bench": ("memlab.bench", "main", "benchmarks: from-scratch vs production"),
     "estimate": ("memlab.estimate", "main", "estimate training memory without a GPU"),
