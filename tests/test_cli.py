@@ -157,3 +157,14 @@ def test_reset_of_an_untouched_lab_makes_no_backup(tmp_path):
     fresh.write_text(text.replace("NotImplementedError", "NotImplementedError  # my edit", 1))
     _, backup = labs.reset("00", tmp_path)
     assert backup is not None and "# my edit" in backup.read_text()
+
+
+def test_argparse_is_left_as_it_was_after_an_in_process_call(memlab_cli):
+    import argparse
+
+    before = argparse.ArgumentParser.error
+    from memlab import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["grade", "--bogus"])
+    assert argparse.ArgumentParser.error is before

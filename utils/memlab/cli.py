@@ -55,7 +55,15 @@ def one_line_errors() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    original = argparse.ArgumentParser.error
     one_line_errors()
+    try:
+        return _main(argv)
+    finally:  # called in-process (tests, notebooks): argparse is left as it was
+        argparse.ArgumentParser.error = original  # type: ignore[method-assign]
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
