@@ -38,6 +38,7 @@ EXPECTED_NAMES = {
     "bitsandbytes",
     "matplotlib",
     "jupyterlab",
+    "ipywidgets",
     "nbclient",
     "ipykernel",
     "memlab",
@@ -423,3 +424,12 @@ def test_busy_gpu_and_no_bf16_are_warnings():
     assert gpu.status == "WARN" and "already in use" in gpu.detail
     (bf16,) = doctor._check_bf16(ctx)
     assert bf16.status == "WARN" and "8.0" in bf16.detail
+
+
+def test_ipywidgets_line_says_what_it_is_for(monkeypatch):
+    """Without ipywidgets a JupyterLab progress bar is text (and may warn 'IProgress not found'):
+    a WARN naming the fix, never a FAIL (the course runs without it)."""
+    monkeypatch.setattr(doctor, "_dist_version", lambda dist: None if dist == "ipywidgets" else "1.0")
+    monkeypatch.setattr(doctor, "_module_location", lambda module: None)
+    (line,) = doctor._check_ipywidgets(None)
+    assert line.status == "WARN" and "IProgress not found" in line.detail and "requirements.txt" in line.detail

@@ -96,3 +96,54 @@ def test_make_help_lists_every_target():
     proc = subprocess.run([MAKE, "-s", "-C", str(ROOT), "help"], env=env, capture_output=True, text=True, timeout=60)
     for target in ("lab", "test", "grade", "doctor", "estimate", "clean", "torch-cmd", "setup"):
         assert target in phony and f"make {target}" in proc.stdout, target
+
+
+def _dry_run(target: str, *extra: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
+    proc = subprocess.run([MAKE, "-n", "-C", str(ROOT), target, *extra], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_make_lab_roots_jupyterlab_at_the_repository_with_venv_on_path(tmp_path):
+    """``make lab``: lectures and labs side by side (root = the repository, not work/), opened on
+    the start page, .venv/bin first on the server's PATH (its terminals find ``memlab``) and a plain
+    shell in its terminals (a login shell's /etc/profile may reset PATH)."""
+    stamp = tmp_path / "stamp"
+    stamp.touch()  # set-up done: the dry run shows only the lab's own commands
+    out = _dry_run("lab", f"STAMP={stamp}")
+    line = next(ln for ln in out.splitlines() if "jupyter lab" in ln)
+    assert f'--ServerApp.root_dir="{ROOT}"' in line, line
+    assert "root_dir=work" not in line
+    assert f'PATH="{ROOT}/.venv/bin:$PATH"' in line, line
+    assert "--LabApp.default_url=/lab/tree/docs/start.md" in line
+    assert (ROOT / "docs" / "start.md").is_file()
+    assert 'shell_command="${SHELL:-/bin/sh}"' in line
+    assert "--ServerApp.answer_yes=True" in line  # one Ctrl-C stops it (the y/n prompt would be hidden by the filter)
+    assert f'--LabApp.app_settings_dir="{ROOT}/.jupyter/lab/settings"' in line
+    assert "memlab labs start" in out  # the learner's copies are made first (never overwriting)
+
+
+def test_make_lab_prints_only_the_url(tmp_path):
+    """The filter the recipe pipes JupyterLab's banner through keeps its first URL and later warnings."""
+    stamp = tmp_path / "stamp"
+    stamp.touch()
+    out = _dry_run("lab", f"STAMP={stamp}")
+    pipeline = next(ln for ln in out.splitlines() if "jupyter lab" in ln)
+    filt = pipeline.split("2>&1 | ", 1)[1]
+    banner = (
+        "No web browser found: Error('could not locate runnable browser').\n\n    \n"
+        "    To access the server, open this file in a browser:\n"
+        "        file:///root/.local/share/jupyter/runtime/jpserver-1-open.html\n"
+        "    Or copy and paste one of these URLs:\n"
+        "        http://127.0.0.1:8888/lab/tree/docs/start.md?token=abc123\n"
+        "        http://localhost:8888/lab/tree/docs/start.md?token=abc123\n"
+        "Kernel restarted: something worth seeing\n"
+    )
+    proc = subprocess.run(["sh", "-c", filt], input=banner, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "JupyterLab (Ctrl-C to stop): http://127.0.0.1:8888/lab/tree/docs/start.md?token=abc123",
+        "Kernel restarted: something worth seeing",
+    ]

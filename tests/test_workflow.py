@@ -108,7 +108,10 @@ def test_learner_workflow(tmp_path):
     assert re.fullmatch(r"00_where_the_memory_goes\.\d{8}-\d{6}\.ipynb", backup.name)
     assert backup.read_bytes() == solved
     assert (work / CHAPTER).read_bytes() == labs_before[CHAPTER]
-    # a second reset keeps both backups
+    # a second reset of the still untouched fresh copy makes no backup (issue 26); an edited one does
+    assert _memlab("labs", "reset", "0", cwd=root).returncode == 0
+    assert len(list((work / "backups").glob("00_where_the_memory_goes.*.ipynb"))) == 1
+    (work / CHAPTER).write_bytes(solved)
     assert _memlab("labs", "reset", "0", cwd=root).returncode == 0
     assert len(list((work / "backups").glob("00_where_the_memory_goes.*.ipynb"))) == 2
 

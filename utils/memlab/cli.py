@@ -1,7 +1,7 @@
 """The ``memlab`` command.
 
     memlab doctor                      environment report for bug reports
-    memlab grade [PATH ...]            grade lab notebooks (default: work/*.ipynb, else labs/*.ipynb)
+    memlab grade [PATH|NN ...]         grade lab notebooks, or lab NN (default: work/*.ipynb, else labs/*.ipynb)
     memlab labs start | reset NN       copy the labs into work/ (never overwriting), or a fresh copy
     memlab labs build | check          generate labs/ from solutions/, or check for drift and leaks
     memlab bench NAME [...]            from-scratch vs production, side by side (memlab bench --list)
@@ -10,9 +10,17 @@
 
 A command whose optional dependency is missing prints one line naming the extra to install
 (``memlab estimate needs transformers: pip install 'memlab[hf]'``) and exits 2.
+
+An argument error is one line on stderr, ``memlab estimate: error: ... (memlab estimate --help
+for usage)``, exit code 2: every command's argparse parser prints its usage only for ``--help``.
+``memlab grade`` and ``memlab labs`` parse their arguments before anything heavy is imported;
+``estimate``, ``plan`` and ``bench`` define their parsers in modules that import torch, so their
+argument errors come after that import (about 1-4 s).
 """
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib
 import sys
 
@@ -20,7 +28,7 @@ from memlab._optional import EXTRAS, MissingExtraError, missing_optional
 
 _COMMANDS = {
     "doctor": ("memlab.doctor", "main", "environment report for bug reports"),
-    "grade": ("memlab.grading", "grade_main", "grade lab notebooks headless (default: work/, else labs/)"),
+    "grade": ("memlab.grading", "grade_main", "grade lab notebooks headless, or lab NN (default: work/, else labs/)"),
     "labs": ("memlab.labs", "main", "labs start | reset NN | build | check"),
     "bench": ("memlab.bench", "main", "benchmarks: from-scratch vs production"),
     "estimate": ("memlab.estimate", "main", "estimate training memory without a GPU"),
@@ -35,7 +43,27 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
+    """argparse's error(), without the usage block: the one line that matters, and where help is."""
+    self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help for usage)\n")
+
+
+def one_line_errors() -> None:
+    """Make every argparse parser of this process report an argument error in one line (the
+    ``memlab`` command calls it first; a parser class that overrides ``error`` keeps its own)."""
+    argparse.ArgumentParser.error = _one_line_error  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
+    original = argparse.ArgumentParser.error
+    one_line_errors()
+    try:
+        return _main(argv)
+    finally:  # called in-process (tests, notebooks): argparse is left as it was
+        argparse.ArgumentParser.error = original  # type: ignore[method-assign]
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
@@ -47,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in _COMMANDS:
-        print(f"memlab: unknown command {name!r}; allowed: {', '.join(_COMMANDS)}", file=sys.stderr)
+        close = difflib.get_close_matches(name, list(_COMMANDS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        print(f"memlab: unknown command {name!r}{hint}; allowed: {', '.join(_COMMANDS)}", file=sys.stderr)
         return 2
     module, func, _ = _COMMANDS[name]
     try:

@@ -594,6 +594,17 @@ def _check_jupyterlab(ctx: _Context) -> List[CheckLine]:
     ]
 
 
+def _check_ipywidgets(ctx: _Context) -> List[CheckLine]:
+    return [
+        _package_line(
+            "ipywidgets",
+            "progress bars (tqdm.auto) render as widgets in JupyterLab; without it they fall back to text "
+            "and JupyterLab may warn 'IProgress not found'",
+            install="pip install -r requirements.txt",
+        )
+    ]
+
+
 def _check_nbclient(ctx: _Context) -> List[CheckLine]:
     return [
         _package_line(
@@ -705,6 +716,7 @@ _CHECKS: List[tuple] = [
     ("bitsandbytes", _check_bitsandbytes),
     ("matplotlib", _check_matplotlib),
     ("jupyterlab", _check_jupyterlab),
+    ("ipywidgets", _check_ipywidgets),
     ("nbclient", _check_nbclient),
     ("ipykernel", _check_ipykernel),
     ("memlab", _check_memlab),

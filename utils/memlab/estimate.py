@@ -656,8 +656,12 @@ def _resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> _S
             validate_config(cfg, f"config file {model!r} with --set {overrides}" if overrides else f"config file {model!r}")
             name = os.path.basename(os.path.dirname(os.path.abspath(model))) if model.endswith(".json") else os.path.basename(model.rstrip("/"))
             return _Spec(f"{name} ({getattr(cfg, 'model_type', '?')})", config=cfg)
+        import difflib
+
+        close = difflib.get_close_matches(model.lower(), sorted(PRESETS), n=3, cutoff=0.6)
         raise UnknownPresetError(
-            f"unknown model={model!r}; allowed: a preset ({', '.join(sorted(PRESETS))}), "
+            f"unknown model={model!r}{f' (did you mean {close[0]}?)' if close else ''}; "
+            f"allowed: a preset ({', '.join(sorted(PRESETS))}), "
             f"the path of a transformers config.json, or a Hub model id such as meta-llama/Llama-3.1-8B"
         )
     if _is_hf_config(model):
@@ -2053,9 +2057,8 @@ def _intrusiveness(technique: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # exit code 2, message on stderr (argparse's own)
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message: str) -> None:  # exit code 2, one line on stderr (the usage only with --help)
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help for usage)\n")
 
 
 def _bounded_int(hi: int) -> Callable[[str], int]:

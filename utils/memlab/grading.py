@@ -1458,6 +1458,21 @@ def _default_paths() -> tuple[Path, list[Path]]:
     return default_notebooks()
 
 
+def _chapter_path(arg: str) -> Path:
+    """A PATH argument of ``memlab grade``: a notebook's path, or a chapter number (``4``, ``04``)
+    naming that chapter's notebook where ``memlab grade`` looks by default (work/, else labs/)."""
+    p = Path(arg)
+    if p.exists() or not arg.strip().isdigit():
+        return p
+    folder, found = _default_paths()
+    nn = f"{int(arg):02d}"
+    matches = [q for q in found if q.name.startswith(f"{nn}_")]
+    if len(matches) != 1:
+        allowed = ", ".join(sorted({q.name[:2] for q in found})) or f"none (no {folder}/*.ipynb)"
+        raise ValueError(f"chapter {arg!r}: no {folder}/{nn}_*.ipynb; allowed: {allowed}, or a notebook's path")
+    return matches[0]
+
+
 def grade_main(argv: list[str] | None = None) -> int:
     """``memlab grade [PATH ...] [--full] [--timeout S] [--cell-timeout S] [--notebook-timeout S]``.
 
@@ -1466,7 +1481,9 @@ def grade_main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="memlab grade", description="Run lab notebooks headless and grade every exercise.")
-    ap.add_argument("paths", nargs="*", help="lab notebooks (default: every work/*.ipynb, or labs/*.ipynb when there is no work/)")
+    ap.add_argument("paths", nargs="*", metavar="PATH",
+                    help="lab notebooks, or chapter numbers (04: work/04_*.ipynb) (default: every work/*.ipynb, "
+                         "or labs/*.ipynb when there is no work/)")
     ap.add_argument("--full", action="store_true", help="full scale (default: MEMLAB_SMALL=1)")
     ap.add_argument("--timeout", default=None, metavar="S", help="time limit per check in seconds")
     ap.add_argument("--cell-timeout", default=None, metavar="S", help="time limit per notebook cell (default: max(300, 2 x the check limit))")
@@ -1489,7 +1506,10 @@ def grade_main(argv: list[str] | None = None) -> int:
         import memlab.config  # noqa: F401 - MEMLAB_DEVICE and MEMLAB_SMALL, checked once for every notebook
     except ValueError as exc:
         return fail(str(exc))
-    paths = [Path(p) for p in args.paths]
+    try:
+        paths = [_chapter_path(p) for p in args.paths]
+    except ValueError as exc:
+        return fail(str(exc))
     if not paths:
         folder, paths = _default_paths()
         if not paths:

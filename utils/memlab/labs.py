@@ -5,6 +5,8 @@ For every ``solutions/NN_topic.ipynb`` the lab ``labs/NN_topic.ipynb`` is the sa
 * each solution block (``### BEGIN SOLUTION`` ... ``### END SOLUTION``) replaced by one line,
   ``raise NotImplementedError("exercise NN.name: ...")``, indented like the block;
 * cells tagged ``solution-only`` dropped;
+* a first line ``# NBVAL_CHECK_OUTPUT`` moved out of the learner's sight into the cell tag
+  ``nbval-check-output`` (nbval reads it the same way);
 * outputs, execution counts and timing metadata cleared; cell ids kept;
 * the notebook metadata JupyterLab writes when it opens a notebook (the ipykernel kernelspec and
   ``language_info``), so that opening a lab and saving it changes nothing.
@@ -142,6 +144,28 @@ def _exercise_after(cells: Sequence[Any], start: int) -> str | None:
     return None
 
 
+#: nbval's first-line comments and the cell tags nbval reads the same way (nbval/plugin.py:
+#: ``metadata_tags`` is each comment marker lower-cased with ``-`` for ``_``)
+NBVAL_TAGS = {
+    "# NBVAL_CHECK_OUTPUT": "nbval-check-output",
+    "# NBVAL_IGNORE_OUTPUT": "nbval-ignore-output",
+    "# NBVAL_SKIP": "nbval-skip",
+}
+
+
+def _nbval_comment_to_tag(cell: Any) -> None:
+    """A lab shows the learner no nbval marker: a first line ``# NBVAL_CHECK_OUTPUT`` (the
+    solutions' convention) becomes the cell tag ``nbval-check-output``, which nbval honours alike."""
+    first, nl, rest = cell.source.partition("\n")
+    tag = NBVAL_TAGS.get(first.strip())
+    if tag is None:
+        return
+    cell.source = rest if nl else ""
+    tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+    if tag not in tags:
+        tags.append(tag)
+
+
 def build_lab(solution: Any, name: str = "notebook") -> Any:
     """Return the lab notebook (an nbformat node) made from a solution notebook; the solution is
     not modified. Raises :class:`LabBuildError` naming ``name`` and the cell on a bad marker."""
@@ -155,6 +179,7 @@ def build_lab(solution: Any, name: str = "notebook") -> Any:
         if cell.cell_type == "code":
             if _MARKER_ANYWHERE.search(cell.source):
                 cell.source = _strip_solutions(cell.source, _exercise_after(nb.cells, i), where)
+            _nbval_comment_to_tag(cell)
             cell.outputs = []
             cell.execution_count = None
         else:
@@ -506,9 +531,25 @@ def _lab_for(chapter: str, root: Path) -> Path:
     return matches[0]
 
 
+def _untouched(copy: Path, lab: Path) -> bool:
+    """True when the learner's copy has the lab's cells, source for source (outputs, execution counts
+    and metadata aside: running a fresh lab writes nothing worth a backup)."""
+    def sources(path: Path) -> list[tuple[str, str]] | None:
+        try:
+            cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+            return [(c["cell_type"], c["source"] if isinstance(c["source"], str) else "".join(c["source"]))
+                    for c in cells]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # unreadable: keep a backup
+
+    mine = sources(copy)
+    return mine is not None and mine == sources(lab)
+
+
 def reset(chapter: str, root: str | Path = ".", *, now: _dt.datetime | None = None) -> tuple[Path, Path | None]:
     """Give a fresh copy of lab ``chapter`` in ``work/``, after moving the learner's copy to
-    ``work/backups/NN_topic.YYYYmmdd-HHMMSS.ipynb``. Returns (fresh copy, backup or None)."""
+    ``work/backups/NN_topic.YYYYmmdd-HHMMSS.ipynb`` (no backup of a copy whose cells are still the
+    lab's, see :func:`_untouched`). Returns (fresh copy, backup or None)."""
     root = Path(root)
     with _os_errors("labs reset"):
         lab = _lab_for(chapter, root)
@@ -516,7 +557,7 @@ def reset(chapter: str, root: str | Path = ".", *, now: _dt.datetime | None = No
         target = work / lab.name
         _no_link(target)
         backup = None
-        if target.exists():
+        if target.exists() and not _untouched(target, lab):
             stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
             backup = _backup_path(work, lab.stem, stamp)
             _copy_atomically(target, backup)
@@ -575,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
             fresh, backup = reset(args.chapter, args.root)
             if backup is not None:
                 print(f"kept your copy as {backup}")
+            else:
+                print("no backup: there was no copy, or it still had the lab's cells as given")
             print(f"fresh copy: {fresh}")
             return 0
         problems = drift(args.root)

@@ -305,8 +305,12 @@ def _resolve_config(model: Any, config_overrides: Mapping[str, Any] | None) -> t
             for k, v in overrides.items():
                 setattr(cfg, k, v)
             return model, cfg
+        import difflib
+
+        close = difflib.get_close_matches(model.lower(), sorted(PRESETS), n=1, cutoff=0.6)
         raise ValueError(f"model={model!r} is invalid; allowed: a preset ({', '.join(sorted(PRESETS))}), "
-                         f"the path of a transformers config.json, or a transformers config")
+                         f"the path of a transformers config.json, or a transformers config"
+                         f"{f' (did you mean {close[0]}?)' if close else ''}")
     if E._is_hf_config(model):
         cfg = copy.deepcopy(model)
         for k, v in overrides.items():

@@ -1,0 +1,170 @@
+"""The memlab command's rough edges (issue 26): argument errors in one line, "did you mean" for
+commands and model presets, chapter numbers for grade, and `make grade`'s exit status."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Run:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def memlab_cli(capsys):
+    """The memlab command in this process (fast: no fresh interpreter importing torch each time)."""
+    import argparse
+
+    from memlab import cli
+
+    def run(*args: str) -> _Run:
+        original = argparse.ArgumentParser.error
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exc:  # argparse exits
+            code = exc.code
+        finally:
+            argparse.ArgumentParser.error = original  # other tests in this process see argparse as it is
+        out = capsys.readouterr()
+        return _Run(code, out.out, out.err)
+
+    return run
+
+
+def _memlab(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "utils")}
+    return subprocess.run([sys.executable, "-m", "memlab", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["grade", "--bogus"], "memlab grade: error: unrecognized arguments: --bogus (memlab grade --help for usage)"),
+    (["labs", "frob"], "memlab labs: error: argument action: invalid choice: 'frob'"),
+    (["doctor", "--x"], "memlab doctor: error: unrecognized arguments: --x (memlab doctor --help for usage)"),
+    (["estimate", "llama-2-7b", "--bogus"], "memlab estimate: error: unrecognized arguments: --bogus (memlab estimate --help"),
+    (["plan", "llama-3-8b"], "memlab plan: error: the following arguments are required: --batch-size, --seq-len"),
+])
+def test_argument_errors_are_one_line_without_the_usage_block(memlab_cli, args, expected):
+    if args[0] in ("estimate", "plan"):
+        pytest.importorskip("transformers")
+    proc = memlab_cli(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+    assert "usage:" not in proc.stderr and proc.stdout == ""
+
+
+def test_help_still_prints_the_usage(memlab_cli):
+    proc = memlab_cli("grade", "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: memlab grade")
+
+
+def test_unknown_command_suggests_the_close_one(memlab_cli):
+    proc = memlab_cli("estimat", "llama-2-7b")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "memlab: unknown command 'estimat' (did you mean estimate?); allowed: doctor, grade, labs, bench, estimate, plan"]
+
+
+@pytest.mark.parametrize("typo, preset", [("llama-2-7", "llama-2-7b"), ("Mistral-7B", "mistral-7b"), ("lama-3-8b", "llama-3-8b")])
+def test_model_typos_get_a_did_you_mean(typo, preset):
+    pytest.importorskip("transformers")
+    from memlab.estimate import estimate_training_memory
+    from memlab.models import UnknownPresetError
+
+    with pytest.raises(UnknownPresetError, match=rf"unknown model='{typo}' \(did you mean {preset}\?\); allowed: a preset"):
+        estimate_training_memory(typo, batch_size=1, seq_len=8)
+
+
+def test_model_typo_on_the_command_line_is_one_line_with_the_suggestion():
+    pytest.importorskip("transformers")
+    proc = _memlab("estimate", "llama-2-7", "--gpu", "24GB")
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("memlab estimate: error: unknown model='llama-2-7' (did you mean llama-2-7b?)"), line
+
+
+def test_plan_model_typo_suggests_the_preset():
+    pytest.importorskip("transformers")
+    from memlab.plan import plan
+
+    with pytest.raises(ValueError, match=r"is invalid; allowed: a preset .*\(did you mean llama-3-8b\?\)"):
+        plan("lama-3-8b", "24GiB", batch_size=1, seq_len=64)
+
+
+def test_grade_takes_a_chapter_number(tmp_path):
+    (tmp_path / "labs").mkdir()
+    lab = next((ROOT / "labs").glob("00_*.ipynb"))
+    shutil.copy(lab, tmp_path / "labs" / lab.name)
+    missing = _memlab("grade", "7", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "memlab grade: chapter '7': no labs/07_*.ipynb; allowed: 00, or a notebook's path"
+    from memlab import grading
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert grading._chapter_path("0") == Path("labs") / lab.name
+        assert grading._chapter_path("00") == Path("labs") / lab.name
+        (tmp_path / "work").mkdir()
+        shutil.copy(lab, tmp_path / "work" / lab.name)
+        assert grading._chapter_path("00") == Path("work") / lab.name  # work/ first, as with no argument
+        assert grading._chapter_path(str(lab)) == lab  # a path stays a path
+    finally:
+        os.chdir(cwd)
+
+
+MAKE = shutil.which("make")
+
+
+@pytest.mark.skipif(MAKE is None, reason="needs GNU make")
+@pytest.mark.parametrize("code, make_ok", [(0, True), (1, True), (2, False)])
+def test_make_grade_fails_only_when_the_grader_cannot_grade(tmp_path, code, make_ok):
+    """`make grade` with a stub memlab exiting 0 (full marks), 1 (not yet) and 2 (could not grade)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    stub = venv / "bin" / "memlab"
+    stub.write_text(f"#!/bin/sh\necho \"graded $*\"\nexit {code}\n")
+    stub.chmod(0o755)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")  # the set-up's order-only prerequisite
+    (venv / "bin" / "python").chmod(0o755)
+    stamp = tmp_path / "stamp"
+    stamp.touch()
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
+    proc = subprocess.run([MAKE, "-s", "-C", str(ROOT), "grade", f"VENV={venv}", f"STAMP={stamp}", "LAB=04"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "graded grade 04"
+    assert (proc.returncode == 0) == make_ok, proc.stderr
+    assert ("Error" in proc.stderr) == (not make_ok), proc.stderr
+
+
+def test_reset_of_an_untouched_lab_makes_no_backup(tmp_path):
+    from memlab import labs
+
+    shutil.copytree(ROOT / "labs", tmp_path / "labs")
+    labs.start(tmp_path)
+    fresh, backup = labs.reset("00", tmp_path)
+    assert backup is None and not (tmp_path / "work" / "backups").exists()
+    text = fresh.read_text()
+    fresh.write_text(text.replace("NotImplementedError", "NotImplementedError  # my edit", 1))
+    _, backup = labs.reset("00", tmp_path)
+    assert backup is not None and "# my edit" in backup.read_text()
+
+
+def test_argparse_is_left_as_it_was_after_an_in_process_call(memlab_cli):
+    import argparse
+
+    before = argparse.ArgumentParser.error
+    from memlab import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["grade", "--bogus"])
+    assert argparse.ArgumentParser.error is before
