@@ -1,8 +1,10 @@
 """Chunked and flash attention from scratch: attention in memory linear in the sequence length.
 
 Attention ``O = softmax(scale * Q K^T + mask) V`` written the obvious way builds an ``Lq x Lk``
-score matrix per head, and autograd keeps the probabilities ``P`` for backward: 32 heads x
-4096^2 x 2 bytes = 1 GiB per layer per sequence.
+score matrix per head, and autograd keeps the probabilities ``P`` for backward. transformers' eager
+attention in bf16 keeps 6 bytes per score (softmax's fp32 output and the bf16 copy the product with
+``V`` saves; measured in lecture 05): for Llama-2-7B at 4096 tokens, 32 heads x 4096^2 x 6 bytes =
+3 GiB per layer per sequence.
 
 The one formula: the *online softmax* (Milakov & Gimelshein 2018, "Online normalizer calculation
 for softmax", arXiv:1805.02867). Split the keys into blocks; keep per query row a running max
@@ -31,8 +33,9 @@ What is here (all take ``(batch, heads, seq, head_dim)`` tensors like
 * :func:`flash_attention` -- a ``torch.autograd.Function`` that saves only q, k, v, the output and
   the logsumexp; its backward recomputes the probabilities block by block, skipping fully masked
   causal blocks;
-* :func:`triton_flash_attention` -- the same as Triton kernels (forward and backward); on CPU
-  tensors they run in Triton's interpreter (``TRITON_INTERPRET``), on CUDA compiled;
+* :func:`triton_flash_attention` -- the same as Triton kernels (forward and backward, module-level
+  in :mod:`memlab.attention_triton`, imported on first use); on CPU tensors they run in Triton's
+  interpreter (``TRITON_INTERPRET``), on CUDA compiled;
 * :func:`register_transformers` -- memlab's attention as a ``transformers`` attention implementation
   (``attn_implementation="memlab"``; transformers treats any name with "flash" in it as a flash-attn kernel);
 * helpers: :func:`causal_mask`, :func:`merge_partials`, :func:`attention_saved_bytes`.

@@ -139,7 +139,8 @@ def _forward_extra_peak(fn, lq, lk, d, chunk):
     return tr.peak_bytes - base
 
 
-@register("05.chunked_forward", reference=lambda: chunked_forward_reference, title="online-softmax forward over key chunks")
+@register("05.chunked_forward", reference=lambda: chunked_forward_reference, title="online-softmax forward over key chunks",
+          timeout=120)
 def check_chunked_forward(fn):
     q, k, v = _randn(2, 3, 7, 8, seed=4), _randn(2, 3, 13, 8, seed=5), _randn(2, 3, 13, 6, seed=6)
     for chunk, mult in ((4, 1.0), (5, 1.0), (1, 1.0), (13, 1.0), (100, 1.0), (3, 1000.0)):
@@ -209,7 +210,8 @@ def _backward_inputs(b, h, lq, lk, d, dv, seed, dtype=torch.float64, causal=Fals
     return q, k, v, o.to(dtype), lse.to(torch.promote_types(dtype, torch.float32)), do
 
 
-@register("05.flash_backward", reference=lambda: flash_backward_reference, title="tiled backward from the logsumexp (FA2)")
+@register("05.flash_backward", reference=lambda: flash_backward_reference, title="tiled backward from the logsumexp (FA2)",
+          timeout=120)
 def check_flash_backward(fn):
     for lq, lk, dv, causal, block in ((40, 56, 8, False, 16), (40, 56, 8, True, 16), (56, 40, 6, False, 16),
                                       (48, 48, 8, True, 16), (37, 53, 8, True, 8), (24, 24, 8, True, 5),
@@ -276,7 +278,8 @@ def _ctx_tensors(grad_fn):
     return found
 
 
-@register("05.flash_function", reference=lambda: FlashAttentionReference, title="autograd.Function that saves O(L)")
+@register("05.flash_function", reference=lambda: FlashAttentionReference, title="autograd.Function that saves O(L)",
+          timeout=120)
 def check_flash_function(cls):
     expect(isinstance(cls, type) and issubclass(cls, torch.autograd.Function),
            f"expected a subclass of torch.autograd.Function (the class itself), got {str(cls)[:80]}")
