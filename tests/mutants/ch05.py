@@ -150,7 +150,7 @@ def _fwd(q, k, v, causal):
     return _online(q, k, v, 16, causal)
 
 
-def _function(save="right", lse_dtype=None, bwd_block=16):
+def _function(save="right", lse_dtype=None, bwd_block=16, bwd_acc="fp32"):
     """An autograd.Function over the correct pieces above, saving what ``save`` says."""
 
     class Flash(torch.autograd.Function):
@@ -191,7 +191,8 @@ def _function(save="right", lse_dtype=None, bwd_block=16):
             else:
                 q, k, v, o, lse = ctx.saved_tensors[:5]
             block = bwd_block or max(q.shape[-2], k.shape[-2])
-            return (*_tiled(q, k, v, o, lse.to(torch.promote_types(q.dtype, torch.float32)), do, ctx.causal, block), None)
+            lse = lse.to(torch.promote_types(q.dtype, torch.float32))
+            return (*_tiled(q, k, v, o, lse, do, ctx.causal, block, acc_dtype=bwd_acc), None)
 
     Flash.__name__ = Flash.__qualname__ = "FlashAttention"
     return Flash
@@ -347,6 +348,7 @@ MUTANTS = {
         ("saves a bf16 logsumexp", _function(save="lse16", lse_dtype="input")),
         ("saves q, k, v only, backward recomputes with autograd", _function(save="qkv")),
         ("backward in one block", _function(bwd_block=None)),
+        ("backward accumulates in bf16", _function(bwd_acc="input")),
     ],
     "05.triton_forward": [
         ("top-left causal", triton_top_left),

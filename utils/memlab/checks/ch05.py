@@ -325,11 +325,12 @@ def check_flash_function(cls):
             expect_tensor_close(f"saved logsumexp ({what})", lses[0], want_l, rtol=1e-9, atol=1e-9)
             for name, g, w in zip(("dq", "dk", "dv"), got, want):
                 expect_tensor_close(f"{name} ({what})", g, w, rtol=1e-9, atol=1e-9)
-        else:
+        else:  # 16-bit: against exact arithmetic on the very tensors it saved (its own O and logsumexp)
             _ulp_close(f"output ({what})", o, want_o, dtype, rel=1e-5)
-            for name, g, w in zip(("dq", "dk", "dv"), got, want):
-                expect(g.dtype == dtype, f"{name} ({what}): dtype {g.dtype}, expected {dtype}")
-                expect_tensor_close(f"{name} ({what})", g.double(), w, rtol=2e-2, atol=2e-2)
+            exact = flash_backward_reference(*(t.detach().double() for t in (q, k, v, outs[0], lses[0], do)),
+                                             causal, 16)
+            for name, g, w in zip(("dq", "dk", "dv"), got, exact):
+                _ulp_close(f"{name} ({what})", g, w, dtype, rel=1e-4)
     # tiles in both passes: no tensor as large as a quarter of the 2 heads' Lq x Lk matrices
     q, k, v = (t.requires_grad_(True) for t in _layouts(1, 2, 128, 128, 8, 8, seed=128))
     quarter = 2 * 128 * 128 // 4
