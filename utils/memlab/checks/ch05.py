@@ -368,10 +368,11 @@ def _triton_device():
 @register("05.triton_forward", reference=triton_forward_reference, title="FA2 forward in Triton (interpreter on CPU)",
           timeout=300)
 def check_triton_forward(kernel):
+    expect(type(kernel).__module__.startswith("triton") and hasattr(kernel, "__getitem__"),
+           f"expected a @triton.jit kernel, got {type(kernel).__name__}"
+           + ("" if ref.triton_available() else " (triton is not installed here: pip install triton, on Linux x86_64)"))
     from memlab.attention_triton import launch_flash_fwd
 
-    expect(type(kernel).__module__.startswith("triton") and hasattr(kernel, "__getitem__"),
-           f"expected a @triton.jit kernel, got {type(kernel).__name__}")
     try:  # the lab's stub: a `raise` line is not Triton (compiled, it would be a compile error): say "todo"
         src = inspect.getsource(kernel.fn)
     except (AttributeError, OSError, TypeError):
