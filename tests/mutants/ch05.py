@@ -48,6 +48,32 @@ def merge_averages(o1, lse1, o2, lse2):
     return (o1 + o2) / 2, torch.logaddexp(lse1, lse2)
 
 
+def merge_weights_swapped(o1, lse1, o2, lse2):
+    """each output weighted by the other part's share."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(lse2 - safe).unsqueeze(-1) * o1 + torch.exp(lse1 - safe).unsqueeze(-1) * o2, lse
+
+
+def merge_lse_added(o1, lse1, o2, lse2):
+    """right output, but the logsumexps added (log of a product) instead of log-added."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(lse1 - safe).unsqueeze(-1) * o1 + torch.exp(lse2 - safe).unsqueeze(-1) * o2, lse1 + lse2
+
+
+def merge_in_fp32(o1, lse1, o2, lse2):
+    """right formula, computed in fp32 and cast back: the check's fp64 inputs lose half their digits."""
+    o, lse = merge_weights(o1.float(), lse1.float(), o2.float(), lse2.float())
+    return o.to(o1.dtype), lse.to(lse1.dtype)
+
+
+def merge_weights(o1, lse1, o2, lse2):
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(lse1 - safe).unsqueeze(-1) * o1 + torch.exp(lse2 - safe).unsqueeze(-1) * o2, lse
+
+
 # ----------------------------------------------------------------------------- 05.chunked_forward
 def _online(q, k, v, kv_chunk, causal=False, *, rescale=True, stable=True, lse_max=True, offset="bottom_right",
             acc_dtype="fp32", device=True, lse_dtype=None, whole_scores=False, drop_tail=False):
@@ -308,6 +334,21 @@ def predict_no_heads(b, h, s, d):
 
 
 P = functools.partial
+def predict_flash_without_lse(b, h, s, d):
+    """flash keeps the output only, forgetting the logsumexp row."""
+    return b * h * s * s * 4, b * h * s * d * 4
+
+
+def predict_lse_fp64(b, h, s, d):
+    """the logsumexp taken as 8 bytes per row."""
+    return b * h * s * s * 4, b * h * s * (4 * d + 8)
+
+
+def predict_naive_with_mask_row(b, h, s, d):
+    """naive counted as (s + 1) x s: an extra row for the softmax's sum."""
+    return b * h * s * (s + 1) * 4, b * h * s * (d + 1) * 4
+
+
 MUTANTS = {
     "05.merge_partials": [
         ("no renormalisation", merge_no_renormalise),
@@ -315,6 +356,9 @@ MUTANTS = {
         ("exp overflow", merge_unstable),
         ("NaN when both empty", merge_nan_when_empty),
         ("average", merge_averages),
+        ("weights swapped", merge_weights_swapped),
+        ("logsumexps added", merge_lse_added),
+        ("computed in fp32", merge_in_fp32),
     ],
     "05.chunked_forward": [
         ("no rescale", P(_online, rescale=False)),
@@ -363,5 +407,8 @@ MUTANTS = {
         ("flash counts q, k, v", predict_flash_counts_qkv),
         ("naive keeps S and P", predict_scores_and_probs),
         ("forgets heads", predict_no_heads),
+        ("flash without the logsumexp", predict_flash_without_lse),
+        ("logsumexp in fp64", predict_lse_fp64),
+        ("naive with an extra row", predict_naive_with_mask_row),
     ],
 }
