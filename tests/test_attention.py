@@ -276,6 +276,36 @@ def test_triton_matches_sdpa_half_precision_within_2x_sdpa_error(dtype):
 
 
 @needs_triton
+@pytest.mark.skipif(not _interpreter_ok(), reason="triton was imported without TRITON_INTERPRET=1 in this process")
+def test_triton_kernels_live_at_module_level():
+    from memlab import attention_triton as at
+
+    assert att._kernels() is at
+    for name in ("fwd", "bwd_dq", "bwd_dkdv", "flash_fwd_kernel"):
+        fn = getattr(at, name).fn
+        assert fn.__module__ == "memlab.attention_triton" and fn.__qualname__ == name, (name, fn.__qualname__)
+
+
+@needs_triton
+@pytest.mark.skipif(not _interpreter_ok(), reason="triton was imported without TRITON_INTERPRET=1 in this process")
+@pytest.mark.parametrize("lq,lk,causal", [(37, 53, True), (37, 53, False), (53, 37, False), (1, 40, True),
+                                          (40, 40, True), (16, 17, True)])
+def test_lab_kernel_bottom_right_odd_sizes_any_strides(lq, lk, causal):
+    """memlab.attention_triton.flash_fwd_kernel (lab 05's answer): bottom-right causal, tails, strided q and k."""
+    from memlab.attention_triton import flash_fwd_kernel, launch_flash_fwd
+
+    g = torch.Generator().manual_seed(lq * lk)
+    q = torch.randn(2, lq, 2, 16, generator=g).transpose(1, 2)
+    k = torch.randn(2, 2, 16, lk, generator=g).transpose(-1, -2)
+    v = torch.randn(2, 2, lk, 16, generator=g)
+    o, lse = launch_flash_fwd(flash_fwd_kernel, q, k, v, causal)
+    mode = "bottom_right" if causal else False
+    assert (o - att.sdpa_reference(q, k, v, causal=mode)).abs().max().item() <= 1e-5
+    _, lse_ref = att.chunked_attention(q, k, v, causal=mode, return_lse=True)
+    assert lse.dtype == torch.float32 and (lse - lse_ref).abs().max().item() <= 1e-5
+
+
+@needs_triton
 def test_triton_in_a_fresh_process_when_this_one_cannot_interpret():
     """Another test module may have imported triton before TRITON_INTERPRET was set: run them afresh."""
     if _interpreter_ok() or torch.cuda.is_available():

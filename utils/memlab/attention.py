@@ -1,8 +1,10 @@
 """Chunked and flash attention from scratch: attention in memory linear in the sequence length.
 
 Attention ``O = softmax(scale * Q K^T + mask) V`` written the obvious way builds an ``Lq x Lk``
-score matrix per head, and autograd keeps the probabilities ``P`` for backward: 32 heads x
-4096^2 x 2 bytes = 1 GiB per layer per sequence.
+score matrix per head, and autograd keeps the probabilities ``P`` for backward. transformers' eager
+attention in bf16 keeps 6 bytes per score (softmax's fp32 output and the bf16 copy the product with
+``V`` saves; measured in lecture 05): for Llama-2-7B at 4096 tokens, 32 heads x 4096^2 x 6 bytes =
+3 GiB per layer per sequence.
 
 The one formula: the *online softmax* (Milakov & Gimelshein 2018, "Online normalizer calculation
 for softmax", arXiv:1805.02867). Split the keys into blocks; keep per query row a running max
@@ -31,8 +33,9 @@ What is here (all take ``(batch, heads, seq, head_dim)`` tensors like
 * :func:`flash_attention` -- a ``torch.autograd.Function`` that saves only q, k, v, the output and
   the logsumexp; its backward recomputes the probabilities block by block, skipping fully masked
   causal blocks;
-* :func:`triton_flash_attention` -- the same as Triton kernels (forward and backward); on CPU
-  tensors they run in Triton's interpreter (``TRITON_INTERPRET``), on CUDA compiled;
+* :func:`triton_flash_attention` -- the same as Triton kernels (forward and backward, module-level
+  in :mod:`memlab.attention_triton`, imported on first use); on CPU tensors they run in Triton's
+  interpreter (``TRITON_INTERPRET``), on CUDA compiled;
 * :func:`register_transformers` -- memlab's attention as a ``transformers`` attention implementation
   (``attn_implementation="memlab"``; transformers treats any name with "flash" in it as a flash-attn kernel);
 * helpers: :func:`causal_mask`, :func:`merge_partials`, :func:`attention_saved_bytes`.
@@ -386,157 +389,12 @@ _KERNELS: dict[str, Any] = {}
 
 
 def _kernels() -> Any:
-    """Define the Triton kernels once (interpreted when TRITON_INTERPRET=1 was set before triton's import)."""
-    if "k" in _KERNELS:
-        return _KERNELS["k"]
-    import types
+    """The Triton kernels (module :mod:`memlab.attention_triton`, imported on first use: it imports triton,
+    interpreted when TRITON_INTERPRET=1 was set before triton's import)."""
+    if "k" not in _KERNELS:
+        from memlab import attention_triton
 
-    # the kernels must see `triton` and `tl` as module globals (Triton resolves a kernel's names
-    # in its __globals__; a closure variable is not visible to the compiler or the interpreter)
-    global triton, tl
-    import triton
-    import triton.language as tl
-
-    if True:  # (one indentation level for the three kernels)
-        @triton.jit
-        def fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-                H, G, Lq, Lk, D, Dv, scale, offset,
-                CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-            pid_m = tl.program_id(0)
-            bh = tl.program_id(1)
-            b = bh // H
-            h = bh % H
-            hk = h // G
-            rm = pid_m * BM + tl.arange(0, BM)
-            rn = tl.arange(0, BN)
-            rd = tl.arange(0, BD)
-            rdv = tl.arange(0, BDV)
-            q = tl.load(Q + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :],
-                        mask=(rm[:, None] < Lq) & (rd[None, :] < D), other=0.0)
-            m_i = tl.full([BM], float("-inf"), tl.float32)
-            l_i = tl.zeros([BM], tl.float32)
-            acc = tl.zeros([BM, BDV], tl.float32)
-            hi = Lk
-            if CAUSAL:
-                hi = tl.maximum(tl.minimum(Lk, (pid_m + 1) * BM + offset), 0)
-            for start in range(0, hi, BN):
-                cn = start + rn
-                kt = tl.load(K + b * skb + hk * skh + cn[None, :] * skn + rd[:, None],
-                             mask=(cn[None, :] < Lk) & (rd[:, None] < D), other=0.0)
-                s = tl.dot(q, kt, input_precision=PREC) * scale
-                ok = (cn[None, :] < Lk) & (rm[:, None] >= 0)
-                if CAUSAL:
-                    ok = ok & (cn[None, :] <= rm[:, None] + offset)
-                s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                vv = tl.load(V + b * svb + hk * svh + cn[:, None] * svn + rdv[None, :],
-                             mask=(cn[:, None] < Lk) & (rdv[None, :] < Dv), other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
-                m_i = m_new
-            empty = l_i == 0.0
-            l_safe = tl.where(empty, 1.0, l_i)
-            m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-            out = acc / l_safe[:, None]
-            tl.store(O + b * sob + h * soh + rm[:, None] * som + rdv[None, :], out.to(O.dtype.element_ty),
-                     mask=(rm[:, None] < Lq) & (rdv[None, :] < Dv))
-            lse = tl.where(empty, float("-inf"), m_fin + tl.log(l_safe))
-            tl.store(LSE + bh * Lq + rm, lse, mask=rm < Lq)
-
-        @triton.jit
-        def bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-                   H, G, Lq, Lk, D, Dv, scale, offset,
-                   CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-            # Q, DO, DQ share the strides sq* (contiguous, same shape when Dv == D; DO uses svn-like Dv)
-            pid_m = tl.program_id(0)
-            bh = tl.program_id(1)
-            b = bh // H
-            h = bh % H
-            hk = h // G
-            rm = pid_m * BM + tl.arange(0, BM)
-            rn = tl.arange(0, BN)
-            rd = tl.arange(0, BD)
-            rdv = tl.arange(0, BDV)
-            mrow = rm < Lq
-            q = tl.load(Q + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :],
-                        mask=mrow[:, None] & (rd[None, :] < D), other=0.0)
-            do = tl.load(DO + bh * Lq * Dv + rm[:, None] * Dv + rdv[None, :],
-                         mask=mrow[:, None] & (rdv[None, :] < Dv), other=0.0)
-            lse = tl.load(LSE + bh * Lq + rm, mask=mrow, other=float("inf"))
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            delta = tl.load(DELTA + bh * Lq + rm, mask=mrow, other=0.0)
-            dq = tl.zeros([BM, BD], tl.float32)
-            hi = Lk
-            if CAUSAL:
-                hi = tl.maximum(tl.minimum(Lk, (pid_m + 1) * BM + offset), 0)
-            for start in range(0, hi, BN):
-                cn = start + rn
-                kk = tl.load(K + b * skb + hk * skh + cn[:, None] * skn + rd[None, :],
-                             mask=(cn[:, None] < Lk) & (rd[None, :] < D), other=0.0)
-                vt = tl.load(V + b * svb + hk * svh + cn[None, :] * svn + rdv[:, None],
-                             mask=(cn[None, :] < Lk) & (rdv[:, None] < Dv), other=0.0)
-                s = tl.dot(q, tl.trans(kk), input_precision=PREC) * scale
-                ok = (cn[None, :] < Lk) & mrow[:, None]
-                if CAUSAL:
-                    ok = ok & (cn[None, :] <= rm[:, None] + offset)
-                p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-                dp = tl.dot(do, vt, input_precision=PREC)
-                ds = p * (dp - delta[:, None])
-                dq += tl.dot(ds.to(kk.dtype), kk, input_precision=PREC) * scale
-            tl.store(DQ + bh * Lq * D + rm[:, None] * D + rd[None, :], dq,
-                     mask=mrow[:, None] & (rd[None, :] < D))
-
-        @triton.jit
-        def bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-                     H, HK, G, Lq, Lk, D, Dv, scale, offset,
-                     CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-            pid_n = tl.program_id(0)
-            bhk = tl.program_id(1)
-            b = bhk // HK
-            hk = bhk % HK
-            cn = pid_n * BN + tl.arange(0, BN)
-            rm0 = tl.arange(0, BM)
-            rd = tl.arange(0, BD)
-            rdv = tl.arange(0, BDV)
-            mcol = cn < Lk
-            kk = tl.load(K + b * skb + hk * skh + cn[:, None] * skn + rd[None, :],
-                         mask=mcol[:, None] & (rd[None, :] < D), other=0.0)
-            vv = tl.load(V + b * svb + hk * svh + cn[:, None] * svn + rdv[None, :],
-                         mask=mcol[:, None] & (rdv[None, :] < Dv), other=0.0)
-            dk = tl.zeros([BN, BD], tl.float32)
-            dv = tl.zeros([BN, BDV], tl.float32)
-            lo = 0
-            if CAUSAL:
-                lo = tl.minimum(tl.maximum(pid_n * BN - offset, 0), Lq) // BM * BM
-            for g in range(0, G):
-                h = hk * G + g
-                bh = b * H + h
-                for start in range(lo, Lq, BM):
-                    rm = start + rm0
-                    mrow = rm < Lq
-                    q = tl.load(Q + b * sqb + h * sqh + rm[:, None] * sqm + rd[None, :],
-                                mask=mrow[:, None] & (rd[None, :] < D), other=0.0)
-                    do = tl.load(DO + bh * Lq * Dv + rm[:, None] * Dv + rdv[None, :],
-                                 mask=mrow[:, None] & (rdv[None, :] < Dv), other=0.0)
-                    lse = tl.load(LSE + bh * Lq + rm, mask=mrow, other=float("inf"))
-                    lse = tl.where(lse == float("-inf"), float("inf"), lse)
-                    delta = tl.load(DELTA + bh * Lq + rm, mask=mrow, other=0.0)
-                    s = tl.dot(q, tl.trans(kk), input_precision=PREC) * scale  # [BM, BN]
-                    ok = mcol[None, :] & mrow[:, None]
-                    if CAUSAL:
-                        ok = ok & (cn[None, :] <= rm[:, None] + offset)
-                    p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-                    dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
-                    ds = p * (dp - delta[:, None])
-                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
-            tl.store(DK + bhk * Lk * D + cn[:, None] * D + rd[None, :], dk, mask=mcol[:, None] & (rd[None, :] < D))
-            tl.store(DV + bhk * Lk * Dv + cn[:, None] * Dv + rdv[None, :], dv,
-                     mask=mcol[:, None] & (rdv[None, :] < Dv))
-    _KERNELS["k"] = types.SimpleNamespace(fwd=fwd, bwd_dq=bwd_dq, bwd_dkdv=bwd_dkdv)
+        _KERNELS["k"] = attention_triton
     return _KERNELS["k"]
 
 
