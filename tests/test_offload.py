@@ -329,12 +329,14 @@ def test_streamed_layers_equal_resident_model(prefetch):
 
 # ----------------------------------------------------------------------------- CUDA
 @pytest.mark.cuda
+@pytest.mark.parametrize("step_in_backward", [False, True])
 @pytest.mark.parametrize("offload_gradients", [False, True])
-def test_cuda_offloaded_bf16_matches_cpu_reference(offload_gradients):
+def test_cuda_offloaded_bf16_matches_cpu_reference(offload_gradients, step_in_backward):
     ref, mine = _mlp(torch.bfloat16), _mlp(torch.bfloat16, device="cuda")
     masters = [nn.Parameter(p.detach().float()) for p in ref.parameters()]
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
-    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, offload_gradients=offload_gradients, kernel="exact")
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, offload_gradients=offload_gradients, kernel="exact",
+                           accumulation_steps=2, step_in_backward=step_in_backward)
     assert opt.state[next(mine.parameters())]["master"].is_pinned()
     for x, y in _batches(4, dtype=torch.bfloat16):
         opt.zero_grad()
@@ -350,6 +352,8 @@ def test_cuda_offloaded_bf16_matches_cpu_reference(offload_gradients):
             assert torch.equal(mp.data.to(torch.bfloat16), q.cpu())
     if offload_gradients:
         assert all(p.grad is None for p in mine.parameters())
+    n = len(list(mine.parameters()))
+    assert opt.traffic["to_host_copies"] == 4 * n * (2 if offload_gradients else 1)  # 4 steps of 2 micro-batches
 
 
 @pytest.mark.cuda
@@ -377,3 +381,225 @@ def test_cuda_fast_kernel_trains_like_on_device_adamw():
     torch.cuda.synchronize()
     for p, q in zip(ref.parameters(), mine.parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- state hygiene (issue 20)
+def _train(model, opt, batches, accumulation=1, scaler=None):
+    for k in range(0, len(batches), accumulation):
+        opt.zero_grad()
+        for x, y in batches[k:k + accumulation]:
+            loss = _loss(model, x, y) / accumulation
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_copies_of_the_optimizer_keep_training(how, offload_gradients):
+    import io
+    import pickle
+
+    model = _mlp()
+    opt = O.OffloadedAdamW(model.parameters(), lr=1e-2, offload_gradients=offload_gradients, accumulation_steps=2)
+    batches = _batches(8)
+    _train(model, opt, batches[:4], accumulation=2)
+    if how == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        buf = io.BytesIO()
+        pickle.dump((model, opt), buf)
+        model2, opt2 = pickle.loads(buf.getvalue())
+    st = opt2.state[next(model2.parameters())]
+    assert st["master"].untyped_storage().data_ptr() == opt2._flats[0]["master"].flat.untyped_storage().data_ptr()
+    _train(model, opt, batches[4:], accumulation=2)
+    _train(model2, opt2, batches[4:], accumulation=2)  # raised AttributeError before (the copy had no _flats)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    assert opt2.traffic["to_host_copies"] > 0  # the copy's hooks are its own
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_state_dict_round_trip_then_steps_is_bitwise_uninterrupted(offload_gradients):
+    import io
+
+    batches = _batches(12)
+    model = _mlp()
+    opt = O.OffloadedAdamW(model.parameters(), lr=1e-2, offload_gradients=offload_gradients, accumulation_steps=3)
+    _train(model, opt, batches, accumulation=3)
+    model2 = _mlp()
+    opt2 = O.OffloadedAdamW(model2.parameters(), lr=1e-2, offload_gradients=offload_gradients, accumulation_steps=3)
+    _train(model2, opt2, batches[:6], accumulation=3)
+    buf = io.BytesIO()
+    torch.save({"model": model2.state_dict(), "opt": opt2.state_dict()}, buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()))
+    model3 = _mlp()
+    model3.load_state_dict(saved["model"])
+    opt3 = O.OffloadedAdamW(model3.parameters(), lr=5.0, offload_gradients=offload_gradients, accumulation_steps=3)
+    opt3.load_state_dict(saved["opt"])
+    _train(model3, opt3, batches[6:], accumulation=3)
+    for p, q in zip(model.parameters(), model3.parameters()):
+        assert torch.equal(p, q)
+
+
+def _inf_batches(n, bad):
+    out = _batches(n)
+    x, y = out[bad]
+    out[bad] = (x, torch.full_like(y, float("inf")))  # an inf loss: inf/NaN gradients, the step is skipped
+    return out
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "memlab"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_loss_scaler_bitwise_vs_torch_adamw_with_gradscaler(scaler_kind, offload_gradients, one_thread):
+    from memlab.amp import DynamicLossScaler
+
+    def make_scaler():
+        kw = dict(init_scale=2.0**10, growth_interval=2)
+        return torch.amp.GradScaler("cpu", **kw) if scaler_kind == "torch" else DynamicLossScaler(**kw)
+
+    batches = _inf_batches(12, bad=4)
+    ref, mine, ref_kw = _pair("exact")
+    ref_scaler, scaler = make_scaler(), make_scaler()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, kernel="exact", offload_gradients=offload_gradients,
+                           accumulation_steps=2, grad_scaler=scaler if offload_gradients else None)
+    _train(ref, ref_opt, batches, accumulation=2, scaler=ref_scaler)
+    _train(mine, opt, batches, accumulation=2, scaler=scaler)
+    assert scaler.get_scale() == ref_scaler.get_scale() < 2.0**10 * 4  # backed off once, grew since
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_offloaded_gradients_under_a_scaler_without_grad_scaler_say_why():
+    model = _mlp()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = O.OffloadedAdamW(model.parameters(), offload_gradients=True)
+    x, y = _batches(1)[0]
+    scaler.scale(_loss(model, x, y)).backward()
+    with pytest.raises(RuntimeError, match="grad_scaler=scaler"):
+        scaler.step(opt)
+    with pytest.raises(ValueError, match="step_in_backward"):
+        O.OffloadedAdamW(model.parameters(), step_in_backward=True, grad_scaler=scaler)
+
+
+# ----------------------------------------------------------------------------- what crosses, and when
+@pytest.mark.parametrize("step_in_backward", [False, True])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_gradients_cross_once_per_step_unless_offloaded(offload_gradients, step_in_backward):
+    model = _mlp(torch.bfloat16)
+    model[0].requires_grad_(False)  # a frozen layer moves nothing
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    nbytes = sum(p.numel() * p.element_size() for p in trainable)
+    k = 4
+    opt = O.OffloadedAdamW(model.parameters(), lr=1e-2, offload_gradients=offload_gradients, accumulation_steps=k,
+                           step_in_backward=step_in_backward)
+    _train(model, opt, _batches(2 * k, dtype=torch.bfloat16), accumulation=k)
+    if step_in_backward:  # the hook sent each gradient after the last micro-batch, not before
+        grads = [e for e in opt.timeline if e[0] == "grad"]
+        assert len(grads) == k * len(trainable)
+    per = k if offload_gradients else 1
+    assert opt.traffic == {"to_host_bytes": 2 * per * nbytes, "to_host_copies": 2 * per * len(trainable),
+                           "to_device_bytes": 2 * nbytes, "to_device_copies": 2 * len(trainable)}
+
+
+@pytest.mark.parametrize("kernel", ["exact", "fast"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_step_in_backward_bitwise_and_updates_start_before_backward_ends(kernel, offload_gradients, one_thread):
+    import time
+
+    ref, mine, ref_kw = _pair(kernel)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, kernel=kernel, offload_gradients=offload_gradients,
+                           accumulation_steps=3, step_in_backward=True)
+    ends = []
+
+    def slow(grad):  # the first layer's backward takes a while (as a big first layer would)
+        time.sleep(0.05)
+        ends.append(time.perf_counter())
+        return grad
+
+    mine[0].register_forward_hook(lambda mod, inp, out: out.register_hook(slow) and None)
+    batches = _batches(9, model=mine)
+    _train(ref, ref_opt, batches, accumulation=3)
+    for k in range(0, 9, 3):
+        opt.zero_grad()
+        for x, y in batches[k:k + 3]:
+            (_loss(mine, x, y) / 3).backward()
+        backward_end = time.perf_counter()
+        opt.step()  # waits for the updates still running
+        tl = opt.timeline
+        starts = [t for e, _, _, t in tl if e == "update_start"]
+        grads = [(i, t) for e, _, i, t in tl if e == "grad"]
+        assert len(starts) == len(list(mine.parameters()))
+        assert min(starts) < ends[-1] < backward_end  # the first update ran while the first layer's backward slept
+        last = [i for i, _ in grads[-len(starts):]]  # arrival order of the last micro-batch
+        order = [i for e, _, i, _ in tl if e == "update_start"]
+        assert order == last  # updates in arrival order
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(RuntimeError, match="step_in_backward"):
+        opt.clip_grad_norm_(1.0)
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_scaler_unscale_then_clip_bitwise_vs_torch(offload_gradients, one_thread):
+    """scaler.unscale_(opt); clip; scaler.step(opt): the clipped, unscaled host grads are the ones stepped."""
+    batches = _inf_batches(8, bad=2)
+    ref, mine, ref_kw = _pair("exact")
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, kernel="exact", offload_gradients=offload_gradients,
+                           accumulation_steps=2, grad_scaler=scaler if offload_gradients else None)
+    for k in range(0, 8, 2):
+        for m, o, sc in ((ref, ref_opt, ref_scaler), (mine, opt, scaler)):
+            o.zero_grad()
+            for x, y in batches[k:k + 2]:
+                sc.scale(_loss(m, x, y) / 2).backward()
+            sc.unscale_(o)
+            if o is opt:
+                got = opt.clip_grad_norm_(0.05)
+            else:
+                want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, foreach=False)
+            sc.step(o)
+            sc.update()
+        assert torch.equal(got, want) or (not torch.isfinite(want) and not torch.isfinite(got))
+        for p, q in zip(ref.parameters(), mine.parameters()):
+            assert torch.equal(p, q)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+
+
+@pytest.mark.parametrize("kernel", ["exact", "fast"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_delay_update_is_adamw_on_one_step_old_weights(kernel, offload_gradients, one_thread):
+    """delay_update=True: step t's gradient is computed on the weights of update t-1, bitwise."""
+    ref, mine, ref_kw = _pair(kernel)
+    lag = copy.deepcopy(ref)  # the weights the device computes with
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **ref_kw)
+    opt = O.OffloadedAdamW(mine.parameters(), lr=1e-2, kernel=kernel, offload_gradients=offload_gradients,
+                           accumulation_steps=2, delay_update=True)
+    batches = _batches(10, model=mine)
+    for k in range(0, 10, 2):
+        lag.zero_grad()
+        opt.zero_grad()
+        for x, y in batches[k:k + 2]:
+            (_loss(lag, x, y) / 2).backward()
+            (_loss(mine, x, y) / 2).backward()
+        for p, q in zip(ref.parameters(), lag.parameters()):
+            p.grad = q.grad.clone()
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), lag.parameters()):
+                q.copy_(p)  # the device receives the previous update now
+        ref_opt.step()
+        opt.step()  # returns while the CPU steps
+        for p, q in zip(lag.parameters(), mine.parameters()):
+            assert torch.equal(p, q)
+    opt.flush()
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="pick one"):
+        O.OffloadedAdamW(mine.parameters(), step_in_backward=True, delay_update=True)

@@ -2,6 +2,12 @@
 the dynamic map, double quantization (stated bound), Linear4bit's forward, Adam8bit, and bad arguments."""
 from __future__ import annotations
 
+import copy
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,9 +71,24 @@ def test_dynamic_map_equal_to_bitsandbytes(signed):
 SHAPES = [(64,), (4096,), (128, 64), (33,), (7, 13), (300, 257), (1, 1), (3, 5, 7), (2, 96)]
 
 
+def _dequantize_by_definition(packed, absmax, shape, dtype, blocksize):
+    """NF4 dequantization written from its definition, independently of memlab and of bitsandbytes' kernels:
+    byte k holds codes 2k (high nibble) and 2k+1 (low nibble); value = codebook[code] * absmax of its block, in
+    float32, then cast. The codebook is bitsandbytes' own table (equal to memlab's, tested above)."""
+    n = 1
+    for d in shape:
+        n *= d
+    b = packed.reshape(-1).to(torch.int64)
+    codes = torch.stack([b // 16, b % 16], dim=1).reshape(-1)[:n]
+    scale = absmax.float().repeat_interleave(blocksize)[:n]
+    return (F.get_4bit_type("nf4", device="cpu")[codes] * scale).reshape(shape).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_quantize_nf4_bit_exact(shape, dtype):
+    """Codes and scales bitwise equal to bitsandbytes' quantize_4bit (right on every CPU path); the dequantization
+    bitwise equal to the definition (bitsandbytes' own dequantize is compared in the next test)."""
     gen = torch.Generator().manual_seed(hash(shape) % 1000)
     w = torch.randn(shape, generator=gen).to(dtype)
     for blocksize in (64, 32, 128):
@@ -76,11 +97,45 @@ def test_quantize_nf4_bit_exact(shape, dtype):
         assert packed.dtype == torch.uint8 and packed.shape == ref_packed.shape
         assert torch.equal(packed, ref_packed)
         assert torch.equal(absmax, st.absmax)
-        ref = F.dequantize_4bit(ref_packed, st)
         got = Q.dequantize_nf4(packed, absmax, shape, dtype, blocksize)
         assert got.shape == torch.Size(shape) and got.dtype == dtype
+        assert torch.equal(got, _dequantize_by_definition(packed, absmax, shape, dtype, blocksize))
+
+
+def _bnb_dequantize_fault(ref, definition, packed, absmax, shape, blocksize):
+    """Why bitsandbytes' dequantize_4bit differs from the definition, in words (for the xfail reason)."""
+    differ = int((ref.reshape(-1) != definition.reshape(-1)).sum())
+    n = definition.numel()
+    block0 = _dequantize_by_definition(packed, absmax[:1].expand(absmax.numel()), shape, ref.dtype, blocksize)
+    reused = torch.equal(ref.reshape(-1), block0.reshape(-1))
+    what = "it scales every block by block 0's absmax" if reused else "its values are not codebook[code] * absmax"
+    return f"shape {tuple(shape)} blocksize {blocksize}: {differ} of {n} values differ ({what})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dequantize_nf4_equal_to_bitsandbytes(shape, dtype):
+    """memlab's dequantization bitwise equal to bitsandbytes.functional.dequantize_4bit wherever bitsandbytes' kernel
+    on this CPU computes the definition. bitsandbytes 0.50's CPU kernel on AVX-512 machines reuses block 0's scale
+    for every block at some shapes: detected here at run time (its output compared with the definition), reported as
+    an expected failure naming the shape, never counted against memlab (which the test above checks against the
+    definition on every CPU)."""
+    gen = torch.Generator().manual_seed(hash(shape) % 1000)
+    w = torch.randn(shape, generator=gen).to(dtype)
+    faults = []
+    for blocksize in (64, 32, 128):
+        packed, st = _bnb_nf4(w, blocksize)
+        definition = _dequantize_by_definition(packed, st.absmax, shape, dtype, blocksize)
+        ref = F.dequantize_4bit(packed, st)
         # bitsandbytes' CPU kernel returns a 1-D shape as (1, n): compare the values
+        if not torch.equal(ref.reshape(-1), definition.reshape(-1)):
+            faults.append(_bnb_dequantize_fault(ref, definition, packed, st.absmax, shape, blocksize))
+            continue
+        got = Q.dequantize_nf4(packed, st.absmax, shape, dtype, blocksize)
         assert torch.equal(got.reshape(-1), ref.reshape(-1))
+    if faults:
+        pytest.xfail(f"bitsandbytes {bnb.__version__} dequantize_4bit is wrong on this CPU ({torch.backends.cpu.get_cpu_capability()}): "
+                     + "; ".join(faults))
 
 
 def test_ties_go_to_the_lower_level_as_in_bitsandbytes():
@@ -317,3 +372,166 @@ def test_codebook_first_built_inside_a_trace_is_not_counted():
     cold = traced_peak()
     warm = traced_peak()
     assert cold == warm, f"first trace {cold} B, later traces {warm} B: the codebook build was counted"
+
+
+# ----------------------------------------------------------------------------- Linear4bit's backward (issue 20)
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs (saved_tensors_hooks)."""
+    storages = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        storages[(st.data_ptr(), t.device)] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
+
+
+def _bnb_linear4bit(lin, compute_dtype, double_quant=True):
+    ref = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=compute_dtype,
+                            compress_statistics=double_quant, quant_type="nf4")
+    ref.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                   compress_statistics=double_quant, blocksize=64)
+    if lin.bias is not None:
+        ref.bias = nn.Parameter(lin.bias.data.clone(), requires_grad=False)
+    return ref.to("cpu")
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(256, 128), (96, 320)], ids=str)
+def test_linear4bit_saves_no_dequantized_weight_for_backward(shape, compute_dtype):
+    """Saved-for-backward bytes of one layer (storage-deduplicated) equal bitsandbytes' Linear4bit on the same shape:
+    the frozen 4-bit weight needs no input saved and no dequantized copy (it was 4 B x in x out (fp32 compute) or
+    2 B (bf16) plus the input, per layer)."""
+    out_f, in_f = shape
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f)
+    ours = Q.Linear4bit.from_linear(lin, compute_dtype=compute_dtype)
+    ours.bias.requires_grad_(False)
+    ref = _bnb_linear4bit(lin, compute_dtype)
+    x = torch.randn(3, 7, in_f, requires_grad=True)
+    mine, y = _saved_bytes(lambda: ours(x))
+    theirs, y_ref = _saved_bytes(lambda: ref(x))
+    assert mine == theirs, f"memlab saves {mine} B for backward, bitsandbytes {theirs} B"
+    y.sum().backward()  # and backward still works on what was kept
+    assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear4bit_gradients_equal_to_dequantize_then_linear(compute_dtype, autocast, double_quant):
+    """Input and bias gradients bitwise equal to the reference ``F.linear(x, dequantize(W), b)`` (what autograd
+    recorded before), with and without bf16 autocast, and the forward bitwise equal too."""
+    torch.manual_seed(1)
+    m = Q.Linear4bit.from_linear(nn.Linear(192, 80), compute_dtype=compute_dtype, double_quant=double_quant)
+    x = torch.randn(2, 5, 192, requires_grad=True)
+    g = torch.randn(2, 5, 80)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = m(x)
+        y.backward(g)
+        gx, gb = x.grad, m.bias.grad
+        x.grad, m.bias.grad = None, None
+        w = m.dequantized_weight(compute_dtype)
+        y_ref = nn.functional.linear(x.to(compute_dtype), w, m.bias.to(compute_dtype)).to(x.dtype)
+        y_ref.backward(g)
+    assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)
+    assert torch.equal(gx, x.grad)
+    assert gb.dtype == m.bias.dtype and torch.equal(gb, m.bias.grad)
+
+
+def test_linear4bit_backward_under_fake_tensors():
+    """memlab.estimate traces QLoRA on fake tensors: the 4-bit backward runs there too, with the right shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        m = Q.Linear4bit(128, 64, compute_dtype=torch.bfloat16)
+        x = torch.randn(3, 128, requires_grad=True)
+        m(x).float().sum().backward()
+        assert x.grad.shape == (3, 128) and x.grad.dtype == torch.float32
+        assert m.bias.grad.shape == (64,)
+
+
+# ----------------------------------------------------------------------------- state hygiene (issue 20 item 5)
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_linear4bit_to_half_keeps_the_quantization_state_fp32(double_quant):
+    """``.to(torch.float16)`` casts the bias; the scales stay float32 and bitwise unchanged, as bitsandbytes' layer
+    keeps its quant_state; the forward is unchanged but for the bias' rounding."""
+    torch.manual_seed(2)
+    m = Q.Linear4bit.from_linear(nn.Linear(128, 64), compute_dtype=torch.float32, double_quant=double_quant)
+    before = {n: b.clone() for n, b in m.named_buffers()}
+    m.to(torch.float16)
+    for n, b in m.named_buffers():
+        assert b.dtype == before[n].dtype and torch.equal(b, before[n]), n
+    assert m.bias.dtype == torch.float16
+    m.half().to(torch.bfloat16)
+    for n, b in m.named_buffers():
+        assert b.dtype == before[n].dtype and torch.equal(b, before[n]), n
+    ref = _bnb_linear4bit(nn.Linear(128, 64), torch.float32, double_quant).to(torch.float16)
+    assert ref.weight.quant_state.absmax.dtype == (torch.uint8 if double_quant else torch.float32)
+    assert m(torch.randn(2, 128)).dtype == torch.float32
+
+
+def _adam8bit_run(dtype, steps, *, break_at=None, how="state_dict"):
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(96, 64), (50,)]  # 6144 elements: 8-bit moments; 50: fp32 moments
+    params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    opt = Q.Adam8bit(params, lr=1e-2, weight_decay=0.01, min_8bit_size=4096)
+    for i in range(steps):
+        if i == break_at:
+            if how == "state_dict":
+                sd = copy.deepcopy(opt.state_dict())
+                params = [nn.Parameter(p.detach().clone()) for p in params]
+                opt = Q.Adam8bit(params, lr=1e-2, weight_decay=0.01, min_8bit_size=4096)
+                opt.load_state_dict(sd)
+            elif how == "deepcopy":
+                params, opt = copy.deepcopy((params, opt))
+            else:
+                params, opt = pickle.loads(pickle.dumps((params, opt)))
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("how", ["state_dict", "deepcopy", "pickle"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_adam8bit_round_trip_then_steps_bitwise_equal(dtype, how):
+    """A state_dict round trip (or deepcopy, or pickle) after 3 steps, then 4 more, equals 7 uninterrupted steps bit
+    for bit; the uint8 codes stay uint8 and the small tensor's moments stay fp32 (torch's loader casts them to the
+    parameter's dtype)."""
+    ref, ref_opt = _adam8bit_run(dtype, 7)
+    got, opt = _adam8bit_run(dtype, 7, break_at=3, how=how)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    big, small = opt.state[got[0]], opt.state[got[1]]
+    assert big["state1"].dtype == big["state2"].dtype == torch.uint8
+    assert big["absmax1"].dtype == torch.float32
+    assert small["state1"].dtype == small["state2"].dtype == torch.float32
+    assert opt.blocksize == 256 and opt.min_8bit_size == 4096
+
+
+def test_nf4_codebook_is_fp32_whatever_the_default_dtype():
+    """First use under torch.set_default_dtype(torch.bfloat16) (fresh process, empty cache): the codebook is the fp32
+    one and the codes equal bitsandbytes'. (Built in the default dtype, 2.4% of the codes moved.)"""
+    code = (
+        "import torch\n"
+        "torch.set_default_dtype(torch.bfloat16)\n"
+        "from memlab import quant as Q\n"
+        "import bitsandbytes.functional as F\n"
+        "w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0), dtype=torch.float32)\n"
+        "p, a = Q.quantize_nf4(w)\n"
+        "c = Q._real_codebook('nf4', 'cpu')\n"
+        "torch.set_default_dtype(torch.float32)\n"
+        "p2, a2 = F.quantize_4bit(w, blocksize=64, quant_type='nf4')\n"
+        "assert c.dtype == torch.float32 and torch.equal(c, F.get_4bit_type('nf4', device='cpu')), c\n"
+        "assert torch.equal(p, p2) and torch.equal(a, a2.absmax), (p != p2).float().mean().item()\n"
+        "assert torch.equal(Q.fp4_codebook(), Q.fp4_codebook().float()) and Q.int4_codebook().dtype == torch.float32\n"
+        "torch.set_default_dtype(torch.bfloat16)\n"
+        "assert Q.Linear4bit(64, 64).dequantized_weight(torch.float32).dtype == torch.float32\n"
+        "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(Q.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

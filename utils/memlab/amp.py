@@ -467,7 +467,8 @@ class DynamicLossScaler:
         state["stage"] = OptState.UNSCALED
 
     def _found_inf(self, state: dict[str, Any], device: torch.device) -> torch.Tensor:
-        return sum(t.to(device, non_blocking=True) for t in state["found_inf_per_device"].values())  # type: ignore[return-value]
+        return sum((t.to(device, non_blocking=True) for t in state["found_inf_per_device"].values()),
+                   torch.zeros((), dtype=torch.float32, device=device))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """Unscale (if ``unscale_`` was not called), then ``optimizer.step()`` unless a gradient is inf/NaN.
@@ -502,7 +503,9 @@ class DynamicLossScaler:
             state["stage"] = OptState.STEPPED
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
-            return not bool(found_inf.item())
+            # an optimizer holding its gradients off the device (OffloadedAdamW) records its own check in step()
+            found_inf = self._found_inf(state, scale.device)
+            return not bool(found_inf)
 
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)

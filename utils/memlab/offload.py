@@ -11,10 +11,12 @@ fp32 moments per parameter. With bias corrections ``bc1 = 1 - beta1**t`` and
 
 In mixed-precision training the model states take 16 bytes per parameter (2 weights + 2 grads
 + 4 fp32 master + 8 moments), and 12 of them belong only to the optimizer step. ZeRO-Offload
-(Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training", USENIX ATC) keeps
-those 12 bytes in host memory: gradients stream to the host during backward, the step runs on
-the CPU, and the updated 16-bit weights are copied back. The device keeps 2 bytes (weights) + 2
-bytes (gradients, or none with ``offload_gradients=True``) per parameter.
+(Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training", USENIX ATC) moves
+those 12 to host memory: gradients stream to the host during backward, the step runs on the CPU,
+and the updated 16-bit weights are copied back. The device keeps 2 bytes (weights) + 2 bytes
+(gradients, or none with ``offload_gradients=True``) per parameter. The host holds 16 bytes per
+parameter here (4 master + 4 fp32 gradient slot + 8 moments), plus a 2-byte pinned staging copy
+per 16-bit parameter on CUDA: 18.
 
 What is here, each checked in tests/test_offload.py:
 
@@ -45,8 +47,11 @@ import ctypes
 import hashlib
 import math
 import os
+import queue
 import shutil
 import subprocess
+import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -163,6 +168,14 @@ class FlatBuffer:
 
     def __len__(self) -> int:
         return len(self.views)
+
+    # pickle copies each tensor's storage separately: keep only ``flat`` and cut the views again
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "views"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.views = [self.flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
     def segment(self, i: int) -> torch.Tensor:
         """The flat 1-D slice of tensor ``i``."""
@@ -348,47 +361,109 @@ class OffloadedAdamW(torch.optim.Optimizer):
     per parameter: ``master``, ``grad``, ``exp_avg``, ``exp_avg_sq``. Device: the model's
     parameters in their own dtype, and their gradients unless ``offload_gradients=True``.
 
-    * With ``overlap=True`` (or ``offload_gradients=True``) a post-accumulate-grad hook copies
-      each finished gradient to its host slot as soon as backward produces it, on a side CUDA
-      stream so that backward continues; ``offload_gradients=True`` then frees the device
-      gradient (and accumulates micro-batches on the host, in fp32).
-    * :meth:`step` steps each parameter on the CPU as soon as its gradient has arrived (on CPU-only
-      machines: one fast call over the whole group), then copies the updated weights back with
-      non-blocking copies, cast to the device dtype on the host.
+    What crosses between device and host, per optimizer step of ``accumulation_steps`` micro-batches:
+
+    * gradients, device to host, in the parameters' dtype: once per step (after the last
+      micro-batch; the earlier ones accumulate in ``p.grad`` on the device), or every micro-batch
+      with ``offload_gradients=True`` (the device gradient is freed at once and the micro-batches
+      are summed on the host in fp32);
+    * updated weights, host to device, in the parameters' dtype (cast on the host), once per step.
+
+    :attr:`traffic` counts both (bytes and copies) since construction.
+
+    * ``overlap=True``: a post-accumulate-grad hook sends each gradient to the host as soon as
+      backward has finished it, on a side CUDA stream, so backward goes on meanwhile.
+    * ``step_in_backward=True`` (needs ``overlap``): a worker thread updates each parameter on the
+      CPU as soon as its gradient has arrived, in arrival order, while backward computes the rest;
+      :meth:`step` only waits for the last updates. The parameters change during backward, before
+      anything could look at all the gradients together: no gradient clipping and no loss scaler
+      with it (both raise, saying why).
+    * :meth:`step` (without ``step_in_backward``) steps every parameter on the CPU after backward.
+    * ``delay_update=True``: DeepSpeed's one-step delayed parameter update (ZeRO-Offload paper, sec.
+      4.2): :meth:`step` hands this step's update to the worker thread and returns; the device runs
+      the next step's forward and backward on the weights it has while the CPU steps, and the
+      result reaches the device at the next :meth:`step` (call :meth:`flush` after the last one).
+      Every gradient is then computed on weights one update old: a different trajectory, traded for
+      a CPU step that hides behind a whole step instead of the tail of backward. A second fp32
+      gradient buffer (4 host bytes per parameter) holds the step's gradients while the hooks fill
+      the other.
+    * A loss scaler (``torch.amp.GradScaler`` or :class:`memlab.amp.DynamicLossScaler`) works:
+      the optimizer unscales the host gradients itself and skips the step on inf/NaN. With
+      ``offload_gradients=True`` the scaler finds no ``.grad`` on the device, so pass it as
+      ``grad_scaler=`` for the optimizer to report its inf check back to it.
     * :meth:`clip_grad_norm_` clips the host gradients like ``torch.nn.utils.clip_grad_norm_``.
 
     ``kernel="fast"`` (default) steps with :func:`adamw_step_flat_`, which rounds like torch's
     fused CPU AdamW; ``kernel="exact"`` steps each parameter with :func:`adamw_step_`, so that
     with fp32 parameters on a CPU the trajectory is bitwise that of
     ``torch.optim.AdamW(foreach=False)`` (about 7x slower). On a CPU-only machine host == device
-    and the same code runs.
+    and the same code runs; there the one gradient copy per step is made in :meth:`step` (nothing
+    to hide behind backward) unless ``step_in_backward`` needs it from the hook.
     """
+
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf and lets step() decide
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, pin_memory: bool | None = None,
-                 overlap: bool = True, offload_gradients: bool = False, kernel: str = "fast") -> None:
+                 overlap: bool = True, offload_gradients: bool = False, kernel: str = "fast",
+                 accumulation_steps: int = 1, step_in_backward: bool = False, grad_scaler: Any = None,
+                 delay_update: bool = False) -> None:
         if kernel not in ("fast", "exact"):
             raise ValueError(f"kernel={kernel!r} is not known; allowed: 'fast' (C++ flat step), 'exact' (torch's for-loop order)")
         self.kernel = kernel
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
         _check_hparams(lr, betas[0], betas[1], eps, weight_decay)
-        for name, flag in (("overlap", overlap), ("offload_gradients", offload_gradients)):
+        for name, flag in (("overlap", overlap), ("offload_gradients", offload_gradients),
+                           ("step_in_backward", step_in_backward), ("delay_update", delay_update)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} must be True or False")
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise ValueError(f"pin_memory={pin_memory!r} must be None (pin when CUDA is present), True or False")
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1 (micro-batches per step)")
+        if step_in_backward and not (overlap or offload_gradients):
+            raise ValueError("step_in_backward=True needs overlap=True: the update starts from the gradient hook")
+        if step_in_backward and delay_update:
+            raise ValueError("step_in_backward=True and delay_update=True: pick one way to overlap the CPU update "
+                             "(during this backward, or during the next step's forward and backward)")
+        if step_in_backward and grad_scaler is not None:
+            raise ValueError("step_in_backward=True with grad_scaler: each parameter is updated during backward, before "
+                             "the scaler could check every gradient for inf/NaN; use step_in_backward=False with a scaler")
+        if grad_scaler is not None and not hasattr(grad_scaler, "_per_optimizer_states"):
+            raise ValueError(f"grad_scaler={type(grad_scaler).__name__}: allowed: torch.amp.GradScaler or "
+                             "memlab.amp.DynamicLossScaler")
         self.overlap, self.offload_gradients = overlap, offload_gradients
+        self.accumulation_steps, self.step_in_backward = accumulation_steps, step_in_backward
+        self.grad_scaler = grad_scaler
+        self.delay_update = delay_update
+        self._delayed: list[tuple[int, int]] = []  # (group, index): updated on the host, not yet copied back
         self._pin_arg = pin_memory
-        self._flats: list[dict[str, FlatBuffer]] = []
+        self._flats: list[dict[str, Any]] = []
         self._hooks: list[Any] = []
         self._device: torch.device | None = None
         self._d2h_stream: Any = None
+        self._h2d_stream: Any = None
         self._h2d_event: Any = None
-        self._slot: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, index in group)
-        self._ready: dict[torch.Tensor, int] = {}  # 0: no host grad yet; n: micro-batches folded in
-        self._pending: dict[torch.Tensor, Any] = {}  # CUDA event of a grad copy still in flight
+        self._reset_runtime()
+        self.traffic = {"to_host_bytes": 0, "to_host_copies": 0, "to_device_bytes": 0, "to_device_copies": 0}
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def _reset_runtime(self) -> None:
+        """Per-parameter bookkeeping, keyed by parameter (rebuilt after deepcopy / unpickling)."""
+        self._slot: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, index in group)
+        self._ready: dict[torch.Tensor, int] = {}  # micro-batches summed in the host slot (0: none)
+        self._count: dict[torch.Tensor, int] = {}  # backward passes that finished p's gradient this step
+        self._pending: dict[torch.Tensor, Any] = {}  # CUDA event of a grad copy still in flight
+        self._stepped: dict[torch.Tensor, bool] = {}  # updated by the worker during this backward
+        self._copied: dict[torch.Tensor, tuple[int, int]] = {}  # (id, _version) of the p.grad last sent to the host
+        self._unscaled_found: torch.Tensor | None = None  # host grads already unscaled (clip under a scaler)
+        self._lock = threading.Lock()
+        self._queue: Any = None
+        self._worker: Any = None
+        self._worker_error: BaseException | None = None
+        self._cycle_open = False
+        self.timeline: list[tuple[str, int, int, float]] = []  # (event, group, index, perf_counter) this step
 
     # -- set-up
     @property
@@ -408,7 +483,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             elif p.device != self._device:
                 raise ValueError(f"parameters on {self._device} and {p.device}: put them all on one device")
         pin = self._pin_arg if self._pin_arg is not None else (self.cuda and torch.cuda.is_available())
-        bufs = {
+        bufs: dict[str, Any] = {
             "master": pack(params, pin_memory=pin),
             "grad": FlatBuffer([p.shape for p in params], pin_memory=pin),
             "exp_avg": FlatBuffer([p.shape for p in params], pin_memory=pin),
@@ -416,20 +491,27 @@ class OffloadedAdamW(torch.optim.Optimizer):
         }
         if self.cuda:
             # pinned staging in each parameter's own dtype: grads arrive here, updated weights leave from here
-            bufs["staging"] = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]  # type: ignore[assignment]
-            if self._d2h_stream is None:
-                self._d2h_stream = torch.cuda.Stream(device=self._device)
+            bufs["staging"] = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
         self._flats.append(bufs)
-        gi = len(self._flats) - 1
         for i, p in enumerate(params):
             st = self.state[p]
             st["step"] = torch.tensor(0.0)
             st["exp_avg"] = bufs["exp_avg"].views[i]
             st["exp_avg_sq"] = bufs["exp_avg_sq"].views[i]
             st["master"] = bufs["master"].views[i]
+        self._attach(len(self._flats) - 1)
+
+    def _attach(self, gi: int) -> None:
+        """Bookkeeping, streams and gradient hooks for param group ``gi``."""
+        if self.cuda and self._d2h_stream is None:
+            self._d2h_stream = torch.cuda.Stream(device=self._device)
+            self._h2d_stream = torch.cuda.Stream(device=self._device)
+        for i, p in enumerate(self.param_groups[gi]["params"]):
             self._slot[p] = (gi, i)
             self._ready[p] = 0
+            self._count[p] = 0
             self._pending[p] = None
+            self._stepped[p] = False
             if p.requires_grad and (self.overlap or self.offload_gradients):
                 self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(self)))
 
@@ -439,34 +521,84 @@ class OffloadedAdamW(torch.optim.Optimizer):
             h.remove()
         self._hooks.clear()
 
+    # -- copies: pickling and deepcopy keep the buffers and rebuild hooks, streams and the worker
+    def __getstate__(self) -> dict[str, Any]:
+        self._drain()
+        skip = {"_hooks", "_slot", "_ready", "_count", "_pending", "_stepped", "_copied", "_unscaled_found", "_lock",
+                "_queue", "_worker",
+                "_worker_error", "_d2h_stream", "_h2d_stream", "_h2d_event", "_cycle_open", "timeline"}
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._hooks = []
+        self._d2h_stream = self._h2d_stream = self._h2d_event = None
+        self._reset_runtime()
+        for gi, bufs in enumerate(self._flats):
+            for i, p in enumerate(self.param_groups[gi]["params"]):
+                for k in ("master", "exp_avg", "exp_avg_sq"):
+                    self.state[p][k] = bufs[k].views[i]  # the state is the buffers' views again (pickle split them)
+            self._attach(gi)
+
     # -- gradients to the host
+    def _log(self, what: str, p: torch.Tensor) -> None:
+        gi, i = self._slot[p]
+        self.timeline.append((what, gi, i, time.perf_counter()))
+
+    def _count_copy(self, direction: str, t: torch.Tensor) -> None:
+        with self._lock:
+            self.traffic[f"{direction}_bytes"] += t.numel() * t.element_size()
+            self.traffic[f"{direction}_copies"] += 1
+
     def _on_grad(self, p: torch.Tensor) -> None:
-        """The post-accumulate-grad hook: stage ``p.grad`` on the host while backward goes on."""
+        """The post-accumulate-grad hook: send ``p.grad`` to the host when it is final for this step."""
         if p.grad is None:
             return
+        if not self._cycle_open:
+            self.timeline = []
+            self._cycle_open = True
+        self._count[p] += 1
+        self._log("grad", p)
+        if self.offload_gradients:
+            self._to_host(p)  # every micro-batch: the device keeps no gradient
+        elif self._count[p] == self.accumulation_steps:
+            if not self.cuda and not self.step_in_backward:
+                return  # host == device: nothing to hide, step() makes the one copy (the tracker sees it there)
+            self._to_host(p)  # the last micro-batch: the sum autograd accumulated on the device
+        elif self._count[p] > self.accumulation_steps:
+            self._ready[p], self._pending[p] = 0, None  # more micro-batches than declared: step() copies again
+            return
+        else:
+            return
+        if self.step_in_backward and self._count[p] == self.accumulation_steps:
+            self._start_worker()
+            self._queue.put(p)
+
+    def _to_host(self, p: torch.Tensor) -> None:
+        """Copy (or, with offload_gradients, add) ``p.grad`` into its fp32 host slot; free it if offloading."""
         gi, i = self._slot[p]
+        grad = p.grad
+        self._count_copy("to_host", grad)
+        self._copied[p] = (id(grad), grad._version)
         if not self.cuda:
             slot = self._flats[gi]["grad"].views[i]
+            if self._ready[p] and self.offload_gradients:
+                slot.add_(grad)
+            else:
+                slot.copy_(grad)
+            self._ready[p] += 1
+        else:
             if self.offload_gradients:
-                if self._ready[p]:
-                    slot.add_(p.grad)
-                else:
-                    slot.copy_(p.grad)
-                self._ready[p] += 1
-                p.grad = None
-            return  # CPU without offload_gradients: step() reads p.grad
-        if self.offload_gradients:
-            self._fold(p)  # an earlier micro-batch's copy joins the fp32 host slot first
-        stream = self._d2h_stream
-        stream.wait_stream(torch.cuda.current_stream(p.device))
-        staging = self._flats[gi]["staging"][i]
-        grad = p.grad
-        with torch.cuda.stream(stream):
-            staging.copy_(grad, non_blocking=self.overlap)
-            event = torch.cuda.Event()
-            event.record(stream)
-        grad.record_stream(stream)
-        self._pending[p] = event
+                self._fold(p)  # an earlier micro-batch's copy joins the fp32 host slot first
+            stream = self._d2h_stream
+            stream.wait_stream(torch.cuda.current_stream(p.device))
+            staging = self._flats[gi]["staging"][i]
+            with torch.cuda.stream(stream):
+                staging.copy_(grad, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            grad.record_stream(stream)  # the caching allocator must not hand grad's memory out before the copy ran
+            self._pending[p] = event
         if self.offload_gradients:
             p.grad = None
 
@@ -483,18 +615,101 @@ class OffloadedAdamW(torch.optim.Optimizer):
             slot.add_(staging)
         else:
             slot.copy_(staging)
-        self._ready[p] = self._ready[p] + 1 if self.offload_gradients else 1
+        self._ready[p] += 1
         self._pending[p] = None
 
     def _gather(self, p: torch.Tensor) -> bool:
-        """Make ``p``'s host gradient ready; False when ``p`` has no gradient this step."""
+        """Make ``p``'s host gradient ready; False when ``p`` has no gradient this step.
+
+        Without offloaded gradients ``p.grad`` stays the truth: if it changed in place since a
+        hook sent it (a loss scaler's ``unscale_``, another micro-batch), it is sent again.
+        """
         if self._pending.get(p) is not None:
             self._fold(p)
-        elif not self._ready[p] and p.grad is not None:
+        if not self.offload_gradients and p.grad is None:
+            return False  # the gradient stays on the device: none there (or set to None since), no update, like torch
+        if p.grad is not None and not self.offload_gradients and (
+                not self._ready[p] or self._copied.get(p) != (id(p.grad), p.grad._version)):
             gi, i = self._slot[p]
-            self._flats[gi]["grad"].views[i].copy_(p.grad)  # synchronous: no hook ran (overlap=False)
+            self._count_copy("to_host", p.grad)
+            self._copied[p] = (id(p.grad), p.grad._version)
+            self._flats[gi]["grad"].views[i].copy_(p.grad)  # synchronous: no hook sent it, or it went stale
             self._ready[p] = 1
         return bool(self._ready[p])
+
+    # -- the update, one parameter (worker thread) or a whole group
+    def _hp(self, group: dict[str, Any]) -> dict[str, float]:
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def _update_one(self, p: torch.Tensor, grad: FlatBuffer | None = None, copy_back: bool = True) -> None:
+        gi, i = self._slot[p]
+        bufs = self._flats[gi]
+        grad = grad if grad is not None else bufs["grad"]
+        st = self.state[p]
+        st["step"] += 1
+        update = adamw_step_flat_ if self.kernel == "fast" else adamw_step_
+        update(bufs["master"].views[i], grad.views[i], bufs["exp_avg"].views[i], bufs["exp_avg_sq"].views[i],
+               int(st["step"].item()), **self._hp(self.param_groups[gi]))
+        if copy_back:
+            self._copy_back(p, gi, i)
+
+    def _apply(self, todo: list[tuple[int, list[int]]], grads: list[FlatBuffer], copy_back: bool) -> None:
+        """Step the parameters ``todo`` lists, group by group, from the gradient buffers ``grads``."""
+        for (gi, idx), grad in zip(todo, grads):
+            group = self.param_groups[gi]
+            params = group["params"]
+            bufs = self._flats[gi]
+            steps = {int(self.state[params[i]]["step"].item()) for i in idx}
+            if not self.cuda and self.kernel == "fast" and len(idx) == len(params) and len(steps) == 1 and idx:
+                # CPU, every grad on the host: one fast call over the whole group
+                for p in params:
+                    self.state[p]["step"] += 1
+                adamw_step_flat_(bufs["master"].flat, grad.flat, bufs["exp_avg"].flat, bufs["exp_avg_sq"].flat,
+                                 steps.pop() + 1, **self._hp(group))
+                if copy_back:
+                    for i in idx:
+                        self._copy_back(params[i], gi, i)
+            else:
+                for i in idx:
+                    self._update_one(params[i], grad, copy_back)
+
+    def _start_worker(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            return
+        self._queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, args=(self._queue,), name="OffloadedAdamW-step", daemon=True)
+        self._worker.start()
+
+    def _work(self, q: Any) -> None:
+        while True:
+            p = q.get()
+            try:
+                if p is None:
+                    return
+                if callable(p):  # delay_update: a whole step's update
+                    if self._worker_error is None:
+                        with torch.no_grad():
+                            p()
+                elif self._worker_error is None:
+                    self._fold(p)
+                    self._log("update_start", p)
+                    with torch.no_grad():
+                        self._update_one(p)
+                    self._log("update_end", p)
+                    self._stepped[p] = True
+            except BaseException as exc:  # reported by step()
+                self._worker_error = exc
+            finally:
+                q.task_done()
+
+    def _drain(self) -> None:
+        """Wait until the worker has finished every update it was given."""
+        if self._queue is not None:
+            self._queue.join()
+        if self._worker_error is not None:
+            exc, self._worker_error = self._worker_error, None
+            raise RuntimeError(f"OffloadedAdamW: a parameter update in the worker thread failed: {exc!r}") from exc
 
     # -- clipping
     @torch.no_grad()
@@ -508,11 +723,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise ValueError(f"max_norm={max_norm!r} must be a number > 0")
         if norm_type != 2.0:
             raise ValueError(f"norm_type={norm_type!r} is not supported; allowed: 2.0")
+        if self.step_in_backward:
+            raise RuntimeError("clip_grad_norm_ with step_in_backward=True: the parameters were already updated during "
+                               "backward, before the global norm of all gradients was known; use step_in_backward=False")
         grads = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if self._gather(p):
                     grads.append(self._flats[gi]["grad"].views[i])
+        if self.offload_gradients and self.grad_scaler is not None and self._unscaled_found is None:
+            # the scaler's unscale_ found no .grad on the device: the host grads are still scaled
+            self._unscaled_found = self._unscale_host(grads)
         if not grads:
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
@@ -521,6 +742,37 @@ class OffloadedAdamW(torch.optim.Optimizer):
             g.mul_(coef)
         return total
 
+    # -- loss scaling
+    def _unscale_host(self, host_grads: list[torch.Tensor]) -> torch.Tensor:
+        """Offloaded gradients under the attached scaler: unscale the host grads, report the inf check to the scaler."""
+        scale = self.grad_scaler._scale
+        found = torch.zeros((), dtype=torch.float32)
+        if scale is not None and host_grads:
+            inv = scale.double().reciprocal().float().cpu()
+            torch._amp_foreach_non_finite_check_and_unscale_(host_grads, found, inv)
+        dev = scale.device if scale is not None else torch.device("cpu")
+        self.grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {dev: found.to(dev)}
+        return found
+
+    def _unscale(self, host_grads: list[torch.Tensor]) -> bool:
+        """Under a loss scaler: unscale the host gradients in place; True when the step must be skipped."""
+        scaler_found = getattr(self, "found_inf", 0)
+        if self.offload_gradients:
+            if self.grad_scaler is None:
+                raise RuntimeError(
+                    "OffloadedAdamW(offload_gradients=True) under a loss scaler: the gradients left the device during "
+                    "backward, so the scaler finds no .grad to check for inf/NaN and its update() would fail ('No inf "
+                    "checks were recorded'). Pass the scaler to the optimizer: OffloadedAdamW(..., grad_scaler=scaler)")
+            if self._unscaled_found is None:  # the host grads are still scaled whatever the scaler's stage says
+                self._unscaled_found = self._unscale_host(host_grads)
+            return bool(self._unscaled_found.item())
+        grad_scale = getattr(self, "grad_scale", None)
+        found = torch.zeros((), dtype=torch.float32)
+        if grad_scale is not None and host_grads:
+            inv = grad_scale.double().reciprocal().float().cpu()
+            torch._amp_foreach_non_finite_check_and_unscale_(host_grads, found, inv)
+        return bool(found.item()) or bool(float(scaler_found))
+
     # -- the step
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -528,47 +780,85 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scaled = hasattr(self, "found_inf")  # a GradScaler / DynamicLossScaler is calling us
+        if self.step_in_backward:
+            self._drain()
+            if scaled:
+                raise RuntimeError("OffloadedAdamW(step_in_backward=True) under a loss scaler: each parameter was "
+                                   "updated during backward with its still-scaled gradient, before the scaler could "
+                                   "check for inf/NaN; use step_in_backward=False with a scaler")
+            wrong = {self._count[p] for g in self.param_groups for p in g["params"] if self._stepped[p]} - {self.accumulation_steps}
+            if wrong:
+                raise RuntimeError(f"OffloadedAdamW(step_in_backward=True, accumulation_steps={self.accumulation_steps}): "
+                                   f"a parameter got {sorted(wrong)} backward passes this step; the update ran after "
+                                   f"micro-batch {self.accumulation_steps}, so call step() after exactly that many")
+        if self.delay_update:
+            self._copy_back_delayed()  # the previous step's update, computed during this step's forward/backward
         if self._h2d_event is not None:
             self._h2d_event.synchronize()  # last step's copies have left the staging buffers
+        todo: list[tuple[int, list[int]]] = []
+        host_grads = []
         for gi, group in enumerate(self.param_groups):
-            bufs = self._flats[gi]
-            beta1, beta2 = group["betas"]
-            hp = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
-            params = group["params"]
-            ready = [self._gather(p) for p in params] if not self.cuda else None
-            steps = {int(self.state[p]["step"].item()) for p in params}
-            if ready is not None and all(ready) and len(steps) == 1 and self.kernel == "fast":
-                # CPU: every grad is on the host; one fast call over the whole group
-                for p in params:
-                    self.state[p]["step"] += 1
-                adamw_step_flat_(bufs["master"].flat, bufs["grad"].flat, bufs["exp_avg"].flat, bufs["exp_avg_sq"].flat,
-                                 steps.pop() + 1, **hp)
-                todo = list(range(len(params)))
-            else:
-                todo = []
-                for i, p in enumerate(params):  # on CUDA: step p as soon as its grad has arrived
-                    if not self._gather(p):
-                        continue
-                    st = self.state[p]
-                    st["step"] += 1
-                    update = adamw_step_flat_ if self.kernel == "fast" else adamw_step_
-                    update(bufs["master"].views[i], bufs["grad"].views[i], bufs["exp_avg"].views[i],
-                           bufs["exp_avg_sq"].views[i], int(st["step"].item()), **hp)
-                    if self.cuda:
-                        self._copy_back(p, gi, i)
-                    todo.append(i)
-            if not self.cuda:
-                for i in todo:
-                    self._copy_back(params[i], gi, i)
-            for i in todo:
-                self._ready[params[i]] = 0
+            idx = []
+            for i, p in enumerate(group["params"]):
+                if self._stepped[p]:
+                    continue
+                if self._gather(p):
+                    idx.append(i)
+                    host_grads.append(self._flats[gi]["grad"].views[i])
+            todo.append((gi, idx))
+        if scaled and self._unscale(host_grads):
+            self._end_cycle()  # inf/NaN: skip the update, as GradScaler does
+            return loss
+        if not self.delay_update:
+            self._apply(todo, [self._flats[gi]["grad"] for gi, _ in todo], copy_back=True)
+        else:
+            # one-step delayed update: the CPU steps on this step's gradients while the device runs the next
+            # step's forward and backward on the weights it has; the result reaches the device at the next step()
+            grads = []
+            for gi, _ in todo:
+                bufs = self._flats[gi]
+                if "grad_next" not in bufs:
+                    bufs["grad_next"] = FlatBuffer(bufs["grad"].shapes, pin_memory=bufs["grad"].flat.is_pinned())
+                bufs["grad"], bufs["grad_next"] = bufs["grad_next"], bufs["grad"]  # the hooks fill the other one
+                grads.append(bufs["grad_next"])
+            self._delayed = [(gi, i) for gi, idx in todo for i in idx]
+            self._start_worker()
+            self._queue.put(lambda: self._apply(todo, grads, copy_back=False))
         if self.cuda:
             self._h2d_event = torch.cuda.Event()
-            self._h2d_event.record(torch.cuda.current_stream(self._device))
+            self._h2d_event.record(self._h2d_stream)
+            torch.cuda.current_stream(self._device).wait_stream(self._h2d_stream)  # the next forward reads the weights
+        self._end_cycle()
         return loss
+
+    def _copy_back_delayed(self) -> None:
+        self._drain()
+        if self.cuda and self._delayed:
+            self._h2d_stream.wait_stream(torch.cuda.current_stream(self._device))  # backward has read the old weights
+        for gi, i in self._delayed:
+            self._copy_back(self.param_groups[gi]["params"][i], gi, i)
+        self._delayed = []
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """``delay_update=True``: wait for the update still running and copy its weights to the model (end of training)."""
+        self._copy_back_delayed()
+        if self.cuda:
+            torch.cuda.current_stream(self._device).wait_stream(self._h2d_stream)
+
+    def _end_cycle(self) -> None:
+        self._unscaled_found = None
+        for p in self._ready:
+            self._ready[p] = 0
+            self._count[p] = 0
+            self._stepped[p] = False
+            self._pending[p] = None
+        self._cycle_open = False
 
     def _copy_back(self, p: torch.Tensor, gi: int, i: int) -> None:
         master = self._flats[gi]["master"].views[i]
+        self._count_copy("to_device", p)
         if not self.cuda:
             p.data.copy_(master)  # cast to p's dtype (round to nearest even)
             return
@@ -577,13 +867,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if p.dtype != torch.float32:
             staging.copy_(master)  # cast on the host: half the bytes cross PCIe
             src = staging
-        p.data.copy_(src, non_blocking=True)
+        with torch.cuda.stream(self._h2d_stream):
+            p.data.copy_(src, non_blocking=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.step_in_backward:
+            self._drain()  # (a delayed update keeps running: it reads its own gradient buffer)
         super().zero_grad(set_to_none=set_to_none)
-        for p in self._ready:
-            self._ready[p] = 0
-            self._pending[p] = None
+        self._end_cycle()
 
     # -- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -592,12 +883,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         The tensors are the live host views (as torch returns live tensors); ``copy.deepcopy`` or
         ``torch.save`` them to keep a snapshot.
         """
+        self._drain()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore hyper-parameters, steps, moments and master weights (and copy the masters to the model)."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from OffloadedAdamW.state_dict())")
+        self._drain()
+        self._delayed = []  # the masters below replace whatever update was in flight
         saved = state_dict["state"]
         views = {id(p): {k: self.state[p][k] for k in ("exp_avg", "exp_avg_sq", "master")}
                  for g in self.param_groups for p in g["params"]}

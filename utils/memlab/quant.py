@@ -62,8 +62,10 @@ def nf4_codebook(offset: float | None = None) -> torch.Tensor:
     offset = NF4_OFFSET if offset is None else offset
     if not 0.5 < offset < 1.0:
         raise ValueError(f"nf4_codebook: offset must be in (0.5, 1), got {offset!r}")
-    pos = torch.linspace(offset, 0.5, 9)[:-1].double()  # 8 probabilities, the last (0.5) dropped
-    neg = torch.linspace(offset, 0.5, 8)[:-1].double()  # 7 probabilities
+    # float32 whatever torch.get_default_dtype() is (bitsandbytes' linspace is float32; a bf16 default once moved
+    # 2.4% of the codes for the rest of the process, the cache keeping the first table built)
+    pos = torch.linspace(offset, 0.5, 9, dtype=torch.float32)[:-1].double()  # 8 probabilities, the last (0.5) dropped
+    neg = torch.linspace(offset, 0.5, 8, dtype=torch.float32)[:-1].double()  # 7 probabilities
     values = torch.cat([torch.special.ndtri(pos), torch.zeros(1, dtype=torch.float64), -torch.special.ndtri(neg)])
     values = values.float().sort().values
     return values / values.max()
@@ -81,7 +83,9 @@ def _real_codebook(name: str, device: str) -> torch.Tensor:
     # (memlab.estimate's traces): every dispatch mode is set aside, or the tracker would count the
     # cache's tables as the first trace's activations
     with _disable_current_modes():
-        return table[name]().to(device)
+        out = table[name]().to(device)
+    assert out.dtype == torch.float32, f"memlab.quant: codebook {name} built as {out.dtype}"
+    return out
 
 
 def _codebook_cached(name: str, device: str, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,14 +100,14 @@ def _codebook_cached(name: str, device: str, like: torch.Tensor | None = None) -
 def fp4_codebook() -> torch.Tensor:
     """A 4-bit float (1 sign, 2 exponent, 1 mantissa bit, bias 2 as in bitsandbytes' FP4), sorted, max 1."""
     mags = [0.0, 0.0625, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]  # subnormals 0 and 0.5*2^-3, then 1.m x 2^(e-2) x 4
-    values = torch.tensor(sorted({*mags, *(-m for m in mags)}) + [0.0])  # -0 == 0: 15 distinct + one spare 0
+    values = torch.tensor(sorted({*mags, *(-m for m in mags)}) + [0.0], dtype=torch.float32)  # -0 == 0: 15 distinct + a spare 0
     values = values.sort().values
     return values / values.max()
 
 
 def int4_codebook() -> torch.Tensor:
     """Symmetric absmax int4: the 15 levels k/7, k = -7..7, plus a spare zero (16 entries), sorted."""
-    return torch.cat([torch.arange(-7, 8, dtype=torch.float32) / 7, torch.zeros(1)]).sort().values
+    return torch.cat([torch.arange(-7, 8, dtype=torch.float32) / 7, torch.zeros(1, dtype=torch.float32)]).sort().values
 
 
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
@@ -319,13 +323,63 @@ def bits_per_param(blocksize: int = 64, double_quant: bool = True, blocksize2: i
 
 
 # ----------------------------------------------------------------------------- Linear4bit
+def _dequantize_state(state: tuple, shape: tuple[int, int], dtype: torch.dtype, blocksize: int) -> torch.Tensor:
+    """The weight from a Linear4bit's 4-bit state ``(packed, absmax)`` or ``(packed, codes, absmax2, offset)``."""
+    if len(state) == 2:
+        packed, absmax = state
+    else:
+        packed, codes, absmax2, offset = state
+        absmax = double_dequantize(codes, absmax2, offset)
+    return dequantize_nf4(packed, absmax, shape, dtype, blocksize)
+
+
+class _MatMul4bit(torch.autograd.Function):
+    """``F.linear(x, dequantize(W), bias)`` whose backward keeps only the 4-bit state, as QLoRA does.
+
+    Letting autograd record ``F.linear`` on the dequantized weight would save that 16-bit (or 32-bit)
+    copy of every frozen weight until backward: 4x (8x) the NF4 bytes, per layer, for the whole
+    forward. Here the dequantized weight lives only inside forward; backward dequantizes again for the
+    input gradient ``grad @ W`` (the weight is frozen: no weight gradient, so the input itself is not
+    saved). The 4-bit state is held by reference (it is the layer's own storage, alive anyway), as
+    bitsandbytes' ``MatMul4Bit`` does; nothing goes through ``save_for_backward``, so saved-tensor
+    hooks (activation offloading, checkpointing) never see or copy the weight.
+
+    Under autocast the matmul runs in autocast's dtype (as ``F.linear`` would) and the input gradient is
+    computed in that same dtype, then cast back to the input's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, bias, state, shape, blocksize, compute_dtype):  # noqa: D401
+        w = _dequantize_state(state, shape, compute_dtype, blocksize)
+        out = nn.functional.linear(x, w, bias)
+        ctx.state, ctx.shape, ctx.blocksize = state, shape, blocksize
+        ctx.x_dtype, ctx.mm_dtype = x.dtype, out.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w = _dequantize_state(ctx.state, ctx.shape, ctx.mm_dtype, ctx.blocksize)
+            grad_x = grad.to(ctx.mm_dtype).matmul(w).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_bias, None, None, None, None
+
+
 class Linear4bit(nn.Module):
     """A linear layer whose frozen weight is stored in NF4 (optionally with double-quantized scales).
 
     forward: ``y = x.to(compute_dtype) @ dequantize(W).T + bias``, computed in ``compute_dtype``
     and cast back to x's dtype (as bitsandbytes.nn.Linear4bit does). The weight is not a
     parameter: it never gets a gradient. The bias (kept in compute_dtype) may be trained.
+    For backward only the 4-bit state is kept; the weight is dequantized again for the input
+    gradient (:class:`_MatMul4bit`), so a layer keeps no 16-bit weight between forward and backward.
+    ``.to(dtype)`` / ``.half()`` cast the bias but keep the quantization scales float32.
     """
+
+    _QUANT_STATE = ("absmax", "absmax2", "absmax_offset")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  compute_dtype: torch.dtype = torch.bfloat16, blocksize: int = 64, double_quant: bool = True) -> None:
@@ -337,7 +391,7 @@ class Linear4bit(nn.Module):
         _check_blocksize(blocksize, (32, 64, 128, 256, 512, 1024, 2048, 4096))
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype, self.blocksize, self.double_quant = compute_dtype, blocksize, double_quant
-        w = torch.empty(out_features, in_features)
+        w = torch.empty(out_features, in_features, dtype=torch.float32)
         nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's initialisation
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype)) if bias else None
         self.quantize_(w)
@@ -382,10 +436,28 @@ class Linear4bit(nn.Module):
         return dequantize_nf4(self.weight_packed, self.absmax_fp32(), (self.out_features, self.in_features),
                               dtype or self.compute_dtype, self.blocksize)
 
+    def quant_state(self) -> tuple[torch.Tensor, ...]:
+        """The stored 4-bit state: ``(weight_packed, absmax)`` or, with double quant,
+        ``(weight_packed, absmax_codes, absmax2, absmax_offset)``."""
+        if self.double_quant:
+            return self.weight_packed, self.absmax_codes, self.absmax2, self.absmax_offset
+        return self.weight_packed, self.absmax
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantized_weight(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return nn.functional.linear(x.to(self.compute_dtype), w, bias).to(x.dtype)
+        out = _MatMul4bit.apply(x.to(self.compute_dtype), bias, self.quant_state(),
+                                (self.out_features, self.in_features), self.blocksize, self.compute_dtype)
+        return out.to(x.dtype)
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.half()``, ``.cuda()``...: the quantization scales move but stay float32 (as in bitsandbytes)."""
+        kept = {n: self._buffers[n] for n in self._QUANT_STATE if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for n, old in kept.items():
+            new = self._buffers[n]
+            if new.dtype != old.dtype:  # cast by fn: take the original values to the new device instead
+                self._buffers[n] = old.to(device=new.device)
+        return self
 
     def storage_bytes(self) -> int:
         """Bytes of the stored weight and its scales (not the bias)."""
@@ -479,6 +551,31 @@ class Adam8bit(torch.optim.Optimizer):
                     st["state2"], st["absmax2"] = quantize_blockwise(v, q2, bs)
                 p.data.copy_(pf)
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``Optimizer.load_state_dict`` casts every floating parameter's state to the parameter's dtype:
+        the uint8 codes would become moments of the wrong meaning (or bf16) and the fp32 moments of small tensors
+        fp16/bf16 (and the next step would take the 8-bit branch). The state is loaded, then each tensor is put back
+        in the dtype it was saved in (copied from the saved values, never a round trip through the cast)."""
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            for k, v in saved.get(pid, {}).items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    self.state[p][k] = v.to(device=p.device, copy=True)
+
+    def __getstate__(self) -> dict:
+        """deepcopy and pickle keep the block size and the 8-bit threshold (torch's Optimizer keeps only
+        defaults, state and param_groups); the quantization maps are rebuilt on load."""
+        state = super().__getstate__()
+        state.update(blocksize=self.blocksize, min_8bit_size=self.min_8bit_size)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.qmap1, self.qmap2 = _codebook_cached("dynamic", "cpu"), _codebook_cached("udynamic", "cpu")
 
     def state_bytes(self) -> int:
         """Bytes of all optimizer state tensors (moments and block scales)."""

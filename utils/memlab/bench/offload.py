@@ -5,20 +5,28 @@ Two tables, each measured in one run:
 * **CPU step throughput** (any machine): memlab's flat step (:func:`memlab.offload.adamw_step_flat_`,
   the C++/OpenMP kernel or its eager fallback: the table names which ran) against
   ``torch.optim.AdamW`` for-loop (``foreach=False``), ``foreach=True`` and ``fused=True``, in
-  parameters per second and as a share of this machine's copy bandwidth. AdamW reads p, g, m, v
-  and writes p, m, v: 28 bytes per parameter, so the step is memory-bound and the bandwidth of
-  a streaming copy is its roofline. The copy measured is the in-place ``a += b`` (12 bytes per
-  element read + written), which touches memory the way AdamW does: every line it writes it has
-  just read. A plain ``dst.copy_(src)`` is shown too; it moves fewer bytes per second than it
-  counts, because writing ``dst`` first reads each cache line in (write-allocate).
+  parameters per second and as a share of this machine's copy bandwidth **at the step's own
+  working-set size**. AdamW reads p, g, m, v and writes p, m, v: 28 bytes per parameter, so the
+  step is memory-bound and a streaming copy over the same bytes is its roofline. The copy measured
+  is the in-place ``a += b`` (12 bytes per element read + written) over two arrays of ``2n``
+  floats: the same 16 bytes per parameter of memory as the step's four ``n``-float buffers, so both
+  run from the same level of the memory hierarchy (a 1M-parameter step fits in cache; a 128 MiB
+  copy does not, and comparing the two read 352% once). A plain ``dst.copy_(src)`` is shown too;
+  it moves fewer bytes per second than it counts, because writing ``dst`` first reads each cache
+  line in (write-allocate).
 * **Offloaded training** (CUDA only): step time and peak device memory of a >= 300M-parameter
-  TinyGPT with on-device fused AdamW (fp32 weights, bf16 autocast: 16 bytes/param on the
-  device) against :class:`memlab.offload.OffloadedAdamW` (bf16 weights on the device, fp32
-  master and moments on the host), with and without offloaded gradients, and torchao's
-  ``CPUOffloadOptimizer`` when it is importable.
+  TinyGPT, one change at a time: on-device fused AdamW with pure bf16 weights (the baseline: the
+  same weights and gradients as the offloaded runs, the optimizer on the device), on-device fused
+  AdamW with fp32 weights and bf16 autocast (16 bytes/param, for reference), and
+  :class:`memlab.offload.OffloadedAdamW` (bf16 weights on the device, fp32 master and moments on
+  the host) with the update after backward, with the update during backward
+  (``step_in_backward=True``), with the one-step delayed update (``delay_update=True``: another
+  trajectory, timed here, not equal) and with offloaded gradients; torchao's ``CPUOffloadOptimizer``
+  when it is importable (it needs CUDA or XPU).
 
-Targets (issue 12): CPU fast step >= 0.9x torch's fused CPU AdamW and >= 60% of the copy
-bandwidth; on a GPU, step time <= 1.15x on-device AdamW with >= 45% less peak device memory.
+Targets (issues 12, 22): CPU fast step >= 0.9x torch's fused CPU AdamW and >= 60% of the copy
+bandwidth at the same working set; on a GPU, step time <= 1.15x the on-device pure-bf16 step with
+>= 45% less peak device memory.
 """
 from __future__ import annotations
 
@@ -65,11 +73,11 @@ def cpu_step_rows(sizes: list[int], repeat: int = 5, n_tensors: int = 8) -> tupl
     from memlab import offload
 
     kernel = offload.kernel_name()
-    bw = copy_bandwidth()
     rows: list[list[Any]] = []
-    summary: dict[str, Any] = {"kernel": kernel, "copy_bw": bw, "plain_copy_bw": copy_bandwidth(kind="copy"), "sizes": {}}
+    summary: dict[str, Any] = {"kernel": kernel, "sizes": {}}
     for n in sizes:
         res: dict[str, float] = {}
+        summary["sizes"][n] = {"plain_copy_bw": copy_bandwidth(2 * n, repeat=repeat, kind="copy")}
         gen = torch.Generator().manual_seed(0)
         p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
         m, v = torch.zeros(n), torch.zeros(n)
@@ -87,10 +95,14 @@ def cpu_step_rows(sizes: list[int], repeat: int = 5, n_tensors: int = 8) -> tupl
 
         # the two fast ones alternate, so that a busy moment on a shared machine hits both alike
         fused_opt = torch_adamw(fused=True)
-        ours_t, fused_t = [], []
+        ours_t, fused_t, bws = [], [], []
         for _ in range(3):
             ours_t.append(time_median(fast, repeat=repeat, warmup=1, device="cpu"))
             fused_t.append(time_median(fused_opt.step, repeat=repeat, warmup=1, device="cpu"))
+            # two arrays of 2n floats: the step's own 16 bytes/param of memory, measured between the steps
+            bws.append(copy_bandwidth(2 * n, repeat=repeat))
+        bw = sorted(bws)[1]
+        summary["sizes"][n]["copy_bw"] = bw
         res["memlab flat step"] = sorted(ours_t)[1]
         del p, g, m, v, fused_opt
         gc.collect()
@@ -105,8 +117,8 @@ def cpu_step_rows(sizes: list[int], repeat: int = 5, n_tensors: int = 8) -> tupl
             gps = n / t
             rows.append([f"{label}" + (f" [{kernel}]" if label.startswith("memlab") else ""), n, t * 1e3, gps / 1e9,
                          gps * BYTES_PER_PARAM / 2**30, gps * BYTES_PER_PARAM / bw, fused / t])
-        summary["sizes"][n] = {"vs_fused": fused / res["memlab flat step"],
-                               "of_bw": n / res["memlab flat step"] * BYTES_PER_PARAM / bw}
+        summary["sizes"][n].update({"vs_fused": fused / res["memlab flat step"],
+                                    "of_bw": n / res["memlab flat step"] * BYTES_PER_PARAM / bw})
     return rows, summary
 
 
@@ -124,13 +136,17 @@ def gpu_recipe(recipe: str, *, n_layer: int, n_embd: int, batch: int, seq: int, 
     from memlab.models import lm_loss
     from memlab.offload import OffloadedAdamW
 
-    autocast = recipe == "on-device fused AdamW"
+    if recipe not in GPU_RECIPES:
+        raise ValueError(f"recipe={recipe!r} is not known; allowed: {'; '.join(repr(r) for r in GPU_RECIPES)}")
+    autocast = recipe == "on-device fused AdamW, fp32 weights + bf16 autocast"
     model = _gpt(n_layer, n_embd, seq, torch.float32 if autocast else torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
-    if autocast:
+    if recipe.startswith("on-device"):
         opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     elif recipe.startswith("memlab"):
-        opt = OffloadedAdamW(model.parameters(), lr=1e-4, offload_gradients="offload grads" in recipe)
+        opt = OffloadedAdamW(model.parameters(), lr=1e-4, offload_gradients="offload grads" in recipe,
+                             accumulation_steps=accum, step_in_backward="in backward" in recipe,
+                             delay_update="delayed" in recipe)
     else:
         try:
             from torchao.optim import CPUOffloadOptimizer
@@ -164,7 +180,10 @@ def gpu_recipe(recipe: str, *, n_layer: int, n_embd: int, batch: int, seq: int, 
     return out
 
 
-GPU_RECIPES = ("on-device fused AdamW", "memlab OffloadedAdamW", "memlab OffloadedAdamW + offload grads",
+BASELINE = "on-device fused AdamW, pure bf16"
+GPU_RECIPES = (BASELINE, "on-device fused AdamW, fp32 weights + bf16 autocast", "memlab OffloadedAdamW",
+               "memlab OffloadedAdamW, step in backward", "memlab OffloadedAdamW, delayed update",
+               "memlab OffloadedAdamW + offload grads",
                "torchao CPUOffloadOptimizer", "torchao CPUOffloadOptimizer + offload grads")
 
 
@@ -192,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, summary = cpu_step_rows(sizes, repeat=args.repeat)
     header = ["CPU AdamW step", "params", "ms", "Gparam/s", "GiB/s (28 B/param)", "of copy bw", "speed vs fused"]
-    print(table(f"memlab bench offload: CPU step; copy bandwidth {summary['copy_bw'] / 2**30:.1f} GiB/s "
-                f"(a += b, read + written; dst.copy_(src): {summary['plain_copy_bw'] / 2**30:.1f} GiB/s)",
+    bws = "; ".join(f"{n:,}: {s['copy_bw'] / 2**30:.1f} GiB/s (dst.copy_(src) {s['plain_copy_bw'] / 2**30:.1f})"
+                    for n, s in summary["sizes"].items())
+    print(table(f"memlab bench offload: CPU step; copy bandwidth at each step's working set (a += b over 2n floats) {bws}",
                 header, rows, "cpu"))
     print(f"fast step ran: {summary['kernel']}")
     for n, s in summary["sizes"].items():
@@ -208,18 +228,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     kw = dict(n_layer=args.layers, n_embd=args.width, batch=args.batch_size, seq=args.seq_len, accum=args.accum, repeat=args.repeat)
     results = {r: gpu_recipe(r, **kw) for r in GPU_RECIPES}
-    base = results["on-device fused AdamW"]
+    base = results[BASELINE]
     grows = []
     for r, res in results.items():
         if "skipped" in res:
             grows.append([r, "-", "-", "-", "-", res["skipped"]])
             continue
+        note = ("torchao documents offload_gradients as incompatible with accumulation: the earlier micro-batches' "
+                "gradients are overwritten" if r == "torchao CPUOffloadOptimizer + offload grads" and args.accum > 1 else "")
         grows.append([r, res["seconds"], res["seconds"] / base["seconds"], res["peak"] / 2**30,
-                      f"{1 - res['peak'] / base['peak']:.0%}", ""])
+                      f"{1 - res['peak'] / base['peak']:.0%}", note])
     print(table(f"memlab bench offload: TinyGPT {base['params'] / 1e6:.0f}M params, {args.accum} micro-batches of "
                 f"{args.batch_size} x {args.seq_len} per step (bf16 compute)",
-                ["recipe", "step (s)", "time vs on-device", "peak device (GiB)", "less device memory", "note"], grows, DEVICE))
-    for r in ("memlab OffloadedAdamW", "memlab OffloadedAdamW + offload grads"):
+                ["recipe", "step (s)", "time vs pure-bf16 on-device", "peak device (GiB)", "less device memory", "note"], grows, DEVICE))
+    for r in ("memlab OffloadedAdamW", "memlab OffloadedAdamW, step in backward", "memlab OffloadedAdamW, delayed update",
+              "memlab OffloadedAdamW + offload grads"):
         res = results[r]
         t, mem = res["seconds"] / base["seconds"], 1 - res["peak"] / base["peak"]
         print(f"target {r}: {t:.2f}x step time (<= 1.15: {'met' if t <= 1.15 else 'missed'}), "

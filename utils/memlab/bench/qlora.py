@@ -42,7 +42,13 @@ def bench_nf4(rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.devi
     t_q = time_median(lambda: quant.quantize_nf4(w), repeat=repeat, device=device)
     t_q_ref = time_median(lambda: F.quantize_4bit(w, blocksize=64, quant_type="nf4"), repeat=repeat, device=device)
     deq = quant.dequantize_nf4(ours[0], ours[1], w.shape, dtype)
-    same_d = torch.equal(deq.reshape(-1), F.dequantize_4bit(ref_packed, st).reshape(-1))
+    ref_deq = F.dequantize_4bit(ref_packed, st).reshape(-1)
+    same_d = torch.equal(deq.reshape(-1), ref_deq)
+    if not same_d:  # bitsandbytes 0.50's CPU kernel is wrong at some shapes on AVX-512 CPUs: say whose values are right
+        codes = quant.unpack_nibbles(ref_packed, w.numel()).cpu()
+        definition = (quant.nf4_codebook()[codes] * st.absmax.cpu().float().repeat_interleave(64)[: w.numel()]).to(dtype)
+        if torch.equal(deq.reshape(-1).cpu(), definition) and not torch.equal(ref_deq.cpu(), definition):
+            same_d = "bnb kernel wrong"
     t_d = time_median(lambda: quant.dequantize_nf4(ours[0], ours[1], w.shape, dtype), repeat=repeat, device=device)
     t_d_ref = time_median(lambda: F.dequantize_4bit(ref_packed, st), repeat=repeat, device=device)
     b_ours = ours[0].numel() + 4 * ours[1].numel()
@@ -50,7 +56,8 @@ def bench_nf4(rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.devi
     n = w.numel()
     return [
         ["quantize", t_q * 1e3, t_q_ref * 1e3, t_q_ref / t_q, n / t_q / 1e9, b_ours, b_ref, "yes" if same else "NO"],
-        ["dequantize", t_d * 1e3, t_d_ref * 1e3, t_d_ref / t_d, n / t_d / 1e9, b_ours, b_ref, "yes" if same_d else "NO"],
+        ["dequantize", t_d * 1e3, t_d_ref * 1e3, t_d_ref / t_d, n / t_d / 1e9, b_ours, b_ref,
+         same_d if isinstance(same_d, str) else "yes" if same_d else "NO"],
     ]
 
 

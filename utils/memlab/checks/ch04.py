@@ -1,14 +1,20 @@
 """Checks for chapter 04, CPU-offload AdamW.
 
-04.adamw_update          one AdamW step, bitwise equal to torch.optim.AdamW(foreach=False) over many steps
-04.bias_correction       (1 - beta1**t, 1 - beta2**t) and what they do to the first step
-04.pack_flat             tensors packed in one flat float32 buffer, with views that share its storage
-04.chunked_step          the step over flat buffers in slices of `chunk` elements (no full-size temporaries)
-04.grad_hook             post-accumulate-grad hooks that add each finished grad into its fp32 slot and free it
-04.predict_device_bytes  predict the device bytes of a model's states under AdamW / offload; graded on the error
+04.adamw_update        one AdamW step, bitwise equal to torch.optim.AdamW(foreach=False) over many steps,
+                       in place on non-contiguous and channels_last parameters too
+04.pack_flat           tensors (any layout) packed in one flat float32 buffer, with views that share its storage
+                       and never alias the inputs
+04.chunked_step        the step over flat buffers in slices of `chunk` elements: every element bitwise one
+                       AdamW update, no full-size temporaries
+04.grad_hook           post-accumulate-grad hooks that add each finished grad into its fp32 slot (bitwise) and free
+                       it, with a frozen parameter beside trainable ones of the same shape
+04.offload_optimizer   the learner's own offload optimizer from their pieces: bitwise vs torch.optim.AdamW with
+                       gradient accumulation and a frozen parameter (fp32), vs fp32-master AdamW (bf16)
+04.predict_traffic     predict the bytes that cross host <-> device per optimizer step; graded on the error
+                       against the copies counted in a real step
 
 Production references: torch.optim.AdamW (its single-tensor for-loop), torch's autograd
-post-accumulate-grad hooks, and the tensors counted after a real training step.
+post-accumulate-grad hooks, and the copies counted (TorchDispatchMode) in a real OffloadedAdamW step.
 """
 from __future__ import annotations
 
@@ -20,8 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab import offload
-from memlab.accounting import optimizer_state_bytes, unique_bytes
-from memlab.checks import expect, expect_close, expect_type, register
+from memlab.checks import expect, expect_type, register
 
 HPARAMS = [
     dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2),
@@ -34,25 +39,45 @@ def _hp_str(hp: dict) -> str:
     return ", ".join(f"{k}={v:g}" for k, v in hp.items())
 
 
+def _layouts(shape_kind: str, gen: torch.Generator) -> torch.Tensor:
+    """A fresh tensor in one of the layouts real parameters have."""
+    if shape_kind == "odd":
+        return torch.randn(7, generator=gen)
+    if shape_kind == "matrix":
+        return torch.randn(33, 5, generator=gen)
+    if shape_kind == "transposed":  # non-contiguous: a transposed view (tied / transposed weights)
+        return torch.randn(5, 33, generator=gen).t()
+    if shape_kind == "channels_last":  # a conv weight in channels_last
+        return torch.randn(4, 3, 3, 3, generator=gen).contiguous(memory_format=torch.channels_last)
+    raise ValueError(shape_kind)
+
+
+LAYOUTS = ("odd", "matrix", "transposed", "channels_last")
+
+
 # ----------------------------------------------------------------------------- 04.adamw_update
 @register("04.adamw_update", reference=lambda: offload.adamw_step_, title="AdamW update, bitwise vs torch")
 def check_adamw_update(fn) -> None:
     expect(callable(fn), f"adamw_step_: expected a function, got {type(fn).__name__}")
     for hp in HPARAMS:
-        for shape in ((7,), (33, 5)):
+        for kind in LAYOUTS:
             gen = torch.Generator().manual_seed(4)
-            p0 = torch.randn(shape, generator=gen)
-            ref = nn.Parameter(p0.clone())
+            p = _layouts(kind, gen)
+            shape = tuple(p.shape)
+            ref = nn.Parameter(p.detach().clone())
             opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
                                     weight_decay=hp["weight_decay"], foreach=False)
-            p, m, v = p0.clone(), torch.zeros(shape), torch.zeros(shape)
+            m, v = torch.zeros(shape), torch.zeros(shape)
+            ptr, strides = p.data_ptr(), p.stride()
             for step in range(1, 9):
                 g = torch.randn(shape, generator=gen) * (10.0 if step == 4 else 1.0)
                 ref.grad = g.clone()
                 opt.step()
                 out = fn(p, g.clone(), m, v, step, **hp)
                 expect(out is None or out is p, "adamw_step_: update param, exp_avg and exp_avg_sq in place (return None)")
-                where = f"({_hp_str(hp)}, shape {shape}, step {step})"
+                where = f"({_hp_str(hp)}, {kind} param of shape {shape}, step {step})"
+                expect(p.data_ptr() == ptr and p.stride() == strides,
+                       f"adamw_step_ {where}: param must be updated in place in its own memory and layout")
                 for name, got, want in (("exp_avg", m, opt.state[ref]["exp_avg"]), ("exp_avg_sq", v, opt.state[ref]["exp_avg_sq"]),
                                         ("param", p, ref.data)):
                     if not torch.equal(got, want):
@@ -65,26 +90,6 @@ def check_adamw_update(fn) -> None:
                         }[name]
                         expect(False, f"adamw_step_ {where}: {name} differs from torch AdamW by {d:.3g}; "
                                f"torch's op order is {hint}")
-
-
-# ----------------------------------------------------------------------------- 04.bias_correction
-@register("04.bias_correction", reference=lambda: offload.bias_corrections, title="bias corrections")
-def check_bias_correction(fn) -> None:
-    expect(callable(fn), f"bias_corrections: expected a function, got {type(fn).__name__}")
-    for beta1, beta2 in ((0.9, 0.999), (0.8, 0.95), (0.0, 0.5)):
-        for step in (1, 2, 3, 10, 100, 5000):
-            got = fn(step, beta1, beta2)
-            expect(isinstance(got, (tuple, list)) and len(got) == 2,
-                   f"bias_corrections({step}, {beta1}, {beta2}): expected a pair (bc1, bc2), got {got!r:.80}")
-            want = (1 - beta1**step, 1 - beta2**step)
-            for name, g, w in zip(("bc1", "bc2"), got, want):
-                expect_close(f"bias_corrections(step={step}, beta1={beta1}, beta2={beta2}) {name}", g, w, rtol=1e-12)
-    # what the corrections are for: with zero-initialised moments, the first corrected step is lr*g/(|g|+eps)
-    g = torch.tensor([0.5, -2.0, 1e-3])
-    bc1, bc2 = fn(1, 0.9, 0.999)
-    m_hat, v_hat = (0.1 * g) / bc1, (0.001 * g * g) / bc2
-    expect(torch.allclose(m_hat / v_hat.sqrt(), g.sign(), rtol=1e-5),
-           "bias_corrections: after step 1, m/bc1 / sqrt(v/bc2) must be sign(g) (zero-initialised moments, de-biased)")
 
 
 # ----------------------------------------------------------------------------- 04.pack_flat
@@ -101,7 +106,10 @@ def check_pack_flat(fn) -> None:
         ("three fp32 tensors", [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen), torch.randn(2, 2, 2, generator=gen)]),
         ("bf16 tensors (cast to float32)", [torch.randn(6, generator=gen).bfloat16(), torch.randn(4, 3, generator=gen).bfloat16()]),
         ("a 0-d tensor between two others", [torch.randn(2, generator=gen), torch.tensor(3.5), torch.randn(1, 3, generator=gen)]),
-        ("one tensor", [torch.randn(10, generator=gen)]),
+        ("one fp32 tensor", [torch.randn(10, generator=gen)]),
+        ("a transposed (non-contiguous) tensor", [torch.randn(3, generator=gen), torch.randn(4, 6, generator=gen).t()]),
+        ("a channels_last conv weight", [torch.randn(4, 3, 3, 3, generator=gen).contiguous(memory_format=torch.channels_last),
+                                         torch.randn(4, generator=gen)]),
     ]
     for name, ts in cases:
         originals = [t.clone() for t in ts]
@@ -123,12 +131,18 @@ def check_pack_flat(fn) -> None:
                    f"pack ({name}): views[{i}] does not share flat's storage; slice flat and .view() it, never copy")
             expect(v.storage_offset() - flat.storage_offset() == offset,
                    f"pack ({name}): views[{i}] starts at element {v.storage_offset() - flat.storage_offset()} of flat, expected {offset}")
+            expect(v.is_contiguous() and torch.equal(flat[offset:offset + t.numel()], t.reshape(-1).float()),
+                   f"pack ({name}): flat[{offset}:{offset + t.numel()}] must hold tensor {i} in row-major order (views[{i}] "
+                   "contiguous, whatever the input's strides): every flat buffer of the optimizer must line up element for element")
             offset += t.numel()
         for t, o in zip(ts, originals):
             expect(torch.equal(t, o), f"pack ({name}): the input tensors must not change")
         flat.mul_(2)
         for i, (v, t) in enumerate(zip(views, originals)):
             expect(torch.equal(v, t.float() * 2), f"pack ({name}): writing flat did not change views[{i}]")
+        for i, (t, o) in enumerate(zip(ts, originals)):
+            expect(torch.equal(t, o), f"pack ({name}): writing flat changed input tensor {i}: flat aliases it. The master "
+                   "copy must be a copy (the parameter keeps its own memory on the device)")
 
 
 # ----------------------------------------------------------------------------- 04.chunked_step
@@ -151,28 +165,47 @@ class _AllocLog(TorchDispatchMode):
         return out
 
 
+def _one_update_each(before, hp, step):
+    """The allowed results of one AdamW update of every element: torch's op order with torch's sqrt, or with a
+    correctly rounded sqrt (the C++ kernel, torch's fused CPU AdamW). Both bitwise; nothing in between."""
+    outs = []
+    fns = [lambda *a, **k: offload.adamw_step_(*a, **k), offload.adamw_step_eager_chunked_]
+    if offload.kernel_name().startswith("C++"):
+        fns.append(offload.adamw_step_flat_)
+    for f in fns:
+        t = [x.clone() for x in before]
+        f(t[0], t[1], t[2], t[3], step, **hp)
+        outs.append(t)
+    return outs
+
+
 @register("04.chunked_step", reference=lambda: offload.adamw_step_eager_chunked_, title="chunked step on flat buffers")
 def check_chunked_step(fn) -> None:
     expect(callable(fn), f"adamw_step_chunked_: expected a function, got {type(fn).__name__}")
     for n, chunk in ((1000, 128), (1003, 100), (64, 64), (50, 1000), (9, 1)):
-        for hp in HPARAMS[:2]:
+        for hp in HPARAMS:
             gen = torch.Generator().manual_seed(n)
-            p0 = torch.randn(n, generator=gen)
-            want = [p0.clone(), torch.zeros(n), torch.zeros(n)]
-            got = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+            got = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
             log = _AllocLog()
             for step in range(1, 5):
-                g = torch.randn(n, generator=gen)
-                offload.adamw_step_(want[0], g, want[1], want[2], step, **hp)
-                g_in = g.clone()
+                got[1] = torch.randn(n, generator=gen) * (100.0 if step == 2 else 1.0)
+                before = [t.clone() for t in got]
+                allowed = _one_update_each(before, hp, step)
                 with log:
-                    fn(got[0], g_in, got[1], got[2], step, chunk=chunk, **hp)
+                    fn(got[0], got[1], got[2], got[3], step, chunk=chunk, **hp)
                 where = f"(n={n}, chunk={chunk}, {_hp_str(hp)}, step {step})"
-                for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), got, want):
-                    if not torch.allclose(a, b, rtol=1e-6, atol=1e-7):
-                        bad = (~torch.isclose(a, b, rtol=1e-6, atol=1e-7)).nonzero().flatten()
-                        expect(False, f"adamw_step_chunked_ {where}: {name} is wrong at {bad.numel()} element(s), first at index "
-                               f"{bad[0].item()}; every element must get exactly one AdamW update with this step number")
+                expect(torch.equal(got[1], before[1]), f"adamw_step_chunked_ {where}: the gradient must not change")
+                for k, name in ((2, "exp_avg"), (3, "exp_avg_sq"), (0, "param")):
+                    ok = torch.zeros(n, dtype=torch.bool)
+                    for a in allowed:
+                        ok |= got[k] == a[k]
+                    if not bool(ok.all()):
+                        bad = (~ok).nonzero().flatten()
+                        d = (got[k] - allowed[0][k]).abs().max().item()
+                        expect(False, f"adamw_step_chunked_ {where}: {name} differs from one AdamW update at {bad.numel()} "
+                               f"element(s), first at index {bad[0].item()} (max diff {d:.3g}); every element must get "
+                               "exactly one update with this step number, bitwise: torch's op order, bias corrections "
+                               "as Python floats (double)")
             expect(log.largest <= chunk,
                    f"adamw_step_chunked_ (n={n}, chunk={chunk}): an op allocated a temporary of {log.largest} elements; "
                    f"work on slices of at most chunk={chunk} elements so temporaries stay in cache")
@@ -180,77 +213,228 @@ def check_chunked_step(fn) -> None:
 
 # ----------------------------------------------------------------------------- 04.grad_hook
 def _net(dtype: torch.dtype) -> nn.Module:
+    """Linear layers with a frozen 16x16 layer between trainable ones of the same shape."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                        nn.Linear(16, 3)).to(dtype)
+    net[2].requires_grad_(False)
+    return net
+
+
+def _conv_net(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).to(dtype)
+    return net.to(memory_format=torch.channels_last)
+
+
+def _micro_grads(ref: nn.Module, batches, conv: bool) -> list[list[torch.Tensor | None]]:
+    """Each micro-batch's own gradient, per parameter (None: no gradient)."""
+    out = []
+    for x, y in batches:
+        ref.zero_grad(set_to_none=True)
+        (ref(x).float() - y.float()).pow(2).mean().backward()
+        out.append([None if p.grad is None else p.grad.clone() for p in ref.parameters()])
+    return out
 
 
 @register("04.grad_hook", reference=lambda: offload.install_grad_hooks, title="gradient-staging hooks")
 def check_grad_hook(fn) -> None:
     expect(callable(fn), f"install_grad_hooks: expected a function, got {type(fn).__name__}")
     for dtype in (torch.float32, torch.bfloat16):
-        ref, mine = _net(dtype), _net(dtype)
-        unused = nn.Parameter(torch.ones(4, dtype=dtype))  # gets no gradient: its slot must stay zero
-        params = list(mine.parameters()) + [unused]
-        slots = [torch.zeros(p.shape) for p in params]
-        seen_during_backward: list[int] = []
+        for conv in (False, True):
+            make = _conv_net if conv else _net
+            ref, mine = make(dtype), make(dtype)
+            what = f"{dtype}, {'channels_last conv' if conv else 'MLP with a frozen layer beside trainable ones of its shape'}"
+            unused = nn.Parameter(torch.ones(4, dtype=dtype))  # trainable, but gets no gradient: its slot must stay zero
+            params = list(mine.parameters()) + [unused]
+            slots = [torch.zeros(p.shape) for p in params]
+            trainable = [p for p in mine.parameters() if p.requires_grad]
+            seen_during_backward: list[int] = []
+            first = mine[0]
 
-        def spy(grad):  # runs when the first layer's input grad is computed: late in backward
-            seen_during_backward.append(sum(p.grad is not None for p in mine[2:].parameters()))
-            return grad
+            def spy(grad):  # runs when the first layer's output grad is computed: late in backward
+                seen_during_backward.append(sum(p.grad is not None for p in trainable if p is not first.weight
+                                                and p is not first.bias))
+                return grad
 
-        handles = fn(params, slots)
-        expect(isinstance(handles, (list, tuple)) and len(handles) >= len(list(mine.parameters())),
-               f"install_grad_hooks ({dtype}): return the list of hook handles (one per parameter), got {handles!r:.80}")
-        gen = torch.Generator().manual_seed(1)
-        for micro in range(3):
-            x = torch.randn(8, 6, generator=gen).to(dtype)
-            y = torch.randn(8, 3, generator=gen).to(dtype)
-            (ref(x).float() - y.float()).pow(2).mean().backward()
-            def watch(mod, inp, out):
-                out.register_hook(spy)
+            handles = fn(params, slots)
+            expect(isinstance(handles, (list, tuple)) and len(handles) >= len(trainable),
+                   f"install_grad_hooks ({what}): return the list of hook handles (one per trainable parameter), "
+                   f"got {handles!r:.80}")
+            gen = torch.Generator().manual_seed(1)
+            shape_in = (8, 3, 6, 6) if conv else (8, 6)
+            batches = [(torch.randn(*shape_in, generator=gen).to(dtype), torch.randn(8, 3, generator=gen).to(dtype))
+                       for _ in range(3)]
+            if conv:
+                batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
+            per_micro = _micro_grads(ref, batches, conv)
+            want = [torch.zeros(p.shape) for p in params]
+            for micro, (x, y) in enumerate(batches):
+                h = first.register_forward_hook(lambda mod, inp, out: out.register_hook(spy) and None)
+                (mine(x).float() - y.float()).pow(2).mean().backward()
+                h.remove()
+                for i, p in enumerate(mine.parameters()):
+                    expect(p.grad is None, f"install_grad_hooks ({what}, micro-batch {micro}): parameter {i} still holds "
+                           ".grad after backward; set param.grad = None in the hook so the device memory is freed")
+                expect(seen_during_backward[-1] == 0, f"install_grad_hooks ({what}): the later layers' grads were still "
+                       "on the model while backward went on; stage and free each one as soon as it is final "
+                       "(post-accumulate-grad hook)")
+                for i, g in enumerate(per_micro[micro]):
+                    if g is not None:
+                        want[i].add_(g)  # fp32 slot += this micro-batch's grad, in order
+                for i, (s, w) in enumerate(zip(slots, want)):
+                    expect(s.dtype == torch.float32, f"install_grad_hooks ({what}): slot {i} became {s.dtype}; keep slots float32")
+                    if not torch.equal(s, w):
+                        frozen = "" if params[i].requires_grad else " (a frozen parameter: it gets no gradient, its slot stays 0)"
+                        expect(False, f"install_grad_hooks ({what}, after {micro + 1} micro-batch(es)): slot {i}{frozen} is "
+                               f"off from the fp32 sum of the micro-batch gradients by {(s - w).abs().max().item():.3g}; "
+                               "add each micro-batch's grad into its own parameter's slot in float32 (slot.add_(grad)), "
+                               "never overwrite it or sum in the gradient's dtype")
+            expect(torch.count_nonzero(slots[-1]).item() == 0, f"install_grad_hooks ({what}): a parameter without a gradient changed its slot")
+            for hnd in handles:
+                hnd.remove()
+            before = [s.clone() for s in slots]
+            (mine(batches[0][0]).float().sum()).backward()
+            expect(all(torch.equal(a, b) for a, b in zip(slots, before)),
+                   f"install_grad_hooks ({what}): removing the returned handles must stop the staging")
 
-            h = mine[0].register_forward_hook(watch)
-            (mine(x).float() - y.float()).pow(2).mean().backward()
-            h.remove()
-            for i, p in enumerate(mine.parameters()):
-                expect(p.grad is None, f"install_grad_hooks ({dtype}, micro-batch {micro}): parameter {i} still holds .grad "
-                       "after backward; set param.grad = None in the hook so the device memory is freed")
-            expect(seen_during_backward[-1] == 0, f"install_grad_hooks ({dtype}): the later layers' grads were still on the "
-                   "model while backward went on; stage and free each one as soon as it is final (post-accumulate-grad hook)")
-            for i, (p, s) in enumerate(zip(ref.parameters(), slots)):
-                expect(s.dtype == torch.float32, f"install_grad_hooks ({dtype}): slot {i} became {s.dtype}; keep slots float32")
-                want = p.grad.float()
-                if not torch.allclose(s, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4):
-                    expect(False, f"install_grad_hooks ({dtype}, after {micro + 1} micro-batch(es)): slot {i} is off from the "
-                           f"accumulated gradient by {(s - want).abs().max().item():.3g}; add each micro-batch's grad into the "
-                           "slot (slot += grad), never overwrite it")
-        expect(torch.count_nonzero(slots[-1]).item() == 0, f"install_grad_hooks ({dtype}): a parameter without a gradient changed its slot")
-        for hnd in handles:
-            hnd.remove()
-        before = [s.clone() for s in slots]
-        (mine(torch.randn(2, 6).to(dtype)).float().sum()).backward()
-        expect(all(torch.equal(a, b) for a, b in zip(slots, before)),
-               f"install_grad_hooks ({dtype}): removing the returned handles must stop the staging")
+
+# ----------------------------------------------------------------------------- 04.offload_optimizer
+def _opt_batches(dtype, n, gen):
+    return [(torch.randn(8, 6, generator=gen).to(dtype), torch.randn(8, 3, generator=gen).to(dtype)) for _ in range(n)]
 
 
-# ----------------------------------------------------------------------------- 04.predict_device_bytes
-def _measure_device_bytes(model: nn.Module, recipe: str) -> int:
-    """Train one step under ``recipe`` and count what stays on the device (storages once)."""
+def _loss(model, x, y, k):
+    return (model(x).float() - y.float()).pow(2).mean() / k
+
+
+@register("04.offload_optimizer", reference=lambda: _ReferenceOffload, title="your offload optimizer, bitwise", timeout=120)
+def check_offload_optimizer(cls) -> None:
+    expect(callable(cls), f"OffloadAdamW: expected a class, got {type(cls).__name__}")
+    k, steps = 3, 3
+    for dtype in (torch.float32, torch.bfloat16):
+        for hp in (HPARAMS[0], HPARAMS[2]):
+            ref, mine = _net(dtype), _net(dtype)
+            what = f"{dtype} MLP with a frozen layer, {k} micro-batches per step, {_hp_str(hp)}"
+            frozen_before = [p.detach().clone() for p in mine[2].parameters()]
+            trainable_ref = [p for p in ref.parameters() if p.requires_grad]
+            if dtype == torch.float32:
+                masters = trainable_ref
+            else:  # the reference for 16-bit weights: AdamW on fp32 masters, gradients summed in fp32
+                masters = [nn.Parameter(p.detach().float()) for p in trainable_ref]
+            ref_opt = torch.optim.AdamW(masters, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                                        weight_decay=hp["weight_decay"], foreach=False)
+            opt = cls(list(mine.parameters()), lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                      weight_decay=hp["weight_decay"])
+            for name in ("step", "zero_grad"):
+                expect(callable(getattr(opt, name, None)), f"OffloadAdamW: the optimizer needs a {name}() method")
+            gen = torch.Generator().manual_seed(2)
+            for step in range(steps):
+                batches = _opt_batches(dtype, k, gen)
+                sums = [torch.zeros(p.shape) for p in trainable_ref]
+                for x, y in batches:
+                    ref.zero_grad(set_to_none=True)
+                    _loss(ref, x, y, k).backward()
+                    for s, p in zip(sums, trainable_ref):
+                        s.add_(p.grad)
+                    _loss(mine, x, y, k).backward()
+                    expect(all(p.grad is None for p in mine.parameters()),
+                           f"OffloadAdamW ({what}): a parameter still holds .grad after backward; the gradients must "
+                           "leave for the host slots as backward produces them (your install_grad_hooks)")
+                for mp, s in zip(masters, sums):
+                    mp.grad = s if dtype == torch.float32 else s.clone()
+                ref_opt.step()
+                if dtype != torch.float32:
+                    with torch.no_grad():
+                        for mp, p in zip(masters, trainable_ref):
+                            p.copy_(mp)
+                opt.step()
+                opt.zero_grad()
+                for i, (p, q) in enumerate(zip(ref.parameters(), mine.parameters())):
+                    expect(q.dtype == dtype, f"OffloadAdamW ({what}): parameter {i} became {q.dtype}; keep the model's dtype")
+                    if not torch.equal(p, q):
+                        expect(False, f"OffloadAdamW ({what}, step {step + 1}): parameter {i} differs from torch AdamW "
+                               f"{'on fp32 master weights ' if dtype != torch.float32 else ''}by "
+                               f"{(p.float() - q.float()).abs().max().item():.3g}; step every trainable parameter once per "
+                               "optimizer step on its fp32 master with the gradient summed over the micro-batches, then "
+                               "copy the master into the parameter, and clear the slots in zero_grad()")
+            for p, b in zip(mine[2].parameters(), frozen_before):
+                expect(torch.equal(p, b), f"OffloadAdamW ({what}): the frozen layer changed; a parameter with "
+                       "requires_grad=False gets no update (and no weight decay)")
+
+
+class _ReferenceOffload:
+    """memlab's answer to 04.offload_optimizer, composed of memlab.offload's pieces."""
+
+    def __init__(self, params, *, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        self.params = [p for p in params if p.requires_grad]
+        self.hp = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+        self.master = offload.pack(self.params)
+        shapes = [p.shape for p in self.params]
+        self.grad, self.m, self.v = (offload.FlatBuffer(shapes) for _ in range(3))
+        self.handles = offload.install_grad_hooks(self.params, self.grad.views)
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        for i, p in enumerate(self.params):
+            offload.adamw_step_(self.master.views[i], self.grad.views[i], self.m.views[i], self.v.views[i], self.t, **self.hp)
+            p.copy_(self.master.views[i])
+
+    def zero_grad(self):
+        self.grad.flat.zero_()
+
+
+# ----------------------------------------------------------------------------- 04.predict_traffic
+class _CopyCounter(TorchDispatchMode):
+    """Bytes that cross between the optimizer's host buffers and the model's tensors, counted op by op.
+
+    An op that writes a host buffer from a model tensor moves the model tensor's bytes to the host; an op
+    that writes a model tensor (a parameter) from a host buffer moves the written bytes to the device."""
+
+    def __init__(self, host: set[int], params: set[int]) -> None:
+        super().__init__()
+        self.host, self.params = host, params
+        self.to_host = self.to_device = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten.add_.Tensor) and len(args) >= 2:
+            dst, src = args[0], args[1]
+            if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+                d, s = dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()
+                if d in self.host and s not in self.host:
+                    self.to_host += src.numel() * src.element_size()
+                elif s in self.host and d in self.params:
+                    self.to_device += dst.numel() * dst.element_size()
+        return out
+
+
+def _measure_traffic(model: nn.Module, micro_batches: int, offload_gradients: bool) -> tuple[int, int]:
+    """One optimizer step of memlab's OffloadedAdamW (after one warm-up step), copies counted."""
     model = copy.deepcopy(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if recipe == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(trainable, lr=1e-3)
-    else:
-        opt = offload.OffloadedAdamW(trainable, lr=1e-3, offload_gradients=recipe == "offload grads")
-    x = _input_for(model)
-    out = model(x)
-    out = out[0] if isinstance(out, tuple) else out
-    out.float().pow(2).mean().backward()
-    opt.step()  # states exist; grads are still there (no zero_grad)
-    weights = unique_bytes(list(model.parameters()) + list(model.buffers()))
-    grads = unique_bytes(p.grad for p in model.parameters())
-    states = optimizer_state_bytes(opt) if recipe == "adamw" else 0  # OffloadedAdamW's state lives on the host
-    return weights + grads + states
+    opt = offload.OffloadedAdamW(model.parameters(), lr=1e-3, offload_gradients=offload_gradients,
+                                 accumulation_steps=micro_batches)
+    host = {b.flat.untyped_storage().data_ptr() for bufs in opt._flats for key, b in bufs.items() if key != "staging"}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    counter = _CopyCounter(host, params)
+    for step in range(2):
+        opt.zero_grad()
+        for _ in range(micro_batches):
+            out = model(_input_for(model))
+            out = out[0] if isinstance(out, tuple) else out
+            if step == 1:
+                with counter:
+                    (out.float().pow(2).mean() / micro_batches).backward()
+            else:
+                (out.float().pow(2).mean() / micro_batches).backward()
+        if step == 1:
+            with counter:
+                opt.step()
+        else:
+            opt.step()
+    return counter.to_host, counter.to_device
 
 
 def _input_for(model: nn.Module) -> torch.Tensor:
@@ -262,30 +446,40 @@ def _input_for(model: nn.Module) -> torch.Tensor:
     return torch.randn(4, first.in_features, dtype=first.weight.dtype)
 
 
-def _models() -> list[tuple[str, nn.Module]]:
+def _traffic_models() -> list[tuple[str, nn.Module]]:
     from memlab.models import TinyGPT, TinyGPTConfig
 
     torch.manual_seed(0)
-    frozen = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
-    frozen[0].requires_grad_(False)
+    frozen = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                           nn.Linear(64, 8)).bfloat16()
+    frozen[2].requires_grad_(False)  # frozen, beside a trainable layer of the same shape
     return [
         ("fp32 MLP", nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))),
-        ("bf16 MLP", nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).bfloat16()),
-        ("MLP with a frozen first layer", frozen),
-        ("TinyGPT (tied embedding and lm_head)", TinyGPT(TinyGPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=256))),
-        ("bf16 TinyGPT", TinyGPT(TinyGPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=256)).bfloat16()),
+        ("bf16 MLP with a frozen middle layer", frozen),
+        ("bf16 TinyGPT (tied embedding and lm_head)",
+         TinyGPT(TinyGPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=256)).bfloat16()),
     ]
 
 
-@register("04.predict_device_bytes", reference=lambda: offload.predict_device_bytes, title="predict device bytes, then measure", timeout=120)
-def check_predict_device_bytes(fn) -> None:
-    expect(callable(fn), f"predict_device_bytes: expected a function, got {type(fn).__name__}")
-    for name, model in _models():
-        for recipe in offload.DEVICE_RECIPES:
-            measured = _measure_device_bytes(model, recipe)
-            predicted = fn(copy.deepcopy(model), recipe)
-            expect(isinstance(predicted, (int, float)) and not isinstance(predicted, bool) and math.isfinite(predicted),
-                   f"predict_device_bytes({name}, {recipe!r}): expected a number of bytes, got {predicted!r:.80}")
-            err = abs(predicted - measured) / measured
-            expect(err <= 0.02, f"predict_device_bytes({name}, {recipe!r}): predicted {int(predicted):,} bytes, measured "
-                   f"{measured:,} after a real step ({err:.1%} off; allowed 2%)")
+def _predict_traffic_reference(model: nn.Module, micro_batches: int, offload_gradients: bool) -> tuple[int, int]:
+    trained = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    nbytes = sum(p.numel() * p.element_size() for p in trained)
+    return (micro_batches if offload_gradients else 1) * nbytes, nbytes
+
+
+@register("04.predict_traffic", reference=lambda: _predict_traffic_reference, title="predict bytes moved, then measure",
+          timeout=120)
+def check_predict_traffic(fn) -> None:
+    expect(callable(fn), f"predict_traffic: expected a function, got {type(fn).__name__}")
+    for name, model in _traffic_models():
+        for micro_batches, offload_gradients in ((1, False), (4, False), (4, True)):
+            where = f"predict_traffic({name}, micro_batches={micro_batches}, offload_gradients={offload_gradients})"
+            measured = _measure_traffic(model, micro_batches, offload_gradients)
+            predicted = fn(copy.deepcopy(model), micro_batches, offload_gradients)
+            expect(isinstance(predicted, (tuple, list)) and len(predicted) == 2
+                   and all(isinstance(v, int) and not isinstance(v, bool) for v in predicted),
+                   f"{where}: expected a pair of ints (bytes to the host, bytes to the device), got {predicted!r:.80}")
+            for direction, got, want in zip(("to the host", "to the device"), predicted, measured):
+                # exact: the count is exact, and the smallest plausible omission (one bias of 8 bf16 values) is 16 bytes
+                expect(got == want, f"{where}: predicted {got:,} bytes {direction} per optimizer step, measured {want:,} "
+                       f"in a real step ({got - want:+,} bytes, {abs(got - want) / max(want, 1):.1%} off; allowed: 0 bytes)")
