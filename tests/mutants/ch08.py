@@ -41,6 +41,25 @@ def shard_float32(flat, rank, world_size):
     return D.shard_flat(flat, rank, world_size).float()
 
 
+def shard_pad_with_last(flat, rank, world_size):
+    """Pads with copies of the last element instead of zeros: the padding is not neutral in a sum."""
+    s = D.padded_size(flat.numel(), world_size)
+    full = torch.cat([flat, flat[-1:].expand(s - flat.numel())])
+    return full[rank * (s // world_size):(rank + 1) * (s // world_size)]
+
+
+def shard_reversed_ranks(flat, rank, world_size):
+    """Rank r takes piece N-1-r: every rank a right-sized piece, the wrong one."""
+    return D.shard_flat(flat, world_size - 1 - rank, world_size)
+
+
+def shard_one_extra(flat, rank, world_size):
+    """S = numel // world_size + 1: one element too many whenever numel divides evenly."""
+    s = flat.numel() // world_size + 1
+    full = torch.cat([flat, flat.new_zeros(s * world_size - flat.numel())])
+    return full[rank * s:(rank + 1) * s]
+
+
 # ----------------------------------------------------------------------------- 08.reduce_scatter
 def _pad(flat, ws):
     return torch.cat([flat, flat.new_zeros(D.padded_size(flat.numel(), ws) - flat.numel())])
@@ -298,6 +317,9 @@ MUTANTS = {
         ("floor division: tail lost", shard_floor),
         ("padding in front", shard_pad_front),
         ("cast to float32", shard_float32),
+        ("padded with the last element", shard_pad_with_last),
+        ("ranks in reverse order", shard_reversed_ranks),
+        ("one element too many per shard", shard_one_extra),
     ],
     "08.reduce_scatter": [
         ("sum, not mean", rs_sum),
