@@ -57,3 +57,27 @@ def test_zero1_step_that_all_reduces_fails_on_the_bytes_it_sends():
 
     r = check("08.zero1_step", all_reduce_step, quiet=True)
     assert r.status == "fail" and "3.00 ring passes" in r.message and "all-reduce x1" in r.message, r.message
+
+
+def _comm_worker(rank, world_size):
+    import torch
+
+    out = {}
+    x = torch.ones(8)
+    counter = D.CommCounter(world_size)
+    with counter:
+        dist.all_gather([torch.empty(8) for _ in range(world_size)], x)  # the list form: 2 x 32 B gathered
+        dist.barrier()
+    out["counted"] = (dict(counter.sent), dict(counter.calls))
+    try:
+        with D.CommCounter(world_size):
+            dist.all_to_all_single(torch.empty(8), x)
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+def test_comm_counter_counts_the_list_all_gather_and_refuses_what_it_does_not_know():
+    out = D.launch(_comm_worker, 2, timeout=60)[0]
+    assert out["counted"] == ({"all-gather": 32.0}, {"all-gather": 1, "barrier": 1})
+    assert "c10d::alltoall_base_" in out["refused"] and "not one it can count" in out["refused"]

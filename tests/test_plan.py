@@ -15,6 +15,12 @@ ALLOW = {"precision": ["bf16-mixed", "bf16"], "checkpointing": ["none", "full"],
          "adapter": ["full", "lora"], "micro_batch": [1, 4]}
 
 
+@pytest.fixture(autouse=True)
+def _trace_cache_in_tmp(tmp_path_factory, monkeypatch):
+    """The tests' traces persist in a temporary directory, never in the user's cache."""
+    monkeypatch.setenv("MEMLAB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "memlab-traces"))
+
+
 def tiny_cfg(layers: int = 4):
     return tiny_llama_config(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=64)
@@ -202,3 +208,55 @@ def test_host_budget_bounds_offloaded_stacks():
     tight = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow,
                    host_budget=free.pick.host_bytes - 1)
     assert tight.pick is None and "> host budget" in tight.rows[0].notes
+
+
+def test_traces_persist_across_runs_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMLAB_CACHE_DIR", str(tmp_path / "cache"))
+    kw = dict(batch_size=2, seq_len=SEQ, device="cpu", lora_r=4,
+              allow={"precision": ["bf16"], "adapter": ["full"], "optimizer": ["adamw"], "micro_batch": [1, 2]})
+    P._CACHE.clear()
+    first = P.plan(tiny_cfg(layers=2), "1GiB", **kw)
+    files = sorted((tmp_path / "cache").glob("*.pkl"))
+    assert first.traces >= 1 and len(files) == first.traces
+    P._CACHE.clear()  # a new process: only the disk remains
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced again although the disk cache holds this trace")
+
+    monkeypatch.setattr(P, "_trace", no_trace)
+    second = P.plan(tiny_cfg(layers=2), "1GiB", **kw)
+    assert [(r.stack, r.peak_bytes, r.fits) for r in second.rows] == [(r.stack, r.peak_bytes, r.fits) for r in first.rows]
+    # another sequence length is another key: traced (and here refused)
+    P._CACHE.clear()
+    with pytest.raises(AssertionError, match="traced again"):
+        P.plan(tiny_cfg(layers=2), "1GiB", **dict(kw, seq_len=SEQ // 2))
+    monkeypatch.setenv("MEMLAB_CACHE_DIR", "none")
+    assert P.trace_cache_dir() is None
+
+
+def test_host_budget_defaults_to_the_machines_available_memory(monkeypatch):
+    allow = {"precision": ["bf16"], "optimizer": ["offload-adamw"], "adapter": ["full"], "checkpointing": ["full"],
+             "micro_batch": [1]}
+    avail, where = P.host_available_bytes()
+    assert avail > 0 and where
+    res = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow)
+    assert any(n.startswith("host budget") for n in res.notes) and res.pick is not None
+    assert "of host memory for offloaded state" in res.verdict
+    monkeypatch.setattr(P, "host_available_bytes", lambda: (1024, "a test's tiny machine"))
+    small = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow)
+    assert small.pick is None and "> host budget 1.00 KiB" in small.rows[0].notes
+    unbounded = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow,
+                       host_budget=None)
+    assert unbounded.pick is not None
+
+
+def test_a_card_without_bf16_plans_fp16_mixed_precision():
+    from memlab import gpus
+
+    assert not gpus.capability("t4").bf16 and not gpus.capability("v100").bf16 and gpus.capability("h100").bf16
+    allow = {"adapter": ["full", "lora"], "optimizer": ["adamw"], "checkpointing": ["full"], "micro_batch": [1]}
+    res = P.plan(tiny_cfg(layers=2), gpu="t4", batch_size=2, seq_len=SEQ, allow=allow, lora_r=4)
+    assert {r.stack.precision for r in res.rows} == {"fp32", "fp16-mixed"}
+    assert any("no bf16" in n for n in res.notes) and res.pick is not None
+    with pytest.raises(ValueError, match=r"allow\['precision'\] value 'bf16-mixed' is invalid for gpu='t4'"):
+        P.plan(tiny_cfg(layers=2), gpu="t4", batch_size=2, seq_len=SEQ, allow=dict(allow, precision=["bf16-mixed"]))

@@ -47,6 +47,35 @@ def codebook_even_quantiles(offset=0.9677083):
     return v / v.max()
 
 
+def codebook_float64_probabilities(offset=0.9677083):
+    """torch.linspace in float64: bitsandbytes takes float32 probabilities (the default dtype)."""
+    pos = torch.special.ndtri(torch.linspace(offset, 0.5, 9, dtype=torch.float64)[:-1])
+    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, 8, dtype=torch.float64)[:-1])
+    v = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).float().sort().values
+    return v / v.max()
+
+
+def codebook_ndtri_float32(offset=0.9677083):
+    """ndtri in float32 (bitsandbytes computes the quantiles in float64)."""
+    pos = torch.special.ndtri(torch.linspace(offset, 0.5, 9)[:-1])
+    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, 8)[:-1])
+    v = torch.cat([pos, torch.zeros(1), neg]).sort().values
+    return v / v.max()
+
+
+def codebook_normalised_in_float64(offset=0.9677083):
+    """Divides by the largest level in float64, then casts: one rounding fewer than bitsandbytes."""
+    pos = torch.special.ndtri(torch.linspace(offset, 0.5, 9)[:-1].double())
+    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, 8)[:-1].double())
+    v = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
+    return (v / v.max()).float()
+
+
+def codebook_halves_swapped(offset=0.9677083):
+    """8 negative levels and 7 positive ones: -1 and 1 trade places."""
+    return -codebook_not_normalised(offset).flip(0) / codebook_not_normalised(offset).abs().max()
+
+
 # ----------------------------------------------------------------------------- 06.nf4_codes
 def _scaled(w, blocksize):
     flat = w.reshape(-1).float()
@@ -97,6 +126,44 @@ def codes_nearest_by_rounding(w, blocksize=64):
     return torch.round(s * 7.5 + 7.5).clamp(0, 15).to(torch.uint8), a
 
 
+def codes_argmin_distance(w, blocksize=64):
+    """argmin |s - level|: nearest level by distance, computed in float32 (ties land where rounding says)."""
+    flat = w.reshape(-1).float()
+    n = flat.numel()
+    full = n - n % blocksize
+    blocks = flat[:full].reshape(-1, blocksize)
+    absmax = blocks.abs().amax(1)
+    s = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1), -1, 1).reshape(-1)
+    if n > full:
+        t = flat[full:].abs().max().clamp(min=1e-38)
+        absmax, s = torch.cat([absmax, t.reshape(1)]), torch.cat([s, torch.clamp(flat[full:] / t, -1, 1)])
+    c = quant.nf4_codebook()
+    return (s.unsqueeze(1) - c).abs().argmin(1).to(torch.uint8), absmax
+
+
+def codes_clamped_absmax_stored(w, blocksize=64):
+    """Stores the clamped absmax: an all-zero full block keeps 1e-38 (bitsandbytes stores its 0.0)."""
+    q, a = quant.nf4_codes(w, blocksize)
+    return q, a.clamp(min=1e-38)
+
+
+def codes_blocks_per_row(w, blocksize=64):
+    """Cuts every row into its own blocks (bitsandbytes cuts the flattened tensor)."""
+    rows = w.reshape(-1, w.shape[-1]) if w.dim() > 1 else w.reshape(1, -1)
+    qs, am = [], []
+    for row in rows:
+        q, a = quant.nf4_codes(row, blocksize)
+        qs.append(q)
+        am.append(a)
+    return torch.cat(qs), torch.cat(am)
+
+
+def codes_absmax_in_input_dtype(w, blocksize=64):
+    """Keeps absmax in the input's dtype (bf16 / fp16 inputs give 16-bit scales)."""
+    q, a = quant.nf4_codes(w, blocksize)
+    return q, a.to(w.dtype)
+
+
 # ----------------------------------------------------------------------------- 06.pack_nibbles
 def pack_low_first(q):
     q = q.reshape(-1).to(torch.uint8)
@@ -124,6 +191,21 @@ def pack_int64(q):
     if q.numel() % 2:
         q = torch.cat([q, q.new_full((1,), 7)])
     return q[0::2] * 16 + q[1::2]
+
+
+def pack_pads_with_8(q):
+    """Pads with code 8, the smallest positive level (not 7, the zero)."""
+    return quant.pack_nibbles(q, pad=8)
+
+
+def pack_column(q):
+    """The right bytes in bitsandbytes' stored shape (n/2, 1) instead of a flat tensor."""
+    return quant.pack_nibbles(q).reshape(-1, 1)
+
+
+def pack_int32(q):
+    """The right values in int32 (4 bytes per packed byte)."""
+    return quant.pack_nibbles(q).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- 06.dequantize_nf4
@@ -159,6 +241,31 @@ def deq_divides(packed, absmax, shape, dtype=torch.float32, blocksize=64):
     n = math.prod(shape)
     v = quant.nf4_codebook()[_unpack(packed, n)]
     return (v / absmax.repeat_interleave(blocksize)[:n]).reshape(shape).to(dtype)
+
+
+def deq_codebook_in_dtype(packed, absmax, shape, dtype=torch.float32, blocksize=64):
+    """Rounds the codebook to the target dtype first, then multiplies in float32."""
+    n = math.prod(shape)
+    v = quant.nf4_codebook().to(dtype).float()[_unpack(packed, n)]
+    return (v * absmax.repeat_interleave(blocksize)[:n]).reshape(shape).to(dtype)
+
+
+def deq_last_codes(packed, absmax, shape, dtype=torch.float32, blocksize=64):
+    """Keeps the last n codes (the pad nibble is at the end, not the start)."""
+    n = math.prod(shape)
+    p = packed.reshape(-1)
+    q = torch.stack([(p >> 4).long(), (p & 0xF).long()], 1).reshape(-1)[-n:]
+    return (quant.nf4_codebook()[q] * absmax.repeat_interleave(blocksize)[:n]).reshape(shape).to(dtype)
+
+
+def deq_always_float32(packed, absmax, shape, dtype=torch.float32, blocksize=64):
+    """Forgets the cast to dtype."""
+    return quant.dequantize_nf4(packed, absmax, shape, torch.float32, blocksize)
+
+
+def deq_fixed_blocksize(packed, absmax, shape, dtype=torch.float32, blocksize=64):
+    """Ignores blocksize: always 64."""
+    return quant.dequantize_nf4(packed, absmax, shape, dtype, 64)
 
 
 # ----------------------------------------------------------------------------- 06.lora_linear
@@ -237,6 +344,31 @@ class LoRABaseTrainable(_LoRABase):
             p.requires_grad_(True)
 
 
+class LoRAIntegerScaling(_LoRABase):
+    """alpha // r: right whenever r divides alpha."""
+
+    def __init__(self, base, r=8, alpha=16, dropout=0.0):
+        super().__init__(base, r, alpha, dropout)
+        self.scaling = alpha // r
+
+
+class LoRABaseUnderNoGrad(_LoRABase):
+    """Runs the frozen base under torch.no_grad ("it has nothing to train"): dL/dx loses the base's path."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.base(x)
+        return y if self.merged else y + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+class LoRADetachedInput(_LoRABase):
+    """Feeds the adapter x.detach(): its weights still get gradients, dL/dx loses the adapter's path."""
+
+    def forward(self, x):
+        y = self.base(x)
+        return y if self.merged else y + self.lora_B(self.lora_A(x.detach())) * self.scaling
+
+
 # ----------------------------------------------------------------------------- 06.predict_qlora_bytes
 def _linears(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] != "lm_head"]
@@ -294,6 +426,42 @@ def predict_counts_tied_twice(model, r=8):
         m.out_features for _, m in _linears(model))  # and the biases in fp32
 
 
+def _quantized_terms(model):
+    return [(m.in_features, m.out_features, m.bias is not None) for _, m in _linears(model)]
+
+
+def predict_no_second_level(model, r=8):
+    """Forgets the fp32 second-level scales (one per 256 first-level scales) and the fp32 offset."""
+    total = lora.predict_qlora_bytes(model, r)
+    for fin, fout, _ in _quantized_terms(model):
+        blocks = -(-fin * fout // 64)
+        total -= 4 * -(-blocks // 256) + 4
+    return total
+
+
+def predict_no_offset(model, r=8):
+    """Forgets the one fp32 offset per layer that double quantization subtracts from the scales."""
+    return lora.predict_qlora_bytes(model, r) - 4 * len(_quantized_terms(model))
+
+
+def predict_padding_once(model, r=8):
+    """Rounds up once for the whole model (blocks and half-bytes), not once per tensor."""
+    total = lora.predict_qlora_bytes(model, r)
+    n_all = 0
+    for fin, fout, _ in _quantized_terms(model):
+        n = fin * fout
+        blocks = -(-n // 64)
+        total -= -(-n // 2) + blocks + 4 * -(-blocks // 256)
+        n_all += n
+    blocks = -(-n_all // 64)
+    return total + -(-n_all // 2) + blocks + 4 * -(-blocks // 256)
+
+
+def predict_floor_half(model, r=8):
+    """n // 2 code bytes: an odd count loses its last (padded) byte."""
+    return lora.predict_qlora_bytes(model, r) - sum((fin * fout) % 2 for fin, fout, _ in _quantized_terms(model))
+
+
 MUTANTS = {
     "06.nf4_codebook": [
         ("symmetric 7+7 levels", codebook_symmetric),
@@ -301,6 +469,10 @@ MUTANTS = {
         ("float64", codebook_float64),
         ("not normalised to [-1, 1]", codebook_not_normalised),
         ("16 even quantiles, no zero", codebook_even_quantiles),
+        ("float64 probabilities", codebook_float64_probabilities),
+        ("ndtri in float32", codebook_ndtri_float32),
+        ("normalised in float64, then cast", codebook_normalised_in_float64),
+        ("8 negative, 7 positive levels", codebook_halves_swapped),
     ],
     "06.nf4_codes": [
         ("ties go to the upper level", codes_ties_upward),
@@ -308,18 +480,29 @@ MUTANTS = {
         ("max instead of abs max", codes_max_not_absmax),
         ("int64 codes", codes_int64),
         ("evenly spaced rounding (int4 thinking)", codes_nearest_by_rounding),
+        ("argmin of the distance", codes_argmin_distance),
+        ("all-zero block stores the clamped absmax", codes_clamped_absmax_stored),
+        ("blocks per row", codes_blocks_per_row),
+        ("absmax in the input dtype", codes_absmax_in_input_dtype),
     ],
     "06.pack_nibbles": [
         ("low nibble first", pack_low_first),
         ("odd count padded with code 0", pack_pads_with_zero),
         ("odd count: last code dropped", pack_drops_last),
         ("int64 bytes", pack_int64),
+        ("odd count padded with code 8", pack_pads_with_8),
+        ("shape (n/2, 1)", pack_column),
+        ("int32 bytes", pack_int32),
     ],
     "06.dequantize_nf4": [
         ("multiplies in the 16-bit dtype", deq_in_target_dtype),
         ("absmax.repeat instead of repeat_interleave", deq_repeat_not_interleave),
         ("low nibble first", deq_low_nibble_first),
         ("divides by absmax", deq_divides),
+        ("codebook rounded to the dtype first", deq_codebook_in_dtype),
+        ("keeps the last n codes", deq_last_codes),
+        ("always float32", deq_always_float32),
+        ("blocksize ignored", deq_fixed_blocksize),
     ],
     "06.lora_linear": [
         ("scaling alpha, not alpha / r", LoRAScalingAlpha),
@@ -327,6 +510,9 @@ MUTANTS = {
         ("merge forgets the scaling", LoRAMergeForgetsScaling),
         ("merged forward adds the adapter again", LoRAMergedStillAdds),
         ("base left trainable", LoRABaseTrainable),
+        ("alpha // r", LoRAIntegerScaling),
+        ("base run under no_grad", LoRABaseUnderNoGrad),
+        ("adapter fed a detached input", LoRADetachedInput),
     ],
     "06.predict_qlora_bytes": [
         ("fp32 absmax (no double quant)", predict_fp32_scales),
@@ -334,5 +520,9 @@ MUTANTS = {
         ("quantizes lm_head too", predict_quantizes_lm_head),
         ("one byte per 4-bit code", predict_half_a_byte_is_a_byte),
         ("tied embeddings twice / fp32 biases", predict_counts_tied_twice),
+        ("second-level scales forgotten", predict_no_second_level),
+        ("per-layer offset forgotten", predict_no_offset),
+        ("padding once for the model, not per tensor", predict_padding_once),
+        ("n // 2 code bytes", predict_floor_half),
     ],
 }

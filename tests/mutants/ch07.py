@@ -68,6 +68,29 @@ def plan_ties_to_larger_peak(eb, budget, estimate, cost):
     return _best(_candidates(eb), budget, estimate, cost, key=lambda sp: (cost(sp[0]), -sp[1]))
 
 
+def plan_any_micro_batch(eb, budget, estimate, cost):
+    """Every micro-batch from eb down to 1, grad_accum = eb // m: 3 x 2 trains on 6 sequences, not 8."""
+    cands = [Stack(micro_batch=m, grad_accum=eb // m, checkpointing=c) for m in range(eb, 0, -1) for c in ("none", "full")]
+    return _best(cands, budget, estimate, cost)
+
+
+def plan_ceil_accum(eb, budget, estimate, cost):
+    """Every micro-batch, grad_accum = ceil(eb / m): 3 x 3 trains on 9 sequences, not 8."""
+    cands = [Stack(micro_batch=m, grad_accum=-(-eb // m), checkpointing=c) for m in range(eb, 0, -1)
+             for c in ("none", "full")]
+    return _best(cands, budget, estimate, cost)
+
+
+def plan_smallest_first(eb, budget, estimate, cost):
+    """Divisors smallest first: on equal costs and peaks the earlier candidate is the wrong one."""
+    return _best(_candidates(eb, sorted(d for d in range(1, eb + 1) if eb % d == 0)), budget, estimate, cost)
+
+
+def plan_full_first(eb, budget, estimate, cost):
+    """Checkpointing "full" before "none" in the candidate order."""
+    return _best(_candidates(eb, modes=("full", "none")), budget, estimate, cost)
+
+
 # ----------------------------------------------------------------------------- 07.back_off
 def back_off_naive_halving(stack):
     """micro_batch // 2 even when it does not divide the effective batch (18 -> 9 -> 4: effective 16)."""
@@ -117,6 +140,31 @@ def back_off_minus_one(stack):
 def back_off_loops_forever(stack):
     """At the end returns the same stack instead of None: the trainer would retry it forever."""
     return train.back_off(stack) or stack
+
+
+def back_off_divisor_of_micro_batch(stack):
+    """The largest divisor of the micro-batch (not of the effective batch) at most half: 5 x 2 -> 1 x 10 (expected 2 x 5)."""
+    eff = stack.effective_batch
+    if stack.micro_batch > 1:
+        mb = max(d for d in range(1, stack.micro_batch // 2 + 1) if stack.micro_batch % d == 0)
+        return dataclasses.replace(stack, micro_batch=mb, grad_accum=eff // mb)
+    return dataclasses.replace(stack, checkpointing="full") if stack.checkpointing != "full" else None
+
+
+def back_off_ceil_half(stack):
+    """At most ceil(micro_batch / 2): 3 x 4 -> 2 x 6 (expected 1 x 12; 2 does not halve the activations)."""
+    eff = stack.effective_batch
+    if stack.micro_batch > 1:
+        mb = max(d for d in range(1, -(-stack.micro_batch // 2) + 1) if eff % d == 0)
+        return dataclasses.replace(stack, micro_batch=mb, grad_accum=eff // mb)
+    return dataclasses.replace(stack, checkpointing="full") if stack.checkpointing != "full" else None
+
+
+def back_off_any_checkpointing_is_enough(stack):
+    """At micro-batch 1, any checkpointing ("every-k" too) counts as done: returns None too early."""
+    if stack.micro_batch > 1:
+        return train.back_off(stack)
+    return dataclasses.replace(stack, checkpointing="full") if stack.checkpointing == "none" else None
 
 
 # ----------------------------------------------------------------------------- 07.atomic_write
@@ -263,6 +311,80 @@ def write_move_old_away(path, chunks):
     os.close(fd)
 
 
+def _fsync_dir(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_fsync_before_writing(path, chunks):
+    """fsyncs the temp file as soon as it is opened, then writes: the fsync made nothing durable."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            os.fsync(f.fileno())
+            for c in chunks:
+                f.write(c)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_fsync_without_flush(path, chunks):
+    """os.fsync(f.fileno()) without f.flush(): the bytes still in Python's buffer are not on disk yet."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_fsyncs_cwd(path, chunks):
+    """fsyncs the current directory (os.open(".")) after the rename, not the target's directory."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(".")
+
+
+def write_fsyncs_dir_before_rename(path, chunks):
+    """fsyncs the directory before the rename: the new name is still not durable."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(path.parent)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 # ----------------------------------------------------------------------------- 07.predict_peak
 def _fake_trace(model_fn, stack, seq_len, *, micro_batch=None, grad_accum=None, steps=2, keep_batch=True,
                 checkpointing=None):
@@ -322,6 +444,26 @@ def predict_formula_16_bytes(model_fn, stack, seq_len):
     return 16 * n
 
 
+def _n_tensors(model_fn):
+    with FakeTensorMode():
+        return len(list(model_fn().parameters()))
+
+
+def predict_forgets_labels(model_fn, stack, seq_len):
+    """Counts the input token ids but not the labels y (the same shape, also alive for the whole step)."""
+    return train.estimate_stack_peak(model_fn, stack, seq_len) - 8 * stack.effective_batch * seq_len
+
+
+def predict_micro_batch_ids_only(model_fn, stack, seq_len):
+    """Token ids of one micro-batch alive, not of the whole effective batch."""
+    return train.estimate_stack_peak(model_fn, stack, seq_len) - 16 * (stack.effective_batch - stack.micro_batch) * seq_len
+
+
+def predict_no_step_counters(model_fn, stack, seq_len):
+    """AdamW's two moments per element, but not its 4-byte step counter per parameter tensor."""
+    return train.estimate_stack_peak(model_fn, stack, seq_len) - 4 * _n_tensors(model_fn)
+
+
 MUTANTS = {
     "07.cheapest_stack": [
         ("strict budget (<)", plan_strict_budget),
@@ -330,6 +472,10 @@ MUTANTS = {
         ("no checkpointing candidates", plan_no_checkpointing),
         ("first fit", plan_first_fit),
         ("ties to the larger peak", plan_ties_to_larger_peak),
+        ("micro-batches that do not divide the batch (floor)", plan_any_micro_batch),
+        ("micro-batches that do not divide the batch (ceil)", plan_ceil_accum),
+        ("divisors smallest first", plan_smallest_first),
+        ("checkpointing first in the order", plan_full_first),
     ],
     "07.back_off": [
         ("micro_batch // 2 not a divisor", back_off_naive_halving),
@@ -338,6 +484,9 @@ MUTANTS = {
         ("other knobs dropped", back_off_drops_knobs),
         ("next smaller divisor (not at most half)", back_off_minus_one),
         ("same stack at the end instead of None", back_off_loops_forever),
+        ("divisor of the micro-batch, not of the batch", back_off_divisor_of_micro_batch),
+        ("at most ceil(micro_batch / 2)", back_off_ceil_half),
+        ("every-k checkpointing counted as done", back_off_any_checkpointing_is_enough),
     ],
     "07.atomic_write": [
         ("writes in place", write_in_place),
@@ -348,6 +497,10 @@ MUTANTS = {
         ("temp file left after an error", write_leaves_temp_on_error),
         ("truncates the target first", write_truncate_then_rename),
         ("moves the good file away (a backup)", write_move_old_away),
+        ("fsync before the write", write_fsync_before_writing),
+        ("fsync without flush", write_fsync_without_flush),
+        ("the current directory fsynced", write_fsyncs_cwd),
+        ("directory fsynced before the rename", write_fsyncs_dir_before_rename),
     ],
     "07.predict_peak": [
         ("first step only (no optimizer state)", predict_first_step),
@@ -355,5 +508,8 @@ MUTANTS = {
         ("accumulated gradients missed", predict_without_accumulated_grads),
         ("checkpointing ignored", predict_ignores_checkpointing),
         ("16 bytes per parameter", predict_formula_16_bytes),
+        ("labels forgotten", predict_forgets_labels),
+        ("one micro-batch of token ids", predict_micro_batch_ids_only),
+        ("AdamW step counters forgotten", predict_no_step_counters),
     ],
 }

@@ -870,17 +870,25 @@ class CommCounter:
     """Count the bytes this rank sends in collectives while the ``with`` block runs.
 
     A ``TorchDispatchMode`` sees the c10d ops (``allreduce_``, ``reduce_``, ``_reduce_scatter_base_``,
-    ``_allgather_base_``, ``broadcast_``): ours and FSDP2's alike. Bytes sent per rank are counted as a
-    ring algorithm sends them (ZeRO, sec. 7): a reduce-scatter or an all-gather of a buffer of B bytes
-    ``(N-1)/N B``, an all-reduce ``2 (N-1)/N B``; a ``reduce`` to one owner is counted as its piece of
-    a reduce-scatter, ``(N-1)/N B``; a broadcast ``(N-1)/N B``. ``sent`` maps a kind to bytes,
-    ``calls`` to the number of collectives, ``total`` sums ``sent``.
+    ``_allgather_base_``, ``broadcast_``, the list forms ``allgather_`` / ``reduce_scatter_``): ours and
+    FSDP2's alike. Bytes sent per rank are counted as a ring algorithm sends them (ZeRO, sec. 7): a
+    reduce-scatter or an all-gather of a buffer of B bytes (the whole buffer: the all-gather's output,
+    the reduce-scatter's input) ``(N-1)/N B``, an all-reduce ``2 (N-1)/N B``; a ``reduce`` to one owner
+    is counted as its piece of a reduce-scatter, ``(N-1)/N B``; a broadcast ``(N-1)/N B``; a barrier
+    nothing. Any other c10d op (all-to-all, gather, scatter, send / recv ...) raises ``ValueError``
+    naming it, before it runs on any rank, instead of being counted as free. ``sent`` maps a kind to
+    bytes, ``calls`` to the number of collectives, ``total`` sums ``sent``.
     """
 
-    KINDS = {"allreduce_": "all-reduce", "reduce_": "reduce (pieces of a reduce-scatter)",
+    KINDS = {"allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce",
+             "reduce_": "reduce (pieces of a reduce-scatter)",
              "_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_tensor_coalesced_": "reduce-scatter",
+             "reduce_scatter_": "reduce-scatter",
              "_allgather_base_": "all-gather", "allgather_into_tensor_coalesced_": "all-gather",
-             "broadcast_": "broadcast"}
+             "allgather_": "all-gather",
+             "broadcast_": "broadcast", "barrier": "barrier"}
+    # ops in the c10d namespace that send nothing
+    IGNORED = frozenset({"check_for_nan"})
 
     def __init__(self, world_size: int | None = None) -> None:
         self.world_size = world_size
@@ -893,20 +901,33 @@ class CommCounter:
         return sum(self.sent.values())
 
     def _count(self, name: str, args: tuple) -> None:
+        if name in self.IGNORED:
+            return
         kind = self.KINDS.get(name)
         if kind is None:
+            known = ", ".join(sorted(self.KINDS))
+            raise ValueError(f"CommCounter: collective c10d::{name} is not one it can count (known: {known}); "
+                             "it refuses to count it as free: use a reduce-scatter, all-gather, all-reduce, reduce or "
+                             "broadcast, or teach CommCounter its ring cost")
+        if kind == "barrier":
+            self.calls[kind] = self.calls.get(kind, 0) + 1
             return
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        # the full buffer: the largest tensor, or a list of per-rank pieces (allgather_'s output list,
+        # reduce_scatter_'s input list, allreduce_coalesced_'s tensors) summed
+        sizes = [a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)]
         for a in args:
             if isinstance(a, (list, tuple)):
-                tensors += [t for t in a if isinstance(t, torch.Tensor)]
+                ts = [t for t in a if isinstance(t, torch.Tensor)]
+                if ts:
+                    sizes.append(sum(t.numel() * t.element_size() for t in ts) if name == "allreduce_coalesced_"
+                                 else max(t.numel() * t.element_size() for t in ts))
                 for inner in a:
                     if isinstance(inner, (list, tuple)):
-                        tensors += [t for t in inner if isinstance(t, torch.Tensor)]
-        if not tensors:
+                        sizes.append(sum(t.numel() * t.element_size() for t in inner if isinstance(t, torch.Tensor)))
+        if not sizes:
             return
         n = self.world_size or dist.get_world_size()
-        nbytes = max(t.numel() * t.element_size() for t in tensors)  # the full buffer (all-gather out, RS in)
+        nbytes = max(sizes)
         factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
         self.sent[kind] = self.sent.get(kind, 0.0) + factor * nbytes
         self.calls[kind] = self.calls.get(kind, 0) + 1

@@ -62,6 +62,41 @@ GPUS: dict[str, GPU] = {
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "4090": "rtx4090", "3090": "rtx3090", "5090": "rtx5090"}
 
 
+@dataclass(frozen=True)
+class Capability:
+    """What a card's tensor cores compute: its CUDA compute capability ``sm`` and whether it has bf16
+    (compute capability 8.0 and later: Ampere, Ada, Hopper, Blackwell)."""
+    name: str
+    sm: tuple[int, int]
+    source: str = "NVIDIA CUDA GPUs list, developer.nvidia.com/cuda-gpus"
+
+    @property
+    def bf16(self) -> bool:
+        return self.sm >= (8, 0)
+
+
+# cards the planner knows, with the cards in GPUS and older ones without bf16 (fp16 mixed precision there)
+CAPABILITIES: dict[str, Capability] = {
+    "v100": Capability("Tesla V100", (7, 0)),
+    "t4": Capability("Tesla T4", (7, 5)),
+    "rtx2080ti": Capability("GeForce RTX 2080 Ti", (7, 5)),
+    "a100-40gb": Capability("A100 40GB", (8, 0)),
+    "a100-80gb": Capability("A100 80GB", (8, 0)),
+    "rtx3090": Capability("GeForce RTX 3090", (8, 6)),
+    "l4": Capability("NVIDIA L4", (8, 9)),
+    "rtx4090": Capability("GeForce RTX 4090", (8, 9)),
+    "h100-80gb": Capability("H100 80GB", (9, 0)),
+    "rtx5090": Capability("GeForce RTX 5090", (12, 0)),
+}
+
+
+def capability(name: str) -> Capability | None:
+    """The compute capability of the card called ``name`` (aliases as :func:`find_gpu`), else None."""
+    key = str(name).strip().lower().replace("_", "-").replace(" ", "")
+    key = ALIASES.get(key, key)
+    return CAPABILITIES.get(key) or CAPABILITIES.get(key.split("-")[0])
+
+
 def gpu_names() -> list[str]:
     return sorted(GPUS)
 

@@ -20,9 +20,11 @@ import argparse
 import copy
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
@@ -480,20 +482,92 @@ def estimate_stack(model: Any, stack: Stack, *, seq_len: int, device: str = "cud
 
 _CACHE: dict[tuple, Any] = {}
 _CACHE_MAX = 512
+_SOURCES_HASH: list[str] = []
+
+
+def trace_cache_dir() -> Path | None:
+    """Where traced estimates persist across runs: ``$MEMLAB_CACHE_DIR`` (``none`` turns the disk cache
+    off), else ``$XDG_CACHE_HOME/memlab/traces``, else ``~/.cache/memlab/traces``."""
+    env = os.environ.get("MEMLAB_CACHE_DIR")
+    if env is not None:
+        return None if env.strip().lower() in ("", "none", "off") else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "memlab" / "traces"
+
+
+def _versions() -> str:
+    """Everything outside the arguments that changes a trace: the versions of memlab, torch and
+    transformers, and the source of the memlab modules a trace runs (edited code re-traces)."""
+    if not _SOURCES_HASH:
+        import hashlib
+        import importlib.metadata as md
+
+        import torch
+        import transformers
+
+        h = hashlib.sha256()
+        here = Path(__file__).resolve().parent
+        for mod in ("estimate.py", "plan.py", "profiler.py", "lora.py", "quant.py", "models.py", "accounting.py"):
+            f = here / mod
+            h.update(f.read_bytes() if f.exists() else b"-")
+        try:
+            ver = md.version("memlab")
+        except md.PackageNotFoundError:
+            ver = "?"
+        _SOURCES_HASH.append(f"memlab {ver} src {h.hexdigest()[:16]} torch {torch.__version__} "
+                             f"transformers {transformers.__version__}")
+    return _SOURCES_HASH[0]
+
+
+def _disk_path(key: tuple) -> Path | None:
+    import hashlib
+
+    d = trace_cache_dir()
+    if d is None:
+        return None
+    return d / (hashlib.sha256(repr((key, _versions())).encode()).hexdigest()[:32] + ".pkl")
 
 
 def _estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int,
               extrapolate: bool = True, loss: str = "auto") -> Any:
     """The traced estimate of ``stack``'s micro-batch step, cached by (config, stack, seq_len, ...):
-    the accumulation count does not change a micro-batch's peak."""
+    the accumulation count does not change a micro-batch's peak. Cached in memory and on disk
+    (:func:`trace_cache_dir`, keyed also by the versions and memlab's source), so a second
+    identical ``memlab plan`` reads its traces instead of tracing again."""
+    import pickle
+
     key = (cfg.to_json_string(use_diff=False), dataclasses.replace(stack, grad_accum=1), seq_len, device, lora_r,
            extrapolate, loss)
-    if key not in _CACHE:
-        if len(_CACHE) >= _CACHE_MAX:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _trace(cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate,
-                             loss=loss)
-    return _CACHE[key]
+    if key in _CACHE:
+        return _CACHE[key]
+    path = _disk_path(key)
+    est = None
+    if path is not None and path.exists():
+        try:
+            with open(path, "rb") as f:
+                est = pickle.load(f)
+        except Exception:  # noqa: BLE001  (a torn or stale file: trace again)
+            est = None
+    if est is None:
+        est = _trace(cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate, loss=loss)
+        if path is not None:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # the tracker (the trace's timeline, a local class) stays in memory; the numbers go to disk
+                on_disk = dataclasses.replace(est, tracker=None) if dataclasses.is_dataclass(est) else est
+                with open(tmp, "wb") as f:
+                    pickle.dump(on_disk, f)
+                os.replace(tmp, path)
+            except Exception:  # noqa: BLE001  (read-only home, unpicklable: the cache is only a speed-up)
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = est
+    return est
 
 
 _QUANT_WARM = False
@@ -608,8 +682,9 @@ def enumerate_stacks(batch_size: int, n_layers: int, allow: Mapping[str, Any] | 
     """Every stack the planner considers, and notes on what it leaves out and why.
 
     LoRA and QLoRA run bf16 mixed precision (a bf16 base, fp32 adapters under autocast, as the
-    QLoRA paper trains) with AdamW, fused or not: their optimizer state is a few MiB, so 8-bit
-    or offloaded states buy nothing. "every-k" takes each k of ``allow['ckpt_every']`` that divides
+    QLoRA paper trains) with AdamW, fused or not: their optimizer state is AdamW's 8 bytes per adapter
+    parameter (0.3 GiB for Llama-3-8B at r=16, 41.9M adapter parameters counted by peft; 1.5 GiB for
+    Llama-2-70B), small next to the base, so 8-bit or offloaded states are not searched. "every-k" takes each k of ``allow['ckpt_every']`` that divides
     the layer count (nested sets: every-4 checkpoints a subset of every-2's layers).
     """
     a = _check_allow(allow, batch_size)
@@ -646,7 +721,8 @@ def enumerate_stacks(batch_size: int, n_layers: int, allow: Mapping[str, Any] | 
                                              grad_accum=batch_size // mb))
     if any(ad != "full" for ad in a["adapter"]):
         notes.append("LoRA/QLoRA: bf16 base under bf16 autocast, fp32 adapters on every linear layer but lm_head, "
-                     "AdamW / fused AdamW only (their optimizer state is a few MiB)")
+                     "AdamW / fused AdamW only (their AdamW state is 8 B per adapter parameter: 0.3 GiB for an 8B model at "
+                     "r=16, small next to the base)")
     if "flash" in a["attention"] and device != "cuda":
         notes.append("flash attention left out: a CUDA kernel")
     return out, notes
@@ -739,7 +815,7 @@ class PlanResult:
 
         if self.pick is not None:
             p = self.pick
-            host = f", host {format_bytes(p.host_bytes)}" if p.host_bytes else ""
+            host = f", needs {format_bytes(p.host_bytes)} of host memory for offloaded state"
             return (f"pick: {stack_label(p.stack)}: {format_bytes(p.peak_bytes)} estimated of {format_bytes(self.budget)}"
                     f"{host}, relative cost {p.cost:.2f} ({_TIER_TEXT[p.tier]})")
         traced = [r for r in self.rows if r.status == "traced"]
@@ -758,7 +834,7 @@ class PlanResult:
         for r in shown:
             rows.append((str(r.stack_id), stack_label(r.stack), format_bytes(r.peak_bytes) if r.peak_bytes is not None else "-",
                          {True: "yes", False: "no", None: "?"}[r.fits], f"{r.cost:.2f}", str(r.tier),
-                         format_bytes(r.host_bytes) if r.host_bytes else "-", r.notes))
+                         format_bytes(r.host_bytes) if r.status == "traced" else "-", r.notes))
         widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
         lines = []
         for j, r in enumerate(rows):
@@ -803,6 +879,46 @@ def resolve_budget(budget: Any, gpu: Any = None, device: str = "cuda") -> tuple[
     return usable, label
 
 
+DEFAULT_HOST_BUDGET = 64 * 2**30  # where the machine's memory cannot be read: a workstation's, change it
+
+
+def host_available_bytes() -> tuple[int, str]:
+    """(bytes, where from) of this machine's available memory: MemAvailable in /proc/meminfo (Linux),
+    else psutil's ``virtual_memory().available`` if psutil is installed, else
+    :data:`DEFAULT_HOST_BUDGET` (a stated default a learner can change)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "this machine's MemAvailable (/proc/meminfo)"
+    except OSError:
+        pass
+    try:
+        import psutil  # type: ignore[import-not-found]
+
+        return int(psutil.virtual_memory().available), "this machine's available memory (psutil)"
+    except Exception:  # noqa: BLE001  (not installed, or no reading on this platform)
+        return DEFAULT_HOST_BUDGET, "memlab.plan.DEFAULT_HOST_BUDGET (this machine's memory could not be read)"
+
+
+def _allow_for_card(gpu: Any, allow: Mapping[str, Any] | None) -> tuple[Mapping[str, Any] | None, str | None]:
+    """A card without bf16 (memlab.gpus.CAPABILITIES): its precisions are fp32 and fp16 mixed precision."""
+    from memlab import gpus
+
+    caps = gpus.capability(gpu) if gpu is not None else None
+    if caps is None or caps.bf16:
+        return allow, None
+    asked = list((allow or {}).get("precision", []))
+    bad = [p for p in asked if p in ("bf16-mixed", "bf16")]
+    if bad:
+        raise ValueError(f"allow['precision'] value {bad[0]!r} is invalid for gpu={gpu!r}: {caps.name} (compute "
+                         f"capability {caps.sm[0]}.{caps.sm[1]}) has no bf16; allowed: 'fp32', 'fp16-mixed'")
+    out = dict(allow or {})
+    out.setdefault("precision", ["fp32", "fp16-mixed"])
+    return out, (f"{caps.name}: compute capability {caps.sm[0]}.{caps.sm[1]}, no bf16 ({caps.source}): fp16 mixed "
+                 "precision (fp16 autocast, fp32 master weights, dynamic loss scaling; chapter 03) instead of bf16")
+
+
 def plan(
     model: Any,
     budget: int | str | None = None,
@@ -817,7 +933,7 @@ def plan(
     cost: CostModel | None = None,
     lora_r: int = 16,
     config_overrides: Mapping[str, Any] | None = None,
-    host_budget: int | str | None = None,
+    host_budget: int | str | None = "auto",
     loss: str = "auto",
     progress: bool = False,
 ) -> PlanResult:
@@ -844,7 +960,11 @@ def plan(
     smallest stack of each family is traced first, so a family that cannot fit costs one trace;
     the search stops after ``top`` stacks that fit (the first of them is the cheapest that fits).
     ``loss`` is the estimator's (see :func:`estimate_stack`). ``host_budget`` (bytes or a size) also bounds the host memory of offloaded stacks
-    (``MemoryEstimate.host_bytes``: fp32 master weights, gradient slots and moments).
+    (``MemoryEstimate.host_bytes``: fp32 master weights, gradient slots and moments); by default
+    (``"auto"``) this machine's available memory (:func:`host_available_bytes`: MemAvailable from
+    /proc/meminfo, or psutil, else :data:`DEFAULT_HOST_BUDGET`), ``None`` for no bound. A card
+    without bf16 (``gpu``: T4, V100 ..., :data:`memlab.gpus.CAPABILITIES`) gets fp16 mixed precision
+    instead of the bf16 precisions.
     """
     t0 = time.perf_counter()
     for arg, val in (("batch_size", batch_size), ("seq_len", seq_len), ("top", top), ("lora_r", lora_r)):
@@ -865,12 +985,17 @@ def plan(
     from memlab.accounting import format_bytes
     from memlab.estimate import parse_size
 
-    host_budget_bytes = None
-    if host_budget is not None:
+    host_budget_bytes, host_note = None, None
+    if isinstance(host_budget, str) and host_budget == "auto":
+        host_budget_bytes, where = host_available_bytes()
+        host_note = (f"host budget {format_bytes(host_budget_bytes)}: {where} (offloaded stacks keep their optimizer "
+                     f"on the host; change it with host_budget= / --host-budget SIZE, or 'none' for no bound)")
+    elif host_budget is not None and not (isinstance(host_budget, str) and host_budget.lower() == "none"):
         try:
             host_budget_bytes = parse_size(host_budget)
         except ValueError:
-            raise ValueError(f"host_budget={host_budget!r} is invalid; allowed: bytes or a size such as '128GiB'") from None
+            raise ValueError(f"host_budget={host_budget!r} is invalid; allowed: bytes, a size such as '128GiB', "
+                             "'auto' (this machine's available memory) or None / 'none' (no bound)") from None
     if cost is None:
         cost, cost_note = _cost_model_for(gpu if gpu is not None else budget)
     else:
@@ -881,7 +1006,12 @@ def plan(
 
     _check_positions(_Spec(name, config=cfg), seq_len, False)
     shape = model_shape(cfg, lora_r)
+    allow, card_note = _allow_for_card(gpu, allow)
     stacks, notes = enumerate_stacks(batch_size, L, allow, device)
+    if card_note:
+        notes.append(card_note)
+    if host_note:
+        notes.append(host_note)
     heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
     if device == "cuda" and heads and kv and kv < heads:
         # fp32 with grouped KV heads runs SDPA's math kernel on CUDA (T x T probabilities kept); the
@@ -1049,7 +1179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--allow", type=_allow_arg, action="append", default=[], metavar="KEY=V1,V2")
     parser.add_argument("--prefer", choices=["fidelity", "cost"], default="fidelity")
-    parser.add_argument("--host-budget", default=None, help="host memory for offloaded stacks (e.g. 128GiB)")
+    parser.add_argument("--host-budget", default="auto", help="host memory for offloaded stacks (e.g. 128GiB; "
+                        "default: this machine's available memory; 'none': no bound)")
     parser.add_argument("--top", type=_bounded_int(10_000), default=5, help="stop after this many stacks that fit")
     parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--all", action="store_true", help="print every row")

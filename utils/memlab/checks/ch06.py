@@ -4,8 +4,9 @@
 06.nf4_codes           blockwise absmax scaling and the nearest level (bitsandbytes' tie rule), unpacked
 06.pack_nibbles        two codes per byte, high nibble first, odd counts padded with code 7
 06.dequantize_nf4      packed bytes + absmax back to values, bit-exact
-06.lora_linear         a LoRA layer equal to peft's: init under a seed, forward, gradients, merge / unmerge
-06.predict_qlora_bytes predict the bytes of a QLoRA model from the float model; graded on the error (0.5%)
+06.lora_linear         a LoRA layer equal to peft's: init under a seed, forward, gradients (the input's too),
+                       merge / unmerge, alpha / r that is not an integer
+06.predict_qlora_bytes predict the bytes of a QLoRA model from the float model; graded exactly (the count is exact)
 
 The references are memlab.quant and memlab.lora, which tests/test_quant.py and tests/test_lora.py
 prove bit-exact against bitsandbytes and equal to peft.
@@ -113,7 +114,10 @@ def check_dequantize_nf4(fn) -> None:
 @register("06.lora_linear", reference=lambda: lora.LoRALinear, title="LoRA layer equal to peft", timeout=120)
 def check_lora_linear(cls) -> None:
     expect(callable(cls), f"LoRALinear: expected a class, got {type(cls).__name__}")
-    for (fin, fout, r, alpha, bias) in [(32, 24, 4, 8, True), (16, 40, 8, 32, False), (64, 64, 2, 2, True)]:
+    # r=3, alpha=8 and r=6, alpha=16: alpha / r is not an integer (alpha // r, 2, passes every case where r
+    # divides alpha); r=16, alpha=8: a scaling below 1 (alpha // r is 0)
+    for (fin, fout, r, alpha, bias) in [(32, 24, 4, 8, True), (16, 40, 8, 32, False), (64, 64, 2, 2, True),
+                                        (32, 24, 3, 8, True), (40, 16, 6, 16, False), (24, 48, 16, 8, True)]:
         torch.manual_seed(0)
         base = nn.Linear(fin, fout, bias=bias)
         where = f"base nn.Linear({fin}, {fout}, bias={bias}), r={r}, alpha={alpha}"
@@ -135,10 +139,16 @@ def check_lora_linear(cls) -> None:
             got.lora_B.weight.copy_(b)
             want.lora_B.weight.copy_(b)
         x = torch.randn(5, fin, generator=gen)
-        y, y_want = got(x), want(x)
+        x_got, x_want = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        y, y_want = got(x_got), want(x_want)
         _tensor_equal(f"LoRALinear ({where}): forward", y, y_want)
         y.square().sum().backward()
         y_want.square().sum().backward()
+        expect(x_got.grad is not None, f"LoRALinear ({where}): the input got no gradient: a LoRA layer sits inside a "
+               "network, and the layers below it need dL/dx (through the frozen base and through the adapter)")
+        _tensor_equal(f"LoRALinear ({where}): the input's gradient dL/dx (both paths: the frozen base's W and the "
+                      "adapter's B A; do not run the base under no_grad or feed the adapter a detached x)",
+                      x_got.grad, x_want.grad)
         _tensor_equal(f"LoRALinear ({where}): lora_A.weight.grad", got.lora_A.weight.grad, want.lora_A.weight.grad)
         _tensor_equal(f"LoRALinear ({where}): lora_B.weight.grad", got.lora_B.weight.grad, want.lora_B.weight.grad)
         with torch.no_grad():
@@ -146,6 +156,8 @@ def check_lora_linear(cls) -> None:
             want.merge()
             _tensor_equal(f"LoRALinear ({where}): base.weight after merge()", got.base.weight, want.base.weight)
             _tensor_equal(f"LoRALinear ({where}): forward after merge() (do not add the adapter twice)", got(x), want(x))
+            expect(got.lora_A.weight.requires_grad and got.lora_B.weight.requires_grad,
+                   f"LoRALinear ({where}): merge() left the adapter frozen (requires_grad False)")
             got.unmerge()
             want.unmerge()
             _tensor_equal(f"LoRALinear ({where}): base.weight after unmerge()", got.base.weight, want.base.weight)
@@ -160,6 +172,14 @@ def _predict_models() -> list[tuple[str, nn.Module, int]]:
     mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.Linear(256, 64, bias=False))
     mlp.lm_head = nn.Linear(64, 10)
     out = [("an MLP with biases (nn.Sequential + lm_head)", mlp, 8)]
+    torch.manual_seed(0)
+    odd = nn.Sequential(nn.Linear(100, 37), nn.ReLU(), nn.Linear(37, 33), nn.Linear(33, 7, bias=False),
+                        nn.Linear(7, 1000, bias=False))
+    out.append(("odd sizes: Linear(100, 37), Linear(37, 33), Linear(33, 7), Linear(7, 1000) (partial blocks, an odd "
+                "count of codes)", odd, 3))
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(512, 1040), nn.Linear(1040, 96, bias=False))
+    out.append(("Linear(512, 1040) (8320 blocks: 33 second-level scales) + Linear(1040, 96)", wide, 2))
     torch.manual_seed(0)
     out.append(("tiny_llama()", tiny_llama(), 8))
     torch.manual_seed(0)
@@ -179,7 +199,8 @@ def check_predict_qlora_bytes(fn) -> None:
         expect(type(predicted) in (int, float),
                f"predict_qlora_bytes({name}): expected a number of bytes, got {type(predicted).__name__}")
         measured = lora.model_storage_bytes(lora.qlora_model(copy.deepcopy(model), r=r))
-        err = abs(predicted - measured) / measured
-        expect(err <= 0.005, f"predict_qlora_bytes({name}, r={r}): predicted {int(predicted):,} bytes, measured "
-               f"{measured:,} ({100 * err:.2f}% off; allowed 0.5%). Count: 4-bit codes, one 8-bit code per 64-block "
-               "scale, fp32 second-level scales, bf16 biases, fp32 LoRA A and B, and lm_head / embeddings unquantized")
+        expect(predicted == measured, f"predict_qlora_bytes({name}, r={r}): predicted {predicted:,} bytes, measured "
+               f"{measured:,} ({predicted - measured:+,} bytes; the count is exact, so the prediction must be). "
+               "Count, per quantized layer: ceil(n/2) code bytes, one uint8 code per 64-block scale (ceil per layer), "
+               "one fp32 second-level scale per 256 of those (ceil), one fp32 offset, the bias in bf16, fp32 LoRA A "
+               "and B; lm_head / embeddings / norms unquantized, a shared storage once")
