@@ -291,3 +291,20 @@ def test_communication_per_rank_follows_the_paper(ranks):
             formula = D.comm_volume_bytes(n, 2, stage, bytes_per_element=4)["total"]
             assert sum(runs[stage]["comm_bytes"].values()) == pytest.approx(formula, rel=0.02)
         assert runs[3]["comm_calls"]["all-gather"] == 2 * runs[3]["comm_calls"]["reduce-scatter"]
+
+
+def _zero2_unused_on_rank1(rank, world_size):
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = D.ZeroOptimizer([*first.parameters(), *second.parameters()], torch.optim.SGD, stage=2, lr=0.1)
+    x = torch.randn(2, 4)
+    # rank 1 leaves `first` out of its loss: its gradients, reduced last on rank 0, never come from rank 1
+    (second(first(x)) if rank == 0 else second(x)).sum().backward()
+    opt.step()
+
+
+def test_zero2_names_a_parameter_without_a_gradient_on_one_rank_instead_of_hanging():
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"parameter 0 \(shape \(4, 4\)\) got no gradient on rank 1"):
+        D.launch(_zero2_unused_on_rank1, 2, timeout=120)
+    assert time.monotonic() - t0 < 60  # the error, not the launch timeout

@@ -617,6 +617,7 @@ class ZeroOptimizer:
             self.flat_grad = None
             self.shard_grad = torch.zeros(S, dtype=dtype, device=device)
         self.shard.grad = self.shard_grad
+        self._arrived: set[int] = set()  # parameters whose gradient arrived since the last step
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(self.params)]
 
     def _owner_pieces(self, o: int, n: int) -> list[tuple[int, int, int]]:
@@ -637,6 +638,7 @@ class ZeroOptimizer:
             g = p.grad
             if g is None:
                 return
+            self._arrived.add(i)
             with torch.no_grad():
                 if self.stage == 1:
                     view = self.flat_grad[o:o + n]
@@ -662,7 +664,21 @@ class ZeroOptimizer:
 
         Stage 1: a reduce-scatter of the flat gradient, as one in-place ``dist.reduce`` of each
         ``S``-element piece to the rank that owns it (no buffer allocated; module docstring), then / N.
-        Stage 2: the slice already holds the sum (reduced during backward), / N."""
+        Stage 2: the slice already holds the sum (reduced during backward), / N.
+
+        Stage 2 needs a gradient of every parameter on every rank (each one is reduced as it is
+        made, so the ranks' collectives must pair one to one): a parameter without one on this rank
+        is a RuntimeError naming it, instead of the peers waiting for its reduce until the timeout."""
+        if self.stage == 2:
+            missing = [i for i in range(len(self.params)) if i not in self._arrived]
+            if missing:
+                i = missing[0]
+                raise RuntimeError(
+                    f"ZeroOptimizer(stage=2): parameter {i} (shape {tuple(self.params[i].shape)}) got no gradient on "
+                    f"rank {self.rank} this step ({len(missing)} of {len(self.params)} without one); stage 2 reduces "
+                    f"each gradient during backward, so every rank must make a gradient for every parameter: use it "
+                    f"in the loss on every rank, or freeze it (requires_grad=False) before building the optimizer")
+        self._arrived.clear()
         if self.stage == 1:  # a reduce-scatter of the flat gradient: piece r summed on rank r, in place
             S = self.shard_stop - self.shard_start
             for r in range(self.world_size):
