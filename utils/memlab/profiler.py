@@ -12,10 +12,17 @@ PyTorch mechanisms:
   the memory is given back. Views and aliases share one storage, so each storage is counted once.
 
 The live total after op ``k`` is ``sum(nbytes(s) for s in storages alive after op k)``; the peak is
-the maximum of that total over all ops. This is the same accounting as PyTorch's own
-``torch.distributed._tools.mem_tracker.MemTracker`` (raw ``nbytes`` on CPU and meta, rounded up
-to the CUDA caching allocator's 512-byte block on CUDA), so on CPU the two peaks agree to the
-byte (``tests/test_profiler.py``).
+the maximum of that total over all ops. Sizes follow a rounding policy (``block_bytes``: raw
+``nbytes`` on CPU and meta, rounded up to the CUDA caching allocator's 512-byte block on CUDA).
+A storage born before the ``with`` block is counted only if the model or the optimizer owns it:
+an op that returns a view of any other old storage (a slice of a batch made before, say) costs
+0 bytes, as it costs the allocator nothing. PyTorch's own
+``torch.distributed._tools.mem_tracker.MemTracker`` counts the same way except there: it charges
+such an old storage whole at the first view, so the two peaks agree to the byte when the step makes
+its inputs inside the block, and differ by those old storages otherwise (``tests/test_profiler.py``).
+Against the allocator's own events (``torch.profiler`` with ``profile_memory=True``, see
+:func:`allocator_peak`) the tracker is exact on the same run, up to scalars no op returns
+(``tests/test_ground_truth_steps.py``).
 
 Categories, each storage in exactly one:
 
@@ -42,9 +49,14 @@ backward ends. Backward attribution is therefore by output-gradient arrival, whi
 sequential models and approximate where modules interleave.
 
 Limits: tensors created outside the ``with`` block are counted only if they belong to the model
-or the optimizer; ops that bypass the dispatcher (``no_dispatch``, C++ extensions calling the
-allocator directly, cuBLAS workspaces) are invisible; wrapper tensor subclasses are counted
-through whatever plain tensors their ops return.
+or the optimizer (a buffer an optimizer keeps outside ``optimizer.state`` is not); ops that bypass
+the dispatcher (``no_dispatch``, C++ extensions calling the allocator directly, cuBLAS workspaces,
+scratch a kernel allocates inside itself, the 8-byte tensor C++ makes of a Python number) are
+invisible; wrapper tensor subclasses are counted through whatever plain tensors their ops return.
+And watching changes the run a little: under any Python dispatch mode autograd adds the gradients
+of a tensor used several times out of place (a new buffer each time) where an unwatched run adds
+in place, so a step that slices one tensor many times (chunked attention) peaks higher tracked
+than untracked; the tracker is exact for the run it watches.
 """
 from __future__ import annotations
 
