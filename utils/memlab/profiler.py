@@ -949,6 +949,31 @@ def phase_peaks(timeline: Iterable[Any]) -> dict[str, int]:
     return out
 
 
+class _quiet_stderr:
+    """Point file descriptor 2 at /dev/null for a moment (C++ log lines bypass ``sys.stderr``)."""
+
+    def __enter__(self) -> None:
+        import os
+        import sys
+
+        self._saved = None
+        try:
+            sys.stderr.flush()
+            self._saved = os.dup(2)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 2)
+            os.close(null)
+        except (OSError, ValueError, AttributeError):  # no real descriptor 2: nothing to quiet
+            self._saved = None
+
+    def __exit__(self, *exc: Any) -> None:
+        import os
+
+        if self._saved is not None:
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+
+
 def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     """Run ``fn()`` under ``torch.profiler.profile(profile_memory=True)`` and rebuild the CPU
     allocator's live bytes from its allocation and free events, in time order: returns ``(peak,
@@ -961,8 +986,14 @@ def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's C++ side logs its start and stop on file descriptor 2
+        prof.__enter__()
+    try:
         fn()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
     stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
     events = []
     while stack:  # the tree in order (a stable sort by time keeps it for equal times)
