@@ -240,6 +240,8 @@ def test_memlab_checkpoint_vs_torch_checkpoint_by_the_allocator():
 
 # ------------------------------------------------------------------ ZeRO ranks vs plain data parallelism
 SMALL_LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=1)
+SEQ = 8  # a short batch: the step's peak is in the optimizer step, where the ranks communicate
+GLOO_SLACK = 32 * 1024  # gloo's threads allocate a few blocks of their own, some runs (16 KiB seen)
 
 
 def _zero_vs_dp(rank, world_size):
@@ -264,8 +266,8 @@ def _zero_vs_dp(rank, world_size):
 
         def step():
             g = torch.Generator().manual_seed(rank)
-            x = torch.randint(0, vocab, (2, 32), generator=g)
-            y = torch.randint(0, vocab, (2, 32), generator=g)
+            x = torch.randint(0, vocab, (2, SEQ), generator=g)
+            y = torch.randint(0, vocab, (2, SEQ), generator=g)
             lm_loss(model, x, y).backward()
             if stage == 0:
                 with torch.no_grad():
@@ -287,28 +289,37 @@ def _zero_vs_dp(rank, world_size):
 
 
 def test_zero_ranks_vs_data_parallelism_by_the_allocator():
-    """Two gloo processes, chapter 08's tiny Llama (one layer): each rank's peak is the bytes it holds
-    when the step starts (parameters, gradient buffers, optimizer state, counted from those tensors)
-    plus the allocator's rise over the step. The rank tracker, on another step of the same rank,
-    gives that peak within 64 B (its run allocates 48 B more here: scalars under a dispatch mode).
+    """Two gloo processes, chapter 08's tiny Llama (one layer, a 2 x 8 batch, so that the peak is in
+    the optimizer step): each rank's peak is the bytes it holds when the step starts (parameters,
+    gradient buffers, optimizer state, counted from those tensors) plus the allocator's rise over
+    the step, made with no tracker running.
 
-    Known amounts, by the allocator: the rise is the same for all three (the peak is in backward,
-    before DP's gradients exist), so ZeRO-1 saves against DP only DP's extra step counters: the AdamW
-    moments it drops (8 B x N/2) are the flat gradient it keeps alive between steps (4 B x N). ZeRO-2
-    keeps a gradient slice (4 B x N/2) instead of that flat gradient."""
+    DP: the rank tracker (on another step of the same rank) gives the same peak within 64 B (its run
+    allocates 48 B more: scalars under a dispatch mode). ZeRO-1: the allocator's peak is at the final
+    all-gather of the parameters; its rise is the clone of this rank's slice (4 B x P/2) + a whole
+    flat parameter (4 B x P) that gloo's ``c10d::_allgather_base_`` allocates inside itself and no
+    op returns + the batch (+ up to 32 KiB that gloo's threads allocate in some runs; the buffer is
+    297 KiB here). The tracker cannot see that buffer (nor, for ZeRO-2, the reduces' scratch during
+    backward, which varies run to run): it puts ZeRO-1 below DP where the allocator puts it above."""
     from memlab import distributed as D
 
     ranks = D.launch(_zero_vs_dp, 2, timeout=240)
+    batch = 2 * 2 * SEQ * 8  # x and y, int64
     for rank, res in enumerate(ranks):
         peak = {s: held + rise for s, (held, rise, _, _, _) in res.items()}
-        for s, (held, rise, tracked, _, _) in res.items():
-            assert abs(peak[s] - tracked) <= 64, (
-                f"rank {rank} stage {s}: allocator {held} B held + {rise} B rise = {peak[s]} B, tracker {tracked} B")
-        n, n_tensors = res[0][3], res[0][4]
-        half = D.padded_size(n, 2) // 2
-        assert len({rise for _, rise, _, _, _ in res.values()}) == 1, res
-        assert peak[0] - peak[1] == 4 * (n_tensors - 1) + 12 * (n - 2 * half), (
-            f"rank {rank}: DP {peak[0]} B - ZeRO-1 {peak[1]} B should be DP's {n_tensors} step counters less "
-            f"ZeRO-1's one (moments dropped 8 x {half} B = flat gradient kept 4 x {2 * half} B)")
-        assert peak[1] - peak[2] == 4 * half, (
-            f"rank {rank}: ZeRO-1 {peak[1]} B - ZeRO-2 {peak[2]} B should be the gradient half, 4 x {half} B")
+        tracked = {s: t for s, (_, _, t, _, _) in res.items()}
+        n = res[0][3]
+        flat = 4 * D.padded_size(n, 2)  # the flat parameter (fp32)
+        assert abs(peak[0] - tracked[0]) <= 64, (
+            f"rank {rank} DP: allocator {res[0][0]} B held + {res[0][1]} B rise = {peak[0]} B, tracker {tracked[0]} B")
+        rise = res[1][1]
+        assert 0 <= rise - (flat + flat // 2 + batch) <= GLOO_SLACK, (
+            f"rank {rank} ZeRO-1: allocator rise {rise} B should be gloo's all-gather buffer {flat} B + the "
+            f"slice's clone {flat // 2} B + the batch {batch} B (+ <= {GLOO_SLACK} B of gloo's own)")
+        for s in (1, 2):
+            assert tracked[s] < peak[s] - flat // 4, (
+                f"rank {rank} ZeRO-{s}: tracker {tracked[s]} B, allocator {peak[s]} B: the tracker should miss gloo's "
+                f"{flat} B buffer")
+        assert tracked[1] < tracked[0] and peak[1] > peak[0], (
+            f"rank {rank}: ZeRO-1 vs DP, tracker {tracked[1]} vs {tracked[0]} B, allocator {peak[1]} vs {peak[0]} B")
+        assert peak[2] < peak[1], f"rank {rank}: ZeRO-2 {peak[2]} B vs ZeRO-1 {peak[1]} B"
