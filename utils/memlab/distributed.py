@@ -767,35 +767,20 @@ def rank_tracker(model: nn.Module | None = None, optimizer: Any = None, *, resiz
 
     FSDP2 frees an unsharded parameter by resizing its storage to 0 bytes (and regrows it before the
     next all-gather), which no op returns: with ``resizes`` (default: when ``model`` holds DTensors)
-    the tracker re-reads every live storage's size after each op, so those frees and regrowths count
-    when they happen (slower: a pass over the live storages per op)."""
+    the tracker watches ``UntypedStorage.resize_`` and re-reads every live storage's size after each
+    op (``MemoryTracker(resizes=True)``), so those frees and regrowths count when they happen
+    (slower: a pass over the live storages per op)."""
     from memlab.profiler import MemoryTracker
 
     if resizes is None:
         resizes = model is not None and any(hasattr(p, "_local_tensor") for p in model.parameters())
 
     class RankMemoryTracker(MemoryTracker):
-        def _track(self, t: torch.Tensor, cat: int, relabel: bool = False) -> None:
-            super()._track(_unwrap(t), cat, relabel)
-
-        def _after_op(self) -> None:
-            if resizes:
-                for e in list(self._live.values()):
-                    st = e[2]()
-                    if st is None:
-                        continue
-                    n = st.nbytes()
-                    if e[3]:
-                        n = -(-n // 512) * 512
-                    if n != e[0]:
-                        self._cur[e[1]] += n - e[0]
-                        self._total += n - e[0]
-                        e[0] = n
-                        self._dirty = True
-            super()._after_op()
+        def counted_tensor(self, t: torch.Tensor) -> torch.Tensor:
+            return _unwrap(t)
 
     inner = optimizer.optim if isinstance(optimizer, ZeroOptimizer) else optimizer
-    return RankMemoryTracker(model, inner, **kwargs)
+    return RankMemoryTracker(model, inner, resizes=resizes, **kwargs)
 
 
 def rank_bytes(model: nn.Module | None = None, optimizer: Any = None) -> dict[str, int]:

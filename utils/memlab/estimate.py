@@ -1064,15 +1064,13 @@ def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bo
                 self.softmax_calls += 1
             if softmax_rule and func is softmax_bwd and isinstance(args[0], torch.Tensor) and args[0].dim() >= 3:
                 g = args[0]
-                extra = g.numel() * g.element_size()
-                if g.device.type == "cuda":
-                    extra = math.ceil(extra / 512) * 512
+                extra = self.allocated_bytes(g.numel() * g.element_size(), g.device)
                 # alive while the kernel runs, with its output: count it at that moment only
                 self.add_transient(extra)
                 self.scratch_bytes = max(self.scratch_bytes, extra)
             return out
 
-    return _Tracker(model=model, optimizer=opt)
+    return _Tracker(model=model, optimizer=opt, resizes=per_rank)
 
 
 def _run(

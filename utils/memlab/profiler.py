@@ -12,10 +12,17 @@ PyTorch mechanisms:
   the memory is given back. Views and aliases share one storage, so each storage is counted once.
 
 The live total after op ``k`` is ``sum(nbytes(s) for s in storages alive after op k)``; the peak is
-the maximum of that total over all ops. This is the same accounting as PyTorch's own
-``torch.distributed._tools.mem_tracker.MemTracker`` (raw ``nbytes`` on CPU and meta, rounded up
-to the CUDA caching allocator's 512-byte block on CUDA), so on CPU the two peaks agree to the
-byte (``tests/test_profiler.py``).
+the maximum of that total over all ops. Sizes follow a rounding policy (``block_bytes``: raw
+``nbytes`` on CPU and meta, rounded up to the CUDA caching allocator's 512-byte block on CUDA).
+A storage born before the ``with`` block is counted only if the model or the optimizer owns it:
+an op that returns a view of any other old storage (a slice of a batch made before, say) costs
+0 bytes, as it costs the allocator nothing. PyTorch's own
+``torch.distributed._tools.mem_tracker.MemTracker`` counts the same way except there: it charges
+such an old storage whole at the first view, so the two peaks agree to the byte when the step makes
+its inputs inside the block, and differ by those old storages otherwise (``tests/test_profiler.py``).
+Against the allocator's own events (``torch.profiler`` with ``profile_memory=True``, see
+:func:`allocator_peak`) the tracker is exact on the same run, up to scalars no op returns
+(``tests/test_ground_truth_steps.py``).
 
 Categories, each storage in exactly one:
 
@@ -42,16 +49,21 @@ backward ends. Backward attribution is therefore by output-gradient arrival, whi
 sequential models and approximate where modules interleave.
 
 Limits: tensors created outside the ``with`` block are counted only if they belong to the model
-or the optimizer; ops that bypass the dispatcher (``no_dispatch``, C++ extensions calling the
-allocator directly, cuBLAS workspaces) are invisible; wrapper tensor subclasses are counted
-through whatever plain tensors their ops return.
+or the optimizer (a buffer an optimizer keeps outside ``optimizer.state`` is not); ops that bypass
+the dispatcher (``no_dispatch``, C++ extensions calling the allocator directly, cuBLAS workspaces,
+scratch a kernel allocates inside itself, the 8-byte tensor C++ makes of a Python number) are
+invisible; wrapper tensor subclasses are counted through whatever plain tensors their ops return.
+And watching changes the run a little: under any Python dispatch mode autograd adds the gradients
+of a tensor used several times out of place (a new buffer each time) where an unwatched run adds
+in place, so a step that slices one tensor many times (chunked attention) peaks higher tracked
+than untracked; the tracker is exact for the run it watches.
 """
 from __future__ import annotations
 
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,6 +75,10 @@ __all__ = [
     "PHASES",
     "MemoryTracker",
     "Event",
+    "LiveStorage",
+    "CUDA_BLOCK_BYTES",
+    "allocator_bytes",
+    "allocator_peak",
     "LiveBytes",
     "categorize",
     "phase_peaks",
@@ -78,9 +94,85 @@ BREAKDOWN_AT: tuple[str, ...] = ("peak", "end")
 
 _P, _G, _O, _A, _X = range(5)
 _FWD, _BWD, _OPT, _OTH = range(4)
-CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to a multiple of this
+#: The CUDA caching allocator rounds every block up to a multiple of this (``kMinBlockSize`` in
+#: PyTorch's ``c10/cuda/CUDACachingAllocator.cpp``); the CPU allocator gives what was asked.
+CUDA_BLOCK_BYTES = 512
+#: The rounding policy a :class:`MemoryTracker` uses unless given another: device type -> block.
+DEFAULT_BLOCK_BYTES: Mapping[str, int] = {"cuda": CUDA_BLOCK_BYTES}
 
 _graph_task_id = torch._C._current_graph_task_id
+
+
+def allocator_bytes(nbytes: int, device: str | torch.device,
+                    block_bytes: Mapping[str, int] | None = None) -> int:
+    """Bytes the allocator of ``device`` takes for a request of ``nbytes``: rounded up to a
+    multiple of ``block_bytes[device type]`` (default :data:`DEFAULT_BLOCK_BYTES`: CUDA's 512-byte
+    blocks), as asked on any other device.
+
+    >>> allocator_bytes(100, "cuda"), allocator_bytes(100, "cpu"), allocator_bytes(0, "cuda")
+    (512, 100, 0)
+    """
+    dev = device if isinstance(device, str) else device.type
+    block = (DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes).get(dev.split(":")[0], 1)
+    return -(-nbytes // block) * block if block > 1 else nbytes
+
+
+class LiveStorage(NamedTuple):
+    """A storage the tracker holds now (see :meth:`MemoryTracker.live_storages`).
+
+    ``key`` is the storage's ``untyped_storage()._cdata`` (shared by every view), ``nbytes`` the
+    bytes the tracker charges for it (the allocator's size, minus what the storage already held
+    when the tracker first met it as a view of memory allocated before tracking), ``category``
+    one of :data:`CATEGORIES`.
+    """
+
+    key: int
+    storage: torch.UntypedStorage
+    nbytes: int
+    category: str
+
+
+class _Entry:
+    """One live storage: charged bytes, category index, weak reference, its block, and ``base``,
+    the allocator bytes it held before the tracker met it (never charged)."""
+
+    __slots__ = ("nbytes", "cat", "ref", "block", "base")
+
+    def __init__(self, nbytes: int, cat: int, ref: weakref.ref, block: int, base: int) -> None:
+        self.nbytes, self.cat, self.ref, self.block, self.base = nbytes, cat, ref, block, base
+
+
+_MUTATES: dict[Any, bool] = {}
+# ops that alias an input born outside the dispatcher an instant before, inside the block:
+# ``torch.tensor(...)`` builds its tensor in C++ and hands it to ``lift_fresh``, so the storage
+# is new even though the op returns an alias of its input
+_FRESH_ALIAS_OPS = frozenset(
+    getattr(torch.ops.aten, name).default for name in ("lift_fresh", "lift") if hasattr(torch.ops.aten, name))
+
+
+def _mutates(func: Any) -> bool:
+    """Whether an op writes into one of its arguments (in place or ``out=``): such an op can resize
+    a storage that the tracker has not met yet, so its size is read before the op runs."""
+    m = _MUTATES.get(func)
+    if m is None:
+        try:
+            m = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        except AttributeError:  # not an OpOverload: assume it may
+            m = True
+        _MUTATES[func] = m
+    return m
+
+
+def _flat_tensors(obj: Any, out: list, depth: int = 0) -> list:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 3 and isinstance(obj, (tuple, list)):
+        for o in obj:
+            _flat_tensors(o, out, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for o in obj.values():
+            _flat_tensors(o, out, depth + 1)
+    return out
 
 
 class Event(NamedTuple):
@@ -134,6 +226,13 @@ class MemoryTracker(TorchDispatchMode):
     step with both modes active (either nesting order gives the same bytes). One tracker may be
     entered several times (one step each, or several steps in one block); its counts carry on.
 
+    Memory allocated before the block is charged only when the model or the optimizer owns it
+    (parameters, buffers, gradients, optimizer state). A view of any other storage born before
+    the block (a slice, ``t()``, ``view``, ``expand``, ``detach``, the tensor an in-place op
+    returns) costs 0 bytes, as it costs the allocator nothing; if such a storage grows (an
+    ``out=`` or in-place op that resizes it, ``UntypedStorage.resize_`` with ``resizes``), the
+    growth is charged.
+
     Args:
         model: its parameters and buffers (and their ``.grad``) are counted from ``__enter__``;
             its forward defines the ``forward`` phase and its submodules the per-module peaks.
@@ -141,6 +240,18 @@ class MemoryTracker(TorchDispatchMode):
         device: count only storages on this device type (``"cuda"``, ``"cpu"``, ``"meta"``; for
             fake tensors their fake device); ``None`` counts all.
         timeline: record the timeline (cheap; turn off for the lowest overhead).
+        block_bytes: the rounding policy, device type -> the allocator's block size (every
+            storage is charged its size rounded up to a multiple of it); default
+            :data:`DEFAULT_BLOCK_BYTES` (CUDA's 512-byte blocks, other devices as asked).
+        resizes: also count storage resizes that no op returns (FSDP2 frees and regrows an
+            unsharded parameter with ``UntypedStorage.resize_``): ``resize_`` is watched inside the
+            block and every live storage's size re-read after each op (slower).
+
+    Extending it (subclasses use these, never the private state): :meth:`after_op` (a hook run
+    after every op, before the peak and the timeline take the new total), :meth:`counted_tensor`
+    (which tensor's storage holds a wrapper tensor's bytes), :meth:`sync_sizes` (re-read storage
+    sizes now), :meth:`allocated_bytes` (the rounding policy), :meth:`live_storages`,
+    :attr:`current_bytes` and :meth:`add_transient`.
     """
 
     def __init__(
@@ -150,18 +261,29 @@ class MemoryTracker(TorchDispatchMode):
         *,
         device: str | torch.device | None = None,
         timeline: bool = True,
+        block_bytes: Mapping[str, int] | None = None,
+        resizes: bool = False,
     ) -> None:
         super().__init__()
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if block_bytes is None:
+            block_bytes = DEFAULT_BLOCK_BYTES
+        if not isinstance(block_bytes, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                for k, v in block_bytes.items()):
+            raise ValueError(f"block_bytes={block_bytes!r} is invalid; allowed: a mapping of device type "
+                             f"(such as 'cuda') to a block size in bytes, an int >= 1")
         self.model = model
         self.optimizer = optimizer
+        self.block_bytes: dict[str, int] = dict(block_bytes)
+        self.resizes = bool(resizes)
         self._device_type = None if device is None else torch.device(device).type
         self._record = bool(timeline)
-        # storage key (StorageImpl address) -> [nbytes, category, weakref to the storage]
-        self._live: dict[int, list] = {}
+        # storage key (StorageImpl address) -> _Entry
+        self._live: dict[int, _Entry] = {}
         self._cur = [0, 0, 0, 0, 0]
         self._total = 0
         self._phase = _OTH
@@ -176,9 +298,89 @@ class MemoryTracker(TorchDispatchMode):
         self._depth = 0
         self._in_opt = 0
         self._opt_before: set[int] = set()
+        self._orig_resize: Any = None
+        cls = type(self)
+        self._unwrap = None if cls.counted_tensor is MemoryTracker.counted_tensor else self.counted_tensor
+        self._hook = None if cls.after_op is MemoryTracker.after_op else self.after_op
+
+    # ------------------------------------------------------------------ the extension API
+    def counted_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor whose storage holds ``t``'s bytes: ``t`` itself. Override for wrapper tensors
+        (a DTensor's bytes are its local shard's, see :func:`memlab.distributed.rank_tracker`)."""
+        return t
+
+    def after_op(self) -> bool | None:
+        """Hook: called after every dispatched op (and at enter, at exit, after each step and for
+        each :meth:`add_transient`) once :attr:`current_bytes` is up to date, before the peak and
+        the timeline take it. Raise to refuse the op (``memlab.train.BudgetTracker``); return
+        ``False`` to leave this moment out of the peak and the timeline. Does nothing here."""
+        return None
+
+    def allocated_bytes(self, nbytes: int, device: str | torch.device) -> int:
+        """The rounding policy: bytes the allocator takes for ``nbytes`` on ``device`` (see
+        :func:`allocator_bytes` and ``block_bytes``)."""
+        return allocator_bytes(nbytes, device, self.block_bytes)
+
+    def sync_sizes(self, storage: torch.Tensor | torch.UntypedStorage | None = None) -> int:
+        """Re-read the size of one tracked storage (a tensor's, or a storage) or, with ``None``, of
+        every live one, and charge what changed now: for resizes that no op returns. Returns the
+        change in charged bytes."""
+        if storage is None:
+            entries = list(self._live.values())  # a list: a weakref callback may fire meanwhile
+        else:
+            if isinstance(storage, torch.Tensor):
+                storage = (self._unwrap(storage) if self._unwrap else storage).untyped_storage()
+            e = self._live.get(storage._cdata)
+            entries = [e] if e is not None and e.ref() is storage else []
+        change = 0
+        for e in entries:
+            st = e.ref()
+            if st is not None:
+                change += self._resize_entry(e, st.nbytes())
+        return change
+
+    def live_storages(self) -> list[LiveStorage]:
+        """The storages the tracker holds now, with the bytes it charges each and its category."""
+        out = []
+        for key, e in list(self._live.items()):
+            st = e.ref()
+            if st is not None:
+                out.append(LiveStorage(key, st, e.nbytes, CATEGORIES[e.cat]))
+        return out
 
     # ------------------------------------------------------------------ storages
+    def _block(self, dev_type: str) -> int:
+        return self.block_bytes.get(dev_type, 1)
+
+    def _new_entry(self, st: torch.UntypedStorage, key: int, dev_type: str, cat: int, base: int | None) -> None:
+        """Start counting a storage: all its bytes, or (``base``: the bytes it held before the
+        tracker met it, already rounded) only what it grew since."""
+        block = self._block(dev_type)
+        n = st.nbytes()
+        if block > 1:
+            n = -(-n // block) * block
+        b = 0 if base is None else base
+        self._live[key] = _Entry(n - b, cat, weakref.ref(st, self._make_free(key)), block, b)
+        if n != b:
+            self._cur[cat] += n - b
+            self._total += n - b
+            self._dirty = True
+
+    def _resize_entry(self, e: _Entry, nbytes: int) -> int:
+        if e.block > 1:
+            nbytes = -(-nbytes // e.block) * e.block
+        d = nbytes - e.base - e.nbytes
+        if d:
+            self._cur[e.cat] += d
+            self._total += d
+            e.nbytes += d
+            self._dirty = True
+        return d
+
     def _track(self, t: torch.Tensor, cat: int, relabel: bool = False) -> None:
+        """Count ``t``'s storage (an owner's when ``relabel``: it is charged in full and takes ``cat``)."""
+        if self._unwrap is not None:
+            t = self._unwrap(t)
         try:
             st = t.untyped_storage()
         except (NotImplementedError, RuntimeError, TypeError):  # sparse, mkldnn, opaque subclasses
@@ -186,39 +388,99 @@ class MemoryTracker(TorchDispatchMode):
         key = st._cdata
         e = self._live.get(key)
         if e is None:
-            dev = t.device
-            if self._device_type is not None and dev.type != self._device_type:
+            dev = t.device.type
+            if self._device_type is not None and dev != self._device_type:
                 return
-            n = st.nbytes()
-            if dev.type == "cuda":
-                n = math.ceil(n / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-            self._live[key] = [n, cat, weakref.ref(st, self._make_free(key)), dev.type == "cuda"]
-            self._cur[cat] += n
-            self._total += n
-            self._dirty = True
+            self._new_entry(st, key, dev, cat, None)
             return
-        n = st.nbytes()
-        if e[3]:
-            n = math.ceil(n / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-        if n != e[0]:  # the storage was resized in place
-            self._cur[e[1]] += n - e[0]
-            self._total += n - e[0]
-            e[0] = n
-            self._dirty = True
-        if relabel and e[1] != cat:
-            self._cur[e[1]] -= e[0]
-            self._cur[cat] += e[0]
-            e[1] = cat
-            self._dirty = True
+        self._resize_entry(e, st.nbytes())
+        if relabel:
+            if e.base:  # an owner is charged in full, even if the tracker met it as an old storage
+                self._cur[e.cat] += e.base
+                self._total += e.base
+                e.nbytes += e.base
+                e.base = 0
+                self._dirty = True
+            if e.cat != cat:
+                self._cur[e.cat] -= e.nbytes
+                self._cur[cat] += e.nbytes
+                e.cat = cat
+                self._dirty = True
+
+    def _track_output(self, o: torch.Tensor, cat: int, inputs: list | None, args: Any, kwargs: Any,
+                      before: dict | None) -> list | None:  # inputs=(): no input is old
+        """Count an op's output: a storage the tracker has not met is new, unless it is one of the
+        op's inputs' storages, born before tracking (a view or an alias: only growth is charged).
+        Returns the inputs' storage keys (computed once per op, when first needed)."""
+        if self._unwrap is not None:
+            o = self._unwrap(o)
+        try:
+            st = o.untyped_storage()
+        except (NotImplementedError, RuntimeError, TypeError):
+            return inputs
+        key = st._cdata
+        e = self._live.get(key)
+        if e is not None:
+            self._resize_entry(e, st.nbytes())
+            return inputs
+        dev = o.device.type
+        if self._device_type is not None and dev != self._device_type:
+            return inputs
+        if inputs is None:
+            inputs = []
+            for t in _flat_tensors((args, kwargs), []):
+                if self._unwrap is not None:
+                    t = self._unwrap(t)
+                try:
+                    inputs.append(t.untyped_storage()._cdata)
+                except (NotImplementedError, RuntimeError, TypeError):
+                    pass
+        if key in inputs:  # an alias of an input the tracker never met: born before tracking
+            base = before.get(key) if before else None
+            if base is None:
+                base = self.allocated_bytes(st.nbytes(), dev)
+            self._new_entry(st, key, dev, cat, base)
+        else:
+            self._new_entry(st, key, dev, cat, None)
+        return inputs
+
+    def _untracked_sizes(self, args: Any, kwargs: Any) -> dict[int, tuple]:
+        """Before an op that writes into its arguments: the allocator bytes of each argument
+        storage the tracker has not met, so that a resize by the op is charged (from this size)."""
+        out: dict[int, tuple] = {}
+        for t in _flat_tensors((args, kwargs), []):
+            if self._unwrap is not None:
+                t = self._unwrap(t)
+            try:
+                st = t.untyped_storage()
+            except (NotImplementedError, RuntimeError, TypeError):
+                continue
+            key = st._cdata
+            if key not in self._live and key not in out:
+                out[key] = (self.allocated_bytes(st.nbytes(), t.device), st, t.device.type)
+        return out
+
+    def _on_resize(self, st: torch.UntypedStorage, old: int) -> None:
+        """``UntypedStorage.resize_`` ran (with ``resizes``): charge the change now."""
+        key = st._cdata
+        e = self._live.get(key)
+        if e is not None and e.ref() is st:
+            self._resize_entry(e, st.nbytes())
+            return
+        dev = st.device.type
+        if self._device_type is not None and dev != self._device_type:
+            return
+        cat = _O if self._in_opt else (_A if self._phase in (_FWD, _BWD) else _X)
+        self._new_entry(st, key, dev, cat, self.allocated_bytes(old, dev))
 
     def _make_free(self, key: int):
         def free(ref: weakref.ref) -> None:
             e = self._live.get(key)
-            if e is None or e[2] is not ref:
+            if e is None or e.ref is not ref:
                 return
             del self._live[key]
-            self._cur[e[1]] -= e[0]
-            self._total -= e[0]
+            self._cur[e.cat] -= e.nbytes
+            self._total -= e.nbytes
             self._dirty = True
 
         return free
@@ -247,14 +509,16 @@ class MemoryTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------ the dispatch hook
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        before = self._untracked_sizes(args, kwargs) if _mutates(func) else None
+        out = func(*args, **kwargs)
         if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
             outs: Any = (out,)
         elif isinstance(out, (tuple, list)):
             outs = out
         else:  # no tensor out (e.g. the profiler's record_function ops): nothing to allocate
             outs = ()
-        if outs:
+        if outs or before:
             # the phase: optimizer step > autograd engine running > the last phase started
             if self._in_opt:
                 phase = _OPT
@@ -267,13 +531,19 @@ class MemoryTracker(TorchDispatchMode):
             if phase != self._phase:
                 self._set_phase(phase)
             cat = _A if (phase == _FWD or phase == _BWD) else (_O if phase == _OPT else _X)
+            inputs = () if func in _FRESH_ALIAS_OPS else None
+            bsizes = {k: v[0] for k, v in before.items()} if before else None
             for o in outs:
                 if isinstance(o, torch.Tensor):
-                    self._track(o, cat)
+                    inputs = self._track_output(o, cat, inputs, args, kwargs, bsizes)
                 elif isinstance(o, (tuple, list)):
                     for oo in o:
                         if isinstance(oo, torch.Tensor):
-                            self._track(oo, cat)
+                            inputs = self._track_output(oo, cat, inputs, args, kwargs, bsizes)
+            if before:  # an argument the tracker had not met, resized by the op and not returned
+                for key, (n, st, dev) in before.items():
+                    if key not in self._live and self.allocated_bytes(st.nbytes(), dev) != n:
+                        self._new_entry(st, key, dev, cat, n)
         self._ops += 1
         self._after_op()
         return out
@@ -296,6 +566,10 @@ class MemoryTracker(TorchDispatchMode):
             self._after_op()
 
     def _after_op(self) -> None:
+        if self.resizes:
+            self.sync_sizes()
+        if self._hook is not None and self._hook() is False:
+            return
         total = self._total
         if self._stack and total > self._stack[-1][1]:
             self._stack[-1][1] = total
@@ -374,7 +648,7 @@ class MemoryTracker(TorchDispatchMode):
 
         def opt_pre(optimizer, args, kwargs):
             self._in_opt += 1
-            self._opt_before = {k for k, e in list(self._live.items()) if e[1] == _O}
+            self._opt_before = {k for k, e in list(self._live.items()) if e.cat == _O}
             if self._phase != _OPT:
                 self._set_phase(_OPT)
 
@@ -385,10 +659,10 @@ class MemoryTracker(TorchDispatchMode):
                 # what the step allocated and still holds outside optimizer.state is not state
                 state = {t.untyped_storage()._cdata for st in optimizer.state.values() for t in _tensors_in(st)}
                 for key, e in list(self._live.items()):  # a list: a weakref callback may fire meanwhile
-                    if e[1] == _O and key not in state and key not in self._opt_before:
-                        self._cur[_O] -= e[0]
-                        self._cur[_X] += e[0]
-                        e[1] = _X
+                    if e.cat == _O and key not in state and key not in self._opt_before:
+                        self._cur[_O] -= e.nbytes
+                        self._cur[_X] += e.nbytes
+                        e.cat = _X
                         self._dirty = True
                 self._after_op()
             if not self._in_opt:
@@ -416,11 +690,28 @@ class MemoryTracker(TorchDispatchMode):
             seen.add(id(p))
             self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
 
+    def _watch_resize(self) -> None:
+        # UntypedStorage.resize_ is a storage method, not an op: no dispatch mode sees it
+        orig = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st, size):  # type: ignore[no-untyped-def]
+            old = st.nbytes()
+            out = orig(st, size)
+            if tracker._depth:
+                tracker._on_resize(st, old)
+            return out
+
+        self._orig_resize = orig
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "MemoryTracker":
         if self._depth == 0:
             self._track_state()
             self._install_hooks()
+            if self.resizes:
+                self._watch_resize()
             self._end = None
             self._after_op()  # the starting point is an event (and the first peak candidate)
         self._depth += 1
@@ -434,6 +725,9 @@ class MemoryTracker(TorchDispatchMode):
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            if self._orig_resize is not None:
+                torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+                self._orig_resize = None
             self._in_opt = 0
             if self._phase != _OTH:
                 self._set_phase(_OTH)
@@ -653,6 +947,65 @@ def phase_peaks(timeline: Iterable[Any]) -> dict[str, int]:
         if total > out.get(phase, -1):
             out[phase] = total
     return out
+
+
+class _quiet_stderr:
+    """Point file descriptor 2 at /dev/null for a moment (C++ log lines bypass ``sys.stderr``)."""
+
+    def __enter__(self) -> None:
+        import os
+        import sys
+
+        self._saved = None
+        try:
+            sys.stderr.flush()
+            self._saved = os.dup(2)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 2)
+            os.close(null)
+        except (OSError, ValueError, AttributeError):  # no real descriptor 2: nothing to quiet
+            self._saved = None
+
+    def __exit__(self, *exc: Any) -> None:
+        import os
+
+        if self._saved is not None:
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+
+
+def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
+    """Run ``fn()`` under ``torch.profiler.profile(profile_memory=True)`` and rebuild the CPU
+    allocator's live bytes from its allocation and free events, in time order: returns ``(peak,
+    end)``, the highest point and the last one, both above the bytes live when ``fn`` started.
+
+    The counter that is not a twin of :class:`MemoryTracker`: it sees every block the allocator
+    serves (kernel scratch and 8-byte wrapped numbers included) and no tensor. It cannot see the
+    free of a block allocated before it started, so ``fn`` should not free older memory (make the
+    inputs inside ``fn``, or keep them alive)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's C++ side logs its start and stop on file descriptor 2
+        prof.__enter__()
+    try:
+        fn()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
+    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    events = []
+    while stack:  # the tree in order (a stable sort by time keeps it for equal times)
+        n = stack.pop()
+        if n.tag == _EventType.Allocation:
+            events.append((n.start_time_ns, n.extra_fields.alloc_size))
+        stack.extend(reversed(n.children))
+    cur = top = 0
+    for _, size in sorted(events, key=lambda e: e[0]):
+        cur += size
+        top = max(top, cur)
+    return top, cur
 
 
 # CUDA kernels known to allocate scratch inside themselves (no op returns it, so a dispatch-level

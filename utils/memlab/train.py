@@ -119,16 +119,17 @@ class BudgetTracker(MemoryTracker):
         self.refused_bytes = 0
         self._enforce = True
 
-    def _after_op(self) -> None:
-        if self._total > self.budget:
+    def after_op(self) -> bool | None:
+        total = self.current_bytes
+        if total > self.budget:
             if not self._enforce:  # unwinding after a refusal: the refused bytes never become the peak
-                return
-            self.refused_bytes = self._total
+                return False
+            self.refused_bytes = total
             self._enforce = False  # the unwinding that follows must not raise again
             raise torch.OutOfMemoryError(
                 f"budget {format_bytes(self.budget)} ({self.budget} B) exceeded: live tensors would hold "
-                f"{format_bytes(self._total)} ({self._total} B) (memlab.train.BudgetTracker, CPU)")
-        super()._after_op()
+                f"{format_bytes(total)} ({total} B) (memlab.train.BudgetTracker, CPU)")
+        return None
 
     def __enter__(self) -> "BudgetTracker":
         self._enforce = True

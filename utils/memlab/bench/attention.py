@@ -11,9 +11,15 @@ length, by
 * ``sdpa-math`` and ``sdpa-flash``: SDPA forced to its math and FlashAttention backends.
 
 Time: median over ``--repeat`` interleaved rounds (every configuration once per round, so a busy
-machine slows them alike), after a warm-up; CUDA synchronised before reading the clock. Memory:
-``memlab.profiler.MemoryTracker`` peak of the step above the inputs (exact live bytes), and on CUDA
-also ``torch.cuda.max_memory_allocated``. Ratios are against ``sdpa-flash`` in the same run:
+machine slows them alike), after a warm-up; CUDA synchronised before reading the clock. Memory: the
+allocator's peak over one step whose inputs (q, k, v and the output gradient) are made inside the
+measured window, so every implementation pays for the same inputs: on CPU rebuilt from the
+allocator's events (``memlab.profiler.allocator_peak``: ``torch.profiler`` with
+``profile_memory=True``, which also sees scratch a kernel allocates inside itself, such as SDPA's
+CPU flash kernel's buffers), on CUDA ``torch.cuda.max_memory_allocated``. (A dispatch-mode tracker
+is not used here: it cannot see kernel scratch, and under any Python dispatch mode autograd adds
+the gradients of a tensor used several times out of place, which raises chunked's peak.) Ratios
+are against ``sdpa-flash`` in the same run:
 ``speed`` = its time / ours (1 = as fast, higher is faster), ``mem`` = our peak / its peak. On a
 GPU also TFLOP/s, counted as FlashAttention-2's benchmark does: forward 4*b*h*s^2*d, backward
 2.5x the forward (the recomputation not counted), halved by the causal mask: 7*b*h*s^2*d.
@@ -38,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from memlab import attention as att
     from memlab.accounting import format_bytes
     from memlab.config import DEVICE, seed_everything
-    from memlab.profiler import MemoryTracker
+    from memlab.profiler import allocator_peak
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     on_gpu = DEVICE.type == "cuda"
@@ -109,23 +115,27 @@ def main(argv: list[str] | None = None) -> int:
                 fn(q, k, v).backward(do)
             return run
 
+        def fresh_step(fn):  # the inputs are made inside the measured window
+            def run():
+                qq, kk, vv = (torch.randn_like(q).requires_grad_() for _ in range(3))
+                fn(qq, kk, vv).backward(torch.randn_like(do))
+            return run
+
         fns = {name: step(fn) for name, fn in impls.items()
                if not (s > max_naive and name in ("naive", "chunked", "sdpa-math"))}
-        peaks, cuda_peaks = {}, {}
+        peaks = {}
         for name, fn in fns.items():
             fn()  # warm-up (and Triton compilation)
             q.grad = k.grad = v.grad = None
-            with MemoryTracker() as tr:
-                fn()
-            peaks[name] = tr.peak_bytes
             if on_gpu:
-                q.grad = k.grad = v.grad = None
                 sync(DEVICE)
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-                fn()
+                fresh_step(impls[name])()
                 sync(DEVICE)
-                cuda_peaks[name] = torch.cuda.max_memory_allocated() - base
+                peaks[name] = torch.cuda.max_memory_allocated() - base
+            else:
+                peaks[name] = allocator_peak(fresh_step(impls[name]))[0]
         times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(repeat):
             for name, fn in fns.items():
@@ -141,15 +151,18 @@ def main(argv: list[str] | None = None) -> int:
                    f"{peaks[name] / peaks[ref]:.2f}"]
             if on_gpu:
                 flops = 7 * b * heads * s * s * d  # FA2's count: (4 + 2.5 * 4) / 2 (causal) * b*h*s^2*d
-                row += [format_bytes(cuda_peaks[name]), f"{flops / med[name] / 1e12:.1f}"]
+                row += [f"{flops / med[name] / 1e12:.1f}"]
             rows.append(row)
             results[(name, s)] = (med[name], peaks[name], med[ref])
         del q, k, v, do
-    header = ["impl", "seq", "fwd+bwd ms", "speed vs sdpa-flash", "peak (tracker)", "mem vs sdpa-flash"]
+    header = ["impl", "seq", "fwd+bwd ms", "speed vs sdpa-flash",
+              "peak (max_memory_allocated)" if on_gpu else "peak (allocator events)", "mem vs sdpa-flash"]
     if on_gpu:
-        header += ["max_memory_allocated", "TFLOP/s"]
+        header += ["TFLOP/s"]
     print(table(f"memlab bench attention: causal, batch {b}, {heads} heads, head_dim {d}, {dtype}, block {blk}; "
-                f"median of {repeat} interleaved rounds", header, rows, device=DEVICE))
+                f"median of {repeat} interleaved rounds; peak: one step, its inputs q, k, v, dO made inside "
+                f"(4 x {b}x{heads}xseqx{d})"
+                + ("" if on_gpu else f", {torch.get_num_threads()} threads"), header, rows, device=DEVICE))
     for n in notes:
         print(n)
 
