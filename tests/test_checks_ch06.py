@@ -17,12 +17,12 @@ def test_reference_passes(exercise):
     assert r.status == "pass", r.message
 
 
-def test_a_copy_of_the_reference_passes_and_earns_points():
-    def nf4_codebook(offset=0.9677083):
+def test_a_wrapper_of_the_reference_passes_but_earns_no_points():
+    def nf4_codebook(offset=0.9677083):  # delegates to memlab's answer (issue 25: flagged however wrapped)
         return quant.nf4_codebook(offset)
 
     r = check("06.nf4_codebook", nf4_codebook, quiet=True)
-    assert r.status == "pass" and "no points" not in (r.message or "")
+    assert r.status == "pass" and "calls the reference implementation" in r.message and "no points" in r.message
 
 
 def test_stub_is_todo():

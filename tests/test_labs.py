@@ -1,6 +1,8 @@
 """Lab generation: stubs, solution-only cells, cleared outputs, kept ids, determinism, drift."""
 from __future__ import annotations
 
+import json
+
 import shutil
 import subprocess
 import sys
@@ -400,7 +402,10 @@ def test_symlinks_in_work_are_never_followed(tmp_path, capsys):
     fresh, _ = labs.reset("00", root)
     assert fresh.read_bytes() == (root / "labs" / LAB).read_bytes() and not fresh.is_symlink()
     assert not list(outside.iterdir())
-    # a backups/ that is a link out of work/
+    # a backups/ that is a link out of work/ (the copy is edited first: an untouched copy gets no backup)
+    nb = json.loads(fresh.read_text())
+    nb["cells"].append({"cell_type": "markdown", "metadata": {}, "source": "my notes"})
+    fresh.write_text(json.dumps(nb))
     (root / "work" / "backups").symlink_to(outside, target_is_directory=True)
     rc, err = _cli(root, "reset", "00", capsys=capsys)
     assert rc == 1 and "backups: is a symbolic link" in err[0], err
