@@ -156,3 +156,12 @@ def test_a_real_browser_renders_the_page_and_its_hover(tmp_path):
     # the tooltip the page's script wrote: the tensor, its bytes, its category and phase
     assert re.search(r"hover: \S+ -> \[[\d, ]+\] \w+ [\d.]+ \w?i?B · activations · made in (forward|backward) "
                      r"alive from op \d+ to op \d+", proc.stdout), proc.stdout
+
+
+def test_a_view_of_a_tensor_made_before_recording_gets_no_band():
+    old = torch.zeros(256, 1024)  # 1 MiB, made before: the allocator allocates nothing for its views
+    with Timeline() as tl:
+        v = old[1:].t().unsqueeze(0)[..., :10].expand(3, -1, -1)
+        w = old.sum(0)  # a reduction: its output only
+    assert [a.op for a in tl.allocations] == ["sum"] and tl.peak_bytes == w.untyped_storage().nbytes()
+    assert tl.peak_bytes == tl.tracker.peak_bytes and v.shape == (3, 1024, 10)

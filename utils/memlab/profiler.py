@@ -148,6 +148,7 @@ _MUTATES: dict[Any, bool] = {}
 # is new even though the op returns an alias of its input
 _FRESH_ALIAS_OPS = frozenset(
     getattr(torch.ops.aten, name).default for name in ("lift_fresh", "lift") if hasattr(torch.ops.aten, name))
+FRESH_ALIAS_OPS = _FRESH_ALIAS_OPS  # public: memlab.timeline applies the same rule
 
 
 def _mutates(func: Any) -> bool:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memlab.profiler import CATEGORIES, MemoryTracker
+from memlab.profiler import CATEGORIES, FRESH_ALIAS_OPS, MemoryTracker
 
 __all__ = ["Allocation", "Timeline", "COLORS"]
 
@@ -82,6 +82,13 @@ def _outputs(out: Any) -> list[torch.Tensor]:
     return []
 
 
+def _key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError, TypeError):
+        return None
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, tl: "Timeline") -> None:
         super().__init__()
@@ -96,7 +103,14 @@ class _Recorder(TorchDispatchMode):
             phase = tl._phase()
             cat = {"forward": "activations", "backward": "activations", "optimizer": "optimizer"}.get(phase, "other")
             name = str(getattr(func, "overloadpacket", func)).replace("aten.", "")
-            for t in _outputs(out):
+            old = None  # the inputs' storages: an output aliasing one the timeline never met was born
+            for t in _outputs(out):  # before recording (a view of an old batch): no band, as the tracker
+                if func not in FRESH_ALIAS_OPS:
+                    if old is None:
+                        old = {_key(a) for a in _outputs([*args, *(kwargs or {}).values()])}
+                    k = _key(t)
+                    if k in old and k not in tl._live:
+                        continue
                 tl._add(t, cat, name, phase)
         finally:
             tl._inside = False
