@@ -319,14 +319,18 @@ class _GraphProbe(torch.autograd.Function):
 def _probe_graphs(model):
     """A forward hook on the final LayerNorm: every forward's graph gets a sentinel; returns the
     list of weak references to them and the hook handle."""
-    refs = []
+    refs, stale = [], []
 
     def hook(module, args, out):
+        # at the start of a step's forward, the graph of the step before may still be alive (`loss` is
+        # rebound only after this forward), but none older
+        gc.collect()
+        stale.append(sum(r() is not None for r in refs[:-1]))
         s = _Sentinel()
         refs.append(weakref.ref(s))
         return _GraphProbe.apply(out, s)
 
-    return refs, model.ln_f.register_forward_hook(hook)
+    return refs, stale, model.ln_f.register_forward_hook(hook)
 
 
 @register("01.fix_the_leak", timeout=90, reference=lambda: ref.train_losses, title="find and fix the leak")
@@ -336,7 +340,7 @@ def check_fix_the_leak(train):
         model, opt, x, y = _setup()
         batches = itertools.repeat((x, y))  # one batch again and again: its storage counts once
         tracker = ref.MemoryTracker(model, opt)
-        graphs, handle = _probe_graphs(model)
+        graphs, stale, handle = _probe_graphs(model)
         with tracker:
             history = train(model, opt, batches, steps)
         handle.remove()
@@ -346,6 +350,10 @@ def check_fix_the_leak(train):
         alive = sum(r() is not None for r in graphs)
         expect(len(graphs) == steps, f"train(model, opt, batches, {steps}) ran {len(graphs)} forward passes, "
                                      f"expected {steps}")
+        expect(max(stale) == 0, f"train(model, opt, batches, {steps}): at the forward of step {stale.index(max(stale)) + 1}, "
+                                f"{max(stale)} graph(s) of steps before the previous one were still alive: something "
+                                f"refers to old losses with their grad_fn (a running `total = total + loss`, a list "
+                                f"of loss tensors); backward frees the saved tensors but not the graph's nodes")
         expect(alive == 0, f"after train(model, opt, batches, {steps}) returned, {alive} of its {steps} autograd "
                            f"graphs are still alive (the history returned is held): something still refers to a "
                            f"loss with a grad_fn (a tensor kept, `total = total + loss`, a retained graph); "
