@@ -642,3 +642,14 @@ MUTANTS["03.predict_update_peak"] += [
     ("no buffers", up_no_buffers),
     ("fp32 buffers in the 16-bit recipes", up_fp32_buffers_in_16bit),
 ]
+
+
+class ScalerTensorScale(_Base):
+    """get_scale() returns the 0-d scale tensor, not a Python float."""
+    step = _step_with(lambda opt: [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None])
+
+    def get_scale(self):
+        return self.s.clone() if self.kw else self.s
+
+
+MUTANTS["03.loss_scaler"].append(("get_scale() returns a tensor", ScalerTensorScale))
