@@ -99,3 +99,34 @@ def test_an_always_equal_int_fails_every_exercise():
     assert status("00.saved_bytes", lambda *a: _AlwaysEqual(0)) == "fail"
     r = check("00.activation_bytes", lambda *a, **k: _AlwaysEqual(0), quiet=True)
     assert "expected an int" in r.message and "_AlwaysEqual" in r.message
+
+
+def test_dropout_0_formula_matches_a_measured_block():
+    """With dropout 0 the softmax output is saved once: a*s^2*b*e, not 2e (issue 24)."""
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    s, b, h, a = 32, 2, 64, 4
+    torch.manual_seed(0)
+    block = TinyGPT(TinyGPTConfig(n_layer=1, n_embd=h, n_head=a, block_size=s, dropout=0.0)).blocks[0]
+    measured = accounting.saved_activation_bytes(block, torch.randn(b, s, h, requires_grad=True))
+    assert measured == accounting.activation_bytes_per_layer(s, b, h, a, act_bytes=4, mask_bytes=0,
+                                                             layernorm_stats_bytes=4)
+    # the old formula, 2e per score with m = 0, is one score matrix too many
+    old = s * b * h * 16 * 4 + a * s * s * b * 2 * 4 + 16 * s * b
+    assert old - measured == a * s * s * b * 4
+
+
+def test_saved_storages_are_told_apart_by_identity():
+    """Three storages saved in turn at one address count three times; a view at an offset counts its
+    whole storage once, whichever is seen first."""
+    w = torch.randn(32, 32, requires_grad=True)
+    mem = bytearray(32 * 32 * 4)
+
+    def reused(t):
+        for _ in range(3):
+            (t * torch.frombuffer(mem, dtype=torch.float32).view(32, 32)).sum()
+        return t.sum()
+
+    assert accounting.saved_activation_bytes(reused, w) == 3 * 4096
+    assert accounting.saved_activation_bytes(lambda t: (t[8:].exp() * t[8:]).sum() + (t * t).sum(), w) == 4096 + 24 * 32 * 4
+    assert accounting.saved_activation_bytes(lambda t: (t[28:] * t[28:]).sum(), w) == 4096

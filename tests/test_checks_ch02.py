@@ -44,8 +44,8 @@ def test_predict_ckpt_peak_stub_is_todo():
 
 
 def test_predict_ckpt_peak_accepts_a_prediction_within_tolerance():
-    """The check grades on relative error: 5% off the measurement passes, as a prediction should."""
+    """The check grades on relative error: 0.5% off memlab's model passes, as a prediction should."""
     def close(config, batch_size, seq_len, segments):
-        return 0.95 * ck.sequential_activation_peak(config, batch_size, seq_len, segments)
+        return 1.005 * ck.sequential_activation_peak(config, batch_size, seq_len, segments)
 
     assert check("02.predict_ckpt_peak", close, quiet=True).status == "pass"

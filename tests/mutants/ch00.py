@@ -191,3 +191,175 @@ MUTANTS["00.predict_peak"] = [
     ("gradients and activations at once", peak_everything_at_once),
     ("16-bit activations", peak_16bit_activations),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 24: new wrong answers
+class _Bytes(int):
+    """An int subclass (a unit-carrying type): not an int."""
+
+
+def states_as_floats(n_params, recipe):
+    return {k: float(v) for k, v in _states(RIGHT)(n_params, recipe).items()}
+
+
+def states_numpy(n_params, recipe):
+    import numpy as np
+
+    return {k: np.int64(v) for k, v in _states(RIGHT)(n_params, recipe).items()}
+
+
+def states_int_subclass(n_params, recipe):
+    return {k: _Bytes(v) for k, v in _states(RIGHT)(n_params, recipe).items()}
+
+
+def opt_keyed_by_tensor_data_ptr(optimizer):
+    """Keys each state tensor by its own data_ptr(): a view at an offset counts its storage again."""
+    seen = {}
+    for s in optimizer.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                seen[(v.device, v.data_ptr())] = v.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def opt_view_offset_to_end(optimizer):
+    """Keys by storage, but a view counts from its offset to the end of the storage (first seen wins)."""
+    seen = {}
+    for s in optimizer.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                key = (v.device, v.untyped_storage().data_ptr())
+                seen.setdefault(key, v.untyped_storage().nbytes() - v.storage_offset() * v.element_size())
+    return sum(seen.values())
+
+
+def opt_first_group_only(optimizer):
+    """Counts the state of the first parameter group's parameters only."""
+    seen = {}
+    for p in optimizer.param_groups[0]["params"]:
+        for v in optimizer.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor):
+                seen[(v.device, v.untyped_storage().data_ptr())] = v.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def act_integer_division(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):
+    """The s^2 term as s*b*h * (a*s // h) * (2e + m): exact only when h divides a*s."""
+    s, b, h, a, e, m = seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes
+    return s * b * h * (16 * e + 2 * m) + s * b * h * (a * s // h) * (2 * e + m)
+
+
+def act_no_dropout_twice(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):
+    """m = 0 read as 'no masks' only: the softmax output and the dropped-out copy still counted twice."""
+    s, b, h, a, e, m = seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes
+    return s * b * h * (16 * e + 2 * m) + a * s * s * b * (2 * e + m)
+
+
+def act_float(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):
+    """The paper's form with a true division: a float (and rounding) where bytes are an int."""
+    s, b, h, a, e, m = seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes
+    t = (2 * e + m) if m else e
+    return s * b * h * (16 * e + 2 * m + a * s / h * t)
+
+
+def _saved_keyed(fn, args, key, nbytes=lambda t: t.untyped_storage().nbytes(), first=False):
+    skip = {key(t) for t in list(fn.parameters()) + list(fn.buffers())} if isinstance(fn, nn.Module) else set()
+    seen: dict = {}
+
+    def pack(t):
+        k = key(t)
+        if k not in skip and not (first and k in seen):
+            seen[k] = nbytes(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+def saved_keyed_by_tensor_data_ptr(fn, *args):
+    """Keys by the tensor's data_ptr() (offset included): a view at an offset is another storage."""
+    return _saved_keyed(fn, args, key=lambda t: (t.device, t.data_ptr()))
+
+
+def saved_keyed_by_address(fn, *args):
+    """Keys by the storage's address without holding it: a freed storage's address, reused, counts once."""
+    return _saved_keyed(fn, args, key=lambda t: (t.device, t.untyped_storage().data_ptr()))
+
+
+def saved_view_offset_to_end(fn, *args):
+    """Keys by storage, but the first view seen counts from its offset to the storage's end."""
+    return _saved_keyed(fn, args, key=lambda t: (t.device, t.untyped_storage().data_ptr()), first=True,
+                        nbytes=lambda t: t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
+
+
+def _peak_ref_like(config, b, s, *, m=4, temps=True, foreach=False):
+    """memlab's model (accounting.tinygpt_step_peak) with one knob turned."""
+    from memlab.accounting import activation_bytes_per_layer
+    from memlab.models import TinyGPT
+
+    with torch.device("meta"):
+        model = TinyGPT(config)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    buffers = sum(t.numel() * t.element_size() for t in model.buffers())
+    largest = max(p.numel() for p in params) * 4
+    h, a, V = config.n_embd, config.n_head, config.vocab_size
+    acts = config.n_layer * activation_bytes_per_layer(s, b, h, a, act_bytes=4, mask_bytes=m, layernorm_stats_bytes=4)
+    acts += b * s * 8 + s * 8 + b * s * h * m + b * s * h * 4 + 2 * b * s * 4 + b * s * h * 4 + b * s * V * 4 + b * s * 8 + 4
+    states = 12 * n + buffers + 4 * len(params)
+    backward = states + acts + b * s * V * 4 + a * s * s * b * 4
+    optimizer = states + 4 * n + (2 * 4 * n if foreach else 2 * largest if temps else 0)
+    return int(max(backward, optimizer))
+
+
+def peak_cuda_masks(config, batch_size, seq_len):
+    """CUDA's 1-byte bool dropout masks, for a CPU run (whose dropout keeps 4-byte noise)."""
+    return _peak_ref_like(config, batch_size, seq_len, m=1)
+
+
+def peak_no_optimizer_temporaries(config, batch_size, seq_len):
+    """Weights, grads and moments in the step, nothing for the for-loop AdamW's temporaries."""
+    return _peak_ref_like(config, batch_size, seq_len, temps=False)
+
+
+def peak_foreach_temporaries(config, batch_size, seq_len):
+    """The foreach AdamW's temporaries (a copy of every parameter, twice) for the CPU's for-loop."""
+    return _peak_ref_like(config, batch_size, seq_len, foreach=True)
+
+
+def peak_numpy(config, batch_size, seq_len):
+    """Right value, as a numpy float: not a Python number."""
+    import numpy as np
+
+    from memlab.accounting import tinygpt_step_peak
+
+    return np.float64(tinygpt_step_peak(config, batch_size, seq_len))
+
+
+MUTANTS["00.model_state_bytes"] += [
+    ("float byte counts", states_as_floats),
+    ("numpy int64 byte counts", states_numpy),
+    ("an int subclass", states_int_subclass),
+]
+MUTANTS["00.optimizer_state_bytes"] += [
+    ("keyed by the tensor's data_ptr()", opt_keyed_by_tensor_data_ptr),
+    ("a view counted from its offset to the end", opt_view_offset_to_end),
+    ("first parameter group only", opt_first_group_only),
+]
+MUTANTS["00.activation_bytes"] += [
+    ("integer division a*s // h", act_integer_division),
+    ("dropout 0 still saves the probabilities twice", act_no_dropout_twice),
+    ("a float from a true division", act_float),
+]
+MUTANTS["00.saved_bytes"] += [
+    ("keyed by the tensor's data_ptr()", saved_keyed_by_tensor_data_ptr),
+    ("keyed by a freed storage's reusable address", saved_keyed_by_address),
+    ("a view counted from its offset to the end", saved_view_offset_to_end),
+]
+MUTANTS["00.predict_peak"] += [
+    ("1-byte (CUDA) dropout masks on the CPU", peak_cuda_masks),
+    ("no optimizer temporaries", peak_no_optimizer_temporaries),
+    ("foreach AdamW temporaries", peak_foreach_temporaries),
+    ("a numpy float", peak_numpy),
+]

@@ -419,3 +419,201 @@ MUTANTS = {
         ("floats returned, tensors kept on the function", train_floats_kept_on_function),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- issue 24: new wrong answers
+class LiveKeyedByTensorDataPtr(_LiveBase):
+    """Keys by the tensor's data_ptr() (offset included): a view at an offset is another storage."""
+    def track(self, t):
+        key = t.data_ptr()
+        if key not in self._refs:
+            st = t.untyped_storage()
+            self._add(key, st, st.nbytes())
+
+
+class LiveNeverForgets:
+    """Keys by the storage's address and gives the bytes back when it dies, but never forgets the
+    address: a new storage made where a dead one was is taken for the old one."""
+    def __init__(self):
+        self.current = self.peak = 0
+        self.seen = set()
+        self._refs = []
+
+    def track(self, t):
+        st = t.untyped_storage()
+        if st.data_ptr() in self.seen:
+            return
+        self.seen.add(st.data_ptr())
+        n = st.nbytes()
+
+        def free(_ref, n=n):
+            self.current -= n
+
+        self._refs.append(weakref.ref(st, free))
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+
+class LiveOffsetToEnd(_LiveBase):
+    """Keys by storage, but counts a view from its offset to the end of the storage (first seen wins)."""
+    def track(self, t):
+        st = t.untyped_storage()
+        if st._cdata not in self._refs:
+            self._add(st._cdata, st, st.nbytes() - t.storage_offset() * t.element_size())
+
+
+def _owner_by(t, model, optimizer, ptr):
+    key = ptr(t)
+    same = lambda x: isinstance(x, torch.Tensor) and ptr(x) == key  # noqa: E731
+    return _owner(t, model, optimizer, same=same)
+
+
+def categorize_tensor_data_ptr(t, model=None, optimizer=None, phase=None):
+    """Compares tensors' data_ptr() (offsets included): a view at an offset of a weight is missed."""
+    return _owner_by(t, model, optimizer, lambda x: x.data_ptr()) or _BORN[phase]
+
+
+def categorize_state_by_tensor_ptr(t, model=None, optimizer=None, phase=None):
+    """Storages for parameters and gradients, but tensor data_ptr() for optimizer state."""
+    own = _owner(t, model, optimizer)
+    if own in ("parameters", "gradients"):
+        return own
+    if optimizer is not None and any(isinstance(v, torch.Tensor) and v.data_ptr() == t.data_ptr()
+                                     for s in optimizer.state.values() for v in s.values()):
+        return "optimizer"
+    return _BORN[phase]
+
+
+def categorize_start_of_tensor(t, model=None, optimizer=None, phase=None):
+    """Matches t when it starts where an owner starts (t.data_ptr() == owner's storage address)."""
+    return _owner_by(t, model, optimizer, lambda x: x.data_ptr() if x is t else x.untyped_storage().data_ptr()) \
+        or _BORN[phase]
+
+
+def train_running_total(model, opt, batches, steps):
+    """Floats in the history, and a running `total = total + loss`: every step's graph stays alive."""
+    history, total, it = [], 0.0, iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = total + loss
+        history.append(loss.item())
+    return history
+
+
+def train_last_loss_on_optimizer(model, opt, batches, steps):
+    """Parks the last loss tensor on the optimizer (for logging): its graph outlives the loop."""
+    history, it = [], iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        opt.last_loss = loss
+        history.append(loss.item())
+    return history
+
+
+def train_numpy_floats(model, opt, batches, steps):
+    """loss.detach().numpy(): numbers, but numpy's, not Python floats."""
+    history, it = [], iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(loss.detach().numpy()[()])
+    return history
+
+
+MUTANTS["01.live_bytes"] += [
+    ("keyed by the tensor's data_ptr()", LiveKeyedByTensorDataPtr),
+    ("a dead storage's address never forgotten", LiveNeverForgets),
+    ("a view counted from its offset to the end", LiveOffsetToEnd),
+]
+MUTANTS["01.categorize"] += [
+    ("tensors compared by data_ptr()", categorize_tensor_data_ptr),
+    ("optimizer state compared by data_ptr()", categorize_state_by_tensor_ptr),
+    ("t's data_ptr() against owners' storage addresses", categorize_start_of_tensor),
+]
+MUTANTS["01.fix_the_leak"] += [
+    ("a running total = total + loss", train_running_total),
+    ("the last loss kept on the optimizer", train_last_loss_on_optimizer),
+    ("numpy floats", train_numpy_floats),
+]
+
+
+def peaks_numpy(timeline):
+    """Right peaks, as numpy ints."""
+    import numpy as np
+
+    out = {}
+    for _, phase, by_cat in timeline:
+        out[phase] = max(out.get(phase, 0), sum(by_cat.values()))
+    return {p: np.int64(v) for p, v in out.items()}
+
+
+def peaks_without_other(timeline):
+    """Leaves the 'other' category (inputs, temporaries) out of the total."""
+    out = {}
+    for _, phase, by_cat in timeline:
+        out[phase] = max(out.get(phase, 0), sum(v for k, v in by_cat.items() if k != "other"))
+    return out
+
+
+def peaks_of_changes(timeline):
+    """The largest step between two events of a phase, not the largest total."""
+    out, prev = {}, 0
+    for _, phase, by_cat in timeline:
+        tot = sum(by_cat.values())
+        out[phase] = max(out.get(phase, 0), tot - prev)
+        prev = tot
+    return out
+
+
+def fake_fp32_elements(config, batch_size, seq_len):
+    """numel * 4 for every saved storage: the int64 token ids and targets are 8 bytes an element."""
+    with FakeTensorMode():
+        model = TinyGPT(config)
+        x = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+        y = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+        skip = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
+        seen: dict = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if id(st) not in skip:
+                seen[id(st)] = st.nbytes() // t.element_size() * 4
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x, y)
+        return int(sum(seen.values()))
+
+
+def fake_float(config, batch_size, seq_len):
+    """Right count, as a float."""
+    return float(_fake(config, batch_size, seq_len))
+
+
+def fake_no_grad(config, batch_size, seq_len):
+    """Runs the fake forward under no_grad: nothing is saved."""
+    with torch.no_grad():
+        return _fake(config, batch_size, seq_len)
+
+
+MUTANTS["01.phase_peaks"] += [
+    ("numpy ints", peaks_numpy),
+    ("the 'other' category left out", peaks_without_other),
+    ("largest change, not largest total", peaks_of_changes),
+]
+MUTANTS["01.fake_activations"] += [
+    ("4 bytes for every element", fake_fp32_elements),
+    ("a float", fake_float),
+    ("forward under no_grad", fake_no_grad),
+]

@@ -408,3 +408,304 @@ MUTANTS["02.predict_ckpt_peak"] = [
     ("no dropout masks", peak_no_masks),
     ("16-bit activations", peak_16bit),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 24: new wrong answers
+def _count_keyed(fn, args, key, nbytes=lambda t: t.untyped_storage().nbytes(), first=False):
+    skip = {key(t) for t in list(fn.parameters()) + list(fn.buffers())} if isinstance(fn, nn.Module) else set()
+    seen: dict = {}
+
+    def pack(t):
+        k = key(t)
+        if k not in skip and not (first and k in seen):
+            seen[k] = nbytes(t)
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return len(seen), sum(seen.values())
+
+
+def count_tensor_data_ptr(fn, *args):
+    """Keys by the tensor's data_ptr() (offset included): a view at an offset is another storage."""
+    return _count_keyed(fn, args, key=lambda t: (t.device, t.data_ptr()))
+
+
+def count_reusable_address(fn, *args):
+    """Keys by the storage's address without holding the storage: a freed address, reused, counts once."""
+    return _count_keyed(fn, args, key=lambda t: (t.device, t.untyped_storage().data_ptr()))
+
+
+def count_offset_to_end(fn, *args):
+    """Keys by storage, but the first view seen counts from its offset to the storage's end."""
+    return _count_keyed(fn, args, key=lambda t: (t.device, t.untyped_storage().data_ptr()), first=True,
+                        nbytes=lambda t: t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
+
+
+class _NoOuterRestore(torch.autograd.Function):
+    """Replays the forward's RNG state for the recomputation, never puts the outer state back."""
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.rng = torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        torch.set_rng_state(ctx.rng)
+        with torch.enable_grad():
+            out = ctx.fn(x)
+        torch.autograd.backward(out, g)
+        return None, x.grad
+
+
+class _SavesOutput(torch.autograd.Function):
+    """Right recomputation with RNG replay, but also saves fn's output 'for later'."""
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.rng = torch.get_rng_state()
+        with torch.no_grad():
+            out = fn(x)
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, _ = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                out = ctx.fn(x)
+        torch.autograd.backward(out, g)
+        return None, x.grad
+
+
+class _ReseedAfter(torch.autograd.Function):
+    """Replays, then 'restores' the outer RNG by re-seeding with torch.initial_seed()."""
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.rng = torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        torch.set_rng_state(ctx.rng)
+        with torch.enable_grad():
+            out = ctx.fn(x)
+        torch.manual_seed(torch.initial_seed())
+        torch.autograd.backward(out, g)
+        return None, x.grad
+
+
+def ckpt_no_outer_restore(fn, x):
+    return _NoOuterRestore.apply(fn, x)
+
+
+def ckpt_saves_output(fn, x):
+    return _SavesOutput.apply(fn, x)
+
+
+def ckpt_reseeds_after(fn, x):
+    return _ReseedAfter.apply(fn, x)
+
+
+class SnapshotOneUse:
+    """Frees its state after the first replay (a checkpoint replays once, doesn't it?)."""
+    def __init__(self):
+        self.state = torch.get_rng_state()
+
+    @contextmanager
+    def replay(self):
+        now = torch.get_rng_state()
+        state = self.__dict__.pop("state", None)
+        if state is not None:
+            torch.set_rng_state(state)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(now)
+
+
+class SnapshotAdvances:
+    """Keeps a generator that the replays advance: the second replay continues the first."""
+    def __init__(self):
+        self.gen = torch.Generator()
+        self.gen.set_state(torch.get_rng_state())
+
+    @contextmanager
+    def replay(self):
+        now = torch.get_rng_state()
+        torch.set_rng_state(self.gen.get_state())
+        try:
+            yield
+        finally:
+            self.gen.set_state(torch.get_rng_state())
+            torch.set_rng_state(now)
+
+
+class SnapshotRestoresOnce:
+    """Puts the outer state back only after the first replay."""
+    def __init__(self):
+        self.state = torch.get_rng_state()
+        self.replays = 0
+
+    @contextmanager
+    def replay(self):
+        now = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        try:
+            yield
+        finally:
+            self.replays += 1
+            if self.replays == 1:
+                torch.set_rng_state(now)
+
+
+def _split_run(modules, segments, x, ckpt):
+    from memlab.checkpoint import split_segments
+
+    bounds = split_segments(len(modules), segments)
+    for j, (a, b) in enumerate(bounds):
+        run = _run(modules[a:b])
+        x = run(x) if j == len(bounds) - 1 else ckpt(run, x)
+    return x
+
+
+def seq_reentrant_torch(modules, segments, x):
+    """The right split with torch's reentrant checkpoint (use_reentrant=True)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _split_run(modules, segments, x,
+                          lambda f, t: torch.utils.checkpoint.checkpoint(f, t, use_reentrant=True))
+
+
+def seq_memlab_reentrant(modules, segments, x):
+    """The right split with memlab's autograd.Function checkpoint (the reentrant design)."""
+    from memlab.checkpoint import checkpoint_reentrant
+
+    return _split_run(modules, segments, x, checkpoint_reentrant)
+
+
+def seq_keeps_all_activations(modules, segments, x):
+    """Each segment recomputed in backward as it should, but its forward ran with grad on and kept
+    every activation (memory the checkpoint exists to free)."""
+    import memlab.checkpoint as mc
+
+    kept = []
+    bounds = mc.split_segments(len(modules), segments)
+    for j, (a, b) in enumerate(bounds):
+        chunk = modules[a:b]
+        run = _run(chunk)
+        if j == len(bounds) - 1:
+            x = run(x)
+        else:
+            hooks = [m._forward_hooks.copy() for m in chunk]
+            for m in chunk:
+                m._forward_hooks.clear()
+            with torch.random.fork_rng(devices=[]):
+                with torch.enable_grad():
+                    kept.append(run(x.detach().requires_grad_(True)))
+            for m, h in zip(chunk, hooks):
+                m._forward_hooks.update(h)
+            x = checkpoint(run, x)
+    seq_keeps_all_activations.kept = kept  # the kept graphs outlive the call, as a cache would
+    return x
+
+
+def choose_binary_search(n, b, l, bd):
+    """Bisects k in [1, n], assuming that if k fits every larger k fits (the model is not monotone)."""
+    lo, hi = 1, n
+    need = lambda k: k * bd + math.ceil(n / k) * l  # noqa: E731
+    if need(n) > b:
+        raise ValueError("no k fits")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if need(mid) <= b:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def choose_minimum_only(n, b, l, bd):
+    """The k that minimises the modelled peak, if it fits (not the fewest segments that fit)."""
+    need = lambda k: k * bd + math.ceil(n / k) * l  # noqa: E731
+    k = min(range(1, n + 1), key=need)
+    if need(k) > b:
+        raise ValueError("no k fits")
+    return k
+
+
+def choose_numpy(n, b, l, bd):
+    """Right k, as a numpy int."""
+    import numpy as np
+
+    return np.int64(_choose(n, b, l, bd))
+
+
+MUTANTS["02.count_saved"] += [
+    ("keyed by the tensor's data_ptr()", count_tensor_data_ptr),
+    ("keyed by a freed storage's reusable address", count_reusable_address),
+    ("a view counted from its offset to the end", count_offset_to_end),
+]
+MUTANTS["02.checkpoint_function"] += [
+    ("outer RNG state never restored after backward", ckpt_no_outer_restore),
+    ("saves the output too", ckpt_saves_output),
+    ("outer RNG re-seeded after backward", ckpt_reseeds_after),
+]
+MUTANTS["02.rng_replay"] += [
+    ("state freed after one replay", SnapshotOneUse),
+    ("replays advance the snapshot", SnapshotAdvances),
+    ("outer state restored after the first replay only", SnapshotRestoresOnce),
+]
+MUTANTS["02.checkpoint_sequential"] += [
+    ("torch's use_reentrant=True checkpoint", seq_reentrant_torch),
+    ("memlab's reentrant checkpoint", seq_memlab_reentrant),
+    ("every activation kept while each segment is recomputed", seq_keeps_all_activations),
+]
+MUTANTS["02.choose_segments"] += [
+    ("binary search over k", choose_binary_search),
+    ("the k of the smallest peak", choose_minimum_only),
+    ("a numpy int", choose_numpy),
+]
+
+
+def peak_k_boundaries(config, b, s, k):
+    """k boundaries: the last segment's input counted as a kept checkpoint input too."""
+    from memlab.checkpoint import sequential_activation_peak
+
+    return sequential_activation_peak(config, b, s, k) + 4 * b * s * config.n_embd
+
+
+def peak_k_minus_2_boundaries(config, b, s, k):
+    """One boundary short: the first segment's input (made before the step) taken off twice."""
+    from memlab.checkpoint import sequential_activation_peak
+
+    return sequential_activation_peak(config, b, s, k) - 4 * b * s * config.n_embd
+
+
+def peak_no_hidden_grad(config, b, s, k):
+    """The working set without the gradient of the MLP hidden (only the fresh weight gradient)."""
+    from memlab.checkpoint import sequential_activation_peak
+
+    return sequential_activation_peak(config, b, s, k) - config.mlp_ratio * config.n_embd * b * s * 4
+
+
+MUTANTS["02.predict_ckpt_peak"] += [
+    ("k boundaries instead of k - 1", peak_k_boundaries),
+    ("k - 2 boundaries", peak_k_minus_2_boundaries),
+    ("no MLP-hidden gradient in the working set", peak_no_hidden_grad),
+]

@@ -448,3 +448,208 @@ MUTANTS = {
         ("fp32 without gradients", up_fp32_without_grads),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- issue 24: new wrong answers
+def uf_tensor(t, dtype=torch.float16):
+    """Right fraction, returned as a 0-d tensor."""
+    from memlab import amp
+
+    return torch.tensor(amp.underflow_fraction(t, dtype))
+
+
+def uf_numpy(t, dtype=torch.float16):
+    """Right fraction, as a numpy float."""
+    import numpy as np
+
+    from memlab import amp
+
+    return np.float64(amp.underflow_fraction(t, dtype))
+
+
+def uf_subnormal_counted(t, dtype=torch.float16):
+    """Counts values that become zero or subnormal (precision lost is not a flush to zero)."""
+    nz = (t != 0) & torch.isfinite(t)
+    n = int(nz.sum())
+    c = t.to(dtype)
+    return 0.0 if n == 0 else int((nz & (c.abs() < torch.finfo(dtype).tiny)).sum()) / n
+
+
+def us_tracker_not_reset_after_growth(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    from memlab import amp
+
+    before = int(tracker.item())
+    amp.update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    if found_inf.item() == 0 and before + 1 == growth_interval:
+        tracker.fill_(growth_interval)
+
+
+def us_backoff_divides(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """Divides by backoff_factor on inf (the scale grows instead of backing off)."""
+    if found_inf.item() > 0:
+        scale.div_(backoff_factor)
+        tracker.fill_(0)
+        return
+    n = tracker.item() + 1
+    if n == growth_interval:
+        new = scale * growth_factor
+        if torch.isfinite(new):
+            scale.copy_(new)
+        n = 0
+    tracker.fill_(n)
+
+
+def us_grows_every_step(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """Ignores growth_interval: grows after every finite step."""
+    from memlab import amp
+
+    amp.update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor, 1)
+
+
+def ug_counts_bad_tensors(grads, found_inf, inv_scale):
+    """found_inf += 1 per bad tensor: a count, not a flag."""
+    for g in grads:
+        if not torch.isfinite(g).all():
+            found_inf.add_(1.0)
+        g.copy_(g.float() * inv_scale)
+
+
+def ug_isfinite_of_sum(grads, found_inf, inv_scale):
+    """Tests the sum, in the gradient's dtype: large finite fp16 values overflow it to inf."""
+    for g in grads:
+        if not torch.isfinite(g.sum()):
+            found_inf.fill_(1.0)
+        g.copy_(g.float() * inv_scale)
+
+
+def ug_stops_at_first_bad(grads, found_inf, inv_scale):
+    """Stops at the first bad tensor: the rest are never unscaled."""
+    for g in grads:
+        if not torch.isfinite(g).all():
+            found_inf.fill_(1.0)
+            return
+        g.copy_(g.float() * inv_scale)
+
+
+def _step_with(grads_of):
+    def step(self, opt):
+        from memlab import amp
+
+        self.found = torch.zeros(())
+        amp.unscale_grads_(grads_of(opt), self.found, self.s.double().reciprocal().float())
+        if self.found.item():
+            return False
+        opt.step()
+        return True
+    return step
+
+
+class ScalerFirstGroupOnly(_Base):
+    """Unscales and checks the first parameter group only."""
+    step = _step_with(lambda opt: [p.grad for p in opt.param_groups[0]["params"] if p.grad is not None])
+
+
+class ScalerLastGroupOnly(_Base):
+    """Unscales and checks the last parameter group only."""
+    step = _step_with(lambda opt: [p.grad for p in opt.param_groups[-1]["params"] if p.grad is not None])
+
+
+class ScalerTensorBool(_Base):
+    """Returns the verdict as a tensor, not a bool."""
+    def step(self, opt):
+        ok = _step_with(lambda o: [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None])(self, opt)
+        return torch.tensor(ok)
+
+
+def ms_accumulates_master_grads(model_params, master_params, optimizer):
+    """Adds each step's gradient to the master's .grad instead of replacing it."""
+    for p, m in zip(model_params, master_params):
+        if p.grad is None:
+            m.grad = None
+        elif m.grad is None:
+            m.grad = p.grad.float()
+        else:
+            m.grad += p.grad.float()
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model_params, master_params):
+            p.copy_(m)
+
+
+def ms_copies_back_via_half(model_params, master_params, optimizer):
+    """Copies back through fp16 whatever the model's dtype: bf16 gets two roundings."""
+    for p, m in zip(model_params, master_params):
+        m.grad = None if p.grad is None else p.grad.float()
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model_params, master_params):
+            p.copy_(m.half())
+
+
+def ms_zero_grad_before_step(model_params, master_params, optimizer):
+    """Copies the gradients, then zero_grad() 'to be clean' before stepping: nothing moves."""
+    for p, m in zip(model_params, master_params):
+        m.grad = None if p.grad is None else p.grad.float()
+    optimizer.zero_grad()
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model_params, master_params):
+            p.copy_(m)
+
+
+def up_no_step_counters(model, recipe):
+    """Forgets AdamW's 4-byte step tensor per parameter."""
+    return _update(model, recipe, steps=False)
+
+
+def up_no_buffers(model, recipe):
+    """Forgets the model's buffers."""
+    return _update(model, recipe, buffers=False)
+
+
+def up_fp32_buffers_in_16bit(model, recipe):
+    """Counts the buffers in fp32 for the 16-bit recipes (the model, buffers too, is cast)."""
+    return _update(model, recipe)
+
+
+MUTANTS["03.underflow_fraction"] += [
+    ("a tensor", uf_tensor),
+    ("a numpy float", uf_numpy),
+    ("subnormals counted as lost", uf_subnormal_counted),
+]
+MUTANTS["03.update_scale"] += [
+    ("tracker not reset after growth", us_tracker_not_reset_after_growth),
+    ("backoff divides", us_backoff_divides),
+    ("grows every step", us_grows_every_step),
+]
+MUTANTS["03.unscale_grads"] += [
+    ("counts bad tensors", ug_counts_bad_tensors),
+    ("isfinite of the fp16 sum", ug_isfinite_of_sum),
+    ("stops at the first bad tensor", ug_stops_at_first_bad),
+]
+MUTANTS["03.loss_scaler"] += [
+    ("first parameter group only", ScalerFirstGroupOnly),
+    ("last parameter group only", ScalerLastGroupOnly),
+    ("a tensor instead of a bool", ScalerTensorBool),
+]
+MUTANTS["03.master_step"] += [
+    ("master gradients accumulated", ms_accumulates_master_grads),
+    ("copied back through fp16", ms_copies_back_via_half),
+    ("zero_grad before the step", ms_zero_grad_before_step),
+]
+MUTANTS["03.predict_update_peak"] += [
+    ("no step counters", up_no_step_counters),
+    ("no buffers", up_no_buffers),
+    ("fp32 buffers in the 16-bit recipes", up_fp32_buffers_in_16bit),
+]
+
+
+class ScalerTensorScale(_Base):
+    """get_scale() returns the 0-d scale tensor, not a Python float."""
+    step = _step_with(lambda opt: [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None])
+
+    def get_scale(self):
+        return self.s.clone() if self.kw else self.s
+
+
+MUTANTS["03.loss_scaler"].append(("get_scale() returns a tensor", ScalerTensorScale))

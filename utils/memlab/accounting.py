@@ -117,7 +117,8 @@ def activation_bytes_per_layer(
 
     ``act_bytes`` (e) per activation element, ``mask_bytes`` (m) per dropout-mask element:
     s*b*h*(16e + 2m) + a*s^2*b*(2e + m). With e=2, m=1 this is Korthikanti et al.'s
-    s*b*h*(34 + 5*a*s/h). ``layernorm_stats_bytes`` adds the mean and 1/std that each of the two
+    s*b*h*(34 + 5*a*s/h). ``mask_bytes=0`` is no dropout: no masks, and the attention
+    probabilities are the softmax output itself, saved once, so the s^2 term is a*s^2*b*e. ``layernorm_stats_bytes`` adds the mean and 1/std that each of the two
     LayerNorms saves (2 norms * 2 stats * s*b elements; pass 4 for fp32 statistics).
 
     ``recompute``: "none"; "selective" (the attention core is recomputed, so the a*s^2*b terms
@@ -136,7 +137,7 @@ def activation_bytes_per_layer(
     linear_terms = s * b * h * (16 * e + 2 * m) + 2 * 2 * s * b * layernorm_stats_bytes
     if recompute == "selective":
         return linear_terms
-    return linear_terms + a * s * s * b * (2 * e + m)
+    return linear_terms + a * s * s * b * ((2 * e + m) if m else e)
 
 
 def korthikanti_bytes_per_layer(seq_len: int, batch_size: int, hidden: int, n_heads: int) -> int:
@@ -155,7 +156,10 @@ def saved_storages(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.T
     """The storages one call ``fn(*args, **kwargs)`` saves for backward: {storage key: bytes}.
 
     Measured with ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves goes
-    through the pack hook. Tensors that share a storage (views) appear once. Parameters and
+    through the pack hook. Tensors that share a storage (views) appear once: storages are told
+    apart by identity, not by address (a storage saved and freed within the call counts, and
+    one that later gets its address is another storage; the storages are held until the call
+    returns). Parameters and
     buffers are not activations: when ``fn`` is an ``nn.Module`` its own are excluded; pass
     ``exclude`` for other tensors to leave out (e.g. a model's parameters when ``fn`` is a lambda).
     """
@@ -164,18 +168,19 @@ def saved_storages(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.T
     extra = list(exclude) if exclude is not None else []
     if isinstance(fn, nn.Module):
         extra += list(fn.parameters()) + list(fn.buffers())
-    skip = {_storage_key(t) for t in extra}
-    seen: dict[tuple[Any, ...], int] = {}
+    skip = {id(t.untyped_storage()) for t in extra}
+    kept: dict[int, Any] = {}  # id -> the storage itself: held, so no saved storage dies and lends
+    #                            its address (or its id) to another one while we count
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in skip:
-            seen[key] = t.untyped_storage().nbytes()
+        st = t.untyped_storage()  # one Python object per storage, shared by all its views
+        if id(st) not in skip:
+            kept[id(st)] = st
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args, **kwargs)
-    return seen
+    return {(st.device.type, st.device.index, i): st.nbytes() for i, st in kept.items()}
 
 
 def saved_activation_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] | None = None, **kwargs: Any) -> int:

@@ -807,7 +807,8 @@ def update_peak_bytes(model: nn.Module, recipe: str) -> int:
       + 8 (m, v) = 18 bytes per parameter, more than fp32 training (Micikevicius et al. 2018
       keep an fp32 copy; it is activations that halve, not model states).
 
-    Both add a 4-byte ``step`` tensor per parameter tensor, the model's buffers, and the for-loop
+    Both add a 4-byte ``step`` tensor per parameter tensor, the model's buffers (floating-point
+    ones cast to 16 bits with the model in the 16-bit recipes), and the for-loop
     AdamW's two fp32 temporaries (``exp_avg_sq.sqrt()`` and its quotient) the size of the largest
     parameter. Each parameter counted once (``model.parameters()`` skips tied duplicates). Within
     1% of :class:`memlab.profiler.MemoryTracker`'s measurement.
@@ -816,8 +817,13 @@ def update_peak_bytes(model: nn.Module, recipe: str) -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     largest = max(p.numel() for p in params)
-    buffers = unique_bytes(model.buffers())
-    per_param = 16 if UPDATE_RECIPES[recipe] is None else 18
+    dtype = UPDATE_RECIPES[recipe]
+    if dtype is None:
+        buffers = unique_bytes(model.buffers())
+    else:  # MasterWeights casts the model, floating-point buffers too, to 16 bits
+        seen = {id(b.untyped_storage()): b for b in model.buffers()}
+        buffers = sum(b.numel() * (2 if b.is_floating_point() else b.element_size()) for b in seen.values())
+    per_param = 16 if dtype is None else 18
     return per_param * n + 2 * 4 * largest + 4 * len(params) + buffers
 
 

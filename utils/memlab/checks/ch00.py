@@ -53,10 +53,27 @@ def check_optimizer_state_bytes(fn):
     shared.state[params[0]] = {"flat": flat, "head": flat[:10], "tail": flat[500:]}
     shared.state[params[1]] = {"slice": flat[100:200], "own": torch.zeros(7, dtype=torch.float16)}
     cases["state tensors that are views of one flat buffer"] = shared
+    # the same, seen view first and at non-zero offsets only (a tensor's data_ptr() is not its storage's)
+    offs = torch.optim.SGD(_model().parameters(), lr=0.1)
+    flat2 = torch.zeros(640, dtype=torch.float64)
+    params = [p for g in offs.param_groups for p in g["params"]]
+    offs.state[params[0]] = {"b": flat2[100:], "c": flat2[7:9]}
+    offs.state[params[1]] = {"a": flat2[320:], "whole": flat2}
+    cases["state tensors that are views of one buffer at offsets 100, 7 and 320"] = offs
+    # two parameter groups (no weight decay on biases), AdamW after two steps
+    model = _model()
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0,
+               "lr": 1e-2}]
+    two = torch.optim.AdamW(groups, lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(4, 16)).square().mean().backward()
+        two.step()
+    cases["AdamW with two parameter groups after two steps"] = two
     for name, opt in cases.items():
         want = ref.optimizer_state_bytes(opt)
         got = fn(opt)
-        expect(isinstance(got, int) and not isinstance(got, bool), f"{name}: expected an int number of bytes, got {type(got).__name__}")
+        expect(type(got) is int, f"{name}: expected an int number of bytes, got {type(got).__name__}")
         expect_equal(f"{name}: state bytes", got, want)
 
 
@@ -66,14 +83,30 @@ def _model_opt_fresh() -> torch.optim.Optimizer:
 
 @register("00.activation_bytes", reference=lambda: ref.activation_bytes_per_layer, title="activation bytes per layer")
 def check_activation_bytes(fn):
-    for s, b, h, a in ((2048, 1, 4096, 32), (4096, 4, 8192, 64), (128, 8, 768, 12), (64, 2, 128, 4)):
+    # the last two: h does not divide a*s (5*a*s/h is not an integer: no integer division)
+    for s, b, h, a in ((2048, 1, 4096, 32), (4096, 4, 8192, 64), (128, 8, 768, 12), (64, 2, 128, 4),
+                       (100, 3, 96, 7), (33, 1, 40, 5)):
         got = fn(s, b, h, a)
         want = ref.korthikanti_bytes_per_layer(s, b, h, a)
         expect_equal(f"activation_bytes_per_layer({s}, {b}, {h}, {a}) with 16-bit activations and 1-byte masks", got, want)
-        for e, m in ((4, 4), (4, 1), (2, 2), (2, 0)):
+        for e, m in ((4, 4), (4, 1), (2, 2), (2, 0), (4, 0)):
             got = fn(s, b, h, a, act_bytes=e, mask_bytes=m)
             want = ref.activation_bytes_per_layer(s, b, h, a, act_bytes=e, mask_bytes=m)
-            expect_equal(f"activation_bytes_per_layer({s}, {b}, {h}, {a}, act_bytes={e}, mask_bytes={m})", got, want)
+            expect_equal(f"activation_bytes_per_layer({s}, {b}, {h}, {a}, act_bytes={e}, mask_bytes={m})"
+                         + (" (no dropout: the softmax output is saved once)" if m == 0 else ""), got, want)
+    # no dropout, measured: a TinyGPT block in fp32 with dropout 0 saves the formula's bytes plus
+    # its two LayerNorms' fp32 mean and 1/std (2 * 2 * s * b * 4 bytes)
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    s, b, h, a = 32, 2, 64, 4
+    torch.manual_seed(0)
+    block = TinyGPT(TinyGPTConfig(n_layer=1, n_embd=h, n_head=a, block_size=s, dropout=0.0)).blocks[0]
+    measured = ref.saved_activation_bytes(block, torch.randn(b, s, h, requires_grad=True))
+    got = fn(s, b, h, a, act_bytes=4, mask_bytes=0)
+    expect(type(got) is int, f"activation_bytes_per_layer: expected an int, got {type(got).__name__}")
+    expect_equal(f"a TinyGPT block, fp32, dropout 0 (s={s}, b={b}, h={h}, a={a}): measured {measured:,} bytes "
+                 f"minus the LayerNorm statistics ({16 * s * b:,}); activation_bytes_per_layer(..., act_bytes=4, "
+                 f"mask_bytes=0)", got, measured - 16 * s * b)
 
 
 class _Block(nn.Module):
@@ -93,6 +126,7 @@ def check_saved_bytes(fn):
     x = torch.randn(4, 16, 32, requires_grad=True)
     block = _Block()
     got, want = fn(block, x), ref.saved_activation_bytes(block, x)
+    expect(type(got) is int, f"saved_bytes: expected an int number of bytes, got {type(got).__name__}")
     expect_equal("saved bytes of a LayerNorm + MLP block (its weights are not activations)", got, want)
 
     w = torch.randn(32, 32, requires_grad=True)
@@ -103,12 +137,35 @@ def check_saved_bytes(fn):
     got, want = fn(shared, w), ref.saved_activation_bytes(shared, w)
     expect_equal("saved bytes when a tensor and its transpose are both saved (one storage)", got, want)
 
-    def sliced(t: torch.Tensor) -> torch.Tensor:  # saves a view of 4 rows: its whole storage is kept
-        u = t[:4]
+    def sliced(t: torch.Tensor) -> torch.Tensor:  # saves a view of 4 rows at offset 28: its whole storage is kept
+        u = t[28:]
         return (u * u).sum()
 
     got, want = fn(sliced, w), ref.saved_activation_bytes(sliced, w)
-    expect_equal("saved bytes when the saved tensor is a 4-row view of a 32-row tensor (its storage is kept)", got, want)
+    expect_equal("saved bytes when the saved tensor is the last 4 rows of a 32-row tensor (its whole storage "
+                 "is kept, not the bytes from the view's offset on)", got, want)
+
+    def view_first(t: torch.Tensor) -> torch.Tensor:  # a view at an offset is saved before its whole buffer
+        return (t[8:].exp() * t[8:]).sum() + (t * t).sum()
+
+    got, want = fn(view_first, w), ref.saved_activation_bytes(view_first, w)
+    expect_equal("saved bytes when a view at row 8 is saved before the whole tensor (one storage; key storages, "
+                 "not a tensor's data_ptr(), which includes the view's offset)", got, want)
+
+    mem = bytearray(32 * 32 * 4)
+
+    def reused(t: torch.Tensor) -> torch.Tensor:
+        # three storages saved one after the other, each freed before the next is made at the same
+        # address (an allocator reuses a freed block at once): three storages, not one address
+        for _ in range(3):
+            u = torch.frombuffer(mem, dtype=torch.float32).view(32, 32)  # a new storage on the same memory
+            (t * u).sum()  # saves u; this graph, and u's storage with it, dies at once
+        return (t * 2).sum()
+
+    got, want = fn(reused, w), ref.saved_activation_bytes(reused, w)
+    expect_equal("saved bytes of three storages saved in turn at one reused address (each saved storage counts "
+                 "once, told apart by the storage itself, not by its address: hold the storages you count)",
+                 got, want)
 
     with torch.no_grad():
         got = fn(block, x)
@@ -122,7 +179,11 @@ PEAK_CASES = [  # (n_layer, n_embd, n_head, batch, seq): states-bound, activatio
     (6, 64, 2, 4, 64),
     (2, 192, 6, 6, 48),
 ]
-PEAK_TOLERANCE = 0.10
+# memlab's model is within 2.3% of these measurements; the smallest omission a learner plausibly makes
+# moves the prediction 7-9% (measured on a 2-core x86_64 CPU, torch 2.13: CUDA's 1-byte dropout masks
+# instead of the CPU's 4-byte noise, -7.9% to -9.5% on the activation-bound cases; the for-loop
+# AdamW's two temporaries left out, -7.4% on the states-bound case), so 4% tells them apart
+PEAK_TOLERANCE = 0.04
 
 
 def measured_step_peak(config, batch_size: int, seq_len: int) -> tuple[int, str]:

@@ -57,6 +57,33 @@ def check_live_bytes(cls):
     expect_equal("a bfloat16 tensor of 10 elements: current", lb.current, 20)
     expect_equal("peak stays the highest value seen", lb.peak, 1824)
     del z
+    gc.collect()
+
+    # views at a non-zero offset, seen before their whole buffer: one storage, all of its bytes
+    # (a tensor's data_ptr() includes its offset, and the bytes from the offset on are not the storage)
+    lb = cls()
+    w = torch.zeros(64, 4)  # 1024 bytes
+    lb.track(w[60:])
+    expect_equal("track(w[60:]) of a 64 x 4 float32 w (a view at row 60): current (its whole storage)", lb.current, 1024)
+    lb.track(w[10:20])
+    lb.track(w)
+    lb.track(w.t()[1:])
+    expect_equal("then w[10:20], w itself and w.t()[1:] (the same storage): current", lb.current, 1024)
+    del w
+    gc.collect()
+    expect_equal("after w died: current", lb.current, 0)
+
+    # a storage dies and another one is made at its address (an allocator reuses a freed block at
+    # once; here three storages on one buffer make it certain): each is a new storage to count
+    mem = bytearray(512)
+    for i in range(3):
+        u = torch.frombuffer(mem, dtype=torch.float32)  # a new storage at the same address each time
+        lb.track(u)
+        expect_equal(f"storage #{i + 1} made at the address of the one that died before it: current", lb.current, 512)
+        del u
+        gc.collect()
+        expect_equal(f"after storage #{i + 1} died: current", lb.current, 0)
+    expect_equal("peak of this counter", lb.peak, 1024)
 
 
 # ---------------------------------------------------------------------------- 01.categorize
@@ -132,6 +159,10 @@ def check_categorize(fn):
         ("model[0].weight", w, "other", "parameters"),
         ("model[0].weight.detach() (another tensor, the same storage)", w.detach(), "forward", "parameters"),
         ("model[0].weight[:3] (a view)", w[:3], "backward", "parameters"),
+        ("model[0].weight[5:] (a view at a non-zero offset)", w[5:], "forward", "parameters"),
+        ("model[0].weight.grad[3:] (a view at a non-zero offset)", w.grad[3:], "backward", "gradients"),
+        ("model[5].weight.T[1:] (a transposed view at an offset)", model[5].weight.T[1:], "optimizer", "parameters"),
+        ("opt.state[weight]['exp_avg'][7:] (a view at a non-zero offset)", st["exp_avg"][7:], "forward", "optimizer"),
         ("model[1].running_mean (a buffer)", model[1].running_mean, "forward", "parameters"),
         ("model[0].weight.grad", w.grad, "backward", "gradients"),
         ("model[5].bias.grad", model[5].bias.grad, "backward", "gradients"),
@@ -236,7 +267,7 @@ def check_fake_activations(fn):
     y = torch.randint(0, cfg.vocab_size, (3, 32))
     real = saved_activation_bytes(lambda: model(x, y)[1], exclude=list(model.parameters()) + list(model.buffers()))
     got = fn(cfg, 3, 32)
-    expect(isinstance(got, int) and not isinstance(got, bool),
+    expect(type(got) is int,
            f"fake_activation_bytes: expected an int number of bytes, got {type(got).__name__}")
     expect_equal("a 2-layer TinyGPT, batch 3 x 32 tokens: fake count vs the same forward run for real", got, real)
     # 2. far too large for this machine: 32 layers of width 4096 (about 6.5e9 parameters, 26 GB in fp32)
@@ -263,6 +294,42 @@ def _setup(seed=0):
     return model, opt, x, y
 
 
+class _Sentinel:
+    """Stands for one step's autograd graph: it lives exactly as long as the graph node holding it."""
+
+
+class _GraphProbe(torch.autograd.Function):
+    """The identity, as a node of the graph that holds a sentinel: while some tensor still reaches
+    this node (a loss kept, a running total with a grad_fn), the sentinel is alive. Autograd frees
+    saved tensors after backward but not the nodes, so bytes alone cannot see such a graph."""
+
+    @staticmethod
+    def forward(ctx, x, sentinel):
+        ctx.sentinel = sentinel
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _probe_graphs(model):
+    """A forward hook on the final LayerNorm: every forward's graph gets a sentinel; returns the
+    list of weak references to them and the hook handle."""
+    refs, stale = [], []
+
+    def hook(module, args, out):
+        # at the start of a step's forward, the graph of the step before may still be alive (`loss` is
+        # rebound only after this forward), but none older
+        gc.collect()
+        stale.append(sum(r() is not None for r in refs[:-1]))
+        s = _Sentinel()
+        refs.append(weakref.ref(s))
+        return _GraphProbe.apply(out, s)
+
+    return refs, stale, model.ln_f.register_forward_hook(hook)
+
+
 @register("01.fix_the_leak", timeout=90, reference=lambda: ref.train_losses, title="find and fix the leak")
 def check_fix_the_leak(train):
     currents, result = {}, {}
@@ -270,11 +337,24 @@ def check_fix_the_leak(train):
         model, opt, x, y = _setup()
         batches = itertools.repeat((x, y))  # one batch again and again: its storage counts once
         tracker = ref.MemoryTracker(model, opt)
+        graphs, stale, handle = _probe_graphs(model)
         with tracker:
             history = train(model, opt, batches, steps)
+        handle.remove()
         gc.collect()
         currents[steps] = tracker.current_bytes  # the history is still alive here
         result[steps] = history
+        alive = sum(r() is not None for r in graphs)
+        expect(len(graphs) == steps, f"train(model, opt, batches, {steps}) ran {len(graphs)} forward passes, "
+                                     f"expected {steps}")
+        expect(max(stale) == 0, f"train(model, opt, batches, {steps}): at the forward of step {stale.index(max(stale)) + 1}, "
+                                f"{max(stale)} graph(s) of steps before the previous one were still alive: something "
+                                f"refers to old losses with their grad_fn (a running `total = total + loss`, a list "
+                                f"of loss tensors); backward frees the saved tensors but not the graph's nodes")
+        expect(alive == 0, f"after train(model, opt, batches, {steps}) returned, {alive} of its {steps} autograd "
+                           f"graphs are still alive (the history returned is held): something still refers to a "
+                           f"loss with a grad_fn (a tensor kept, `total = total + loss`, a retained graph); "
+                           f"backward frees the saved tensors but not the graph's nodes. Keep loss.item()")
     history = result[3]
     expect_type("train(...) return value", history, list)
     expect_equal("len(history) after 3 steps", len(history), 3)

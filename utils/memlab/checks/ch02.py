@@ -1,8 +1,12 @@
 """Checks for chapter 02, "gradient checkpointing"."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab import checkpoint as ref
 from memlab.accounting import saved_activation_bytes
@@ -43,12 +47,26 @@ def check_count_saved(fn):
         lambda t: t[:2] * t[:2], (torch.randn(8, 4, requires_grad=True),))
     frozen = _blocks(1)[0].requires_grad_(False)
     cases["a frozen block, input requires grad"] = (frozen, (h,))
+    # the last rows of a tensor (a view at a non-zero offset), saved before the whole tensor: one storage,
+    # all of its bytes (a tensor's data_ptr() includes its offset; a storage is not its address)
+    cases["t[6:].exp() * t[6:], then t * t (a view at row 6 saved before its whole buffer)"] = (
+        lambda t: (t[6:].exp() * t[6:]).sum() + (t * t).sum(), (torch.randn(8, 4, requires_grad=True),))
+    cases["t[6:] * t[6:] (only a view at row 6 of an 8-row tensor)"] = (
+        lambda t: t[6:] * t[6:], (torch.randn(8, 4, requires_grad=True),))
+    mem = bytearray(8 * 4 * 4)
+
+    def reused(t):  # three storages saved in turn at one address, each freed before the next is made
+        for _ in range(3):
+            (t * torch.frombuffer(mem, dtype=torch.float32).view(8, 4)).sum()
+        return t * 2
+
+    cases["three storages saved in turn at one reused address"] = (reused, (torch.randn(8, 4, requires_grad=True),))
     for name, (f, args) in cases.items():
         torch.manual_seed(1)
         got = fn(f, *args)
         torch.manual_seed(1)
         want = ref.count_saved_tensors(f, *args)
-        expect(isinstance(got, tuple) and len(got) == 2,
+        expect(type(got) is tuple and len(got) == 2,
                f"{name}: expected a tuple (storages, bytes), got {type(got).__name__} {got!r:.80}")
         expect_equal(f"{name}: number of distinct storages saved", got[0], want[0])
         expect_equal(f"{name}: bytes saved", got[1], want[1])
@@ -82,7 +100,10 @@ def check_checkpoint_function(fn):
     block = _blocks(1, dropout=0.3)[0].train()
     x.grad = None
     torch.manual_seed(7)
-    block(x).square().sum().backward()
+    out = block(x)
+    torch.rand(100)
+    out.square().sum().backward()
+    after_plain = torch.rand(8)  # where the RNG stream is after a step without checkpointing
     want = _grads(block.parameters(), x)
     block.zero_grad(set_to_none=True)
     x.grad = None
@@ -92,6 +113,10 @@ def check_checkpoint_function(fn):
     out.square().sum().backward()
     _same_grads("with dropout 0.3 (save the RNG state in forward, restore it for the recomputation)",
                 _grads(block.parameters(), x), want)
+    expect(torch.equal(torch.rand(8), after_plain),
+           "after backward the RNG stream is not where it would be without checkpointing: the recomputation "
+           "must leave the outer RNG state as it found it (save torch.get_rng_state() before replaying, put it "
+           "back after); otherwise the next step's dropout masks repeat or shift")
 
 
 # ----------------------------------------------------------------------------- 02.rng_replay
@@ -126,6 +151,23 @@ def check_rng_replay(cls):
         pass
     expect(torch.equal(torch.rand(6), b), "when the body of replay() raises, the RNG state is not restored: "
                                           "restore it in a finally: clause")
+    # a snapshot can be replayed more than once (a checkpoint replays it for each backward, e.g.
+    # with retain_graph=True or torch.autograd.grad twice), and each replay leaves the stream alone
+    torch.manual_seed(99)
+    snap = cls()
+    first = torch.rand(6)
+    after = torch.rand(6)
+    torch.manual_seed(99)
+    snap = cls()
+    torch.rand(6)
+    for i in range(3):
+        with snap.replay():
+            again = torch.rand(6)
+            torch.rand(50 * (i + 1))  # more draws inside than outside: each exit must put the stream back
+        expect(torch.equal(again, first), f"replay() number {i + 1} of the same snapshot drew other numbers than "
+                                          "right after the snapshot: a snapshot must stay usable (never consume "
+                                          "or overwrite the saved state)")
+    expect(torch.equal(torch.rand(6), after), "after three replays the RNG did not continue where it was")
     # dropout recomputes the same mask
     drop = nn.Dropout(0.5)
     x = torch.ones(64)
@@ -146,6 +188,41 @@ def _counting_layers(n: int) -> tuple[list[nn.Module], list[int]]:
         layer.register_forward_hook(lambda m, a, o, i=i: calls.__setitem__(i, calls[i] + 1))
         layers.append(layer)
     return layers, calls
+
+
+class _Born(TorchDispatchMode):
+    """Remembers (weakly) every storage an op creates, to count what is still alive afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, torch.Tensor):
+                st = o.untyped_storage()
+                old = self.refs.get(id(st))
+                if old is None or old[0]() is not st:  # new (or a dead storage's id reused)
+                    self.refs[id(st)] = (weakref.ref(st), st.nbytes())
+        return out
+
+
+def _kept_after_forward(fn, layers, k, x) -> int:
+    """Bytes of the storages made by ``fn(layers, k, x)`` that are still alive after it returns (the
+    output held): what the step keeps from forward for backward."""
+    gc.collect()
+    with _Born() as born:
+        out = fn(layers, k, x)
+    gc.collect()
+    alive = {i: n for i, (r, n) in born.refs.items() if r() is not None}
+    del out
+    return sum(alive.values())
+
+
+def _wide_layers(n: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Dropout(0.2)) for _ in range(n)]
 
 
 @register("02.checkpoint_sequential", reference=lambda: ref.checkpoint_sequential,
@@ -180,6 +257,37 @@ def check_checkpoint_sequential(fn):
         sizes = [b - a for a, b in bounds]
         expect_equal(f"n={n}, k={k}: calls of each layer in forward + backward (segments of {sizes} layers; "
                      f"all but the last recomputed once)", calls, expected)
+    # an input that does not require grad (the embeddings of a frozen base, as in LoRA): the layers'
+    # parameters still need their gradients (use_reentrant=True loses them)
+    layers, _ = _counting_layers(6)
+    params = [p for m in layers for p in m.parameters()]
+    x = torch.randn(3, 8)
+    torch.manual_seed(5)
+    nn.Sequential(*layers)(x).square().sum().backward()
+    want = _grads(params)
+    for p in params:
+        p.grad = None
+    torch.manual_seed(5)
+    out = fn(layers, 3, x)
+    expect(out.requires_grad, "n=6, k=3, an input that does not require grad: the output does not require grad, so "
+                              "backward never reaches the layers' parameters (a reentrant checkpoint, "
+                              "use_reentrant=True, has this pitfall; use a non-reentrant one)")
+    out.square().sum().backward()
+    _same_grads("n=6, k=3, an input that does not require grad: the parameters' gradients", _grads(params), want)
+    # what the technique is for: bytes kept from forward for backward
+    for n, k in ((8, 4), (6, 2), (9, 3)):
+        layers = _wide_layers(n)
+        x = torch.randn(64, 256, requires_grad=True)
+        torch.manual_seed(5)
+        want = _kept_after_forward(ref.checkpoint_sequential, layers, k, x)
+        torch.manual_seed(5)
+        got = _kept_after_forward(fn, layers, k, x)
+        slack = k * 8192  # an RNG state (5 KiB on the CPU) per segment, and a little
+        expect(got <= want + slack,
+               f"n={n}, k={k}, Linear(256, 256) + Tanh + Dropout layers on a 64 x 256 input: {got:,} bytes made in "
+               f"forward are still alive after it, expected at most {want + slack:,} (memlab keeps {want:,}: the "
+               f"segment inputs and the last segment's activations); a checkpointed segment must run under no_grad "
+               f"(or save nothing) in forward")
 
 
 # ----------------------------------------------------------------------------- 02.choose_segments
@@ -190,7 +298,10 @@ def check_choose_segments(fn):
              (16, 440.0, 100.0, 10.0), (12, 350.0, 50.0, 20.0), (32, 1e9, 2.2e6, 1.3e5),
              (32, 2.0e7, 2.2e6, 1.3e5), (1, 5.0, 4.0, 1.0),
              (10, 350.0, 100.0, 1.0),  # k = 3 would need ceil(10/3) = 4 layers per segment: 403 > 350
-             (4, 15.0, 10.0, 1.0)]     # only k = n fits
+             (4, 15.0, 10.0, 1.0),     # only k = n fits
+             # the modelled peak is not monotone in k (it falls, then rises with the boundaries):
+             # only k = 4 fits, so a search that assumes "if k fits, every larger k fits" misses it
+             (16, 85.0, 10.0, 10.0), (24, 130.0, 10.0, 10.0)]
     for n, budget, layer, boundary in cases:
         got = fn(n, budget, layer, boundary)
         want = ref.segments_for_budget(n, budget, layer, boundary)
@@ -213,7 +324,10 @@ CKPT_PEAK_CASES = [  # (n_layer, n_embd, n_head, batch, seq, segments), dropout 
     (6, 32, 4, 2, 64, 1),    # no checkpointing, attention scores dominate
     (9, 48, 4, 2, 48, 3),    # sqrt(n) segments
 ]
-CKPT_PEAK_TOLERANCE = 0.10
+# memlab's model is within 1.3% of these measurements (0.03% but for the wide case); one boundary
+# more or less moves the prediction 1.0-2.6% (measured on a 2-core x86_64 CPU, torch 2.13: +1.72% and
+# -1.77% on the 20-block case), a forgotten weight gradient or MLP-hidden gradient 2-43%
+CKPT_PEAK_TOLERANCE = 0.015
 
 
 @register("02.predict_ckpt_peak", reference=lambda: ref.sequential_activation_peak, timeout=120,

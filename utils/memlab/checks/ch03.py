@@ -83,12 +83,22 @@ def check_update_scale(fn) -> None:
 def check_unscale_grads(fn) -> None:
     expect(callable(fn), f"unscale_grads_: expected a function, got {type(fn).__name__}")
     gen = torch.Generator().manual_seed(5)
-    for dtype in (torch.float32, torch.bfloat16):
+    # fp16 (what loss scaling exists for), several bad tensors at once (found_inf is a flag, 1.0, not a
+    # count), and large finite fp16 gradients whose sum overflows fp16 (test each element, not the sum)
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
         for inv in (2.0**-10, 1 / 3, 1.0):
-            for bad, pre in ((None, 0.0), (float("inf"), 0.0), (float("nan"), 0.0), (-float("inf"), 0.0), (None, 1.0)):
-                grads = [(torch.randn(n, generator=gen) * 1000).to(dtype) for n in (5, 64)]
-                if bad is not None:
+            cases = ((None, None, 0.0), (float("inf"), None, 0.0), (float("nan"), None, 0.0), (-float("inf"), None, 0.0),
+                     (None, None, 1.0), (float("inf"), float("nan"), 0.0), (float("nan"), -float("inf"), 0.0),
+                     ("large", None, 0.0))
+            for bad, bad0, pre in cases:
+                grads = [(torch.randn(n, generator=gen) * 1000).to(dtype) for n in (5, 64, 33)]
+                if bad == "large":  # every element finite, the sum > 65504 (fp16's largest)
+                    grads[1] = torch.full((64,), 30000.0).to(dtype)
+                elif bad is not None:
                     grads[1][7] = bad
+                    grads[2][0] = bad
+                if bad0 is not None:
+                    grads[0][4] = bad0
                 ref = [g.clone() for g in grads]
                 inv_t = torch.full((), inv)
                 f_ref, f_got = torch.full((), pre), torch.full((), pre)
@@ -96,9 +106,14 @@ def check_unscale_grads(fn) -> None:
                 originals = list(grads)  # the caller's tensors (each p.grad): they must change in place
                 fn(grads, f_got, inv_t.clone())
                 grads = originals
-                case = f"{dtype} grads, inv_scale={inv:.4g}, {'a ' + str(bad) if bad is not None else 'all finite'}" + (", found_inf already 1.0" if pre else "")
+                what = {None: "all finite", "large": "all finite, 64 x 30000 (their sum overflows fp16)"}.get(
+                    bad, f"{bad} in grads[1] and grads[2]" + (f", {bad0} in grads[0]" if bad0 is not None else ""))
+                case = f"{dtype} grads, inv_scale={inv:.4g}, {what}" + (", found_inf already 1.0" if pre else "")
+                expect(f_got.dtype == torch.float32 and f_got.shape == (),
+                       f"unscale_grads_ ({case}): found_inf became {f_got.dtype} {tuple(f_got.shape)}; set it in place")
                 expect(f_got.item() == f_ref.item(), f"unscale_grads_ ({case}): found_inf {f_got.item()}, expected {f_ref.item()}"
-                       + (" (never reset found_inf: other tensors may have set it)" if pre else ""))
+                       + (" (never reset found_inf: other tensors may have set it)" if pre else "")
+                       + (" (a flag: 1.0 when any tensor is bad, not a count)" if f_got.item() > 1 else ""))
                 for i, (g, r) in enumerate(zip(grads, ref)):
                     expect(g.dtype == dtype, f"unscale_grads_ ({case}): grads[{i}] dtype became {g.dtype}; unscale in place")
                     same = torch.equal(g.float().nan_to_num(), r.float().nan_to_num()) and torch.equal(g.isnan(), r.isnan())
@@ -125,8 +140,12 @@ def check_loss_scaler(cls) -> None:
     ref = torch.amp.GradScaler("cpu", **kw)
     ref_model = _mlp()
     my_model = copy.deepcopy(ref_model)
-    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-2, momentum=0.9)
-    my_opt = torch.optim.SGD(my_model.parameters(), lr=1e-2, momentum=0.9)
+    def groups(model):  # two parameter groups, as real training has (no weight decay on biases)
+        return [{"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "lr": 3e-2},
+                {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 1e-2}]
+
+    ref_opt = torch.optim.SGD(groups(ref_model), lr=1e-2, momentum=0.9)
+    my_opt = torch.optim.SGD(groups(my_model), lr=1e-2, momentum=0.9)
     rng = random.Random(1)
     gen = torch.Generator().manual_seed(1)
     log: list[str] = []
@@ -148,11 +167,11 @@ def check_loss_scaler(cls) -> None:
         got = mine.step(my_opt)
         log.append("step" if ref_stepped else "skip")
         where = f"at iteration {step} (history: {' '.join(log[-6:])})"
-        expect(isinstance(got, bool), f"LossScaler.step must return True (stepped) or False (skipped), got {got!r}")
+        expect(type(got) is bool, f"LossScaler.step must return True (stepped) or False (skipped), got {got!r}")
         expect_equal(f"LossScaler.step() {where}: stepped", got, ref_stepped)
         ref.update()
         mine.update()
-        expect_equal(f"LossScaler.get_scale() after update() {where}", float(mine.get_scale()), ref.get_scale())
+        expect_equal(f"LossScaler.get_scale() after update() {where}", mine.get_scale(), ref.get_scale())
         for (n, p), q in zip(ref_model.named_parameters(), my_model.parameters()):
             if not torch.equal(p, q):
                 d = (p - q).abs().max().item()
@@ -209,10 +228,27 @@ def _update_models() -> list:
         ("MLP 64 -> 256 -> 64 (two large matrices)",
          lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))),
         ("8 x Linear(48, 48)", lambda: nn.Sequential(*[nn.Linear(48, 48) for _ in range(8)])),
+        ("24 x LayerNorm(6) and a 1024-float buffer (many small tensors: step counters and buffers weigh)",
+         _NormsAndTable),
     ]
 
 
-UPDATE_PEAK_TOLERANCE = 0.05
+class _NormsAndTable(nn.Module):
+    """48 small parameter tensors (their step counters are 2% of the update) and a float buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = nn.Sequential(*[nn.LayerNorm(6) for _ in range(24)])
+        self.register_buffer("table", torch.linspace(0, 1, 1024))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norms(x) * self.table[:6]
+
+
+# memlab's model is within 0.3% of these measurements; the smallest plausible omissions move it
+# further (measured on a 2-core x86_64 CPU, torch 2.13, on the last model: the 4-byte step counters
+# -2.4%, the buffers -46% in fp32 and -55% in 16 bits, one of AdamW's two temporaries -0.4% to -13%)
+UPDATE_PEAK_TOLERANCE = 0.01
 
 
 @register("03.predict_update_peak", reference=lambda: amp.update_peak_bytes, timeout=120,
