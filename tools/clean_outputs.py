@@ -8,6 +8,7 @@ What counts as noise (stderr only; stdout is the notebook's own printing):
 - transformers' note that a tiny config's ``loss_type=None`` falls back to the default loss,
 - bitsandbytes' note on its optional kernels package, progress-bar redraws, Python warnings
   (``path:line: XWarning: ...``, which carry the builder's paths),
+- install prefixes in a traceback a cell shows on purpose become ``<python>/``,
 - and ``--check`` also reports absolute paths of a builder's machine in any stream.
 tests/test_notebook_outputs.py runs ``--check`` over every lecture and solution.
 """
@@ -30,7 +31,12 @@ WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
 PATHS = re.compile(r"(/work/[^\s'\"]*|/home/[^\s'\"]*|/root/[^\s'\"]*|\.venv/lib/python[^\s'\"]*)")
 
 
+# a traceback a cell shows on purpose keeps its frames, without the builder's install prefix
+PREFIX = re.compile(r"/[^\s\"']*/lib/python3\.\d+/")
+
+
 def _clean_text(text: str) -> str:
+    text = PREFIX.sub("<python>/", text)
     out, skip_indented = [], False
     for raw in text.replace("\r", "\n").splitlines(keepends=True):
         line = raw.rstrip("\n")
