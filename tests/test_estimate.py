@@ -523,14 +523,12 @@ def test_offload_estimate_device_bytes_equal_real_cpu_run(name, dtype, offload_g
     (fast C++ kernel) tracked by MemoryTracker (measure_training_memory runs it).
 
     On a CPU host == device, so the real tracker also sees OffloadedAdamW's host buffers: master weights,
-    moments and step counters (in optimizer.state, counted from the tracker's start). The fp32 grad
-    slots (4 bytes/param) are not in optimizer.state and were allocated with the optimizer, before the
-    tracked step: the tracker never charges a storage born before it that no owner holds (the allocator
-    allocates nothing for it in the step either). What is compared: parameters and gradients at the end
-    of the step byte for byte; the forward and backward peaks equal to the estimate's device peak of
-    that phase + the state the tracker already holds (12 bytes/param + step counters); the
-    optimizer-phase peak equal to the estimate's + host_bytes less the grad slots; and the real
-    end-of-step bytes beyond parameters and gradients equal to host_bytes less the grad slots.
+    moments and step counters (in optimizer.state) and the fp32 grad slots (kept outside optimizer.state,
+    reported by OffloadedAdamW.extra_state_tensors()), all counted from the tracker's start. What is
+    compared: parameters and gradients at the end of the step byte for byte; the forward and backward
+    peaks equal to the estimate's device peak of that phase + the host state (16 bytes/param + step
+    counters); the optimizer-phase peak equal to the estimate's + host_bytes; and the real end-of-step
+    bytes beyond parameters and gradients equal to host_bytes.
     """
     kw = dict(batch_size=2, seq_len=32, dtype=dtype, optimizer="offload-adamw", device="cpu",
               optimizer_kwargs={"offload_gradients": offload_gradients})
@@ -543,16 +541,16 @@ def test_offload_estimate_device_bytes_equal_real_cpu_run(name, dtype, offload_g
         assert est.breakdown_end["gradients"] == 0
     assert est.breakdown["optimizer"] == est.breakdown_end["optimizer"] == 0  # nothing on the device
     assert real.host_bytes == est.host_bytes
-    state = 12 * est.n_params + est.host_breakdown["step counters"]
-    slots = est.host_breakdown["fp32 grad slots"]  # born with the optimizer, before the tracked step
-    assert slots == 4 * est.n_params
+    assert est.host_breakdown["fp32 grad slots"] == 4 * est.n_params
+    state = 16 * est.n_params + est.host_breakdown["step counters"]
+    assert state == est.host_bytes
     assert real.phase_peaks["forward"] == est.phase_peaks["forward"] + state
     assert real.phase_peaks["backward"] == est.phase_peaks["backward"] + state
-    assert real.phase_peaks["optimizer"] == est.phase_peaks["optimizer"] + est.host_bytes - slots
+    assert real.phase_peaks["optimizer"] == est.phase_peaks["optimizer"] + est.host_bytes
     # end of step: beyond params and grads the real run holds the host buffers it was charged for
     dev_end = est.breakdown_end["parameters"] + est.breakdown_end["gradients"]
     assert sum(est.breakdown_end.values()) == dev_end
-    assert sum(real.breakdown_end.values()) - dev_end == est.host_bytes - slots
+    assert sum(real.breakdown_end.values()) - dev_end == est.host_bytes
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16-pure"])

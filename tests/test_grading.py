@@ -21,7 +21,7 @@ EX = "00.activation_bytes"
 
 def mine(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):  # the learner's own function
     s, b, h, a, e, m = seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes
-    return s * b * h * (16 * e + 2 * m) + a * s * s * b * (2 * e + m)
+    return s * b * h * (16 * e + 2 * m) + a * s * s * b * ((2 * e + m) if m else e)  # no dropout: softmax kept once
 
 
 def test_pass_records_and_prints(capsys):

@@ -840,6 +840,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._copy_back(self.param_groups[gi]["params"][i], gi, i)
         self._delayed = []
 
+    def extra_state_tensors(self) -> list[torch.Tensor]:
+        """The host buffers kept outside ``self.state``: the fp32 gradient slots (two with
+        ``delay_update``) and, on CUDA, the pinned staging copies. ``memlab.profiler.MemoryTracker``
+        counts them as optimizer memory (they are made with the optimizer, before any tracked step)."""
+        out: list[torch.Tensor] = []
+        for bufs in self._flats:
+            out += [bufs[k].flat for k in ("grad", "grad_next") if k in bufs]
+            out += list(bufs.get("staging", []))
+        return out
+
     @torch.no_grad()
     def flush(self) -> None:
         """``delay_update=True``: wait for the update still running and copy its weights to the model (end of training)."""

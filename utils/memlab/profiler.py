@@ -151,6 +151,17 @@ _FRESH_ALIAS_OPS = frozenset(
 FRESH_ALIAS_OPS = _FRESH_ALIAS_OPS  # public: memlab.timeline applies the same rule
 
 
+def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors an optimizer holds: those in ``optimizer.state``, plus what it returns from an
+    ``extra_state_tensors()`` method, for buffers it keeps outside ``state`` (memlab.offload's
+    OffloadedAdamW: its host gradient slots and pinned staging). Counted as ``optimizer``."""
+    out = [t for st in optimizer.state.values() for t in _tensors_in(st)]
+    extra = getattr(optimizer, "extra_state_tensors", None)
+    if callable(extra):
+        out += [t for t in extra() if isinstance(t, torch.Tensor)]
+    return out
+
+
 def _mutates(func: Any) -> bool:
     """Whether an op writes into one of its arguments (in place or ``out=``): such an op can resize
     a storage that the tracker has not met yet, so its size is read before the op runs."""
@@ -504,9 +515,8 @@ class MemoryTracker(TorchDispatchMode):
             self._track_optimizer(self.optimizer)
 
     def _track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        for state in optimizer.state.values():
-            for t in _tensors_in(state):
-                self._track(t, _O, relabel=True)
+        for t in optimizer_tensors(optimizer):
+            self._track(t, _O, relabel=True)
 
     # ------------------------------------------------------------------ the dispatch hook
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -658,7 +668,7 @@ class MemoryTracker(TorchDispatchMode):
             if optimizer is self.optimizer or self.optimizer is None:
                 self._track_optimizer(optimizer)
                 # what the step allocated and still holds outside optimizer.state is not state
-                state = {t.untyped_storage()._cdata for st in optimizer.state.values() for t in _tensors_in(st)}
+                state = {t.untyped_storage()._cdata for t in optimizer_tensors(optimizer)}
                 for key, e in list(self._live.items()):  # a list: a weakref callback may fire meanwhile
                     if e.cat == _O and key not in state and key not in self._opt_before:
                         self._cur[_O] -= e.nbytes
