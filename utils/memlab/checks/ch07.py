@@ -292,12 +292,14 @@ def _tiny(cfg: dict):
 
 # Exact: the formula below equals the measurement to the byte on every graded case. The smallest terms a
 # derivation could forget, measured on these cases (2-core x86_64 CPU, torch 2.13.0+cpu):
-#   the running loss sum and the last detached loss during the last micro-batch's backward: 8 B (grad_accum=2),
-#     12 B (grad_accum>=3); the 0-d loss alive during optimizer.step(): 4 B;
+#   the 0-d tensors (the loss, backward's seed gradient, loss / k, the running sum, the last detached loss):
+#     8 / 16 / 20 B at the start of the last backward (grad_accum 1 / 2 / >=3), 4 B in optimizer.step();
 #   AdamW's 4-byte step counter per parameter tensor: 112 B (n_layer=2), 160 B (n_layer=3);
-#   the previous tensor's `denom` still referenced inside AdamW's per-tensor loop: 4 x (c_fc bias) = 1,024 B (n_embd=64);
-#   the labels' token ids: 8 x effective_batch x seq_len = 1-2 KiB; the causal-mask buffers (bool block_size^2
-#     per block): 2-12 KiB; the gradients that accumulation keeps alive: 4 B x parameters = 189-463 KiB.
+#   the previous tensor's `denom` still referenced inside AdamW's per-tensor loop: 4 x (c_fc bias) = 1,024 B
+#     (n_embd=64, the case whose peak is the optimizer step);
+#   SDPA's logsumexp: 1-6 KiB; LayerNorm's mean/rstd: 2-6 KiB; the labels' token ids (8 x effective_batch x
+#     seq_len): 64 B-2 KiB; the causal-mask buffers (bool block_size^2 per block): 2-12 KiB; the gradients that
+#     accumulation keeps alive (4 B x parameters): 189-463 KiB (tests/mutants/ch07.py: each of these FAILS).
 PREDICT_ALLOWED_BYTES = 0
 
 _PREDICT_CASES = [
