@@ -51,7 +51,9 @@ def test_messages_name_the_problem():
     r = check("07.cheapest_stack", lambda eb, budget, est, cost: Stack(micro_batch=eb), quiet=True)
     assert r.status == "fail" and "expected micro_batch=" in r.message
     r = check("07.predict_peak", lambda model_fn, stack, seq_len: 10**6, quiet=True)
-    assert r.status == "fail" and "allowed +-32 B" in r.message and "measured" in r.message
+    assert r.status == "fail" and "allowed exactly" in r.message and "measured" in r.message
+    r = check("07.predict_peak", train.estimate_stack_peak, quiet=True)
+    assert r.status == "fail" and "asks for a derivation" in r.message, r.message
 
     def in_place(path, chunks):
         with open(path, "wb") as f:
@@ -83,3 +85,19 @@ def test_predict_peak_reference_is_exact():
     fn = partial(lambda: TinyGPT(TinyGPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)))
     s = Stack(micro_batch=2, grad_accum=2)
     assert train.estimate_stack_peak(fn, s, 16) == train.measure_stack_peak(fn, s, 16)
+
+
+@pytest.mark.parametrize("cfg,mb,ga,seq_len", [
+    (dict(block_size=32, n_layer=1, n_head=2, n_embd=32), 2, 2, 16),   # backward, accumulation
+    (dict(block_size=48, n_layer=2, n_head=4, n_embd=48), 3, 3, 24),   # three micro-batches: 4 B more of losses
+    (dict(block_size=32, n_layer=2, n_head=2, n_embd=64), 2, 1, 4),    # the optimizer step is the peak
+])
+def test_predict_peak_formula_is_the_measurement(cfg, mb, ga, seq_len):
+    """The derived formula (the check's reference) equals the real step's tracked peak to the byte, on
+    configurations the check does not grade."""
+    from functools import partial
+
+    from memlab.checks.ch07 import _tiny, predict_peak_formula
+
+    fn, s = partial(_tiny, cfg), Stack(micro_batch=mb, grad_accum=ga)
+    assert predict_peak_formula(fn, s, seq_len) == train.measure_stack_peak(fn, s, seq_len)
