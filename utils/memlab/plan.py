@@ -16,7 +16,6 @@ The cost model orders stacks; its seconds are not a measurement (to be calibrate
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import math
