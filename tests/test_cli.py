@@ -168,3 +168,74 @@ def test_argparse_is_left_as_it_was_after_an_in_process_call(memlab_cli):
     with pytest.raises(SystemExit):
         cli.main(["grade", "--bogus"])
     assert argparse.ArgumentParser.error is before
+
+
+_NO_TORCH_BEFORE_THE_ERROR = """
+import sys
+from memlab import cli
+try:
+    code = cli.main({argv!r})
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+print("CODE", code, "HEAVY", ",".join(heavy) or "-")
+"""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["estimate", "--batch-size", "x", "llama-2-7b"], "argument --batch-size: 'x' is not an int"),
+    (["estimate", "--bogus", "llama-2-7b"], "unrecognized arguments: --bogus"),
+    (["estimate", "--dtype", "fp8", "llama-2-7b"], "argument --dtype: invalid choice: 'fp8'"),
+    (["estimate"], "the following arguments are required: model (or --validate)"),
+    (["plan", "llama-2-7b", "--batch-size", "0", "--seq-len", "512"], "argument --batch-size: '0' is invalid"),
+    (["plan", "llama-2-7b", "--seq-len", "512"], "the following arguments are required: --batch-size"),
+])
+def test_estimate_and_plan_argument_errors_come_before_torch_is_imported(argv, message):
+    """The parsers live in memlab.cli_args: an argument error exits 2 with one line and torch
+    (and transformers) never imported, instead of after their 1-4 s import."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "utils")}
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_BEFORE_THE_ERROR.format(argv=argv)],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.stdout.split() == ["CODE", "2", "HEAVY", "-"], (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert lines[0].startswith(f"memlab {argv[0]}: error: ") and lines[0].endswith(f"(memlab {argv[0]} --help for usage)")
+
+
+def test_a_good_command_line_still_imports_torch():
+    """The check above can fail: a command line that parses goes on to the command (torch)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "utils")}
+    argv = ["estimate", "--gpu", "no-such-card", "gpt2"]  # --gpu is checked by memlab.estimate.resolve_gpu
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_BEFORE_THE_ERROR.format(argv=argv)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.stdout.split()[:3] == ["CODE", "2", "HEAVY"] and "torch" in proc.stdout.split()[3], proc.stdout
+    assert "argument --gpu: gpu='no-such-card' is invalid" in proc.stderr
+
+
+def test_cli_args_name_lists_equal_the_estimate_constants():
+    """memlab.cli_args keeps torch-free copies of the choices: they must equal the real ones."""
+    from memlab import adapters, cli_args
+    from memlab import estimate as E
+
+    assert list(cli_args.DTYPE_CHOICES) == list(E.DTYPES) + list(E.DTYPE_ALIASES)
+    assert list(cli_args.OPTIMIZER_CHOICES) == list(E.OPTIMIZERS) + list(E.OPTIMIZER_ALIASES)
+    assert tuple(cli_args.OPTIMIZER_IMPLS) == tuple(E.OPTIMIZER_IMPLS)
+    assert tuple(cli_args.LOSSES) == tuple(E.LOSSES)
+    assert tuple(cli_args.ATTN_IMPLEMENTATIONS) == tuple(E.ATTN_IMPLEMENTATIONS)
+    assert tuple(cli_args.ZERO_STAGES) == tuple(E.ZERO_STAGES)
+    assert tuple(cli_args.ADAPTERS) == tuple(adapters.ADAPTERS)
+    assert tuple(cli_args.ADAPTER_DTYPES) == tuple(adapters.ADAPTER_DTYPES)
+    assert (cli_args.MAX_BATCH, cli_args.MAX_SEQ_LEN, cli_args.MAX_WORLD_SIZE) == (
+        E.MAX_BATCH, E.MAX_SEQ_LEN, E.MAX_WORLD_SIZE)
+
+
+def test_estimate_help_names_the_presets_and_dtypes(memlab_cli):
+    """The help's heavy parts (presets, dtype descriptions) are filled in when it is printed."""
+    from memlab import estimate as E
+    from memlab.models import PRESETS
+
+    r = memlab_cli("estimate", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert all(name in text for name in PRESETS)
+    assert " ".join(E.DTYPES["bf16-pure"].split()) in text

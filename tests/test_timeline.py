@@ -165,3 +165,35 @@ def test_a_view_of_a_tensor_made_before_recording_gets_no_band():
         w = old.sum(0)  # a reduction: its output only
     assert [a.op for a in tl.allocations] == ["sum"] and tl.peak_bytes == w.untyped_storage().nbytes()
     assert tl.peak_bytes == tl.tracker.peak_bytes and v.shape == (3, 1024, 10)
+
+
+def test_jupyterlab_renders_the_timeline_as_a_notebook_output(tmp_path):
+    """tools/timeline_screenshot.py --jupyterlab: a real JupyterLab server, the executed and trusted
+    notebook opened in Chromium, the output's script run by JupyterLab (legend and hover drawn), a
+    screenshot; the server and its kernel are gone afterwards (about 15 s on 2 cores)."""
+    import importlib.util
+
+    shot = _browser()
+    if shot.find_browser() is None:
+        pytest.skip("no Chromium on PATH (apt-get install chromium): the JupyterLab screenshot cannot run")
+    missing = [m for m in ("jupyterlab", "nbclient", "tornado") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed: the JupyterLab screenshot cannot run")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "utils"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "timeline_screenshot.py"), "--jupyterlab",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    png = (tmp_path / "timeline_jupyterlab.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (1400, 1000)
+    assert "legend: parameters, gradients, optimizer, activations, other;" in proc.stdout, proc.stdout
+    assert re.search(r"hover: \S+ -> \[[\d, ]+\] \w+ [\d.]+ \w?i?B · activations · made in (forward|backward) "
+                     r"alive from op \d+ to op \d+", proc.stdout), proc.stdout
+    root = re.search(r"JupyterLab server \(pid (\d+), root (\S+)\) stopped", proc.stdout)
+    assert root, proc.stdout
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(root.group(1)), 0)
+    leftover = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert root.group(2) not in leftover  # neither the server nor its kernel (its connection file is in there)
+    assert not Path(root.group(2)).exists()

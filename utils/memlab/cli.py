@@ -14,8 +14,9 @@ A command whose optional dependency is missing prints one line naming the extra 
 An argument error is one line on stderr, ``memlab estimate: error: ... (memlab estimate --help
 for usage)``, exit code 2: every command's argparse parser prints its usage only for ``--help``.
 ``memlab grade`` and ``memlab labs`` parse their arguments before anything heavy is imported;
-``estimate``, ``plan`` and ``bench`` define their parsers in modules that import torch, so their
-argument errors come after that import (about 1-4 s).
+so do ``estimate`` and ``plan``, whose parsers live in the torch-free :mod:`memlab.cli_args`
+(an argument error in well under a second instead of after the 1-4 s torch import). ``bench``
+defines its parser in a module that imports torch, so its argument errors come after that import.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import importlib
 import sys
 
 from memlab._optional import EXTRAS, MissingExtraError, missing_optional
+from memlab.cli_args import PARSERS
 
 _COMMANDS = {
     "doctor": ("memlab.doctor", "main", "environment report for bug reports"),
@@ -80,6 +82,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"memlab: unknown command {name!r}{hint}; allowed: {', '.join(_COMMANDS)}", file=sys.stderr)
         return 2
     module, func, _ = _COMMANDS[name]
+    if name in PARSERS:  # argument errors (and --help) before the command's module imports torch
+        PARSERS[name](rest)
     try:
         mod = importlib.import_module(module)
         code = getattr(mod, func)(rest)

@@ -2054,30 +2054,8 @@ def _intrusiveness(technique: str) -> int:
     return max(ranks) if ranks else len(_TRY_ORDER)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # exit code 2, one line on stderr (the usage only with --help)
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help for usage)\n")
-
-
-def _bounded_int(hi: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        v = _positive_int(text)
-        if v > hi:
-            raise argparse.ArgumentTypeError(f"{text!r} is too large; allowed: an int from 1 to {hi:,}")
-        return v
-    return parse
-
-
-def _positive_int(text: str) -> int:
-    if len(text) > 30:
-        raise argparse.ArgumentTypeError(f"{text[:30]!r}... is invalid; allowed: a positive int")
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int; allowed: a positive int") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: a positive int")
-    return v
+# The parser lives in memlab.cli_args (torch-free: memlab.cli parses before importing this module).
+from memlab.cli_args import _Parser, _bounded_int, _gpu, _override, _positive_int  # noqa: E402,F401
 
 
 def _size(text: str) -> int:
@@ -2087,96 +2065,20 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _gpu(text: str) -> tuple[str, int]:
-    try:
-        return resolve_gpu(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _override(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: KEY=VALUE (e.g. num_hidden_layers=2)")
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
-        parsed = value
-    return key.strip(), parsed
-
-
 _DTYPE_HELP = "; ".join(f"{k}: {v}" for k, v in DTYPES.items())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``memlab estimate MODEL [options]``: the breakdown, the verdict for a GPU, and what
     would make it fit. ``memlab estimate --validate``: the estimate against published peaks."""
-    from memlab import gpus
-    from memlab.models import PRESETS
+    from memlab.cli_args import parse_estimate
 
-    parser = _Parser(
-        prog="memlab estimate",
-        description="Estimate the peak memory of a training step without a GPU (fake tensors).",
-        epilog="models: " + ", ".join(sorted(PRESETS)) + ", or the path of a transformers config.json. "
-               "GPUs: " + ", ".join(gpus.gpu_names()) + ", or a size (24GiB = 24 x 2**30; 24GB = 24 x 10**9).",
-    )
-    parser.add_argument("model", nargs="?", help="a preset name, the path of a config.json, or a Hub model id "
-                        "(org/name: only its config.json is read, through transformers' cache; HF_HUB_OFFLINE=1 works)")
-    parser.add_argument("--batch-size", type=_bounded_int(MAX_BATCH), default=1)
-    parser.add_argument("--seq-len", type=_bounded_int(MAX_SEQ_LEN), default=2048)
-    parser.add_argument("--dtype", choices=list(DTYPES) + list(DTYPE_ALIASES), default="bf16",
-                        help=_DTYPE_HELP + " (bf16-mixed = bf16; note: plan's and train's 'bf16' is this 'bf16-pure')")
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS) + list(OPTIMIZER_ALIASES), default="adamw",
-                        help="adam8bit is another name of adamw8bit")
-    parser.add_argument("--optimizer-impl", choices=list(OPTIMIZER_IMPLS), default="auto",
-                        help="torch optimizer implementation (auto: PyTorch's default on the device: foreach on CUDA)")
-    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
-    parser.add_argument("--offload-gradients", action="store_true",
-                        help="with --optimizer offload-adamw: free each gradient on the device once copied to the host")
-    parser.add_argument("--loss", choices=list(LOSSES), default="auto",
-                        help="auto: transformers' own loss (model(input_ids=x, labels=x), as the Trainer) for "
-                             "transformers models; memlab: cross entropy on the logits (memlab.models.lm_loss)")
-    parser.add_argument("--step", default=None, metavar="MODULE:FUNCTION",
-                        help="trace your own step: FUNCTION(model, batch) -> loss, batch = {'input_ids': x, 'labels': x}")
-    parser.add_argument("--attn", choices=list(ATTN_IMPLEMENTATIONS), default="auto",
-                        help="attention implementation (auto: what transformers picks, sdpa for most models)")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device you will train on")
-    parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field (repeatable), e.g. --set num_hidden_layers=2")
-    parser.add_argument("--allow-longer-seq", action="store_true",
-                        help="allow --seq-len beyond max_position_embeddings (RoPE scaling and the like)")
-    parser.add_argument("--no-extrapolate", action="store_true",
-                        help="trace every decoder layer instead of two depths extrapolated by layer count")
-    parser.add_argument("--gpu", type=_gpu, default=None,
-                        help="a card (" + ", ".join(gpus.gpu_names()) + ") or its memory (24GiB, 24GB, 80GiB)")
-    parser.add_argument("--world-size", type=_bounded_int(MAX_WORLD_SIZE), default=1,
-                        help="data-parallel ranks: the estimate is per rank, --batch-size being one rank's batch")
-    parser.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), default=0,
-                        help="0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters (FSDP)")
-    from memlab import adapters as _adapters
-
-    parser.add_argument("--adapter", choices=list(_adapters.ADAPTERS), default=None,
-                        help="train LoRA adapters on a frozen 16-bit base (lora) or on an NF4 base (qlora)")
-    parser.add_argument("--lora-r", type=_positive_int, default=16, help="adapter rank (default 16)")
-    parser.add_argument("--lora-alpha", type=float, default=None, help="adapter scale numerator (default 2 x rank)")
-    parser.add_argument("--target-modules", default=None, metavar="NAMES",
-                        help="comma-separated linear layer names (e.g. q_proj,v_proj) or all-linear (default)")
-    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
-    parser.add_argument("--adapter-dtype", choices=list(_adapters.ADAPTER_DTYPES), default=None,
-                        help="the adapters' dtype (default fp32; bf16 with --dtype bf16-pure)")
-    parser.add_argument("--compare", action="store_true",
-                        help="print accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers beside memlab's")
-    parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
-    parser.add_argument("--validate", action="store_true",
-                        help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
-    args = parser.parse_args(list(argv or []))
+    parser, args = parse_estimate(argv)
 
     if args.validate:
         from memlab import published_peaks
 
         return published_peaks.main(model_filter=args.model)
-    if args.model is None:
-        parser.error("the following arguments are required: model (or --validate)")
 
     run_kwargs = dict(optimizer_impl=args.optimizer_impl, device=args.device, loss=args.loss, step=args.step,
                       attn_implementation=args.attn, allow_longer_seq=args.allow_longer_seq,

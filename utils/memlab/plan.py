@@ -16,7 +16,6 @@ The cost model orders stacks; its seconds are not a measurement (to be calibrate
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import math
@@ -1146,45 +1145,14 @@ def plan(
 # --------------------------------------------------------------------------------------
 
 
-def _allow_arg(text: str) -> tuple[str, list[Any]]:
-    key, sep, values = text.partition("=")
-    if not sep or not values:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: KEY=V1,V2 (e.g. adapter=full,lora)")
-    out: list[Any] = []
-    for v in values.split(","):
-        v = v.strip()
-        out.append(int(v) if v.isdigit() else v)
-    return key.strip(), out
+from memlab.cli_args import _allow_arg  # noqa: E402,F401  (the parser lives in memlab.cli_args, torch-free)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``memlab plan MODEL --gpu CARD | --budget SIZE --batch-size B --seq-len T``: the ranked stacks."""
-    from memlab import gpus
-    from memlab.estimate import MAX_BATCH, MAX_SEQ_LEN, _bounded_int, _override
-    from memlab.models import PRESETS
+    from memlab.cli_args import plan_parser
 
-    parser = argparse.ArgumentParser(
-        prog="memlab plan",
-        description="Pick the training stack that fits a model into a memory budget (chapter 07): every "
-                    "candidate traced by memlab.estimate on fake tensors, ranked by a stated cost model.",
-        epilog="models: " + ", ".join(sorted(PRESETS)) + ", or a config.json. GPUs: " + ", ".join(gpus.gpu_names())
-               + ". --allow keys: " + ", ".join(DEFAULT_ALLOW) + " (e.g. --allow adapter=qlora --allow micro_batch=1,2).",
-    )
-    parser.add_argument("model")
-    parser.add_argument("--gpu", default=None, help="a card: its memory as the driver reports it and its cost constants")
-    parser.add_argument("--budget", default=None, help="bytes or a size (24GiB, 24GB); default: the card's usable memory")
-    parser.add_argument("--batch-size", type=_bounded_int(MAX_BATCH), required=True,
-                        help="the effective batch (micro-batch x accumulation)")
-    parser.add_argument("--seq-len", type=_bounded_int(MAX_SEQ_LEN), required=True)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--allow", type=_allow_arg, action="append", default=[], metavar="KEY=V1,V2")
-    parser.add_argument("--prefer", choices=["fidelity", "cost"], default="fidelity")
-    parser.add_argument("--host-budget", default="auto", help="host memory for offloaded stacks (e.g. 128GiB; "
-                        "default: this machine's available memory; 'none': no bound)")
-    parser.add_argument("--top", type=_bounded_int(10_000), default=5, help="stop after this many stacks that fit")
-    parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--all", action="store_true", help="print every row")
-    parser.add_argument("--no-progress", action="store_true")
+    parser = plan_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     allow: dict[str, list] = {}
     for k, v in args.allow:

@@ -1,0 +1,236 @@
+"""The argument parsers of ``memlab estimate`` and ``memlab plan``, without torch.
+
+``memlab.cli`` parses a command's arguments with these parsers before it imports the command's
+module, so an argument error (an unknown option, a bad int, a missing model) is one line on stderr
+within a fraction of a second instead of after the 1-4 s import of torch and transformers.
+``memlab.estimate.main`` and ``memlab.plan.main`` parse with the same parsers, so the options and
+messages have one source.
+
+Only what ``--help`` shows needs the heavy modules (the preset names, the dtype descriptions):
+those parts are filled in when the help is formatted. ``--gpu`` of ``memlab estimate`` is checked
+by :func:`memlab.estimate.resolve_gpu`, imported when a ``--gpu`` is given.
+
+The name lists below equal the constants of :mod:`memlab.estimate` and :mod:`memlab.adapters`
+(tests/test_cli.py asserts it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Callable, Sequence
+
+# = memlab.estimate.DTYPES + DTYPE_ALIASES, OPTIMIZERS + OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, LOSSES,
+# ATTN_IMPLEMENTATIONS, ZERO_STAGES, MAX_*; memlab.adapters.ADAPTERS, ADAPTER_DTYPES
+DTYPE_CHOICES = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-mixed", "fp16-mixed")
+OPTIMIZER_CHOICES = ("adamw", "sgd", "adamw8bit", "offload-adamw", "adam8bit", "adamw-8bit", "adamw_8bit")
+OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
+LOSSES = ("auto", "hf", "memlab")
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash")
+ZERO_STAGES = (0, 1, 2, 3)
+ADAPTERS = ("lora", "qlora")
+ADAPTER_DTYPES = ("fp32", "bf16", "fp16")
+MAX_BATCH = 2**20  # sequences per step (per rank)
+MAX_SEQ_LEN = 2**20  # tokens per sequence
+MAX_WORLD_SIZE = 1024  # ranks: stage 3 traces a fake process group of this many
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # exit code 2, one line on stderr (the usage only with --help)
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help for usage)\n")
+
+
+class _LazyHelp:
+    """A parser whose help parts that need heavy imports are filled in by ``fill(parser)`` the
+    first time the help is formatted."""
+
+    _fill: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def format_help(self) -> str:
+        fill, self._fill = self._fill, None
+        if fill is not None:
+            fill(self)  # type: ignore[arg-type]
+        return super().format_help()  # type: ignore[misc]
+
+
+class _EstimateParser(_LazyHelp, _Parser):
+    pass
+
+
+class _PlanParser(_LazyHelp, argparse.ArgumentParser):
+    pass
+
+
+def _bounded_int(hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        v = _positive_int(text)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"{text!r} is too large; allowed: an int from 1 to {hi:,}")
+        return v
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    if len(text) > 30:
+        raise argparse.ArgumentTypeError(f"{text[:30]!r}... is invalid; allowed: a positive int")
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int; allowed: a positive int") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: a positive int")
+    return v
+
+
+def _gpu(text: str) -> tuple[str, int]:
+    from memlab.estimate import resolve_gpu  # torch: only when a --gpu is given
+
+    try:
+        return resolve_gpu(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: KEY=VALUE (e.g. num_hidden_layers=2)")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def _allow_arg(text: str) -> tuple[str, list[Any]]:
+    key, sep, values = text.partition("=")
+    if not sep or not values:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: KEY=V1,V2 (e.g. adapter=full,lora)")
+    out: list[Any] = []
+    for v in values.split(","):
+        v = v.strip()
+        out.append(int(v) if v.isdigit() else v)
+    return key.strip(), out
+
+
+def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in parser._actions if a.dest == dest)
+
+
+def _fill_estimate_help(parser: argparse.ArgumentParser) -> None:
+    from memlab import gpus
+    from memlab.estimate import DTYPES
+    from memlab.models import PRESETS
+
+    parser.epilog = ("models: " + ", ".join(sorted(PRESETS)) + ", or the path of a transformers config.json. "
+                     "GPUs: " + ", ".join(gpus.gpu_names()) + ", or a size (24GiB = 24 x 2**30; 24GB = 24 x 10**9).")
+    _action(parser, "dtype").help = ("; ".join(f"{k}: {v}" for k, v in DTYPES.items())
+                                     + " (bf16-mixed = bf16; note: plan's and train's 'bf16' is this 'bf16-pure')")
+
+
+def estimate_parser() -> argparse.ArgumentParser:
+    """The parser of ``memlab estimate`` (torch-free until its help is formatted)."""
+    from memlab import gpus  # torch-free
+
+    parser = _EstimateParser(
+        prog="memlab estimate",
+        description="Estimate the peak memory of a training step without a GPU (fake tensors).",
+    )
+    parser._fill = _fill_estimate_help
+    parser.add_argument("model", nargs="?", help="a preset name, the path of a config.json, or a Hub model id "
+                        "(org/name: only its config.json is read, through transformers' cache; HF_HUB_OFFLINE=1 works)")
+    parser.add_argument("--batch-size", type=_bounded_int(MAX_BATCH), default=1)
+    parser.add_argument("--seq-len", type=_bounded_int(MAX_SEQ_LEN), default=2048)
+    parser.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="bf16")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZER_CHOICES), default="adamw",
+                        help="adam8bit is another name of adamw8bit")
+    parser.add_argument("--optimizer-impl", choices=list(OPTIMIZER_IMPLS), default="auto",
+                        help="torch optimizer implementation (auto: PyTorch's default on the device: foreach on CUDA)")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    parser.add_argument("--offload-gradients", action="store_true",
+                        help="with --optimizer offload-adamw: free each gradient on the device once copied to the host")
+    parser.add_argument("--loss", choices=list(LOSSES), default="auto",
+                        help="auto: transformers' own loss (model(input_ids=x, labels=x), as the Trainer) for "
+                             "transformers models; memlab: cross entropy on the logits (memlab.models.lm_loss)")
+    parser.add_argument("--step", default=None, metavar="MODULE:FUNCTION",
+                        help="trace your own step: FUNCTION(model, batch) -> loss, batch = {'input_ids': x, 'labels': x}")
+    parser.add_argument("--attn", choices=list(ATTN_IMPLEMENTATIONS), default="auto",
+                        help="attention implementation (auto: what transformers picks, sdpa for most models)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device you will train on")
+    parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field (repeatable), e.g. --set num_hidden_layers=2")
+    parser.add_argument("--allow-longer-seq", action="store_true",
+                        help="allow --seq-len beyond max_position_embeddings (RoPE scaling and the like)")
+    parser.add_argument("--no-extrapolate", action="store_true",
+                        help="trace every decoder layer instead of two depths extrapolated by layer count")
+    parser.add_argument("--gpu", type=_gpu, default=None,
+                        help="a card (" + ", ".join(gpus.gpu_names()) + ") or its memory (24GiB, 24GB, 80GiB)")
+    parser.add_argument("--world-size", type=_bounded_int(MAX_WORLD_SIZE), default=1,
+                        help="data-parallel ranks: the estimate is per rank, --batch-size being one rank's batch")
+    parser.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), default=0,
+                        help="0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters (FSDP)")
+    parser.add_argument("--adapter", choices=list(ADAPTERS), default=None,
+                        help="train LoRA adapters on a frozen 16-bit base (lora) or on an NF4 base (qlora)")
+    parser.add_argument("--lora-r", type=_positive_int, default=16, help="adapter rank (default 16)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="adapter scale numerator (default 2 x rank)")
+    parser.add_argument("--target-modules", default=None, metavar="NAMES",
+                        help="comma-separated linear layer names (e.g. q_proj,v_proj) or all-linear (default)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    parser.add_argument("--adapter-dtype", choices=list(ADAPTER_DTYPES), default=None,
+                        help="the adapters' dtype (default fp32; bf16 with --dtype bf16-pure)")
+    parser.add_argument("--compare", action="store_true",
+                        help="print accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers beside memlab's")
+    parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
+    parser.add_argument("--validate", action="store_true",
+                        help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
+    return parser
+
+
+def parse_estimate(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Parse ``memlab estimate``'s arguments; an error exits 2 with one line, before torch."""
+    parser = estimate_parser()
+    args = parser.parse_args(list(argv or []))
+    if args.model is None and not args.validate:
+        parser.error("the following arguments are required: model (or --validate)")
+    return parser, args
+
+
+def _fill_plan_help(parser: argparse.ArgumentParser) -> None:
+    from memlab import gpus
+    from memlab.models import PRESETS
+    from memlab.plan import DEFAULT_ALLOW
+
+    parser.epilog = ("models: " + ", ".join(sorted(PRESETS)) + ", or a config.json. GPUs: " + ", ".join(gpus.gpu_names())
+                     + ". --allow keys: " + ", ".join(DEFAULT_ALLOW)
+                     + " (e.g. --allow adapter=qlora --allow micro_batch=1,2).")
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    """The parser of ``memlab plan`` (torch-free until its help is formatted)."""
+    parser = _PlanParser(
+        prog="memlab plan",
+        description="Pick the training stack that fits a model into a memory budget (chapter 07): every "
+                    "candidate traced by memlab.estimate on fake tensors, ranked by a stated cost model.",
+    )
+    parser._fill = _fill_plan_help
+    parser.add_argument("model")
+    parser.add_argument("--gpu", default=None, help="a card: its memory as the driver reports it and its cost constants")
+    parser.add_argument("--budget", default=None, help="bytes or a size (24GiB, 24GB); default: the card's usable memory")
+    parser.add_argument("--batch-size", type=_bounded_int(MAX_BATCH), required=True,
+                        help="the effective batch (micro-batch x accumulation)")
+    parser.add_argument("--seq-len", type=_bounded_int(MAX_SEQ_LEN), required=True)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--allow", type=_allow_arg, action="append", default=[], metavar="KEY=V1,V2")
+    parser.add_argument("--prefer", choices=["fidelity", "cost"], default="fidelity")
+    parser.add_argument("--host-budget", default="auto", help="host memory for offloaded stacks (e.g. 128GiB; "
+                        "default: this machine's available memory; 'none': no bound)")
+    parser.add_argument("--top", type=_bounded_int(10_000), default=5, help="stop after this many stacks that fit")
+    parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--all", action="store_true", help="print every row")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+PARSERS: dict[str, Callable[[Sequence[str] | None], Any]] = {
+    "estimate": parse_estimate,
+    "plan": lambda argv: plan_parser().parse_args(list(argv) if argv is not None else None),
+}
