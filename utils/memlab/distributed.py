@@ -79,6 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memlab.procs import child_subreaper
 from memlab.models import decoder_layers
 
 __all__ = [
@@ -237,21 +238,7 @@ def _descendants(roots: set[int]) -> set[int]:
     return found
 
 
-def _subreaper(on: bool) -> bool:
-    """Make this process the Linux "child subreaper" (``prctl(PR_SET_CHILD_SUBREAPER)``) or not;
-    returns the previous setting. While it is on, a process orphaned below a rank (a double fork,
-    a grandchild whose rank has exited) is reparented to this process instead of init, so that
-    :func:`_kill_ranks` still finds it. No-op (False) where prctl is not available."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        prev = ctypes.c_int(0)
-        libc.prctl(37, ctypes.byref(prev), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
-        libc.prctl(36, 1 if on else 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-        return bool(prev.value)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return False
+_subreaper = child_subreaper  # memlab.procs: one copy for the grader and launch()
 
 
 def _own_children() -> set[int]:

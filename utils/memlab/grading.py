@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from memlab.procs import child_subreaper
 from memlab._optional import needs, require_installed
 
 STATUSES = ("pass", "fail", "todo", "error", "timeout", "missing", "not run")
@@ -895,19 +896,7 @@ def _proc_stat(pid: int) -> tuple[int, int, int, str] | None:
     return int(fields[1]), int(fields[2]), int(fields[3]), fields[0]
 
 
-def _subreaper(on: bool) -> bool:
-    """Make this process the Linux "child subreaper" (``prctl(PR_SET_CHILD_SUBREAPER)``) or not;
-    returns the previous setting. While the grader is one, a process the notebook orphans (a
-    double fork into a session of its own, with a scrubbed environment) is reparented to the
-    grader instead of init, so that it is still found and killed. False where prctl is missing."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prev = ctypes.c_int(0)
-        libc.prctl(37, ctypes.byref(prev), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
-        libc.prctl(36, 1 if on else 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-        return bool(prev.value)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return False
+_subreaper = child_subreaper  # memlab.procs: one copy for the grader and launch()
 
 
 def _children_of_this_process() -> set[int]:
