@@ -130,6 +130,7 @@ estimate: setup
 notebooks: setup
 	$(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=1800 notebooks/*.ipynb solutions/*.ipynb
+	$(BIN)/python tools/clean_outputs.py notebooks/*.ipynb solutions/*.ipynb
 	$(BIN)/memlab labs build
 
 clean:
