@@ -238,7 +238,6 @@ def _descendants(roots: set[int]) -> set[int]:
     return found
 
 
-_subreaper = child_subreaper  # memlab.procs: one copy for the grader and launch()
 
 
 def _own_children() -> set[int]:
@@ -257,7 +256,7 @@ def _own_children() -> set[int]:
 
 def _kill_ranks(procs: list[Any], adopted: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     """SIGKILL every rank, its process group and every descendant (a grandchild in a session of its own too);
-    ``adopted``: orphans reparented to this process (see :func:`_subreaper`), killed and reaped too."""
+    ``adopted``: orphans reparented to this process (see :func:`memlab.procs.child_subreaper`), killed and reaped too."""
     pids = {p.pid for p in procs if p.pid is not None} | set(adopted)
     groups = set(pids)
     for _ in range(3):
@@ -306,12 +305,12 @@ def _launch(fn: Callable, world_size: int, args: tuple, backend: str, timeout: f
         threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size))
     ctx = mp.get_context(start_method)
     before = _own_children()
-    was_subreaper = _subreaper(True)
+    was_subreaper = child_subreaper(True)
     try:
         return _launch_ranks(ctx, fn, world_size, args, backend, timeout, start_method, threads, before)
     finally:
         if not was_subreaper:
-            _subreaper(False)
+            child_subreaper(False)
 
 
 def _launch_ranks(ctx: Any, fn: Callable, world_size: int, args: tuple, backend: str, timeout: float,

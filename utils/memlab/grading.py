@@ -896,7 +896,6 @@ def _proc_stat(pid: int) -> tuple[int, int, int, str] | None:
     return int(fields[1]), int(fields[2]), int(fields[3]), fields[0]
 
 
-_subreaper = child_subreaper  # memlab.procs: one copy for the grader and launch()
 
 
 def _children_of_this_process() -> set[int]:
@@ -1043,7 +1042,7 @@ class _Kernel:
         self._log = open(self.tmp / "kernel.log", "wb")
         if Path("/proc/self/stat").exists():
             self.before = _children_of_this_process()
-            self._was_subreaper = _subreaper(True)  # orphans of the notebook come back to the grader
+            self._was_subreaper = child_subreaper(True)  # orphans of the notebook come back to the grader
         await self.km.start_kernel(env=self.env, cwd=str(self.cwd), stdout=self._log, stderr=self._log)
         proc = getattr(getattr(self.km, "provisioner", None), "process", None)
         self.pid = getattr(proc, "pid", None)
@@ -1157,7 +1156,7 @@ class _Kernel:
             stop_processes(self.mark, None, (self.before or set()) | ({self.pid} if self.pid else set())
                            if self.before is not None else None)  # anything that appeared meanwhile
             if self._was_subreaper is False:
-                _subreaper(False)
+                child_subreaper(False)
             if self._log is not None:
                 self._log.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
