@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from memlab import _optional
-from memlab._optional import EXTRAS, MissingExtraError, needs, require_installed
+from memlab import optional
+from memlab.optional import EXTRAS, MissingExtraError, needs, require_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "labs/00_where_the_memory_goes.ipynb"
@@ -91,7 +91,7 @@ def test_cli_prints_one_line_and_exits_2(missing, argv, line):
 )
 def test_library_raises_one_line_import_error(call, feature):
     code = f"""
-        from memlab._optional import MissingExtraError
+        from memlab.optional import MissingExtraError
         try:
             {call}
         except MissingExtraError as exc:
@@ -114,4 +114,4 @@ def test_core_imports_without_any_extra():
 
 def test_missing_optional_ignores_submodules_of_installed_packages():
     exc = ModuleNotFoundError("No module named 'transformers.nope'", name="transformers.nope")
-    assert _optional.missing_optional(exc) is None  # transformers is installed: a broken install, not a missing extra
+    assert optional.missing_optional(exc) is None  # transformers is installed: a broken install, not a missing extra

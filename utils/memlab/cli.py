@@ -25,7 +25,7 @@ import difflib
 import importlib
 import sys
 
-from memlab._optional import EXTRAS, MissingExtraError, missing_optional
+from memlab.optional import EXTRAS, MissingExtraError, missing_optional
 from memlab.cli_args import PARSERS
 
 _COMMANDS = {
@@ -95,7 +95,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"memlab {name}: not available in this version of memlab", file=sys.stderr)
             return 2
         optional = missing_optional(exc)
-        if optional is not None:  # an optional import not wrapped in memlab._optional.needs
+        if optional is not None:  # an optional import not wrapped in memlab.optional.needs
             print(MissingExtraError(f"memlab {name}", optional, EXTRAS[optional]), file=sys.stderr)
             return 2
         raise

@@ -106,7 +106,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from memlab._optional import needs
+from memlab.optional import needs
 from memlab.accounting import format_bytes
 
 __all__ = [

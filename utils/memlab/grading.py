@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from memlab.procs import child_subreaper
-from memlab._optional import needs, require_installed
+from memlab.optional import needs, require_installed
 
 STATUSES = ("pass", "fail", "todo", "error", "timeout", "missing", "not run")
 DEFAULT_TIMEOUT = 60.0

@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from memlab._optional import needs
+from memlab.optional import needs
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"

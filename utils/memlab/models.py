@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from memlab._optional import needs
+from memlab.optional import needs
 
 __all__ = [
     "validate_config",

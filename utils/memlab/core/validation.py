@@ -1,0 +1,134 @@
+"""Argument checks with one error format: ``name=value is invalid; allowed: what is allowed``.
+
+Every public memlab function checks its arguments with these before doing any work, so a bad
+value fails at once with a message that names the argument, the value and what would be accepted.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, TypeVar
+
+__all__ = ["invalid", "check_int", "check_positive_int", "check_number", "check_choice", "check_bool"]
+
+T = TypeVar("T")
+
+
+def invalid(name: str, value: Any, allowed: str) -> ValueError:
+    """The ValueError every check raises.
+
+    Args:
+        name: the argument's name as the caller wrote it.
+        value: the value that was given.
+        allowed: what would have been accepted, in words.
+
+    Returns:
+        ``ValueError("name=value is invalid; allowed: ...")``, for the caller to raise.
+    """
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ValueError(f"{name}={shown} is invalid; allowed: {allowed}")
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) within ``[minimum, maximum]``, else :func:`invalid`.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller passed.
+        minimum: the smallest allowed value, or None.
+        maximum: the largest allowed value, or None.
+
+    Returns:
+        ``value``, unchanged.
+    """
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value
+    if minimum is not None and maximum is not None:
+        allowed = f"an int from {minimum:,} to {maximum:,}"
+    elif minimum is not None:
+        allowed = f"an int >= {minimum:,}"
+    elif maximum is not None:
+        allowed = f"an int <= {maximum:,}"
+    else:
+        allowed = "an int"
+    raise invalid(name, value, allowed)
+
+
+def check_positive_int(name: str, value: Any, *, maximum: int | None = None) -> int:
+    """``value`` if it is an int >= 1 (and <= ``maximum``), else :func:`invalid`.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller passed.
+        maximum: the largest allowed value, or None.
+
+    Returns:
+        ``value``, unchanged.
+    """
+    return check_int(name, value, minimum=1, maximum=maximum)
+
+
+def check_number(name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
+                 strict_minimum: bool = False) -> float:
+    """``value`` as a float if it is a finite real number in range, else :func:`invalid`.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller passed (an int or a float, not a bool).
+        minimum: the lower bound, or None.
+        maximum: the upper bound (inclusive), or None.
+        strict_minimum: the lower bound itself is not allowed (``> minimum``).
+
+    Returns:
+        ``float(value)``.
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value > minimum if strict_minimum else value >= minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
+    if ok:
+        return float(value)
+    parts = []
+    if minimum is not None:
+        parts.append(f"{'>' if strict_minimum else '>='} {minimum}")
+    if maximum is not None:
+        parts.append(f"<= {maximum}")
+    raise invalid(name, value, "a finite number" + (" " + " and ".join(parts) if parts else ""))
+
+
+def check_choice(name: str, value: T, allowed: Iterable[T]) -> T:
+    """``value`` if it is one of ``allowed``, else :func:`invalid` listing them.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller passed.
+        allowed: the accepted values (their reprs are listed in the message).
+
+    Returns:
+        ``value``, unchanged.
+    """
+    options = list(allowed)
+    try:
+        if value in options:
+            return value
+    except TypeError:  # an unhashable or uncomparable value is not one of them
+        pass
+    raise invalid(name, value, ", ".join(map(repr, options)))
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is True or False, else :func:`invalid`.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what the caller passed.
+
+    Returns:
+        ``value``, unchanged.
+    """
+    if isinstance(value, bool):
+        return value
+    raise invalid(name, value, "True or False")

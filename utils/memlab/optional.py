@@ -1,0 +1,101 @@
+"""Optional dependencies: one line that names the extra to install, never a raw traceback.
+
+memlab's core needs only torch, numpy, matplotlib and tqdm. Everything else comes with an
+extra of the ``memlab`` distribution (see ``utils/pyproject.toml``):
+
+* ``hf``: transformers, peft, accelerate, bitsandbytes (models, presets, ``memlab estimate``);
+* ``grade``: nbformat, nbclient, jupyter_client, ipykernel (``memlab grade``, ``memlab labs``).
+
+An import site wraps its import in :func:`needs`::
+
+    with needs("memlab estimate"):
+        from transformers import AutoConfig
+
+and a missing package then raises :class:`MissingExtraError`, an ``ImportError`` whose message is
+one line: ``memlab estimate needs transformers: pip install 'memlab[hf]'``. The ``memlab`` command
+prints that line and exits 2.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Iterator
+
+__all__ = ["EXTRAS", "MissingExtraError", "needs", "require_installed", "extra_for", "missing_optional"]
+
+#: top-level module -> the extra of ``memlab`` that installs it
+EXTRAS: dict[str, str] = {
+    "transformers": "hf",
+    "peft": "hf",
+    "accelerate": "hf",
+    "bitsandbytes": "hf",
+    "nbformat": "grade",
+    "nbclient": "grade",
+    "jupyter_client": "grade",
+    "ipykernel": "grade",
+}
+
+
+def extra_for(module: str) -> str | None:
+    """The extra that installs top-level ``module`` (``"transformers"`` -> ``"hf"``), else None."""
+    return EXTRAS.get(module.split(".")[0])
+
+
+class MissingExtraError(ImportError):
+    """An optional package is missing. ``str(exc)`` is one line naming what needed it, the
+    package and the extra to install; ``module``, ``extra`` and ``feature`` hold the parts."""
+
+    def __init__(self, feature: str, module: str, extra: str) -> None:
+        self.feature, self.module, self.extra = feature, module, extra
+        super().__init__(f"{feature} needs {module}: pip install 'memlab[{extra}]'", name=module)
+
+    def for_feature(self, feature: str) -> "MissingExtraError":
+        """The same error, worded for another feature (the CLI names its command)."""
+        return MissingExtraError(feature, self.module, self.extra)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules, or a broken parent package
+        return False
+
+
+def missing_optional(exc: BaseException) -> str | None:
+    """The optional top-level module whose absence ``exc`` reports (``"transformers"``), or None
+    when ``exc`` is about something else: a broken install still shows its own error."""
+    name = getattr(exc, "name", None)
+    if not isinstance(exc, ModuleNotFoundError) or not name:
+        return None
+    top = name.split(".")[0]
+    if top not in EXTRAS:
+        return None
+    return top if name == top or not _installed(top) else None
+
+
+@contextlib.contextmanager
+def needs(feature: str) -> Iterator[None]:
+    """Turn a missing optional package imported inside the block into :class:`MissingExtraError`.
+
+    ``feature`` names what needs it, as the learner would call it (``"memlab estimate"``,
+    ``"memlab.models.tiny_llama"``). Other import errors pass through unchanged.
+    """
+    try:
+        yield
+    except MissingExtraError:
+        raise
+    except ModuleNotFoundError as exc:
+        module = missing_optional(exc)
+        if module is None:
+            raise
+        raise MissingExtraError(feature, module, EXTRAS[module]) from None
+
+
+def require_installed(module: str, feature: str) -> None:
+    """Raise :class:`MissingExtraError` when optional ``module`` cannot be imported, without
+    importing it (for packages another process imports, e.g. ipykernel for the grading kernel)."""
+    extra = extra_for(module)
+    if extra is None:
+        raise ValueError(f"module={module!r} is not an optional dependency; allowed: {', '.join(EXTRAS)}")
+    if not _installed(module):
+        raise MissingExtraError(feature, module, extra)
