@@ -278,12 +278,12 @@ def test_triton_matches_sdpa_half_precision_within_2x_sdpa_error(dtype):
 @needs_triton
 @pytest.mark.skipif(not _interpreter_ok(), reason="triton was imported without TRITON_INTERPRET=1 in this process")
 def test_triton_kernels_live_at_module_level():
-    from memlab import attention_triton as at
+    from memlab.attention import triton_kernels as at
 
-    assert att._kernels() is at
+    assert att.load_triton_kernels() is at
     for name in ("fwd", "bwd_dq", "bwd_dkdv", "flash_fwd_kernel"):
         fn = getattr(at, name).fn
-        assert fn.__module__ == "memlab.attention_triton" and fn.__qualname__ == name, (name, fn.__qualname__)
+        assert fn.__module__ == "memlab.attention.triton_kernels" and fn.__qualname__ == name, (name, fn.__qualname__)
 
 
 @needs_triton
@@ -291,8 +291,8 @@ def test_triton_kernels_live_at_module_level():
 @pytest.mark.parametrize("lq,lk,causal", [(37, 53, True), (37, 53, False), (53, 37, False), (1, 40, True),
                                           (40, 40, True), (16, 17, True)])
 def test_lab_kernel_bottom_right_odd_sizes_any_strides(lq, lk, causal):
-    """memlab.attention_triton.flash_fwd_kernel (lab 05's answer): bottom-right causal, tails, strided q and k."""
-    from memlab.attention_triton import flash_fwd_kernel, launch_flash_fwd
+    """memlab.attention.triton_kernels.flash_fwd_kernel (lab 05's answer): bottom-right causal, tails, strided q and k."""
+    from memlab.attention.triton_kernels import flash_fwd_kernel, launch_flash_fwd
 
     g = torch.Generator().manual_seed(lq * lk)
     q = torch.randn(2, lq, 2, 16, generator=g).transpose(1, 2)

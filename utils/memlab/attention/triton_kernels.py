@@ -1,4 +1,4 @@
-"""FlashAttention-2's forward as Triton kernels, at module level (imported lazily: it imports triton).
+"""FlashAttention-2 as Triton kernels, at module level (imported lazily: importing this imports triton).
 
 CPU tensors run in Triton's interpreter, which is chosen when triton is first imported: this module
 sets ``TRITON_INTERPRET=1`` itself when no CUDA device is present and triton is not imported yet.
@@ -7,8 +7,9 @@ sets ``TRITON_INTERPRET=1`` itself when no CUDA device is present and triton is 
 per (query block, batch x head), the online softmax over key blocks, writing O in O's dtype and the
 logsumexp in fp32. Causal is bottom-right aligned: query ``i`` sees keys ``j <= i + Lk - Lq``
 (FlashAttention >= 2.1, ``torch.nn.attention.bias.causal_lower_right``; for ``Lq == Lk`` the same
-as SDPA's ``is_causal``, which is top-left aligned). memlab's own kernels (GQA, any head dim,
-backward) are :mod:`memlab.attention`'s ``fwd``, ``bwd_dq`` and ``bwd_dkdv`` below.
+as SDPA's ``is_causal``, which is top-left aligned). The kernels behind
+:func:`memlab.attention.triton_flash_attention` (GQA, any head dim, backward) are ``fwd``,
+``bwd_dq`` and ``bwd_dkdv`` below (Dao 2023, "FlashAttention-2", arXiv:2307.08691).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
     tl.store(LSE + bh * Lq + rows, m + tl.log(l), mask=rows < Lq)
 
 
-# ----------------------------------------------------------------------------- memlab.attention's kernels
+# ----------------------------------------------------------------------------- memlab.attention.triton_flash_attention's kernels
 # (GQA: query head h reads kv head h // G; head dims padded to powers of two BD, BDV; PREC: tl.dot precision)
 @triton.jit
 def fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,

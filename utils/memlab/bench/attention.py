@@ -32,22 +32,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from memlab.bench import report_targets, sync, table
+from memlab.core.validation import check_positive_int
+
+IMPLS = ("naive", "chunked", "flash", "triton", "sdpa-math", "sdpa-flash")
+REFERENCE = "sdpa-flash"
+FULL_MATRIX = ("naive", "chunked", "sdpa-math")  # skipped above --max-naive-seq
 
 
-def main(argv: list[str] | None = None) -> int:
-    from memlab import attention as att
-    from memlab.accounting import format_bytes
-    from memlab.config import DEVICE, seed_everything
-    from memlab.profiler import allocator_peak
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    on_gpu = DEVICE.type == "cuda"
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memlab bench attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", type=str, default=None,
                    help="comma-separated sequence lengths (default 256,512,1024,2048 on CPU; 1024,4096,16384 on GPU)")
@@ -58,25 +56,50 @@ def main(argv: list[str] | None = None) -> int:
                    help="dtype (default float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--block", type=int, default=128, help="block / chunk size of chunked and flash (default 128)")
     p.add_argument("--repeat", type=int, default=None, help="timed rounds (default 3 on CPU, 10 on GPU)")
-    p.add_argument("--only", type=str, default=None,
-                   help="comma-separated subset of naive,chunked,flash,triton,sdpa-math,sdpa-flash")
+    p.add_argument("--only", type=str, default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
     p.add_argument("--max-naive-seq", type=int, default=None,
                    help="skip naive/chunked/sdpa-math above this length (default 4096 on GPU, none on CPU)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    return p
+
+
+def _settings(argv: list[str] | None, on_gpu: bool) -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+    """Parse and check the command line; fill the device's defaults.
+
+    Args:
+        argv: the arguments (None: ``sys.argv``).
+        on_gpu: whether memlab's device is CUDA.
+
+    Returns:
+        The parser (for later errors) and the settings: ``seqs``, ``b``, ``heads``, ``d``, ``dtype``,
+        ``blk``, ``repeat``, ``max_naive``, ``only``, ``strict``.
+    """
+    p = _parser()
     args = p.parse_args(argv)
-    seqs = [int(s) for s in (args.seqs or ("1024,4096,16384" if on_gpu else "256,512,1024,2048")).split(",")]
-    if any(s < 1 for s in seqs):
-        p.error(f"--seqs={args.seqs} must list lengths >= 1")
-    heads = args.heads or (16 if on_gpu else 4)
+    try:
+        seqs = [check_positive_int("--seqs", int(s)) for s in
+                (args.seqs or ("1024,4096,16384" if on_gpu else "256,512,1024,2048")).split(",")]
+        for name, v in (("--batch", args.batch), ("--heads", args.heads), ("--head-dim", args.head_dim),
+                        ("--block", args.block), ("--repeat", args.repeat), ("--max-naive-seq", args.max_naive_seq)):
+            if v is not None:
+                check_positive_int(name, v)
+    except ValueError as exc:
+        p.error(str(exc))
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
     if on_gpu and dtype == torch.float32:
         p.error("--dtype float32 on CUDA: SDPA's flash backend (the reference) needs float16 or bfloat16")
-    repeat = args.repeat or (10 if on_gpu else 3)
-    max_naive = args.max_naive_seq or (4096 if on_gpu else 1 << 30)
-    b, d, blk = args.batch, args.head_dim, args.block
+    return p, dict(seqs=seqs, b=args.batch, heads=args.heads or (16 if on_gpu else 4), d=args.head_dim, dtype=dtype,
+                   blk=args.block, repeat=args.repeat or (10 if on_gpu else 3),
+                   max_naive=args.max_naive_seq or (4096 if on_gpu else 1 << 30), only=args.only, strict=args.strict)
 
-    def sdpa(backend):
-        def run(q, k, v):
+
+def _impls(blk: int, on_gpu: bool, only: str | None, p: argparse.ArgumentParser) -> tuple[dict[str, Callable], list[str]]:
+    """The implementations to run, each ``fn(q, k, v) -> o`` (causal), and notes on those left out."""
+    from memlab import attention as att
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend: Any) -> Callable:
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return run
@@ -96,76 +119,69 @@ def main(argv: list[str] | None = None) -> int:
     elif not att.triton_available():
         impls.pop("triton")
         notes.append("triton: not installed")
-    if args.only:
-        keep = set(args.only.split(","))
+    if only:
+        keep = set(only.split(","))
         unknown = keep - set(impls) - {"triton"}
         if unknown:
-            p.error(f"--only={args.only}: unknown {sorted(unknown)}; allowed: {', '.join(impls)}")
-        impls = {k: v for k, v in impls.items() if k in keep or k == "sdpa-flash"}
+            p.error(f"--only={only}: unknown {sorted(unknown)}; allowed: {', '.join(impls)}")
+        impls = {k: v for k, v in impls.items() if k in keep or k == REFERENCE}
+    return impls, notes
 
-    seed_everything(0)
-    rows, results = [], {}
-    for s in seqs:
-        q, k, v = (torch.randn(b, heads, s, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
-        do = torch.randn(b, heads, s, d, device=DEVICE, dtype=dtype)
 
-        def step(fn):
-            def run():
-                q.grad = k.grad = v.grad = None
-                fn(q, k, v).backward(do)
-            return run
+def _peak(impl: Callable, q: torch.Tensor, do: torch.Tensor, on_gpu: bool) -> int:
+    """Peak bytes of one forward + backward whose inputs are made inside the measured window."""
+    from memlab.config import DEVICE
+    from memlab.profiler import allocator_peak
 
-        def fresh_step(fn):  # the inputs are made inside the measured window
-            def run():
-                qq, kk, vv = (torch.randn_like(q).requires_grad_() for _ in range(3))
-                fn(qq, kk, vv).backward(torch.randn_like(do))
-            return run
+    def fresh() -> None:
+        qq, kk, vv = (torch.randn_like(q).requires_grad_() for _ in range(3))
+        impl(qq, kk, vv).backward(torch.randn_like(do))
 
-        fns = {name: step(fn) for name, fn in impls.items()
-               if not (s > max_naive and name in ("naive", "chunked", "sdpa-math"))}
-        peaks = {}
-        for name, fn in fns.items():
-            fn()  # warm-up (and Triton compilation)
+    if not on_gpu:
+        return allocator_peak(fresh)[0]
+    sync(DEVICE)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fresh()
+    sync(DEVICE)
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _measure_seq(s: int, impls: dict[str, Callable], cfg: dict[str, Any], on_gpu: bool
+                 ) -> tuple[dict[str, float], dict[str, int]]:
+    """Median fwd+bwd time and peak bytes of each implementation at sequence length ``s``."""
+    from memlab.config import DEVICE
+
+    b, heads, d, dtype = cfg["b"], cfg["heads"], cfg["d"], cfg["dtype"]
+    q, k, v = (torch.randn(b, heads, s, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(b, heads, s, d, device=DEVICE, dtype=dtype)
+
+    def step(fn: Callable) -> Callable[[], None]:
+        def run() -> None:
             q.grad = k.grad = v.grad = None
-            if on_gpu:
-                sync(DEVICE)
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                fresh_step(impls[name])()
-                sync(DEVICE)
-                peaks[name] = torch.cuda.max_memory_allocated() - base
-            else:
-                peaks[name] = allocator_peak(fresh_step(impls[name]))[0]
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(repeat):
-            for name, fn in fns.items():
-                sync(DEVICE)
-                t0 = time.perf_counter()
-                fn()
-                sync(DEVICE)
-                times[name].append(time.perf_counter() - t0)
-        med = {name: statistics.median(t) for name, t in times.items()}
-        ref = "sdpa-flash"
-        for name in fns:
-            row = [name, s, f"{med[name] * 1e3:.2f}", f"{med[ref] / med[name]:.2f}", format_bytes(peaks[name]),
-                   f"{peaks[name] / peaks[ref]:.2f}"]
-            if on_gpu:
-                flops = 7 * b * heads * s * s * d  # FA2's count: (4 + 2.5 * 4) / 2 (causal) * b*h*s^2*d
-                row += [f"{flops / med[name] / 1e12:.1f}"]
-            rows.append(row)
-            results[(name, s)] = (med[name], peaks[name], med[ref])
-        del q, k, v, do
-    header = ["impl", "seq", "fwd+bwd ms", "speed vs sdpa-flash",
-              "peak (max_memory_allocated)" if on_gpu else "peak (allocator events)", "mem vs sdpa-flash"]
-    if on_gpu:
-        header += ["TFLOP/s"]
-    print(table(f"memlab bench attention: causal, batch {b}, {heads} heads, head_dim {d}, {dtype}, block {blk}; "
-                f"median of {repeat} interleaved rounds; peak: one step, its inputs q, k, v, dO made inside "
-                f"(4 x {b}x{heads}xseqx{d})"
-                + ("" if on_gpu else f", {torch.get_num_threads()} threads"), header, rows, device=DEVICE))
-    for n in notes:
-        print(n)
+            fn(q, k, v).backward(do)
+        return run
 
+    fns = {name: step(fn) for name, fn in impls.items() if not (s > cfg["max_naive"] and name in FULL_MATRIX)}
+    peaks = {}
+    for name, fn in fns.items():
+        fn()  # warm-up (and Triton compilation)
+        q.grad = k.grad = v.grad = None
+        peaks[name] = _peak(impls[name], q, do, on_gpu)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(cfg["repeat"]):  # interleaved: a busy moment slows every implementation alike
+        for name, fn in fns.items():
+            sync(DEVICE)
+            t0 = time.perf_counter()
+            fn()
+            sync(DEVICE)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}, peaks
+
+
+def _targets(seqs: list[int], results: dict[tuple[str, int], tuple[float, int, float]], on_gpu: bool,
+             d: int, dtype: torch.dtype) -> list[tuple[str, float, bool]]:
+    """The targets as ``(text, ratio, holds)``."""
     checks = []
     if not on_gpu:
         for s in seqs:
@@ -180,7 +196,48 @@ def main(argv: list[str] | None = None) -> int:
         if ("flash", s) in results and ("flash", 2 * s) in results:
             r = results[("flash", 2 * s)][1] / results[("flash", s)][1]
             checks.append((f"flash peak grows <= 2.2x from seq {s} to {2 * s} (linear)", r, r <= 2.2))
-    return report_targets(checks, DEVICE, strict=args.strict)
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its table and targets.
+
+    Args:
+        argv: the command line after ``memlab bench attention`` (None: ``sys.argv``).
+
+    Returns:
+        The exit code: 0, or 1 with ``--strict`` when a target is missed.
+    """
+    from memlab.config import DEVICE, seed_everything
+    from memlab.core.units import format_bytes
+
+    on_gpu = DEVICE.type == "cuda"
+    p, cfg = _settings(argv, on_gpu)
+    impls, notes = _impls(cfg["blk"], on_gpu, cfg["only"], p)
+    b, heads, d, dtype, repeat = cfg["b"], cfg["heads"], cfg["d"], cfg["dtype"], cfg["repeat"]
+    seed_everything(0)
+    rows, results = [], {}
+    for s in cfg["seqs"]:
+        med, peaks = _measure_seq(s, impls, cfg, on_gpu)
+        for name in med:
+            row = [name, s, f"{med[name] * 1e3:.2f}", f"{med[REFERENCE] / med[name]:.2f}", format_bytes(peaks[name]),
+                   f"{peaks[name] / peaks[REFERENCE]:.2f}"]
+            if on_gpu:
+                flops = 7 * b * heads * s * s * d  # FA2's count: (4 + 2.5 * 4) / 2 (causal) * b*h*s^2*d
+                row += [f"{flops / med[name] / 1e12:.1f}"]
+            rows.append(row)
+            results[(name, s)] = (med[name], peaks[name], med[REFERENCE])
+    header = ["impl", "seq", "fwd+bwd ms", "speed vs sdpa-flash",
+              "peak (max_memory_allocated)" if on_gpu else "peak (allocator events)", "mem vs sdpa-flash"]
+    if on_gpu:
+        header += ["TFLOP/s"]
+    print(table(f"memlab bench attention: causal, batch {b}, {heads} heads, head_dim {d}, {dtype}, block {cfg['blk']}; "
+                f"median of {repeat} interleaved rounds; peak: one step, its inputs q, k, v, dO made inside "
+                f"(4 x {b}x{heads}xseqx{d})"
+                + ("" if on_gpu else f", {torch.get_num_threads()} threads"), header, rows, device=DEVICE))
+    for n in notes:
+        print(n)
+    return report_targets(_targets(cfg["seqs"], results, on_gpu, d, dtype), DEVICE, strict=cfg["strict"])
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,180 @@
+"""The fast CPU AdamW step on flat fp32 buffers: a C++/OpenMP loop built with g++ and called through ctypes.
+
+The kernel (``adamw.cpp`` beside this file) makes one pass over memory in cache-sized chunks and
+rounds like the vectorised loop of torch's fused CPU AdamW (a fused multiply-add in ``lerp`` and
+``addcmul``, a correctly rounded square root). It is compiled once with the system ``g++`` into
+``~/.cache/memlab`` (``torch.utils.cpp_extension.load_inline`` would compile torch's headers; the
+kernel needs only pointers). Without a compiler an eager chunked torch step rounds the same way.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memlab.core.validation import check_choice, check_positive_int
+from memlab.offload.update import bias_corrections, check_hparams
+
+__all__ = ["KERNEL_PATH", "KERNEL_SOURCE", "DEFAULT_CHUNK", "load_kernel", "kernel_name", "adamw_step_flat_",
+           "adamw_step_eager_chunked_"]
+
+DEFAULT_CHUNK = 16384  # floats: 4 arrays x 64 KiB = 256 KiB in flight, about an L2 cache
+
+#: the C++ source, shipped as package data next to this module
+KERNEL_PATH = Path(__file__).with_name("adamw.cpp")
+KERNEL_SOURCE = KERNEL_PATH.read_text()
+
+_KERNEL: Any = None
+_KERNEL_NAME: str | None = None
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _compile(cache: Path) -> Any:
+    """Build ``adamw.cpp`` into ``cache`` (once per source, flags and compiler) and load it with ctypes."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    key = hashlib.sha256((KERNEL_SOURCE + " ".join(_FLAGS) + cxx).encode()).hexdigest()[:16]
+    so = cache / f"memlab_adamw_{key}.so"
+    if not so.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f"memlab_adamw_{key}.{os.getpid()}.so"  # per process: parallel test workers may build at once
+        subprocess.run([cxx, *_FLAGS, str(KERNEL_PATH), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, so)  # atomic: a reader sees no library or a whole one
+    lib = ctypes.CDLL(str(so))
+    fn = lib.memlab_adamw
+    fp, i64, ci, cf = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [fp, fp, fp, fp, i64, i64, ci, ci, cf, cf, ci, cf, cf, cf, cf, cf]
+    fn.restype = None
+    return fn
+
+
+def load_kernel(force: str | None = None) -> str:
+    """Compile (once, cached in ``~/.cache/memlab`` or ``$MEMLAB_CACHE``) and load the C++ kernel.
+
+    Args:
+        force: ``"cpp"``, ``"eager"`` or ``"auto"``; None reads the environment variable
+            ``MEMLAB_OFFLOAD_KERNEL`` (default ``"auto"``: the C++ kernel when it builds, else the
+            eager chunked torch fallback).
+
+    Returns:
+        The name of the kernel :func:`adamw_step_flat_` now runs.
+
+    Raises:
+        ValueError: an unknown choice.
+        RuntimeError: ``"cpp"`` was forced and the kernel did not build.
+    """
+    global _KERNEL, _KERNEL_NAME
+    choice = check_choice("kernel", (force or os.environ.get("MEMLAB_OFFLOAD_KERNEL", "auto")).strip().lower(),
+                          ("auto", "cpp", "eager"))
+    if choice == "eager":
+        _KERNEL, _KERNEL_NAME = None, "eager chunked torch"
+        return _KERNEL_NAME
+    if _KERNEL is not None:
+        return _KERNEL_NAME  # type: ignore[return-value]
+    cache = Path(os.environ.get("MEMLAB_CACHE", Path.home() / ".cache" / "memlab"))
+    try:
+        _KERNEL = _compile(cache)
+        _KERNEL_NAME = "C++/OpenMP (g++ -O3 -march=native)"
+    except Exception as exc:  # no compiler, no OpenMP, read-only cache ...
+        if choice == "cpp":
+            raise RuntimeError(f"the C++ AdamW kernel did not build: {exc}") from exc
+        _KERNEL, _KERNEL_NAME = None, f"eager chunked torch (C++ kernel unavailable: {type(exc).__name__})"
+    return _KERNEL_NAME
+
+
+def kernel_name() -> str:
+    """Which fast-step implementation :func:`adamw_step_flat_` runs (loading it on first call).
+
+    Returns:
+        ``"C++/OpenMP ..."`` or ``"eager chunked torch ..."``.
+    """
+    return _KERNEL_NAME if _KERNEL_NAME is not None else load_kernel()
+
+
+def _check_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} is a {type(t).__name__}; it must be a torch.Tensor")
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} is {t.dtype} on {t.device} (contiguous={t.is_contiguous()}); "
+                             "the flat step needs contiguous float32 CPU tensors")
+        if t.numel() != param.numel():
+            raise ValueError(f"{name} has {t.numel()} elements; param has {param.numel()}")
+
+
+def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                              step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                              chunk: int = DEFAULT_CHUNK) -> None:
+    """The fallback fast step: the update with torch ops on cache-sized slices of flat buffers.
+
+    One difference from :func:`memlab.offload.adamw_step_`: the square root is correctly rounded
+    (computed in float64, then rounded to float32), as in the C++ kernel and torch's fused CPU
+    AdamW. torch's element-wise ``sqrt`` on CPU goes through the vector math library (MKL VML on
+    x86 builds), which is not correctly rounded: that is why ``AdamW(fused=True)`` and
+    ``AdamW(foreach=False)`` do not agree bitwise on a CPU.
+
+    Args:
+        param, grad, exp_avg, exp_avg_sq: contiguous float32 CPU tensors of one size (flat buffers).
+        step: the number of this update, from 1.
+        lr, beta1, beta2, eps, weight_decay: AdamW's hyper-parameters.
+        chunk: elements per slice.
+
+    Raises:
+        ValueError: a bad hyper-parameter or step, or a tensor that is not contiguous float32 on the CPU.
+    """
+    check_hparams(lr, beta1, beta2, eps, weight_decay)
+    check_positive_int("step", step)
+    _check_flat(param, grad, exp_avg, exp_avg_sq)
+    bc1, bc2 = bias_corrections(step, beta1, beta2)
+    step_size, bc2_sqrt = lr / bc1, bc2**0.5
+    p, g, m, v = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))
+    for lo in range(0, p.numel(), chunk):
+        pc, gc, mc, vc = (t[lo:lo + chunk] for t in (p, g, m, v))
+        if weight_decay != 0:
+            pc.mul_(1 - lr * weight_decay)
+        mc.lerp_(gc, 1 - beta1)
+        vc.mul_(beta2).addcmul_(gc, gc, value=1 - beta2)
+        denom = vc.double().sqrt_().float().div_(bc2_sqrt).add_(eps)
+        pc.addcdiv_(mc, denom, value=-step_size)
+
+
+def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                     chunk: int = DEFAULT_CHUNK, threads: int | None = None) -> None:
+    """The fast CPU AdamW step on contiguous fp32 tensors (flat buffers), rounding like torch's fused CPU AdamW.
+
+    Memory-bound: it reads p, g, m, v and writes p, m, v, 28 bytes per parameter.
+
+    Args:
+        param, grad, exp_avg, exp_avg_sq: contiguous float32 CPU tensors of one size; param and the
+            moments are updated in place.
+        step: the number of this update, from 1.
+        lr, beta1, beta2, eps, weight_decay: AdamW's hyper-parameters.
+        chunk: elements per chunk (one OpenMP work item).
+        threads: OpenMP threads; None uses ``torch.get_num_threads()``.
+
+    Raises:
+        ValueError: a bad hyper-parameter, step or chunk, or a tensor that is not contiguous float32 on the CPU.
+    """
+    check_hparams(lr, beta1, beta2, eps, weight_decay)
+    check_positive_int("step", step)
+    _check_flat(param, grad, exp_avg, exp_avg_sq)
+    check_positive_int("chunk", chunk)
+    kernel_name()
+    if _KERNEL is None:
+        adamw_step_eager_chunked_(param, grad, exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                  weight_decay=weight_decay, chunk=chunk)
+        return
+    bc1, bc2 = bias_corrections(step, beta1, beta2)
+    w1 = 1 - beta1
+    # torch's lerp picks its formula by |weight| < 0.5; the kernel gets the choice as a flag
+    _KERNEL(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), param.numel(), chunk,
+            int(threads or torch.get_num_threads()), int(weight_decay != 0), 1 - lr * weight_decay, w1,
+            int(abs(w1) < 0.5), beta2, 1 - beta2, -(lr / bc1), bc2**0.5, eps)
