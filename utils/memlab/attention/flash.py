@@ -24,7 +24,23 @@ __all__ = ["flash_attention_forward", "flash_attention_backward", "FlashAttentio
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: Any = False,
                             scale: float | None = None, block_q: int = 128, block_k: int = 128
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad blockwise forward: (output in q's dtype, logsumexp (B, Hq, Lq) in the accumulation dtype)."""
+    """The blockwise forward without autograd (the online softmax over key blocks).
+
+    Args:
+        q: queries ``(B, Hq, Lq, D)``.
+        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
+        v: values ``(B, Hkv, Lk, Dv)``.
+        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
+        scale: the score scale; None is ``1 / sqrt(D)``.
+        block_q: query rows per block.
+        block_k: keys per block.
+
+    Returns:
+        (output ``(B, Hq, Lq, Dv)`` in q's dtype, logsumexp ``(B, Hq, Lq)`` in the accumulation dtype).
+
+    Raises:
+        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+    """
     mode, scale, g = _check("flash_attention_forward", q, k, v, causal, scale)
     _positive("flash_attention_forward", "block_q", block_q)
     _positive("flash_attention_forward", "block_k", block_k)
@@ -39,7 +55,26 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              o: torch.Tensor, lse: torch.Tensor, *, causal: Any = False,
                              scale: float | None = None, block_q: int = 128, block_k: int = 128
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FA2 Algorithm 2: dq, dk, dv from q, k, v, o and the logsumexp, recomputing P block by block."""
+    """FA2 Algorithm 2: the gradients from q, k, v, o and the logsumexp, recomputing P block by block.
+
+    Args:
+        do: the output's gradient, like ``o``.
+        q: queries ``(B, Hq, Lq, D)``.
+        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
+        v: values ``(B, Hkv, Lk, Dv)``.
+        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
+        scale: the score scale; None is ``1 / sqrt(D)``.
+        o: the forward's output.
+        lse: the forward's logsumexp ``(B, Hq, Lq)``.
+        block_q: query rows per block.
+        block_k: keys per block.
+
+    Returns:
+        ``(dq, dk, dv)`` in the dtypes of q, k and v.
+
+    Raises:
+        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+    """
     mode, scale, g = _check("flash_attention_backward", q, k, v, causal, scale)
     acc = _acc(q.dtype)
     b, h, lq, d = q.shape
@@ -76,6 +111,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, block_q, block_k):  # type: ignore[override]
+        """Args: as :func:`flash_attention`. Returns: (output, logsumexp)."""
         o, lse = flash_attention_forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.opts = dict(causal=causal, scale=scale, block_q=block_q, block_k=block_k)
@@ -84,6 +120,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):  # type: ignore[override]
+        """Args: the output's gradient (the logsumexp's is ignored). Returns: dq, dk, dv and None per option."""
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, **ctx.opts)
         return dq, dk, dv, None, None, None, None
@@ -92,7 +129,24 @@ class FlashAttentionFunction(torch.autograd.Function):
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: Any = False,
                     scale: float | None = None, block_q: int = 128, block_k: int = 128,
                     return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """FlashAttention-2 in PyTorch: saves O(seq) for backward (q, k, v, output, logsumexp)."""
+    """FlashAttention-2 in PyTorch: saves O(seq) for backward (q, k, v, output, logsumexp).
+
+    Args:
+        q: queries ``(B, Hq, Lq, D)``.
+        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
+        v: values ``(B, Hkv, Lk, Dv)``.
+        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
+        scale: the score scale; None is ``1 / sqrt(D)``.
+        block_q: query rows per block.
+        block_k: keys per block.
+        return_lse: also return the logsumexp (not differentiable).
+
+    Returns:
+        The output ``(B, Hq, Lq, Dv)`` in q's dtype; with ``return_lse`` the pair (output, logsumexp).
+
+    Raises:
+        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+    """
     _check("flash_attention", q, k, v, causal, scale)
     _positive("flash_attention", "block_q", block_q)
     _positive("flash_attention", "block_k", block_k)
@@ -101,7 +155,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
 
 def attention_saved_bytes(fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> int:
-    """Bytes ``fn(q, k, v, **kwargs)`` saves for backward beyond q, k and v themselves (each storage once)."""
+    """Bytes ``fn(q, k, v, **kwargs)`` saves for backward beyond q, k and v themselves (each storage once).
+
+    Args:
+        fn: an attention function, such as :func:`flash_attention`.
+        q, k, v: its inputs (q needing grad).
+        kwargs: passed to ``fn``.
+
+    Returns:
+        The bytes autograd keeps (counted by :func:`memlab.accounting.saved_activation_bytes`).
+    """
     from memlab.accounting import saved_activation_bytes
 
     return saved_activation_bytes(fn, q, k, v, exclude=[q, k, v], **kwargs)

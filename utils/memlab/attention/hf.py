@@ -30,6 +30,16 @@ def register_transformers(name: str = "memlab", impl: str = "flash") -> str:
     implementation it has no mask function for, so this handles causal (bottom-right: right for
     both training and decoding with a cache) and non-causal attention, not padding masks: use it on
     batches without padding. GQA goes to memlab's own grouped heads (no repeat of k and v).
+
+    Args:
+        name: the implementation's name in transformers (a non-empty string).
+        impl: which memlab attention runs: ``"flash"``, ``"chunked"``, ``"naive"`` or ``"triton"``.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        ValueError: an unknown ``impl`` or an empty ``name``.
     """
     check_choice("impl", impl, _IMPLS)
     if not isinstance(name, str) or not name:

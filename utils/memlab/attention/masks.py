@@ -82,6 +82,18 @@ def causal_mask(lq: int, lk: int, causal: Any = True, *, device: Any = None) -> 
 
     ``True`` / ``"top_left"``: ``j <= i`` (SDPA's ``is_causal``); ``"bottom_right"``:
     ``j <= i + lk - lq`` (flash-attn >= 2.1). Blocks use the same rule with absolute indices.
+
+    Args:
+        lq: query length, >= 1.
+        lk: key length, >= 1.
+        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
+        device: where the mask is made.
+
+    Returns:
+        The mask, or None when ``causal`` is False.
+
+    Raises:
+        ValueError: an unknown ``causal`` or a length < 1.
     """
     mode = _mode("causal_mask", causal)
     _positive("causal_mask", "lq", lq)

@@ -25,7 +25,21 @@ __all__ = ["sdpa_reference", "naive_attention", "merge_partials", "chunked_atten
 
 def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: Any = False,
                    scale: float | None = None) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with memlab's options (bottom-right as a boolean mask)."""
+    """``F.scaled_dot_product_attention`` with memlab's options (bottom-right as a boolean mask).
+
+    Args:
+        q: queries ``(B, Hq, Lq, D)``.
+        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
+        v: values ``(B, Hkv, Lk, Dv)``.
+        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
+        scale: the score scale; None is ``1 / sqrt(D)``.
+
+    Returns:
+        The output ``(B, Hq, Lq, Dv)`` in q's dtype.
+
+    Raises:
+        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+    """
     import torch.nn.functional as F
 
     mode, scale, g = _check("sdpa_reference", q, k, v, causal, scale)
@@ -41,7 +55,21 @@ def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 # ----------------------------------------------------------------------------- naive
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: Any = False,
                     scale: float | None = None) -> torch.Tensor:
-    """``softmax(scale * q k^T + mask) v`` with the whole ``Lq x Lk`` matrix (the baseline)."""
+    """``softmax(scale * q k^T + mask) v`` with the whole ``Lq x Lk`` matrix (the baseline).
+
+    Args:
+        q: queries ``(B, Hq, Lq, D)``.
+        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
+        v: values ``(B, Hkv, Lk, Dv)``.
+        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
+        scale: the score scale; None is ``1 / sqrt(D)``.
+
+    Returns:
+        The output ``(B, Hq, Lq, Dv)`` in q's dtype (computed in fp32, fp64 for fp64 inputs).
+
+    Raises:
+        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+    """
     mode, scale, g = _check("naive_attention", q, k, v, causal, scale)
     acc = _acc(q.dtype)
     lq, lk = q.shape[2], k.shape[2]
@@ -66,6 +94,15 @@ def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2:
     ``o_i`` (..., L, D) is the softmax-weighted output over key set ``i``, ``lse_i`` (..., L) its
     logsumexp. The merged ``lse = log(exp(lse1) + exp(lse2))`` and
     ``o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2``. Rows with ``lse = -inf`` (no key) weigh 0.
+
+    Args:
+        o1: the output over the first key set, ``(..., L, D)``.
+        lse1: its logsumexp, ``(..., L)``.
+        o2: the output over the second key set.
+        lse2: its logsumexp.
+
+    Returns:
+        ``(o, lse)`` over the union of the two key sets.
     """
     lse = torch.logaddexp(lse1, lse2)
     safe = torch.where(torch.isinf(lse) & (lse < 0), torch.zeros_like(lse), lse)
@@ -115,7 +152,23 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
 
     Differentiable through autograd, which keeps every block's probabilities for backward, so in
     training it keeps as much as :func:`naive_attention` (see :func:`attention_saved_bytes`).
-    With ``return_lse`` also returns the logsumexp ``(B, Hq, Lq)`` in the accumulation dtype.
+
+    Args:
+        q: queries ``(B, Hq, Lq, D)``.
+        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
+        v: values ``(B, Hkv, Lk, Dv)``.
+        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
+        scale: the score scale; None is ``1 / sqrt(D)``.
+        q_chunk: query rows per chunk.
+        kv_chunk: keys per chunk.
+        return_lse: also return the logsumexp.
+
+    Returns:
+        The output ``(B, Hq, Lq, Dv)`` in q's dtype; with ``return_lse`` the pair (output,
+        logsumexp ``(B, Hq, Lq)`` in the accumulation dtype).
+
+    Raises:
+        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
     """
     mode, scale, g = _check("chunked_attention", q, k, v, causal, scale)
     _positive("chunked_attention", "q_chunk", q_chunk)

@@ -14,13 +14,18 @@ from typing import Any
 import torch
 
 from memlab.attention.masks import _check, _offset, _positive
+from memlab.core.validation import invalid
 
 __all__ = ["triton_available", "triton_interpreted", "load_triton_kernels", "TritonFlashAttentionFunction",
            "triton_flash_attention"]
 
 
 def triton_available() -> bool:
-    """Whether ``import triton`` works here."""
+    """Whether ``import triton`` works here.
+
+    Returns:
+        True when triton and triton.language import.
+    """
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
@@ -56,7 +61,11 @@ def _pow2(n: int) -> int:
 
 
 def triton_interpreted() -> bool:
-    """Whether Triton kernels run in the interpreter here (TRITON_INTERPRET=1 when triton was imported)."""
+    """Whether Triton kernels run in the interpreter here (TRITON_INTERPRET=1 when triton was imported).
+
+    Returns:
+        True under the interpreter (CPU tensors work), False when kernels compile (CUDA).
+    """
     import triton.language as tl_
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -87,6 +96,7 @@ class TritonFlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mode, scale, g, block_m, block_n):  # type: ignore[override]
+        """Args: q, k, v, the parsed causal mode, scale, GQA group size, block sizes. Returns: (output, logsumexp)."""
         kern = _triton_setup(q)
         out_dtype = q.dtype
         if q.dtype == torch.bfloat16 and triton_interpreted():
@@ -110,6 +120,7 @@ class TritonFlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):  # type: ignore[override]
+        """Args: the output's gradient (the logsumexp's is ignored). Returns: dq, dk, dv and None per option."""
         q, k, v, o, lse = ctx.saved_tensors
         mode, scale, g, block_m, block_n, hk, out_dtype = ctx.opts
         kern = _triton_setup(q)
@@ -142,8 +153,24 @@ def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     imported yet; importing ``torch.nn.attention.bias`` or ``torch._dynamo`` first imports triton).
     Operands keep their dtype in ``tl.dot`` (tensor cores for fp16 / bf16; exact "ieee" products
     for fp32, not TF32), accumulating in fp32; fp64 is not supported here (use
-    :func:`flash_attention`). Under the interpreter bf16 runs in fp32 (NumPy has no bfloat16). ``block_q`` and ``block_k`` must be
-    powers of two >= 16 (``tl.dot``'s smallest tile).
+    :func:`flash_attention`). Under the interpreter bf16 runs in fp32 (NumPy has no bfloat16).
+
+    Args:
+        q: queries ``(B, Hq, Lq, D)``.
+        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
+        v: values ``(B, Hkv, Lk, Dv)``.
+        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
+        scale: the score scale; None is ``1 / sqrt(D)``.
+        block_q: query rows per program, a power of two >= 16 (``tl.dot``'s smallest tile).
+        block_k: keys per loop step, a power of two >= 16.
+        return_lse: also return the logsumexp (fp32, not differentiable).
+
+    Returns:
+        The output ``(B, Hq, Lq, Dv)`` in q's dtype; with ``return_lse`` the pair (output, logsumexp).
+
+    Raises:
+        ValueError: a bad tensor or option, fp64, or a block size that is not a power of two >= 16.
+        RuntimeError: triton is missing, or CPU tensors without Triton's interpreter.
     """
     mode, scale, g = _check("triton_flash_attention", q, k, v, causal, scale)
     if q.dtype == torch.float64:
@@ -152,6 +179,6 @@ def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     for name, val in (("block_q", block_q), ("block_k", block_k)):
         _positive("triton_flash_attention", name, val)
         if val < 16 or val & (val - 1):
-            raise ValueError(f"triton_flash_attention: {name}={val} must be a power of two >= 16")
+            raise invalid(f"triton_flash_attention: {name}", val, "a power of two >= 16")
     o, lse = TritonFlashAttentionFunction.apply(q, k, v, mode, scale, g, block_q, block_k)
     return (o, lse) if return_lse else o

@@ -32,7 +32,20 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                      H, Lq, Lk, scale,
                      CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """O[b, h, rows] and LSE[b, h, rows] for one block of BLOCK_M query rows (grid: (cdiv(Lq, BLOCK_M), B * H))."""
+    """O[b, h, rows] and LSE[b, h, rows] for one block of BLOCK_M query rows (grid: (cdiv(Lq, BLOCK_M), B * H)).
+
+    Args:
+        Q, K, V, O, LSE: pointers to q ``(B, H, Lq, D)``, k and v ``(B, H, Lk, D)``, the output like
+            q, and the logsumexp ``(B, H, Lq)`` (contiguous fp32).
+        sqb, sqh, sqm, sqd, ...: the element strides of q, k, v and o (batch, head, row, dim).
+        H, Lq, Lk: heads and sequence lengths.
+        scale: the score scale.
+        CAUSAL, D, BLOCK_M, BLOCK_N: compile-time: bottom-right causal mask, head dim (a power of
+            two), query rows per program, keys per loop step.
+
+    Returns:
+        Nothing: writes O and LSE.
+    """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -76,6 +89,19 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
 def fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
         H, G, Lq, Lk, D, Dv, scale, offset,
         CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+    """The forward of one block of BM query rows (grid: (cdiv(Lq, BM), B * H)).
+
+    Args:
+        Q, K, V, O, LSE: pointers to q, k, v (contiguous in their last dim), the output, the fp32 logsumexp.
+        sqb, sqh, sqm, skb, ...: the batch, head and row strides of q, k, v and o.
+        H, G, Lq, Lk, D, Dv: query heads, GQA group size (query head h reads kv head h // G),
+            lengths, head dims (padded to the powers of two BD, BDV).
+        scale, offset: the score scale; the causal diagonal's offset (``Lk - Lq`` bottom-right, 0 top-left).
+        CAUSAL, PREC, BM, BN, BD, BDV: compile-time: causal mask, ``tl.dot`` precision, block sizes.
+
+    Returns:
+        Nothing: writes O and LSE.
+    """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -124,7 +150,21 @@ def fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, 
 def bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
            H, G, Lq, Lk, D, Dv, scale, offset,
            CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-    # Q, DO, DQ share the strides sq* (contiguous, same shape when Dv == D; DO uses svn-like Dv)
+    """dQ of one block of BM query rows, looping over key blocks (grid: (cdiv(Lq, BM), B * H)).
+
+    Args:
+        Q, K, V, DO, LSE, DELTA, DQ: pointers to q, k, v, dO (contiguous), the logsumexp,
+            ``D = rowsum(dO * O)`` and the fp32 dq (contiguous).
+        sqb, sqh, sqm, skb, ...: the batch, head and row strides of q, k and v.
+        H, G, Lq, Lk, D, Dv: query heads, GQA group size (query head h reads kv head h // G),
+            lengths, head dims (padded to the powers of two BD, BDV).
+        scale, offset: the score scale; the causal diagonal's offset (``Lk - Lq`` bottom-right, 0 top-left).
+        CAUSAL, PREC, BM, BN, BD, BDV: compile-time: causal mask, ``tl.dot`` precision, block sizes.
+
+    Returns:
+        Nothing: writes DQ.
+    """
+    # DO and DQ are contiguous: (B, H, Lq, Dv) and (B, H, Lq, D)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -167,6 +207,21 @@ def bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, 
 def bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
              H, HK, G, Lq, Lk, D, Dv, scale, offset,
              CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+    """dK and dV of one block of BN keys of one kv head, looping over its G query heads and the
+    query blocks that can see it (grid: (cdiv(Lk, BN), B * HK)).
+
+    Args:
+        Q, K, V, DO, LSE, DELTA, DK, DV: as :func:`bwd_dq`, with the fp32 dk and dv (contiguous).
+        sqb, sqh, sqm, skb, ...: the batch, head and row strides of q, k and v.
+        HK: key/value heads.
+        H, G, Lq, Lk, D, Dv: query heads, GQA group size (query head h reads kv head h // G),
+            lengths, head dims (padded to the powers of two BD, BDV).
+        scale, offset: the score scale; the causal diagonal's offset (``Lk - Lq`` bottom-right, 0 top-left).
+        CAUSAL, PREC, BM, BN, BD, BDV: compile-time: causal mask, ``tl.dot`` precision, block sizes.
+
+    Returns:
+        Nothing: writes DK and DV.
+    """
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HK
@@ -217,7 +272,16 @@ def launch_flash_fwd(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a kernel with :func:`flash_fwd_kernel`'s signature on (B, H, L, D) tensors of any strides.
 
-    Returns (O, LSE): O like q (or ``out``, written in place, any strides), LSE (B, H, Lq) fp32.
+    Args:
+        kernel: a ``@triton.jit`` kernel with :func:`flash_fwd_kernel`'s signature (the lab's answer or memlab's).
+        q, k, v: ``(B, H, L, D)`` tensors, D a power of two >= 16.
+        causal: bottom-right causal mask.
+        block_m: query rows per program.
+        block_n: keys per loop step.
+        out: where to write the output (any strides); None makes one.
+
+    Returns:
+        (O, LSE): O like q (or ``out``), LSE ``(B, H, Lq)`` fp32.
     """
     b, h, lq, d = q.shape
     lk = k.shape[2]

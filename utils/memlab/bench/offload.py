@@ -11,7 +11,7 @@ Two tables, each measured in one run:
   is the in-place ``a += b`` (12 bytes per element read + written) over two arrays of ``2n``
   floats: the same 16 bytes per parameter of memory as the step's four ``n``-float buffers, so both
   run from the same level of the memory hierarchy (a 1M-parameter step fits in cache; a 128 MiB
-  copy does not, and comparing the two read 352% once). A plain ``dst.copy_(src)`` is shown too;
+  copy does not). A plain ``dst.copy_(src)`` is shown too;
   it moves fewer bytes per second than it counts, because writing ``dst`` first reads each cache
   line in (write-allocate).
 * **Offloaded training** (CUDA only): step time and peak device memory of a >= 300M-parameter
@@ -36,18 +36,28 @@ from typing import Any
 
 import torch
 
-from memlab.bench import device_name, sync, table, time_median
+from memlab.bench import sync, table, time_median
+from memlab.core.units import GiB, MiB, parse_size
+from memlab.core.validation import check_choice, check_positive_int, invalid
 
 BYTES_PER_PARAM = 28  # AdamW in fp32: read p, g, m, v (16) + write p, m, v (12)
 
 
-def copy_bandwidth(n: int = 32 * 2**20, repeat: int = 7, kind: str = "a += b") -> float:
+def copy_bandwidth(n: int = 32 * MiB, repeat: int = 7, kind: str = "a += b") -> float:
     """Bytes per second read + written on float32 CPU tensors of ``n`` elements (128 MiB each by default).
 
-    ``kind="a += b"``: in place, 12 bytes per element; ``kind="copy"``: ``dst.copy_(src)``, 8 bytes counted.
+    Args:
+        n: elements per tensor.
+        repeat: timed repetitions (the median is kept).
+        kind: ``"a += b"`` (in place, 12 bytes per element) or ``"copy"`` (``dst.copy_(src)``, 8 bytes counted).
+
+    Returns:
+        Bytes per second.
+
+    Raises:
+        ValueError: an unknown ``kind``.
     """
-    if kind not in ("a += b", "copy"):
-        raise ValueError(f"kind={kind!r} is not known; allowed: 'a += b', 'copy'")
+    check_choice("kind", kind, ("a += b", "copy"))
     a, b = torch.randn(n), torch.randn(n)
     if kind == "copy":
         t = time_median(lambda: b.copy_(a), repeat=repeat, warmup=2, device="cpu")
@@ -56,20 +66,42 @@ def copy_bandwidth(n: int = 32 * 2**20, repeat: int = 7, kind: str = "a += b") -
     return 12 * n / t
 
 
-def _parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(s[-1:], 1)
+def parse_count(text: str, *, name: str = "--sizes") -> int:
+    """A number of parameters such as ``"10M"`` (10**6 each: K, M, G as in :func:`memlab.core.parse_size`).
+
+    Args:
+        text: the count: an int, a float with an exponent, or with a suffix K, M or G (1M = 1,000,000).
+        name: the argument's name in the error message.
+
+    Returns:
+        The count, an int >= 1.
+
+    Raises:
+        ValueError: not a count, or a byte unit (``B``, ``MiB``, ...: these are parameters, not bytes;
+            "1B" would read as one byte, not a billion).
+    """
+    allowed = "a number of parameters, e.g. 1M, 10M, 100M, 2500000 (K, M, G = 10**3, 10**6, 10**9)"
+    if str(text).strip()[-1:].lower() == "b":
+        raise invalid(name, text, allowed)
     try:
-        n = int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+        n = parse_size(text, name=name)
     except ValueError:
-        raise ValueError(f"size={s!r} is not a number of parameters; allowed: e.g. 1M, 10M, 100M, 2500000") from None
-    if n < 1:
-        raise ValueError(f"size={s!r} must be >= 1 parameter")
-    return n
+        raise invalid(name, text, allowed) from None
+    return check_positive_int(name, n)
 
 
 def cpu_step_rows(sizes: list[int], repeat: int = 5, n_tensors: int = 8) -> tuple[list[list[Any]], dict[str, Any]]:
-    """Rows of the CPU step table, and a summary (copy bandwidth, ratios) for the targets."""
+    """Time memlab's flat step and torch's three AdamW implementations at each size.
+
+    Args:
+        sizes: parameter counts.
+        repeat: timed repetitions per measurement (medians).
+        n_tensors: how many tensors torch's optimizers get (memlab's step runs on one flat buffer).
+
+    Returns:
+        The table's rows, and a summary (the kernel's name; per size the copy bandwidths and the
+        ratios the targets compare).
+    """
     from memlab import offload
 
     kernel = offload.kernel_name()
@@ -116,7 +148,7 @@ def cpu_step_rows(sizes: list[int], repeat: int = 5, n_tensors: int = 8) -> tupl
         for label, t in res.items():
             gps = n / t
             rows.append([f"{label}" + (f" [{kernel}]" if label.startswith("memlab") else ""), n, t * 1e3, gps / 1e9,
-                         gps * BYTES_PER_PARAM / 2**30, gps * BYTES_PER_PARAM / bw, fused / t])
+                         gps * BYTES_PER_PARAM / GiB, gps * BYTES_PER_PARAM / bw, fused / t])
         summary["sizes"][n].update({"vs_fused": fused / res["memlab flat step"],
                                     "of_bw": n / res["memlab flat step"] * BYTES_PER_PARAM / bw})
     return rows, summary
@@ -132,12 +164,25 @@ def _gpt(n_layer: int, n_embd: int, seq: int, dtype: torch.dtype) -> torch.nn.Mo
 
 
 def gpu_recipe(recipe: str, *, n_layer: int, n_embd: int, batch: int, seq: int, accum: int, repeat: int) -> dict[str, Any]:
-    """Step time (median) and peak device memory of one recipe; skipped recipes say why."""
+    """Step time (median) and peak device memory of one recipe on a TinyGPT (CUDA).
+
+    Args:
+        recipe: one of :data:`GPU_RECIPES`.
+        n_layer, n_embd: the TinyGPT's depth and width.
+        batch, seq: micro-batch shape.
+        accum: micro-batches per optimizer step.
+        repeat: timed steps (the median is kept).
+
+    Returns:
+        ``{"params", "peak", "seconds"}``, or ``{"skipped": why}``.
+
+    Raises:
+        ValueError: an unknown recipe.
+    """
     from memlab.models import lm_loss
     from memlab.offload import OffloadedAdamW
 
-    if recipe not in GPU_RECIPES:
-        raise ValueError(f"recipe={recipe!r} is not known; allowed: {'; '.join(repr(r) for r in GPU_RECIPES)}")
+    check_choice("recipe", recipe, GPU_RECIPES)
     autocast = recipe == "on-device fused AdamW, fp32 weights + bf16 autocast"
     model = _gpt(n_layer, n_embd, seq, torch.float32 if autocast else torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
@@ -188,7 +233,15 @@ GPU_RECIPES = (BASELINE, "on-device fused AdamW, fp32 weights + bf16 autocast", 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memlab.config import DEVICE, SMALL, pick
+    """Print the CPU step table and, on CUDA, the offloaded-training table.
+
+    Args:
+        argv: the command line after ``memlab bench offload`` (None: ``sys.argv``).
+
+    Returns:
+        The exit code, 0.
+    """
+    from memlab.config import DEVICE, pick
 
     ap = argparse.ArgumentParser(prog="memlab bench offload", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default=None, help="CPU step sizes in parameters, comma-separated (default: 10M,100M; 1M,10M when small)")
@@ -201,17 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accum", type=int, default=16, help="micro-batches per optimizer step")
     args = ap.parse_args(argv)
     try:
-        sizes = [_parse_size(s) for s in (args.sizes or pick(full="10M,100M", small="1M,10M")).split(",")]
+        sizes = [parse_count(s) for s in (args.sizes or pick(full="10M,100M", small="1M,10M")).split(",")]
+        for name, v in (("--repeat", args.repeat), ("--layers", args.layers), ("--width", args.width),
+                        ("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--accum", args.accum)):
+            check_positive_int(name, v)
     except ValueError as exc:
-        ap.error(f"--sizes: {exc}")
-    for name, v in (("--repeat", args.repeat), ("--layers", args.layers), ("--width", args.width),
-                    ("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--accum", args.accum)):
-        if v < 1:
-            ap.error(f"{name}={v} must be >= 1")
+        ap.error(str(exc))
 
     rows, summary = cpu_step_rows(sizes, repeat=args.repeat)
     header = ["CPU AdamW step", "params", "ms", "Gparam/s", "GiB/s (28 B/param)", "of copy bw", "speed vs fused"]
-    bws = "; ".join(f"{n:,}: {s['copy_bw'] / 2**30:.1f} GiB/s (dst.copy_(src) {s['plain_copy_bw'] / 2**30:.1f})"
+    bws = "; ".join(f"{n:,}: {s['copy_bw'] / GiB:.1f} GiB/s (dst.copy_(src) {s['plain_copy_bw'] / GiB:.1f})"
                     for n, s in summary["sizes"].items())
     print(table(f"memlab bench offload: CPU step; copy bandwidth at each step's working set (a += b over 2n floats) {bws}",
                 header, rows, "cpu"))
@@ -236,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         note = ("torchao documents offload_gradients as incompatible with accumulation: the earlier micro-batches' "
                 "gradients are overwritten" if r == "torchao CPUOffloadOptimizer + offload grads" and args.accum > 1 else "")
-        grows.append([r, res["seconds"], res["seconds"] / base["seconds"], res["peak"] / 2**30,
+        grows.append([r, res["seconds"], res["seconds"] / base["seconds"], res["peak"] / GiB,
                       f"{1 - res['peak'] / base['peak']:.0%}", note])
     print(table(f"memlab bench offload: TinyGPT {base['params'] / 1e6:.0f}M params, {args.accum} micro-batches of "
                 f"{args.batch_size} x {args.seq_len} per step (bf16 compute)",

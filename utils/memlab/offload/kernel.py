@@ -126,6 +126,9 @@ def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: 
         lr, beta1, beta2, eps, weight_decay: AdamW's hyper-parameters.
         chunk: elements per slice.
 
+    Returns:
+        None: the tensors are updated in place.
+
     Raises:
         ValueError: a bad hyper-parameter or step, or a tensor that is not contiguous float32 on the CPU.
     """
@@ -159,6 +162,9 @@ def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
         lr, beta1, beta2, eps, weight_decay: AdamW's hyper-parameters.
         chunk: elements per chunk (one OpenMP work item).
         threads: OpenMP threads; None uses ``torch.get_num_threads()``.
+
+    Returns:
+        None: the tensors are updated in place.
 
     Raises:
         ValueError: a bad hyper-parameter, step or chunk, or a tensor that is not contiguous float32 on the CPU.

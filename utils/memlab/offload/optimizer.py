@@ -81,6 +81,24 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
     ``torch.optim.AdamW(foreach=False)`` (about 7x slower). On a CPU-only machine host == device
     and the same code runs; there the one gradient copy per step is made in :meth:`step` (nothing
     to hide behind backward) unless ``step_in_backward`` needs it from the hook.
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim.Optimizer``; all on one device.
+        lr: learning rate.
+        betas: ``(beta1, beta2)``.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay.
+        pin_memory: page-lock the host buffers; None pins them when the parameters are on CUDA.
+        overlap: send each gradient to the host from a hook as soon as backward finishes it.
+        offload_gradients: free each device gradient in the hook (sum micro-batches on the host).
+        kernel: ``"fast"`` (:func:`adamw_step_flat_`) or ``"exact"`` (:func:`adamw_step_`).
+        accumulation_steps: micro-batches (backward passes) per :meth:`step`.
+        step_in_backward: update each parameter on a worker thread as its gradient arrives.
+        grad_scaler: the loss scaler, needed with ``offload_gradients`` under loss scaling.
+        delay_update: DeepSpeed's one-step delayed parameter update.
+
+    Raises:
+        ValueError: a bad hyper-parameter or flag, or options that cannot work together (the message says why).
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf and lets step() decide
@@ -136,9 +154,18 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
     # -- set-up
     @property
     def cuda(self) -> bool:
+        """Whether the parameters live on a CUDA device (host and device are then different memories)."""
         return self._device is not None and self._device.type == "cuda"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group and make its host buffers (master copy, gradient slots, moments).
+
+        Args:
+            param_group: ``{"params": [...], **hyper-parameters}`` as for ``torch.optim.Optimizer``.
+
+        Raises:
+            ValueError: a bad hyper-parameter, a non-floating-point parameter, or parameters on two devices.
+        """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         check_hparams(group["lr"], group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"])
@@ -255,11 +282,23 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
 
         Same arithmetic as ``torch.nn.utils.clip_grad_norm_(foreach=False)``: the norm of the
         per-tensor norms, then ``g *= min(1, max_norm / (total + 1e-6))``.
+
+        Args:
+            max_norm: the largest global norm, > 0.
+            norm_type: 2.0 (the only one supported).
+
+        Returns:
+            The global norm before clipping (a 0-d tensor).
+
+        Raises:
+            ValueError: a bad ``max_norm`` or ``norm_type``.
+            RuntimeError: with ``step_in_backward`` (the parameters were already updated).
         """
+        # not check_number: max_norm=inf (measure the norm, clip nothing) is a common use
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-            raise ValueError(f"max_norm={max_norm!r} must be a number > 0")
+            raise invalid("max_norm", max_norm, "a number > 0 (inf: clip nothing)")
         if norm_type != 2.0:
-            raise ValueError(f"norm_type={norm_type!r} is not supported; allowed: 2.0")
+            raise invalid("norm_type", norm_type, "2.0")
         if self.step_in_backward:
             raise RuntimeError("clip_grad_norm_ with step_in_backward=True: the parameters were already updated during "
                                "backward, before the global norm of all gradients was known; use step_in_backward=False")
@@ -314,6 +353,18 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
     # -- the step
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Update every parameter that has a gradient (or, with ``delay_update``, start that update).
+
+        Args:
+            closure: re-evaluates the model and returns the loss, as for ``torch.optim.Optimizer``.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            RuntimeError: with ``step_in_backward``, under a loss scaler or after a number of
+                backward passes other than ``accumulation_steps``; or an update on the worker failed.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -374,7 +425,11 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
     def extra_state_tensors(self) -> list[torch.Tensor]:
         """The host buffers kept outside ``self.state``: the fp32 gradient slots (two with
         ``delay_update``) and, on CUDA, the pinned staging copies. ``memlab.profiler.MemoryTracker``
-        counts them as optimizer memory (they are made with the optimizer, before any tracked step)."""
+        counts them as optimizer memory (they are made with the optimizer, before any tracked step).
+
+        Returns:
+            The tensors, each once.
+        """
         out: list[torch.Tensor] = []
         for bufs in self._flats:
             out += [bufs[k].flat for k in ("grad", "grad_next") if k in bufs]
@@ -399,6 +454,11 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
 
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients and this step's bookkeeping (waiting for updates running during backward).
+
+        Args:
+            set_to_none: set ``p.grad = None`` instead of zeroing it.
+        """
         if self.step_in_backward:
             self._drain()  # (a delayed update keeps running: it reads its own gradient buffer)
         super().zero_grad(set_to_none=set_to_none)
@@ -410,14 +470,24 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
 
         The tensors are the live host views (as torch returns live tensors); ``copy.deepcopy`` or
         ``torch.save`` them to keep a snapshot.
+
+        Returns:
+            The state dict.
         """
         self._drain()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore hyper-parameters, steps, moments and master weights (and copy the masters to the model)."""
+        """Restore hyper-parameters, steps, moments and master weights (and copy the masters to the model).
+
+        Args:
+            state_dict: from :meth:`state_dict` (keys ``"state"`` and ``"param_groups"``).
+
+        Raises:
+            ValueError: not such a dict.
+        """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (from OffloadedAdamW.state_dict())")
+            raise invalid("state_dict", state_dict, "a dict with 'state' and 'param_groups' (from OffloadedAdamW.state_dict())")
         self._drain()
         self._delayed = []  # the masters below replace whatever update was in flight
         saved = state_dict["state"]

@@ -21,7 +21,17 @@ def install_grad_hooks(params: Iterable[torch.Tensor], slots: Sequence[torch.Ten
     ``slots[i]`` is parameter ``i``'s host buffer (same shape, float32). Uses
     ``Tensor.register_post_accumulate_grad_hook``, which fires once ``p.grad`` holds the whole
     gradient of this backward; setting ``p.grad = None`` there releases the device memory at
-    once, so the device never holds all gradients together. Returns the hook handles.
+    once, so the device never holds all gradients together.
+
+    Args:
+        params: the parameters.
+        slots: one float32 buffer per parameter, with its shape.
+
+    Returns:
+        The hook handles (``handle.remove()`` detaches one); frozen parameters get none.
+
+    Raises:
+        ValueError: a different number of slots, or a slot of the wrong shape or dtype.
     """
     params = list(params)
     slots = list(slots)
@@ -50,6 +60,15 @@ class StreamedSequential(nn.Module):
     stream (prefetch), so the device holds at most two layers' weights. The idea behind
     accelerate's ``device_map`` with offloaded modules. On CPU host == device and the copies
     are plain clones, so the same code runs (and is tested) everywhere.
+
+    Args:
+        layers: the modules, run in order (their weights move to host memory).
+        device: where each layer computes; None is CUDA when present, else the CPU.
+        prefetch: copy layer ``k+1`` while layer ``k`` computes.
+        pin_memory: page-lock the host copies; None pins them for a CUDA device.
+
+    Raises:
+        ValueError: no layers, a layer that is not an ``nn.Module``, or a CUDA device without CUDA.
     """
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device | str | None = None, *,
@@ -94,6 +113,15 @@ class StreamedSequential(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run the layers in order, each with its weights on the device only while it runs.
+
+        Args:
+            x: the first layer's input, on the device.
+            args, kwargs: passed to every layer.
+
+        Returns:
+            The last layer's output (the first element when a layer returns a tuple).
+        """
         n = len(self.layers)
         nxt = self._fetch(0)
         resident = 0

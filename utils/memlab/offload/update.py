@@ -32,6 +32,9 @@ def check_hparams(lr: Any, beta1: Any, beta2: Any, eps: Any, weight_decay: Any) 
         eps: denominator term, > 0.
         weight_decay: decoupled weight decay, >= 0.
 
+    Returns:
+        None; it raises on the first bad value.
+
     Raises:
         ValueError: naming the first bad argument, its value and what is allowed.
     """
@@ -94,6 +97,9 @@ def adamw_step_(
         beta2: second-moment decay.
         eps: added to the denominator.
         weight_decay: decoupled weight decay.
+
+    Returns:
+        None: the tensors are updated in place.
 
     Raises:
         ValueError: a bad hyper-parameter or step, or a tensor whose shape is not ``param``'s.
