@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import pathlib
 
 import pytest
 import torch
@@ -104,6 +105,49 @@ def test_eager_fallback_is_named(monkeypatch):
         assert torch.isfinite(p).all()
     finally:
         assert O.load_kernel("auto") == O.kernel_name()  # back to the default for the other tests
+
+
+def test_the_kernel_builds_from_the_package_source(tmp_path, monkeypatch):
+    """The C++ source ships beside memlab/offload/kernel.py (package data) and g++ compiles that file:
+    a fresh cache gets the library and no copy of the source."""
+    import shutil
+
+    from memlab.offload import kernel as K
+
+    assert K.KERNEL_PATH.parent == pathlib.Path(O.__file__).parent and K.KERNEL_PATH.suffix == ".cpp"
+    assert O.KERNEL_SOURCE == K.KERNEL_PATH.read_text() and 'extern "C" void memlab_adamw' in O.KERNEL_SOURCE
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler here")
+    monkeypatch.setenv("MEMLAB_CACHE", str(tmp_path))
+    saved = K._KERNEL, K._KERNEL_NAME
+    try:
+        K._KERNEL = K._KERNEL_NAME = None
+        assert O.load_kernel("cpp").startswith("C++")
+        assert [p.suffix for p in tmp_path.iterdir()] == [".so"], list(tmp_path.iterdir())
+        p, g, m, v = torch.ones(40), torch.full((40,), 0.5), torch.zeros(40), torch.zeros(40)
+        ref = [t.clone() for t in (p, g, m, v)]
+        O.adamw_step_flat_(p, g, m, v, 1, **HP)
+        O.adamw_step_eager_chunked_(ref[0], ref[1], ref[2], ref[3], 1, **HP)
+        assert torch.equal(p, ref[0]) and torch.equal(m, ref[2]) and torch.equal(v, ref[3])
+    finally:
+        K._KERNEL, K._KERNEL_NAME = saved
+
+
+@pytest.mark.parametrize("text,n", [("10M", 10_000_000), ("2500000", 2_500_000), ("1e6", 10**6), ("1.5k", 1500),
+                                    ("2G", 2 * 10**9)])
+def test_bench_sizes_are_parameter_counts(text, n):
+    from memlab.bench.offload import parse_count
+
+    assert parse_count(text) == n
+
+
+@pytest.mark.parametrize("text", ["1B", "1MiB", "0", "0.2", "ten", "-5M", ""])
+def test_bench_sizes_refuse_bytes_and_non_counts(text):
+    from memlab.bench.offload import parse_count
+
+    with pytest.raises(ValueError, match="--sizes=") as e:
+        parse_count(text)
+    assert f"--sizes={text!r} is invalid" in str(e.value) and "number of parameters" in str(e.value), str(e.value)
 
 
 def test_bias_corrections():

@@ -27,11 +27,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     """The blockwise forward without autograd (the online softmax over key blocks).
 
     Args:
-        q: queries ``(B, Hq, Lq, D)``.
-        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
-        v: values ``(B, Hkv, Lk, Dv)``.
-        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
-        scale: the score scale; None is ``1 / sqrt(D)``.
+        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
         block_q: query rows per block.
         block_k: keys per block.
 
@@ -39,7 +35,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         (output ``(B, Hq, Lq, Dv)`` in q's dtype, logsumexp ``(B, Hq, Lq)`` in the accumulation dtype).
 
     Raises:
-        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+        ValueError: as :func:`~memlab.attention.naive_attention`, or a bad block size.
     """
     mode, scale, g = _check("flash_attention_forward", q, k, v, causal, scale)
     _positive("flash_attention_forward", "block_q", block_q)
@@ -59,11 +55,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
     Args:
         do: the output's gradient, like ``o``.
-        q: queries ``(B, Hq, Lq, D)``.
-        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
-        v: values ``(B, Hkv, Lk, Dv)``.
-        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
-        scale: the score scale; None is ``1 / sqrt(D)``.
+        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
         o: the forward's output.
         lse: the forward's logsumexp ``(B, Hq, Lq)``.
         block_q: query rows per block.
@@ -73,7 +65,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         ``(dq, dk, dv)`` in the dtypes of q, k and v.
 
     Raises:
-        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+        ValueError: as :func:`~memlab.attention.naive_attention`.
     """
     mode, scale, g = _check("flash_attention_backward", q, k, v, causal, scale)
     acc = _acc(q.dtype)
@@ -132,11 +124,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     """FlashAttention-2 in PyTorch: saves O(seq) for backward (q, k, v, output, logsumexp).
 
     Args:
-        q: queries ``(B, Hq, Lq, D)``.
-        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
-        v: values ``(B, Hkv, Lk, Dv)``.
-        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
-        scale: the score scale; None is ``1 / sqrt(D)``.
+        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
         block_q: query rows per block.
         block_k: keys per block.
         return_lse: also return the logsumexp (not differentiable).
@@ -145,7 +133,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         The output ``(B, Hq, Lq, Dv)`` in q's dtype; with ``return_lse`` the pair (output, logsumexp).
 
     Raises:
-        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+        ValueError: as :func:`~memlab.attention.naive_attention`, or a bad block size.
     """
     _check("flash_attention", q, k, v, causal, scale)
     _positive("flash_attention", "block_q", block_q)

@@ -28,17 +28,13 @@ def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     """``F.scaled_dot_product_attention`` with memlab's options (bottom-right as a boolean mask).
 
     Args:
-        q: queries ``(B, Hq, Lq, D)``.
-        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
-        v: values ``(B, Hkv, Lk, Dv)``.
-        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
-        scale: the score scale; None is ``1 / sqrt(D)``.
+        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
 
     Returns:
         The output ``(B, Hq, Lq, Dv)`` in q's dtype.
 
     Raises:
-        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+        ValueError: as :func:`~memlab.attention.naive_attention`.
     """
     import torch.nn.functional as F
 
@@ -154,11 +150,7 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     training it keeps as much as :func:`naive_attention` (see :func:`attention_saved_bytes`).
 
     Args:
-        q: queries ``(B, Hq, Lq, D)``.
-        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
-        v: values ``(B, Hkv, Lk, Dv)``.
-        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
-        scale: the score scale; None is ``1 / sqrt(D)``.
+        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
         q_chunk: query rows per chunk.
         kv_chunk: keys per chunk.
         return_lse: also return the logsumexp.
@@ -168,7 +160,7 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         logsumexp ``(B, Hq, Lq)`` in the accumulation dtype).
 
     Raises:
-        ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
+        ValueError: as :func:`~memlab.attention.naive_attention`, or a bad block size.
     """
     mode, scale, g = _check("chunked_attention", q, k, v, causal, scale)
     _positive("chunked_attention", "q_chunk", q_chunk)

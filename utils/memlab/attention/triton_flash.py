@@ -156,11 +156,7 @@ def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     :func:`flash_attention`). Under the interpreter bf16 runs in fp32 (NumPy has no bfloat16).
 
     Args:
-        q: queries ``(B, Hq, Lq, D)``.
-        k: keys ``(B, Hkv, Lk, D)``, ``Hq`` a multiple of ``Hkv`` (GQA).
-        v: values ``(B, Hkv, Lk, Dv)``.
-        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
-        scale: the score scale; None is ``1 / sqrt(D)``.
+        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
         block_q: query rows per program, a power of two >= 16 (``tl.dot``'s smallest tile).
         block_k: keys per loop step, a power of two >= 16.
         return_lse: also return the logsumexp (fp32, not differentiable).

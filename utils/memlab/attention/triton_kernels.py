@@ -156,10 +156,7 @@ def bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, 
         Q, K, V, DO, LSE, DELTA, DQ: pointers to q, k, v, dO (contiguous), the logsumexp,
             ``D = rowsum(dO * O)`` and the fp32 dq (contiguous).
         sqb, sqh, sqm, skb, ...: the batch, head and row strides of q, k and v.
-        H, G, Lq, Lk, D, Dv: query heads, GQA group size (query head h reads kv head h // G),
-            lengths, head dims (padded to the powers of two BD, BDV).
-        scale, offset: the score scale; the causal diagonal's offset (``Lk - Lq`` bottom-right, 0 top-left).
-        CAUSAL, PREC, BM, BN, BD, BDV: compile-time: causal mask, ``tl.dot`` precision, block sizes.
+        H, G, Lq, Lk, D, Dv, scale, offset, CAUSAL, PREC, BM, BN, BD, BDV: as :func:`fwd`.
 
     Returns:
         Nothing: writes DQ.
@@ -212,12 +209,8 @@ def bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb,
 
     Args:
         Q, K, V, DO, LSE, DELTA, DK, DV: as :func:`bwd_dq`, with the fp32 dk and dv (contiguous).
-        sqb, sqh, sqm, skb, ...: the batch, head and row strides of q, k and v.
-        HK: key/value heads.
-        H, G, Lq, Lk, D, Dv: query heads, GQA group size (query head h reads kv head h // G),
-            lengths, head dims (padded to the powers of two BD, BDV).
-        scale, offset: the score scale; the causal diagonal's offset (``Lk - Lq`` bottom-right, 0 top-left).
-        CAUSAL, PREC, BM, BN, BD, BDV: compile-time: causal mask, ``tl.dot`` precision, block sizes.
+        HK: key/value heads; the other arguments as :func:`bwd_dq`.
+        H, G, Lq, Lk, D, Dv, scale, offset, CAUSAL, PREC, BM, BN, BD, BDV: as :func:`fwd`.
 
     Returns:
         Nothing: writes DK and DV.

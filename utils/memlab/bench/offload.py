@@ -87,7 +87,9 @@ def parse_count(text: str, *, name: str = "--sizes") -> int:
         n = parse_size(text, name=name)
     except ValueError:
         raise invalid(name, text, allowed) from None
-    return check_positive_int(name, n)
+    if n < 1:  # "0.2" rounds to no parameter at all
+        raise invalid(name, text, allowed)
+    return n
 
 
 def cpu_step_rows(sizes: list[int], repeat: int = 5, n_tensors: int = 8) -> tuple[list[list[Any]], dict[str, Any]]:

@@ -78,7 +78,7 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
     ``kernel="fast"`` (default) steps with :func:`adamw_step_flat_`, which rounds like torch's
     fused CPU AdamW; ``kernel="exact"`` steps each parameter with :func:`adamw_step_`, so that
     with fp32 parameters on a CPU the trajectory is bitwise that of
-    ``torch.optim.AdamW(foreach=False)`` (about 7x slower). On a CPU-only machine host == device
+    ``torch.optim.AdamW(foreach=False)`` (slower: one call per parameter). On a CPU-only machine host == device
     and the same code runs; there the one gradient copy per step is made in :meth:`step` (nothing
     to hide behind backward) unless ``step_in_backward`` needs it from the hook.
 
