@@ -64,7 +64,7 @@ def _check(where: str, q: Any, k: Any, v: Any, causal: Any, scale: Any) -> tuple
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"{where}: scale={scale!r} must be a finite number or None (1/sqrt(head_dim))")
+        raise invalid(f"{where}: scale", scale, "a finite number, or None (1/sqrt(head_dim))")
     return mode, float(scale), q.shape[1] // k.shape[1]
 
 

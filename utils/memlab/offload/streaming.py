@@ -11,6 +11,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from memlab.core.validation import invalid
+
 __all__ = ["install_grad_hooks", "StreamedSequential"]
 
 
@@ -76,11 +78,11 @@ class StreamedSequential(nn.Module):
         super().__init__()
         layers = list(layers)
         if not layers or not all(isinstance(m, nn.Module) for m in layers):
-            raise ValueError(f"layers must be a non-empty sequence of nn.Module, got {[type(m).__name__ for m in layers]}")
+            raise invalid("layers", [type(m).__name__ for m in layers], "a non-empty sequence of nn.Module")
         self.layers = nn.ModuleList(layers)
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} is CUDA but torch.cuda.is_available() is False")
+            raise invalid("device", device, "a device this machine has (torch.cuda.is_available() is False)")
         self.prefetch = prefetch
         pin = pin_memory if pin_memory is not None else self.device.type == "cuda"
         self._host: list[list[torch.Tensor]] = []
