@@ -49,4 +49,7 @@ __all__ = [
     "attention_saved_bytes",
     "sdpa_reference",
     "register_transformers",
+    "FlashAttentionFunction",
+    "TritonFlashAttentionFunction",
+    "load_triton_kernels",
 ]

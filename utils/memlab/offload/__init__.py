@@ -49,4 +49,9 @@ __all__ = [
     "device_host_bytes",
     "predict_device_bytes",
     "install_grad_hooks",
+    # public since the split
+    "check_hparams",
+    "KERNEL_PATH",
+    "OFFLOAD_RECIPES",
+    "DEVICE_RECIPES",
 ]
