@@ -122,7 +122,7 @@ def _fms_fsdp(batch: int, measured: int) -> Figure:
         differs="FSDP1 shards each unit as one flat parameter; the estimate traces FSDP2 (a shard of every parameter, "
                 "memlab's ZeRO-3 route), which holds the same bytes per rank at the peak: the optimizer step over half "
                 "of the bf16 parameters, gradients and moments plus foreach AdamW's temporary (FSDP1's padding of a flat "
-                "parameter to an even split is a few bytes); the sequence length (Alpaca, padded per batch, not recorded) "
+                "parameter to an even split is negligible); the sequence length (Alpaca, padded per batch, not recorded) "
                 "does not enter that peak: the estimate uses 512",
     )
 
