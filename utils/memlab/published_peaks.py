@@ -1,25 +1,21 @@
 """``memlab estimate --validate``: the estimate against published, measured peaks of real fine-tunes.
 
-Each figure was read from its source (``source``: a URL pinned to a commit where the source is a
-repository) with the settings the source states. ``metric`` says what the source measured; the
-metrics differ by design, and so does the test each row must pass:
+Each figure is read from its source (a URL pinned to a commit where the source is a repository)
+with the settings the source states; the models are built from their published dimensions on fake
+tensors, offline. ``metric`` says what the source measured, and so which test a row must pass:
 
-* ``allocated``: ``torch.cuda.max_memory_allocated`` -- compared with the estimate's
-  ``allocated_bytes`` (traced tensors + cuBLAS workspaces). Target: within 3%, median within 2%.
-* ``reserved``: what the caching allocator held (``max_memory_reserved``): allocated memory plus the
-  allocator's cached, unused blocks. Target: the allocated estimate at or below the measurement
-  (the gap is the allocator's cache, which no trace sees).
-* ``nvidia-smi``: memory in use on the card as the driver reports it (pynvml / nvidia-smi): reserved
-  memory plus the CUDA context. Target: the allocated estimate plus the CUDA context *as the source
-  measured it* at or below the measurement.
-* ``unstated``: a peak printed without saying how (likely nvidia-smi or reserved): the same target as
-  ``reserved``.
+* ``allocated`` (``torch.cuda.max_memory_allocated``): the estimate's ``allocated_bytes`` (traced
+  tensors + cuBLAS workspaces) within 3%, the median over these rows within 2%.
+* ``reserved`` (``max_memory_reserved``: allocated plus the allocator's cached, unused blocks): the
+  allocated estimate at or below the measurement.
+* ``nvidia-smi`` (the driver's used memory: reserved plus the CUDA context): the allocated estimate
+  plus the CUDA context *as the source measured it* (``context_bytes``) at or below the measurement.
+* ``unstated`` (a peak printed without saying how): the same test as ``reserved``.
 
-``differs`` lists what the estimate cannot reproduce of the source's run. Figures of runs the
-estimator cannot express (FSDP1 flat parameters with unknown sequence lengths, paged optimizers, an
-optimizer step fused into backward, torch.compile, DoRA, LoRA-FA) are rows of :data:`NOT_EXPRESSIBLE`:
-listed in the table with the reason, not dropped. Everything is offline: the figures are stored, the
-models are built from their published dimensions on fake tensors.
+``differs`` lists what the estimate cannot reproduce of the source's run. Runs the estimator cannot
+express (paged optimizers, an optimizer step fused into backward, torch.compile, DoRA, LoRA-FA,
+Adafactor, activation-bound runs whose sequence lengths were not recorded) are rows of
+:data:`NOT_EXPRESSIBLE`: listed in the table with the reason, never dropped.
 """
 from __future__ import annotations
 
@@ -27,7 +23,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Figure", "FIGURES", "NOT_EXPRESSIBLE", "NOT_COMPARABLE", "validate", "summary", "main"]
+from memlab.core.units import GiB, MiB, format_bytes
+
+__all__ = ["Figure", "FIGURES", "BLOCKED", "NOT_EXPRESSIBLE", "NOT_COMPARABLE", "validate", "summary", "main"]
 
 # Llama-3.2-3B's dimensions, from https://huggingface.co/meta-llama/Llama-3.2-3B/blob/main/config.json
 LLAMA_3_2_3B = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
@@ -49,14 +47,31 @@ _PEFT_DIFFERS = ("accelerator_memory_max is max_memory_reserved() minus the rese
 _FMS = ("https://github.com/foundation-model-stack/fms-acceleration/blob/876e2ed6fc4e966785e3f4315f5ee3cdf8e3d097/"
         "scripts/benchmarks/refs/a100_80gb.csv")
 _FMS_GPU = "A100 80GB, 1 GPU, accelerate FSDP1 (FULL_SHARD on 1 rank), HF Trainer, torch per refs/requirements.txt"
+_LIGER = ("https://github.com/foundation-model-stack/fms-acceleration/blob/876e2ed6fc4e966785e3f4315f5ee3cdf8e3d097/"
+          "scripts/benchmarks/refs/a100_80gb_liger.csv")
 _ANATOMY = ("https://github.com/huggingface/transformers/blob/v4.38.2/docs/source/en/model_memory_anatomy.md "
             "(Model training anatomy)")
+_GPU_ONE = ("https://github.com/huggingface/transformers/blob/0016acf7ef421c7fe8eff7945de52c71896c3b01/docs/source/en/"
+            "perf_train_gpu_one.mdx (Efficient Training on a Single GPU)")
+_GPU_ONE_GPU = "Tesla V100-SXM2 16GB (the doc's nvidia-smi, driver 460.91.03, CUDA 11.2), HF Trainer of January 2022"
+_GPU_ONE_DIFFERS = ("the figure is pynvml's used memory after trainer.train(): the allocator cache and the CUDA context "
+                    "(the doc's 1343 MB, added to the estimate); the Trainer's model.zero_grad() of that time kept the "
+                    "gradients allocated through the next forward (set_to_none=False), the estimate frees them "
+                    "(set_to_none), so it is lower by up to the gradients' 1.25 GiB; gradient accumulation keeps the "
+                    "gradients between micro-batches, which the steady-state step has too")
 # The doc's own CUDA-context figure: "GPU memory occupied: 1343 MB" after one small tensor was moved to the GPU.
-ANATOMY_CONTEXT_BYTES = 1343 * 2**20
+ANATOMY_CONTEXT_BYTES = 1343 * MiB
 
 
 @dataclass(frozen=True)
 class Figure:
+    """One published peak: where it is from, what it measured, and the settings that reproduce it.
+
+    ``model`` is a preset name, a dict of LlamaConfig fields or ``"bert-large-cls"``; ``settings``
+    are keyword arguments of :func:`memlab.estimate.estimate_training_memory`; ``kind`` ("full",
+    "lora", "qlora") groups the table.
+    """
+
     name: str
     source: str
     measured_bytes: int
@@ -73,11 +88,77 @@ class Figure:
 METRICS = ("allocated", "reserved", "nvidia-smi", "unstated")
 
 
-def _peft(name: str, file: str, measured: int, kind: str, **settings: Any) -> Figure:
+def _peft(name: str, file: str, measured: int, kind: str, note: str = "", **settings: Any) -> Figure:
     return Figure(name=name, source=_PEFT + file, measured_bytes=measured, metric="reserved",
                   as_published=f'"accelerator_memory_max": {measured} (train_info)', model=LLAMA_3_2_3B,
                   settings=dict(batch_size=4, seq_len=768, dtype="bf16-pure", optimizer="adamw", **settings),
-                  gpu=_PEFT_GPU, differs=_PEFT_DIFFERS, kind=kind)
+                  gpu=_PEFT_GPU, differs=_PEFT_DIFFERS + note, kind=kind)
+
+
+# Why the r10 MLP row misses (checked against the source at the pinned commit: batch 4, max_seq_length 768,
+# use_gc false, no autocast, r 10, alpha 20, dropout 0, targets down/up/gate_proj; the figure is
+# max_memory_reserved() minus init_accelerator()'s 2 MiB). The trace's tensors peak at 24,688,848,040 B, 9.3 MB
+# below the figure; most of the miss is the estimate's cuBLAS line: 2 x 32 MiB, PyTorch's workspace on compute
+# capability 9.x/10.x/12.x. On an L40S (8.9) PyTorch's default is 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B per
+# handle (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize; cuBLASLt shares it), so the
+# estimate is 47.75 MiB too high on this card. Corrected, it is 24,705,887,400 B: 5.6 MB (0.02%) above the
+# figure + 2 MiB, inside what the unknown padded length (at most the 768 the estimate uses) can move.
+_R10_NOTE = ("; MISSED mostly by the estimator's cuBLAS line: it adds 2 x 32 MiB (Hopper's workspace) on every card, where "
+             "PyTorch's default on an L40S (sm_89) is 2 x 8.125 MiB (CUBLAS_WORKSPACE_CONFIG :4096:2:16:8); with that "
+             "the estimate is 0.02% above the figure plus the harness's 2 MiB, within the unknown padded length")
+
+
+def _fms_fsdp(batch: int, measured: int) -> Figure:
+    """fms-acceleration's full fine-tune of Mistral-7B sharded over 2 A100s (rows 11 and 13 of the CSV)."""
+    return Figure(
+        name=f"fms-acceleration: FSDP over 2 GPUs, full fine-tuning, Mistral-7B, batch {batch} per GPU",
+        source=_FMS, measured_bytes=measured, metric="allocated",
+        as_published=f"mem_peak_torch_mem_alloc_in_bytes {measured} (framework_config none, num_gpus 2, "
+                     f"per_device_train_batch_size {batch})",
+        model="mistral-7b",
+        settings=dict(batch_size=batch, seq_len=512, dtype="bf16-pure", optimizer="adamw", checkpointing=True,
+                      world_size=2, zero_stage=3),
+        gpu="A100 80GB x 2, accelerate FSDP1 FULL_SHARD over 2 ranks, HF Trainer, torch per refs/requirements.txt",
+        differs="FSDP1 shards each unit as one flat parameter; the estimate traces FSDP2 (a shard of every parameter, "
+                "memlab's ZeRO-3 route), which holds the same bytes per rank at the peak: the optimizer step over half "
+                "of the bf16 parameters, gradients and moments plus foreach AdamW's temporary (FSDP1's padding of a flat "
+                "parameter to an even split is negligible); the sequence length (Alpaca, padded per batch, not recorded) "
+                "does not enter that peak: the estimate uses 512",
+    )
+
+
+def _gpu_one(what: str, mb: int, as_published: str, note: str = "", **settings: Any) -> Figure:
+    """A BERT-large run of the transformers doc "Efficient Training on a Single GPU" (pynvml used memory)."""
+    base = dict(batch_size=4, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop")
+    return Figure(name=f"Efficient training on one GPU: BERT-large classifier, {what}", source=_GPU_ONE,
+                  measured_bytes=mb * MiB, metric="nvidia-smi", as_published=f"GPU memory occupied: {mb} MB. ({as_published})",
+                  model="bert-large-cls", settings={**base, **settings}, gpu=_GPU_ONE_GPU,
+                  differs=_GPU_ONE_DIFFERS + note, context_bytes=ANATOMY_CONTEXT_BYTES)
+
+
+_BNB_NOTE = ("; bnb.optim.Adam8bit of early 2022 over two parameter groups (weight decay off for biases and "
+             "LayerNorm): the same 8-bit states as AdamW8bit (tensors under 4096 elements keep 32-bit state); its "
+             "quantization block may be larger than bitsandbytes 0.50's 256, which changes the absmax bytes by under "
+             "11 MB here")
+_ACC4 = "per_device_train_batch_size=1, gradient_accumulation_steps=4"
+
+
+def _liger(framework: str, batch: int, measured: int) -> Figure:
+    """fms-acceleration's full fine-tune of Llama-3-8B on one A100 with its fused kernels (the liger CSV)."""
+    return Figure(
+        name=f"fms-acceleration: {framework}, full fine-tuning, Llama-3-8B, batch {batch}",
+        source=_LIGER, measured_bytes=measured, metric="allocated",
+        as_published=f"mem_peak_torch_mem_alloc_in_bytes {measured:.1f} (framework_config {framework}, num_gpus 1, "
+                     f"per_device_train_batch_size {batch})",
+        model="llama-3-8b",
+        settings=dict(batch_size=batch, seq_len=512, dtype="bf16-pure", optimizer="adamw", checkpointing=True),
+        gpu="A100 80GB, 1 GPU, accelerate FSDP1 (FULL_SHARD on 1 rank), HF Trainer (bf16=True), torch 2.4.1, "
+            "transformers 4.45.2 (refs/requirements_liger.txt)",
+        differs="the peak is the optimizer step (bf16 parameters, gradients, two moments and foreach AdamW's "
+                "moment-sized temporary), where the fused kernels (RMSNorm, RoPE, cross-entropy), the autocast of "
+                "bf16=True and the sequence length (Alpaca, padded per batch, not recorded; the estimate uses 512) "
+                "do not enter; gradient checkpointing and flash attention from the benchmark's defaults.yaml",
+    )
 
 
 _LORA32 = dict(adapter="lora", lora_alpha=64, target_modules="q_proj,v_proj", adapter_dtype="fp32")
@@ -92,7 +173,7 @@ FIGURES: tuple[Figure, ...] = (
     _peft("PEFT MetaMathQA: rsLoRA r64 q,v, Llama-3.2-3B", "lora--llama-3.2-3B-rank64-rslora.json", 22_561_161_216,
           "lora", lora_r=64, **_LORA32),
     _peft("PEFT MetaMathQA: LoRA r10 MLP, Llama-3.2-3B", "lora--llama-3.2-3B-rank10-target-mlp.json", 24_698_159_104,
-          "lora", lora_r=10, **{**_LORA32, "lora_alpha": 20, "target_modules": "up_proj,gate_proj,down_proj"}),
+          "lora", _R10_NOTE, lora_r=10, **{**_LORA32, "lora_alpha": 20, "target_modules": "up_proj,gate_proj,down_proj"}),
     Figure(
         name="fms-acceleration: full fine-tuning, Mistral-7B, batch 4",
         source=_FMS, measured_bytes=72_434_837_504, metric="allocated",
@@ -113,9 +194,13 @@ FIGURES: tuple[Figure, ...] = (
         gpu=_FMS_GPU,
         differs="as the batch-4 row: the optimizer step holds the peak, so batch and sequence length do not enter",
     ),
+    _fms_fsdp(2, 36_225_939_968),
+    _fms_fsdp(4, 36_226_136_576),
+    _liger("foak-fast-kernels", 4, 80_318_097_408),
+    _liger("foak-fast-kernels-liger", 8, 80_318_490_624),
     Figure(
         name="Model training anatomy: BERT-large classifier, fp32, batch 4",
-        source=_ANATOMY, measured_bytes=14949 * 2**20, metric="nvidia-smi",
+        source=_ANATOMY, measured_bytes=14949 * MiB, metric="nvidia-smi",
         as_published="GPU memory occupied: 14949 MB. (pynvml used memory; the doc's context alone: 1343 MB)",
         model="bert-large-cls",
         settings=dict(batch_size=4, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop"),
@@ -127,7 +212,7 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         name="Model training anatomy: BERT-large classifier, fp32, batch 1 (x4 accumulation)",
-        source=_ANATOMY, measured_bytes=8681 * 2**20, metric="nvidia-smi",
+        source=_ANATOMY, measured_bytes=8681 * MiB, metric="nvidia-smi",
         as_published="GPU memory occupied: 8681 MB. (per_device_train_batch_size=1, gradient_accumulation_steps=4)",
         model="bert-large-cls",
         settings=dict(batch_size=1, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop"),
@@ -136,10 +221,13 @@ FIGURES: tuple[Figure, ...] = (
                 "step has too",
         context_bytes=ANATOMY_CONTEXT_BYTES,
     ),
+    _gpu_one("fp16 mixed, batch 4", 13939, "per_device_train_batch_size=4, fp16=True", dtype="fp16"),
+    _gpu_one("8-bit Adam, fp32, batch 4", 13085, "bnb.optim.Adam8bit, per_device_train_batch_size=4", _BNB_NOTE,
+             optimizer="adamw8bit", optimizer_impl="auto"),
     Figure(
         name="universal-llm-trainer: full fine-tuning, Llama 3 8B",
         source="https://github.com/ljm565/universal-llm-trainer (README, 'GPU memory and training speed')",
-        measured_bytes=78 * 2**30,
+        measured_bytes=78 * GiB,
         metric="unstated",
         as_published="Peak Mem. 78 GiB (model 16 GiB), H100 x 1",
         model="llama-3-8b",
@@ -150,6 +238,24 @@ FIGURES: tuple[Figure, ...] = (
     ),
 )
 
+# Expressible runs the estimator cannot trace today: with device="cuda" on a CPU-only torch, gradient
+# checkpointing of a model with dropout (or under autocast) raises torch.utils.checkpoint.CheckpointError: the
+# forward runs memlab.cuda_rules' CUDA rules (a bool dropout mask, fp32 norms), the recompute in backward does not
+# (CPU's fp32 noise mask), so the recomputed tensors' dtypes differ. An estimator bug, not a limit of the
+# configuration: these figures move to FIGURES once the rules also apply to the recompute.
+BLOCKED: tuple[Figure, ...] = (
+    _gpu_one("fp32, batch 1 (x4 accumulation), checkpointing", 6775, f"{_ACC4}, gradient_checkpointing=True",
+             checkpointing=True, batch_size=1),
+    _gpu_one("fp16 mixed, batch 1 (x4 accumulation), checkpointing", 7275,
+             f"{_ACC4}, gradient_checkpointing=True, fp16=True", dtype="fp16", checkpointing=True, batch_size=1),
+    _gpu_one("8-bit Adam, fp16 mixed, batch 1 (x4 accumulation), checkpointing", 5363,
+             f"bnb.optim.Adam8bit, {_ACC4}, gradient_checkpointing=True, fp16=True", _BNB_NOTE,
+             optimizer="adamw8bit", optimizer_impl="auto", dtype="fp16", checkpointing=True, batch_size=1),
+)
+_BLOCKED_WHY = ("estimator error today, not a limit of the run: device='cuda' traced on a CPU-only torch with "
+                "checkpointing and dropout raises CheckpointError (memlab.cuda_rules' dropout rule runs in the forward, "
+                "not in the recompute during backward); settings kept in published_peaks.BLOCKED")
+
 # (name, source, published figure with its metric, why the estimator cannot express the run)
 NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
     ("PEFT MetaMathQA: DoRA r32 q,v, Llama-3.2-3B", _PEFT + "lora--llama-3.2-3B-rank32-dora.json",
@@ -159,6 +265,12 @@ NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
     ("PEFT MetaMathQA: LoRA-FA r32 q,v, Llama-3.2-3B", _PEFT + "lora--llama-3.2-3B-rank32-lorafa.json",
      "22,240,296,960 B reserved",
      "LoRA-FA's optimizer freezes A and projects B's gradient: not a torch.optim optimizer of the estimator"),
+    ("Efficient training on one GPU: BERT-large classifier, Adafactor, fp32, batch 4", _GPU_ONE,
+     "12295 MB (nvidia-smi, with the 1343 MB context)",
+     "Adafactor (optim=\"adafactor\": factored second moments, no first moment): not an optimizer of the estimator "
+     "(adamw, sgd, adamw8bit, offload-adamw)"),
+    ("Efficient training on one GPU: BERT-large classifier, Adafactor, fp16 mixed, batch 1 (x4), checkpointing",
+     _GPU_ONE, "4847 MB (nvidia-smi, with the 1343 MB context)", "Adafactor: as the row above"),
     ("fms-acceleration: LoRA r16 q,k,v,o, Mistral-7B, batch 4", _FMS, "26,704,571,904 B allocated",
      "activation-bound (LoRA) with Alpaca samples padded per batch to a length the benchmark does not record; "
      "FSDP1 flat parameters on one rank"),
@@ -179,6 +291,8 @@ NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
      "https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-tables.md", "21.30 GB (max allocated)",
      "litgpt's own Llama and LoRA modules (fused qkv), Alpaca samples of varying length; not a transformers model"),
 )
+NOT_EXPRESSIBLE += tuple((f.name, f.source, f"{f.measured_bytes // MiB} MB ({f.metric}, with the "
+                          f"{f.context_bytes // MiB} MB context)", _BLOCKED_WHY) for f in BLOCKED)
 NOT_COMPARABLE = tuple((n, u, why) for n, u, _, why in NOT_EXPRESSIBLE)  # the old name, kept
 
 
@@ -218,8 +332,17 @@ def _verdict(fig: Figure, ours: int) -> tuple[float, bool, str]:
 
 
 def validate(filter: str | None = None) -> list[dict]:
-    """One row per figure (whose name contains ``filter``): the estimate next to the published peak,
-    the signed error, and whether the row meets its metric's target."""
+    """Trace every figure (whose name contains ``filter``) and compare it with the published peak.
+
+    Args:
+        filter: keep only the figures whose name contains this text (case-insensitive); None: all.
+
+    Returns:
+        One dict per figure: ``figure`` (the :class:`Figure`), ``estimate`` (the MemoryEstimate),
+        ``compared_bytes`` (the allocated estimate, plus the source's CUDA context for an nvidia-smi
+        figure), ``error`` (signed, relative to the published peak), ``ok`` (the row meets its metric's
+        target) and ``target`` (that target in words). Results are cached per filter in the process.
+    """
     from memlab.estimate import estimate_training_memory
 
     key = (filter or "").lower()
@@ -242,31 +365,44 @@ _ROWS: dict[str, list[dict]] = {}
 
 
 def summary(rows: list[dict]) -> dict:
+    """The validation's figures of merit.
+
+    Args:
+        rows: what :func:`validate` returned.
+
+    Returns:
+        ``n`` (comparable rows), ``failed`` (names of the rows that miss their target),
+        ``allocated_n`` and ``allocated_median`` / ``allocated_worst`` (the median and the largest
+        absolute relative error over the allocated-metric rows; None when there are none).
+    """
     alloc = [abs(r["error"]) for r in rows if r["figure"].metric == "allocated"]
-    return dict(n=len(rows), failed=[r["figure"].name for r in rows if not r["ok"]],
+    return dict(n=len(rows), failed=[r["figure"].name for r in rows if not r["ok"]], allocated_n=len(alloc),
                 allocated_median=statistics.median(alloc) if alloc else None,
                 allocated_worst=max(alloc) if alloc else None)
 
 
-def main(model_filter: str | None = None) -> int:
-    from memlab.accounting import format_bytes
+def _settings_line(f: Figure, est: Any) -> str:
+    s = f.settings
+    shard = f", {s['world_size']} ranks, ZeRO-{s['zero_stage']}" if s.get("world_size", 1) > 1 else ""
+    return (f"batch {s['batch_size']} x {s['seq_len']}, {s['dtype']}, {s['optimizer']}"
+            f"{', checkpointing' if s.get('checkpointing') else ''}{shard}{'; ' + est.adapter if est.adapter else ''}; "
+            f"attention: {est.attention}")
 
-    rows = validate(model_filter)
-    print("memlab estimate --validate: the estimate against published peaks of real fine-tunes (offline)\n")
-    for i, r in enumerate(rows, 1):
-        f, est = r["figure"], r["estimate"]
-        s = f.settings
-        ctx = f" + {format_bytes(f.context_bytes)} CUDA context (the source's)" if f.metric == "nvidia-smi" else ""
-        print(f"{i}. {f.name}")
-        print(f"   source: {f.source}")
-        print(f"   published: {f.as_published} [{f.metric}] on {f.gpu}")
-        print(f"   settings: batch {s['batch_size']} x {s['seq_len']}, {s['dtype']}, {s['optimizer']}"
-              f"{', checkpointing' if s.get('checkpointing') else ''}{'; ' + est.adapter if est.adapter else ''}; "
-              f"attention: {est.attention}")
-        print(f"   estimate: {format_bytes(est.peak_bytes)} tensors + {format_bytes(est.allocated_bytes - est.peak_bytes)} "
-              f"cuBLAS = {format_bytes(est.allocated_bytes)} allocated{ctx} (peak in {est.peak_phase})")
-        print(f"   differs: {f.differs}")
-        print(f"   error: {100 * r['error']:+.1f}% (target: {r['target']}: {'met' if r['ok'] else 'MISSED'})\n")
+
+def _print_row(i: int, r: dict) -> None:
+    f, est = r["figure"], r["estimate"]
+    ctx = f" + {format_bytes(f.context_bytes)} CUDA context (the source's)" if f.metric == "nvidia-smi" else ""
+    print(f"{i}. {f.name}")
+    print(f"   source: {f.source}")
+    print(f"   published: {f.as_published} [{f.metric}] on {f.gpu}")
+    print(f"   settings: {_settings_line(f, est)}")
+    print(f"   estimate: {format_bytes(est.peak_bytes)} tensors + {format_bytes(est.allocated_bytes - est.peak_bytes)} "
+          f"cuBLAS = {format_bytes(est.allocated_bytes)} allocated{ctx} (peak in {est.peak_phase})")
+    print(f"   differs: {f.differs}")
+    print(f"   error: {100 * r['error']:+.1f}% (target: {r['target']}: {'met' if r['ok'] else 'MISSED'})\n")
+
+
+def _print_table(rows: list[dict], model_filter: str | None) -> None:
     names = [r["figure"].name for r in rows] + [n for n, *_ in NOT_EXPRESSIBLE]
     w = max(len(n) for n in names) if names else 10
     print(f"{'figure':<{w}}  {'metric':<10}  {'published':>10}  {'estimate':>10}  {'error':>6}  target")
@@ -278,10 +414,26 @@ def main(model_filter: str | None = None) -> int:
         if model_filter and model_filter.lower() not in name.lower():
             continue
         print(f"{name:<{w}}  {'-':<10}  {published:>10}  cannot express: {why}")
+
+
+def main(model_filter: str | None = None) -> int:
+    """``memlab estimate --validate [FILTER]``: print every row, the table and the summary.
+
+    Args:
+        model_filter: trace only the figures whose name contains this text; None: all.
+
+    Returns:
+        0 (a missed target is reported as MISSED in the output, not as an exit status).
+    """
+    rows = validate(model_filter)
+    print("memlab estimate --validate: the estimate against published peaks of real fine-tunes (offline)\n")
+    for i, r in enumerate(rows, 1):
+        _print_row(i, r)
+    _print_table(rows, model_filter)
     sm = summary(rows)
     if sm["allocated_median"] is not None:
-        print(f"\nallocated figures: median |error| {100 * sm['allocated_median']:.1f}% (target 2%), worst "
-              f"{100 * sm['allocated_worst']:.1f}% (target 3%)")
+        print(f"\nallocated figures: median |error| {100 * sm['allocated_median']:.1f}% "
+              f"(target 2%), worst {100 * sm['allocated_worst']:.1f}% (target 3%)")
     print(f"{sm['n'] - len(sm['failed'])} of {sm['n']} comparable figures meet their target"
           + (f"; MISSED: {', '.join(sm['failed'])}" if sm["failed"] else ""))
     print(f"{len(NOT_EXPRESSIBLE)} published figures the estimator cannot express are listed with the reason")
