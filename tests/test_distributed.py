@@ -123,6 +123,28 @@ def test_spawn_cannot_import_a_notebook_function_and_says_why(monkeypatch):
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_procs_finds_children_and_grandchildren():
+    """launch() kills what a rank started by walking the process tree: memlab.procs reads it."""
+    from memlab.procs import descendants, own_children
+
+    # a child shell whose own child (the sleep) is our grandchild
+    child = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(descendants({child.pid})) < 1:
+            time.sleep(0.05)
+        below = descendants({os.getpid()})
+        assert child.pid in own_children() and child.pid in below
+        grandchildren = descendants({child.pid})
+        assert len(grandchildren) == 1 and grandchildren <= below and not grandchildren & own_children()
+    finally:
+        for pid in descendants({child.pid}):
+            os.kill(pid, 9)
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.slow
 def test_the_same_function_runs_under_torchrun(tmp_path):
     script = tmp_path / "job.py"
