@@ -549,9 +549,10 @@ def test_measure_update_peak_counts_what_memory_bytes_reports():
 
 
 @pytest.mark.parametrize("model,recipe,match", [
-    ("mlp", "fp8", "recipe='fp8'"),
-    ("frozen", "fp32", "every parameter must train"),
-    ("none", "fp32", "model=str"),
+    ("mlp", "fp8", "recipe='fp8' is invalid; allowed: 'fp32', 'fp16' or 'fp16-mixed'"),
+    ("mlp", "bf16-pure", "recipe='bf16-pure' is invalid"),  # no master copy: not an update recipe here
+    ("frozen", "fp32", r"(?s)model=.* is invalid; allowed: .*every parameter training.*frozen here: \['0.weight'\]"),
+    ("none", "fp32", "model='a model' is invalid; allowed: an nn.Module"),
 ])
 def test_update_peak_bad_arguments(model, recipe, match):
     from memlab.amp import measure_update_peak, update_peak_bytes
@@ -563,3 +564,21 @@ def test_update_peak_bad_arguments(model, recipe, match):
     for fn in (update_peak_bytes, measure_update_peak):
         with pytest.raises(ValueError, match=match):
             fn(m, recipe)
+
+
+def test_update_recipes_accept_the_shared_vocabulary():
+    """"fp16"/"bf16" are fp16-mixed/bf16-mixed (memlab.core.vocab): every spelling predicts and measures the same."""
+    from memlab.amp import UPDATE_RECIPES, measure_update_peak, update_peak_bytes, update_recipe_dtype
+    from memlab.core.vocab import Recipe
+
+    assert list(UPDATE_RECIPES) == ["fp32", "fp16", "bf16"]  # chapter 03's lab iterates these keys
+    spellings = {"fp32": ["fp32", Recipe.FP32], "fp16": ["fp16", "fp16-mixed", Recipe.FP16_MIXED],
+                 "bf16": ["bf16", "BF16-Mixed", Recipe.BF16_MIXED]}
+    for short, names in spellings.items():
+        make = lambda: nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32))  # noqa: E731
+        torch.manual_seed(0)
+        want = (update_peak_bytes(make(), short), measure_update_peak(make(), short))
+        for name in names:
+            assert update_recipe_dtype(name) is UPDATE_RECIPES[short]
+            torch.manual_seed(0)
+            assert (update_peak_bytes(make(), name), measure_update_peak(make(), name)) == want, name

@@ -84,8 +84,10 @@ def test_a_port_taken_meanwhile_is_retried(monkeypatch):
     busy.bind(("127.0.0.1", 0))
     busy.listen()
     ports = iter([busy.getsockname()[1]])
-    real = D._free_port
-    monkeypatch.setattr(D, "_free_port", lambda: next(ports, None) or real())
+    from memlab.distributed import launcher
+
+    real = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports, None) or real())
     try:
         assert D.launch(lambda rank, world_size: rank * 10, 2, timeout=60) == [0, 10]
     finally:
@@ -121,6 +123,28 @@ def test_spawn_cannot_import_a_notebook_function_and_says_why(monkeypatch):
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_procs_finds_children_and_grandchildren():
+    """launch() kills what a rank started by walking the process tree: memlab.procs reads it."""
+    from memlab.procs import descendants, own_children
+
+    # a child shell whose own child (the sleep) is our grandchild
+    child = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(descendants({child.pid})) < 1:
+            time.sleep(0.05)
+        below = descendants({os.getpid()})
+        assert child.pid in own_children() and child.pid in below
+        grandchildren = descendants({child.pid})
+        assert len(grandchildren) == 1 and grandchildren <= below and not grandchildren & own_children()
+    finally:
+        for pid in descendants({child.pid}):
+            os.kill(pid, 9)
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.slow
 def test_the_same_function_runs_under_torchrun(tmp_path):
     script = tmp_path / "job.py"
@@ -137,15 +161,16 @@ def test_the_same_function_runs_under_torchrun(tmp_path):
             out = launch(fn, 2, 100.0)
             if dist.is_initialized():
                 raise SystemExit("process group left behind")
-            import os
-            print("RESULT", os.environ["RANK"], out, flush=True)
+            import os, pathlib
+            # a file per rank: the two ranks' prints share one pipe and may interleave
+            pathlib.Path(os.environ["RESULT_DIR"], "rank" + os.environ["RANK"]).write_text(repr(out))
     """))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESULT_DIR": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         str(script)], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("RESULT"))
-    assert lines == ["RESULT 0 [(0, 2, 101.0), (1, 2, 101.0)]", "RESULT 1 [(0, 2, 101.0), (1, 2, 101.0)]"]
+    results = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+    assert results == ["[(0, 2, 101.0), (1, 2, 101.0)]"] * 2
 
 
 # ----------------------------------------------------------------------------- flat buffers

@@ -1,13 +1,28 @@
-"""Process helpers shared by the grader (memlab.grading) and launch() (memlab.distributed)."""
+"""Process helpers shared by the grader (memlab.grading) and launch() (memlab.distributed.launcher).
+
+Linux-first: the process tree is read from /proc, and ``prctl`` makes this process adopt orphans.
+Elsewhere they degrade to doing nothing (an empty set, False).
+"""
 from __future__ import annotations
+
+import os
+
+__all__ = ["child_subreaper", "descendants", "own_children"]
 
 
 def child_subreaper(on: bool) -> bool:
-    """Make this process the Linux "child subreaper" (``prctl(PR_SET_CHILD_SUBREAPER)``) or not;
-    returns the previous setting. While it is on, a process orphaned below one of our children
-    (a double fork into a session of its own, a grandchild whose parent has exited) is reparented
-    to this process instead of init, so that it can still be found and killed. A no-op returning
-    False where prctl is not available (not Linux)."""
+    """Make this process the Linux "child subreaper" (``prctl(PR_SET_CHILD_SUBREAPER)``) or not.
+
+    While it is on, a process orphaned below one of our children (a double fork into a session of
+    its own, a grandchild whose parent has exited) is reparented to this process instead of init,
+    so that it can still be found and killed.
+
+    Args:
+        on: True to become the subreaper, False to stop being it.
+
+    Returns:
+        The previous setting; False where prctl is not available (not Linux), where this is a no-op.
+    """
     try:
         import ctypes
 
@@ -18,3 +33,53 @@ def child_subreaper(on: bool) -> bool:
         return bool(prev.value)
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         return False
+
+
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every live (not zombie) process, from /proc; empty where there is none."""
+    parent: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return parent
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                raw = f.read()
+        except OSError:  # it exited meanwhile
+            continue
+        # the command name, in parentheses, may hold spaces: the fields start after the last ")"
+        fields = raw[raw.rfind(")") + 2:].split()
+        if len(fields) > 1 and fields[0] != "Z":
+            parent[int(e)] = int(fields[1])
+    return parent
+
+
+def descendants(roots: set[int]) -> set[int]:
+    """Every live process below ``roots``, by parent pid.
+
+    Args:
+        roots: the pids whose children, grandchildren ... are wanted.
+
+    Returns:
+        Their pids (``roots`` themselves excluded); empty where there is no /proc.
+    """
+    parent = _parents()
+    found: set[int] = set()
+    frontier = set(roots)
+    while frontier:
+        frontier = {pid for pid, pp in parent.items() if pp in frontier and pid not in found}
+        found |= frontier
+    return found
+
+
+def own_children() -> set[int]:
+    """The live direct children of this process.
+
+    Returns:
+        Their pids; empty where there is no /proc.
+    """
+    me = os.getpid()
+    return {pid for pid, pp in _parents().items() if pp == me}

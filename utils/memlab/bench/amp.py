@@ -6,7 +6,7 @@ step) per recipe:
 * fp32: no autocast;
 * fp16 + GradScaler: autocast fp16 with ``torch.amp.GradScaler`` (the production reference);
 * fp16 + DynamicLossScaler: the same with ``memlab.amp.DynamicLossScaler`` (from scratch);
-* bf16: autocast bf16, no scaler;
+* bf16: autocast bf16 over fp32 weights (bf16-mixed, :mod:`memlab.core.vocab`), no scaler;
 * fp16 master weights: a pure fp16 model with fp32 master weights (``memlab.amp.MasterWeights``)
   and ``DynamicLossScaler``.
 
@@ -23,28 +23,42 @@ from typing import Any, Callable
 import torch
 
 from memlab.bench import device_name, table, time_median
+from memlab.core.units import MiB
+from memlab.core.validation import check_choice, check_positive_int
 
 RECIPES = ("fp32", "fp16 + GradScaler", "fp16 + DynamicLossScaler", "bf16", "fp16 master weights")
+MODELS = ("tinygpt", "tiny_llama")
 
 
 def _build(name: str, device: torch.device, seq_len: int) -> torch.nn.Module:
     from memlab.models import TinyGPT, TinyGPTConfig, tiny_llama
 
+    check_choice("model", name, MODELS)
     torch.manual_seed(0)
     if name == "tinygpt":
         return TinyGPT(TinyGPTConfig(block_size=max(seq_len, 128))).to(device)
-    if name == "tiny_llama":
-        return tiny_llama(max_position_embeddings=max(seq_len, 256)).to(device)
-    raise ValueError(f"model={name!r} is not known; allowed: tinygpt, tiny_llama")
+    return tiny_llama(max_position_embeddings=max(seq_len, 256)).to(device)
 
 
 def make_step(model_name: str, recipe: str, device: torch.device, seq_len: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[torch.Tensor, torch.Tensor], Any]]:
-    """(model, optimizer, step(x, y)) for one recipe; step runs forward, backward and the update."""
+    """One training step of a model under a precision recipe.
+
+    Args:
+        model_name: one of :data:`MODELS`.
+        recipe: one of :data:`RECIPES`.
+        device: where the model lives.
+        seq_len: the longest sequence the model must take.
+
+    Returns:
+        ``(model, optimizer, step)``; ``step(x, y)`` runs forward, backward and the update.
+
+    Raises:
+        ValueError: an unknown model or recipe.
+    """
     from memlab import amp
     from memlab.models import lm_loss
 
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe={recipe!r} is not known; allowed: {', '.join(RECIPES)}")
+    check_choice("recipe", recipe, RECIPES)
     model = _build(model_name, device, seq_len)
     mw = None
     if recipe == "fp16 master weights":
@@ -78,6 +92,20 @@ def make_step(model_name: str, recipe: str, device: torch.device, seq_len: int) 
 
 
 def measure(model_name: str, recipe: str, device: torch.device, batch_size: int, seq_len: int, repeat: int) -> dict[str, Any]:
+    """Peak memory (and on CUDA the speed) of one step of :func:`make_step`, after three warm-up steps.
+
+    Args:
+        model_name: one of :data:`MODELS`.
+        recipe: one of :data:`RECIPES`.
+        device: where to run.
+        batch_size: sequences per step.
+        seq_len: tokens per sequence.
+        repeat: timed steps on CUDA (the median is reported).
+
+    Returns:
+        ``peak`` and ``breakdown`` (MemoryTracker's, at the peak); on CUDA also ``cuda_peak``,
+        ``seconds`` and ``tokens_per_s``.
+    """
     from memlab.profiler import MemoryTracker
 
     model, opt, step = make_step(model_name, recipe, device, seq_len)
@@ -101,6 +129,14 @@ def measure(model_name: str, recipe: str, device: torch.device, batch_size: int,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``memlab bench amp``: one table per model, a row per recipe.
+
+    Args:
+        argv: the command line (None: ``sys.argv``).
+
+    Returns:
+        0.
+    """
     from memlab.config import DEVICE, SMALL, bf16_supported
 
     ap = argparse.ArgumentParser(prog="memlab bench amp", description=__doc__.split("\n\n")[0])
@@ -113,17 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     cuda = DEVICE.type == "cuda"
     batch = args.batch_size or (4 if SMALL or not cuda else 32)
     seq = args.seq_len or (64 if SMALL or not cuda else 256)
-    for name, v in (("--batch-size", batch), ("--seq-len", seq), ("--repeat", args.repeat)):
-        if v < 1:
-            ap.error(f"{name}={v} must be >= 1")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in ("tinygpt", "tiny_llama"):
-            ap.error(f"--models: {m!r} is not known; allowed: tinygpt, tiny_llama")
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    for r in recipes:
-        if r not in RECIPES:
-            ap.error(f"--recipes: {r!r} is not known; allowed: {', '.join(RECIPES)}")
+    try:  # argparse's usage line, then the one memlab error format
+        for name, v in (("--batch-size", batch), ("--seq-len", seq), ("--repeat", args.repeat)):
+            check_positive_int(name, v)
+        for m in models:
+            check_choice("--models", m, MODELS)
+        for r in recipes:
+            check_choice("--recipes", r, RECIPES)
+    except ValueError as exc:
+        ap.error(str(exc))
     if not bf16_supported(DEVICE) and "bf16" in recipes:
         print(f"bf16 is not supported on {device_name(DEVICE)}: skipping the bf16 recipe")
         recipes.remove("bf16")
@@ -137,10 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for r, res in results.items():
             b = res["breakdown"]
-            row: list[Any] = [r, res["peak"] / 2**20, res["peak"] / base["peak"], b["activations"] / 2**20,
-                              (b["parameters"] + b["gradients"] + b["optimizer"]) / 2**20]
+            row: list[Any] = [r, res["peak"] / MiB, res["peak"] / base["peak"], b["activations"] / MiB,
+                              (b["parameters"] + b["gradients"] + b["optimizer"]) / MiB]
             if cuda:
-                row += [res["cuda_peak"] / 2**20, res["seconds"] * 1e3, res["tokens_per_s"], base["seconds"] / res["seconds"]]
+                row += [res["cuda_peak"] / MiB, res["seconds"] * 1e3, res["tokens_per_s"], base["seconds"] / res["seconds"]]
             rows.append(row)
         print(table(f"memlab bench amp: {model_name}, batch {batch} x seq {seq}, one AdamW training step", header, rows, DEVICE))
         if cuda and "fp16 + GradScaler" in results and "fp16 + DynamicLossScaler" in results:

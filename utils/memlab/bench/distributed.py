@@ -19,12 +19,15 @@ import argparse
 from typing import Any
 
 from memlab.bench import report_targets, table
+from memlab.core.units import format_bytes
+from memlab.core.validation import check_int, check_positive_int
 
 NAMES = {0: "stage 0: data parallel (all-reduce)", 1: "stage 1: memlab ZeroOptimizer", 2: "stage 2: memlab ZeroOptimizer",
          3: "stage 3: PyTorch FSDP2"}
 
 
 def _ranks(rank: int, world_size: int, steps: int, batch_size: int, seq_len: int, layers: int) -> list[dict[str, Any]]:
+    """One rank's :func:`memlab.distributed.train_rank` under every stage, in one launch (a fork each costs)."""
     from memlab.distributed import STAGES, train_rank
 
     kw = dict(steps=steps, batch_size=batch_size * world_size, seq_len=seq_len, model_kwargs={"num_hidden_layers": layers})
@@ -32,7 +35,14 @@ def _ranks(rank: int, world_size: int, steps: int, batch_size: int, seq_len: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memlab.accounting import format_bytes
+    """``memlab bench distributed``: a table of every stage on every rank, then the targets.
+
+    Args:
+        argv: the command line (None: ``sys.argv``).
+
+    Returns:
+        0, or 1 with ``--strict`` when a target is missed.
+    """
     from memlab.config import pick
     from memlab.distributed import STAGES, launch
     from memlab.estimate import estimate_training_memory
@@ -48,12 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = ap.parse_args(argv)
     steps = args.steps if args.steps is not None else pick(full=7, small=5)
-    for name, v in (("--world-size", args.world_size), ("--steps", steps), ("--batch-size", args.batch_size),
-                    ("--seq-len", args.seq_len), ("--layers", args.layers)):
-        if v < 1:
-            ap.error(f"{name}={v} is invalid; allowed: an int >= 1")
-    if steps < 2:
-        ap.error(f"--steps={steps} is invalid; allowed: >= 2 (the last step is tracked once the optimizer state exists)")
+    try:  # argparse's usage line, then the one memlab error format
+        for name, v in (("--world-size", args.world_size), ("--batch-size", args.batch_size),
+                        ("--seq-len", args.seq_len), ("--layers", args.layers)):
+            check_positive_int(name, v)
+        # the last step is tracked once the optimizer state exists: a step before it
+        check_int("--steps", steps, minimum=2)
+    except ValueError as exc:
+        ap.error(str(exc))
     if steps < 3:
         print(f"note: --steps={steps}: the step time is the first (warm-up) step's")
 

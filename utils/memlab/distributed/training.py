@@ -1,0 +1,206 @@
+"""One training run per rank under ZeRO stage 0-3, and its single-process twin.
+
+Shared by the tests, ``memlab bench distributed`` and chapter 08: the same tiny Llama, seed and
+global batches everywhere, so that every stage can be compared with single-process training.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memlab.core.validation import check_choice, invalid
+from memlab.distributed.comm import CommCounter
+from memlab.distributed.fsdp import fsdp2_shard
+from memlab.distributed.ranks import rank_bytes, rank_tracker
+from memlab.distributed.zero import STAGES, ZeroOptimizer
+
+__all__ = ["global_batches", "single_process_losses", "train_rank"]
+
+
+def global_batches(steps: int, batch_size: int, seq_len: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches of a run: random token ids, the same on every rank and in every process.
+
+    Args:
+        steps: batches.
+        batch_size: rows per global batch (each rank takes its ``batch_size / world_size`` of them).
+        seq_len: tokens per row.
+        vocab: token ids are drawn from ``[0, vocab)``.
+        seed: the generator's seed.
+
+    Returns:
+        ``[(inputs, targets), ...]``, each of shape ``(batch_size, seq_len)``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (batch_size, seq_len), generator=g),
+             torch.randint(0, vocab, (batch_size, seq_len), generator=g)) for _ in range(steps)]
+
+
+def single_process_losses(steps: int = 3, *, batch_size: int = 4, seq_len: int = 32, world_size: int = 2,
+                          lr: float = 1e-3, seed: int = 0, full_batch: bool = False,
+                          model_kwargs: dict | None = None) -> dict[str, Any]:
+    """The single-process twin of :func:`train_rank`: the same model, seed and global batches, AdamW.
+
+    The gradient of the global batch is the sum of each rank's micro-batch gradient scaled by
+    ``1/world_size``, accumulated in rank order: what the ranks compute, bit for bit.
+
+    Args:
+        steps: training steps.
+        batch_size: rows per global batch.
+        seq_len: tokens per row.
+        world_size: the ranks whose micro-batches are replayed.
+        lr: AdamW's learning rate.
+        seed: the model's and the batches' seed.
+        full_batch: one forward on the whole batch instead (equal up to rounding).
+        model_kwargs: passed to :func:`memlab.models.tiny_llama`.
+
+    Returns:
+        ``losses`` (the mean over micro-batches, as the ranks report it) and ``params`` (flat).
+    """
+    from memlab.models import lm_loss, tiny_llama
+
+    torch.manual_seed(seed)
+    model = tiny_llama(**(model_kwargs or {}))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for x, y in global_batches(steps, batch_size, seq_len, model.config.vocab_size, seed + 1):
+        if full_batch:
+            loss = lm_loss(model, x, y)
+            loss.backward()
+        else:
+            parts = []
+            for xs, ys in zip(x.chunk(world_size), y.chunk(world_size)):
+                part = lm_loss(model, xs, ys)
+                (part / world_size).backward()
+                parts.append(part.detach())
+            loss = torch.stack(parts).sum() / world_size
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+
+
+def _median(xs: Sequence[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _rank_model(stage: int, lr: float, param_dtype: torch.dtype | None, cpu_offload: bool,
+                model_kwargs: dict | None) -> tuple[nn.Module, Any, int, int]:
+    """(model, optimizer, parameters, parameter tensors) of one rank under ``stage`` (seeded by the caller)."""
+    from memlab.models import tiny_llama
+
+    model = tiny_llama(**(model_kwargs or {}))
+    n_params = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    if stage == 3:
+        fsdp2_shard(model, param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                    cpu_offload=cpu_offload)
+    if stage in (1, 2):
+        opt: Any = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=lr)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    return model, opt, n_params, n_tensors
+
+
+def _step(model: nn.Module, opt: Any, stage: int, world_size: int, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """Forward, backward, gradient averaging (stage 0: an all-reduce per gradient, as DDP), update."""
+    from memlab.models import lm_loss
+
+    loss = lm_loss(model, xs, ys)
+    loss.backward()
+    if stage == 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad.div_(world_size)  # gloo has no AVG
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _full_params(model: nn.Module) -> torch.Tensor:
+    """Every parameter, flat; FSDP2's DTensors gathered in full."""
+    flat = []
+    for p in model.parameters():
+        full = getattr(p, "full_tensor", None)
+        flat.append((full() if callable(full) else p).detach().float().reshape(-1))
+    return torch.cat(flat)
+
+
+def train_rank(rank: int, world_size: int, stage: int, steps: int = 3, *, batch_size: int = 4, seq_len: int = 32,
+               lr: float = 1e-3, seed: int = 0, param_dtype: torch.dtype | None = None, cpu_offload: bool = False,
+               model_kwargs: dict | None = None, return_params: bool = False) -> dict[str, Any]:
+    """Train :func:`memlab.models.tiny_llama` on this rank under ZeRO ``stage`` and report what the rank holds.
+
+    Run it with :func:`memlab.distributed.launch`: ``launch(train_rank, 2, 1)``. Stage 0: data
+    parallelism (each gradient all-reduced, a full AdamW on every rank); 1 and 2:
+    :class:`ZeroOptimizer`; 3: FSDP2 (:func:`fsdp2_shard`). Every rank takes its
+    ``batch_size / world_size`` rows of each global batch. The last step runs under
+    :func:`rank_tracker` and a :class:`CommCounter`.
+
+    Args:
+        rank: this rank.
+        world_size: the number of ranks.
+        stage: 0 to 3.
+        steps: training steps.
+        batch_size: rows per global batch, a multiple of ``world_size``.
+        seq_len: tokens per row.
+        lr: AdamW's learning rate.
+        seed: the model's and the batches' seed.
+        param_dtype: stage 3's compute dtype (a mixed-precision policy, reduced in fp32), or None.
+        cpu_offload: stage 3 with FSDP2's CPU offload policy.
+        model_kwargs: passed to :func:`memlab.models.tiny_llama`.
+        return_params: also return the full flat parameters (gathered for stage 3).
+
+    Returns:
+        ``losses`` (the global batch's mean loss per step, the same on every rank), ``bytes``
+        (:func:`rank_bytes` after the last step), ``peak_bytes``, ``at_peak`` and ``at_end`` (the
+        tracker's breakdowns), ``peak_phase``, ``step_seconds`` (the median untracked step after
+        the first; the first alone when ``steps`` is 2), ``n_params``, ``n_tensors`` (parameter
+        tensors), ``comm_bytes`` / ``comm_calls`` (over the last step, the loss's all-reduce for
+        reporting excluded), with ``return_params`` also ``params``.
+
+    Raises:
+        ValueError: an unknown stage, or a batch that does not split evenly over the ranks.
+    """
+    check_choice("stage", stage, STAGES)
+    if batch_size % world_size:
+        raise invalid("batch_size", batch_size, f"a multiple of world_size={world_size}")
+    torch.manual_seed(seed)
+    model, opt, n_params, n_tensors = _rank_model(stage, lr, param_dtype, cpu_offload, model_kwargs)
+    losses, times = [], []
+    tracker = rank_tracker(model, opt)
+    counter = CommCounter(world_size)
+    for i, (x, y) in enumerate(global_batches(steps, batch_size, seq_len, model.config.vocab_size, seed + 1)):
+        xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        last = i == steps - 1
+        if last:
+            tracker.__enter__()
+            counter.__enter__()
+        t0 = time.perf_counter()
+        try:
+            loss = _step(model, opt, stage, world_size, xs, ys)
+        finally:
+            if last:
+                counter.__exit__(None, None, None)
+                tracker.__exit__(None, None, None)
+        if not last:  # the tracked step is slower (the tracker's bookkeeping): not timed
+            times.append(time.perf_counter() - t0)
+        total = loss.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        losses.append((total / world_size).item())
+    out = {
+        "rank": rank, "stage": stage, "losses": losses, "bytes": rank_bytes(model, opt),
+        "peak_bytes": tracker.peak_bytes, "at_peak": tracker.breakdown("peak"), "at_end": tracker.breakdown("end"),
+        "peak_phase": tracker.peak_phase, "step_seconds": _median(times[1:] or times or [float("nan")]),
+        "n_params": n_params, "n_tensors": n_tensors,
+        "comm_bytes": dict(counter.sent), "comm_calls": dict(counter.calls),
+    }
+    if return_params:
+        out["params"] = _full_params(model)
+    return out
