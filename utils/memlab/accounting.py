@@ -1,25 +1,13 @@
 """Where the memory of a training step goes: bytes per parameter and bytes of activations.
 
-Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1): training with Adam keeps, per
-parameter, the weight, its gradient and two moment estimates. In fp32 that is 4 + 4 + 8 = 16
-bytes; mixed precision with Adam keeps 16-bit weights and gradients (2 + 2) plus an fp32 master
-copy, momentum and variance (K = 12): 16 bytes. Implementations that also keep fp32 gradients,
-as Hugging Face's "model memory anatomy" guide counts it, reach 18.
-
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", section 4.1): one transformer layer saves
-
-    s*b*h*(34 + 5*a*s/h)  bytes
-
-for sequence length s, micro-batch b, hidden size h and a heads, with 16-bit activations and
-1-byte dropout masks. Written per element, the same count is
-
-    s*b*h*(16*e + 2*m) + a*s^2*b*(2*e + m)
-
-with e bytes per activation element and m bytes per dropout-mask element (e=2, m=1 gives the
-paper's formula). PyTorch's CPU dropout multiplies by a noise tensor of the activation dtype, so
-on CPU m = e; CUDA uses a 1-byte bool mask. LayerNorm also saves its mean and 1/std (fp32, s*b
-each), a term the paper leaves out.
+Model states follow Rajbhandari et al. 2020 ("ZeRO", section 3.1): Adam keeps, per parameter,
+the weight, its gradient and two moments: 16 bytes in fp32, and 2 + 2 + 12 with mixed precision
+(16-bit weights and gradients, fp32 master copy and moments). Activations follow Korthikanti et
+al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1): one
+layer saves s*b*h*(34 + 5*a*s/h) bytes (16-bit activations, 1-byte dropout masks), written per
+element as s*b*h*(16*e + 2*m) + a*s^2*b*(2*e + m) so the element sizes are parameters (PyTorch's
+CPU dropout keeps its mask in the activation dtype: m = e there). The byte counters measure the
+same with ``torch.autograd.graph.saved_tensors_hooks``.
 """
 from __future__ import annotations
 
@@ -30,7 +18,7 @@ import torch
 from torch import nn
 
 # format_bytes lives in memlab.core.units (no torch there); ``memlab.accounting.format_bytes`` stays importable
-from memlab.core.units import format_bytes
+from memlab.core.units import GB, format_bytes
 from memlab.core.validation import check_choice, check_int, check_positive_int, invalid
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -80,7 +68,11 @@ class Recipe:
 
     @property
     def total(self) -> float:
-        """Bytes per parameter of all three states together."""
+        """Bytes per parameter of all three states together.
+
+        Returns:
+            ``weights + gradients + optimizer``.
+        """
         return self.weights + self.gradients + self.optimizer
 
 
@@ -321,7 +313,7 @@ def plot_breakdown(
     bars: Mapping[str, Mapping[str, float]],
     *,
     title: str = "training memory by category",
-    unit: float = 1e9,
+    unit: float = GB,
     unit_name: str = "GB",
     budget: float | None = None,
     ax: Any = None,
@@ -331,7 +323,7 @@ def plot_breakdown(
     Args:
         bars: ``{label: {category: bytes}}``; a "total" category is not drawn.
         title: the plot's title.
-        unit: bytes per unit on the x axis (1e9: GB).
+        unit: bytes per unit on the x axis (memlab.core.units.GB by default).
         unit_name: the unit's name, for the axis and labels.
         budget: a GPU's memory in bytes, drawn as a dashed line, or None.
         ax: the matplotlib Axes to draw on, or None for a new figure.

@@ -131,6 +131,11 @@ class LoRALinear(nn.Module):
             self.base.quantize_(w)
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows inside the parentheses.
+
+        Returns:
+            The layer's settings as ``key=value`` pairs.
+        """
         return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, merged={self.merged}"
 
 

@@ -9,18 +9,8 @@ One training step (forward + backward) of a TinyGPT with ``--layers`` blocks, ru
   ``memlab.checkpoint.checkpoint``, by ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, and
   by ``memlab.checkpoint.selective_checkpoint`` (matmul outputs kept).
 
-Memory: ``memlab.profiler.MemoryTracker``, the activation peak (everything that is neither a
-parameter nor a gradient, maximised over the step). Time: median over ``--repeat`` rounds in which
-every configuration runs once, round-robin, so that a busy machine slows them all alike.
-
-Targets (issue 4), printed as holds / MISSED:
-
-* the activation peak with sqrt(n) segments is within 15% of the model
-  ``k * boundary + ceil(n/k) * layer`` plus the rest of the model (embedding, head, loss: the same
-  step with the blocks skipped), with ``layer`` and ``boundary`` measured by saved_tensors_hooks;
-* step time with sqrt(n) segments is less than 40% above no checkpointing;
-* memlab's peak is within 2% of torch.utils.checkpoint's and its step time at most 10% above it,
-  for the same segments (being faster is not a miss).
+Memory: ``memlab.profiler.MemoryTracker``'s activation peak; time: the median over ``--repeat``
+interleaved rounds. The targets (printed as holds / MISSED) are stated in :func:`_targets`.
 """
 from __future__ import annotations
 
@@ -137,7 +127,15 @@ def _rows(peaks: dict[str, int], times: dict[str, float]) -> list[list[str]]:
 
 def _targets(peaks: dict[str, int], times: dict[str, float], n: int, k: int, predicted: int, boundary: int,
              layer: int, rest: int) -> list[tuple[str, float, bool]]:
-    """The issue's targets as ``(text, ratio, holds)``."""
+    """The targets as ``(text, ratio, holds)``.
+
+    * the activation peak with sqrt(n) segments is within 15% of the model
+      ``k * boundary + ceil(n/k) * layer`` plus the rest of the model (embedding, head, loss: the
+      same step with the blocks skipped), ``layer`` and ``boundary`` measured by saved_tensors_hooks;
+    * step time with sqrt(n) segments is less than 40% above no checkpointing;
+    * memlab's peak is within 2% of torch.utils.checkpoint's and its step time at most 10% above it,
+      for the same segments (being faster is not a miss).
+    """
     from memlab.core.units import format_bytes
 
     seg, tseg = f"memlab, {k} segments", f"torch, {k} segments"

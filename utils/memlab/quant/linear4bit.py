@@ -221,5 +221,10 @@ class Linear4bit(nn.Module):
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers())
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows inside the parentheses.
+
+        Returns:
+            The layer's settings as ``key=value`` pairs.
+        """
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"compute_dtype={self.compute_dtype}, blocksize={self.blocksize}, double_quant={self.double_quant}")
