@@ -23,8 +23,7 @@ from memlab.data import batches, decode, encode, split_bounds, stdlib_corpus, st
 
 def test_corpus_is_deterministic_across_fresh_reads():
     first = stdlib_corpus()
-    data._stdlib_tensor.cache_clear()
-    data._stdlib_paths.cache_clear()
+    data.clear_corpus_cache()
     second = stdlib_corpus()
     assert first.dtype == torch.uint8 and first.dim() == 1
     assert first.numel() > 1_000_000
@@ -64,7 +63,7 @@ def test_returned_corpus_is_a_copy():
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_max_bytes_must_be_positive(bad):
-    with pytest.raises(ValueError, match=r"max_bytes=.*positive int"):
+    with pytest.raises(ValueError, match=r"stdlib_corpus: max_bytes=.* is invalid; allowed: an int >= 1"):
         stdlib_corpus(max_bytes=bad)
 
 
@@ -142,15 +141,15 @@ def test_batches_on_smallest_possible_split():
     corpus = torch.arange(100)  # val split has 10 tokens: room for exactly one window of 9+1
     x, y = next(batches(corpus, batch_size=2, seq_len=9, split="val"))
     assert torch.equal(x[0], torch.arange(90, 99)) and torch.equal(y[1], torch.arange(91, 100))
-    with pytest.raises(ValueError, match=r"seq_len=10.*'val' split has only 10.*seq_len <= 9"):
+    with pytest.raises(ValueError, match=r"seq_len=10 is invalid; allowed: seq_len <= 9 .*'val' split has only 10"):
         batches(corpus, batch_size=2, seq_len=10, split="val")
 
 
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(batch_size=0, seq_len=8), r"batch_size=0.*positive int"),
-        (dict(batch_size=2, seq_len=-1), r"seq_len=-1.*positive int"),
+        (dict(batch_size=0, seq_len=8), r"batches: batch_size=0 is invalid; allowed: an int >= 1"),
+        (dict(batch_size=2, seq_len=-1), r"batches: seq_len=-1 is invalid; allowed: an int >= 1"),
         (dict(batch_size=2, seq_len=8, split="validation"), r"split='validation'.*'train', 'val'"),
         (dict(batch_size=2, seq_len=900), r"seq_len=900.*allowed: seq_len <= 899"),
     ],

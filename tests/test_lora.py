@@ -160,13 +160,13 @@ def test_merge_on_a_4bit_base_requantizes():
 def test_bad_arguments():
     with pytest.raises(TypeError):
         L.LoRALinear(nn.Conv1d(2, 2, 1))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^r=0 is invalid; allowed: an int >= 1$"):
         L.LoRALinear(nn.Linear(4, 4), r=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^dropout=1.0 is invalid; allowed: a float with 0 <= dropout < 1$"):
         L.LoRALinear(nn.Linear(4, 4), dropout=1.0)
-    with pytest.raises(ValueError, match="no nn.Linear"):
+    with pytest.raises(ValueError, match=r"target_modules=\('k_proj',\) is invalid; .*no nn.Linear"):
         L.add_lora(Tiny(), target_modules=["k_proj"])
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="target_modules=\\[\\] is invalid; allowed: a non-empty"):
         L.add_lora(Tiny(), target_modules=[])
 
 

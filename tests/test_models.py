@@ -270,10 +270,10 @@ def test_manual_attention_matches_korthikanti_formula_on_cuda():
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(n_embd=100, n_head=3), r"n_embd=100.*n_head=3.*allowed"),
-        (dict(n_layer=0), r"n_layer=0.*allowed: a positive int"),
-        (dict(vocab_size=-5), r"vocab_size=-5.*positive int"),
-        (dict(block_size=2.5), r"block_size=2.5.*positive int"),
+        (dict(n_embd=100, n_head=3), r"n_embd=100 is invalid; allowed: a multiple of n_head=3"),
+        (dict(n_layer=0), r"TinyGPTConfig.n_layer=0 is invalid; allowed: an int >= 1"),
+        (dict(vocab_size=-5), r"vocab_size=-5.*an int >= 1"),
+        (dict(block_size=2.5), r"block_size=2.5.*an int >= 1"),
         (dict(dropout=1.0), r"dropout=1.0.*0 <= dropout < 1"),
         (dict(dropout=-0.1), r"dropout=-0.1.*0 <= dropout < 1"),
         (dict(attention="flash"), r"attention='flash'.*'manual', 'sdpa'"),

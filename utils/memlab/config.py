@@ -14,52 +14,45 @@ from typing import TypeVar
 
 import torch
 
+from memlab.core.env import parse_device, parse_small, read_env
+from memlab.core.units import GiB
+from memlab.core.validation import check_int
+
 T = TypeVar("T")
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-def _device_from_env() -> torch.device:
-    name = os.environ.get("MEMLAB_DEVICE", "").strip()
-    if not name:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"MEMLAB_DEVICE={name!r} is not a device torch understands; allowed: 'cpu', 'cuda', 'cuda:N'"
-        ) from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"MEMLAB_DEVICE={name!r} asks for CUDA but torch.cuda.is_available() is False")
-    return dev
-
-
-def _small_from_env(device: torch.device) -> bool:
-    raw = os.environ.get("MEMLAB_SMALL")
-    if raw is None:
-        return device.type != "cuda"
-    val = raw.strip().lower()
-    if val in _TRUE:
-        return True
-    if val in _FALSE:
-        return device.type != "cuda"
-    raise ValueError(f"MEMLAB_SMALL={raw!r} is not understood; allowed: 1/0, true/false, yes/no, on/off")
-
-
-DEVICE: torch.device = _device_from_env()
-SMALL: bool = _small_from_env(DEVICE)
+# the parsing lives in memlab.core.env, so ``memlab doctor`` can report on a bad value without
+# importing this module (which refuses it)
+DEVICE: torch.device
+SMALL: bool
+DEVICE, SMALL = read_env()
 
 
 def pick(full: T, small: T) -> T:
-    """Return ``small`` at small scale (CPU or ``MEMLAB_SMALL=1``), else ``full``."""
+    """One of two sizes, by the course's scale.
+
+    Args:
+        full: the value at full scale (a GPU).
+        small: the value at small scale (CPU, or ``MEMLAB_SMALL=1``).
+
+    Returns:
+        ``small`` when :data:`SMALL`, else ``full``.
+    """
     return small if SMALL else full
 
 
 def seed_everything(seed: int = 0) -> None:
-    """Seed Python, NumPy (when installed) and torch (CPU and every CUDA device)."""
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be a non-negative int")
+    """Seed Python, NumPy (when installed) and torch (CPU and every CUDA device).
+
+    Args:
+        seed: an int >= 0 (NumPy gets it modulo 2**32, its limit).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: for a seed that is not an int >= 0.
+    """
+    check_int("seed", seed, minimum=0)
     random.seed(seed)
     try:
         import numpy as np
@@ -71,7 +64,14 @@ def seed_everything(seed: int = 0) -> None:
 
 
 def bf16_supported(device: torch.device | None = None) -> bool:
-    """Whether bfloat16 arithmetic runs on ``device`` (default: ``DEVICE``)."""
+    """Whether bfloat16 arithmetic runs on ``device``.
+
+    Args:
+        device: the device to ask about (default: :data:`DEVICE`).
+
+    Returns:
+        True when bf16 is supported (on CPU: a small bf16 matmul gives the right answer).
+    """
     device = DEVICE if device is None else torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -83,12 +83,16 @@ def bf16_supported(device: torch.device | None = None) -> bool:
 
 
 def describe() -> str:
-    """One line: device, GPU name and memory, 16-bit support, scale."""
+    """The course's device and scale in one line.
+
+    Returns:
+        Device, GPU name and memory (GiB), 16-bit support, torch version and scale.
+    """
     scale = "small scale" if SMALL else "full scale"
     if DEVICE.type == "cuda":
         idx = DEVICE.index if DEVICE.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(idx)
-        gib = props.total_memory / 2**30
+        gib = props.total_memory / GiB
         dtypes = "fp16, bf16" if torch.cuda.is_bf16_supported() else "fp16 (no bf16)"
         return (
             f"device cuda:{idx} ({props.name}, {gib:.1f} GiB, compute {props.major}.{props.minor}); "
@@ -98,4 +102,5 @@ def describe() -> str:
     return f"device {DEVICE} ({os.cpu_count()} cores); 16-bit: {dtypes}; torch {torch.__version__}; {scale}"
 
 
-__all__ = ["DEVICE", "SMALL", "pick", "seed_everything", "describe", "bf16_supported"]
+__all__ = ["DEVICE", "SMALL", "pick", "seed_everything", "describe", "bf16_supported", "read_env", "parse_device",
+           "parse_small"]

@@ -1,9 +1,9 @@
 """Byte-level training data that needs no download: the Python standard library itself.
 
 The course trains its small models on the ``.py`` source files of the standard library of
-the Python that runs it (about 11 MB of real, structured text for CPython 3.11, identical
-on every machine with the same Python version). Tokens are bytes (vocabulary 256), so
-:func:`encode` / :func:`decode` are the whole tokenizer.
+the Python that runs it (megabytes of real, structured text, identical on every machine with
+the same Python version). Tokens are bytes (vocabulary 256), so :func:`encode` / :func:`decode`
+are the whole tokenizer.
 
 * :func:`stdlib_corpus` -- the corpus as a 1-D ``uint8`` tensor (cached in-process).
 * :func:`batches` -- an endless stream of random ``(x, y)`` windows from the train or
@@ -19,12 +19,15 @@ from typing import Iterator, Sequence
 
 import torch
 
+from memlab.core.validation import check_choice, check_int, check_positive_int, invalid
+
 __all__ = [
     "TRAIN_FRACTION",
     "VAL_SEED_OFFSET",
     "stdlib_root",
     "stdlib_files",
     "stdlib_corpus",
+    "clear_corpus_cache",
     "split_bounds",
     "batches",
     "encode",
@@ -45,7 +48,11 @@ _SPLITS = ("train", "val")
 
 
 def stdlib_root() -> Path:
-    """Directory of the running Python's standard library (where ``os.py`` lives)."""
+    """Directory of the running Python's standard library.
+
+    Returns:
+        The directory where ``os.py`` lives, resolved.
+    """
     return Path(os.__file__).resolve().parent
 
 
@@ -78,6 +85,9 @@ def stdlib_files() -> list[str]:
     packages (directories with an ``__init__.py``) and their sub-packages, skipping any
     directory named ``site-packages``, ``dist-packages``, ``test``, ``tests``, ``idlelib``
     or ``lib2to3``. Sorted by the path string.
+
+    Returns:
+        The paths, relative to :func:`stdlib_root`, with ``/`` separators.
     """
     return list(_stdlib_paths())
 
@@ -109,34 +119,51 @@ def stdlib_corpus(max_bytes: int | None = None) -> torch.Tensor:
     The files listed by :func:`stdlib_files` are concatenated in that order with ``b"\\n"``
     between consecutive files. ``max_bytes`` keeps only the first ``max_bytes`` bytes (and
     stops reading files once it has them). Results are cached per process; each call
-    returns a fresh copy, so modifying it is safe. The content depends on the Python
-    version (CPython 3.11 gives about 11 MB from about 600 files).
+    returns a fresh copy, so modifying it is safe. The content depends on the Python version.
+
+    Args:
+        max_bytes: keep only this many bytes (an int >= 1), or None for the whole corpus.
+
+    Returns:
+        A 1-D ``torch.uint8`` tensor.
+
+    Raises:
+        ValueError: for a ``max_bytes`` that is not None or an int >= 1.
     """
+    # measured: CPython 3.11 gives about 11 MB from about 600 files
     if max_bytes is not None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-            raise ValueError(
-                f"stdlib_corpus: max_bytes={max_bytes!r} is invalid; allowed: None or a "
-                f"positive int"
-            )
+        check_positive_int("stdlib_corpus: max_bytes", max_bytes)
     return _stdlib_tensor(max_bytes).clone()
+
+
+def clear_corpus_cache() -> None:
+    """Forget the cached file list and corpus, so the next :func:`stdlib_corpus` reads the files again.
+
+    Returns:
+        None.
+    """
+    _stdlib_tensor.cache_clear()
+    _stdlib_paths.cache_clear()
 
 
 def split_bounds(n: int, split: str) -> tuple[int, int]:
     """``(start, stop)`` of ``split`` in a corpus of ``n`` tokens.
 
     Train is ``[0, int(n * TRAIN_FRACTION))``, val is ``[int(n * TRAIN_FRACTION), n)``.
+
+    Args:
+        n: the corpus length in tokens.
+        split: ``"train"`` or ``"val"``.
+
+    Returns:
+        ``(start, stop)``.
+
+    Raises:
+        ValueError: for another split.
     """
-    if split not in _SPLITS:
-        raise ValueError(
-            f"split={split!r} is invalid; allowed: {', '.join(repr(s) for s in _SPLITS)}"
-        )
+    check_choice("split", split, _SPLITS)
     cut = int(n * TRAIN_FRACTION)
     return (0, cut) if split == "train" else (cut, n)
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"batches: {name}={value!r} is invalid; allowed: a positive int")
 
 
 def batches(
@@ -155,22 +182,32 @@ def batches(
     Window starts are uniform, drawn from a ``torch.Generator`` seeded with ``seed`` for
     train and ``seed + VAL_SEED_OFFSET`` for val: the same arguments give the same stream.
     Arguments are checked when ``batches`` is called, not at the first ``next``.
+
+    Args:
+        corpus: 1-D token ids.
+        batch_size: rows per batch, an int >= 1.
+        seq_len: tokens per row, an int >= 1 with ``seq_len + 1`` tokens in the split.
+        split: ``"train"`` or ``"val"``.
+        seed: the stream's seed, an int.
+        device: where the batches go, or None to leave them on the corpus's device.
+
+    Returns:
+        An endless iterator of ``(x, y)``.
+
+    Raises:
+        ValueError: naming the argument, its value and what is allowed.
     """
     if not isinstance(corpus, torch.Tensor) or corpus.dim() != 1:
         shape = tuple(corpus.shape) if isinstance(corpus, torch.Tensor) else type(corpus).__name__
-        raise ValueError(f"batches: corpus={shape} is invalid; allowed: a 1-D tensor of token ids")
-    _check_positive_int("batch_size", batch_size)
-    _check_positive_int("seq_len", seq_len)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"batches: seed={seed!r} is invalid; allowed: an int")
+        raise invalid("batches: corpus", shape, "a 1-D tensor of token ids")
+    check_positive_int("batches: batch_size", batch_size)
+    check_positive_int("batches: seq_len", seq_len)
+    check_int("batches: seed", seed)
     start, stop = split_bounds(corpus.numel(), split)
     length = stop - start
     if seq_len + 1 > length:
-        raise ValueError(
-            f"batches: seq_len={seq_len} needs seq_len + 1 = {seq_len + 1} tokens but the "
-            f"{split!r} split has only {length} (corpus of {corpus.numel()} tokens); allowed: "
-            f"seq_len <= {length - 1}"
-        )
+        raise invalid("batches: seq_len", seq_len, f"seq_len <= {length - 1} (a window needs seq_len + 1 tokens "
+                      f"and the {split!r} split has only {length} of the corpus's {corpus.numel()})")
     data = corpus[start:stop]
     generator = torch.Generator().manual_seed(seed + (VAL_SEED_OFFSET if split == "val" else 0))
     return _batch_stream(data, batch_size, seq_len, generator, device)
@@ -196,22 +233,36 @@ def _batch_stream(
 
 
 def encode(text: str) -> torch.Tensor:
-    """UTF-8 bytes of ``text`` as a 1-D ``torch.long`` tensor (ready to index a model)."""
+    """The tokenizer: UTF-8 bytes.
+
+    Args:
+        text: any string.
+
+    Returns:
+        Its UTF-8 bytes as a 1-D ``torch.long`` tensor (ready to index a model).
+    """
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
 def decode(tokens: torch.Tensor | Sequence[int]) -> str:
-    """Inverse of :func:`encode`: byte values (0..255) to text, undecodable bytes as U+FFFD."""
+    """Inverse of :func:`encode`.
+
+    Args:
+        tokens: byte values 0..255, a 1-D tensor or a sequence.
+
+    Returns:
+        The text, undecodable bytes as U+FFFD.
+
+    Raises:
+        ValueError: for a tensor of more than one dimension or a value outside 0..255.
+    """
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() > 1:
-            raise ValueError(
-                f"decode: tokens of shape {tuple(tokens.shape)} are invalid; allowed: a 1-D "
-                f"tensor (decode rows one at a time)"
-            )
+            raise invalid("decode: tokens.shape", tuple(tokens.shape), "a 1-D tensor (decode rows one at a time)")
         values = tokens.reshape(-1).tolist()
     else:
         values = list(tokens)
     bad = [v for v in values if not 0 <= int(v) <= 255]
     if bad:
-        raise ValueError(f"decode: token value {bad[0]!r} is invalid; allowed: 0..255 (bytes)")
+        raise invalid("decode: token value", bad[0], "0..255 (bytes)")
     return bytes(int(v) for v in values).decode("utf-8", errors="replace")

@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from memlab.core.validation import check_positive_int, invalid
 from memlab.quant import Linear4bit
 
 __all__ = ["LoRALinear", "add_lora", "lora_parameters", "count_trainable", "quantize_model", "qlora_model",
@@ -31,17 +32,29 @@ __all__ = ["LoRALinear", "add_lora", "lora_parameters", "count_trainable", "quan
 
 
 class LoRALinear(nn.Module):
-    """A frozen ``base`` (nn.Linear or memlab.quant.Linear4bit) plus a rank-``r`` adapter scaled by ``alpha / r``."""
+    """A frozen ``base`` (nn.Linear or memlab.quant.Linear4bit) plus a rank-``r`` adapter scaled by ``alpha / r``.
+
+    Args:
+        base: the layer to adapt; its parameters are frozen.
+        r: the adapter's rank, an int >= 1.
+        alpha: the scale numerator (the update is multiplied by ``alpha / r``).
+        dropout: dropout on the adapter's input, in [0, 1).
+        dtype: the adapter's dtype (QLoRA keeps it float32 over a bf16-computing base).
+
+    Raises:
+        TypeError: for a base that is neither.
+        ValueError: for a bad ``r`` or ``dropout``.
+    """
 
     def __init__(self, base: nn.Module, r: int = 8, alpha: float = 16, dropout: float = 0.0,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if not isinstance(base, (nn.Linear, Linear4bit)):
-            raise TypeError(f"LoRALinear: base must be an nn.Linear or memlab.quant.Linear4bit, got {type(base).__name__}")
-        if type(r) is not int or r <= 0:
-            raise ValueError(f"LoRALinear: r must be a positive int, got {r!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"LoRALinear: dropout must be in [0, 1), got {dropout!r}")
+            raise TypeError(f"LoRALinear: base={type(base).__name__} is invalid; allowed: an nn.Linear or "
+                            f"memlab.quant.Linear4bit")
+        check_positive_int("r", r)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise invalid("dropout", dropout, "a float with 0 <= dropout < 1")
         self.base = base
         for p in base.parameters():
             p.requires_grad_(False)
@@ -56,10 +69,22 @@ class LoRALinear(nn.Module):
         self.merged = False
 
     def delta_weight(self) -> torch.Tensor:
-        """``(B @ A) * scaling``, out x in: what merge() adds to the base weight."""
+        """What :meth:`merge` adds to the base weight.
+
+        Returns:
+            ``(B @ A) * scaling``, ``(out_features, in_features)``.
+        """
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The base layer's output plus the scaled adapter's (just the base's once merged).
+
+        Args:
+            x: ``(..., in_features)``.
+
+        Returns:
+            ``(..., out_features)`` in the base output's dtype.
+        """
         result = self.base(x)
         if self.merged:
             return result
@@ -70,7 +95,14 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Fold the adapter into the base weight (an NF4 base is dequantized, updated and requantized: lossy)."""
+        """Fold the adapter into the base weight (an NF4 base is dequantized, updated and requantized: lossy).
+
+        Returns:
+            None.
+
+        Raises:
+            RuntimeError: when already merged.
+        """
         if self.merged:
             raise RuntimeError("LoRALinear.merge: already merged")
         self._add_to_base(self.delta_weight())
@@ -78,7 +110,14 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """Subtract the adapter from the base weight again (exact inverse up to rounding for nn.Linear)."""
+        """Subtract the adapter from the base weight again (exact inverse up to rounding for nn.Linear).
+
+        Returns:
+            None.
+
+        Raises:
+            RuntimeError: when not merged.
+        """
         if not self.merged:
             raise RuntimeError("LoRALinear.unmerge: not merged")
         self._add_to_base(-self.delta_weight())
@@ -92,6 +131,11 @@ class LoRALinear(nn.Module):
             self.base.quantize_(w)
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows inside the parentheses.
+
+        Returns:
+            The layer's settings as ``key=value`` pairs.
+        """
         return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, merged={self.merged}"
 
 
@@ -99,14 +143,26 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16, target_modules: It
              dropout: float = 0.0) -> nn.Module:
     """Wrap every nn.Linear / Linear4bit whose name ends in one of ``target_modules`` in a LoRALinear, in place.
 
-    All other parameters are frozen (requires_grad=False), as peft's get_peft_model does. Returns
-    ``model``. Raises ValueError when nothing matches (a typo in target_modules is otherwise silent).
+    All other parameters are frozen (requires_grad=False), as peft's get_peft_model does.
     Modules are wrapped in ``named_modules()`` order, so the random initialisation matches peft's
     under the same seed.
+
+    Args:
+        model: the model, changed in place.
+        r: the adapters' rank.
+        alpha: their scale numerator.
+        target_modules: leaf names of the layers to adapt (a single string is one name).
+        dropout: dropout on each adapter's input.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: when ``target_modules`` is empty or matches nothing (a typo is otherwise silent).
     """
     targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
     if not targets:
-        raise ValueError("add_lora: target_modules is empty")
+        raise invalid("add_lora: target_modules", target_modules, "a non-empty list of layer names")
     for p in model.parameters():
         p.requires_grad_(False)
     found = []
@@ -117,17 +173,32 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16, target_modules: It
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             setattr(parent, leaf, LoRALinear(module, r=r, alpha=alpha, dropout=dropout))
     if not found:
-        raise ValueError(f"add_lora: no nn.Linear or Linear4bit named {targets} in the model")
+        raise invalid("add_lora: target_modules", targets, "names of nn.Linear or Linear4bit layers in the model "
+                      "(no nn.Linear or Linear4bit has one of these names)")
     return model
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The adapters' parameters (lora_A and lora_B of every LoRALinear), in module order."""
+    """The adapters' parameters, what the optimizer gets.
+
+    Args:
+        model: a model with LoRALinear layers.
+
+    Returns:
+        lora_A and lora_B of every LoRALinear, in module order.
+    """
     return [p for m in model.modules() if isinstance(m, LoRALinear) for p in (m.lora_A.weight, m.lora_B.weight)]
 
 
 def count_trainable(model: nn.Module) -> tuple[int, int]:
-    """(trainable parameters, all parameters, counting NF4-stored weights by their element count)."""
+    """Trainable and all parameters.
+
+    Args:
+        model: any model; a Linear4bit's weight (a buffer) counts by its element count.
+
+    Returns:
+        ``(trainable, total)``.
+    """
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     total += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear4bit))
@@ -137,8 +208,20 @@ def count_trainable(model: nn.Module) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- the QLoRA model and its bytes
 def quantize_model(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16, blocksize: int = 64,
                    double_quant: bool = True, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
-    """Replace every nn.Linear (except those named in ``skip``) by a Linear4bit, in place, as
-    transformers' BitsAndBytesConfig(load_in_4bit=True) does (it keeps lm_head in 16/32 bit). Returns ``model``."""
+    """Replace every nn.Linear (except those named in ``skip``) by a Linear4bit, in place.
+
+    As transformers' ``BitsAndBytesConfig(load_in_4bit=True)`` does (it keeps lm_head in 16/32 bit).
+
+    Args:
+        model: the model, changed in place.
+        compute_dtype: the Linear4bit layers' matmul dtype.
+        blocksize: weights per absmax block.
+        double_quant: quantize the absmax too.
+        skip: leaf names left in floating point.
+
+    Returns:
+        ``model``.
+    """
     skip = tuple(skip)
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
@@ -149,15 +232,33 @@ def quantize_model(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16
 
 
 def qlora_model(model: nn.Module, r: int = 8, alpha: float = 16, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
-    """QLoRA as in the paper: every linear layer (but lm_head) in NF4 with double quant, blocksize 64, bf16
-    compute, and a rank-``r`` fp32 LoRA adapter on each of them. In place; returns ``model``."""
+    """QLoRA as in the paper: every linear layer (but lm_head) in NF4 and a LoRA adapter on each.
+
+    NF4 with double quant, blocksize 64, bf16 compute; fp32 adapters.
+
+    Args:
+        model: the model, changed in place.
+        r: the adapters' rank.
+        alpha: their scale numerator.
+        skip: leaf names left in floating point and without adapter.
+
+    Returns:
+        ``model``.
+    """
     quantize_model(model, skip=skip)
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, Linear4bit)}
     return add_lora(model, r=r, alpha=alpha, target_modules=sorted(names))
 
 
 def model_storage_bytes(model: nn.Module) -> int:
-    """Bytes of every distinct storage held by the model's parameters and buffers (shared storages once)."""
+    """Bytes of every distinct storage held by the model's parameters and buffers.
+
+    Args:
+        model: any model.
+
+    Returns:
+        The bytes, shared storages once.
+    """
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
         st = t.untyped_storage()
@@ -174,6 +275,14 @@ def predict_qlora_bytes(model: nn.Module, r: int = 8, skip: Iterable[str] = ("lm
     Per quantized linear (n = in*out weights): n/2 code bytes (ceil), one uint8 code per 64-block scale,
     a float32 second-level scale per 256 first-level scales, a float32 offset, the bias in bf16, and
     LoRA's r*(in+out) float32 numbers. Everything else keeps its bytes (tied storages once).
+
+    Args:
+        model: the floating-point model (not changed).
+        r: the adapters' rank.
+        skip: leaf names left in floating point.
+
+    Returns:
+        The predicted bytes.
     """
     skip = tuple(skip)
     quantized = {id(m.weight) for n, m in model.named_modules()

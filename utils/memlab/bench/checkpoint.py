@@ -9,18 +9,8 @@ One training step (forward + backward) of a TinyGPT with ``--layers`` blocks, ru
   ``memlab.checkpoint.checkpoint``, by ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, and
   by ``memlab.checkpoint.selective_checkpoint`` (matmul outputs kept).
 
-Memory: ``memlab.profiler.MemoryTracker``, the activation peak (everything that is neither a
-parameter nor a gradient, maximised over the step). Time: median over ``--repeat`` rounds in which
-every configuration runs once, round-robin, so that a busy machine slows them all alike.
-
-Targets (issue 4), printed as holds / MISSED:
-
-* the activation peak with sqrt(n) segments is within 15% of the model
-  ``k * boundary + ceil(n/k) * layer`` plus the rest of the model (embedding, head, loss: the same
-  step with the blocks skipped), with ``layer`` and ``boundary`` measured by saved_tensors_hooks;
-* step time with sqrt(n) segments is less than 40% above no checkpointing;
-* memlab's peak is within 2% of torch.utils.checkpoint's and its step time at most 10% above it,
-  for the same segments (being faster is not a miss).
+Memory: ``memlab.profiler.MemoryTracker``'s activation peak; time: the median over ``--repeat``
+interleaved rounds. The targets (printed as holds / MISSED) are stated in :func:`_targets`.
 """
 from __future__ import annotations
 
@@ -51,19 +41,8 @@ def _interleaved_medians(fns: dict[str, Callable[[], None]], repeat: int, device
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from memlab.accounting import format_bytes, saved_activation_bytes
-    from memlab.checkpoint import (
-        activation_memory_model,
-        checkpoint,
-        checkpoint_sequential,
-        selective_checkpoint,
-        sqrt_segments,
-    )
-    from memlab.config import DEVICE, seed_everything
-    from memlab.models import TinyGPT, TinyGPTConfig
-    from memlab.profiler import MemoryTracker
-
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``--layers`` below 1 is refused by argparse (exit 2)."""
     p = argparse.ArgumentParser(prog="memlab bench checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=16, help="number of TinyGPT blocks (default 16)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 64 on CPU, 512 on GPU)")
@@ -77,23 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error(f"--layers={args.layers} must be >= 1")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    return args
 
-    dev = DEVICE
-    on_gpu = dev.type == "cuda"
-    n = args.layers
-    s = args.seq or (512 if on_gpu else 64)
-    b = args.batch or (8 if on_gpu else 4)
-    h = args.width or (768 if on_gpu else 128)
-    repeat = args.repeat or (10 if on_gpu else 21)
-    k = sqrt_segments(n)
 
-    seed_everything(0)
-    model = TinyGPT(TinyGPTConfig(n_layer=n, n_embd=h, n_head=args.heads, block_size=s,
-                                  dropout=args.dropout)).to(dev)
-    x = torch.randint(0, 256, (b, s), device=dev)
-    y = torch.randint(0, 256, (b, s), device=dev)
+def _configurations(model, x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[dict[str, Callable[[], None]],
+                                                                               Callable[[], None]]:
+    """One training step per configuration (name -> step), and the step with the blocks skipped."""
+    from memlab.checkpoint import checkpoint, checkpoint_sequential, selective_checkpoint
+
+    s, dev = x.shape[1], x.device
 
     def embed():
         return model.drop(model.tok_emb(x) + model.pos_emb(torch.arange(s, device=dev)))
@@ -136,6 +107,89 @@ def main(argv: list[str] | None = None) -> int:
         "torch, every block": per_block(functools.partial(tuc.checkpoint, use_reentrant=False)),
         "memlab selective, every block": per_block(selective_checkpoint),
     }
+    return configs, rest_only
+
+
+def _rows(peaks: dict[str, int], times: dict[str, float]) -> list[list[str]]:
+    """The table's rows: each configuration against no checkpointing and against torch's same cut."""
+    from memlab.core.units import format_bytes
+
+    base_p, base_t = peaks["no checkpointing"], times["no checkpointing"]
+    rows = []
+    for name in peaks:
+        ref = name.replace("memlab", "torch") if name.startswith("memlab") and "selective" not in name else None
+        vs_torch_p = f"{peaks[name] / peaks[ref]:.3f}" if ref else "-"
+        vs_torch_t = f"{times[name] / times[ref]:.3f}" if ref else "-"
+        rows.append([name, format_bytes(peaks[name]), f"{peaks[name] / base_p:.3f}", vs_torch_p,
+                     f"{times[name] * 1e3:.1f}", f"{times[name] / base_t:.3f}", vs_torch_t])
+    return rows
+
+
+def _targets(peaks: dict[str, int], times: dict[str, float], n: int, k: int, predicted: int, boundary: int,
+             layer: int, rest: int) -> list[tuple[str, float, bool]]:
+    """The targets as ``(text, ratio, holds)``.
+
+    * the activation peak with sqrt(n) segments is within 15% of the model
+      ``k * boundary + ceil(n/k) * layer`` plus the rest of the model (embedding, head, loss: the
+      same step with the blocks skipped), ``layer`` and ``boundary`` measured by saved_tensors_hooks;
+    * step time with sqrt(n) segments is less than 40% above no checkpointing;
+    * memlab's peak is within 2% of torch.utils.checkpoint's and its step time at most 10% above it,
+      for the same segments (being faster is not a miss).
+    """
+    from memlab.core.units import format_bytes
+
+    seg, tseg = f"memlab, {k} segments", f"torch, {k} segments"
+    base_t = times["no checkpointing"]
+    every_p = peaks["memlab, every block"] / peaks["torch, every block"]
+    every_t = times["memlab, every block"] / times["torch, every block"]
+    return [
+        (f"activation peak with k={k} segments within 15% of the model "
+         f"({format_bytes(predicted)} = {k}*{format_bytes(boundary)} + {-(-n // k)}*{format_bytes(layer)} "
+         f"+ rest {format_bytes(rest)})", peaks[seg] / predicted, abs(peaks[seg] / predicted - 1) <= 0.15),
+        (f"step time overhead with k={k} segments under 40% vs no checkpointing",
+         times[seg] / base_t, times[seg] / base_t < 1.40),
+        (f"memory within 2% of torch.utils.checkpoint (k={k} segments)",
+         peaks[seg] / peaks[tseg], abs(peaks[seg] / peaks[tseg] - 1) <= 0.02),
+        ("memory within 2% of torch.utils.checkpoint (every block)", every_p, abs(every_p - 1) <= 0.02),
+        (f"time at most 10% above torch.utils.checkpoint (k={k} segments)",
+         times[seg] / times[tseg], times[seg] / times[tseg] <= 1.10),
+        ("time at most 10% above torch.utils.checkpoint (every block)", every_t, every_t <= 1.10),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its table and targets.
+
+    Args:
+        argv: the arguments after ``memlab bench checkpoint`` (``--help`` lists them).
+
+    Returns:
+        The exit code: 0, or 1 when a target is missed under ``--strict``.
+    """
+    from memlab.accounting import saved_activation_bytes
+    from memlab.checkpoint import activation_memory_model, sqrt_segments
+    from memlab.config import DEVICE, seed_everything
+    from memlab.models import TinyGPT, TinyGPTConfig
+    from memlab.profiler import MemoryTracker
+
+    args = _parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dev = DEVICE
+    on_gpu = dev.type == "cuda"
+    n = args.layers
+    s = args.seq or (512 if on_gpu else 64)
+    b = args.batch or (8 if on_gpu else 4)
+    h = args.width or (768 if on_gpu else 128)
+    repeat = args.repeat or (10 if on_gpu else 21)
+    k = sqrt_segments(n)
+
+    seed_everything(0)
+    model = TinyGPT(TinyGPTConfig(n_layer=n, n_embd=h, n_head=args.heads, block_size=s,
+                                  dropout=args.dropout)).to(dev)
+    x = torch.randint(0, 256, (b, s), device=dev)
+    y = torch.randint(0, 256, (b, s), device=dev)
+    configs, rest_only = _configurations(model, x, y, k)
 
     def activation_peak(fn) -> int:
         with MemoryTracker(model) as tracker:
@@ -151,38 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     rest = activation_peak(rest_only)
     predicted = activation_memory_model(n, k, layer, boundary) + rest
 
-    base_p, base_t = peaks["no checkpointing"], times["no checkpointing"]
-    rows = []
-    for name in configs:
-        ref = name.replace("memlab", "torch") if name.startswith("memlab") and "selective" not in name else None
-        vs_torch_p = f"{peaks[name] / peaks[ref]:.3f}" if ref else "-"
-        vs_torch_t = f"{times[name] / times[ref]:.3f}" if ref else "-"
-        rows.append([name, format_bytes(peaks[name]), f"{peaks[name] / base_p:.3f}", vs_torch_p,
-                     f"{times[name] * 1e3:.1f}", f"{times[name] / base_t:.3f}", vs_torch_t])
     print(table(
         f"memlab bench checkpoint: {n}-layer TinyGPT, seq {s}, batch {b}, width {h}, dropout {args.dropout}, "
         f"fp32; median of {repeat} interleaved rounds",
         ["configuration", "act. peak", "peak / none", "peak / torch", "step ms", "time / none", "time / torch"],
-        rows, device=dev))
-
-    seg = f"memlab, {k} segments"
-    checks = [
-        (f"activation peak with k={k} segments within 15% of the model "
-         f"({format_bytes(predicted)} = {k}*{format_bytes(boundary)} + {-(-n // k)}*{format_bytes(layer)} "
-         f"+ rest {format_bytes(rest)})", peaks[seg] / predicted, abs(peaks[seg] / predicted - 1) <= 0.15),
-        (f"step time overhead with k={k} segments under 40% vs no checkpointing",
-         times[seg] / base_t, times[seg] / base_t < 1.40),
-        (f"memory within 2% of torch.utils.checkpoint (k={k} segments)",
-         peaks[seg] / peaks[f"torch, {k} segments"], abs(peaks[seg] / peaks[f"torch, {k} segments"] - 1) <= 0.02),
-        ("memory within 2% of torch.utils.checkpoint (every block)",
-         peaks["memlab, every block"] / peaks["torch, every block"],
-         abs(peaks["memlab, every block"] / peaks["torch, every block"] - 1) <= 0.02),
-        (f"time at most 10% above torch.utils.checkpoint (k={k} segments)",
-         times[seg] / times[f"torch, {k} segments"], times[seg] / times[f"torch, {k} segments"] <= 1.10),
-        ("time at most 10% above torch.utils.checkpoint (every block)",
-         times["memlab, every block"] / times["torch, every block"],
-         times["memlab, every block"] / times["torch, every block"] <= 1.10),
-    ]
+        _rows(peaks, times), device=dev))
+    checks = _targets(peaks, times, n, k, predicted, boundary, layer, rest)
     return report_targets(checks, dev, strict=args.strict)
 
 

@@ -8,8 +8,8 @@
    estimator's alone): the Llama-2-70B preset (seq_len 4096, batch 1, bf16, AdamW), target < 5 s
    for the estimate and < 8 GB; and Llama-2-7B (batch 1 x 2048) with all of ``memlab estimate``'s
    suggestions (every traced what-if), target < 10 s. A homogeneous decoder stack is traced at
-   two depths and extrapolated by layer count (``tests/test_estimate.py`` checks it equals the
-   full trace); the process wall time (imports included) is shown next to it.
+   two depths and extrapolated by layer count (equal to the full trace); the process wall time
+   (imports included) is shown next to it.
 """
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ import time
 import torch
 
 from memlab.bench import device_name, table, time_median
+from memlab.core.units import GB, GiB
 
 OVERHEAD_TARGET = 3.0
 WALL_TARGET_S = 5.0  # the 70B estimate itself
 SUGGEST_TARGET_S = 10.0  # the 7B estimate with all suggestions
-RSS_TARGET_BYTES = 8 * 10**9
+RSS_TARGET_BYTES = 8 * GB
 
 _CHILD = r"""
 import json, resource, sys, time
@@ -110,6 +111,14 @@ def _estimator_cost(model: str, seq_len: int, batch_size: int, dtype: str, optim
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its tables and PASS/FAIL lines.
+
+    Args:
+        argv: the arguments after ``memlab bench profiler`` (``--help`` lists them).
+
+    Returns:
+        The exit code: 0 when every target holds, else 1.
+    """
     parser = argparse.ArgumentParser(prog="memlab bench profiler", description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=7, help="timed repeats per variant (median)")
     parser.add_argument("--batch-size", type=int, default=8, help="TinyGPT batch size")
@@ -139,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             f"(fresh subprocess, fake tensors)",
             ("quantity", "value"),
             [("parameters", f"{r['n_params'] / 1e9:.2f} B"),
-             ("estimated peak (GiB)", r["peak_bytes"] / 2**30),
+             ("estimated peak (GiB)", r["peak_bytes"] / GiB),
              ("import memlab.estimate (s)", r["import_s"]),
              ("estimate (s)", r["estimate_s"]),
              ("process wall time (s)", r["wall_s"]),
-             ("peak RSS (GB)", r["maxrss_bytes"] / 1e9)],
+             ("peak RSS (GB)", r["maxrss_bytes"] / GB)],
             device="cpu",
         ))
         t_ok = r["estimate_s"] < WALL_TARGET_S
@@ -151,15 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         ok &= t_ok and m_ok
         print(f"\n{'PASS' if t_ok else 'FAIL'}: {args.model} estimate {r['estimate_s']:.1f} s (target < {WALL_TARGET_S:g} s; "
               f"process {r['wall_s']:.1f} s with imports)")
-        print(f"{'PASS' if m_ok else 'FAIL'}: estimator peak RSS {r['maxrss_bytes'] / 1e9:.2f} GB "
-              f"(target < {RSS_TARGET_BYTES / 1e9:g} GB)")
+        print(f"{'PASS' if m_ok else 'FAIL'}: estimator peak RSS {r['maxrss_bytes'] / GB:.2f} GB "
+              f"(target < {RSS_TARGET_BYTES / GB:g} GB)")
         s = _estimator_cost(args.suggest_model, 2048, 1, "bf16", "adamw", suggest=True)
         print()
         print(table(
             f"Estimator with suggestions: {args.suggest_model}, batch 1 x 2048, bf16, AdamW, "
             f"the base estimate and all {s['n_suggestions']} what-ifs (fresh subprocess)",
             ("quantity", "value"),
-            [("estimated peak (GiB)", s["peak_bytes"] / 2**30),
+            [("estimated peak (GiB)", s["peak_bytes"] / GiB),
              ("traced at depths", ", ".join(map(str, s["extrapolated"])) or "all layers"),
              ("estimate + suggestions (s)", s["estimate_s"]),
              ("process wall time (s)", s["wall_s"])],

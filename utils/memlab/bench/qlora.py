@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from memlab.bench import device_name, table, time_median
+from memlab.core.units import MiB
 
 
 def _bnb():
@@ -31,6 +32,17 @@ def _bnb():
 
 
 def bench_nf4(rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.device, repeat: int) -> list[list[Any]]:
+    """NF4 quantize and dequantize of one random matrix, memlab.quant against bitsandbytes.functional.
+
+    Args:
+        rows_cols: the matrix's shape.
+        dtype: its dtype (float32, float16 or bfloat16).
+        device: where it lives.
+        repeat: timed runs per operation (the median is shown).
+
+    Returns:
+        Two table rows (quantize, dequantize): times in ms, speed ratio, Gweights/s, bytes, bit-exactness.
+    """
     from memlab import quant
 
     _, F = _bnb()
@@ -62,6 +74,17 @@ def bench_nf4(rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.devi
 
 
 def bench_linear(shape: tuple[int, int], batch: int, device: torch.device, repeat: int) -> list[list[Any]]:
+    """One Linear4bit forward (double quant), memlab.quant against bitsandbytes.nn.
+
+    Args:
+        shape: ``(out_features, in_features)``.
+        batch: rows of the input.
+        device: where the layers run.
+        repeat: timed runs (the median is shown).
+
+    Returns:
+        One table row: times in ms, speed ratio and the largest absolute difference of the outputs.
+    """
     from memlab import quant
 
     bnb, _ = _bnb()
@@ -85,6 +108,16 @@ def bench_linear(shape: tuple[int, int], batch: int, device: torch.device, repea
 
 
 def bench_steps(device: torch.device, batch: int, seq: int) -> list[list[Any]]:
+    """The second training step of tiny_llama under full fine-tuning, LoRA and QLoRA, tracked.
+
+    Args:
+        device: where the model trains.
+        batch: batch size.
+        seq: sequence length.
+
+    Returns:
+        One table row per recipe: trainable parameters, stored model, peak and its breakdown, in MiB.
+    """
     from memlab import lora
     from memlab.models import lm_loss, tiny_llama
     from memlab.profiler import MemoryTracker
@@ -115,13 +148,21 @@ def bench_steps(device: torch.device, batch: int, seq: int) -> list[list[Any]]:
             opt.step()
             opt.zero_grad(set_to_none=True)
         b = tracker.breakdown("peak")
-        rows.append([recipe, sum(p.numel() for p in params), stored / 2**20, tracker.peak_bytes / 2**20,
-                     b.get("parameters", 0) / 2**20, b.get("gradients", 0) / 2**20, b.get("optimizer", 0) / 2**20,
-                     b.get("activations", 0) / 2**20])
+        rows.append([recipe, sum(p.numel() for p in params), stored / MiB, tracker.peak_bytes / MiB,
+                     b.get("parameters", 0) / MiB, b.get("gradients", 0) / MiB, b.get("optimizer", 0) / MiB,
+                     b.get("activations", 0) / MiB])
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its three tables.
+
+    Args:
+        argv: the arguments after ``memlab bench qlora`` (``--help`` lists them).
+
+    Returns:
+        The exit code, 0.
+    """
     from memlab.config import DEVICE, SMALL
 
     ap = argparse.ArgumentParser(prog="memlab bench qlora", description=__doc__.split("\n\n")[0])
@@ -142,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(f"memlab bench qlora: Linear4bit({size}, {size}) forward, batch 16, double quant",
                 ["op", "memlab (ms)", "bitsandbytes (ms)", "speed vs bnb", "max abs diff"], rows, DEVICE))
     print("max abs diff: bitsandbytes' CPU kernel picks some 8-bit codes of the double-quantized scales one level off\n"
-          "the nearest (a lookup); given the same codes the forward is bitwise equal (tests/test_quant.py).")
+          "the nearest (a lookup); given the same codes the forward is bitwise equal (memlab's tests check it).")
     print()
     if not args.skip_steps:
         rows = bench_steps(DEVICE, 4, 64 if SMALL else 256)

@@ -1,0 +1,43 @@
+"""The models the course trains and measures.
+
+* :mod:`memlab.models.tinygpt` -- :class:`TinyGPT`, a small GPT-2 style decoder in plain PyTorch
+  whose saved activations are the ones Korthikanti et al. 2022 count.
+* :mod:`memlab.models.llama` -- :func:`tiny_llama`, a small ``transformers`` Llama built from a
+  config (never downloaded).
+* :mod:`memlab.models.presets` -- :data:`PRESETS`, the published dimensions of GPT-2, Llama 2/3,
+  Mistral and Qwen2.5, to build on the ``meta`` device or count analytically.
+* :mod:`memlab.models.common` -- helpers for any of them: :func:`count_parameters`,
+  :func:`decoder_layers`, :func:`lm_loss`.
+
+``transformers`` is imported lazily, so ``TinyGPT`` works with PyTorch alone.
+"""
+
+from __future__ import annotations
+
+from memlab.models.common import NoDecoderLayersError, count_parameters, decoder_layers, lm_loss
+from memlab.models.llama import TINY_LLAMA_DEFAULTS, tiny_llama, tiny_llama_config
+from memlab.models.presets import (CONFIG_LIMITS, PRESETS, UnknownPresetError, build_preset, preset_config,
+                                   preset_parameter_count, validate_config)
+from memlab.models.tinygpt import (ATTENTION_IMPLEMENTATIONS, MLP, Block, CausalSelfAttention, TinyGPT,
+                                   TinyGPTConfig)
+
+__all__ = [
+    "validate_config",
+    "CONFIG_LIMITS",
+    "TinyGPTConfig",
+    "TinyGPT",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "tiny_llama_config",
+    "tiny_llama",
+    "PRESETS",
+    "UnknownPresetError",
+    "preset_config",
+    "build_preset",
+    "preset_parameter_count",
+    "count_parameters",
+    "decoder_layers",
+    "NoDecoderLayersError",
+    "lm_loss",
+]
