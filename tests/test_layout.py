@@ -30,6 +30,7 @@ LONG_FUNCTIONS: dict[str, str] = {}
 MOVED: dict[str, str] = {
     "memlab.gpus": "memlab.core.gpus",
     "memlab._optional": "memlab.optional",
+    "memlab.ckpt": "memlab.training_state",
 }
 
 

@@ -1,4 +1,4 @@
-"""memlab.ckpt: one safetensors file, atomic, verified; a killed writer never leaves a torn checkpoint."""
+"""memlab.training_state (was memlab.ckpt): one safetensors file, atomic, verified; a killed writer never leaves a torn checkpoint."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from memlab import ckpt
-from memlab.ckpt import CheckpointError
+from memlab import training_state as ckpt
+from memlab.training_state import CheckpointError
 
 
 def _state(k: int = 0) -> dict:

@@ -45,14 +45,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memlab.profiler import CATEGORIES, FRESH_ALIAS_OPS, MemoryTracker
+from memlab.profiler import CATEGORIES, CUDA_BLOCK_BYTES, FRESH_ALIAS_OPS, MemoryTracker
 
 __all__ = ["Allocation", "Timeline", "COLORS"]
 
 #: one colour per category (matplotlib's tab10, as MemoryTracker.plot)
 COLORS = {"parameters": "#1f77b4", "gradients": "#ff7f0e", "optimizer": "#2ca02c",
           "activations": "#d62728", "other": "#7f7f7f"}
-_CUDA_BLOCK = 512
+
 
 
 @dataclass
@@ -164,7 +164,7 @@ class Timeline:
             return
         n = st.nbytes()
         if t.device.type == "cuda":
-            n = math.ceil(n / _CUDA_BLOCK) * _CUDA_BLOCK
+            n = math.ceil(n / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
         # made by an op: from that op; found by a hook between ops (a tensor made without an op, such
         # as the optimizer's step counters): from the next op, when the tracker first counts it too
         start = 0 if op == "(before)" else (self._ops if self._inside else self._ops + 1)
@@ -271,7 +271,7 @@ class Timeline:
         addr, next_addr = {}, 0
         for i, a in enumerate(self.allocations):
             addr[i] = next_addr
-            next_addr += max(_CUDA_BLOCK, math.ceil(a.nbytes / _CUDA_BLOCK) * _CUDA_BLOCK)
+            next_addr += max(CUDA_BLOCK_BYTES, math.ceil(a.nbytes / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES)
 
         def frames(a: Allocation) -> list[dict]:
             return [{"filename": f"category: {a.category}", "line": a.start, "name": f"{a.label} ({a.phase})"},

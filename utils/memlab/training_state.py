@@ -1,31 +1,23 @@
-"""Checkpoints that lose nothing: one file, written atomically, verified before it is loaded.
+"""Training state on disk that loses nothing: one file, written atomically, verified before it is loaded.
 
 A training checkpoint is a tree of plain values (dicts, lists, ints, floats, strings, None) with
-tensors as leaves: the model's ``state_dict``, the optimizer's (its hyperparameters and its
-per-parameter state), the RNG states of torch, Python and NumPy, the data position, the stack in
-use. :func:`save` writes the whole tree as **one safetensors file** (the format of Hugging Face's
-``safetensors``: an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
-shape and byte range, then the raw bytes). The tensors are the file's tensors; everything else is
-JSON in the header's ``__metadata__`` (key ``memlab.state``), where each tensor leaf is replaced by
-``{"__tensor__": name}``. The format is specified at https://github.com/huggingface/safetensors
-(README, "Format"). The reader and the writer are written here (no dependency); the files it
-writes load with the ``safetensors`` package too (``tests/test_ckpt.py``). Reading never unpickles
-anything: tensors are rebuilt from raw bytes with ``torch.frombuffer``, the rest is ``json``.
+tensors as leaves: the model's ``state_dict``, the optimizer's, the RNG states, the data position,
+the stack in use. :func:`save` writes the whole tree as **one safetensors file** (Hugging Face's
+format, https://github.com/huggingface/safetensors, README "Format": an 8-byte little-endian
+header length, a JSON header naming each tensor's dtype, shape and byte range, then the raw
+bytes). Everything that is not a tensor is JSON in the header's ``__metadata__`` (key
+``memlab.state``), each tensor leaf replaced by ``{"__tensor__": name}``. Reader and writer are
+written here (no dependency; the files load with the ``safetensors`` package too), and reading
+never unpickles anything.
 
-Nothing is lost, nothing is half-read:
-
-* **atomic**: :func:`atomic_write` writes to a temporary file in the same directory, flushes,
-  ``os.fsync``s it, ``os.replace``s it onto the target name (POSIX ``rename(2)`` swaps an
-  existing name in one step within one file system: no reader ever finds the name missing or
-  half-written) and ``fsync``s the directory, so that the rename itself survives a power cut.
-  A process killed at any instant (``kill -9``, mid-write included) leaves either the previous
-  complete file or the new complete file under the name, never a mixture; at worst a stray
-  ``.<name>.tmp-*`` file, which :func:`remove_stale_temps` clears and loaders ignore.
-* **verified**: the metadata holds ``memlab.sha256``, the SHA-256 of the canonical JSON of the
-  header (tensor table and state, the checksum itself left out) followed by the tensor bytes.
-  :func:`load` checks the length fields, the header, the tensor table and the checksum before it
-  builds anything; a truncated or corrupted file raises :class:`CheckpointError` naming the file
-  and what is wrong.
+* **atomic**: :func:`atomic_write` writes a temporary file in the same directory, ``fsync``s it,
+  ``os.replace``s it onto the name (POSIX ``rename(2)``: no reader finds the name missing or
+  half-written) and ``fsync``s the directory. A process killed at any instant leaves the previous
+  or the new complete file, at worst a stray ``.<name>.tmp-*`` that :func:`remove_stale_temps`
+  clears and loaders ignore.
+* **verified**: the metadata holds ``memlab.sha256`` over the canonical header and the tensor
+  bytes; :func:`load` checks lengths, header, tensor table and checksum before it builds anything,
+  and a truncated or corrupted file raises :class:`CheckpointError` naming the file and the fault.
 """
 from __future__ import annotations
 
@@ -40,10 +32,12 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from memlab.core.units import MiB
+
 __all__ = ["CheckpointError", "save", "load", "atomic_write", "serialize", "deserialize", "read_state_json",
            "remove_stale_temps", "temp_files", "iter_checkpoints", "step_of", "DTYPES"]
 
-FORMAT = "memlab.ckpt/1"
+FORMAT = "memlab.ckpt/1"  # written into every file: the name stays
 _STATE_KEY = "memlab.state"
 _SHA_KEY = "memlab.sha256"
 _FORMAT_KEY = "memlab.format"
@@ -54,7 +48,7 @@ DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _FROM_NAME = {v: k for k, v in DTYPES.items()}
-_MAX_HEADER = 100 * 2**20  # safetensors' own limit on the header's size
+_MAX_HEADER = 100 * MiB  # safetensors' own limit on the header's size
 _TEMP_RE = re.compile(r"^\..+\.tmp-[0-9]+-[0-9a-f]+$")
 
 

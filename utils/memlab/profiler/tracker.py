@@ -1,227 +1,47 @@
-"""A training-step memory profiler built from scratch: who holds the bytes, and when.
+"""The training-step memory tracker: every tensor storage of a step, by category, phase and module.
 
-``MemoryTracker`` answers the course's one question -- how many bytes, where, and when -- on the
-CPU you have, on the GPU you rent, and on fake tensors that allocate nothing. It is built from two
-PyTorch mechanisms:
+Built from two PyTorch mechanisms: a ``TorchDispatchMode`` sees every aten op inside the ``with``
+block (forward, the autograd engine's backward, the optimizer step) and so every tensor those ops
+return; a weak reference to each tensor's *untyped storage*, whose callback runs the moment the
+last tensor using it dies, subtracts its bytes exactly when the memory is given back. Views share
+one storage, so each storage is counted once. The design follows PyTorch's own
+``torch.distributed._tools.mem_tracker.MemTracker``, which differs only in how it charges a view
+of memory born before the block (it charges the whole storage; this tracker charges nothing).
 
-* a ``TorchDispatchMode`` (``torch.utils._python_dispatch``) sees every aten op that runs inside
-  the ``with`` block, forward, backward (the autograd engine's ops too) and the optimizer step,
-  and so every tensor those ops return;
-* a weak reference to each tensor's *untyped storage* with a callback: the callback runs the
-  moment the last tensor using that storage dies, so the tracker subtracts its bytes exactly when
-  the memory is given back. Views and aliases share one storage, so each storage is counted once.
+Phases: ``forward`` while the model's forward runs (a pre/post hook on the root module),
+``backward`` while the autograd engine runs (``torch._C._current_graph_task_id() != -1``),
+``optimizer`` inside ``Optimizer.step`` (the global step pre/post hooks), ``other`` otherwise.
+Categories: see :class:`MemoryTracker`.
 
-The live total after op ``k`` is ``sum(nbytes(s) for s in storages alive after op k)``; the peak is
-the maximum of that total over all ops. Sizes follow a rounding policy (``block_bytes``: raw
-``nbytes`` on CPU and meta, rounded up to the CUDA caching allocator's 512-byte block on CUDA).
-A storage born before the ``with`` block is counted only if the model or the optimizer owns it:
-an op that returns a view of any other old storage (a slice of a batch made before, say) costs
-0 bytes, as it costs the allocator nothing. PyTorch's own
-``torch.distributed._tools.mem_tracker.MemTracker`` counts the same way except there: it charges
-such an old storage whole at the first view, so the two peaks agree to the byte when the step makes
-its inputs inside the block, and differ by those old storages otherwise (``tests/test_profiler.py``).
-Against the allocator's own events (``torch.profiler`` with ``profile_memory=True``, see
-:func:`allocator_peak`) the tracker is exact on the same run, up to scalars no op returns
-(``tests/test_ground_truth_steps.py``).
-
-Categories, each storage in exactly one:
-
-* ``parameters``: parameters and buffers of the model (and parameters of the optimizer);
-* ``gradients``: ``.grad`` of those parameters (re-labelled when autograd accumulates them);
-* ``optimizer``: tensors in ``optimizer.state``; during ``optimizer.step`` every new storage is
-  labelled ``optimizer`` (the state appears there, next to the step's temporaries), and after
-  the step whatever is still alive outside ``optimizer.state`` is moved to ``other``;
-* ``activations``: anything else allocated while the model's forward or the backward runs
-  (saved activations, their gradients, recomputed activations under checkpointing);
-* ``other``: the rest (ops outside forward, backward and the optimizer step, such as input
-  batches moved to the device).
-
-Phases: ``forward`` while the model's ``forward`` runs (a forward pre/post hook on the root
-module), ``backward`` while the autograd engine runs (``torch._C._current_graph_task_id() != -1``
-when an op is dispatched: robust whether you call ``loss.backward()``, ``torch.autograd.grad`` or
-a checkpoint recomputes inside backward), ``optimizer`` while ``Optimizer.step`` runs (the global
-optimizer step pre/post hooks), ``other`` otherwise.
-
-Module attribution: forward pre/post hooks push and pop each submodule; in backward, the module
-whose output gradient arrived last (``torch.autograd.graph.register_multi_grad_hook(mode="any")``
-on each module's outputs) is "running", together with its parents, until the next one starts or
-backward ends. Backward attribution is therefore by output-gradient arrival, which is exact for
-sequential models and approximate where modules interleave.
-
-Limits: tensors created outside the ``with`` block are counted only if they belong to the model
-or the optimizer (a buffer an optimizer keeps outside ``optimizer.state`` is not); ops that bypass
-the dispatcher (``no_dispatch``, C++ extensions calling the allocator directly, cuBLAS workspaces,
-scratch a kernel allocates inside itself, the 8-byte tensor C++ makes of a Python number) are
-invisible; wrapper tensor subclasses are counted through whatever plain tensors their ops return.
-And watching changes the run a little: under any Python dispatch mode autograd adds the gradients
-of a tensor used several times out of place (a new buffer each time) where an unwatched run adds
-in place, so a step that slices one tensor many times (chunked attention) peaks higher tracked
-than untracked; the tracker is exact for the run it watches.
+Limits: ops that bypass the dispatcher (``no_dispatch``, C++ extensions calling the allocator,
+cuBLAS workspaces, scratch a kernel allocates inside itself) are invisible; and under any Python
+dispatch mode autograd adds the gradients of a tensor used several times out of place, so a step
+that slices one tensor many times peaks a little higher tracked than untracked. The tracker is
+exact for the run it watches.
 """
 from __future__ import annotations
 
-import math
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memlab.accounting import format_bytes
+from memlab.core.units import format_bytes
+from memlab.core.validation import check_choice, check_int
+from memlab.profiler.allocator import DEFAULT_BLOCK_BYTES, allocator_bytes
+from memlab.profiler.modules import _ModuleFrames
+from memlab.profiler.report import format_report, plot_timeline
+from memlab.profiler.storage import (_A, _BWD, _FWD, _G, _O, _OPT, _OTH, _P, _X, BREAKDOWN_AT, CATEGORIES,
+                                     FRESH_ALIAS_OPS, PHASES, Event, LiveStorage, _Entry, _flat_tensors, _mutates,
+                                     _Peak, optimizer_tensors, phase_peaks)
 
-__all__ = [
-    "CATEGORIES",
-    "PHASES",
-    "MemoryTracker",
-    "Event",
-    "LiveStorage",
-    "CUDA_BLOCK_BYTES",
-    "allocator_bytes",
-    "allocator_peak",
-    "LiveBytes",
-    "categorize",
-    "phase_peaks",
-    "kernel_scratch_at_peak",
-    "format_bytes",
-    "fake_activation_bytes",
-    "train_losses",
-]
-
-CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "other")
-PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other")
-BREAKDOWN_AT: tuple[str, ...] = ("peak", "end")
-
-_P, _G, _O, _A, _X = range(5)
-_FWD, _BWD, _OPT, _OTH = range(4)
-#: The CUDA caching allocator rounds every block up to a multiple of this (``kMinBlockSize`` in
-#: PyTorch's ``c10/cuda/CUDACachingAllocator.cpp``); the CPU allocator gives what was asked.
-CUDA_BLOCK_BYTES = 512
-#: The rounding policy a :class:`MemoryTracker` uses unless given another: device type -> block.
-DEFAULT_BLOCK_BYTES: Mapping[str, int] = {"cuda": CUDA_BLOCK_BYTES}
+__all__ = ["MemoryTracker"]
 
 _graph_task_id = torch._C._current_graph_task_id
 
 
-def allocator_bytes(nbytes: int, device: str | torch.device,
-                    block_bytes: Mapping[str, int] | None = None) -> int:
-    """Bytes the allocator of ``device`` takes for a request of ``nbytes``: rounded up to a
-    multiple of ``block_bytes[device type]`` (default :data:`DEFAULT_BLOCK_BYTES`: CUDA's 512-byte
-    blocks), as asked on any other device.
-
-    >>> allocator_bytes(100, "cuda"), allocator_bytes(100, "cpu"), allocator_bytes(0, "cuda")
-    (512, 100, 0)
-    """
-    dev = device if isinstance(device, str) else device.type
-    block = (DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes).get(dev.split(":")[0], 1)
-    return -(-nbytes // block) * block if block > 1 else nbytes
-
-
-class LiveStorage(NamedTuple):
-    """A storage the tracker holds now (see :meth:`MemoryTracker.live_storages`).
-
-    ``key`` is the storage's ``untyped_storage()._cdata`` (shared by every view), ``nbytes`` the
-    bytes the tracker charges for it (the allocator's size, minus what the storage already held
-    when the tracker first met it as a view of memory allocated before tracking), ``category``
-    one of :data:`CATEGORIES`.
-    """
-
-    key: int
-    storage: torch.UntypedStorage
-    nbytes: int
-    category: str
-
-
-class _Entry:
-    """One live storage: charged bytes, category index, weak reference, its block, and ``base``,
-    the allocator bytes it held before the tracker met it (never charged)."""
-
-    __slots__ = ("nbytes", "cat", "ref", "block", "base")
-
-    def __init__(self, nbytes: int, cat: int, ref: weakref.ref, block: int, base: int) -> None:
-        self.nbytes, self.cat, self.ref, self.block, self.base = nbytes, cat, ref, block, base
-
-
-_MUTATES: dict[Any, bool] = {}
-# ops that alias an input born outside the dispatcher an instant before, inside the block:
-# ``torch.tensor(...)`` builds its tensor in C++ and hands it to ``lift_fresh``, so the storage
-# is new even though the op returns an alias of its input
-_FRESH_ALIAS_OPS = frozenset(
-    getattr(torch.ops.aten, name).default for name in ("lift_fresh", "lift") if hasattr(torch.ops.aten, name))
-FRESH_ALIAS_OPS = _FRESH_ALIAS_OPS  # public: memlab.timeline applies the same rule
-
-
-def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """The tensors an optimizer holds: those in ``optimizer.state``, plus what it returns from an
-    ``extra_state_tensors()`` method, for buffers it keeps outside ``state`` (memlab.offload's
-    OffloadedAdamW: its host gradient slots and pinned staging). Counted as ``optimizer``."""
-    out = [t for st in optimizer.state.values() for t in _tensors_in(st)]
-    extra = getattr(optimizer, "extra_state_tensors", None)
-    if callable(extra):
-        out += [t for t in extra() if isinstance(t, torch.Tensor)]
-    return out
-
-
-def _mutates(func: Any) -> bool:
-    """Whether an op writes into one of its arguments (in place or ``out=``): such an op can resize
-    a storage that the tracker has not met yet, so its size is read before the op runs."""
-    m = _MUTATES.get(func)
-    if m is None:
-        try:
-            m = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-        except AttributeError:  # not an OpOverload: assume it may
-            m = True
-        _MUTATES[func] = m
-    return m
-
-
-def _flat_tensors(obj: Any, out: list, depth: int = 0) -> list:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif depth < 3 and isinstance(obj, (tuple, list)):
-        for o in obj:
-            _flat_tensors(o, out, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for o in obj.values():
-            _flat_tensors(o, out, depth + 1)
-    return out
-
-
-class Event(NamedTuple):
-    """One point of the timeline: the state after dispatched op number ``index``."""
-
-    index: int
-    phase: str
-    bytes: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.bytes.values())
-
-
-@dataclass(frozen=True)
-class _Peak:
-    total: int
-    counts: tuple[int, ...]
-    event: int
-    phase: str
-    module: str | None
-
-
-def _tensors_in(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
-    """Tensors in an op's or a module's output (tensor, tuple/list, dict-like, shallow)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 3:
-        if isinstance(obj, (tuple, list)):
-            for o in obj:
-                yield from _tensors_in(o, depth + 1)
-        elif isinstance(obj, dict):
-            for o in obj.values():
-                yield from _tensors_in(o, depth + 1)
-
-
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(_ModuleFrames, TorchDispatchMode):
     """Track every tensor storage of one or more training steps, by category, phase and module.
 
     Usage::
@@ -233,6 +53,14 @@ class MemoryTracker(TorchDispatchMode):
             optimizer.step()
             optimizer.zero_grad()
         tracker.peak_bytes, tracker.breakdown("peak"), tracker.timeline, tracker.report()
+
+    Categories, each storage in exactly one: ``parameters`` (parameters and buffers of the model,
+    parameters of the optimizer); ``gradients`` (their ``.grad``, re-labelled when autograd
+    accumulates them); ``optimizer`` (tensors in ``optimizer.state``; during ``optimizer.step`` every
+    new storage, and after the step what is still alive outside ``state`` moves to ``other``);
+    ``activations`` (anything else allocated while the forward or the backward runs: saved
+    activations, their gradients, recomputed activations); ``other`` (the rest, such as a batch
+    moved to the device).
 
     On fake tensors, build the model, optimizer and batch under a ``FakeTensorMode`` and run the
     step with both modes active (either nesting order gives the same bytes). One tracker may be
@@ -304,8 +132,7 @@ class MemoryTracker(TorchDispatchMode):
         self._dirty = True
         self._peak = _Peak(0, (0, 0, 0, 0, 0), 0, "other", None)
         self._end: tuple[int, ...] | None = None
-        self._stack: list[list] = []  # [qualified name, max total while active, is_backward_frame]
-        self._module_peaks: dict[str, int] = {}
+        self._init_frames()
         self._handles: list[Any] = []
         self._depth = 0
         self._in_opt = 0
@@ -542,7 +369,7 @@ class MemoryTracker(TorchDispatchMode):
             if phase != self._phase:
                 self._set_phase(phase)
             cat = _A if (phase == _FWD or phase == _BWD) else (_O if phase == _OPT else _X)
-            inputs = () if func in _FRESH_ALIAS_OPS else None
+            inputs = () if func in FRESH_ALIAS_OPS else None
             bsizes = {k: v[0] for k, v in before.items()} if before else None
             for o in outs:
                 if isinstance(o, torch.Tensor):
@@ -563,10 +390,8 @@ class MemoryTracker(TorchDispatchMode):
         """Count ``nbytes`` alive for one moment, now, in ``category``: buffers no tensor shows,
         such as scratch a kernel allocates inside itself (see :func:`kernel_scratch_at_peak`).
         The peak and the timeline see the spike; the current total is unchanged afterwards."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes={nbytes!r} is invalid; allowed: an int >= 0")
-        if category not in CATEGORIES:
-            raise ValueError(f"category={category!r} is not known; allowed: {', '.join(CATEGORIES)}")
+        check_int("nbytes", nbytes, minimum=0)
+        check_choice("category", category, CATEGORIES)
         if nbytes == 0:
             return
         cat = CATEGORIES.index(category)
@@ -599,60 +424,6 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = phase
         self._dirty = True
 
-    # ------------------------------------------------------------------ modules
-    def _push(self, name: str, backward: bool = False) -> None:
-        self._stack.append([name, self._total, backward])
-
-    def _pop_frame(self) -> None:
-        name, peak, _ = self._stack.pop()
-        if peak > self._module_peaks.get(name, -1):
-            self._module_peaks[name] = peak
-        if self._stack and peak > self._stack[-1][1]:
-            self._stack[-1][1] = peak
-
-    def _pop_to(self, depth: int, backward_only: bool = False) -> None:
-        while len(self._stack) > depth and (not backward_only or self._stack[-1][2]):
-            self._pop_frame()
-
-    def _pre_forward(self, name: str):
-        def hook(module, args):
-            if name == "" and _graph_task_id() == -1 and not self._in_opt and self._phase != _FWD:
-                self._set_phase(_FWD)
-            self._push(name)
-
-        return hook
-
-    def _post_forward(self, name: str):
-        def hook(module, args, output):
-            for i in range(len(self._stack) - 1, -1, -1):
-                if self._stack[i][0] == name and not self._stack[i][2]:
-                    self._pop_to(i)
-                    break
-            if torch.is_grad_enabled() and _graph_task_id() == -1:
-                ts = [t for t in _tensors_in(output) if t.requires_grad]
-                if ts:
-                    torch.autograd.graph.register_multi_grad_hook(ts, self._pre_backward(name), mode="any")
-
-        return hook
-
-    def _pre_backward(self, name: str):
-        chain = [name] if name == "" else [""] + [".".join(name.split(".")[: i + 1]) for i in range(name.count(".") + 1)]
-
-        def hook(grad):
-            if self._depth == 0:
-                return
-            # keep the longest common prefix of the backward frames, push the rest of the chain
-            base = 0
-            while base < len(self._stack) and not self._stack[base][2]:
-                base += 1
-            i = 0
-            while i < len(chain) and base + i < len(self._stack) and self._stack[base + i][0] == chain[i]:
-                i += 1
-            self._pop_to(base + i)
-            for n in chain[i:]:
-                self._push(n, backward=True)
-
-        return hook
 
     def _install_hooks(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -683,9 +454,7 @@ class MemoryTracker(TorchDispatchMode):
         seen: set[int] = set()
         params: list[torch.Tensor] = []
         if self.model is not None:
-            for name, mod in self.model.named_modules():
-                self._handles.append(mod.register_forward_pre_hook(self._pre_forward(name)))
-                self._handles.append(mod.register_forward_hook(self._post_forward(name), always_call=True))
+            self._handles += self._install_module_hooks(self.model)
             params.extend(self.model.parameters())
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
@@ -774,8 +543,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def breakdown(self, at: str = "peak") -> dict[str, int]:
         """Bytes per category at the peak or at the end of the block (now, if still inside)."""
-        if at not in BREAKDOWN_AT:
-            raise ValueError(f"at: got {at!r}, expected one of {', '.join(map(repr, BREAKDOWN_AT))}")
+        check_choice("at", at, BREAKDOWN_AT)
         counts = self._peak.counts if at == "peak" else (self._end if self._end is not None else self._cur)
         return dict(zip(CATEGORIES, counts))
 
@@ -788,320 +556,29 @@ class MemoryTracker(TorchDispatchMode):
         """Peak total bytes in each phase that occurred."""
         return phase_peaks(self.timeline)
 
-    @property
-    def module_peaks(self) -> dict[str, int]:
-        """Qualified module name -> peak total bytes seen while it ran (forward or backward)."""
-        peaks = dict(self._module_peaks)
-        for name, peak, _ in self._stack:  # still running (inside the block)
-            peaks[name] = max(peaks.get(name, 0), peak)
-        return dict(sorted(peaks.items(), key=lambda kv: (-kv[1], kv[0])))
-
     def report(self, top: int = 5) -> str:
-        """A text table: categories at the peak and at the end, phase peaks, top modules."""
-        peak, end = self.breakdown("peak"), self.breakdown("end")
-        w = max(len(c) for c in CATEGORIES) + 2
-        lines = [f"{'category':<{w}}{'at peak':>14}{'at end':>14}"]
-        for c in CATEGORIES:
-            lines.append(f"{c:<{w}}{format_bytes(peak[c]):>14}{format_bytes(end[c]):>14}")
-        lines.append(f"{'total':<{w}}{format_bytes(sum(peak.values())):>14}{format_bytes(sum(end.values())):>14}")
-        mod = self.peak_module
-        lines.append(
-            f"peak {format_bytes(self.peak_bytes)} ({self.peak_bytes} B) at op {self.peak_event}, "
-            f"phase {self.peak_phase}, module {'(root)' if mod == '' else mod or '(none)'}"
-        )
-        lines.append("phase peaks: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.phase_peaks().items()))
-        mp = list(self.module_peaks.items())[:top]
-        if mp:
-            lines.append("top modules by peak while running:")
-            for name, b in mp:
-                lines.append(f"  {('(root)' if name == '' else name):<40}{format_bytes(b):>14}")
-        return "\n".join(lines)
+        """A text table: categories at the peak and at the end, phase peaks, top modules.
+
+        Args:
+            top: how many modules to list.
+
+        Returns:
+            The table (see :func:`memlab.profiler.format_report`).
+        """
+        return format_report(self, top)
 
     def __repr__(self) -> str:
         return f"MemoryTracker(peak={format_bytes(self.peak_bytes)}, current={format_bytes(self.current_bytes)})"
 
     def plot(self, ax: Any = None, title: str | None = None, unit: str = "MiB"):
-        """Stacked-area timeline by category, phases shaded, the peak marked. Returns the Axes."""
-        import matplotlib.pyplot as plt
+        """Stacked-area timeline by category, phases shaded, the peak marked.
 
-        div = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-        if unit not in div:
-            raise ValueError(f"unit: got {unit!r}, expected one of {', '.join(map(repr, div))}")
-        if ax is None:
-            _, ax = plt.subplots(figsize=(9, 4))
-        ev = self._events
-        if not ev:
-            raise RuntimeError("plot: the timeline is empty (was the tracker used with timeline=True?)")
-        # a step plot: each event's state holds until the next event
-        xs, ys = [], [[] for _ in CATEGORIES]
-        for i, e in enumerate(ev):
-            nxt = ev[i + 1][0] if i + 1 < len(ev) else e[0] + 1
-            for x in (e[0], nxt):
-                xs.append(x)
-                for k in range(5):
-                    ys[k].append(e[2 + k] / div[unit])
-        colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c"]
-        ax.stackplot(xs, ys, labels=CATEGORIES, colors=colors, alpha=0.85, linewidth=0)
-        shades = {_FWD: "#e8f0ff", _BWD: "#fff0e0", _OPT: "#e8ffe8"}
-        start = ev[0]
-        for i in range(1, len(ev) + 1):
-            if i == len(ev) or ev[i][1] != start[1]:
-                end_x = ev[i][0] if i < len(ev) else ev[-1][0] + 1
-                if start[1] in shades:
-                    ax.axvspan(start[0], end_x, color=shades[start[1]], zorder=0)
-                    ax.text((start[0] + end_x) / 2, 1.0, PHASES[start[1]], transform=ax.get_xaxis_transform(),
-                            ha="center", va="bottom", fontsize=8)
-                if i < len(ev):
-                    start = ev[i]
-        px, py = self.peak_event, self.peak_bytes / div[unit]
-        ax.axvline(px, color="black", ls="--", lw=1)
-        ax.annotate(f"peak {format_bytes(self.peak_bytes)}", (px, py), xytext=(5, -12), textcoords="offset points",
-                    fontsize=8)
-        ax.set_xlabel("op index")
-        ax.set_ylabel(f"live bytes ({unit})")
-        ax.set_xlim(xs[0], xs[-1])
-        ax.legend(loc="upper left", fontsize=8)
-        if title:
-            ax.set_title(title, pad=14)
-        return ax
+        Args:
+            ax: a matplotlib Axes, or None for a new figure.
+            title: the plot's title, or None.
+            unit: ``"B"``, ``"KiB"``, ``"MiB"`` or ``"GiB"``.
 
-
-# ---------------------------------------------------------------------- lab references
-class LiveBytes:
-    """The smallest live-bytes counter: ``track(t)`` each tensor; its storage is counted once
-    and subtracted when it dies (a weakref callback on the untyped storage).
-
-    >>> lb = LiveBytes(); x = torch.zeros(256); lb.track(x); lb.track(x[:10]); lb.current
-    1024
-    """
-
-    def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
-        self._refs: dict[int, weakref.ref] = {}
-
-    def track(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self._refs:
-            return
-        n = st.nbytes()
-
-        def free(ref: weakref.ref, key: int = key, n: int = n) -> None:
-            if self._refs.get(key) is ref:
-                del self._refs[key]
-                self.current -= n
-
-        self._refs[key] = weakref.ref(st, free)
-        self.current += n
-        self.peak = max(self.peak, self.current)
-
-
-def categorize(t: torch.Tensor, model: torch.nn.Module | None = None,
-               optimizer: torch.optim.Optimizer | None = None, phase: str | None = None) -> str:
-    """Which of ``CATEGORIES`` :class:`MemoryTracker` gives a live tensor's storage.
-
-    The tracker's rule, owners first:
-
-    * ``parameters``: the storage is shared with a parameter or buffer of ``model`` or a
-      parameter of ``optimizer`` (a view or ``.detach()`` of one too: storages are compared,
-      not tensor objects);
-    * ``gradients``: shared with the ``.grad`` of one of those;
-    * ``optimizer``: shared with a tensor in ``optimizer.state`` (moments, the step counter);
-
-    else by ``phase``, the phase the storage was born in (one of ``PHASES``): ``"forward"`` or
-    ``"backward"`` -> ``activations`` (saved tensors, dropout masks and normalisation statistics,
-    which have no ``grad_fn``, and activation gradients), ``"optimizer"`` -> ``optimizer`` (the
-    step's temporaries), ``"other"`` -> ``other`` (an input batch, anything made outside the three
-    phases, even with a ``grad_fn``). Two caveats, both about time: when a step ends, the tracker
-    moves what the step allocated and still holds outside ``optimizer.state`` to ``other`` (pass
-    ``phase="other"`` for such a survivor); and its owner labels stick, so an old ``.grad`` that
-    you still hold after autograd replaced it stays ``gradients`` there, while this function,
-    which sees only the present, calls it by its birth phase.
-
-    ``phase=None`` (the old two-argument call) falls back to a guess the tracker never makes:
-    ``activations`` when ``t.grad_fn`` is set, else ``other``. It mislabels dropout masks, the
-    statistics LayerNorm saves and activation gradients as ``other`` (lecture 01 shows it on a real
-    step); pass the birth phase to get the tracker's label.
-    """
-    if phase is not None and phase not in PHASES:
-        raise ValueError(f"phase={phase!r} is not a phase; allowed: {', '.join(map(repr, PHASES))} or None")
-    key = t.untyped_storage()._cdata
-
-    def same(x: Any) -> bool:
-        return isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == key
-
-    params = list(model.parameters()) + list(model.buffers()) if model is not None else []
-    if optimizer is not None:
-        params += [p for g in optimizer.param_groups for p in g["params"]]
-    if any(same(p) for p in params):
-        return "parameters"
-    if any(same(p.grad) for p in params if isinstance(p, torch.Tensor)):
-        return "gradients"
-    if optimizer is not None and any(same(v) for s in optimizer.state.values() for v in _tensors_in(s)):
-        return "optimizer"
-    if phase is None:  # the grad_fn guess, kept for two-argument callers
-        return "activations" if t.grad_fn is not None else "other"
-    born = PHASES.index(phase)  # the same mapping as MemoryTracker.__torch_dispatch__
-    return CATEGORIES[_A if born in (_FWD, _BWD) else (_O if born == _OPT else _X)]
-
-
-def phase_peaks(timeline: Iterable[Any]) -> dict[str, int]:
-    """Peak total bytes per phase from a timeline of ``(index, phase, bytes_by_category)``.
-
-    Phases appear in the order they first occur.
-    """
-    out: dict[str, int] = {}
-    for ev in timeline:
-        _, phase, by_cat = ev[0], ev[1], ev[2]
-        total = sum(by_cat.values()) if isinstance(by_cat, dict) else int(by_cat)
-        if total > out.get(phase, -1):
-            out[phase] = total
-    return out
-
-
-class _quiet_stderr:
-    """Point file descriptor 2 at /dev/null for a moment (C++ log lines bypass ``sys.stderr``)."""
-
-    def __enter__(self) -> None:
-        import os
-        import sys
-
-        self._saved = None
-        try:
-            sys.stderr.flush()
-            self._saved = os.dup(2)
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, 2)
-            os.close(null)
-        except (OSError, ValueError, AttributeError):  # no real descriptor 2: nothing to quiet
-            self._saved = None
-
-    def __exit__(self, *exc: Any) -> None:
-        import os
-
-        if self._saved is not None:
-            os.dup2(self._saved, 2)
-            os.close(self._saved)
-
-
-def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
-    """Run ``fn()`` under ``torch.profiler.profile(profile_memory=True)`` and rebuild the CPU
-    allocator's live bytes from its allocation and free events, in time order: returns ``(peak,
-    end)``, the highest point and the last one, both above the bytes live when ``fn`` started.
-
-    The counter that is not a twin of :class:`MemoryTracker`: it sees every block the allocator
-    serves (kernel scratch and 8-byte wrapped numbers included) and no tensor. It cannot see the
-    free of a block allocated before it started, so ``fn`` should not free older memory (make the
-    inputs inside ``fn``, or keep them alive)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():  # the profiler's C++ side logs its start and stop on file descriptor 2
-        prof.__enter__()
-    try:
-        fn()
-    finally:
-        with _quiet_stderr():
-            prof.__exit__(None, None, None)
-    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
-    events = []
-    while stack:  # the tree in order (a stable sort by time keeps it for equal times)
-        n = stack.pop()
-        if n.tag == _EventType.Allocation:
-            events.append((n.start_time_ns, n.extra_fields.alloc_size))
-        stack.extend(reversed(n.children))
-    cur = top = 0
-    for _, size in sorted(events, key=lambda e: e[0]):
-        cur += size
-        top = max(top, cur)
-    return top, cur
-
-
-# CUDA kernels known to allocate scratch inside themselves (no op returns it, so a dispatch-level
-# tracker cannot see it): softmax's backward copies a non-contiguous incoming gradient (seen in an
-# allocator snapshot on an H100 with torch 2.11: one attention-score matrix per layer, in backward).
-KERNEL_SCRATCH_FRAMES: tuple[str, ...] = ("softmax_backward_cuda_out::impl",)
-
-
-def kernel_scratch_at_peak(snapshot: Mapping[str, Any], frames: Sequence[str] = KERNEL_SCRATCH_FRAMES,
-                           device: int = 0) -> int:
-    """Bytes that CUDA kernels allocated inside themselves and still held at the allocator's peak.
-
-    ``snapshot`` is ``torch.cuda.memory._snapshot()`` taken after recording a step with
-    ``torch.cuda.memory._record_memory_history()`` (C++ stacks on, its default). The peak is that of
-    the recorded trace; a block counts when one of its C++ frames contains one of ``frames``.
-    """
-    traces = snapshot.get("device_traces", [])
-    if not isinstance(device, int) or not 0 <= device < len(traces):
-        raise ValueError(f"device={device!r} is not in the snapshot; allowed: 0..{len(traces) - 1}")
-    live: dict[int, Mapping[str, Any]] = {}
-    cur = top = 0
-    at_top: dict[int, Mapping[str, Any]] = {}
-    for ev in traces[device]:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = ev
-            cur += ev["size"]
-        elif ev["action"] == "free_completed" and live.pop(ev["addr"], None) is not None:
-            cur -= ev["size"]
-        if cur > top:
-            top, at_top = cur, dict(live)
-    return sum(ev["size"] for ev in at_top.values()
-               if any(f in fr.get("name", "") for fr in ev.get("frames", []) for f in frames))
-
-
-def fake_activation_bytes(config: Any, batch_size: int, seq_len: int) -> int:
-    """Bytes one training forward of ``TinyGPT(config)`` (logits and loss) saves for backward,
-    measured on fake tensors: the model and the batch are built under ``FakeTensorMode``, so a
-    model far larger than the machine costs nothing. Storages count once (keyed by the storage
-    object, since ``data_ptr()`` means nothing on a fake tensor); parameters and buffers are not
-    activations.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memlab.models import TinyGPT
-
-    if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"batch_size={batch_size!r} and seq_len={seq_len!r} must be >= 1")
-    if seq_len > config.block_size:
-        raise ValueError(f"seq_len={seq_len} exceeds config.block_size={config.block_size}")
-    with FakeTensorMode():
-        model = TinyGPT(config)
-        x = torch.randint(0, config.vocab_size, (batch_size, seq_len))
-        y = torch.randint(0, config.vocab_size, (batch_size, seq_len))
-        skip = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
-        seen: dict[int, torch.UntypedStorage] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if id(st) not in skip:
-                seen[id(st)] = st  # holding the storage keeps its id unique while we count
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _, loss = model(x, y)
-        total = sum(st.nbytes() for st in seen.values())
-        del loss
-    return total
-
-
-def train_losses(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[Any],
-                 steps: int) -> list[float]:
-    """``steps`` training steps on ``(x, y)`` pairs from ``batches``; the loss history as floats.
-
-    The leak-free loop: ``loss.item()`` goes into the history, never the tensor (a kept tensor
-    keeps its autograd graph, and with ``retain_graph=True`` every saved activation, alive).
-    """
-    from memlab.models import lm_loss
-
-    history: list[float] = []
-    it = iter(batches)
-    for _ in range(steps):
-        x, y = next(it)
-        loss = lm_loss(model, x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        history.append(loss.item())
-    return history
+        Returns:
+            The Axes.
+        """
+        return plot_timeline(self._events, self.peak_event, self.peak_bytes, ax=ax, title=title, unit=unit)
