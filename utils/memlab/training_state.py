@@ -112,7 +112,14 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 # ----------------------------------------------------------------------------- bytes
 def serialize(state: Any) -> list[bytes]:
-    """The checkpoint file's bytes for ``state``, as chunks (header first, then each tensor)."""
+    """The checkpoint file's bytes for ``state``.
+
+    Args:
+        state: a tree of dicts, lists, tuples and plain values with tensors as leaves.
+
+    Returns:
+        The file as chunks: the header first, then each tensor's bytes.
+    """
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _flatten(state, "", tensors, {})
     table: dict[str, Any] = {}
@@ -185,7 +192,19 @@ def _parse(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, Any], int
 
 
 def deserialize(data: bytes, where: str = "<bytes>", *, device: str | torch.device = "cpu") -> Any:
-    """The state that :func:`serialize` turned into ``data``, after every check of :func:`load`."""
+    """The state that :func:`serialize` turned into ``data``, after every check of :func:`load`.
+
+    Args:
+        data: the file's bytes.
+        where: the name error messages give the data (a path).
+        device: where the tensors are built.
+
+    Returns:
+        The state tree.
+
+    Raises:
+        CheckpointError: the data is truncated, malformed or fails its checksum.
+    """
     meta, table, start = _parse(data, where)
     tensors: dict[str, torch.Tensor] = {}
     for name, info in table.items():
@@ -225,6 +244,13 @@ def atomic_write(path: str | os.PathLike, chunks: Iterable[bytes]) -> Path:
     Temp file in the same directory (``.<name>.tmp-<pid>-<random>``), write, flush, ``fsync``,
     ``os.replace`` onto ``path``, ``fsync`` the directory. If anything fails before the rename the
     temp file is removed and ``path`` is untouched.
+
+    Args:
+        path: the file to (re)place.
+        chunks: the new content, in order.
+
+    Returns:
+        ``path`` as a Path.
     """
     path = Path(path)
     if path.name in ("", ".", ".."):
@@ -256,6 +282,13 @@ def save(state: Any, path: str | os.PathLike) -> Path:
 
     Tuples come back as tuples, dicts with non-string keys (an optimizer's ``state``) with their
     keys; tensors come back on the CPU, contiguous, with their dtype and shape.
+
+    Args:
+        state: a tree of dicts, lists, tuples and plain values with tensors as leaves.
+        path: the file to write.
+
+    Returns:
+        ``path`` as a Path.
     """
     return atomic_write(path, serialize(state))
 
@@ -271,13 +304,35 @@ def _read(path: str | os.PathLike) -> tuple[bytes, str]:
 
 
 def load(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> Any:
-    """Read a checkpoint written by :func:`save`; :class:`CheckpointError` if it is truncated or corrupted."""
+    """Read a checkpoint written by :func:`save`, verified before anything is built.
+
+    Args:
+        path: the checkpoint file.
+        device: where the tensors are built.
+
+    Returns:
+        The state tree.
+
+    Raises:
+        CheckpointError: the file is truncated, malformed or fails its checksum.
+        FileNotFoundError: no such file.
+    """
     data, where = _read(path)
     return deserialize(data, where, device=device)
 
 
 def read_state_json(path: str | os.PathLike) -> dict[str, Any]:
-    """The verified non-tensor part of a checkpoint (tensors shown as ``{"__tensor__": name}``)."""
+    """The verified non-tensor part of a checkpoint.
+
+    Args:
+        path: the checkpoint file.
+
+    Returns:
+        The state tree, each tensor shown as ``{"__tensor__": name}``.
+
+    Raises:
+        CheckpointError: the file is truncated, malformed or fails its checksum.
+    """
     data, where = _read(path)
     meta, _, _ = _parse(data, where)
     try:
@@ -289,14 +344,28 @@ def read_state_json(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def temp_files(directory: str | os.PathLike) -> list[Path]:
-    """Leftover temp files of :func:`atomic_write` in ``directory`` (from a writer that was killed)."""
+    """Leftover temp files of :func:`atomic_write` (from a writer that was killed).
+
+    Args:
+        directory: where to look.
+
+    Returns:
+        Their paths.
+    """
     return sorted(p for p in Path(directory).iterdir() if _TEMP_RE.match(p.name))
 
 
 def remove_stale_temps(directory: str | os.PathLike) -> int:
     """Delete leftover temp files of killed writers in ``directory``; returns how many.
 
-    Only call it when no other process is writing checkpoints into ``directory``."""
+    Only call it when no other process is writing checkpoints into ``directory``.
+
+    Args:
+        directory: where to look.
+
+    Returns:
+        How many files were deleted.
+    """
     n = 0
     for p in temp_files(directory):
         try:
@@ -311,7 +380,14 @@ _STEP_RE = re.compile(r"(\d+)")
 
 
 def step_of(path: str | os.PathLike) -> int | None:
-    """The step number in a checkpoint's file name (the last run of digits), or ``None``."""
+    """The step number in a checkpoint's file name.
+
+    Args:
+        path: the checkpoint's path or name.
+
+    Returns:
+        The last run of digits in the name as an int, or ``None`` if it has none.
+    """
     found = _STEP_RE.findall(Path(path).name)
     return int(found[-1]) if found else None
 
@@ -320,6 +396,14 @@ def iter_checkpoints(directory: str | os.PathLike, pattern: str = "step-*.safete
     """Checkpoint files in ``directory`` matching ``pattern``, highest step number first.
 
     Ordered by the step number in the name, not by the name (``step-100000000`` is newer than
-    ``step-99999999``); names without a number come last. Only regular files count."""
+    ``step-99999999``); names without a number come last. Only regular files count.
+
+    Args:
+        directory: where to look.
+        pattern: a glob for the file names.
+
+    Returns:
+        An iterator over the paths.
+    """
     files = [p for p in Path(directory).glob(pattern) if p.is_file()]
     return iter(sorted(files, key=lambda p: (step_of(p) is not None, step_of(p) or 0, p.name), reverse=True))

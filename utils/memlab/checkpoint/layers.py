@@ -83,7 +83,19 @@ def enable(model: nn.Module, *, every: int = 1, preserve_rng_state: bool = True)
       (batch x heads x seq x seq) are returned, so they stay alive.
 
     Calling it again replaces the previous wrapping (``every`` may change); :func:`disable` undoes
-    it. Returns the indices of the checkpointed layers.
+    it.
+
+    Args:
+        model: a transformers model (peft-wrapped or not) or a TinyGPT.
+        every: checkpoint one decoder layer in ``every`` (1: all of them).
+        preserve_rng_state: replay the forward's RNG state in the recomputation (dropout).
+
+    Returns:
+        The indices of the checkpointed layers.
+
+    Raises:
+        ValueError: a bad ``every``, or a KV cache that already holds tokens.
+        TypeError: ``model`` is not a module, or ``preserve_rng_state`` not a bool.
     """
     from memlab.models import decoder_layers
 
@@ -128,8 +140,15 @@ def enable(model: nn.Module, *, every: int = 1, preserve_rng_state: bool = True)
 
 
 def disable(model: nn.Module) -> int:
-    """Undo :func:`enable`: the decoder layers run their own forward again. Returns how many were
-    unwrapped (``model.config.use_cache`` stays as :func:`enable` left it)."""
+    """Undo :func:`enable`: the decoder layers run their own forward again
+    (``model.config.use_cache`` stays as :func:`enable` left it).
+
+    Args:
+        model: the model :func:`enable` wrapped.
+
+    Returns:
+        How many layers were unwrapped.
+    """
     from memlab.models import decoder_layers
 
     n = 0

@@ -42,6 +42,15 @@ def offload_activations(pin_memory: bool = True, min_bytes: int = 0, include_cpu
     kept in place when it is an ``nn.Parameter`` or a view of one, or when its storage is the
     storage of a parameter or buffer of a module called inside the block (a global module
     forward-pre-hook records those while the block runs).
+
+    Args:
+        pin_memory: page-locked host copies when CUDA is available.
+        min_bytes: tensors smaller than this stay in place.
+        include_cpu: offload CPU tensors too (a fresh host copy; for teaching on a CPU).
+        skip_parameters: keep the model's parameters and buffers (and views of them) in place.
+
+    Yields:
+        An :class:`OffloadStats`, filled in while the block runs.
     """
     if min_bytes < 0:
         raise ValueError(f"offload_activations: min_bytes={min_bytes!r} must be >= 0")
@@ -94,6 +103,17 @@ def count_saved_tensors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tu
     storage count once (``storages`` is the number of distinct storages); parameters and buffers of
     ``fn`` (when it is a module) are not activations and are left out. ``bytes`` equals
     :func:`saved_activation_bytes`.
+
+    Args:
+        fn: a module or a function.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        ``(storages, bytes)``.
+
+    Raises:
+        ValueError: ``fn`` is not callable.
     """
     _check_callable("count_saved_tensors", fn)
     with torch.enable_grad():

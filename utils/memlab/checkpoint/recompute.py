@@ -62,6 +62,11 @@ class RNGState:
 
     @contextmanager
     def replay(self) -> Iterator[None]:
+        """Run the ``with`` block under the captured RNG states; the states from before come back after.
+
+        Yields:
+            None.
+        """
         cpu_now = torch.get_rng_state()
         cuda_now = {d: torch.cuda.get_rng_state(d) for d in self.cuda}
         torch.set_rng_state(self.cpu)
@@ -225,6 +230,19 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     parameters inside ``fn`` do (a frozen base model under LoRA), with keyword arguments,
     non-tensor arguments, nested containers and tuple outputs. Under ``torch.no_grad()`` it
     simply runs ``fn``. What stays in memory is ``args`` (the segment's boundary) and ``fn``.
+
+    Args:
+        fn: a module or a function.
+        *args: its positional arguments.
+        preserve_rng_state: replay the forward's RNG state in the recomputation.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        What ``fn`` returns.
+
+    Raises:
+        ValueError: ``fn`` is not callable.
+        RuntimeError: the recomputation did not run the same operations.
     """
     return _checkpoint(fn, args, kwargs, preserve_rng_state, None, "checkpoint")
 
@@ -238,6 +256,16 @@ def selective_checkpoint(fn: Callable[..., Any], *args: Any, keep_ops: Iterable[
     recomputation the same mode hands them back instead of running the op, so only the cheap
     ops (elementwise, softmax, dropout, layer norm) run twice. Memory: the kept outputs, on top
     of the boundary. An output modified in place after it was kept is recomputed instead.
+
+    Args:
+        fn: a module or a function.
+        *args: its positional arguments.
+        keep_ops: the ATen ops (overload packets) whose outputs are kept.
+        preserve_rng_state: replay the forward's RNG state in the recomputation.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        What ``fn`` returns.
     """
     ops = frozenset(getattr(op, "overloadpacket", op) for op in keep_ops)
     if not ops:
@@ -290,6 +318,14 @@ def checkpoint_reentrant(fn: Callable[..., Any], *args: Any, preserve_rng_state:
     output does not either: backward never reaches the block and its trainable parameters get no
     gradient (or ``loss.backward()`` fails with "element 0 of tensors does not require grad").
     Positional arguments only; no keyword arguments.
+
+    Args:
+        fn: a module or a function.
+        *args: its positional arguments.
+        preserve_rng_state: replay the forward's RNG state in the recomputation.
+
+    Returns:
+        What ``fn`` returns.
     """
     _check_callable("checkpoint_reentrant", fn)
     if not torch.is_grad_enabled():

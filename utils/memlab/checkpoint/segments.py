@@ -34,8 +34,15 @@ def _check_segments(where: str, segments: Any, n_layers: int) -> None:
 
 
 def split_segments(n_layers: int, segments: int) -> list[tuple[int, int]]:
-    """``[(start, stop), ...]``: ``n_layers`` cut into ``segments`` contiguous runs whose sizes
-    differ by at most one (the longer runs first)."""
+    """``n_layers`` cut into ``segments`` contiguous runs whose sizes differ by at most one.
+
+    Args:
+        n_layers: the number of layers, >= 1.
+        segments: the number of runs, 1 to ``n_layers``.
+
+    Returns:
+        ``[(start, stop), ...]``, the longer runs first.
+    """
     _check_layers("split_segments", n_layers)
     _check_segments("split_segments", segments, n_layers)
     base, extra = divmod(n_layers, segments)
@@ -59,6 +66,15 @@ def activation_memory_model(n_layers: int, segments: int, layer_bytes: float = 1
     ``n/k + k``, smallest at ``k = sqrt(n)``. In a transformer a boundary (the hidden state,
     ``e*s*b*h`` bytes) is much smaller than a layer's activations: pass both measured sizes.
     ``segments = 1`` is no checkpointing: the input plus every layer's activations.
+
+    Args:
+        n_layers: the number of layers.
+        segments: the number of segments, 1 to ``n_layers``.
+        layer_bytes: one layer's activations.
+        boundary_bytes: one segment input (default ``layer_bytes``).
+
+    Returns:
+        The modelled peak, in the units of the byte arguments.
     """
     _check_layers("activation_memory_model", n_layers)
     _check_segments("activation_memory_model", segments, n_layers)
@@ -74,6 +90,12 @@ def sqrt_segments(n_layers: int) -> int:
     """The segment count that minimises ``k + ceil(n/k)`` (Chen et al.'s sqrt(n) rule).
 
     For a perfect square this is exactly ``sqrt(n)``; among ties the one closest to ``sqrt(n)``.
+
+    Args:
+        n_layers: the number of layers, >= 1.
+
+    Returns:
+        The segment count.
     """
     _check_layers("sqrt_segments", n_layers)
     root = math.sqrt(n_layers)
@@ -85,7 +107,19 @@ def segments_for_budget(n_layers: int, budget_bytes: float, layer_bytes: float,
     """The fewest segments whose modelled activation peak fits ``budget_bytes``.
 
     Fewer segments means less recomputation (``n - ceil(n/k)``-ish layers rerun, growing with k),
-    so the first ``k`` that fits is the cheapest. Raises ValueError when no ``k`` fits.
+    so the first ``k`` that fits is the cheapest.
+
+    Args:
+        n_layers: the number of layers.
+        budget_bytes: the activation memory allowed.
+        layer_bytes: one layer's activations.
+        boundary_bytes: one segment input.
+
+    Returns:
+        The segment count.
+
+    Raises:
+        ValueError: no segment count fits, or a bad argument.
     """
     _check_layers("segments_for_budget", n_layers)
     if budget_bytes < 0 or layer_bytes < 0 or boundary_bytes < 0:
@@ -107,7 +141,17 @@ def checkpoint_sequential(modules: Sequence[Callable[..., Any]] | nn.Sequential,
     Segments come from :func:`split_segments`. As in ``torch.utils.checkpoint.checkpoint_sequential``
     the last segment runs without a checkpoint: backward needs its activations straight away, so
     recomputing it would cost time and save nothing. ``segments=1`` is therefore no checkpointing.
-    ``checkpoint_fn(fn, x)`` defaults to :func:`checkpoint` (pass e.g. :func:`selective_checkpoint`).
+
+    Args:
+        modules: the layers, in order (an ``nn.Sequential`` or a sequence of callables).
+        segments: the number of segments, 1 to ``len(modules)``.
+        x: the first layer's input.
+        preserve_rng_state: replay the forward's RNG state in the recomputation.
+        checkpoint_fn: ``checkpoint_fn(fn, x)``; default :func:`checkpoint` (pass e.g.
+            :func:`selective_checkpoint`).
+
+    Returns:
+        The last layer's output.
     """
     mods = list(modules)
     if not mods:
@@ -164,7 +208,17 @@ def sequential_activation_peak(config: Any, batch_size: int, seq_len: int, segme
                                     gradient of the MLP hidden and a fresh MLP weight gradient
                                     (an allocation of backward until autograd stores it in .grad)
 
-    Within 2% of the measurement on the configurations chapter 02's lab checks.
+    Args:
+        config: a ``memlab.models.TinyGPTConfig``.
+        batch_size: sequences per batch.
+        seq_len: tokens per sequence, 1 to ``config.block_size``.
+        segments: the number of segments, 1 to ``config.n_layer``.
+
+    Returns:
+        The predicted peak of the ``activations`` category, in bytes.
+
+    Raises:
+        ValueError: naming a bad argument.
     """
     from memlab.accounting import activation_bytes_per_layer
 
@@ -196,9 +250,23 @@ def measure_sequential_activation_peak(config: Any, batch_size: int, seq_len: in
     Builds ``TinyGPT(config)`` on the CPU (seed ``seed``), takes its blocks in training mode, makes
     ``x`` (``(batch_size, seq_len, n_embd)``, requires grad) and an output gradient, then runs
     ``checkpoint_sequential(blocks, segments, x)`` forward and backward inside a
-    :class:`memlab.profiler.MemoryTracker`. Returns the largest number of bytes the tracker's
-    ``activations`` category held (saved and recomputed activations, the gradients flowing back,
-    boundaries); parameters and their accumulated ``.grad`` are not in it.
+    :class:`memlab.profiler.MemoryTracker`.
+
+    Args:
+        config: a ``memlab.models.TinyGPTConfig``.
+        batch_size: sequences per batch.
+        seq_len: tokens per sequence, 1 to ``config.block_size``.
+        segments: the number of segments, 1 to ``config.n_layer``.
+        checkpoint_fn: passed to :func:`checkpoint_sequential`.
+        seed: the model's and the input's seed.
+
+    Returns:
+        The largest number of bytes the tracker's ``activations`` category held (saved and
+        recomputed activations, the gradients flowing back, boundaries); parameters and their
+        accumulated ``.grad`` are not in it.
+
+    Raises:
+        ValueError: naming a bad argument.
     """
     from memlab.models import TinyGPT
     from memlab.profiler import MemoryTracker

@@ -37,6 +37,15 @@ __all__ = [
     "format_bytes",
     "fake_activation_bytes",
     "train_losses",
+    # also public: the pieces the tracker is made of
+    "DEFAULT_BLOCK_BYTES",
+    "KERNEL_SCRATCH_FRAMES",
+    "BREAKDOWN_AT",
+    "FRESH_ALIAS_OPS",
+    "optimizer_tensors",
+    "tensors_in",
+    "format_report",
+    "plot_timeline",
 ]
 
 # chapter 01's lab reference answers live with the course machinery since the layout's second pass;

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memlab.core.units import format_bytes
 from memlab.core.validation import check_choice, check_int
 from memlab.profiler.allocator import DEFAULT_BLOCK_BYTES, allocator_bytes
+from memlab.profiler.hooks import _StepHooks
 from memlab.profiler.modules import _ModuleFrames
 from memlab.profiler.report import format_report, plot_timeline
 from memlab.profiler.storage import (_A, _BWD, _FWD, _G, _O, _OPT, _OTH, _P, _X, BREAKDOWN_AT, CATEGORIES,
@@ -41,7 +42,7 @@ __all__ = ["MemoryTracker"]
 _graph_task_id = torch._C._current_graph_task_id
 
 
-class MemoryTracker(_ModuleFrames, TorchDispatchMode):
+class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
     """Track every tensor storage of one or more training steps, by category, phase and module.
 
     Usage::
@@ -145,25 +146,49 @@ class MemoryTracker(_ModuleFrames, TorchDispatchMode):
     # ------------------------------------------------------------------ the extension API
     def counted_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor whose storage holds ``t``'s bytes: ``t`` itself. Override for wrapper tensors
-        (a DTensor's bytes are its local shard's, see :func:`memlab.distributed.rank_tracker`)."""
+        (a DTensor's bytes are its local shard's, see :func:`memlab.distributed.rank_tracker`).
+
+        Args:
+            t: a tensor an op returned or the model holds.
+
+        Returns:
+            The tensor to count.
+        """
         return t
 
     def after_op(self) -> bool | None:
         """Hook: called after every dispatched op (and at enter, at exit, after each step and for
         each :meth:`add_transient`) once :attr:`current_bytes` is up to date, before the peak and
         the timeline take it. Raise to refuse the op (``memlab.train.BudgetTracker``); return
-        ``False`` to leave this moment out of the peak and the timeline. Does nothing here."""
+        ``False`` to leave this moment out of the peak and the timeline. Does nothing here.
+
+        Returns:
+            ``False`` to skip this moment, else None.
+        """
         return None
 
     def allocated_bytes(self, nbytes: int, device: str | torch.device) -> int:
-        """The rounding policy: bytes the allocator takes for ``nbytes`` on ``device`` (see
-        :func:`allocator_bytes` and ``block_bytes``)."""
+        """The rounding policy (see :func:`allocator_bytes` and ``block_bytes``).
+
+        Args:
+            nbytes: the size asked for.
+            device: the device or its type.
+
+        Returns:
+            The bytes the allocator takes for it.
+        """
         return allocator_bytes(nbytes, device, self.block_bytes)
 
     def sync_sizes(self, storage: torch.Tensor | torch.UntypedStorage | None = None) -> int:
         """Re-read the size of one tracked storage (a tensor's, or a storage) or, with ``None``, of
-        every live one, and charge what changed now: for resizes that no op returns. Returns the
-        change in charged bytes."""
+        every live one, and charge what changed now: for resizes that no op returns.
+
+        Args:
+            storage: a tensor, an untyped storage, or None for all.
+
+        Returns:
+            The change in charged bytes.
+        """
         if storage is None:
             entries = list(self._live.values())  # a list: a weakref callback may fire meanwhile
         else:
@@ -179,7 +204,11 @@ class MemoryTracker(_ModuleFrames, TorchDispatchMode):
         return change
 
     def live_storages(self) -> list[LiveStorage]:
-        """The storages the tracker holds now, with the bytes it charges each and its category."""
+        """The storages the tracker holds now.
+
+        Returns:
+            One :class:`LiveStorage` each: key, storage, charged bytes, category.
+        """
         out = []
         for key, e in list(self._live.items()):
             st = e.ref()
@@ -299,19 +328,6 @@ class MemoryTracker(_ModuleFrames, TorchDispatchMode):
                 out[key] = (self.allocated_bytes(st.nbytes(), t.device), st, t.device.type)
         return out
 
-    def _on_resize(self, st: torch.UntypedStorage, old: int) -> None:
-        """``UntypedStorage.resize_`` ran (with ``resizes``): charge the change now."""
-        key = st._cdata
-        e = self._live.get(key)
-        if e is not None and e.ref() is st:
-            self._resize_entry(e, st.nbytes())
-            return
-        dev = st.device.type
-        if self._device_type is not None and dev != self._device_type:
-            return
-        cat = _O if self._in_opt else (_A if self._phase in (_FWD, _BWD) else _X)
-        self._new_entry(st, key, dev, cat, self.allocated_bytes(old, dev))
-
     def _make_free(self, key: int):
         def free(ref: weakref.ref) -> None:
             e = self._live.get(key)
@@ -389,7 +405,15 @@ class MemoryTracker(_ModuleFrames, TorchDispatchMode):
     def add_transient(self, nbytes: int, category: str = "activations") -> None:
         """Count ``nbytes`` alive for one moment, now, in ``category``: buffers no tensor shows,
         such as scratch a kernel allocates inside itself (see :func:`kernel_scratch_at_peak`).
-        The peak and the timeline see the spike; the current total is unchanged afterwards."""
+        The peak and the timeline see the spike; the current total is unchanged afterwards.
+
+        Args:
+            nbytes: the bytes, an int >= 0.
+            category: one of :data:`CATEGORIES`.
+
+        Raises:
+            ValueError: naming a bad ``nbytes`` or ``category``.
+        """
         check_int("nbytes", nbytes, minimum=0)
         check_choice("category", category, CATEGORIES)
         if nbytes == 0:
@@ -423,67 +447,6 @@ class MemoryTracker(_ModuleFrames, TorchDispatchMode):
             self._pop_to(0, backward_only=True)
         self._phase = phase
         self._dirty = True
-
-
-    def _install_hooks(self) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        def opt_pre(optimizer, args, kwargs):
-            self._in_opt += 1
-            self._opt_before = {k for k, e in list(self._live.items()) if e.cat == _O}
-            if self._phase != _OPT:
-                self._set_phase(_OPT)
-
-        def opt_post(optimizer, args, kwargs):
-            self._in_opt -= 1
-            if optimizer is self.optimizer or self.optimizer is None:
-                self._track_optimizer(optimizer)
-                # what the step allocated and still holds outside optimizer.state is not state
-                state = {t.untyped_storage()._cdata for t in optimizer_tensors(optimizer)}
-                for key, e in list(self._live.items()):  # a list: a weakref callback may fire meanwhile
-                    if e.cat == _O and key not in state and key not in self._opt_before:
-                        self._cur[_O] -= e.nbytes
-                        self._cur[_X] += e.nbytes
-                        e.cat = _X
-                        self._dirty = True
-                self._after_op()
-            if not self._in_opt:
-                self._set_phase(_OTH)
-
-        self._handles += [register_optimizer_step_pre_hook(opt_pre), register_optimizer_step_post_hook(opt_post)]
-        seen: set[int] = set()
-        params: list[torch.Tensor] = []
-        if self.model is not None:
-            self._handles += self._install_module_hooks(self.model)
-            params.extend(self.model.parameters())
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                params.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
-
-        def on_grad(p: torch.Tensor) -> None:
-            if p.grad is not None:
-                self._track(p.grad, _G, relabel=True)
-
-        for p in params:
-            if id(p) in seen or not p.requires_grad:
-                continue
-            seen.add(id(p))
-            self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
-
-    def _watch_resize(self) -> None:
-        # UntypedStorage.resize_ is a storage method, not an op: no dispatch mode sees it
-        orig = torch.UntypedStorage.resize_
-        tracker = self
-
-        def resize_(st, size):  # type: ignore[no-untyped-def]
-            old = st.nbytes()
-            out = orig(st, size)
-            if tracker._depth:
-                tracker._on_resize(st, old)
-            return out
-
-        self._orig_resize = orig
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "MemoryTracker":
@@ -530,6 +493,7 @@ class MemoryTracker(_ModuleFrames, TorchDispatchMode):
 
     @property
     def peak_phase(self) -> str:
+        """The phase running at the peak."""
         return self._peak.phase
 
     @property
@@ -539,10 +503,21 @@ class MemoryTracker(_ModuleFrames, TorchDispatchMode):
 
     @property
     def peak_event(self) -> int:
+        """The index of the op after which the peak was reached."""
         return self._peak.event
 
     def breakdown(self, at: str = "peak") -> dict[str, int]:
-        """Bytes per category at the peak or at the end of the block (now, if still inside)."""
+        """Bytes per category at the peak or at the end of the block (now, if still inside).
+
+        Args:
+            at: ``"peak"`` or ``"end"``.
+
+        Returns:
+            category -> bytes, every category of :data:`CATEGORIES`.
+
+        Raises:
+            ValueError: ``at`` is neither.
+        """
         check_choice("at", at, BREAKDOWN_AT)
         counts = self._peak.counts if at == "peak" else (self._end if self._end is not None else self._cur)
         return dict(zip(CATEGORIES, counts))
@@ -553,7 +528,11 @@ class MemoryTracker(_ModuleFrames, TorchDispatchMode):
         return [Event(e[0], PHASES[e[1]], dict(zip(CATEGORIES, e[2:]))) for e in self._events]
 
     def phase_peaks(self) -> dict[str, int]:
-        """Peak total bytes in each phase that occurred."""
+        """Peak total bytes in each phase that occurred.
+
+        Returns:
+            phase -> bytes, in the order the phases first occurred.
+        """
         return phase_peaks(self.timeline)
 
     def report(self, top: int = 5) -> str:

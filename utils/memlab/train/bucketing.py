@@ -25,7 +25,19 @@ def _check_lengths(lengths: Any) -> list[int]:
 
 
 def random_batches(lengths: Sequence[int], batch_size: int, *, seed: int = 0) -> list[list[int]]:
-    """Indices shuffled under ``seed`` and cut into batches of ``batch_size`` (the last may be short)."""
+    """Random batching, the baseline bucketing is compared with.
+
+    Args:
+        lengths: each sequence's length (ints >= 1).
+        batch_size: sequences per batch.
+        seed: the shuffle's seed.
+
+    Returns:
+        The indices shuffled and cut into batches of ``batch_size`` (the last may be short).
+
+    Raises:
+        ValueError: naming a bad ``lengths`` or ``batch_size``.
+    """
     n = len(_check_lengths(lengths))
     check_positive_int("batch_size", batch_size)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -40,6 +52,19 @@ def bucket_batches(lengths: Sequence[int], batch_size: int, *, pool: int | None 
     sort each pool by length (stable) and cut it into batches of ``batch_size``; then shuffle the
     order of the batches, so that training does not see lengths in order. Smaller pools keep more
     randomness and save less padding. Every index appears exactly once.
+
+    Args:
+        lengths: each sequence's length (ints >= 1).
+        batch_size: sequences per batch.
+        pool: batches per sorted pool, or None for the whole data set.
+        seed: the shuffles' seed.
+        shuffle: shuffle the indices before and the batches after (False: sorted, in order).
+
+    Returns:
+        Batches of indices.
+
+    Raises:
+        ValueError: naming a bad ``lengths``, ``batch_size`` or ``pool``.
     """
     lens = _check_lengths(lengths)
     check_positive_int("batch_size", batch_size)
@@ -61,8 +86,17 @@ def bucket_batches(lengths: Sequence[int], batch_size: int, *, pool: int | None 
 def padding_stats(lengths: Sequence[int], batches: Sequence[Sequence[int]], *, bytes_per_token: int = 1) -> dict[str, Any]:
     """Tokens, padded slots and padding bytes when each batch is padded to its longest sequence.
 
-    ``bytes_per_token``: the bytes one token position costs in whatever you pad (1 for the ids
-    counted as tokens; the activation bytes per token of a model for its activations).
+    Args:
+        lengths: each sequence's length (ints >= 1).
+        batches: batches of indices into ``lengths``, every index exactly once.
+        bytes_per_token: the bytes one token position costs in whatever you pad (1 for the ids
+            counted as tokens; the activation bytes per token of a model for its activations).
+
+    Returns:
+        ``{"tokens", "slots", "padding", "padding_fraction", "padding_bytes"}``.
+
+    Raises:
+        ValueError: an index is missing or repeated.
     """
     lens = _check_lengths(lengths)
     seen: list[int] = [i for b in batches for i in b]
@@ -75,7 +109,15 @@ def padding_stats(lengths: Sequence[int], batches: Sequence[Sequence[int]], *, b
 
 
 def pad_batch(seqs: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad 1-D token tensors to the longest: ``(ids (B, T), mask (B, T) bool)``."""
+    """Right-pad 1-D token tensors to the longest.
+
+    Args:
+        seqs: 1-D tensors of token ids (at least one).
+        pad_id: the id written into the padding.
+
+    Returns:
+        ``(ids, mask)``: ``(B, T)`` long ids and a ``(B, T)`` bool mask, True on real tokens.
+    """
     if not seqs:
         raise ValueError("seqs: empty; allowed: a non-empty sequence of 1-D tensors")
     T = max(int(s.numel()) for s in seqs)

@@ -74,11 +74,24 @@ class Backoff:
     restored: int
 
     def to_json(self) -> dict[str, Any]:
+        """This event as plain values (the stacks as dicts), for a checkpoint.
+
+        Returns:
+            A JSON-able dict; :meth:`from_json` reads it back.
+        """
         return {"step": self.step, "from_stack": dataclasses.asdict(self.from_stack),
                 "to_stack": dataclasses.asdict(self.to_stack), "reason": self.reason, "restored": self.restored}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Backoff":
+        """The event :meth:`to_json` wrote.
+
+        Args:
+            d: the dict from a checkpoint (an old one's pure-bf16 "bf16" is respelled).
+
+        Returns:
+            The Backoff.
+        """
         return cls(d["step"], stack_from_state(d["from_stack"]), stack_from_state(d["to_stack"]), d["reason"],
                    d["restored"])
 
@@ -93,6 +106,15 @@ def back_off(stack: Stack) -> Stack | None:
 
     >>> back_off(Stack(micro_batch=18, grad_accum=1)).micro_batch, back_off(Stack(micro_batch=9, grad_accum=2)).micro_batch
     (9, 3)
+
+    Args:
+        stack: the stack that ran out of memory.
+
+    Returns:
+        The next stack, or None when nothing is left to give.
+
+    Raises:
+        TypeError: ``stack`` is not a :class:`memlab.plan.Stack`.
     """
     if not isinstance(stack, Stack):
         raise TypeError(f"stack: expected a memlab.plan.Stack, got {type(stack).__name__}")
@@ -106,7 +128,14 @@ def back_off(stack: Stack) -> Stack | None:
 
 
 def back_off_chain(stack: Stack) -> list[Stack]:
-    """``[stack, back_off(stack), back_off(back_off(stack)), ...]`` until nothing is left."""
+    """Every stack :func:`back_off` leads to from ``stack``.
+
+    Args:
+        stack: the first stack.
+
+    Returns:
+        ``[stack, back_off(stack), back_off(back_off(stack)), ...]`` until nothing is left.
+    """
     out = [stack]
     while (nxt := back_off(out[-1])) is not None:
         out.append(nxt)

@@ -253,7 +253,12 @@ class BudgetTrainer:
         return self.ckpt_dir / f"step-{step:08d}.safetensors"
 
     def state(self) -> dict[str, Any]:
-        """Everything a resume needs, as a tree for :func:`memlab.ckpt.save`."""
+        """Everything a resume needs.
+
+        Returns:
+            A tree for :func:`memlab.training_state.save` (model, optimizer, RNG states, step,
+            losses, stacks and back-offs).
+        """
         assert self.optimizer is not None
         return {
             "format": "memlab.train/1",
@@ -275,7 +280,11 @@ class BudgetTrainer:
         """Write the current state atomically and read it back verified; then keep the ``keep``
         checkpoints of the highest steps up to this one (by step number). The one just written is
         never deleted; if it does not verify, nothing older is deleted either; a file of a higher
-        step (one this run did not write since it resumed) is never deleted."""
+        step (one this run did not write since it resumed) is never deleted.
+
+        Returns:
+            The path written.
+        """
         path = training_state.save(self.state(), self._ckpt_path(self.step))
         try:  # read back and verified before any older checkpoint goes
             training_state.read_state_json(path)
@@ -460,9 +469,18 @@ class BudgetTrainer:
 
     def train(self, steps: int) -> list[float]:
         """Train until ``steps`` optimizer steps are done in all (a resumed run does only the rest);
-        returns the loss of every step, ``0 .. steps - 1``."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"steps={steps!r} is invalid; allowed: an int >= 0")
+        back off along the stacks on OOM.
+
+        Args:
+            steps: the total number of optimizer steps (0 or more).
+
+        Returns:
+            The loss of every step, ``0 .. steps - 1``.
+
+        Raises:
+            torch.OutOfMemoryError: a step does not fit even the last stack.
+        """
+        check_int("steps", steps, minimum=0)
         if not any(True for _ in training_state.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB)):
             self.save_checkpoint()  # the starting point, so that an OOM in the first step can restore it
         bar = None
