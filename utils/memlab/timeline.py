@@ -28,7 +28,7 @@ Usage::
     tl.show()                                 # in a notebook
     tl.save_html("timeline.html"); tl.save_snapshot("step.pickle")   # for pytorch.org/memory_viz
 
-The peak of the bands equals ``tl.tracker.peak_bytes`` (the tests hold them to the byte): the
+The peak of the bands equals ``tl.tracker.peak_bytes``, to the byte: the
 timeline is the tracker's count, tensor by tensor.
 """
 from __future__ import annotations

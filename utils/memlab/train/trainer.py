@@ -58,7 +58,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from memlab import training_state
-from memlab.core.units import format_bytes
+from memlab.core.units import MiB, format_bytes
 from memlab.core.validation import check_bool, check_int, check_number, check_positive_int
 from memlab.models import decoder_layers
 from memlab.plan import Stack
@@ -205,7 +205,7 @@ class BudgetTrainer:
             from memlab.config import pick
             from memlab.data import stdlib_corpus
 
-            data = stdlib_corpus(max_bytes=pick(full=None, small=1 << 20))
+            data = stdlib_corpus(max_bytes=pick(full=None, small=MiB))
         if isinstance(data, torch.Tensor):
             return _corpus_data(data, self.seq_len, self.effective_batch, self.seed)
         if callable(data):
