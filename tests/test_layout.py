@@ -31,6 +31,7 @@ MOVED: dict[str, str] = {
     "memlab.gpus": "memlab.core.gpus",
     "memlab._optional": "memlab.optional",
     "memlab.attention_triton": "memlab.attention.triton_kernels",
+    "memlab.ckpt": "memlab.training_state",
 }
 
 

@@ -21,12 +21,11 @@ from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 from memlab.models import TinyGPT, TinyGPTConfig, lm_loss, tiny_llama  # noqa: E402
+from memlab.course.reference.ch01 import LiveBytes, categorize  # noqa: E402
 from memlab.profiler import (  # noqa: E402
     CATEGORIES,
     PHASES,
-    LiveBytes,
     MemoryTracker,
-    categorize,
     kernel_scratch_at_peak,
     phase_peaks,
 )
@@ -710,3 +709,22 @@ def test_resizes_watches_storage_resize():
     with MemoryTracker() as plain:  # without resizes, a storage method is invisible
         shell.untyped_storage().resize_(4096)
     assert plain.peak_bytes == 0
+
+
+def test_the_lab_references_moved_to_the_course_and_the_old_names_still_import():
+    """Chapter 01's lab answers live in memlab.course.reference.ch01; memlab.profiler re-exports them
+    (lazily: the course imports the profiler, not the other way round) for one release."""
+    import subprocess
+    import sys
+
+    import memlab.profiler as prof
+    from memlab.course.reference import ch01
+
+    for name in ("LiveBytes", "categorize", "fake_activation_bytes", "train_losses"):
+        assert getattr(prof, name) is getattr(ch01, name), name
+    assert ch01.phase_peaks is prof.phase_peaks  # the tracker's own, used by MemoryTracker.phase_peaks
+    with pytest.raises(AttributeError, match="no_such_name"):
+        prof.no_such_name  # noqa: B018
+    code = "import sys, memlab.profiler; print('memlab.course.reference.ch01' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -297,7 +297,7 @@ def _corrupt(path):
 
 
 def test_all_checkpoints_corrupt_is_refused_unless_fresh(tmp_path):
-    from memlab.ckpt import CheckpointError
+    from memlab.training_state import CheckpointError
 
     run([B], steps=2, ckpt_dir=tmp_path)
     for f in tmp_path.glob("step-*.safetensors"):
@@ -329,8 +329,8 @@ def test_keep_counts_steps_and_never_deletes_the_newest_valid(tmp_path):
 
 
 def test_a_foreign_checkpoint_is_a_checkpoint_error_naming_the_file(tmp_path):
-    from memlab import ckpt
-    from memlab.ckpt import CheckpointError
+    from memlab import training_state as ckpt
+    from memlab.training_state import CheckpointError
 
     def trainer(d, m=None):
         return BudgetTrainer(m or model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=d)
@@ -371,7 +371,7 @@ def test_resuming_with_another_lr_applies_it_and_says_so(tmp_path):
 
 
 def test_a_checkpoint_that_does_not_verify_after_writing_deletes_nothing(tmp_path, monkeypatch):
-    from memlab import ckpt
+    from memlab import training_state as ckpt
 
     t = run([B], steps=2, ckpt_dir=tmp_path)
     before = sorted(f.name for f in tmp_path.glob("step-*.safetensors"))
@@ -388,3 +388,20 @@ def test_a_checkpoint_that_does_not_verify_after_writing_deletes_nothing(tmp_pat
     with pytest.warns(UserWarning, match="does not verify.*keeping every older one"):
         t.train(3)
     assert sorted(f.name for f in tmp_path.glob("step-*.safetensors")) == before + ["step-00000003.safetensors"]
+
+
+def test_precision_speaks_the_shared_vocabulary():
+    """"bf16" is bf16 *mixed* precision (memlab.core.vocab); a checkpoint's stored "bf16" meant pure."""
+    from memlab.plan import PRECISIONS
+    from memlab.train import canonical_stack, stack_from_state
+
+    assert canonical_stack(Stack(precision="bf16", micro_batch=8)).precision == "bf16-mixed"
+    assert canonical_stack(Stack(precision="bf16-mixed", micro_batch=8)).precision == "bf16-mixed"
+    assert canonical_stack(Stack(optimizer="adamw", micro_batch=8)) == Stack(optimizer="adamw", micro_batch=8)
+    t = BudgetTrainer(model(), None, stacks=[Stack(precision="bf16", micro_batch=8)], effective_batch=8, seq_len=T)
+    assert t.stack.precision == "bf16-mixed"
+    old = dataclasses.asdict(Stack(micro_batch=8))
+    old["precision"] = "bf16"
+    want = "bf16-pure" if "bf16-pure" in PRECISIONS else "bf16"  # the planner's spelling of pure bf16
+    assert stack_from_state(old).precision == want
+    assert stack_from_state(dataclasses.asdict(Stack(micro_batch=8))) == Stack(micro_batch=8)

@@ -28,7 +28,7 @@ Usage::
     tl.show()                                 # in a notebook
     tl.save_html("timeline.html"); tl.save_snapshot("step.pickle")   # for pytorch.org/memory_viz
 
-The peak of the bands equals ``tl.tracker.peak_bytes`` (the tests hold them to the byte): the
+The peak of the bands equals ``tl.tracker.peak_bytes``, to the byte: the
 timeline is the tracker's count, tensor by tensor.
 """
 from __future__ import annotations
@@ -45,14 +45,15 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memlab.profiler import CATEGORIES, FRESH_ALIAS_OPS, MemoryTracker
+from memlab.core.validation import check_positive_int
+from memlab.profiler import CATEGORIES, CUDA_BLOCK_BYTES, FRESH_ALIAS_OPS, MemoryTracker
 
 __all__ = ["Allocation", "Timeline", "COLORS"]
 
-#: one colour per category (matplotlib's tab10, as MemoryTracker.plot)
+#: one colour per category (matplotlib's tab10)
 COLORS = {"parameters": "#1f77b4", "gradients": "#ff7f0e", "optimizer": "#2ca02c",
           "activations": "#d62728", "other": "#7f7f7f"}
-_CUDA_BLOCK = 512
+
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Allocation:
 
     @property
     def label(self) -> str:
+        """The op that made the storage, its shape and dtype, in one line."""
         return f"{self.op} -> {list(self.shape)} {self.dtype}"
 
 
@@ -164,7 +166,7 @@ class Timeline:
             return
         n = st.nbytes()
         if t.device.type == "cuda":
-            n = math.ceil(n / _CUDA_BLOCK) * _CUDA_BLOCK
+            n = math.ceil(n / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
         # made by an op: from that op; found by a hook between ops (a tensor made without an op, such
         # as the optimizer's step counters): from the next op, when the tracker first counts it too
         start = 0 if op == "(before)" else (self._ops if self._inside else self._ops + 1)
@@ -244,10 +246,15 @@ class Timeline:
     # ------------------------------------------------------------------ reading
     @property
     def ops(self) -> int:
+        """How many ops were dispatched inside the block."""
         return self._ops
 
     def live_bytes(self) -> list[int]:
-        """Bytes alive after each op 0..ops (the sum of the bands at that time)."""
+        """The sum of the bands at each time.
+
+        Returns:
+            Bytes alive after each op ``0 .. ops``.
+        """
         delta = [0] * (self._ops + 2)
         for a in self.allocations:
             delta[a.start] += a.nbytes
@@ -261,17 +268,22 @@ class Timeline:
 
     @property
     def peak_bytes(self) -> int:
+        """The highest point of :meth:`live_bytes` (the tracker's ``peak_bytes``)."""
         return max(self.live_bytes(), default=0)
 
     # ------------------------------------------------------------------ memory_viz
     def snapshot(self) -> dict:
         """The allocations as ``torch.cuda.memory._snapshot()`` lays them out (one trace per device
         type here: index 0), for https://pytorch.org/memory_viz. Addresses are made up (the
-        dispatcher sees no allocator); each block's frames name its category, op, shape and phase."""
+        dispatcher sees no allocator); each block's frames name its category, op, shape and phase.
+
+        Returns:
+            A dict with ``segments`` and ``device_traces``.
+        """
         addr, next_addr = {}, 0
         for i, a in enumerate(self.allocations):
             addr[i] = next_addr
-            next_addr += max(_CUDA_BLOCK, math.ceil(a.nbytes / _CUDA_BLOCK) * _CUDA_BLOCK)
+            next_addr += max(CUDA_BLOCK_BYTES, math.ceil(a.nbytes / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES)
 
         def frames(a: Allocation) -> list[dict]:
             return [{"filename": f"category: {a.category}", "line": a.start, "name": f"{a.label} ({a.phase})"},
@@ -310,7 +322,14 @@ class Timeline:
         return {"segments": [segment], "device_traces": [trace]}
 
     def save_snapshot(self, path: str | Path) -> Path:
-        """Pickle :meth:`snapshot` to ``path`` (open it at https://pytorch.org/memory_viz)."""
+        """Pickle :meth:`snapshot` to ``path`` (open it at https://pytorch.org/memory_viz).
+
+        Args:
+            path: the file to write.
+
+        Returns:
+            ``path`` as a Path.
+        """
         path = Path(path)
         path.write_bytes(pickle.dumps(self.snapshot()))
         return path
@@ -335,9 +354,22 @@ class Timeline:
              height: int = 360, full_page: bool = False) -> str:
         """A self-contained interactive view (inline JavaScript, no network): one band per storage,
         stacked in allocation order, coloured by category; hover names the tensor. The
-        ``max_bands`` largest storages are drawn (the rest are counted in the caption)."""
-        if isinstance(max_bands, bool) or not isinstance(max_bands, int) or max_bands < 1:
-            raise ValueError(f"max_bands={max_bands!r} is invalid; allowed: an int >= 1")
+        ``max_bands`` largest storages are drawn (the rest are counted in the caption).
+
+        Args:
+            title: the caption's title.
+            max_bands: how many storages to draw, the largest first (an int >= 1).
+            width: the plot's width in pixels.
+            height: the plot's height in pixels.
+            full_page: a whole HTML document rather than a fragment.
+
+        Returns:
+            The HTML.
+
+        Raises:
+            ValueError: a bad ``max_bands``.
+        """
+        check_positive_int("max_bands", max_bands)
         uid = f"mlt{id(self):x}{self._ops:x}"
         data = json.dumps(self._data(max_bands), separators=(",", ":"))
         body = _TEMPLATE.replace("$UID", uid).replace("$DATA", data).replace("$TITLE", _html.escape(title)) \
@@ -348,13 +380,26 @@ class Timeline:
         return body
 
     def save_html(self, path: str | Path, **kwargs: Any) -> Path:
+        """Write :meth:`html` as a whole page.
+
+        Args:
+            path: the file to write.
+            **kwargs: passed to :meth:`html`.
+
+        Returns:
+            ``path`` as a Path.
+        """
         path = Path(path)
         path.write_text(self.html(full_page=True, **kwargs), encoding="utf-8")
         return path
 
     def show(self, **kwargs: Any):
         """Display :meth:`html` inline (JupyterLab runs the inline script of outputs it trusts: those
-        of cells run in this session)."""
+        of cells run in this session).
+
+        Args:
+            **kwargs: passed to :meth:`html`.
+        """
         from IPython.display import HTML, display
 
         display(HTML(self.html(**kwargs)))

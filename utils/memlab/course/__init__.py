@@ -1,0 +1,1 @@
+"""The course machinery: grading, checks, labs, doctor, lab reference answers."""

@@ -1,0 +1,563 @@
+"""The training-step memory tracker: every tensor storage of a step, by category, phase and module.
+
+Built from two PyTorch mechanisms: a ``TorchDispatchMode`` sees every aten op inside the ``with``
+block (forward, the autograd engine's backward, the optimizer step) and so every tensor those ops
+return; a weak reference to each tensor's *untyped storage*, whose callback runs the moment the
+last tensor using it dies, subtracts its bytes exactly when the memory is given back. Views share
+one storage, so each storage is counted once. The design follows PyTorch's own
+``torch.distributed._tools.mem_tracker.MemTracker``, which differs only in how it charges a view
+of memory born before the block (it charges the whole storage; this tracker charges nothing).
+
+Phases: ``forward`` while the model's forward runs (a pre/post hook on the root module),
+``backward`` while the autograd engine runs (``torch._C._current_graph_task_id() != -1``),
+``optimizer`` inside ``Optimizer.step`` (the global step pre/post hooks), ``other`` otherwise.
+Categories: see :class:`MemoryTracker`.
+
+Limits: ops that bypass the dispatcher (``no_dispatch``, C++ extensions calling the allocator,
+cuBLAS workspaces, scratch a kernel allocates inside itself) are invisible; and under any Python
+dispatch mode autograd adds the gradients of a tensor used several times out of place, so a step
+that slices one tensor many times peaks a little higher tracked than untracked. The tracker is
+exact for the run it watches.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memlab.core.units import format_bytes
+from memlab.core.validation import check_choice, check_int
+from memlab.profiler.allocator import DEFAULT_BLOCK_BYTES, allocator_bytes
+from memlab.profiler.hooks import _StepHooks
+from memlab.profiler.modules import _ModuleFrames
+from memlab.profiler.report import format_report, plot_timeline
+from memlab.profiler.storage import (_A, _BWD, _FWD, _G, _O, _OPT, _OTH, _P, _X, BREAKDOWN_AT, CATEGORIES,
+                                     FRESH_ALIAS_OPS, PHASES, Event, LiveStorage, _Entry, _flat_tensors, _mutates,
+                                     _Peak, optimizer_tensors, phase_peaks)
+
+__all__ = ["MemoryTracker"]
+
+_graph_task_id = torch._C._current_graph_task_id
+
+
+class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
+    """Track every tensor storage of one or more training steps, by category, phase and module.
+
+    Usage::
+
+        tracker = MemoryTracker(model, optimizer)
+        with tracker:
+            loss = model(x, y)[1]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        tracker.peak_bytes, tracker.breakdown("peak"), tracker.timeline, tracker.report()
+
+    Categories, each storage in exactly one: ``parameters`` (parameters and buffers of the model,
+    parameters of the optimizer); ``gradients`` (their ``.grad``, re-labelled when autograd
+    accumulates them); ``optimizer`` (tensors in ``optimizer.state``; during ``optimizer.step`` every
+    new storage, and after the step what is still alive outside ``state`` moves to ``other``);
+    ``activations`` (anything else allocated while the forward or the backward runs: saved
+    activations, their gradients, recomputed activations); ``other`` (the rest, such as a batch
+    moved to the device).
+
+    On fake tensors, build the model, optimizer and batch under a ``FakeTensorMode`` and run the
+    step with both modes active (either nesting order gives the same bytes). One tracker may be
+    entered several times (one step each, or several steps in one block); its counts carry on.
+
+    Memory allocated before the block is charged only when the model or the optimizer owns it
+    (parameters, buffers, gradients, optimizer state). A view of any other storage born before
+    the block (a slice, ``t()``, ``view``, ``expand``, ``detach``, the tensor an in-place op
+    returns) costs 0 bytes, as it costs the allocator nothing; if such a storage grows (an
+    ``out=`` or in-place op that resizes it, ``UntypedStorage.resize_`` with ``resizes``), the
+    growth is charged.
+
+    Args:
+        model: its parameters and buffers (and their ``.grad``) are counted from ``__enter__``;
+            its forward defines the ``forward`` phase and its submodules the per-module peaks.
+        optimizer: its ``state`` tensors are counted from ``__enter__`` and after every ``step``.
+        device: count only storages on this device type (``"cuda"``, ``"cpu"``, ``"meta"``; for
+            fake tensors their fake device); ``None`` counts all.
+        timeline: record the timeline (cheap; turn off for the lowest overhead).
+        block_bytes: the rounding policy, device type -> the allocator's block size (every
+            storage is charged its size rounded up to a multiple of it); default
+            :data:`DEFAULT_BLOCK_BYTES` (CUDA's 512-byte blocks, other devices as asked).
+        resizes: also count storage resizes that no op returns (FSDP2 frees and regrows an
+            unsharded parameter with ``UntypedStorage.resize_``): ``resize_`` is watched inside the
+            block and every live storage's size re-read after each op (slower).
+
+    Extending it (subclasses use these, never the private state): :meth:`after_op` (a hook run
+    after every op, before the peak and the timeline take the new total), :meth:`counted_tensor`
+    (which tensor's storage holds a wrapper tensor's bytes), :meth:`sync_sizes` (re-read storage
+    sizes now), :meth:`allocated_bytes` (the rounding policy), :meth:`live_storages`,
+    :attr:`current_bytes` and :meth:`add_transient`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        device: str | torch.device | None = None,
+        timeline: bool = True,
+        block_bytes: Mapping[str, int] | None = None,
+        resizes: bool = False,
+    ) -> None:
+        super().__init__()
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if block_bytes is None:
+            block_bytes = DEFAULT_BLOCK_BYTES
+        if not isinstance(block_bytes, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                for k, v in block_bytes.items()):
+            raise ValueError(f"block_bytes={block_bytes!r} is invalid; allowed: a mapping of device type "
+                             f"(such as 'cuda') to a block size in bytes, an int >= 1")
+        self.model = model
+        self.optimizer = optimizer
+        self.block_bytes: dict[str, int] = dict(block_bytes)
+        self.resizes = bool(resizes)
+        self._device_type = None if device is None else torch.device(device).type
+        self._record = bool(timeline)
+        # storage key (StorageImpl address) -> _Entry
+        self._live: dict[int, _Entry] = {}
+        self._cur = [0, 0, 0, 0, 0]
+        self._total = 0
+        self._phase = _OTH
+        self._ops = 0
+        self._events: list[tuple] = []
+        self._dirty = True
+        self._peak = _Peak(0, (0, 0, 0, 0, 0), 0, "other", None)
+        self._end: tuple[int, ...] | None = None
+        self._init_frames()
+        self._handles: list[Any] = []
+        self._depth = 0
+        self._in_opt = 0
+        self._opt_before: set[int] = set()
+        self._orig_resize: Any = None
+        cls = type(self)
+        self._unwrap = None if cls.counted_tensor is MemoryTracker.counted_tensor else self.counted_tensor
+        self._hook = None if cls.after_op is MemoryTracker.after_op else self.after_op
+
+    # ------------------------------------------------------------------ the extension API
+    def counted_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor whose storage holds ``t``'s bytes: ``t`` itself. Override for wrapper tensors
+        (a DTensor's bytes are its local shard's, see :func:`memlab.distributed.rank_tracker`).
+
+        Args:
+            t: a tensor an op returned or the model holds.
+
+        Returns:
+            The tensor to count.
+        """
+        return t
+
+    def after_op(self) -> bool | None:
+        """Hook: called after every dispatched op (and at enter, at exit, after each step and for
+        each :meth:`add_transient`) once :attr:`current_bytes` is up to date, before the peak and
+        the timeline take it. Raise to refuse the op (``memlab.train.BudgetTracker``); return
+        ``False`` to leave this moment out of the peak and the timeline. Does nothing here.
+
+        Returns:
+            ``False`` to skip this moment, else None.
+        """
+        return None
+
+    def allocated_bytes(self, nbytes: int, device: str | torch.device) -> int:
+        """The rounding policy (see :func:`allocator_bytes` and ``block_bytes``).
+
+        Args:
+            nbytes: the size asked for.
+            device: the device or its type.
+
+        Returns:
+            The bytes the allocator takes for it.
+        """
+        return allocator_bytes(nbytes, device, self.block_bytes)
+
+    def sync_sizes(self, storage: torch.Tensor | torch.UntypedStorage | None = None) -> int:
+        """Re-read the size of one tracked storage (a tensor's, or a storage) or, with ``None``, of
+        every live one, and charge what changed now: for resizes that no op returns.
+
+        Args:
+            storage: a tensor, an untyped storage, or None for all.
+
+        Returns:
+            The change in charged bytes.
+        """
+        if storage is None:
+            entries = list(self._live.values())  # a list: a weakref callback may fire meanwhile
+        else:
+            if isinstance(storage, torch.Tensor):
+                storage = (self._unwrap(storage) if self._unwrap else storage).untyped_storage()
+            e = self._live.get(storage._cdata)
+            entries = [e] if e is not None and e.ref() is storage else []
+        change = 0
+        for e in entries:
+            st = e.ref()
+            if st is not None:
+                change += self._resize_entry(e, st.nbytes())
+        return change
+
+    def live_storages(self) -> list[LiveStorage]:
+        """The storages the tracker holds now.
+
+        Returns:
+            One :class:`LiveStorage` each: key, storage, charged bytes, category.
+        """
+        out = []
+        for key, e in list(self._live.items()):
+            st = e.ref()
+            if st is not None:
+                out.append(LiveStorage(key, st, e.nbytes, CATEGORIES[e.cat]))
+        return out
+
+    # ------------------------------------------------------------------ storages
+    def _block(self, dev_type: str) -> int:
+        return self.block_bytes.get(dev_type, 1)
+
+    def _new_entry(self, st: torch.UntypedStorage, key: int, dev_type: str, cat: int, base: int | None) -> None:
+        """Start counting a storage: all its bytes, or (``base``: the bytes it held before the
+        tracker met it, already rounded) only what it grew since."""
+        block = self._block(dev_type)
+        n = st.nbytes()
+        if block > 1:
+            n = -(-n // block) * block
+        b = 0 if base is None else base
+        self._live[key] = _Entry(n - b, cat, weakref.ref(st, self._make_free(key)), block, b)
+        if n != b:
+            self._cur[cat] += n - b
+            self._total += n - b
+            self._dirty = True
+
+    def _resize_entry(self, e: _Entry, nbytes: int) -> int:
+        if e.block > 1:
+            nbytes = -(-nbytes // e.block) * e.block
+        d = nbytes - e.base - e.nbytes
+        if d:
+            self._cur[e.cat] += d
+            self._total += d
+            e.nbytes += d
+            self._dirty = True
+        return d
+
+    def _track(self, t: torch.Tensor, cat: int, relabel: bool = False) -> None:
+        """Count ``t``'s storage (an owner's when ``relabel``: it is charged in full and takes ``cat``)."""
+        if self._unwrap is not None:
+            t = self._unwrap(t)
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError, TypeError):  # sparse, mkldnn, opaque subclasses
+            return
+        key = st._cdata
+        e = self._live.get(key)
+        if e is None:
+            dev = t.device.type
+            if self._device_type is not None and dev != self._device_type:
+                return
+            self._new_entry(st, key, dev, cat, None)
+            return
+        self._resize_entry(e, st.nbytes())
+        if relabel:
+            if e.base:  # an owner is charged in full, even if the tracker met it as an old storage
+                self._cur[e.cat] += e.base
+                self._total += e.base
+                e.nbytes += e.base
+                e.base = 0
+                self._dirty = True
+            if e.cat != cat:
+                self._cur[e.cat] -= e.nbytes
+                self._cur[cat] += e.nbytes
+                e.cat = cat
+                self._dirty = True
+
+    def _track_output(self, o: torch.Tensor, cat: int, inputs: list | None, args: Any, kwargs: Any,
+                      before: dict | None) -> list | None:  # inputs=(): no input is old
+        """Count an op's output: a storage the tracker has not met is new, unless it is one of the
+        op's inputs' storages, born before tracking (a view or an alias: only growth is charged).
+        Returns the inputs' storage keys (computed once per op, when first needed)."""
+        if self._unwrap is not None:
+            o = self._unwrap(o)
+        try:
+            st = o.untyped_storage()
+        except (NotImplementedError, RuntimeError, TypeError):
+            return inputs
+        key = st._cdata
+        e = self._live.get(key)
+        if e is not None:
+            self._resize_entry(e, st.nbytes())
+            return inputs
+        dev = o.device.type
+        if self._device_type is not None and dev != self._device_type:
+            return inputs
+        if inputs is None:
+            inputs = []
+            for t in _flat_tensors((args, kwargs), []):
+                if self._unwrap is not None:
+                    t = self._unwrap(t)
+                try:
+                    inputs.append(t.untyped_storage()._cdata)
+                except (NotImplementedError, RuntimeError, TypeError):
+                    pass
+        if key in inputs:  # an alias of an input the tracker never met: born before tracking
+            base = before.get(key) if before else None
+            if base is None:
+                base = self.allocated_bytes(st.nbytes(), dev)
+            self._new_entry(st, key, dev, cat, base)
+        else:
+            self._new_entry(st, key, dev, cat, None)
+        return inputs
+
+    def _untracked_sizes(self, args: Any, kwargs: Any) -> dict[int, tuple]:
+        """Before an op that writes into its arguments: the allocator bytes of each argument
+        storage the tracker has not met, so that a resize by the op is charged (from this size)."""
+        out: dict[int, tuple] = {}
+        for t in _flat_tensors((args, kwargs), []):
+            if self._unwrap is not None:
+                t = self._unwrap(t)
+            try:
+                st = t.untyped_storage()
+            except (NotImplementedError, RuntimeError, TypeError):
+                continue
+            key = st._cdata
+            if key not in self._live and key not in out:
+                out[key] = (self.allocated_bytes(st.nbytes(), t.device), st, t.device.type)
+        return out
+
+    def _make_free(self, key: int):
+        def free(ref: weakref.ref) -> None:
+            e = self._live.get(key)
+            if e is None or e.ref is not ref:
+                return
+            del self._live[key]
+            self._cur[e.cat] -= e.nbytes
+            self._total -= e.nbytes
+            self._dirty = True
+
+        return free
+
+    def _track_state(self) -> None:
+        """Label what the model and the optimizer hold right now."""
+        params: list[torch.Tensor] = []
+        if self.model is not None:
+            params.extend(self.model.parameters())
+            for b in self.model.buffers():
+                self._track(b, _P, relabel=True)
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                params.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
+        for p in params:
+            self._track(p, _P, relabel=True)
+            if p.grad is not None:
+                self._track(p.grad, _G, relabel=True)
+        if self.optimizer is not None:
+            self._track_optimizer(self.optimizer)
+
+    def _track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for t in optimizer_tensors(optimizer):
+            self._track(t, _O, relabel=True)
+
+    # ------------------------------------------------------------------ the dispatch hook
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = self._untracked_sizes(args, kwargs) if _mutates(func) else None
+        out = func(*args, **kwargs)
+        if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
+            outs: Any = (out,)
+        elif isinstance(out, (tuple, list)):
+            outs = out
+        else:  # no tensor out (e.g. the profiler's record_function ops): nothing to allocate
+            outs = ()
+        if outs or before:
+            # the phase: optimizer step > autograd engine running > the last phase started
+            if self._in_opt:
+                phase = _OPT
+            elif _graph_task_id() != -1:
+                phase = _BWD
+            elif self._phase == _BWD:  # the engine has finished
+                phase = _OTH
+            else:
+                phase = self._phase
+            if phase != self._phase:
+                self._set_phase(phase)
+            cat = _A if (phase == _FWD or phase == _BWD) else (_O if phase == _OPT else _X)
+            inputs = () if func in FRESH_ALIAS_OPS else None
+            bsizes = {k: v[0] for k, v in before.items()} if before else None
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    inputs = self._track_output(o, cat, inputs, args, kwargs, bsizes)
+                elif isinstance(o, (tuple, list)):
+                    for oo in o:
+                        if isinstance(oo, torch.Tensor):
+                            inputs = self._track_output(oo, cat, inputs, args, kwargs, bsizes)
+            if before:  # an argument the tracker had not met, resized by the op and not returned
+                for key, (n, st, dev) in before.items():
+                    if key not in self._live and self.allocated_bytes(st.nbytes(), dev) != n:
+                        self._new_entry(st, key, dev, cat, n)
+        self._ops += 1
+        self._after_op()
+        return out
+
+    def add_transient(self, nbytes: int, category: str = "activations") -> None:
+        """Count ``nbytes`` alive for one moment, now, in ``category``: buffers no tensor shows,
+        such as scratch a kernel allocates inside itself (see :func:`kernel_scratch_at_peak`).
+        The peak and the timeline see the spike; the current total is unchanged afterwards.
+
+        Args:
+            nbytes: the bytes, an int >= 0.
+            category: one of :data:`CATEGORIES`.
+
+        Raises:
+            ValueError: naming a bad ``nbytes`` or ``category``.
+        """
+        check_int("nbytes", nbytes, minimum=0)
+        check_choice("category", category, CATEGORIES)
+        if nbytes == 0:
+            return
+        cat = CATEGORIES.index(category)
+        for sign in (1, -1):
+            self._cur[cat] += sign * nbytes
+            self._total += sign * nbytes
+            self._dirty = True
+            self._after_op()
+
+    def _after_op(self) -> None:
+        if self.resizes:
+            self.sync_sizes()
+        if self._hook is not None and self._hook() is False:
+            return
+        total = self._total
+        if self._stack and total > self._stack[-1][1]:
+            self._stack[-1][1] = total
+        if total > self._peak.total:
+            self._peak = _Peak(
+                total, tuple(self._cur), self._ops, PHASES[self._phase], self._stack[-1][0] if self._stack else None
+            )
+        if self._dirty and self._record:
+            c = self._cur
+            self._events.append((self._ops, self._phase, c[0], c[1], c[2], c[3], c[4]))
+        self._dirty = False
+
+    def _set_phase(self, phase: int) -> None:
+        if self._phase == _BWD:  # backward is over: its module frames end with it
+            self._pop_to(0, backward_only=True)
+        self._phase = phase
+        self._dirty = True
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> "MemoryTracker":
+        if self._depth == 0:
+            self._track_state()
+            self._install_hooks()
+            if self.resizes:
+                self._watch_resize()
+            self._end = None
+            self._after_op()  # the starting point is an event (and the first peak candidate)
+        self._depth += 1
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._depth -= 1
+        if self._depth == 0:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            if self._orig_resize is not None:
+                torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+                self._orig_resize = None
+            self._in_opt = 0
+            if self._phase != _OTH:
+                self._set_phase(_OTH)
+            self._pop_to(0)
+            self._track_state()  # grads / optimizer state created at the very end get their label
+            self._dirty = True
+            self._after_op()
+            self._end = tuple(self._cur)
+
+    # ------------------------------------------------------------------ results
+    @property
+    def peak_bytes(self) -> int:
+        """Largest total of live tracked bytes seen after any op (or at enter/exit)."""
+        return self._peak.total
+
+    @property
+    def current_bytes(self) -> int:
+        """Tracked bytes alive right now (storages freed after the block are subtracted too)."""
+        return self._total
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase running at the peak."""
+        return self._peak.phase
+
+    @property
+    def peak_module(self) -> str | None:
+        """Qualified name of the innermost module running at the peak ("" is the model itself)."""
+        return self._peak.module
+
+    @property
+    def peak_event(self) -> int:
+        """The index of the op after which the peak was reached."""
+        return self._peak.event
+
+    def breakdown(self, at: str = "peak") -> dict[str, int]:
+        """Bytes per category at the peak or at the end of the block (now, if still inside).
+
+        Args:
+            at: ``"peak"`` or ``"end"``.
+
+        Returns:
+            category -> bytes, every category of :data:`CATEGORIES`.
+
+        Raises:
+            ValueError: ``at`` is neither.
+        """
+        check_choice("at", at, BREAKDOWN_AT)
+        counts = self._peak.counts if at == "peak" else (self._end if self._end is not None else self._cur)
+        return dict(zip(CATEGORIES, counts))
+
+    @property
+    def timeline(self) -> list[Event]:
+        """``Event(index, phase, bytes)`` after each op that changed something (and at enter/exit)."""
+        return [Event(e[0], PHASES[e[1]], dict(zip(CATEGORIES, e[2:]))) for e in self._events]
+
+    def phase_peaks(self) -> dict[str, int]:
+        """Peak total bytes in each phase that occurred.
+
+        Returns:
+            phase -> bytes, in the order the phases first occurred.
+        """
+        return phase_peaks(self.timeline)
+
+    def report(self, top: int = 5) -> str:
+        """A text table: categories at the peak and at the end, phase peaks, top modules.
+
+        Args:
+            top: how many modules to list.
+
+        Returns:
+            The table (see :func:`memlab.profiler.format_report`).
+        """
+        return format_report(self, top)
+
+    def __repr__(self) -> str:
+        return f"MemoryTracker(peak={format_bytes(self.peak_bytes)}, current={format_bytes(self.current_bytes)})"
+
+    def plot(self, ax: Any = None, title: str | None = None, unit: str = "MiB"):
+        """Stacked-area timeline by category, phases shaded, the peak marked.
+
+        Args:
+            ax: a matplotlib Axes, or None for a new figure.
+            title: the plot's title, or None.
+            unit: ``"B"``, ``"KiB"``, ``"MiB"`` or ``"GiB"``.
+
+        Returns:
+            The Axes.
+        """
+        return plot_timeline(self._events, self.peak_event, self.peak_bytes, ax=ax, title=title, unit=unit)

@@ -1,0 +1,142 @@
+"""Training stacks for the trainer: the knobs it runs, the vocabulary, and the back-off on OOM."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from memlab.core.vocab import OPTIMIZER_ALIASES, Recipe, recipe
+from memlab.plan import PRECISIONS, Stack
+
+__all__ = ["SUPPORTED", "Backoff", "back_off", "back_off_chain", "canonical_stack", "stack_from_state"]
+
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "precision": (Recipe.FP32.value, Recipe.BF16_MIXED.value),
+    "checkpointing": ("none", "every-k", "full"),
+    "optimizer": ("adamw", "adamw-fused"),
+    "adapter": ("full",),
+    "attention": ("eager", "sdpa"),
+}
+
+
+def canonical_stack(stack: Stack) -> Stack:
+    """``stack`` with memlab.core.vocab's spellings: ``"bf16"`` is bf16 mixed precision (``"bf16-mixed"``),
+    ``"adam8bit"`` is ``"adamw8bit"``.
+
+    Args:
+        stack: a :class:`memlab.plan.Stack`.
+
+    Returns:
+        The same stack, respelled where the trainer runs the canonical value (other values are
+        left as given, for the trainer's error to name them).
+    """
+    changes: dict[str, str] = {}
+    try:
+        precision = recipe(stack.precision, argument="precision").value
+    except ValueError:
+        precision = stack.precision
+    if precision != stack.precision and precision in SUPPORTED["precision"]:
+        changes["precision"] = precision
+    opt = OPTIMIZER_ALIASES.get(stack.optimizer, stack.optimizer)
+    if opt != stack.optimizer and opt in SUPPORTED["optimizer"]:
+        changes["optimizer"] = opt
+    return dataclasses.replace(stack, **changes) if changes else stack
+
+
+def stack_from_state(d: Mapping[str, Any]) -> Stack:
+    """The :class:`memlab.plan.Stack` a checkpoint stored as a dict.
+
+    Args:
+        d: ``dataclasses.asdict(stack)`` as saved.
+
+    Returns:
+        The stack, in today's vocabulary.
+    """
+    d = dict(d)
+    # Checkpoints written before memlab.core.vocab spelled pure bf16 "bf16" (memlab.plan's old
+    # PRECISIONS); "bf16" now means bf16 *mixed*, so a stored "bf16" resumes as pure bf16. (Where
+    # memlab.plan does not know "bf16-pure" yet, its "bf16" still means pure and is kept.)
+    if d.get("precision") == "bf16" and Recipe.BF16_PURE.value in PRECISIONS:
+        d["precision"] = Recipe.BF16_PURE.value
+    return Stack(**d)
+
+
+# ----------------------------------------------------------------------------- back-off
+@dataclass(frozen=True)
+class Backoff:
+    """One OOM back-off: at optimizer step ``step`` stack ``from_stack`` ran out of memory
+    (``reason``), the trainer moved to ``to_stack`` and restored the checkpoint of step ``restored``."""
+
+    step: int
+    from_stack: Stack
+    to_stack: Stack
+    reason: str
+    restored: int
+
+    def to_json(self) -> dict[str, Any]:
+        """This event as plain values (the stacks as dicts), for a checkpoint.
+
+        Returns:
+            A JSON-able dict; :meth:`from_json` reads it back.
+        """
+        return {"step": self.step, "from_stack": dataclasses.asdict(self.from_stack),
+                "to_stack": dataclasses.asdict(self.to_stack), "reason": self.reason, "restored": self.restored}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Backoff":
+        """The event :meth:`to_json` wrote.
+
+        Args:
+            d: the dict from a checkpoint (an old one's pure-bf16 "bf16" is respelled).
+
+        Returns:
+            The Backoff.
+        """
+        return cls(d["step"], stack_from_state(d["from_stack"]), stack_from_state(d["to_stack"]), d["reason"],
+                   d["restored"])
+
+
+def back_off(stack: Stack) -> Stack | None:
+    """The next stack to try after ``stack`` ran out of memory, keeping the effective batch.
+
+    The rule: first shrink the micro-batch to the largest divisor of the effective batch that is
+    at most half the current one (activations scale with the micro-batch; gradient accumulation
+    keeps ``micro_batch * grad_accum`` equal); once the micro-batch is 1, turn on full
+    checkpointing; after that, ``None`` (nothing left to give). Every other knob is kept.
+
+    >>> back_off(Stack(micro_batch=18, grad_accum=1)).micro_batch, back_off(Stack(micro_batch=9, grad_accum=2)).micro_batch
+    (9, 3)
+
+    Args:
+        stack: the stack that ran out of memory.
+
+    Returns:
+        The next stack, or None when nothing is left to give.
+
+    Raises:
+        TypeError: ``stack`` is not a :class:`memlab.plan.Stack`.
+    """
+    if not isinstance(stack, Stack):
+        raise TypeError(f"stack: expected a memlab.plan.Stack, got {type(stack).__name__}")
+    eff = stack.effective_batch
+    if stack.micro_batch > 1:
+        mb = max(d for d in range(1, stack.micro_batch // 2 + 1) if eff % d == 0)
+        return dataclasses.replace(stack, micro_batch=mb, grad_accum=eff // mb)
+    if stack.checkpointing != "full":
+        return dataclasses.replace(stack, checkpointing="full")
+    return None
+
+
+def back_off_chain(stack: Stack) -> list[Stack]:
+    """Every stack :func:`back_off` leads to from ``stack``.
+
+    Args:
+        stack: the first stack.
+
+    Returns:
+        ``[stack, back_off(stack), back_off(back_off(stack)), ...]`` until nothing is left.
+    """
+    out = [stack]
+    while (nxt := back_off(out[-1])) is not None:
+        out.append(nxt)
+    return out

@@ -1,0 +1,409 @@
+"""Training state on disk that loses nothing: one file, written atomically, verified before it is loaded.
+
+A training checkpoint is a tree of plain values (dicts, lists, ints, floats, strings, None) with
+tensors as leaves: the model's ``state_dict``, the optimizer's, the RNG states, the data position,
+the stack in use. :func:`save` writes the whole tree as **one safetensors file** (Hugging Face's
+format, https://github.com/huggingface/safetensors, README "Format": an 8-byte little-endian
+header length, a JSON header naming each tensor's dtype, shape and byte range, then the raw
+bytes). Everything that is not a tensor is JSON in the header's ``__metadata__`` (key
+``memlab.state``), each tensor leaf replaced by ``{"__tensor__": name}``. Reader and writer are
+written here (no dependency; the files load with the ``safetensors`` package too), and reading
+never unpickles anything.
+
+* **atomic**: :func:`atomic_write` writes a temporary file in the same directory, ``fsync``s it,
+  ``os.replace``s it onto the name (POSIX ``rename(2)``: no reader finds the name missing or
+  half-written) and ``fsync``s the directory. A process killed at any instant leaves the previous
+  or the new complete file, at worst a stray ``.<name>.tmp-*`` that :func:`remove_stale_temps`
+  clears and loaders ignore.
+* **verified**: the metadata holds ``memlab.sha256`` over the canonical header and the tensor
+  bytes; :func:`load` checks lengths, header, tensor table and checksum before it builds anything,
+  and a truncated or corrupted file raises :class:`CheckpointError` naming the file and the fault.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import struct
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from memlab.core.units import MiB
+
+__all__ = ["CheckpointError", "save", "load", "atomic_write", "serialize", "deserialize", "read_state_json",
+           "remove_stale_temps", "temp_files", "iter_checkpoints", "step_of", "DTYPES"]
+
+FORMAT = "memlab.ckpt/1"  # written into every file: the name stays
+_STATE_KEY = "memlab.state"
+_SHA_KEY = "memlab.sha256"
+_FORMAT_KEY = "memlab.format"
+# safetensors' dtype names
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_FROM_NAME = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * MiB  # safetensors' own limit on the header's size
+_TEMP_RE = re.compile(r"^\..+\.tmp-[0-9]+-[0-9a-f]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that must not be loaded (truncated, corrupted, not a memlab checkpoint)."""
+
+
+# ----------------------------------------------------------------------------- the tree
+def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor], ids: dict[int, str]) -> Any:
+    """The JSON-able skeleton of ``obj``; its tensors go into ``tensors`` under dotted paths."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype not in DTYPES:
+            raise TypeError(f"save: tensor at {path or '<root>'} has dtype {obj.dtype}; allowed: "
+                            f"{', '.join(str(d) for d in DTYPES)}")
+        name = path or "<root>"
+        tensors[name] = obj
+        return {"__tensor__": name}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        items = [_flatten(v, f"{path}.{i}" if path else str(i), tensors, ids) for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _flatten(v, f"{path}.{k}" if path else k, tensors, ids) for k, v in obj.items()}
+        items = []
+        for k, v in obj.items():
+            if not (k is None or isinstance(k, (bool, int, float, str))):
+                raise TypeError(f"save: dict key {k!r} at {path or '<root>'} is a {type(k).__name__}; allowed: "
+                                "str, int, float, bool, None")
+            items.append([k, _flatten(v, f"{path}.{k}" if path else str(k), tensors, ids)])
+        return {"__items__": items}
+    raise TypeError(f"save: value at {path or '<root>'} is a {type(obj).__name__}; allowed: tensors, dict, list, "
+                    "tuple, str, int, float, bool, None (convert NumPy arrays with .tolist())")
+
+
+def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_unflatten(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        if set(obj) == {"__tuple__"}:
+            return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
+        if set(obj) == {"__items__"}:
+            return {k: _unflatten(v, tensors) for k, v in obj["__items__"]}
+        return {k: _unflatten(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()  # native order: little-endian on x86 and ARM
+
+
+# ----------------------------------------------------------------------------- bytes
+def serialize(state: Any) -> list[bytes]:
+    """The checkpoint file's bytes for ``state``.
+
+    Args:
+        state: a tree of dicts, lists, tuples and plain values with tensors as leaves.
+
+    Returns:
+        The file as chunks: the header first, then each tensor's bytes.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _flatten(state, "", tensors, {})
+    table: dict[str, Any] = {}
+    blobs: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        b = _tensor_bytes(tensors[name])
+        t = tensors[name]
+        table[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    meta = {_FORMAT_KEY: FORMAT, _STATE_KEY: json.dumps(skeleton, allow_nan=True)}
+    digest = hashlib.sha256(_canonical({**table, "__metadata__": meta}))
+    for b in blobs:
+        digest.update(b)
+    header = {"__metadata__": {**meta, _SHA_KEY: digest.hexdigest()}, **table}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    return [struct.pack("<Q", len(raw)) + raw, *blobs]
+
+
+def _parse(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Check the layout and the checksum of a file's bytes; (metadata, tensor table, data start)."""
+    n = len(data)
+    if n < 8:
+        raise CheckpointError(f"{where}: truncated: {n} bytes, shorter than the 8-byte header length; refusing to load")
+    (hlen,) = struct.unpack("<Q", data[:8])
+    if hlen > _MAX_HEADER or 8 + hlen > n:
+        raise CheckpointError(f"{where}: truncated or corrupted: the header claims {hlen} bytes but the file has "
+                              f"{n - 8} after the length field; refusing to load")
+    try:
+        header = json.loads(data[8:8 + hlen].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{where}: corrupted header (not JSON: {exc}); refusing to load") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: malformed header (JSON nested too deeply to read); refusing to load") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise CheckpointError(f"{where}: not a memlab checkpoint (no __metadata__ in the header); refusing to load")
+    meta = dict(header.pop("__metadata__"))
+    if meta.get(_FORMAT_KEY) != FORMAT or not isinstance(meta.get(_STATE_KEY), str):
+        raise CheckpointError(f"{where}: not a memlab checkpoint (metadata {sorted(meta)[:5]}); expected "
+                              f"{_FORMAT_KEY}={FORMAT!r}; refusing to load")
+    sha = meta.pop(_SHA_KEY, None)
+    start = 8 + hlen
+    end = 0
+    for name, info in header.items():
+        ok = (isinstance(info, dict) and info.get("dtype") in _FROM_NAME and isinstance(info.get("shape"), list)
+              and all(isinstance(s, int) and s >= 0 for s in info["shape"])
+              and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+              and all(isinstance(o, int) for o in info["data_offsets"]))
+        if not ok:
+            raise CheckpointError(f"{where}: corrupted tensor entry {name!r}: {str(info)[:120]}; refusing to load")
+        lo, hi = info["data_offsets"]
+        numel = 1
+        for s in info["shape"]:
+            numel *= s
+        if not 0 <= lo <= hi or hi - lo != numel * _FROM_NAME[info["dtype"]].itemsize:
+            raise CheckpointError(f"{where}: corrupted tensor entry {name!r} (offsets {lo}..{hi} do not hold "
+                                  f"{info['shape']} x {info['dtype']}); refusing to load")
+        end = max(end, hi)
+    if start + end != n:
+        what = "truncated" if start + end > n else "has trailing bytes"
+        raise CheckpointError(f"{where}: {what}: {n} bytes, the header describes {start + end}; refusing to load")
+    digest = hashlib.sha256(_canonical({**header, "__metadata__": meta}))
+    digest.update(memoryview(data)[start:])
+    if sha != digest.hexdigest():
+        raise CheckpointError(f"{where}: checksum mismatch (stored sha256 {str(sha)[:16]}..., computed "
+                              f"{digest.hexdigest()[:16]}...): the file is corrupted; refusing to load")
+    return meta, header, start
+
+
+def deserialize(data: bytes, where: str = "<bytes>", *, device: str | torch.device = "cpu") -> Any:
+    """The state that :func:`serialize` turned into ``data``, after every check of :func:`load`.
+
+    Args:
+        data: the file's bytes.
+        where: the name error messages give the data (a path).
+        device: where the tensors are built.
+
+    Returns:
+        The state tree.
+
+    Raises:
+        CheckpointError: the data is truncated, malformed or fails its checksum.
+    """
+    meta, table, start = _parse(data, where)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in table.items():
+        dtype = _FROM_NAME[info["dtype"]]
+        lo, hi = info["data_offsets"]
+        if hi == lo:
+            t = torch.empty(info["shape"], dtype=dtype)
+        else:
+            t = torch.frombuffer(bytearray(data[start + lo:start + hi]), dtype=dtype).reshape(info["shape"])
+        tensors[name] = t.to(device)
+    try:
+        skeleton = json.loads(meta[_STATE_KEY])
+        return _unflatten(skeleton, tensors)
+    except RecursionError:
+        raise CheckpointError(f"{where}: malformed state (JSON nested too deeply to read); refusing to load") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:  # checksum passed: a writer bug
+        raise CheckpointError(f"{where}: the state JSON does not match the tensors ({exc!r}); refusing to load") from None
+
+
+# ----------------------------------------------------------------------------- files
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # Windows cannot open a directory: the rename is durable there on its own
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, chunks: Iterable[bytes]) -> Path:
+    """Write ``chunks`` to ``path`` so that ``path`` is always either the old file or the new one.
+
+    Temp file in the same directory (``.<name>.tmp-<pid>-<random>``), write, flush, ``fsync``,
+    ``os.replace`` onto ``path``, ``fsync`` the directory. If anything fails before the rename the
+    temp file is removed and ``path`` is untouched.
+
+    Args:
+        path: the file to (re)place.
+        chunks: the new content, in order.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    path = Path(path)
+    if path.name in ("", ".", ".."):
+        raise ValueError(f"path={str(path)!r} is not a file name; allowed: a path to a file")
+    directory = path.parent
+    if not directory.is_dir():
+        raise FileNotFoundError(f"path={str(path)!r}: the directory {str(directory)!r} does not exist")
+    tmp = directory / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def save(state: Any, path: str | os.PathLike) -> Path:
+    """Write ``state`` (a tree of tensors and plain values) to ``path`` atomically; returns the path.
+
+    Tuples come back as tuples, dicts with non-string keys (an optimizer's ``state``) with their
+    keys; tensors come back on the CPU, contiguous, with their dtype and shape.
+
+    Args:
+        state: a tree of dicts, lists, tuples and plain values with tensors as leaves.
+        path: the file to write.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    return atomic_write(path, serialize(state))
+
+
+def _read(path: str | os.PathLike) -> tuple[bytes, str]:
+    p = Path(path)
+    try:
+        return p.read_bytes(), str(p)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"path={str(p)!r}: no such checkpoint file") from None
+    except OSError as exc:  # a directory, no permission, an I/O error
+        raise CheckpointError(f"{p}: unreadable ({exc.strerror or exc}); refusing to load") from None
+
+
+def load(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> Any:
+    """Read a checkpoint written by :func:`save`, verified before anything is built.
+
+    Args:
+        path: the checkpoint file.
+        device: where the tensors are built.
+
+    Returns:
+        The state tree.
+
+    Raises:
+        CheckpointError: the file is truncated, malformed or fails its checksum.
+        FileNotFoundError: no such file.
+    """
+    data, where = _read(path)
+    return deserialize(data, where, device=device)
+
+
+def read_state_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The verified non-tensor part of a checkpoint.
+
+    Args:
+        path: the checkpoint file.
+
+    Returns:
+        The state tree, each tensor shown as ``{"__tensor__": name}``.
+
+    Raises:
+        CheckpointError: the file is truncated, malformed or fails its checksum.
+    """
+    data, where = _read(path)
+    meta, _, _ = _parse(data, where)
+    try:
+        return json.loads(meta[_STATE_KEY])
+    except RecursionError:
+        raise CheckpointError(f"{where}: malformed state (JSON nested too deeply to read); refusing to load") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: malformed state JSON ({exc}); refusing to load") from None
+
+
+def temp_files(directory: str | os.PathLike) -> list[Path]:
+    """Leftover temp files of :func:`atomic_write` (from a writer that was killed).
+
+    Args:
+        directory: where to look.
+
+    Returns:
+        Their paths.
+    """
+    return sorted(p for p in Path(directory).iterdir() if _TEMP_RE.match(p.name))
+
+
+def remove_stale_temps(directory: str | os.PathLike) -> int:
+    """Delete leftover temp files of killed writers in ``directory``; returns how many.
+
+    Only call it when no other process is writing checkpoints into ``directory``.
+
+    Args:
+        directory: where to look.
+
+    Returns:
+        How many files were deleted.
+    """
+    n = 0
+    for p in temp_files(directory):
+        try:
+            p.unlink()
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+_STEP_RE = re.compile(r"(\d+)")
+
+
+def step_of(path: str | os.PathLike) -> int | None:
+    """The step number in a checkpoint's file name.
+
+    Args:
+        path: the checkpoint's path or name.
+
+    Returns:
+        The last run of digits in the name as an int, or ``None`` if it has none.
+    """
+    found = _STEP_RE.findall(Path(path).name)
+    return int(found[-1]) if found else None
+
+
+def iter_checkpoints(directory: str | os.PathLike, pattern: str = "step-*.safetensors") -> Iterator[Path]:
+    """Checkpoint files in ``directory`` matching ``pattern``, highest step number first.
+
+    Ordered by the step number in the name, not by the name (``step-100000000`` is newer than
+    ``step-99999999``); names without a number come last. Only regular files count.
+
+    Args:
+        directory: where to look.
+        pattern: a glob for the file names.
+
+    Returns:
+        An iterator over the paths.
+    """
+    files = [p for p in Path(directory).glob(pattern) if p.is_file()]
+    return iter(sorted(files, key=lambda p: (step_of(p) is not None, step_of(p) or 0, p.name), reverse=True))
