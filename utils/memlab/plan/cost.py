@@ -3,6 +3,7 @@
 FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B); recomputation Chen et al. 2016."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
