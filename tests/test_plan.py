@@ -179,13 +179,13 @@ def test_bad_model():
 def test_cli(tmp_path, capsys):
     path = tmp_path / "config.json"
     tiny_cfg().to_json_file(str(path))
-    narrow = ["--allow", "precision=bf16", "--allow", "optimizer=adamw-fused", "--allow", "adapter=full",
+    narrow = ["--allow", "precision=bf16-pure", "--allow", "optimizer=adamw-fused", "--allow", "adapter=full",
               "--allow", "checkpointing=full", "--allow", "micro_batch=1,2"]
     code = P.main([str(path), "--budget", "8MiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
                    "--no-progress", *narrow])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "for the CPU" in out and "8.00 MiB budget" in out and "pick: bf16 adamw-fused ckpt all mb 2x1" in out
+    assert "for the CPU" in out and "8.00 MiB budget" in out and "pick: bf16-pure adamw-fused ckpt all mb 2x1" in out
     code = P.main([str(path), "--budget", "64KiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
                    "--no-progress", *narrow])
     assert code == 1 and "nothing fits" in capsys.readouterr().out

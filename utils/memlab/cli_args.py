@@ -130,7 +130,11 @@ def _fill_estimate_help(parser: argparse.ArgumentParser) -> None:
 
 
 def estimate_parser() -> argparse.ArgumentParser:
-    """The parser of ``memlab estimate`` (torch-free until its help is formatted)."""
+    """The parser of ``memlab estimate`` (torch-free until its help is formatted).
+
+    Returns:
+        The parser.
+    """
     from memlab.core import gpus  # torch-free
 
     parser = _EstimateParser(
@@ -188,7 +192,14 @@ def estimate_parser() -> argparse.ArgumentParser:
 
 
 def parse_estimate(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """Parse ``memlab estimate``'s arguments; an error exits 2 with one line, before torch."""
+    """Parse ``memlab estimate``'s arguments; an error exits 2 with one line, before torch.
+
+    Args:
+        argv: the arguments.
+
+    Returns:
+        ``(parser, parsed arguments)``.
+    """
     parser = estimate_parser()
     args = parser.parse_args(list(argv or []))
     if args.model is None and not args.validate:
@@ -208,7 +219,11 @@ def _fill_plan_help(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    """The parser of ``memlab plan`` (torch-free until its help is formatted)."""
+    """The parser of ``memlab plan`` (torch-free until its help is formatted).
+
+    Returns:
+        The parser.
+    """
     parser = _PlanParser(
         prog="memlab plan",
         description="Pick the training stack that fits a model into a memory budget (chapter 07): every "
