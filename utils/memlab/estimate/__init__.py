@@ -29,6 +29,8 @@ the rules of thumb (:mod:`memlab.peers`), Hub configs (:mod:`memlab.hub`), the p
 """
 from __future__ import annotations
 
+# re-exports: every name memlab.estimate had before it became a package, plus the shared pieces
+# ruff: noqa: F401
 from memlab.core.units import format_bytes
 from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, CATEGORIES,
                                      CUBLAS_THREADS, CUBLAS_WORKSPACE_BYTES, DTYPE_ALIASES, DTYPES,

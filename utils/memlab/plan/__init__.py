@@ -20,6 +20,8 @@ search), :mod:`~memlab.plan.budget` (budgets), :mod:`~memlab.plan.result`, :mod:
 """
 from __future__ import annotations
 
+# re-exports: every name memlab.plan had before it became a package, plus the shared pieces
+# ruff: noqa: F401
 from memlab.plan.stack import (ADAPTERS, ATTENTIONS, CHECKPOINTING, DEFAULT_ALLOW, OPTIMIZERS, PRECISIONS, Stack,
                                fidelity_tier, stack_label)
 from memlab.plan.cost import GPU_SPECS, REFERENCE_GPU, CostModel, ModelShape, _cost_model_for, model_shape, stack_cost
