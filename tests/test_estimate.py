@@ -397,7 +397,7 @@ def test_cli_gpu_validated_before_tracing(monkeypatch, capsys):
     def boom(*a, **k):
         raise AssertionError("traced before --gpu was validated")
 
-    monkeypatch.setattr(E, "estimate_training_memory", boom)
+    monkeypatch.setattr(E.cli, "estimate_training_memory", boom)
     with pytest.raises(SystemExit) as exc:
         E.main(["llama-2-7b", "--gpu", "0.4"])
     assert exc.value.code == 2 and "less than 1 GiB" in capsys.readouterr().err
@@ -507,7 +507,7 @@ def test_fast_warmup_leaves_the_same_state(monkeypatch, kw):
     """The fake trace warms up with an optimizer step on zero gradients: the same steady state as a full step."""
     k = {**dict(batch_size=2, seq_len=32, extrapolate=False), **kw}
     a = estimate_training_memory(small_llama, **k)
-    monkeypatch.setattr(E, "_FAST_WARMUP", False)
+    monkeypatch.setattr(E.trace, "_FAST_WARMUP", False)
     b = estimate_training_memory(small_llama, **k)
     assert (a.peak_bytes, a.breakdown, a.breakdown_end, a.phase_peaks) == (b.peak_bytes, b.breakdown, b.breakdown_end, b.phase_peaks)
 

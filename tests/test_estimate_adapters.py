@@ -147,7 +147,8 @@ def test_optimizer_and_dtype_aliases():
     b = E.estimate_training_memory(_tiny, batch_size=1, seq_len=8, device="cpu", optimizer="adamw8bit")
     assert a.optimizer == "adamw8bit" and a.peak_bytes == b.peak_bytes
     c = E.estimate_training_memory(_tiny, batch_size=1, seq_len=8, device="cpu", dtype="bf16-mixed")
-    assert c.dtype == "bf16"
+    d = E.estimate_training_memory(_tiny, batch_size=1, seq_len=8, device="cpu", dtype="bf16")
+    assert c.dtype == d.dtype == "bf16-mixed" and c.peak_bytes == d.peak_bytes  # one vocabulary: bf16 = bf16-mixed
 
 
 def test_adapter_spec_cli_args_round_trip():

@@ -59,3 +59,27 @@ def test_repo_id_shape():
     assert hub.looks_like_repo_id("meta-llama/Llama-3.1-8B")
     assert not hub.looks_like_repo_id("llama-2-7b") and not hub.looks_like_repo_id("a/b/config.json")
     assert not hub.looks_like_repo_id("dir/config.json")
+
+
+def test_plan_takes_a_hub_id_through_the_same_resolver(offline_home, monkeypatch, capsys):
+    from memlab import plan as P
+
+    monkeypatch.setenv("MEMLAB_CACHE_DIR", "none")
+    repo = _hub_cache(offline_home)
+    kw = dict(batch_size=2, seq_len=16, device="cpu", lora_r=4, host_budget=None,
+              allow={"precision": ["bf16-mixed"], "adapter": ["full", "lora"], "optimizer": ["adamw"],
+                     "checkpointing": ["none"], "micro_batch": [2]})
+    P._CACHE.clear()
+    res = P.plan(repo, "1GiB", **kw)
+    P._CACHE.clear()
+    same = P.plan(hub.load_hub_config(repo), "1GiB", **kw)
+    assert res.model.startswith(repo) and res.traces >= 1
+    assert [(r.stack, r.peak_bytes) for r in res.rows] == [(r.stack, r.peak_bytes) for r in same.rows]
+    assert P.main([repo, "--budget", "1GiB", "--batch-size", "2", "--seq-len", "16", "--device", "cpu",
+                   "--allow", "adapter=full", "--allow", "micro_batch=2", "--host-budget", "none",
+                   "--no-progress"]) == 0
+    assert repo in capsys.readouterr().out
+    files = sorted(p.name for p in offline_home.rglob("*") if p.is_file())
+    assert files == ["config.json", "main"]  # only the config was read; nothing fetched or written
+    with pytest.raises(hub.HubConfigError):
+        P.plan("meta-llama/Llama-3.1-8B", "1GiB", **kw)

@@ -11,7 +11,7 @@ from memlab.plan import Stack
 
 SEQ = 32
 BATCH = 4
-ALLOW = {"precision": ["bf16-mixed", "bf16"], "checkpointing": ["none", "full"], "optimizer": ["adamw", "adamw-fused"],
+ALLOW = {"precision": ["bf16-mixed", "bf16-pure"], "checkpointing": ["none", "full"], "optimizer": ["adamw", "adamw-fused"],
          "adapter": ["full", "lora"], "micro_batch": [1, 4]}
 
 
@@ -125,7 +125,7 @@ def test_cost_model_orders_the_knobs():
 
 def test_infeasible_budget_says_so():
     res = P.plan(tiny_cfg(), "64KiB", batch_size=2, seq_len=SEQ, device="cpu", lora_r=4,
-                 allow={"precision": ["bf16"], "optimizer": ["adamw-fused"], "adapter": ["full"],
+                 allow={"precision": ["bf16-pure"], "optimizer": ["adamw-fused"], "adapter": ["full"],
                         "checkpointing": ["full"]})
     assert res.pick is None and res.feasible == []
     assert res.verdict.startswith("nothing fits 64.00 KiB")
@@ -179,13 +179,13 @@ def test_bad_model():
 def test_cli(tmp_path, capsys):
     path = tmp_path / "config.json"
     tiny_cfg().to_json_file(str(path))
-    narrow = ["--allow", "precision=bf16", "--allow", "optimizer=adamw-fused", "--allow", "adapter=full",
+    narrow = ["--allow", "precision=bf16-pure", "--allow", "optimizer=adamw-fused", "--allow", "adapter=full",
               "--allow", "checkpointing=full", "--allow", "micro_batch=1,2"]
     code = P.main([str(path), "--budget", "8MiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
                    "--no-progress", *narrow])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "for the CPU" in out and "8.00 MiB budget" in out and "pick: bf16 adamw-fused ckpt all mb 2x1" in out
+    assert "for the CPU" in out and "8.00 MiB budget" in out and "pick: bf16-pure adamw-fused ckpt all mb 2x1" in out
     code = P.main([str(path), "--budget", "64KiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
                    "--no-progress", *narrow])
     assert code == 1 and "nothing fits" in capsys.readouterr().out
@@ -201,7 +201,7 @@ def test_memlab_command_lists_plan(capsys):
 
 
 def test_host_budget_bounds_offloaded_stacks():
-    allow = {"precision": ["bf16"], "optimizer": ["offload-adamw"], "adapter": ["full"], "checkpointing": ["full"],
+    allow = {"precision": ["bf16-pure"], "optimizer": ["offload-adamw"], "adapter": ["full"], "checkpointing": ["full"],
              "micro_batch": [1]}
     free = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow)
     assert free.pick is not None and free.pick.host_bytes > 0
@@ -213,7 +213,7 @@ def test_host_budget_bounds_offloaded_stacks():
 def test_traces_persist_across_runs_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMLAB_CACHE_DIR", str(tmp_path / "cache"))
     kw = dict(batch_size=2, seq_len=SEQ, device="cpu", lora_r=4,
-              allow={"precision": ["bf16"], "adapter": ["full"], "optimizer": ["adamw"], "micro_batch": [1, 2]})
+              allow={"precision": ["bf16-pure"], "adapter": ["full"], "optimizer": ["adamw"], "micro_batch": [1, 2]})
     P._CACHE.clear()
     first = P.plan(tiny_cfg(layers=2), "1GiB", **kw)
     files = sorted((tmp_path / "cache").glob("*.pkl"))
@@ -223,7 +223,7 @@ def test_traces_persist_across_runs_on_disk(tmp_path, monkeypatch):
     def no_trace(*a, **k):
         raise AssertionError("traced again although the disk cache holds this trace")
 
-    monkeypatch.setattr(P, "_trace", no_trace)
+    monkeypatch.setattr(P.stacks, "_trace", no_trace)
     second = P.plan(tiny_cfg(layers=2), "1GiB", **kw)
     assert [(r.stack, r.peak_bytes, r.fits) for r in second.rows] == [(r.stack, r.peak_bytes, r.fits) for r in first.rows]
     # another sequence length is another key: traced (and here refused)
@@ -235,14 +235,14 @@ def test_traces_persist_across_runs_on_disk(tmp_path, monkeypatch):
 
 
 def test_host_budget_defaults_to_the_machines_available_memory(monkeypatch):
-    allow = {"precision": ["bf16"], "optimizer": ["offload-adamw"], "adapter": ["full"], "checkpointing": ["full"],
+    allow = {"precision": ["bf16-pure"], "optimizer": ["offload-adamw"], "adapter": ["full"], "checkpointing": ["full"],
              "micro_batch": [1]}
     avail, where = P.host_available_bytes()
     assert avail > 0 and where
     res = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow)
     assert any(n.startswith("host budget") for n in res.notes) and res.pick is not None
     assert "of host memory for offloaded state" in res.verdict
-    monkeypatch.setattr(P, "host_available_bytes", lambda: (1024, "a test's tiny machine"))
+    monkeypatch.setattr(P.budget, "host_available_bytes", lambda: (1024, "a test's tiny machine"))
     small = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow)
     assert small.pick is None and "> host budget 1.00 KiB" in small.rows[0].notes
     unbounded = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow,
@@ -260,3 +260,17 @@ def test_a_card_without_bf16_plans_fp16_mixed_precision():
     assert any("no bf16" in n for n in res.notes) and res.pick is not None
     with pytest.raises(ValueError, match=r"allow\['precision'\] value 'bf16-mixed' is invalid for gpu='t4'"):
         P.plan(tiny_cfg(layers=2), gpu="t4", batch_size=2, seq_len=SEQ, allow=dict(allow, precision=["bf16-mixed"]))
+
+
+def test_one_vocabulary_bf16_is_mixed_and_adam8bit_is_adamw8bit():
+    """Stack spells recipes as memlab.core.vocab: "bf16" is bf16 mixed precision, pure bf16 is "bf16-pure"."""
+    assert Stack(precision="bf16") == Stack(precision="bf16-mixed") != Stack(precision="bf16-pure")
+    assert Stack(optimizer="adam8bit") == Stack(optimizer="adamw8bit")
+    assert P.fidelity_tier(Stack(precision="bf16")) == 0 and P.fidelity_tier(Stack(precision="bf16-pure")) == 1
+    with pytest.raises(ValueError, match=r"precision='bf32' is invalid; allowed: 'fp32', 'bf16-mixed'"):
+        Stack(precision="bf32")
+    mixed = P.estimate_stack(tiny_cfg(layers=2), Stack(precision="bf16", micro_batch=2), seq_len=SEQ, device="cpu")
+    pure = P.estimate_stack(tiny_cfg(layers=2), Stack(precision="bf16-pure", micro_batch=2), seq_len=SEQ, device="cpu")
+    assert mixed.dtype == "bf16-mixed" and pure.dtype == "bf16-pure"
+    # fp32 weights vs bf16 ones (fp32 buffers such as RoPE's inv_freq stay fp32 in both)
+    assert mixed.n_params == pure.n_params and 1.99 < mixed.breakdown["parameters"] / pure.breakdown["parameters"] < 2

@@ -7,9 +7,10 @@ configuration gives one answer by every route (``tests/test_estimate_adapters.py
 
 What is built, and why (the usual Hugging Face + peft recipe):
 
-* the frozen base in 16 bits for a 16-bit recipe (``dtype="bf16"``, ``"bf16-pure"``: bf16;
-  ``"fp16"``: fp16), as ``from_pretrained(..., torch_dtype=torch.bfloat16)`` loads it; fp32 for
-  ``dtype="fp32"``. So "bf16" with an adapter is a bf16 base with the forward pass under
+* the frozen base in 16 bits for a 16-bit recipe (``"bf16-mixed"``, ``"bf16-pure"``: bf16;
+  ``"fp16-mixed"``: fp16; :mod:`memlab.core.vocab`, ``"bf16"`` = ``"bf16-mixed"``), as
+  ``from_pretrained(..., torch_dtype=torch.bfloat16)`` loads it; fp32 for ``"fp32"``. So
+  "bf16-mixed" with an adapter is a bf16 base with the forward pass under
   ``autocast(bfloat16)`` and the adapters in ``adapter_dtype`` (no fp32 master copy of the frozen
   weights exists: they have no optimizer);
 * QLoRA: every ``nn.Linear`` but ``lm_head`` stored in NF4 (:class:`memlab.quant.Linear4bit`,
@@ -29,6 +30,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from memlab.core import vocab
+from memlab.core.validation import check_positive_int, invalid
 
 __all__ = ["ADAPTERS", "ADAPTER_DTYPES", "AdapterSpec", "adapter_spec", "base_dtype", "apply_adapter",
            "warm_quant", "linear_targets"]
@@ -50,13 +54,22 @@ class AdapterSpec:
     dtype: str = "fp32"
 
     def describe(self) -> str:
+        """One line naming the adapters (what the estimate's ``adapter`` field shows).
+
+        Returns:
+            The line.
+        """
         t = self.target_modules if isinstance(self.target_modules, str) else ",".join(self.target_modules)
         base = "NF4 base (every linear but lm_head), " if self.kind == "qlora" else ""
         return (f"{self.kind}: {base}rank {self.r}, alpha {self.alpha:g}, on {t}, dropout {self.dropout:g}, "
                 f"{self.dtype} adapters")
 
     def cli_args(self) -> list[str]:
-        """The ``memlab estimate`` flags that give this spec."""
+        """The ``memlab estimate`` flags that give this spec.
+
+        Returns:
+            The flags, one list item per word.
+        """
         t = self.target_modules if isinstance(self.target_modules, str) else ",".join(self.target_modules)
         out = ["--adapter", self.kind, "--lora-r", str(self.r), "--lora-alpha", f"{self.alpha:g}",
                "--target-modules", t]
@@ -66,16 +79,26 @@ class AdapterSpec:
         return out
 
 
-def _bad(name: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
-
-
-def adapter_spec(adapter: str | AdapterSpec | None, *, recipe: str = "bf16", lora_r: int = 16,
+def adapter_spec(adapter: str | AdapterSpec | None, *, recipe: str = "bf16-mixed", lora_r: int = 16,
                  lora_alpha: float | None = None, target_modules: Any = None, lora_dropout: float = 0.0,
                  adapter_dtype: str | None = None) -> AdapterSpec | None:
-    """Checked :class:`AdapterSpec` from the keywords of ``estimate_training_memory`` (None: no adapter).
+    """A checked :class:`AdapterSpec` from the keywords of ``estimate_training_memory``.
 
-    Adapter keywords given without ``adapter`` are an error (they would be silently ignored)."""
+    Args:
+        adapter: "lora", "qlora", None / "none" (no adapter), or an AdapterSpec (returned as is).
+        recipe: the training recipe (sets the default ``adapter_dtype``: bf16 under "bf16-pure").
+        lora_r: the rank.
+        lora_alpha: the scale numerator (default 2 x r).
+        target_modules: "all-linear" (default) or names such as "q_proj,v_proj".
+        lora_dropout: dropout on the adapters' input, in [0, 1).
+        adapter_dtype: "fp32", "bf16" or "fp16".
+
+    Returns:
+        The spec, or None without an adapter.
+
+    Raises:
+        ValueError: a bad value, named; adapter keywords given without ``adapter`` (they would be ignored).
+    """
     if isinstance(adapter, AdapterSpec):
         return adapter
     if adapter is None or adapter == "none":
@@ -91,14 +114,13 @@ def adapter_spec(adapter: str | AdapterSpec | None, *, recipe: str = "bf16", lor
                              f"(CLI --adapter lora|qlora)")
         return None
     if adapter not in ADAPTERS:
-        raise _bad("adapter", adapter, "None, 'lora', 'qlora'")
-    if isinstance(lora_r, bool) or not isinstance(lora_r, int) or lora_r < 1:
-        raise _bad("lora_r", lora_r, "an int >= 1")
+        raise invalid("adapter", adapter, "None, 'lora', 'qlora'")
+    check_positive_int("lora_r", lora_r)
     alpha = 2 * lora_r if lora_alpha is None else lora_alpha
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise _bad("lora_alpha", lora_alpha, "a number > 0 (default 2 x lora_r)")
+        raise invalid("lora_alpha", lora_alpha, "a number > 0 (default 2 x lora_r)")
     if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
-        raise _bad("lora_dropout", lora_dropout, "a number in [0, 1)")
+        raise invalid("lora_dropout", lora_dropout, "a number in [0, 1)")
     if target_modules is None or target_modules == ALL_LINEAR:
         targets: tuple[str, ...] | str = ALL_LINEAR
     else:
@@ -106,23 +128,38 @@ def adapter_spec(adapter: str | AdapterSpec | None, *, recipe: str = "bf16", lor
         try:
             targets = tuple(str(t).strip() for t in items)
         except TypeError:
-            raise _bad("target_modules", target_modules, "'all-linear' or module names such as 'q_proj,v_proj'") from None
+            raise invalid("target_modules", target_modules, "'all-linear' or module names such as 'q_proj,v_proj'") from None
         if not targets or any(not t or not isinstance(t, str) for t in targets):
-            raise _bad("target_modules", target_modules, "'all-linear' or module names such as 'q_proj,v_proj'")
+            raise invalid("target_modules", target_modules, "'all-linear' or module names such as 'q_proj,v_proj'")
     if adapter_dtype is None:
-        adapter_dtype = "bf16" if recipe == "bf16-pure" else "fp32"
+        adapter_dtype = "bf16" if vocab.recipe(recipe) == vocab.Recipe.BF16_PURE else "fp32"
     if adapter_dtype not in ADAPTER_DTYPES:
-        raise _bad("adapter_dtype", adapter_dtype, ", ".join(map(repr, ADAPTER_DTYPES)))
+        raise invalid("adapter_dtype", adapter_dtype, ", ".join(map(repr, ADAPTER_DTYPES)))
     return AdapterSpec(adapter, lora_r, float(alpha), targets, float(lora_dropout), adapter_dtype)
 
 
 def base_dtype(recipe: str) -> torch.dtype:
-    """The frozen base's dtype under the estimator's precision recipe (see the module docstring)."""
-    return {"fp16": torch.float16, "fp32": torch.float32}.get(recipe, torch.bfloat16)
+    """The frozen base's dtype under a training recipe (see the module docstring).
+
+    Args:
+        recipe: a recipe of :mod:`memlab.core.vocab` in any spelling.
+
+    Returns:
+        fp32 for "fp32", fp16 for "fp16-mixed", else bf16.
+    """
+    r = vocab.recipe(recipe)
+    return {vocab.Recipe.FP16_MIXED: torch.float16, vocab.Recipe.FP32: torch.float32}.get(r, torch.bfloat16)
 
 
 def linear_targets(model: nn.Module) -> list[str]:
-    """Leaf names of every linear layer but the output head (peft's ``"all-linear"``)."""
+    """Leaf names of every linear layer but the output head (peft's ``"all-linear"``).
+
+    Args:
+        model: the model.
+
+    Returns:
+        The sorted leaf names.
+    """
     from memlab.quant import Linear4bit
 
     head = _head_names(model)
@@ -139,8 +176,19 @@ def _head_names(model: nn.Module) -> set[str]:
 
 def apply_adapter(model: nn.Module, spec: AdapterSpec, recipe: str) -> nn.Module:
     """In place: freeze ``model`` (built in :func:`base_dtype`), quantize it for QLoRA, wrap the targets
-    in LoRALinear adapters of ``spec``. Returns ``model``. No target found is an error naming the
-    linear layers there are."""
+    in LoRALinear adapters of ``spec``.
+
+    Args:
+        model: the base model.
+        spec: the adapters.
+        recipe: the training recipe (QLoRA's compute dtype: the base's 16-bit dtype).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: no target found, naming the linear layers there are.
+    """
     from memlab.lora import LoRALinear
     from memlab.quant import Linear4bit
 
@@ -149,7 +197,7 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec, recipe: str) -> nn.Module
     head = _head_names(model)
     targets = set(linear_targets(model)) if spec.target_modules == ALL_LINEAR else set(spec.target_modules)
     if spec.kind == "qlora":
-        compute = base_dtype(recipe) if recipe != "fp32" else torch.bfloat16
+        compute = base_dtype(recipe) if vocab.recipe(recipe) != vocab.Recipe.FP32 else torch.bfloat16
         for name, m in list(model.named_modules()):
             if isinstance(m, nn.Linear) and name not in head:
                 _replace(model, name, Linear4bit.from_linear(m, compute, 64, True))
@@ -175,7 +223,7 @@ _QUANT_WARM = False
 
 def warm_quant() -> None:
     """Build memlab.quant's cached codebooks once, for real, outside any trace (built inside the
-    first traced step they would count in that trace only: 2 KiB, enough to bend an extrapolation)."""
+    first traced step they would count in that trace only, enough to bend an extrapolation)."""
     global _QUANT_WARM
     if not _QUANT_WARM:
         from memlab.quant import Linear4bit
@@ -187,8 +235,16 @@ def warm_quant() -> None:
 
 def adapted_builder(build_base: Callable[[torch.dtype], nn.Module], spec: AdapterSpec | None,
                     recipe: str) -> Callable[[], nn.Module]:
-    """A no-argument builder of the adapted model: ``build_base(base_dtype(recipe))`` then
-    :func:`apply_adapter` (``spec=None``: the base alone)."""
+    """A no-argument builder of the adapted model.
+
+    Args:
+        build_base: dtype -> the base model.
+        spec: the adapters, or None for the base alone.
+        recipe: the training recipe.
+
+    Returns:
+        A builder: ``build_base(base_dtype(recipe))`` then :func:`apply_adapter`.
+    """
 
     def build() -> nn.Module:
         model = build_base(base_dtype(recipe))

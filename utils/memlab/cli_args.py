@@ -11,7 +11,7 @@ those parts are filled in when the help is formatted. ``--gpu`` of ``memlab esti
 by :func:`memlab.estimate.resolve_gpu`, imported when a ``--gpu`` is given.
 
 The name lists below equal the constants of :mod:`memlab.estimate` and :mod:`memlab.adapters`
-(tests/test_cli.py asserts it).
+(tests/test_cli.py asserts it); recipes and optimizers come from :mod:`memlab.core.vocab` (torch-free).
 """
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ import argparse
 import json
 from typing import Any, Callable, Sequence
 
+from memlab.core.vocab import OPTIMIZER_ALIASES, RECIPE_ALIASES, Optimizer, Recipe
+
 # = memlab.estimate.DTYPES + DTYPE_ALIASES, OPTIMIZERS + OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, LOSSES,
 # ATTN_IMPLEMENTATIONS, ZERO_STAGES, MAX_*; memlab.adapters.ADAPTERS, ADAPTER_DTYPES
-DTYPE_CHOICES = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-mixed", "fp16-mixed")
-OPTIMIZER_CHOICES = ("adamw", "sgd", "adamw8bit", "offload-adamw", "adam8bit", "adamw-8bit", "adamw_8bit")
+DTYPE_CHOICES = tuple(r.value for r in Recipe) + tuple(RECIPE_ALIASES)
+OPTIMIZER_CHOICES = tuple(o.value for o in Optimizer) + tuple(OPTIMIZER_ALIASES)
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 LOSSES = ("auto", "hf", "memlab")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash")
@@ -117,19 +119,23 @@ def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
 
 
 def _fill_estimate_help(parser: argparse.ArgumentParser) -> None:
-    from memlab import gpus
+    from memlab.core import gpus
     from memlab.estimate import DTYPES
     from memlab.models import PRESETS
 
     parser.epilog = ("models: " + ", ".join(sorted(PRESETS)) + ", or the path of a transformers config.json. "
                      "GPUs: " + ", ".join(gpus.gpu_names()) + ", or a size (24GiB = 24 x 2**30; 24GB = 24 x 10**9).")
     _action(parser, "dtype").help = ("; ".join(f"{k}: {v}" for k, v in DTYPES.items())
-                                     + " (bf16-mixed = bf16; note: plan's and train's 'bf16' is this 'bf16-pure')")
+                                     + " (bf16 = bf16-mixed, fp16 = fp16-mixed, everywhere in memlab)")
 
 
 def estimate_parser() -> argparse.ArgumentParser:
-    """The parser of ``memlab estimate`` (torch-free until its help is formatted)."""
-    from memlab import gpus  # torch-free
+    """The parser of ``memlab estimate`` (torch-free until its help is formatted).
+
+    Returns:
+        The parser.
+    """
+    from memlab.core import gpus  # torch-free
 
     parser = _EstimateParser(
         prog="memlab estimate",
@@ -140,7 +146,7 @@ def estimate_parser() -> argparse.ArgumentParser:
                         "(org/name: only its config.json is read, through transformers' cache; HF_HUB_OFFLINE=1 works)")
     parser.add_argument("--batch-size", type=_bounded_int(MAX_BATCH), default=1)
     parser.add_argument("--seq-len", type=_bounded_int(MAX_SEQ_LEN), default=2048)
-    parser.add_argument("--dtype", choices=list(DTYPE_CHOICES), default="bf16")
+    parser.add_argument("--dtype", choices=list(DTYPE_CHOICES), default=Recipe.BF16_MIXED.value)
     parser.add_argument("--optimizer", choices=list(OPTIMIZER_CHOICES), default="adamw",
                         help="adam8bit is another name of adamw8bit")
     parser.add_argument("--optimizer-impl", choices=list(OPTIMIZER_IMPLS), default="auto",
@@ -186,7 +192,14 @@ def estimate_parser() -> argparse.ArgumentParser:
 
 
 def parse_estimate(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """Parse ``memlab estimate``'s arguments; an error exits 2 with one line, before torch."""
+    """Parse ``memlab estimate``'s arguments; an error exits 2 with one line, before torch.
+
+    Args:
+        argv: the arguments.
+
+    Returns:
+        ``(parser, parsed arguments)``.
+    """
     parser = estimate_parser()
     args = parser.parse_args(list(argv or []))
     if args.model is None and not args.validate:
@@ -195,24 +208,30 @@ def parse_estimate(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser,
 
 
 def _fill_plan_help(parser: argparse.ArgumentParser) -> None:
-    from memlab import gpus
+    from memlab.core import gpus
     from memlab.models import PRESETS
     from memlab.plan import DEFAULT_ALLOW
 
-    parser.epilog = ("models: " + ", ".join(sorted(PRESETS)) + ", or a config.json. GPUs: " + ", ".join(gpus.gpu_names())
+    parser.epilog = ("models: " + ", ".join(sorted(PRESETS)) + ", a config.json, or a Hub model id (org/name: its "
+                     "config.json only). GPUs: " + ", ".join(gpus.gpu_names())
                      + ". --allow keys: " + ", ".join(DEFAULT_ALLOW)
                      + " (e.g. --allow adapter=qlora --allow micro_batch=1,2).")
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    """The parser of ``memlab plan`` (torch-free until its help is formatted)."""
+    """The parser of ``memlab plan`` (torch-free until its help is formatted).
+
+    Returns:
+        The parser.
+    """
     parser = _PlanParser(
         prog="memlab plan",
         description="Pick the training stack that fits a model into a memory budget (chapter 07): every "
                     "candidate traced by memlab.estimate on fake tensors, ranked by a stated cost model.",
     )
     parser._fill = _fill_plan_help
-    parser.add_argument("model")
+    parser.add_argument("model", help="a preset name, the path of a config.json, or a Hub model id (org/name: "
+                        "only its config.json is read, through transformers' cache; HF_HUB_OFFLINE=1 works)")
     parser.add_argument("--gpu", default=None, help="a card: its memory as the driver reports it and its cost constants")
     parser.add_argument("--budget", default=None, help="bytes or a size (24GiB, 24GB); default: the card's usable memory")
     parser.add_argument("--batch-size", type=_bounded_int(MAX_BATCH), required=True,

@@ -1,32 +1,19 @@
-"""CUDA semantics for a trace that runs on a CPU-only torch (``estimate_training_memory(device="cuda")``).
+"""CUDA semantics for a trace on a CPU-only torch (``estimate_training_memory(device="cuda")``).
 
 A CPU build of torch cannot create CUDA fake tensors, so a question about a CUDA card is traced with
-CPU fake tensors. Where the CPU and CUDA paths of an operator keep different tensors, the trace
-would answer for the wrong card. :func:`cuda_semantics` is a ``TorchFunctionMode`` that, during the
-traced step, reroutes those operators to what CUDA runs. Each rule is stated in the estimate's notes
-(:func:`rule_notes`) and tested op by op in ``tests/test_estimate_cuda_rules.py``:
+CPU fake tensors; :func:`cuda_semantics` is a ``TorchFunctionMode`` that reroutes, during the traced
+step, the operators whose CPU and CUDA paths keep different tensors. Each rule that fired is stated in
+the estimate's notes (:func:`rule_notes`):
 
-1. **Dropout keeps a 1-byte mask.** ``torch.dropout`` on a CUDA tensor with ``0 < p < 1`` in training
-   takes the fused kernel: ``aten::native_dropout``, which returns the output and a ``bool`` mask that
-   autograd keeps for backward (1 byte per element). The CPU path multiplies by a noise tensor in the
-   input's dtype (4 bytes per element in fp32, 2 in bf16) and keeps that. The rule calls
-   ``native_dropout`` (it exists on CPU too, with the same bool mask).
-2. **CUDA autocast's float32 list.** Under ``torch.autocast("cuda")`` the ops on CUDA's float32 list
-   (PyTorch's "CUDA Ops that can autocast to float32": layer_norm, group_norm, softmax, log_softmax,
-   softmin, sum, cumsum, cumprod, norm, normalize, pow, exp, log, rsqrt, reciprocal, softplus, ...)
-   cast 16-bit inputs to fp32 and return fp32; CPU autocast (checked on this torch, op by op) runs
-   them in 16 bits. So on CUDA a LayerNorm under bf16 autocast keeps an fp32 copy of its input for
-   backward and returns fp32 (the next linear casts it back to 16 bits). The rule casts the floating
-   inputs of those ops to fp32 and runs them with autocast off, as CUDA's cast policy does.
-3. **CUDA autocast's lower-precision list** has ``mv``, ``addmv`` and ``addr``, which CPU autocast
-   runs in fp32: the rule casts them to the autocast dtype.
+1. Dropout keeps a 1-byte mask: on CUDA, ``dropout`` with ``0 < p < 1`` in training runs the fused
+   ``native_dropout`` (a bool mask kept for backward); CPU keeps a noise tensor in the input's dtype.
+2. CUDA autocast's float32 list (layer_norm, softmax, log_softmax, sum, pow, ...) casts 16-bit inputs
+   to fp32, where CPU autocast runs them in 16 bits.
+3. CUDA autocast's lower-precision list has ``mv``, ``addmv`` and ``addr``, which CPU autocast runs in fp32.
 
-Sources: PyTorch's AMP documentation, "Autocast Op Reference" (https://pytorch.org/docs/stable/amp.html,
-sections "CUDA Ops that can autocast to float16/float32" and "CPU Ops that can autocast to
-bfloat16/float32"); the dropout dispatch is ``at::dropout``'s fused-kernel check
-(aten/src/ATen/native/Dropout.cpp: CUDA input, 0 < p < 1, non-empty -> ``native_dropout``).
-Not modelled (kernel-internal, no tensor an op returns): CUDA kernels' own scratch other than the
-softmax-backward rule of :mod:`memlab.estimate`; CPU-only fp32 ops (FFTs, linalg) that LLM training does not run.
+Sources: PyTorch's AMP documentation, "Autocast Op Reference" (https://pytorch.org/docs/stable/amp.html);
+``at::dropout``'s fused-kernel check (aten/src/ATen/native/Dropout.cpp). Not modelled: kernel-internal
+scratch other than the softmax-backward rule of :mod:`memlab.estimate.attention`.
 """
 from __future__ import annotations
 
@@ -61,6 +48,8 @@ def _cast(obj: object, dtype: torch.dtype) -> object:
 
 
 class _CudaSemantics(TorchFunctionMode):
+    """The rules of the module docstring; ``counts`` says how often each fired."""
+
     def __init__(self) -> None:
         super().__init__()
         self.counts = {"dropout": 0, "fp32": 0, "lower": 0}
@@ -90,12 +79,23 @@ class _CudaSemantics(TorchFunctionMode):
 
 
 def cuda_semantics() -> _CudaSemantics:
-    """The mode to trace a CUDA step on CPU tensors (enter it around forward and backward)."""
+    """The mode to trace a CUDA step on CPU tensors.
+
+    Returns:
+        A fresh ``TorchFunctionMode``; enter it around forward and backward.
+    """
     return _CudaSemantics()
 
 
 def rule_notes(mode: _CudaSemantics) -> list[str]:
-    """The rules that changed something in the traced step, in words for ``MemoryEstimate.notes``."""
+    """The rules that changed something in the traced step, in words.
+
+    Args:
+        mode: the mode the step ran under.
+
+    Returns:
+        One note per rule that fired (for ``MemoryEstimate.notes``).
+    """
     out = []
     c = mode.counts
     if c["dropout"]:

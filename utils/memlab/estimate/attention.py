@@ -1,0 +1,115 @@
+"""Attention in a traced step: which kernel the target runs (PyTorch's ``sdp_utils`` rules), what it
+keeps for backward, and the tracker that counts it (with CUDA softmax backward's scratch rule)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from memlab.estimate.model import ModelSpec
+from memlab.estimate.recipes import SIXTEEN_BIT
+
+def _attention_plan(model: nn.Module, spec: ModelSpec, requested: str, dtype: str, target: torch.device,
+                    traced_on: str) -> tuple[str, Any, bool]:
+    """(description, context manager for the traced step, softmax-scratch rule on?).
+
+    On a CUDA target traced on CPU fake tensors, SDPA picks its CUDA kernel as PyTorch does
+    (``sdp_utils``): flash for fp16/bf16 inputs (keeps output + logsumexp, as the CPU flash kernel
+    does, bytes measured equal on an H100); memory-efficient for fp32 without grouped KV heads
+    (output + a logsumexp padded to 32 positions: the padding, < 128 B per head and sequence, is
+    not modelled); math for fp32 with grouped KV heads (no fused kernel takes fp32 GQA: it keeps
+    the b x h x s x s probabilities, measured on an H100), so the step is traced with the math
+    kernel forced. Eager attention's softmax backward on CUDA copies its incoming gradient
+    (results/h100/diag2.log): a transient rule adds those bytes while the op runs.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg_ = getattr(model, "config", None)
+    impl = getattr(cfg_, "_attn_implementation", None) or getattr(cfg_, "attention", None)  # TinyGPT: "attention"
+    if not isinstance(impl, str):
+        impl = "the model's own"
+    cuda = target.type == "cuda"
+    if impl == "eager":
+        if cuda:
+            return ("eager (softmax materialised: b x h x s x s probabilities kept for backward; "
+                    "CUDA softmax backward's copy of its incoming gradient added while it runs)"), contextlib.nullcontext(), True
+        return "eager (softmax materialised: b x h x s x s probabilities kept for backward)", contextlib.nullcontext(), False
+    if impl not in ("sdpa", "manual") and not str(impl).startswith("flash"):
+        return str(impl), contextlib.nullcontext(), False
+    if impl == "manual":  # TinyGPT's own attention
+        extra = ("; CUDA softmax backward's copy of its incoming gradient added while it runs" if cuda else "")
+        return f"manual (softmax materialised: b x h x s x s probabilities kept for backward{extra})", contextlib.nullcontext(), cuda
+    if not cuda:
+        return "sdpa on CPU (flash kernel for CPU: keeps output + logsumexp)", contextlib.nullcontext(), False
+    cfg = spec.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    gqa = bool(heads and kv and kv < heads)
+    sixteen = dtype in SIXTEEN_BIT
+    if requested == "flash" and not sixteen:
+        raise ValueError(f"attn_implementation='flash' needs fp16/bf16 compute; dtype={dtype!r} computes in fp32")
+    if sixteen or requested == "flash":
+        kernel, backend = "flash", SDPBackend.FLASH_ATTENTION
+        what = "CUDA flash kernel: keeps output + logsumexp (no s x s matrix)"
+    elif gqa:
+        kernel, backend = "math", SDPBackend.MATH
+        what = "CUDA math kernel (fp32 with grouped KV heads has no fused kernel): keeps b x h x s x s probabilities"
+    else:
+        kernel, backend = "efficient", SDPBackend.FLASH_ATTENTION
+        what = "CUDA memory-efficient kernel: keeps output + logsumexp (no s x s matrix)"
+    label = "flash" if requested == "flash" else "sdpa"
+    if traced_on.startswith("cuda"):
+        # fake CUDA tensors pick their kernel by shape rules that accept fp32 GQA; the real kernel is
+        # the math one (measured on an H100): force it there, and flash where flash was asked for
+        force = requested == "flash" or kernel == "math"
+        return f"{label}: {what}, traced", (sdpa_kernel([backend]) if force else contextlib.nullcontext()), False
+    backends = [backend] if backend == SDPBackend.MATH else [backend, SDPBackend.MATH]
+    return (f"{label}: {what}; modelled on CPU with the {'math' if kernel == 'math' else 'CPU flash'} kernel "
+            f"(same saved tensors)"), sdpa_kernel(backends), False
+
+
+def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool, per_rank: bool = False):
+    """A MemoryTracker that also notes which attention ops ran, with the per-op rule for CUDA
+    softmax backward's scratch when asked. ``per_rank`` (a model sharded by FSDP2): the tracker of
+    :func:`memlab.distributed.rank_tracker`, which counts a DTensor's local shard and FSDP2's storage
+    resizes."""
+    from memlab.profiler import MemoryTracker
+
+    base: type = MemoryTracker
+    if per_rank:
+        from memlab.distributed import rank_tracker
+
+        base = type(rank_tracker(model, opt, resizes=True))
+
+    softmax_bwd = torch.ops.aten._softmax_backward_data.default
+    flash_ops = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"):
+        op = getattr(torch.ops.aten, name, None)
+        if op is not None:
+            flash_ops.add(op.default)
+
+    class _Tracker(base):  # type: ignore[valid-type, misc]
+        scratch_bytes = 0
+        fused_attention_calls = 0
+        softmax_calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func in flash_ops:
+                self.fused_attention_calls += 1
+            elif func is softmax_bwd:
+                self.softmax_calls += 1
+            if softmax_rule and func is softmax_bwd and isinstance(args[0], torch.Tensor) and args[0].dim() >= 3:
+                g = args[0]
+                extra = self.allocated_bytes(g.numel() * g.element_size(), g.device)
+                # alive while the kernel runs, with its output: count it at that moment only
+                self.add_transient(extra)
+                self.scratch_bytes = max(self.scratch_bytes, extra)
+            return out
+
+    return _Tracker(model=model, optimizer=opt, resizes=per_rank)
+
+

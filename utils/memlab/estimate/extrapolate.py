@@ -1,0 +1,202 @@
+"""The one extrapolation by depth (estimate and plan): a homogeneous decoder stack traced at two depths,
+every number affine in the layer count, extended exactly to the full depth; and its FSDP2 variant
+(each run of one phase extrapolated, checked against a third depth)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+from memlab.estimate.model import ModelSpec
+from memlab.estimate.recipes import CATEGORIES
+from memlab.estimate.result import MemoryEstimate, _PhaseSummary
+from memlab.estimate.step import StepSpec
+from memlab.estimate.trace import trace_step
+
+# Extrapolation by depth: traced at these two depths (decoder layers).
+EXTRAPOLATION_DEPTHS = (1, 2)
+EXTRAPOLATE_MIN_LAYERS = 4
+
+
+def _affine(a: int, b: int, d1: int, d2: int, n: int) -> int:
+    slope, rem = divmod(b - a, d2 - d1)
+    if rem:
+        raise ArithmeticError("not affine in the layer count")
+    return a + slope * (n - d1)
+
+
+def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: int) -> MemoryEstimate | None:
+    """The estimate at depth ``n`` from estimates of the same step at depths ``d1 < d2``.
+
+    Args:
+        a: the estimate at ``d1`` layers.
+        b: the estimate at ``d2`` layers.
+        d1, d2: the traced depths.
+        n: the depth to extrapolate to.
+
+    Returns:
+        The extrapolated estimate (its timeline reduced to the phase peaks), or None where the two do
+        not show the same shape: other phases or host buffers, a number not affine in the layer count,
+        a negative phase.
+    """
+    if list(a.phase_breakdowns) != list(b.phase_breakdowns) or set(a.host_breakdown) != set(b.host_breakdown):
+        return None
+    try:
+        lin = lambda x, y: _affine(x, y, d1, d2, n)  # noqa: E731
+        phase_bd = {ph: {k: lin(a.phase_breakdowns[ph][k], b.phase_breakdowns[ph][k]) for k in CATEGORIES}
+                    for ph in b.phase_breakdowns}
+        end = {k: lin(a.breakdown_end[k], b.breakdown_end[k]) for k in CATEGORIES}
+        n_params = lin(a.n_params, b.n_params)
+        max_act = lin(a.max_activation_bytes, b.max_activation_bytes)
+        host_bd = {k: lin(a.host_breakdown[k], b.host_breakdown[k]) for k in b.host_breakdown}
+    except ArithmeticError:
+        return None
+    phases = {ph: sum(bd.values()) for ph, bd in phase_bd.items()}
+    if not phases or any(v < 0 for v in phases.values()):
+        return None
+    peak = max(phases.values())
+    peak_phase = next(ph for ph, v in phases.items() if v == peak)  # the first in time, as the tracker
+    return MemoryEstimate(
+        model=b.model, n_params=n_params, batch_size=b.batch_size, seq_len=b.seq_len, dtype=b.dtype,
+        optimizer=b.optimizer, checkpointing=b.checkpointing, peak_bytes=peak, breakdown=phase_bd[peak_phase],
+        breakdown_end=end, max_activation_bytes=max_act, largest_layer_params=b.largest_layer_params,
+        device=b.device, traced_on=b.traced_on, fake=True, seconds=0.0, notes=list(b.notes),
+        tracker=_PhaseSummary(peak, peak_phase, phases), peak_phase=peak_phase, phase_peaks=phases,
+        extras=dict(b.extras), attention=b.attention, step=b.step, optimizer_impl=b.optimizer_impl,
+        extrapolated_from=(d1, d2), phase_breakdowns=phase_bd,
+        host_bytes=sum(host_bd.values()), host_breakdown=host_bd, adapter=b.adapter,
+    )
+
+
+def extrapolate_by_depth(trace_at: Callable[[int], MemoryEstimate], n_layers: int,
+                         depth_pairs: Iterable[tuple[int, int]],
+                         traced: dict[int, MemoryEstimate] | None = None) -> MemoryEstimate | None:
+    """Trace at two depths and extrapolate to ``n_layers``, trying each pair of depths in turn.
+
+    Args:
+        trace_at: depth -> the traced estimate of the same step at that many layers.
+        n_layers: the full depth.
+        depth_pairs: ``(d1, d2)`` pairs to try in order (a first layer that differs from the others
+            makes the first pair fail: the next one starts deeper); a pair with ``d2 >= n_layers`` stops.
+        traced: traces already made, by depth (filled in).
+
+    Returns:
+        The extrapolated estimate, or None when no pair gives an affine fit (trace the whole stack).
+    """
+    t0 = time.perf_counter()
+    traced = {} if traced is None else traced
+    for d1, d2 in depth_pairs:
+        if d2 >= n_layers:
+            break
+        for d in (d1, d2):
+            if d not in traced:
+                traced[d] = trace_at(d)
+        est = affine_estimate(traced[d1], traced[d2], d1, d2, n_layers)
+        if est is not None:
+            est.seconds = time.perf_counter() - t0
+            return est
+    return None
+
+
+def extrapolated(spec: ModelSpec, step: StepSpec, extrapolate: bool | str) -> MemoryEstimate | None:
+    """The estimator's extrapolation of a single-rank step, where it applies.
+
+    Args:
+        spec: the model; a homogeneous transformers stack is extrapolated.
+        step: the step.
+        extrapolate: "auto" (stacks of at least :data:`EXTRAPOLATE_MIN_LAYERS` layers), True (any
+            stack deeper than the traced depths) or False (never).
+
+    Returns:
+        The extrapolated estimate, or None (trace every layer).
+    """
+    if not (extrapolate and spec.is_hf and spec.homogeneous()):
+        return None
+    n = spec.layers()[1]
+    if n < (EXTRAPOLATE_MIN_LAYERS if extrapolate == "auto" else max(EXTRAPOLATION_DEPTHS) + 1):
+        return None
+    d1, d2 = EXTRAPOLATION_DEPTHS
+    if spec.adapter is not None:  # a frozen embedding: the first layer's input needs no gradient, so the
+        d1, d2 = d1 + 1, d2 + 1  # first layer differs from the others (an affine fit from 1 layer is wrong)
+    # the first layer can differ in shape: then one deeper
+    return extrapolate_by_depth(lambda d: trace_step(spec.at_depth(d), step), n, ((d1, d2), (d2, d2 + 1)))
+
+
+# FSDP2's per-rank timeline is affine in the layer count only from 3 layers on (with 1 or 2 layers the
+# units gathered at the backward peak differ: measured on Llama shapes), so a sharded stack is traced at
+# 3 and 4 layers, checked against a trace at 5, and extrapolated; a mismatch traces the whole stack. A
+# peak that moved to another moment of the same run of a phase only beyond 5 layers would go unseen:
+# Llama-2-70B (batch 1 x 256, 8 ranks) extrapolated equals its 80-layer trace (tests/test_estimate_distributed.py).
+FSDP_EXTRAPOLATION_DEPTHS = (3, 4, 5)
+
+
+def _segments(est: MemoryEstimate) -> list[tuple[str, dict[str, int]]]:
+    """Each run of consecutive events of one phase in the traced timeline: (phase, breakdown at its first
+    maximum). The "other" phase occurs more than once in a step (before the forward pass; between backward
+    and the optimizer step), and which of its runs holds its peak can change with the layer count, so the
+    runs are extrapolated one by one."""
+    out: list[list[Any]] = []
+    best = -1
+    for ev in est.tracker.timeline:
+        if not out or out[-1][0] != ev.phase:
+            out.append([ev.phase, None])
+            best = -1
+        if ev.total > best:
+            best, out[-1][1] = ev.total, {k: int(ev.bytes.get(k, 0)) for k in CATEGORIES}
+    return [(ph, bd) for ph, bd in out]
+
+
+def extrapolated_fsdp(spec: ModelSpec, step: StepSpec, world_size: int) -> MemoryEstimate | None:
+    """The FSDP2-sharded estimate of the whole stack from traces at 3 and 4 layers.
+
+    Each run of one phase (:func:`_segments`) is extrapolated by layer count, when the same
+    extrapolation to 5 layers equals the trace at 5 (every run's breakdown and the end state).
+
+    Args:
+        spec: the model (a homogeneous transformers stack deeper than 5 layers).
+        step: the step of one rank.
+        world_size: the ranks of the fake process group (the caller creates it).
+
+    Returns:
+        The per-rank estimate, or None (the caller traces every layer).
+    """
+    if step.optimizer == "adamw8bit":  # its state may be modelled beside the timeline: trace it all
+        return None
+    t0 = time.perf_counter()
+    d1, d2, d3 = FSDP_EXTRAPOLATION_DEPTHS
+    traced = {d: trace_step(spec.at_depth(d), step, fsdp_world_size=world_size) for d in (d1, d2, d3)}
+    segs = {d: _segments(est) for d, est in traced.items()}
+    if len({tuple(ph for ph, _ in sg) for sg in segs.values()}) != 1:
+        return None
+
+    def runs_at(n: int) -> list[tuple[str, dict[str, int]]] | None:
+        try:
+            return [(ph, {k: a[k] + (b[k] - a[k]) * (n - d1) for k in CATEGORIES})
+                    for (ph, a), (_, b) in zip(segs[d1], segs[d2])]
+        except ArithmeticError:  # pragma: no cover - integer arithmetic
+            return None
+
+    check = affine_estimate(traced[d1], traced[d2], d1, d2, d3)
+    if check is None or runs_at(d3) != segs[d3] or check.breakdown_end != traced[d3].breakdown_end:
+        return None
+    est = affine_estimate(traced[d1], traced[d2], d1, d2, spec.layers()[1])
+    runs = runs_at(spec.layers()[1])
+    if est is None or runs is None or any(sum(bd.values()) < 0 for _, bd in runs):
+        return None
+    phase_bd: dict[str, dict[str, int]] = {}
+    peak, at_peak, peak_phase = -1, {}, ""
+    for ph, bd in runs:  # in time order: each phase's first maximum, and the step's, as the tracker picks them
+        total = sum(bd.values())
+        if ph not in phase_bd or total > sum(phase_bd[ph].values()):
+            phase_bd[ph] = bd
+        if total > peak:
+            peak, at_peak, peak_phase = total, bd, ph
+    phases = {ph: sum(bd.values()) for ph, bd in phase_bd.items()}
+    est.phase_breakdowns, est.phase_peaks = phase_bd, phases
+    est.peak_bytes, est.breakdown, est.peak_phase = peak, dict(at_peak), peak_phase
+    est.tracker = _PhaseSummary(peak, peak_phase, phases)
+    est.seconds = time.perf_counter() - t0
+    est.notes.append(f"FSDP2 per-rank trace: the extrapolation from {d1} and {d2} layers equals the trace at {d3} "
+                     f"layers (checked in this run)")
+    return est
+
+

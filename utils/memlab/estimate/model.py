@@ -1,0 +1,427 @@
+"""The one model resolver: a preset, a config.json, a Hub id, a transformers config or a callable
+becomes a :class:`ModelSpec` that builds the model (on fake tensors) at any depth.
+
+Used by :func:`memlab.estimate.estimate_training_memory` and :func:`memlab.plan.plan` alike. Hub ids
+read only their config.json, through transformers (:mod:`memlab.hub`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import stat as _stat
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from memlab.core.units import MiB
+from memlab.core.vocab import Recipe
+from memlab.estimate.recipes import MAX_CONFIG_BYTES
+from memlab.optional import needs
+
+def is_hf_config(obj: Any) -> bool:
+    """True when ``obj`` is a transformers ``PretrainedConfig``.
+
+    Args:
+        obj: anything.
+
+    Returns:
+        Whether it is a transformers config.
+    """
+    try:
+        from transformers import PretrainedConfig
+    except Exception:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(obj, PretrainedConfig)
+
+
+# A config must give these (one name of each group) for the model to have a size at all.
+_REQUIRED_DIMS = (
+    ("hidden_size", "n_embd", "d_model"),
+    ("num_hidden_layers", "n_layer", "num_layers"),
+    ("num_attention_heads", "n_head"),
+    ("vocab_size",),
+)
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions")
+# position tables of learned rows: no flag makes a longer sequence meaningful
+_LEARNED_POSITIONS = ("gpt2", "gpt_neo", "gpt_bigcode", "opt", "bert", "roberta")
+
+
+def load_config(path: str | os.PathLike):
+    """A ``transformers`` config from a local ``config.json`` (or a folder holding one), offline.
+
+    Args:
+        path: a config.json, or a folder holding one.
+
+    Returns:
+        The transformers config.
+
+    Raises:
+        FileNotFoundError, ValueError: naming the file: missing, unreadable, not JSON, no
+            ``model_type``, an unknown ``model_type``, or a dimension missing (``hidden_size``,
+            layers, heads, ``vocab_size``: without them transformers would use its default size).
+    """
+    with needs("memlab estimate"):
+        from transformers import AutoConfig
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        st = os.stat(path)
+        if not _stat.S_ISREG(st.st_mode):
+            raise ValueError(f"config file {path!r} is not a regular file (a device, a pipe or a socket); "
+                             "allowed: a config.json file")
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"config file {path!r} is larger than {MAX_CONFIG_BYTES // MiB} MiB; allowed: a "
+                             "config.json (a few KiB)")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path!r}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config file {path!r} cannot be read: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config file {path!r} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"config file {path!r} has no 'model_type'; allowed: a transformers config.json")
+    missing = [" / ".join(group) for group in _REQUIRED_DIMS if not any(k in data for k in group)]
+    if missing:
+        raise ValueError(f"config file {path!r} lacks {', '.join(missing)}: without them transformers would "
+                         f"use its default size for {data['model_type']!r}; allowed: a complete config.json")
+    from memlab.models import validate_config
+
+    validate_config(data, f"config file {path!r}")
+    data = dict(data)
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"config file {path!r}: model_type={model_type!r} cannot be built by transformers ({exc})") from None
+
+
+def check_overrides(cfg: Any, overrides: Mapping[str, Any], what: str) -> None:
+    """Refuse override keys that are not fields of ``cfg`` (a typo would otherwise be ignored).
+
+    Args:
+        cfg: the transformers config the overrides apply to.
+        overrides: field -> value.
+        what: how the error names the model.
+
+    Raises:
+        ValueError: naming the unknown key, with the closest field names.
+    """
+    import difflib
+
+    try:
+        default = type(cfg)()
+    except Exception:  # pragma: no cover - every transformers config has defaults
+        default = cfg
+    known = set(vars(default)) | set(vars(cfg)) | set(getattr(type(cfg), "attribute_map", {}))
+    for key in overrides:
+        if key in known or hasattr(default, key):
+            continue
+        close = difflib.get_close_matches(key, sorted(k for k in known if not k.startswith("_")), n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"config_overrides key {key!r} is not a field of {type(cfg).__name__} ({what}){hint}")
+
+
+@dataclass
+class ModelSpec:
+    """What to build: a display name, and either a transformers config or a plain callable."""
+
+    name: str
+    config: Any = None
+    fn: Callable[[], nn.Module] | None = None
+    adapter: Any = None  # a memlab.adapters.AdapterSpec: LoRA / QLoRA built on the base (memlab.adapters)
+
+    @property
+    def is_hf(self) -> bool:
+        return self.config is not None
+
+    def layers(self) -> tuple[str, int] | None:
+        """The config's layer-count field and its value.
+
+        Returns:
+            ``(field, n)``, or None for a callable or a config without a layer count.
+        """
+        for f in _LAYER_FIELDS:
+            v = getattr(self.config, f, None) if self.config is not None else None
+            if isinstance(v, int) and v > 0:
+                return f, v
+        return None
+
+    def homogeneous(self) -> bool:
+        """Whether the decoder layers are identical (no per-layer types that differ).
+
+        Returns:
+            True for a homogeneous stack, the case extrapolation by depth is exact for.
+        """
+        if self.layers() is None:
+            return False
+        for f in ("layer_types", "sliding_window_pattern_list", "block_types"):
+            v = getattr(self.config, f, None)
+            if isinstance(v, (list, tuple)) and len(set(map(str, v))) > 1:
+                return False
+        if getattr(self.config, "use_sliding_window", False) and getattr(self.config, "max_window_layers", None) not in (None, 0):
+            mw, (_, n) = self.config.max_window_layers, self.layers()
+            if 0 < mw < n:
+                return False
+        return True
+
+    def at_depth(self, depth: int) -> "ModelSpec":
+        """The same model with ``depth`` decoder layers.
+
+        Args:
+            depth: the layer count.
+
+        Returns:
+            A new spec (the config deep-copied; per-layer lists cut to ``depth``).
+        """
+        cfg = copy.deepcopy(self.config)
+        f, n = self.layers()
+        setattr(cfg, f, depth)
+        for lf in ("layer_types",):
+            v = getattr(cfg, lf, None)
+            if isinstance(v, (list, tuple)) and len(v) == n:
+                setattr(cfg, lf, list(v[:1]) * depth)
+        return ModelSpec(self.name, config=cfg, adapter=self.adapter)
+
+    def with_adapter(self, adapter: Any) -> "ModelSpec":
+        """The same model with LoRA / QLoRA adapters.
+
+        Args:
+            adapter: a :class:`memlab.adapters.AdapterSpec`, or None.
+
+        Returns:
+            A new spec.
+        """
+        return ModelSpec(self.name, config=self.config, fn=self.fn, adapter=adapter)
+
+    def build(self, dtype: str, attn: str | None) -> nn.Module:
+        """Build the model (call it inside a fake mode for a trace).
+
+        Args:
+            dtype: the canonical recipe; it alone sets the weights' dtype.
+            attn: transformers' ``attn_implementation``, or None for its default.
+
+        Returns:
+            The model, adapters applied when the spec has them.
+        """
+        if self.adapter is not None:  # the one builder of adapted models (estimate, CLI and plan)
+            from memlab import adapters
+
+            base = adapters.base_dtype(dtype)
+            if self.fn is not None:
+                model = _build_in(self.fn, base)
+            else:
+                model = self._from_config(base, attn)
+            return adapters.apply_adapter(model, self.adapter, dtype)
+        if self.fn is not None:
+            return _build(self.fn, dtype)
+        # The weights' dtype comes from the recipe, never from the config's torch_dtype / dtype
+        # (transformers 5 would otherwise build a bf16 model from a config that says bfloat16).
+        return self._from_config(torch.bfloat16 if dtype == Recipe.BF16_PURE else torch.float32, attn)
+
+    def _from_config(self, param_dtype: torch.dtype, attn: str | None) -> nn.Module:
+        with needs("memlab estimate"):
+            from transformers import AutoModelForCausalLM
+        kw = {} if attn is None else {"attn_implementation": attn}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoModelForCausalLM.from_config(self.config, dtype=param_dtype, **kw)
+
+
+def resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> ModelSpec:
+    """The one model resolver of the estimator and the planner.
+
+    Args:
+        model: a preset of :data:`memlab.models.PRESETS`, a config.json path (or its folder), a Hub
+            model id ``org/name`` (its config.json only, :mod:`memlab.hub`), a transformers config,
+            or a callable returning an ``nn.Module``.
+        config_overrides: config fields to change (not for a callable).
+
+    Returns:
+        The :class:`ModelSpec`.
+
+    Raises:
+        ValueError, TypeError, FileNotFoundError: an unknown name (with the closest preset), a bad
+            file, an unknown override key, an ``nn.Module`` instance.
+    """
+    from memlab.models import validate_config
+
+    overrides = dict(config_overrides or {})
+    if isinstance(model, str):
+        from memlab.models import PRESETS, UnknownPresetError, preset_config
+
+        if model in PRESETS:
+            if overrides:
+                check_overrides(preset_config(model), overrides, f"preset {model!r}")
+            cfg = preset_config(model, **overrides)
+            return ModelSpec(model, config=cfg)
+        from memlab import hub
+
+        if hub.looks_like_repo_id(model):  # "org/name": its config.json through transformers (memlab.hub)
+            cfg = hub.load_hub_config(model)
+            check_overrides(cfg, overrides, f"model {model!r}")
+            for k, v in overrides.items():
+                setattr(cfg, k, v)
+            validate_config(cfg, f"model {model!r}")
+            return ModelSpec(f"{model} ({getattr(cfg, 'model_type', '?')})", config=cfg)
+        if model.endswith(".json") or os.path.isdir(model) or os.sep in model:
+            if not os.path.exists(model):
+                raise FileNotFoundError(f"config file {model!r}: no such file")
+            cfg = load_config(model)
+            check_overrides(cfg, overrides, f"config file {model!r}")
+            for k, v in overrides.items():
+                setattr(cfg, k, v)
+            validate_config(cfg, f"config file {model!r} with --set {overrides}" if overrides else f"config file {model!r}")
+            name = os.path.basename(os.path.dirname(os.path.abspath(model))) if model.endswith(".json") else os.path.basename(model.rstrip("/"))
+            return ModelSpec(f"{name} ({getattr(cfg, 'model_type', '?')})", config=cfg)
+        import difflib
+
+        close = difflib.get_close_matches(model.lower(), sorted(PRESETS), n=3, cutoff=0.6)
+        raise UnknownPresetError(
+            f"model={model!r} is invalid; allowed: a preset ({', '.join(sorted(PRESETS))}), "
+            f"the path of a transformers config.json, or a Hub model id such as meta-llama/Llama-3.1-8B"
+            f"{f' (did you mean {close[0]}?)' if close else ''}"
+        )
+    if is_hf_config(model):
+        cfg = copy.deepcopy(model)
+        check_overrides(cfg, overrides, type(cfg).__name__)
+        for k, v in overrides.items():
+            setattr(cfg, k, v)
+        validate_config(cfg, type(cfg).__name__)
+        return ModelSpec(type(cfg).__name__, config=cfg)
+    if isinstance(model, nn.Module):
+        raise TypeError(
+            f"model={type(model).__name__} instance: pass a function that builds it instead "
+            f"(e.g. lambda: {type(model).__name__}(...)), so it can be built on fake tensors"
+        )
+    if callable(model):
+        if overrides:
+            raise ValueError("config_overrides only apply to a preset, a config.json or a transformers config")
+        return ModelSpec(getattr(model, "__name__", type(model).__name__), fn=model)
+    raise TypeError(
+        f"model={model!r} is invalid; allowed: a preset name, a config.json path, a transformers "
+        f"config, or a callable returning an nn.Module"
+    )
+
+
+def check_positions(spec: ModelSpec, seq_len: int, allow_longer_seq: bool) -> None:
+    """Refuse a ``seq_len`` beyond the model's positions (a fake trace would not notice).
+
+    Args:
+        spec: the resolved model (a callable's model is not checked).
+        seq_len: tokens per sequence.
+        allow_longer_seq: allow it for position encodings that extend (RoPE scaling).
+
+    Raises:
+        ValueError: naming ``seq_len``, the model's position field and its size.
+    """
+    if spec.config is None:
+        return
+    for f in _POSITION_FIELDS:
+        n = getattr(spec.config, f, None)
+        if isinstance(n, int) and n > 0:
+            break
+    else:
+        return
+    if seq_len <= n:
+        return
+    learned = ("n_positions" in vars(spec.config) or getattr(spec.config, "model_type", "") in _LEARNED_POSITIONS
+               or getattr(spec.config, "position_embedding_type", None) == "absolute")
+    if learned:
+        f = "n_positions" if "n_positions" in vars(spec.config) else f
+    if learned:
+        raise ValueError(f"seq_len={seq_len} exceeds {spec.name}'s {f}={n}: its position table has {n} rows; "
+                         f"allowed: seq_len <= {n} (or a larger {f} in config_overrides, a different model)")
+    if not allow_longer_seq:
+        raise ValueError(f"seq_len={seq_len} exceeds {spec.name}'s {f}={n}; allowed: seq_len <= {n}, or "
+                         f"allow_longer_seq=True (CLI --allow-longer-seq) if you extend its context (e.g. RoPE scaling)")
+
+
+def _vocab_size(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    v = getattr(cfg, "vocab_size", None)
+    if isinstance(v, int) and v > 0:
+        return v
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    if isinstance(emb, nn.Embedding):
+        return emb.num_embeddings
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return m.num_embeddings
+    raise ValueError(f"cannot find the vocabulary size of {type(model).__name__}: give it a config.vocab_size or an nn.Embedding")
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    from memlab.models import TinyGPT
+
+    if isinstance(model, TinyGPT):
+        model.gradient_checkpointing_enable()
+        return
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        fn = getattr(model, name, None)
+        if callable(fn):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                fn()
+            return
+    raise ValueError(
+        f"checkpointing=True but {type(model).__name__} has no gradient_checkpointing_enable(); "
+        f"allowed: TinyGPT, transformers models, or a model with that method"
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _build(builder: Callable[[], nn.Module], dtype: str) -> nn.Module:
+    """Build the model; for "bf16-pure" directly in bf16 (created, not converted: converting
+    fake parameters in place is refused, and building in bf16 never holds an fp32 copy)."""
+    if dtype != Recipe.BF16_PURE:
+        return builder()
+    return _build_in(builder, torch.bfloat16)
+
+
+def _build_in(builder: Callable[[], nn.Module], param_dtype: torch.dtype) -> nn.Module:
+    if param_dtype == torch.float32:
+        return builder()
+    with _default_dtype(param_dtype):
+        model = builder()
+    for p in model.parameters():  # anything built with an explicit fp32 dtype
+        if p.is_floating_point() and p.dtype != param_dtype:
+            p.data = p.data.to(param_dtype)
+    return model
+
+
+def _prepare(model: nn.Module, dtype: str, checkpointing: bool) -> nn.Module:
+    model.train()
+    if checkpointing:
+        _enable_checkpointing(model)
+    return model
+
+
+def _largest_layer_params(model: nn.Module) -> int:
+    best = 0
+    for m in model.modules():
+        best = max(best, sum(p.numel() for p in m.parameters(recurse=False)))
+    return best
+
+

@@ -1,0 +1,121 @@
+"""The optimizers a traced step runs: torch's AdamW / SGD in each implementation, bitsandbytes'
+AdamW8bit (or its documented state layout when it does not import), and the device side of
+:class:`memlab.offload.OffloadedAdamW` with its host bytes counted."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from memlab.core.validation import check_choice
+from memlab.estimate.recipes import (BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, OPTIMIZER_IMPLS, OPTIMIZERS,
+                                     canonical_optimizer)
+
+def _bnb():
+    import io
+
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        import bitsandbytes  # noqa: F401  (prints a warning about optional CPU kernels)
+    return bitsandbytes
+
+
+def _resolve_impl(impl: str, device: str) -> str:
+    if impl == "auto":
+        return "foreach" if torch.device(device).type == "cuda" else "for-loop"
+    return impl
+
+
+def make_optimizer(
+    name: str, params: Any, *, impl: str = "auto", device: str = "cpu", **kwargs: Any
+) -> torch.optim.Optimizer:
+    """The optimizer ``name`` over ``params``.
+
+    Args:
+        name: one of :data:`OPTIMIZERS` (or an alias such as ``"adam8bit"``).
+        params: the parameters.
+        impl: torch's implementation: "auto" is what ``torch.optim.AdamW(params)`` picks on
+            ``device`` (foreach on CUDA, the for-loop on CPU), or "for-loop" / "foreach" / "fused".
+        device: the target device (for "auto").
+        **kwargs: the optimizer's hyper-parameters.
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: an unknown ``name`` or ``impl``.
+    """
+    name = canonical_optimizer(name)
+    check_choice("optimizer", name, tuple(OPTIMIZERS))
+    check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
+    params = list(params)
+    if name == "adamw8bit":
+        return _bnb().optim.AdamW8bit(params, **kwargs)
+    if name == "offload-adamw":
+        from memlab.offload import OffloadedAdamW
+
+        return OffloadedAdamW(params, **kwargs)
+    impl = _resolve_impl(impl, device)
+    flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
+    if name == "adamw":
+        return torch.optim.AdamW(params, **{**flags, **kwargs})
+    if impl == "fused":
+        flags = dict(foreach=False)  # SGD without momentum: fused buys nothing
+    return torch.optim.SGD(params, lr=kwargs.pop("lr", 1e-3), **{**flags, **kwargs})
+
+
+class _OffloadDeviceSide(torch.optim.Optimizer):
+    """What :class:`memlab.offload.OffloadedAdamW` does on the device, for a fake trace: nothing is
+    allocated there. Gradients stay on the device until the step (or, with ``offload_gradients``,
+    a post-accumulate-grad hook frees each one once copied to the host); the step runs on the host
+    and copies the updated weights back into the parameters in place. The host side is counted
+    (:func:`_offload_host_breakdown`)."""
+
+    def __init__(self, params: Any, offload_gradients: bool = False, **hparams: Any) -> None:
+        super().__init__(list(params), {})
+        self.offload_gradients = offload_gradients
+        if offload_gradients:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(_free_grad)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return None
+
+
+def _free_grad(p: torch.Tensor) -> None:
+    p.grad = None  # copied to its host slot (a device-to-host copy allocates nothing on the device)
+
+
+def _offload_host_breakdown(params: Sequence[torch.Tensor], target: torch.device) -> dict[str, int]:
+    """Host bytes of OffloadedAdamW over ``params``: what its constructor allocates on the host."""
+    from memlab.offload import device_host_bytes
+
+    n = sum(p.numel() for p in params)
+    fp32 = device_host_bytes(n, "offload-adamw")["host"]  # 16 bytes/param: master + grad slot + 2 moments
+    out = {"fp32 master weights": 4 * n, "fp32 grad slots": 4 * n, "fp32 moments": 8 * n}
+    assert sum(out.values()) == fp32
+    if target.type == "cuda":
+        out["pinned staging (param dtype)"] = sum(p.numel() * p.element_size() for p in params)
+    out["step counters"] = 4 * len(params)
+    return out
+
+
+def _bnb_state_bytes(model: nn.Module, dtype: str) -> int:
+    """Bytes of bitsandbytes AdamW8bit's state for ``model`` (its documented layout)."""
+    total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        n = p.numel()
+        if n < BNB_MIN_8BIT_SIZE:
+            total += 2 * n * 4  # two fp32 moments
+        else:
+            blocks = -(-n // BNB_BLOCKSIZE)
+            total += 2 * n + 2 * blocks * 4  # two uint8 moments + two fp32 absmax per block
+    return total
+
+

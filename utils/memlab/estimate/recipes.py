@@ -1,0 +1,134 @@
+"""The estimator's vocabulary and limits: recipes, optimizers, implementations, losses, input bounds.
+
+Recipes and optimizers are :mod:`memlab.core.vocab`'s (one spelling across estimate, plan, train and
+adapters): ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-pure``; ``"bf16"`` / ``"fp16"`` are
+accepted as the mixed recipes, ``"adam8bit"`` as ``"adamw8bit"``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from memlab.core import vocab
+from memlab.core.units import MiB, parse_size  # noqa: F401  (parse_size: memlab.estimate.parse_size)
+from memlab.core.validation import check_choice, invalid
+from memlab.core.vocab import CATEGORIES, OPTIMIZER_ALIASES, RECIPE_ALIASES, Recipe  # noqa: F401
+
+# canonical recipe -> what it keeps in which dtype (printed by the CLI and MemoryEstimate.table)
+DTYPES: dict[str, str] = {
+    vocab.Recipe.FP32.value: "fp32 weights, gradients, optimizer state and compute",
+    vocab.Recipe.BF16_MIXED.value: "mixed precision: fp32 weights/gradients/optimizer state, forward under "
+                                   "autocast(bfloat16)",
+    vocab.Recipe.FP16_MIXED.value: "mixed precision: fp32 weights/gradients/optimizer state, forward under "
+                                   "autocast(float16)",
+    vocab.Recipe.BF16_PURE.value: "bf16 weights, gradients and optimizer state, no autocast, no fp32 master copy",
+}
+#: other spellings of a recipe (``"bf16"`` = ``"bf16-mixed"``), as memlab.core.vocab accepts them
+DTYPE_ALIASES: dict[str, str] = dict(RECIPE_ALIASES)
+#: the recipes that run the forward pass under autocast
+MIXED = (vocab.Recipe.BF16_MIXED.value, vocab.Recipe.FP16_MIXED.value)
+#: the recipes whose compute is 16-bit
+SIXTEEN_BIT = MIXED + (vocab.Recipe.BF16_PURE.value,)
+
+OPTIMIZERS: dict[str, str] = {
+    "adamw": "torch.optim.AdamW (2 moments per parameter, in the parameter's dtype)",
+    "sgd": "torch.optim.SGD without momentum (no state)",
+    "adamw8bit": "bitsandbytes.optim.AdamW8bit (2 moments of 1 byte, fp32 absmax per 256 elements)",
+    "offload-adamw": "memlab.offload.OffloadedAdamW (chapter 04): device keeps the params in their dtype and their "
+                     "grads; host keeps fp32 master weights, an fp32 grad slot and 2 fp32 moments (+ staging on CUDA)",
+}
+OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash")
+LOSSES = ("auto", "hf", "memlab")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def canonical_optimizer(name: Any) -> Any:
+    """The canonical name of an optimizer spelling (``"adam8bit"`` -> ``"adamw8bit"``).
+
+    Args:
+        name: an optimizer name or alias; anything else is returned as is (checked later).
+
+    Returns:
+        The canonical name, or ``name`` unchanged when it is no known spelling.
+    """
+    if isinstance(name, str):
+        try:
+            return vocab.optimizer(name).value
+        except ValueError:
+            return name
+    return name
+
+
+def canonical_dtype(name: Any) -> str:
+    """The canonical recipe of a ``dtype`` spelling (``"bf16"`` -> ``"bf16-mixed"``).
+
+    Args:
+        name: a recipe of :data:`DTYPES` or an alias of :data:`DTYPE_ALIASES`.
+
+    Returns:
+        The canonical recipe name.
+
+    Raises:
+        ValueError: naming ``dtype``, the value and the recipes allowed.
+    """
+    if isinstance(name, vocab.Recipe) or isinstance(name, str) and name.strip().lower() in {
+            *DTYPES, *DTYPE_ALIASES}:
+        return vocab.recipe(name, argument="dtype").value
+    raise invalid("dtype", name, ", ".join(map(repr, DTYPES)) + " (aliases: "
+                  + ", ".join(f"{a!r}={b!r}" for a, b in DTYPE_ALIASES.items()) + ")")
+
+
+def check_dtype(dtype: Any) -> None:
+    """Raise unless ``dtype`` is a canonical recipe (what the traced step takes).
+
+    Args:
+        dtype: the recipe to check.
+
+    Raises:
+        ValueError: naming ``dtype``, the value and the recipes allowed.
+    """
+    check_choice("dtype", dtype, tuple(DTYPES))
+
+
+# bitsandbytes' blockwise 8-bit optimizers (bitsandbytes/optim/optimizer.py, Optimizer8bit /
+# Optimizer2State.init_state): tensors with fewer than min_8bit_size elements keep 32-bit
+# state; larger ones keep uint8 states and one fp32 absmax per block of 256 elements.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCKSIZE = 256
+
+# cuBLAS allocates a 32 MiB workspace through the caching allocator for each thread that runs
+# matmuls: the forward thread and the autograd engine's backward thread (results/h100/diag.log).
+# It is in torch.cuda.max_memory_allocated but no op returns it.
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
+CUBLAS_THREADS = 2
+# max_memory_reserved / max_memory_allocated at the peak of a steady training step, measured on
+# an H100 (TinyGPT and a Llama with a 32k vocabulary, 6 x 512, batch 8 x 512, fp32 and bf16 AMP):
+# 1.05, 1.10, 1.09, 1.14 (results/h100/estimator_probe.json). The largest is the stated margin.
+FRAGMENTATION_MARGIN = 1.14
+
+MAX_CONFIG_BYTES = 4 * MiB  # a config.json is a few KiB; /dev/zero or a huge file is refused
+MAX_BATCH = 2**20  # sequences per step (per rank)
+MAX_SEQ_LEN = 2**20  # tokens per sequence
+MAX_TOKENS = 2**31  # batch x seq_len: beyond it attention's element counts overflow int64
+MAX_WORLD_SIZE = 1024  # ranks: stage 3 traces a fake process group of this many
+
+
+def check_input_bounds(batch_size: Any, seq_len: Any, world_size: Any = 1) -> None:
+    """Refuse, before any work, a batch, a sequence or a world size no trace can finish in seconds.
+
+    Args:
+        batch_size: sequences per step (per rank), 1 to :data:`MAX_BATCH`.
+        seq_len: tokens per sequence, 1 to :data:`MAX_SEQ_LEN`.
+        world_size: ranks, 1 to :data:`MAX_WORLD_SIZE`.
+
+    Raises:
+        ValueError: naming the argument, its value and the allowed range; or the product
+            ``batch_size x seq_len`` over :data:`MAX_TOKENS`.
+    """
+    for name, v, hi in (("batch_size", batch_size, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ_LEN),
+                        ("world_size", world_size, MAX_WORLD_SIZE)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+            raise ValueError(f"{name}={v!r} is invalid; allowed: an int from 1 to {hi:,}")
+    if batch_size * seq_len > MAX_TOKENS:
+        raise ValueError(f"batch_size={batch_size} x seq_len={seq_len} = {batch_size * seq_len:,} tokens is invalid; "
+                         f"allowed: at most {MAX_TOKENS:,} tokens per step")

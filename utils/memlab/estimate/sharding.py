@@ -1,0 +1,242 @@
+"""Per rank (chapter 08): ZeRO stages 1-3 applied to a traced step (Rajbhandari et al. 2020), and
+stage 3 traced with FSDP2 itself (``fully_shard`` on fake tensors under a fake process group, as
+PyTorch's ``FSDPMemTracker`` does)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from memlab.estimate.model import ModelSpec, resolve_model
+from memlab.estimate.recipes import CATEGORIES, ZERO_STAGES, Recipe, canonical_dtype
+from memlab.estimate.result import MemoryEstimate, _PhaseSummary
+from memlab.estimate.step import StepSpec
+
+def _check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is invalid; allowed: an int >= 1")
+    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage={zero_stage!r} is invalid; allowed: 0 (data parallel), 1 (optimizer state "
+                         f"sharded), 2 (and gradients), 3 (and parameters: FSDP)")
+    if zero_stage and optimizer == "offload-adamw":
+        raise ValueError(f"zero_stage={zero_stage} with optimizer='offload-adamw' is not modelled; allowed with ZeRO: "
+                         f"'adamw', 'sgd', 'adamw8bit'")
+
+
+class _NoFSDPUnits(Exception):
+    """The model has no decoder layers for ``fully_shard`` to wrap (memlab.distributed.fsdp2_shard)."""
+
+
+def _fully_shard(model: nn.Module) -> None:
+    """FSDP2 as :func:`memlab.distributed.fsdp2_shard` applies it (``fully_shard`` on every decoder layer,
+    then the root), here on a model of fake tensors under the fake process group."""
+    from memlab.distributed import fsdp2_shard
+    from memlab.models import NoDecoderLayersError
+
+    try:
+        fsdp2_shard(model)
+    except NoDecoderLayersError as exc:
+        raise _NoFSDPUnits(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _fake_process_group(world_size: int):
+    """A default process group of ``world_size`` fake ranks, this process being rank 0 (PyTorch's
+    ``FakeProcessGroup``: collectives return at once, nothing is sent), destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto") -> tuple[MemoryEstimate | None, str]:
+    """ZeRO stage 3 traced: (the estimate, "") or (None, why it cannot be traced).
+
+    The model is built on fake tensors, sharded with FSDP2 (``fully_shard``) under a fake process group
+    of ``world_size`` ranks, and one rank's step is tracked with the tracker of
+    :func:`memlab.distributed.rank_tracker` (DTensors count their local shard; FSDP2's all-gathered
+    parameters count from the all-gather until FSDP2 resizes their storage to 0 after the unit ran). The
+    process group exists only during the trace. Not traced (the caller models FSDP's units instead):
+    when ``torch.distributed`` is unavailable or already initialised in this process (a rank of a real
+    run: a second default group cannot exist beside it), when the model has no decoder layers that
+    ``fsdp2_shard`` finds, or when FSDP2 or the optimizer fails on fake DTensors (the reason is returned).
+
+    Args:
+        spec: the model (resolved, adapters attached).
+        step: one rank's step; ``step.world_size`` ranks.
+        extrapolate: as for :func:`memlab.estimate.estimate_training_memory`.
+
+    Returns:
+        ``(the estimate, "")`` or ``(None, why it cannot be traced)``.
+    """
+    from memlab.estimate.api import estimate_one_rank  # the caller's module: imported when used
+
+    world_size = step.world_size
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None, "torch.distributed is not available in this torch build"
+    if dist.is_initialized():
+        return None, (f"torch.distributed is already initialised in this process (rank {dist.get_rank()} of "
+                      f"{dist.get_world_size()}): the fake process group of the trace cannot be created beside it")
+    try:
+        with _fake_process_group(world_size):
+            est = estimate_one_rank(spec, step, extrapolate, fsdp_world_size=world_size)
+    except _NoFSDPUnits as exc:
+        return None, str(exc)
+    except (ValueError, TypeError, KeyError, FileNotFoundError):
+        raise  # bad arguments: the same errors as without ZeRO
+    except Exception as exc:  # FSDP2 / DTensor on fake tensors: fall back to the model of the units
+        return None, f"tracing FSDP2 failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    est.world_size, est.zero_stage = world_size, 3
+    est.notes = list(est.notes) + [
+        f"per rank of {world_size}, ZeRO stage 3: traced with FSDP2 (fully_shard on every decoder layer and the "
+        f"root) on fake tensors under a fake process group, as rank 0; all-gathered units counted while alive"]
+    return est, ""
+
+
+def fsdp_units(model: Any, dtype: str = "bf16-mixed", config_overrides: Mapping[str, Any] | None = None) -> tuple[int, int]:
+    """FSDP2's units of a preset / config: the ``units`` of :func:`shard_estimate` for ``zero_stage=3``.
+
+    Args:
+        model: a preset, a config.json path, a Hub id or a transformers config.
+        dtype: the recipe (built on the meta device: nothing allocated).
+        config_overrides: config fields to change.
+
+    Returns:
+        (parameters of one decoder layer, parameters outside the layers).
+    """
+    return _fsdp_units(resolve_model(model, config_overrides), canonical_dtype(dtype))
+
+
+def _fsdp_units(spec: ModelSpec, dtype: str) -> tuple[int, int]:
+    """(parameters of one decoder layer, parameters outside the layers): FSDP2's units when
+    ``fully_shard`` wraps every decoder layer and the root (memlab.distributed.fsdp2_shard)."""
+    if not spec.is_hf or spec.layers() is None:
+        raise ValueError("zero_stage=3 needs a decoder stack (a preset, a config.json or a transformers config) "
+                         "to know FSDP's units; allowed for a callable model: zero_stage 0, 1, 2")
+    from memlab.models import count_parameters
+
+    counts = []
+    for depth in (1, 2):
+        with torch.device("meta"):
+            counts.append(count_parameters(spec.at_depth(depth).build(dtype, None)))
+    layer = counts[1] - counts[0]
+    return layer, counts[0] - layer
+
+
+def _sharder(est: MemoryEstimate, world_size: int, zero_stage: int,
+             units: tuple[int, int] | None) -> Callable[..., dict[str, int]]:
+    """The function that turns one traced breakdown into one rank's, for this stage."""
+    N = world_size
+
+    def S(x: int) -> int:
+        return -(-int(x) // N)
+
+    bds = dict(est.phase_breakdowns) or {est.peak_phase or "other": dict(est.breakdown)}
+    g_full = max((bd.get("gradients", 0) for bd in bds.values()), default=0)
+    p_bytes = 2 if est.dtype == Recipe.BF16_PURE else 4
+    extra_fwd = extra_bwd = 0
+    if zero_stage == 3:
+        if units is None:
+            raise ValueError("zero_stage=3 needs units=(parameters of one decoder layer, parameters of the root)")
+        layer, root = units
+        extra_fwd = (root + 2 * layer) * p_bytes
+        extra_bwd = extra_fwd + layer * p_bytes
+
+    def one(bd: Mapping[str, int], phase: str, end: bool = False) -> dict[str, int]:
+        b = {k: int(bd.get(k, 0)) for k in CATEGORIES}
+        if zero_stage >= 1:
+            b["optimizer"] = S(b["optimizer"])
+        if zero_stage == 1:
+            b["gradients"] = g_full
+        elif zero_stage == 2:
+            b["gradients"] = S(g_full)
+        elif zero_stage == 3:
+            b["gradients"] = S(b["gradients"])
+            b["parameters"] = S(b["parameters"])
+            if not end and phase == "forward":
+                b["parameters"] += extra_fwd
+            elif not end and phase == "backward":
+                b["parameters"] += extra_bwd
+        return b
+
+    return one
+
+
+def _shard_phases(est: MemoryEstimate, one: Callable[..., dict[str, int]]) -> tuple:
+    """(phase breakdowns, phase peaks, peak, peak phase, breakdown at the peak) of one rank."""
+    timeline = getattr(est.tracker, "timeline", None)
+    if isinstance(timeline, list) and timeline:  # a full trace: shard every event of its timeline
+        phase_bd: dict[str, dict[str, int]] = {}
+        phases: dict[str, int] = {}
+        peak, peak_phase, at_peak = -1, "", {}
+        for ev in timeline:
+            b = one(ev.bytes, ev.phase)
+            t = sum(b.values())
+            if t > phases.get(ev.phase, -1):
+                phases[ev.phase], phase_bd[ev.phase] = t, b
+            if t > peak:
+                peak, peak_phase, at_peak = t, ev.phase, b
+        return phase_bd, phases, peak, peak_phase, at_peak
+    # extrapolated: the phase peaks are all there is
+    bds = dict(est.phase_breakdowns) or {est.peak_phase or "other": dict(est.breakdown)}
+    phase_bd = {ph: one(bd, ph) for ph, bd in bds.items()}
+    phases = {ph: sum(bd.values()) for ph, bd in phase_bd.items()}
+    peak = max(phases.values())
+    peak_phase = next(ph for ph, v in phases.items() if v == peak)
+    return phase_bd, phases, peak, peak_phase, phase_bd[peak_phase]
+
+
+def shard_estimate(est: MemoryEstimate, world_size: int, zero_stage: int, *,
+                   units: tuple[int, int] | None = None) -> MemoryEstimate:
+    """One rank's share of a traced single-process step (``est``, traced with the batch of one rank).
+
+    Traced: every phase's bytes by category. Sharded, per Rajbhandari et al. 2020 (ZeRO), with
+    ``S(x) = ceil(x / world_size)``:
+
+    * stage 0 (data parallelism): as traced (DDP's gradient buckets are not added);
+    * stage 1: optimizer state ``S(optimizer)`` in every phase (its temporaries too); the gradients
+      are the full gradient in every phase: one flat buffer that persists, as
+      memlab.distributed.ZeroOptimizer and DDP keep it;
+    * stage 2: the gradients ``S(full gradient)`` in every phase (each reduced to its owner and freed);
+    * stage 3 (FSDP2; the fallback where FSDP2 cannot be traced): parameters, gradients and optimizer
+      state sharded; in forward and backward the unsharded units are *modelled*: the root's
+      parameters, the running layer and the one prefetched, and in backward one layer's unsharded
+      gradients, in the parameters' dtype.
+
+    A full trace's timeline is sharded event by event; an extrapolated estimate has only its phase peaks.
+
+    Args:
+        est: the single-rank estimate.
+        world_size: the ranks.
+        zero_stage: 0, 1, 2 or 3.
+        units: for stage 3, (parameters of one decoder layer, of the root): :func:`fsdp_units`.
+
+    Returns:
+        A copy of ``est`` with one rank's bytes.
+
+    Raises:
+        ValueError: a bad stage or world size, or stage 3 without ``units``.
+    """
+    _check_zero(world_size, zero_stage, est.optimizer)
+    one = _sharder(est, world_size, zero_stage, units)
+    phase_bd, phases, peak, peak_phase, at_peak = _shard_phases(est, one)
+    notes = list(est.notes) + [
+        f"per rank of {world_size}, ZeRO stage {zero_stage}: the single-rank trace with parameters / gradients / "
+        f"optimizer state sharded by stage (memlab.estimate.shard_estimate)"
+        + ("; FSDP's unsharded units in forward/backward modelled (root + 2 layers, + 1 layer of gradients)"
+           if zero_stage == 3 else "")]
+    out = copy.copy(est)
+    out.peak_bytes, out.breakdown, out.breakdown_end = peak, at_peak, one(est.breakdown_end, "end", end=True)
+    out.phase_breakdowns, out.phase_peaks, out.peak_phase = phase_bd, phases, peak_phase
+    out.tracker = _PhaseSummary(peak, peak_phase, phases)
+    out.notes, out.world_size, out.zero_stage = notes, world_size, zero_stage
+    return out

@@ -1,0 +1,313 @@
+"""Tracing one training step on fake tensors (``FakeTensorMode``) under
+:class:`memlab.profiler.MemoryTracker`: build the model, warm the optimizer state up, track one
+step, read the peak, its breakdown and each phase's peak. Also runs the same step for real
+(``fake=False``: :func:`memlab.estimate.measure_training_memory`)."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from memlab.core.units import MiB, format_bytes
+from memlab.core.validation import check_choice
+from memlab.estimate.attention import _attention_plan, _make_tracker
+from memlab.estimate.model import ModelSpec, _largest_layer_params, _prepare, _vocab_size
+from memlab.estimate.optim import (_bnb, _bnb_state_bytes, _offload_host_breakdown, _OffloadDeviceSide,
+                                   _resolve_impl, make_optimizer)
+from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CATEGORIES, CUBLAS_THREADS, CUBLAS_WORKSPACE_BYTES,
+                                     LOSSES, MIXED, OPTIMIZER_IMPLS, OPTIMIZERS, Recipe, check_dtype)
+from memlab.estimate.result import MemoryEstimate
+from memlab.estimate.step import StepSpec, _is_hf_model, load_step, training_step
+
+# The untracked warm-up of a fake trace: an optimizer step on zero gradients (same state as a full
+# step; tests compare both ways). False runs a full step.
+_FAST_WARMUP = True
+
+_SCRATCH_NOTE = "; CUDA softmax backward's copy of its incoming gradient added while it runs"
+
+
+@dataclass
+class _Setup:
+    """What a trace decides before it builds the model."""
+
+    step_fn: Callable[[nn.Module, dict], torch.Tensor] | None
+    attn: str
+    target: torch.device
+    traced_on: str
+    opt_name: str
+    modelled_8bit: bool = False
+    cuda_rules: Any = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _check_step(step: StepSpec) -> tuple[Callable | None, str]:
+    """Validate the settings a trace takes; return the step function and the attention asked for."""
+    for arg, val, low in (("batch_size", step.batch_size, 1), ("seq_len", step.seq_len, 1),
+                          ("warmup_steps", step.warmup_steps, 0)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < low:
+            raise ValueError(f"{arg}={val!r} is invalid; allowed: an int >= {low}")
+    check_dtype(step.dtype)
+    check_choice("optimizer", step.optimizer, tuple(OPTIMIZERS))
+    check_choice("optimizer_impl", step.optimizer_impl, OPTIMIZER_IMPLS)
+    check_choice("loss", step.loss, LOSSES)
+    attn = "auto" if step.attn_implementation is None else step.attn_implementation
+    check_choice("attn_implementation", attn, ATTN_IMPLEMENTATIONS)
+    fn = load_step(step.step) if isinstance(step.step, str) else step.step
+    if fn is not None and not callable(fn):
+        raise TypeError(f"step={fn!r} is invalid; allowed: a callable (model, batch) -> loss or 'module:function'")
+    return fn, attn
+
+
+def _setup(spec: ModelSpec, step: StepSpec, fake: bool) -> _Setup:
+    """The target, where it is traced, CUDA's rules when traced on a CPU, the adapter and 8-bit notes."""
+    fn, attn = _check_step(step)
+    target = torch.device(step.device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        if not fake:
+            raise ValueError("device='cuda' needs a CUDA GPU for a measurement; use device='cpu'")
+        traced_on = "cpu"  # a CPU-only torch cannot even fake CUDA tensors: trace on CPU
+    else:
+        traced_on = str(target)
+    if attn == "flash" and target.type != "cuda":
+        raise ValueError("attn_implementation='flash' is a CUDA kernel; allowed on device='cpu': 'auto', 'eager', 'sdpa'")
+    s = _Setup(fn, attn, target, traced_on, step.optimizer)
+    if traced_on != str(target):
+        from memlab import cuda_rules
+
+        s.cuda_rules = cuda_rules.cuda_semantics()  # CUDA's dropout and autocast op lists (memlab.cuda_rules)
+        s.notes.append(f"traced on {traced_on} fake tensors (no CUDA here): CUDA's dropout and autocast op lists are "
+                       f"modelled (memlab.cuda_rules); the attention kernel is the CUDA one, modelled (see attention)")
+    if spec.adapter is not None:
+        s.notes.append(_adapter_note(spec, step.dtype))
+    if step.optimizer == "adamw8bit":
+        try:
+            _bnb()
+        except Exception as exc:  # pragma: no cover - depends on the install
+            s.modelled_8bit, s.opt_name = True, "sgd"
+            s.notes.append(f"bitsandbytes does not import ({type(exc).__name__}); 8-bit AdamW state modelled, not traced")
+    if not spec.is_hf and attn != "auto":
+        raise ValueError("attn_implementation applies to transformers models (a preset, a config); "
+                         "a callable builds its own attention")
+    return s
+
+
+def _adapter_note(spec: ModelSpec, dtype: str) -> str:
+    from memlab import adapters
+
+    base = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[adapters.base_dtype(dtype)]
+    amp = {Recipe.BF16_MIXED.value: "bf16", Recipe.FP16_MIXED.value: "fp16"}.get(dtype)
+    return (f"{spec.adapter.describe()}; frozen base in {base}"
+            + (" (NF4 linears)" if spec.adapter.kind == "qlora" else "")
+            + (f", forward under autocast({amp})" if dtype in MIXED else "")
+            + ": gradients and optimizer state for the adapters only (memlab.adapters)")
+
+
+def _step_text(step_fn: Any, loss: str) -> str:
+    if step_fn is not None:
+        return (f"your step {getattr(step_fn, '__module__', '?')}.{getattr(step_fn, '__name__', '?')}(model, batch) "
+                f"-> loss, then backward and optimizer.step()")
+    if loss == "hf":
+        return ("transformers' loss: model(input_ids=x, labels=x).loss (logits upcast to fp32, as the Trainer runs "
+                "it), backward, optimizer.step()")
+    return "memlab's loss: lm_loss(model, x, y) (cross entropy on the logits), backward, optimizer.step()"
+
+
+def _offload_optimizer(params: list, step: StepSpec, s: _Setup, fake: bool) -> tuple[Any, str, dict[str, int]]:
+    """OffloadedAdamW: the device side (fake) or the real optimizer, its description and host bytes."""
+    from memlab.offload import OffloadedAdamW
+
+    okw = dict(step.optimizer_kwargs or {})
+    og = okw.get("offload_gradients", False)
+    if not isinstance(og, bool):
+        raise ValueError(f"optimizer_kwargs['offload_gradients']={og!r} is invalid; allowed: True, False")
+    impl = "memlab.offload, step on the CPU" + (", gradients offloaded during backward" if og else "")
+    host = _offload_host_breakdown(params, s.target)
+    try:
+        inspect.signature(OffloadedAdamW.__init__).bind(None, params, **okw)
+    except TypeError as exc:
+        raise ValueError(f"optimizer_kwargs={okw!r} is invalid for OffloadedAdamW ({exc}); allowed: lr, betas, eps, "
+                         f"weight_decay, pin_memory, overlap, offload_gradients, kernel") from None
+    if fake:
+        opt = _OffloadDeviceSide(params, **okw)
+    else:
+        opt = make_optimizer(s.opt_name, params, device=str(s.target), **okw)
+        if s.target.type == "cpu":
+            s.notes.append("measured on the CPU, where host == device: OffloadedAdamW's host buffers (master weights, "
+                           "moments, step counters; the fp32 grad slots once written) are in the tracked bytes too")
+    s.notes.append("offload-adamw: host bytes counted from OffloadedAdamW's buffers, not traced; device bytes traced")
+    if step.dtype == Recipe.BF16_PURE:
+        s.notes.append("with offload-adamw the bf16 params have fp32 master weights on the host: "
+                       "the update is not rounded to bf16 as plain bf16-pure AdamW's is")
+    return opt, impl, host
+
+
+def _optimizer(params: list, step: StepSpec, s: _Setup, fake: bool) -> tuple[Any, str, dict[str, int]]:
+    """(the optimizer, its implementation as the estimate names it, host bytes by kind)."""
+    if step.optimizer == "offload-adamw":
+        return _offload_optimizer(params, step, s, fake)
+    impl = _resolve_impl(step.optimizer_impl, str(s.target)) if step.optimizer != "adamw8bit" else "bitsandbytes"
+    opt = make_optimizer(s.opt_name, params, impl=step.optimizer_impl, device=str(s.target),
+                         **dict(step.optimizer_kwargs or {}))
+    return opt, impl, {}
+
+
+def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec, s: _Setup, loss: str, mode: Any,
+           attn_ctx: Any, softmax_rule: bool, fake: bool, per_rank: bool) -> Any:
+    """Warm up (untracked), then track one step; returns the tracker."""
+
+    def one_step() -> None:
+        x = torch.randint(0, vocab, (step.batch_size, step.seq_len), device=s.traced_on)
+        y = torch.randint(0, vocab, (step.batch_size, step.seq_len), device=s.traced_on)
+        with s.cuda_rules if s.cuda_rules is not None else contextlib.nullcontext():
+            training_step(model, opt, x, y, dtype=step.dtype, loss=loss, step=s.step_fn)
+
+    with mode, attn_ctx:
+        for _ in range(step.warmup_steps):  # untracked: afterwards the optimizer state exists
+            if _FAST_WARMUP and fake:
+                # what a first step leaves behind is the optimizer's state (created lazily in its
+                # first step()); zero gradients give it at a fraction of a forward/backward's cost
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                one_step()
+        tracker = _make_tracker(model, opt, softmax_rule, per_rank=per_rank)
+        with tracker:
+            one_step()
+    return tracker
+
+
+def _read(tracker: Any, model: nn.Module, dtype: str, modelled_8bit: bool) -> dict[str, Any]:
+    """Peak, breakdowns and phase peaks of a tracked step (8-bit AdamW's state added when modelled)."""
+    peak = int(tracker.peak_bytes)
+    at_peak = {k: int(v) for k, v in tracker.breakdown(at="peak").items()}
+    at_end = {k: int(v) for k, v in tracker.breakdown(at="end").items()}
+    max_act = max(_max_category(tracker, "activations"), at_peak["activations"])
+    phases: dict[str, int] = {}
+    phase_bd: dict[str, dict[str, int]] = {}
+    for ev in tracker.timeline:  # each phase's first maximum, as the tracker picks its peak
+        if ev.total > phases.get(ev.phase, -1):
+            phases[ev.phase] = ev.total
+            phase_bd[ev.phase] = {k: int(v) for k, v in ev.bytes.items()}
+    if modelled_8bit:
+        state = _bnb_state_bytes(model, dtype)
+        peak += state  # the state is alive during the whole second step
+        at_peak["optimizer"] = at_peak.get("optimizer", 0) + state
+        at_end["optimizer"] = at_end.get("optimizer", 0) + state
+        phases = {k: v + state for k, v in phases.items()}
+        for bd in phase_bd.values():
+            bd["optimizer"] = bd.get("optimizer", 0) + state
+    return dict(peak=peak, at_peak=at_peak, at_end=at_end, max_act=int(max_act), phases=phases, phase_bd=phase_bd)
+
+
+def _after_notes(s: _Setup, tracker: Any, attention: str, softmax_rule: bool) -> str:
+    """Notes only the tracked step can tell (a mask that forced the math kernel, the rules that fired)."""
+    if ("flash kernel" in attention or "efficient kernel" in attention) and tracker.fused_attention_calls == 0:
+        attention += ("; BUT the model passed an attention mask the CPU flash kernel does not take, so the trace ran the "
+                      "math kernel (keeps b x h x s x s probabilities): an overestimate of the CUDA memory-efficient kernel")
+        s.notes.append("attention traced with the math kernel (mask given): activations overestimated for a CUDA target")
+    if s.cuda_rules is not None:
+        from memlab import cuda_rules
+
+        s.notes.extend(cuda_rules.rule_notes(s.cuda_rules))
+    if softmax_rule and getattr(tracker, "scratch_bytes", 0):
+        s.notes.append(f"CUDA softmax backward's scratch copy of its incoming gradient "
+                       f"({format_bytes(tracker.scratch_bytes)}) counted while it runs (per-op rule, measured on an H100)")
+    return attention
+
+
+def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_world_size: int) -> tuple:
+    """(model, fake mode or nullcontext, parameter count before sharding or None, vocabulary size)."""
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        # Non-fake inputs are allowed for the few small real tensors an optimizer makes outside
+        # the mode (bitsandbytes' quantization maps); they are not model memory.
+        mode: Any = FakeTensorMode(allow_non_fake_inputs=True)
+    else:
+        mode = contextlib.nullcontext()
+    build_attn = None if s.attn == "auto" else ("sdpa" if s.attn == "flash" else s.attn)
+    with mode, torch.device(s.traced_on):
+        model = _prepare(spec.build(step.dtype, build_attn), step.dtype, step.checkpointing)
+        vocab = _vocab_size(model)
+    n_params = None
+    if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values
+        from memlab.estimate.sharding import _fully_shard
+        from memlab.models import count_parameters
+
+        n_params = count_parameters(model)  # before sharding (then counted from the DTensors' storages)
+        _fully_shard(model)
+    return model, mode, n_params, vocab
+
+
+def _loss_kind(model: nn.Module, step: StepSpec, s: _Setup) -> str:
+    loss = step.loss
+    if loss == "auto":
+        loss = "hf" if _is_hf_model(model) else "memlab"
+    if loss == "hf" and s.step_fn is None and not _is_hf_model(model):
+        raise ValueError(f"loss='hf' needs a transformers model; {type(model).__name__} is not one: use loss='memlab' or step=")
+    return loss
+
+
+def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world_size: int = 0) -> MemoryEstimate:
+    """Run ``step`` on ``spec``'s model, on fake tensors (an estimate) or real ones (a measurement).
+
+    Args:
+        spec: the model (:func:`memlab.estimate.model.resolve_model`).
+        step: the step's settings; ``dtype`` and ``optimizer`` canonical.
+        fake: trace on fake tensors (nothing allocated) or run for real.
+        fsdp_world_size: when > 0, shard the model with FSDP2 under the fake process group of that
+            many ranks (the caller creates it) and track rank 0.
+
+    Returns:
+        The :class:`MemoryEstimate` of the tracked step.
+
+    Raises:
+        ValueError, TypeError: a bad setting, named.
+    """
+    s = _setup(spec, step, fake)
+    torch.manual_seed(step.seed)
+    t0 = time.perf_counter()
+    model, mode, n_params, vocab = _build_model(spec, step, s, fake, fsdp_world_size)
+    loss = _loss_kind(model, step, s)
+    attention, attn_ctx, softmax_rule = _attention_plan(model, spec, s.attn, step.dtype, s.target, s.traced_on)
+    if softmax_rule and not step.kernel_scratch:
+        softmax_rule = False
+        attention = attention.replace(_SCRATCH_NOTE, "; kernel_scratch=False: CUDA softmax backward's scratch copy "
+                                                     "not added")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt, impl, host_breakdown = _optimizer(params, step, s, fake)
+    tracker = _track(model, vocab, opt, params, step, s, loss, mode, attn_ctx, softmax_rule, fake, bool(fsdp_world_size))
+    seconds = time.perf_counter() - t0
+    r = _read(tracker, model, step.dtype, s.modelled_8bit)
+    attention = _after_notes(s, tracker, attention, softmax_rule)
+    extras: dict[str, int] = {}
+    if s.target.type == "cuda":
+        extras[f"cuBLAS workspaces ({CUBLAS_WORKSPACE_BYTES // MiB} MiB x {CUBLAS_THREADS} threads: "
+               f"forward and autograd, measured on an H100)"] = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS
+    from memlab.models import count_parameters
+
+    return MemoryEstimate(
+        model=spec.name, n_params=count_parameters(model) if n_params is None else n_params,
+        batch_size=step.batch_size, seq_len=step.seq_len, dtype=step.dtype, optimizer=step.optimizer,
+        checkpointing=step.checkpointing, peak_bytes=r["peak"],
+        breakdown={k: r["at_peak"].get(k, 0) for k in CATEGORIES},
+        breakdown_end={k: r["at_end"].get(k, 0) for k in CATEGORIES},
+        max_activation_bytes=r["max_act"], largest_layer_params=_largest_layer_params(model),
+        device=str(s.target), traced_on=s.traced_on, fake=fake, seconds=seconds, notes=s.notes, tracker=tracker,
+        peak_phase=tracker.peak_phase, phase_peaks=r["phases"], extras=extras, attention=attention,
+        step=_step_text(s.step_fn, loss), optimizer_impl=impl, phase_breakdowns=r["phase_bd"],
+        host_bytes=sum(host_breakdown.values()), host_breakdown=host_breakdown,
+        adapter=spec.adapter.describe() if spec.adapter is not None else "",
+    )
+
+
+def _max_category(tracker: Any, key: str) -> int:
+    """Largest value of one category over the tracker's timeline."""
+    return max((ev.bytes[key] for ev in tracker.timeline), default=0)

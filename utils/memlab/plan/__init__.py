@@ -1,0 +1,38 @@
+"""Pick the training stack that fits a model into a memory budget (chapter 07).
+
+A training run has knobs that trade memory for time: the precision, activation checkpointing
+(none, every k-th block, every block), the optimizer (AdamW, fused AdamW, 8-bit AdamW, AdamW
+offloaded to the CPU), LoRA or QLoRA adapters, the attention kernel, and the micro-batch (with
+gradient accumulation keeping the effective batch). :class:`Stack` is one choice of all of them.
+
+:func:`plan` enumerates the stacks, estimates each one's peak by *tracing* its training step on
+fake tensors with :mod:`memlab.estimate` (the same resolver, step description and extrapolation),
+and ranks those that fit by a stated cost model (:func:`stack_cost`; vendor peak rates in
+:data:`GPU_SPECS`). The cost model orders stacks; its seconds are not a measurement.
+
+One concern per module: :mod:`~memlab.plan.stack` (the knobs and their vocabulary),
+:mod:`~memlab.plan.cost` (the cost model), :mod:`~memlab.plan.stacks` (estimating one stack, cached),
+:mod:`~memlab.plan.search` (candidates and their memory order), :mod:`~memlab.plan.search_run` (the
+search), :mod:`~memlab.plan.budget` (budgets), :mod:`~memlab.plan.result`, :mod:`~memlab.plan.planner`
+(:func:`plan`), :mod:`~memlab.plan.cli`.
+
+    memlab plan llama-3-8b --gpu rtx4090 --seq-len 2048 --batch-size 16
+"""
+from __future__ import annotations
+
+# re-exports: every name memlab.plan had before it became a package, plus the shared pieces
+# ruff: noqa: F401
+from memlab.plan.stack import (ADAPTERS, ATTENTIONS, CHECKPOINTING, DEFAULT_ALLOW, OPTIMIZERS, PRECISIONS, Stack,
+                               fidelity_tier, stack_label)
+from memlab.plan.cost import GPU_SPECS, REFERENCE_GPU, CostModel, ModelShape, _cost_model_for, model_shape, stack_cost
+from memlab.plan.stacks import _CACHE, _builder, _estimate, estimate_stack, resolve_config, trace_cache_dir
+from memlab.plan.search import _divisors, enumerate_stacks
+from memlab.plan.result import PlanResult, PlanRow
+from memlab.plan.budget import DEFAULT_HOST_BUDGET, host_available_bytes, resolve_budget
+from memlab.plan.planner import plan
+from memlab.plan.cli import main
+
+__all__ = ["Stack", "PRECISIONS", "CHECKPOINTING", "OPTIMIZERS", "ADAPTERS", "ATTENTIONS",
+           "CostModel", "GPU_SPECS", "PlanRow", "PlanResult", "plan", "enumerate_stacks", "estimate_stack",
+           "stack_cost", "fidelity_tier", "main", "DEFAULT_ALLOW", "ModelShape", "model_shape", "stack_label",
+           "resolve_budget"]

@@ -1,0 +1,163 @@
+"""A training stack (:class:`Stack`: one choice of every memory knob), the values each knob takes,
+and how far a stack's update is from the exact one (:func:`fidelity_tier`).
+
+Precisions are :mod:`memlab.core.vocab`'s recipes (``"bf16"`` = ``"bf16-mixed"``; pure bf16 is
+``"bf16-pure"``); optimizers ``adamw``, ``adamw-fused``, ``adamw8bit`` (``"adam8bit"`` accepted),
+``offload-adamw``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memlab.core import vocab
+from memlab.core.validation import check_choice, check_positive_int
+
+_R = vocab.Recipe
+PRECISIONS = (_R.FP32.value, _R.BF16_MIXED.value, _R.FP16_MIXED.value, _R.BF16_PURE.value)
+CHECKPOINTING = ("none", "every-k", "selective", "full")
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit", "offload-adamw")
+ADAPTERS = ("full", "lora", "qlora")
+ATTENTIONS = ("eager", "sdpa", "flash")
+
+
+def canonical_precision(value: Any) -> Any:
+    """The canonical recipe of a precision spelling (``"bf16"`` -> ``"bf16-mixed"``).
+
+    Args:
+        value: a precision of :data:`PRECISIONS` or an alias of :data:`memlab.core.vocab.RECIPE_ALIASES`.
+
+    Returns:
+        The canonical name, or ``value`` unchanged when it is no recipe (checked by the caller).
+    """
+    try:
+        return vocab.recipe(value, argument="precision").value
+    except ValueError:
+        return value
+
+
+def canonical_stack_optimizer(value: Any) -> Any:
+    """The planner's name of an optimizer spelling (``"adam8bit"`` -> ``"adamw8bit"``).
+
+    Args:
+        value: an optimizer of :data:`OPTIMIZERS` or an alias.
+
+    Returns:
+        The canonical name, or ``value`` unchanged.
+    """
+    return vocab.OPTIMIZER_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One choice of every memory knob for a training run.
+
+    ``micro_batch * grad_accum`` is the effective batch; ``ckpt_every`` is k for
+    ``checkpointing="every-k"`` (checkpoint every k-th block).
+    """
+
+    precision: str = "fp32"
+    checkpointing: str = "none"
+    ckpt_every: int = 1
+    optimizer: str = "adamw"
+    adapter: str = "full"
+    attention: str = "sdpa"
+    micro_batch: int = 1
+    grad_accum: int = 1
+
+    def __post_init__(self) -> None:
+        # one vocabulary: other spellings are stored canonical (frozen: set through object)
+        object.__setattr__(self, "precision", canonical_precision(self.precision))
+        object.__setattr__(self, "optimizer", canonical_stack_optimizer(self.optimizer))
+        for name, allowed in (("precision", PRECISIONS), ("checkpointing", CHECKPOINTING),
+                              ("optimizer", OPTIMIZERS), ("adapter", ADAPTERS), ("attention", ATTENTIONS)):
+            check_choice(name, getattr(self, name), allowed)
+        for name in ("ckpt_every", "micro_batch", "grad_accum"):
+            check_positive_int(name, getattr(self, name))
+
+    @property
+    def effective_batch(self) -> int:
+        """``micro_batch * grad_accum``: the sequences of one optimizer step."""
+        return self.micro_batch * self.grad_accum
+
+
+# ======================================================================================
+# The planner
+
+
+# What the planner enumerates by default (``allow=`` narrows or widens it)
+DEFAULT_ALLOW: dict[str, tuple] = {
+    "precision": ("fp32", "bf16-mixed", "bf16-pure"),
+    "checkpointing": ("none", "every-k", "full"),
+    "ckpt_every": (2,),  # allow={"ckpt_every": (2, 4)} for more (each k costs traces at depths k and 2k)
+    "optimizer": ("adamw", "adamw-fused", "adamw8bit", "offload-adamw"),
+    "adapter": ("full", "lora", "qlora"),
+    "attention": ("sdpa",),
+    "micro_batch": None,  # every divisor of batch_size
+}
+_ALLOWED_VALUES: dict[str, tuple] = {
+    "precision": PRECISIONS, "checkpointing": ("none", "every-k", "full"), "optimizer": OPTIMIZERS,
+    "adapter": ADAPTERS, "attention": ATTENTIONS,
+}
+
+# Stack.optimizer -> (memlab.estimate optimizer, optimizer_impl, optimizer_kwargs)
+_OPTIMIZER = {
+    "adamw": ("adamw", "auto", None),  # PyTorch's default on CUDA: the foreach implementation
+    "adamw-fused": ("adamw", "fused", None),
+    "adamw8bit": ("adamw8bit", "auto", None),
+    "offload-adamw": ("offload-adamw", "auto", {"offload_gradients": True}),
+}
+# Device memory by optimizer, at equal everything else, where it is ordered whatever the model:
+# the foreach AdamW (PyTorch's CUDA default) holds at least what the fused one does (its step's
+# moment-sized temporaries; the same on a CPU, where both loop), and every optimizer holds at least
+# what the offloaded one does (state, master weights and gradients on the host). 8-bit AdamW is
+# ordered against neither AdamW: tensors under 4,096 elements keep fp32 moments, and bf16 weights
+# have 2-byte AdamW moments, so on a small model it can hold more.
+_OPT_GE = {("adamw", "adamw-fused")} | {(o, "offload-adamw") for o in OPTIMIZERS}
+
+
+
+def fidelity_tier(stack: Stack) -> int:
+    """How far the stack's update is from the fp32-master AdamW update of every weight.
+
+    0: the same update (fp32, mixed precision, checkpointing, accumulation, CPU-offloaded AdamW --
+    which keeps fp32 master weights on the host even for bf16 weights on the device, as ZeRO-Offload
+    does); 1: the same parameters, a rounded update (pure bf16 weights and AdamW state without a
+    master copy; 8-bit AdamW moments, Dettmers et al. 2022); 2: LoRA (other parameters are trained:
+    Hu et al. 2021); 3: QLoRA (LoRA on an NF4-quantized base: Dettmers et al. 2023).
+
+    Args:
+        stack: the stack.
+
+    Returns:
+        The tier, 0 to 3.
+    """
+    if stack.adapter == "qlora":
+        return 3
+    if stack.adapter == "lora":
+        return 2
+    if stack.optimizer == "adamw8bit" or (stack.precision == _R.BF16_PURE and stack.optimizer != "offload-adamw"):
+        return 1
+    return 0
+
+
+_TIER_TEXT = {0: "exact AdamW update", 1: "rounded update", 2: "LoRA", 3: "QLoRA"}
+
+
+
+def stack_label(s: Stack) -> str:
+    """A short name of a stack.
+
+    Args:
+        s: the stack.
+
+    Returns:
+        E.g. ``"qlora bf16-mixed adamw-fused ckpt all mb 4x4"`` (micro-batch x accumulation).
+    """
+    ck = {"none": "no ckpt", "full": "ckpt all"}.get(s.checkpointing, f"ckpt 1/{s.ckpt_every}")
+    ad = "" if s.adapter == "full" else f"{s.adapter} "
+    at = "" if s.attention == "sdpa" else f" {s.attention}"
+    return f"{ad}{s.precision} {s.optimizer} {ck}{at} mb {s.micro_batch}x{s.grad_accum}"
+
+
+

@@ -1,0 +1,262 @@
+"""Estimating one stack: the estimator's trace of its micro-batch step (:mod:`memlab.estimate`: the one
+model resolver, the one step description, the one extrapolation by depth), cached in memory and on disk."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from memlab.core.vocab import Recipe
+from memlab.plan.stack import _OPTIMIZER, Stack
+
+
+def resolve_config(model: Any, config_overrides: Mapping[str, Any] | None = None) -> tuple[str, Any]:
+    """The planner's model, through the estimator's one resolver (:func:`memlab.estimate.resolve_model`).
+
+    Args:
+        model: a preset, a config.json path, a Hub model id (its config.json only) or a transformers config.
+        config_overrides: config fields to change.
+
+    Returns:
+        ``(name, transformers config)``.
+
+    Raises:
+        TypeError: a callable or a module (the planner rebuilds the model with adapters and checkpointing);
+            ValueError: an unknown name or a config without a layer count.
+    """
+    from memlab.estimate import resolve_model
+
+    if callable(model) and not isinstance(model, str) and not hasattr(model, "to_json_string"):
+        raise TypeError(f"model={type(model).__name__} is invalid; allowed: a preset name, a config.json path or a "
+                        f"transformers config (the planner rebuilds the model with adapters and checkpointing)")
+    spec = resolve_model(model, config_overrides)
+    if spec.layers() is None:
+        raise ValueError(f"model={spec.name!r} is invalid; allowed: a config with a layer count "
+                         f"(num_hidden_layers, n_layer or num_layers)")
+    return spec.name, spec.config
+
+
+def _layers(cfg: Any) -> tuple[str, int]:
+    from memlab.estimate import ModelSpec
+
+    return ModelSpec("", config=cfg).layers()
+
+
+def _at_depth(cfg: Any, depth: int) -> Any:
+    from memlab.estimate import ModelSpec
+
+    return ModelSpec("", config=cfg).at_depth(depth).config
+
+
+def _adapter_spec(stack: Stack, lora_r: int) -> Any:
+    """The planner's LoRA/QLoRA as a :class:`memlab.adapters.AdapterSpec` (None for a full fine-tune):
+    rank ``lora_r``, alpha 2 x r, every linear layer but the head, fp32 adapters -- the same adapters
+    ``memlab estimate --adapter`` builds (one builder: :func:`memlab.adapters.apply_adapter`)."""
+    from memlab import adapters
+
+    if stack.adapter == "full":
+        return None
+    return adapters.adapter_spec(stack.adapter, recipe=stack.precision, lora_r=lora_r)
+
+
+def _builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
+    """A callable that builds ``stack``'s model from ``cfg`` (called inside the estimator's fake mode)."""
+    import torch
+
+    def build():
+        import warnings
+
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        from memlab import adapters
+
+        spec = _adapter_spec(stack, lora_r)
+        if spec is not None:
+            dtype = adapters.base_dtype(stack.precision)
+        else:
+            dtype = torch.bfloat16 if stack.precision == Recipe.BF16_PURE else torch.float32
+        attn = "sdpa" if stack.attention == "flash" else stack.attention
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+        if spec is not None:
+            adapters.apply_adapter(model, spec, stack.precision)
+        if stack.checkpointing != "none":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model.gradient_checkpointing_enable()
+            if stack.checkpointing == "every-k":
+                layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+                for i, layer in enumerate(layers):
+                    layer.gradient_checkpointing = i % stack.ckpt_every == 0
+        return model
+
+    build.__name__ = f"{type(cfg).__name__}+{stack.adapter}"
+    return build
+
+
+def estimate_stack(model: Any, stack: Stack, *, seq_len: int, device: str = "cuda",
+                   config_overrides: Mapping[str, Any] | None = None, lora_r: int = 16,
+                   extrapolate: bool = True, loss: str = "auto") -> Any:
+    """memlab.estimate's traced estimate of one micro-batch step of ``stack`` (batch ``stack.micro_batch``).
+
+    A full fine-tune or LoRA/QLoRA with checkpointing "none" or "full" is the estimator's own case
+    (:func:`memlab.estimate.estimate_step`). "every-k" is traced on a model built by a callable
+    (checkpointing switched on layer by layer), at two depths that are multiples of k and extrapolated
+    by :func:`memlab.estimate.extrapolate_by_depth`.
+
+    Args:
+        model: a preset, a config.json path, a Hub model id or a transformers config.
+        stack: the stack.
+        seq_len: tokens per sequence.
+        device: the target ("cuda" or "cpu").
+        config_overrides: config fields to change.
+        lora_r: the adapters' rank.
+        extrapolate: False traces every layer.
+        loss: the estimator's (``"auto"``: transformers' own loss; ``"memlab"``: :func:`memlab.models.lm_loss`,
+            the loss :class:`memlab.train.BudgetTrainer` runs).
+
+    Returns:
+        The :class:`memlab.estimate.MemoryEstimate`.
+    """
+    name, cfg = resolve_config(model, config_overrides)
+    return _estimate(name, cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate, loss=loss)
+
+
+_CACHE: dict[tuple, Any] = {}
+_CACHE_MAX = 512
+_SOURCES_HASH: list[str] = []
+# memlab's modules a trace runs: edited code re-traces
+_TRACED_SOURCES = ("estimate/*.py", "plan/*.py", "profiler.py", "lora.py", "quant.py", "models.py", "accounting.py",
+                   "adapters.py", "cuda_rules.py")
+
+
+def trace_cache_dir() -> Path | None:
+    """Where traced estimates persist across runs.
+
+    Returns:
+        ``$MEMLAB_CACHE_DIR`` (None when it is ``none``: no disk cache), else ``$XDG_CACHE_HOME/memlab/traces``,
+        else ``~/.cache/memlab/traces``.
+    """
+    env = os.environ.get("MEMLAB_CACHE_DIR")
+    if env is not None:
+        return None if env.strip().lower() in ("", "none", "off") else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "memlab" / "traces"
+
+
+def _versions() -> str:
+    """Everything outside the arguments that changes a trace: the versions of memlab, torch and
+    transformers, and the source of the memlab modules a trace runs (edited code re-traces)."""
+    if not _SOURCES_HASH:
+        import hashlib
+        import importlib.metadata as md
+
+        import torch
+        import transformers
+
+        h = hashlib.sha256()
+        here = Path(__file__).resolve().parents[1]
+        for pattern in _TRACED_SOURCES:
+            for f in sorted(here.glob(pattern)):
+                h.update(f.name.encode() + f.read_bytes())
+        try:
+            ver = md.version("memlab")
+        except md.PackageNotFoundError:
+            ver = "?"
+        _SOURCES_HASH.append(f"memlab {ver} src {h.hexdigest()[:16]} torch {torch.__version__} "
+                             f"transformers {transformers.__version__}")
+    return _SOURCES_HASH[0]
+
+
+def _disk_path(key: tuple) -> Path | None:
+    import hashlib
+
+    d = trace_cache_dir()
+    if d is None:
+        return None
+    return d / (hashlib.sha256(repr((key, _versions())).encode()).hexdigest()[:32] + ".pkl")
+
+
+def _estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int,
+              extrapolate: bool = True, loss: str = "auto") -> Any:
+    """The traced estimate of ``stack``'s micro-batch step, cached by (config, stack, seq_len, ...):
+    the accumulation count does not change a micro-batch's peak. Cached in memory and on disk
+    (:func:`trace_cache_dir`, keyed also by the versions and memlab's source), so a second
+    identical ``memlab plan`` reads its traces instead of tracing again.
+
+    Args:
+        name: the model's name (not in the key: the config is).
+        cfg: the transformers config.
+        stack: the stack (its accumulation is not in the key).
+        seq_len, device, lora_r, extrapolate, loss: as for :func:`estimate_stack`.
+
+    Returns:
+        The :class:`memlab.estimate.MemoryEstimate`.
+    """
+    import pickle
+
+    key = (cfg.to_json_string(use_diff=False), dataclasses.replace(stack, grad_accum=1), seq_len, device, lora_r,
+           extrapolate, loss)
+    if key in _CACHE:
+        return _CACHE[key]
+    path = _disk_path(key)
+    est = None
+    if path is not None and path.exists():
+        try:
+            with open(path, "rb") as f:
+                est = pickle.load(f)
+        except Exception:  # noqa: BLE001  (a torn or stale file: trace again)
+            est = None
+    if est is None:
+        est = _trace(cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate, loss=loss)
+        if path is not None:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # the tracker (the trace's timeline, a local class) stays in memory; the numbers go to disk
+                on_disk = dataclasses.replace(est, tracker=None) if dataclasses.is_dataclass(est) else est
+                with open(tmp, "wb") as f:
+                    pickle.dump(on_disk, f)
+                os.replace(tmp, path)
+            except Exception:  # noqa: BLE001  (read-only home, unpicklable: the cache is only a speed-up)
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = est
+    return est
+
+
+def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, extrapolate: bool,
+           loss: str = "auto") -> Any:
+    from memlab import adapters
+    from memlab.estimate import estimate_step, extrapolate_by_depth, make_step
+
+    if stack.adapter == "qlora":
+        adapters.warm_quant()
+    opt, impl, okw = _OPTIMIZER[stack.optimizer]
+    kw = dict(batch_size=stack.micro_batch, seq_len=seq_len, dtype=stack.precision, optimizer=opt,
+              optimizer_impl=impl, optimizer_kwargs=okw, device=device, loss=loss)
+    if stack.checkpointing in ("none", "full"):  # the estimator's own route, adapters included (memlab.adapters)
+        step = make_step(checkpointing=stack.checkpointing == "full", attn_implementation=stack.attention,
+                         adapter=_adapter_spec(stack, lora_r), **kw)
+        return estimate_step(cfg, step, extrapolate=extrapolate)
+    step = make_step(checkpointing=False, **kw)  # checkpointing and adapters: in the builder
+    _, L = _layers(cfg)
+    unit = stack.ckpt_every if stack.checkpointing == "every-k" else 1
+
+    def at(depth: int) -> Any:
+        return estimate_step(_builder(_at_depth(cfg, depth), stack, lora_r), step, extrapolate=False)
+
+    if extrapolate and L % unit == 0:
+        # from the second unit on: with a frozen embedding the first layer's input needs no
+        # gradient, so the first layer differs from the others (measured: QLoRA on a tiny Llama)
+        est = extrapolate_by_depth(at, L, ((2 * unit, 3 * unit), (3 * unit, 4 * unit)))
+        if est is not None:
+            return est
+    return at(L)
