@@ -30,6 +30,10 @@ LONG_FUNCTIONS: dict[str, str] = {}
 MOVED: dict[str, str] = {
     "memlab.gpus": "memlab.core.gpus",
     "memlab._optional": "memlab.optional",
+    "memlab.grading": "memlab.course.grading",
+    "memlab.checks": "memlab.course.checks",
+    "memlab.labs": "memlab.course.labs",
+    "memlab.doctor": "memlab.course.doctor",
 }
 
 

@@ -20,23 +20,48 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def _device_from_env() -> torch.device:
-    name = os.environ.get("MEMLAB_DEVICE", "").strip()
+def device_from_env(raw: str | None = None, *, cuda_available: bool | None = None) -> torch.device:
+    """The device ``MEMLAB_DEVICE`` names (empty or unset: CUDA when present, else CPU).
+
+    Args:
+        raw: the variable's value (default: read ``MEMLAB_DEVICE`` from the environment now).
+        cuda_available: whether a CUDA GPU is present (default: ``torch.cuda.is_available()``).
+
+    Returns:
+        The device.
+
+    Raises:
+        ValueError: naming the variable, when torch does not understand it or it asks for CUDA without one.
+    """
+    name = (os.environ.get("MEMLAB_DEVICE", "") if raw is None else raw).strip()
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     if not name:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if cuda else "cpu")
     try:
         dev = torch.device(name)
     except RuntimeError as exc:
         raise ValueError(
             f"MEMLAB_DEVICE={name!r} is not a device torch understands; allowed: 'cpu', 'cuda', 'cuda:N'"
         ) from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not cuda:
         raise ValueError(f"MEMLAB_DEVICE={name!r} asks for CUDA but torch.cuda.is_available() is False")
     return dev
 
 
-def _small_from_env(device: torch.device) -> bool:
-    raw = os.environ.get("MEMLAB_SMALL")
+def small_from_env(device: torch.device, raw: str | None = None) -> bool:
+    """Whether the course runs at small scale: ``MEMLAB_SMALL``, else True off CUDA.
+
+    Args:
+        device: the device the course runs on.
+        raw: the variable's value (default: read ``MEMLAB_SMALL`` from the environment now).
+
+    Returns:
+        True for small scale.
+
+    Raises:
+        ValueError: naming the variable, when its value is not one of the allowed spellings.
+    """
+    raw = os.environ.get("MEMLAB_SMALL") if raw is None else raw
     if raw is None:
         return device.type != "cuda"
     val = raw.strip().lower()
@@ -47,8 +72,8 @@ def _small_from_env(device: torch.device) -> bool:
     raise ValueError(f"MEMLAB_SMALL={raw!r} is not understood; allowed: 1/0, true/false, yes/no, on/off")
 
 
-DEVICE: torch.device = _device_from_env()
-SMALL: bool = _small_from_env(DEVICE)
+DEVICE: torch.device = device_from_env()
+SMALL: bool = small_from_env(DEVICE)
 
 
 def pick(full: T, small: T) -> T:

@@ -1,31 +1,13 @@
-"""Generate labs/ from solutions/, and keep a learner's own copies in work/.
+"""``memlab labs``: generate labs/ from solutions/, and keep a learner's own copies in work/.
 
-For every ``solutions/NN_topic.ipynb`` the lab ``labs/NN_topic.ipynb`` is the same notebook with
-
-* each solution block (``### BEGIN SOLUTION`` ... ``### END SOLUTION``) replaced by one line,
-  ``raise NotImplementedError("exercise NN.name: ...")``, indented like the block;
-* cells tagged ``solution-only`` dropped;
-* a first line ``# NBVAL_CHECK_OUTPUT`` moved out of the learner's sight into the cell tag
-  ``nbval-check-output`` (nbval reads it the same way);
-* outputs, execution counts and timing metadata cleared; cell ids kept;
-* the notebook metadata JupyterLab writes when it opens a notebook (the ipykernel kernelspec and
-  ``language_info``), so that opening a lab and saving it changes nothing.
-
-Markers are recognised case-insensitively with any number of ``#`` (``#### begin solution`` is
-one). A marker in a markdown cell, a marker that shares its line with code, an unbalanced or a
-nested marker is a :class:`LabBuildError` whose one-line message names the file and the cell.
-The exercise id of a block is the first ``check("NN.name", ...)`` at or after it.
-
-Building is deterministic, so ``memlab labs check`` can compare bytes and report drift; it also
-fails when any lab contains a solution marker. ``memlab labs build`` generates every lab in memory
-first and then writes them atomically (temporary file + rename), all or nothing, and never
-overwrites a lab that holds a learner's code (an exercise whose stub was replaced) unless
-``force=True``.
-
-Learners never work in labs/: ``memlab labs start`` copies the labs into ``work/`` (git-ignored)
-without overwriting anything, ``memlab labs reset NN`` keeps a timestamped backup of the learner's
-copy in ``work/backups/`` before giving a fresh one, and ``memlab grade`` grades ``work/`` when it
-exists.
+A lab is its solution notebook with each ``### BEGIN SOLUTION`` ... ``### END SOLUTION`` block
+replaced by one ``raise NotImplementedError("exercise NN.name: ...")`` line (the id is the first
+``check("NN.name", ...)`` at or after the block), cells tagged ``solution-only`` dropped, a first
+line ``# NBVAL_CHECK_OUTPUT`` moved into the cell tag ``nbval-check-output``, outputs and timing
+metadata cleared, and the metadata JupyterLab writes on opening added (opening and saving a lab
+changes nothing). Building is deterministic (``memlab labs check`` compares bytes), all or
+nothing, and never overwrites a learner's code without ``force=True``. ``memlab labs start``
+copies the labs into ``work/`` without overwriting; ``reset NN`` backs the learner's copy up first.
 """
 from __future__ import annotations
 
@@ -67,26 +49,9 @@ LANGUAGE_INFO: dict[str, Any] = {
 }
 
 __all__ = [
-    "BEGIN",
-    "END",
-    "SOLUTION_ONLY",
-    "KERNELSPEC",
-    "LANGUAGE_INFO",
-    "LabBuildError",
-    "stub_line",
-    "build_lab",
-    "render",
-    "expected_lab",
-    "find_markers",
-    "learner_exercises",
-    "LabFileError",
-    "is_complete_notebook",
-    "build",
-    "drift",
-    "start",
-    "reset",
-    "default_notebooks",
-    "main",
+    "BEGIN", "END", "SOLUTION_ONLY", "KERNELSPEC", "LANGUAGE_INFO", "LabBuildError", "stub_line", "build_lab",
+    "render", "expected_lab", "find_markers", "learner_exercises", "LabFileError", "is_complete_notebook", "build",
+    "drift", "start", "reset", "default_notebooks", "main",
 ]
 
 

@@ -1,60 +1,43 @@
-"""``memlab doctor``: an environment report a learner can paste into a bug report.
-
-Usage::
-
-    memlab doctor            # aligned text report
-    memlab doctor --json     # the same lines as JSON
-    python -m memlab.doctor  # without the console script
-
-Every check produces one :class:`CheckLine` with a status:
-
-* ``OK``: fine.
-* ``WARN``: the course still runs, but something is missing or runs at reduced scale
-  (no CUDA GPU, an optional package absent ...). The detail says which chapters are affected.
-* ``FAIL``: the course cannot run until this is fixed (no torch, Python too old, an
-  environment variable that ``memlab.config`` will reject, a package the notebooks or the grader
-  import: transformers, nbclient, ipykernel).
-
-The report ends with two verdicts: whether memlab's core (``pip install ./utils``: torch, numpy,
-matplotlib, tqdm) can run, and whether the whole course can (the ``hf`` and ``grade`` extras,
-JupyterLab). ``memlab doctor`` exits 1 when the course cannot run, even if the core can.
-
-Design rules: the doctor never crashes because one package is broken (every optional import is
-lazy and wrapped in ``try/except Exception``), it needs no network and no notebooks, and it is
-quick: only ``torch`` and ``bitsandbytes`` are imported; every other package is looked up through
-``importlib.metadata`` without importing it.
-"""
+"""The doctor's checks: one function per line of the report, each reading the environment without
+crashing on a broken package (tests replace ``_import_module`` to simulate one)."""
 from __future__ import annotations
 
-import argparse
-import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
-import io
 import json
 import os
 import platform
 import re
 import shutil
 import sys
-import tempfile
-import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
-__all__ = ["CheckLine", "run_checks", "main", "summarize", "core_summary", "CORE_CHECKS", "STATUSES"]
+from memlab.course.doctor.probes import capture_output, cgroup_limit, exc_text, first_line, gib, ram_bytes
 
 STATUSES = ("OK", "WARN", "FAIL")
 
-_GIB = 2**30
 _HF = "pip install 'memlab[hf]'"
 _GRADE = "pip install 'memlab[grade]'"
 #: the lines that decide whether memlab's core (``pip install ./utils``) can run; a FAIL on any
 #: other line means "memlab core only": the core works, the course does not
 CORE_CHECKS = ("python", "torch", "matplotlib", "memlab", "env")
-_MIN_TORCH = (2, 3)  # utils/pyproject.toml: torch>=2.3
-_MIN_TRANSFORMERS = (4, 45)  # utils/pyproject.toml: transformers>=4.45
+#: the lowest versions memlab supports: the lower bounds of utils/pyproject.toml
+#: (tests/test_doctor.py reads that file and checks that the two agree)
+MINIMUMS: dict[str, tuple[int, ...]] = {
+    "torch": (2, 3),
+    "numpy": (1, 24),
+    "matplotlib": (3, 7),
+    "tqdm": (4, 60),
+    "transformers": (5, 16),
+    "peft": (0, 12),
+    "accelerate": (0, 33),
+    "bitsandbytes": (0, 45),
+    "nbformat": (5, 9),
+    "nbclient": (0, 8),
+    "ipykernel": (6, 0),
+}
 
 
 @dataclass(frozen=True)
@@ -119,87 +102,6 @@ def _vtuple(version: str) -> tuple:
         if m.group() != piece:
             break
     return tuple(parts)
-
-
-def _exc(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
-def _gib(n: float) -> str:
-    return f"{n / _GIB:.1f} GiB"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-class _Captured:
-    text: str = ""
-
-
-@contextlib.contextmanager
-def _capture_output() -> Iterator[_Captured]:
-    """Swallow everything written while the block runs: Python-level ``sys.stdout``/``stderr``,
-    logging that falls back to stderr, ``warnings``, and (best effort) C-level writes to file
-    descriptors 1 and 2. What was written is available as ``.text`` after the block."""
-    result = _Captured()
-    buf = io.StringIO()
-    saved: List[tuple] = []
-    tmp = None
-    try:
-        tmp = tempfile.TemporaryFile(mode="w+b")
-        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-            try:
-                if stream is not None:
-                    stream.flush()
-            except Exception:
-                pass
-        for fd in (1, 2):
-            try:
-                saved.append((fd, os.dup(fd)))
-                os.dup2(tmp.fileno(), fd)
-            except OSError:
-                pass
-    except Exception:
-        tmp = None
-    try:
-        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(
-            buf
-        ), contextlib.redirect_stderr(buf):
-            warnings.simplefilter("always")
-            yield result
-    finally:
-        for stream in (sys.__stdout__, sys.__stderr__):
-            try:
-                if stream is not None:
-                    stream.flush()
-            except Exception:
-                pass
-        for fd, copy in saved:
-            try:
-                os.dup2(copy, fd)
-            finally:
-                os.close(copy)
-        fd_text = ""
-        if tmp is not None:
-            try:
-                tmp.seek(0)
-                fd_text = tmp.read().decode("utf-8", "replace")
-            except Exception:
-                pass
-            tmp.close()
-        warn_text = "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
-        result.text = buf.getvalue() + fd_text + warn_text
-
-
-def _first_line(text: str, limit: int = 120) -> str:
-    for line in text.splitlines():
-        line = line.strip()
-        if line:
-            return line if len(line) <= limit else line[: limit - 3] + "..."
-    return ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,87 +169,16 @@ def _check_cpu(ctx: _Context) -> List[CheckLine]:
     return [CheckLine("cpu", "OK", detail)]
 
 
-def _ram_bytes() -> tuple:
-    """(total, available, source); any element may be None."""
-    try:
-        psutil = _import_module("psutil")
-        vm = psutil.virtual_memory()
-        return int(vm.total), int(vm.available), "psutil"
-    except Exception:
-        pass
-    total = avail = None
-    source = None
-    try:
-        with open("/proc/meminfo") as f:
-            info = {}
-            for line in f:
-                key, _, rest = line.partition(":")
-                fields = rest.split()
-                if fields:
-                    info[key] = int(fields[0]) * 1024  # values are in kB
-        total, avail = info.get("MemTotal"), info.get("MemAvailable", info.get("MemFree"))
-        source = "/proc/meminfo"
-    except Exception:
-        pass
-    if total is None:
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            source = "sysconf"
-            try:
-                avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-            except Exception:
-                pass
-        except Exception:
-            pass
-    if total is None and sys.platform == "win32":
-        try:
-            import ctypes
-
-            class _MemStatus(ctypes.Structure):
-                _fields_ = [
-                    ("dwLength", ctypes.c_ulong),
-                    ("dwMemoryLoad", ctypes.c_ulong),
-                    ("ullTotalPhys", ctypes.c_ulonglong),
-                    ("ullAvailPhys", ctypes.c_ulonglong),
-                    ("ullTotalPageFile", ctypes.c_ulonglong),
-                    ("ullAvailPageFile", ctypes.c_ulonglong),
-                    ("ullTotalVirtual", ctypes.c_ulonglong),
-                    ("ullAvailVirtual", ctypes.c_ulonglong),
-                    ("sullAvailExtendedVirtual", ctypes.c_ulonglong),
-                ]
-
-            st = _MemStatus()
-            st.dwLength = ctypes.sizeof(_MemStatus)
-            if ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(st)):  # type: ignore[attr-defined]
-                total, avail, source = int(st.ullTotalPhys), int(st.ullAvailPhys), "GlobalMemoryStatusEx"
-        except Exception:
-            pass
-    return total, avail, source
-
-
-def _cgroup_limit() -> Optional[int]:
-    """Memory limit of the container (cgroup v2 or v1), None when unlimited or unknown."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                raw = f.read().strip()
-        except Exception:
-            continue
-        if raw.isdigit() and int(raw) < 2**60:
-            return int(raw)
-    return None
-
-
 def _check_ram(ctx: _Context) -> List[CheckLine]:
-    total, avail, source = _ram_bytes()
+    total, avail, source = ram_bytes(_import_module)
     if total is None:
         return [CheckLine("ram", "OK", "total RAM unknown (no psutil, /proc/meminfo or sysconf)")]
-    detail = f"{_gib(total)} total"
+    detail = f"{gib(total)} total"
     if avail is not None:
-        detail += f", {_gib(avail)} available"
-    limit = _cgroup_limit()
+        detail += f", {gib(avail)} available"
+    limit = cgroup_limit()
     if limit is not None and limit < total:
-        detail += f", container limit {_gib(limit)}"
+        detail += f", container limit {gib(limit)}"
     detail += f" (via {source})"
     return [CheckLine("ram", "OK", detail)]
 
@@ -358,9 +189,9 @@ def _check_torch(ctx: _Context) -> List[CheckLine]:
     except Exception as e:
         installed = _dist_version("torch")
         if installed:
-            detail = f"torch {installed} is installed but importing it failed: {_exc(e)}"
+            detail = f"torch {installed} is installed but importing it failed: {exc_text(e)}"
         else:
-            detail = f"not importable ({_exc(e)}); install it: https://pytorch.org/get-started/locally/"
+            detail = f"not importable ({exc_text(e)}); install it: https://pytorch.org/get-started/locally/"
         return [CheckLine("torch", "FAIL", detail)]
     ctx.torch = torch
     version = str(getattr(torch, "__version__", "unknown"))
@@ -376,15 +207,15 @@ def _check_torch(ctx: _Context) -> List[CheckLine]:
     detail = f"{version} ({build})"
     status = "OK"
     vt = _vtuple(version)
-    if vt and vt[:2] < _MIN_TORCH:
+    if vt and vt[:2] < MINIMUMS["torch"]:
         status = "WARN"
-        detail += f"; memlab needs torch>={'.'.join(map(str, _MIN_TORCH))}"
+        detail += f"; memlab needs torch>={'.'.join(map(str, MINIMUMS['torch']))}"
     try:
         ctx.cuda = bool(torch.cuda.is_available())
         ctx.cuda_count = int(torch.cuda.device_count()) if ctx.cuda else 0
     except Exception as e:
         ctx.cuda = False
-        detail += f"; torch.cuda.is_available() raised {_exc(e)}"
+        detail += f"; torch.cuda.is_available() raised {exc_text(e)}"
         status = "WARN"
     return [CheckLine("torch", status, detail)]
 
@@ -417,19 +248,19 @@ def _check_gpu(ctx: _Context) -> List[CheckLine]:
             status = "OK"
             try:
                 free, total = torch.cuda.mem_get_info(i)
-                detail += f", {_gib(total)} total, {_gib(free)} free"
+                detail += f", {gib(total)} total, {gib(free)} free"
                 used = total - free
                 if total and used > 0.2 * total:
                     status = "WARN"
                     detail += (
-                        f"; {_gib(used)} already in use (other processes or notebooks?): "
+                        f"; {gib(used)} already in use (other processes or notebooks?): "
                         "close them before measuring memory"
                     )
             except Exception as e:
-                detail += f", {_gib(props.total_memory)} total, free memory unknown ({_exc(e)})"
+                detail += f", {gib(props.total_memory)} total, free memory unknown ({exc_text(e)})"
                 status = "WARN"
         except Exception as e:
-            status, detail = "WARN", f"cuda:{i}: could not query the device ({_exc(e)})"
+            status, detail = "WARN", f"cuda:{i}: could not query the device ({exc_text(e)})"
         lines.append(CheckLine(name, status, detail))
     return lines
 
@@ -445,7 +276,7 @@ def _check_bf16(ctx: _Context) -> List[CheckLine]:
             except TypeError:  # older torch without the keyword
                 native = bool(torch.cuda.is_bf16_supported())
         except Exception as e:
-            return [CheckLine("bf16", "WARN", f"torch.cuda.is_bf16_supported() raised {_exc(e)}")]
+            return [CheckLine("bf16", "WARN", f"torch.cuda.is_bf16_supported() raised {exc_text(e)}")]
         if native:
             return [CheckLine("bf16", "OK", "supported on cuda:0")]
         return [
@@ -460,7 +291,7 @@ def _check_bf16(ctx: _Context) -> List[CheckLine]:
         a = torch.ones(8, 8, dtype=torch.bfloat16)
         ok = float((a @ a).float().sum().item()) == 8.0 * 64
     except Exception as e:
-        return [CheckLine("bf16", "WARN", f"a bf16 matmul failed on CPU: {_exc(e)}")]
+        return [CheckLine("bf16", "WARN", f"a bf16 matmul failed on CPU: {exc_text(e)}")]
     if not ok:
         return [CheckLine("bf16", "WARN", "a bf16 matmul on CPU gave a wrong result")]
     return [CheckLine("bf16", "OK", "bf16 matmul runs on CPU")]
@@ -478,8 +309,9 @@ def _package_line(
 ) -> CheckLine:
     """Report a package from its metadata, without importing it. ``missing`` is the status when
     it is not installed (``"FAIL"`` for what the course cannot run without); ``install`` the
-    command that installs it."""
+    command that installs it; ``minimum`` defaults to the package's entry in ``MINIMUMS``."""
     dist = dist or name
+    minimum = minimum or MINIMUMS.get(dist)
     module = module or name
     try:
         version = _dist_version(dist)
@@ -495,7 +327,7 @@ def _package_line(
             return CheckLine(name, "WARN", f"{version} is too old, {name}>={need} is {why}")
         return CheckLine(name, "OK", version)
     except Exception as e:
-        return CheckLine(name, "WARN", f"could not check ({_exc(e)}): {why}")
+        return CheckLine(name, "WARN", f"could not check ({exc_text(e)}): {why}")
 
 
 def _check_transformers(ctx: _Context) -> List[CheckLine]:
@@ -503,7 +335,6 @@ def _check_transformers(ctx: _Context) -> List[CheckLine]:
         _package_line(
             "transformers",
             "needed for tiny_llama and the model presets (chapters 00-08)",
-            minimum=_MIN_TRANSFORMERS,
             missing="FAIL",
             install=_HF,
         )
@@ -530,14 +361,14 @@ def _check_bitsandbytes(ctx: _Context) -> List[CheckLine]:
         return [CheckLine("bitsandbytes", "WARN", f"{label}, not imported because torch is not importable")]
     bnb = None
     error: Optional[BaseException] = None
-    with _capture_output() as cap:
+    with capture_output() as cap:
         try:
             bnb = _import_module("bitsandbytes")
         except Exception as e:  # bitsandbytes raises on broken CUDA setups
             error = e
-    printed = _first_line(cap.text)
+    printed = first_line(cap.text)
     if bnb is None:
-        detail = f"{label} is installed but importing it failed: {_exc(error) if error else 'unknown error'}"
+        detail = f"{label} is installed but importing it failed: {exc_text(error) if error else 'unknown error'}"
         if printed:
             detail += f"; it printed: {printed}"
         return [CheckLine("bitsandbytes", "WARN", f"{detail} ({_BNB_WHY})")]
@@ -625,7 +456,7 @@ def _check_memlab(ctx: _Context) -> List[CheckLine]:
     try:
         memlab = _import_module("memlab")
     except Exception as e:
-        return [CheckLine("memlab", "FAIL", f"not importable ({_exc(e)}); run `pip install -e ./utils`")]
+        return [CheckLine("memlab", "FAIL", f"not importable ({exc_text(e)}); run `pip install -e ./utils`")]
     version = getattr(memlab, "__version__", None) or _dist_version("memlab") or "unknown version"
     path = None
     if getattr(memlab, "__file__", None):
@@ -648,58 +479,38 @@ def _check_memlab(ctx: _Context) -> List[CheckLine]:
     return [CheckLine("memlab", status, detail)]
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+def _env_parts() -> List[str]:
+    parts = []
+    for var in ("MEMLAB_DEVICE", "MEMLAB_SMALL"):
+        raw = os.environ.get(var)
+        if raw is not None:
+            parts.append(f"{var}={raw.strip()}" if raw.strip() else f"{var}= (empty: automatic)")
+    return parts
 
 
 def _check_env(ctx: _Context) -> List[CheckLine]:
-    """MEMLAB_DEVICE / MEMLAB_SMALL, validated the way ``memlab.config`` reads them (a value it
-    rejects makes ``import memlab.config`` raise, hence FAIL)."""
-    torch = ctx.torch
-    parts: List[str] = []
-    problems: List[tuple] = []
-    device_raw = os.environ.get("MEMLAB_DEVICE")
-    small_raw = os.environ.get("MEMLAB_SMALL")
-    device_type = "cuda" if ctx.cuda else "cpu"
-
-    if device_raw is not None and device_raw.strip():
-        name = device_raw.strip()
-        parts.append(f"MEMLAB_DEVICE={name}")
-        if torch is not None:
-            try:
-                dev = torch.device(name)
-                device_type = dev.type
-                if dev.type == "cuda" and not ctx.cuda:
-                    problems.append(("FAIL", f"MEMLAB_DEVICE={name!r} asks for CUDA but no CUDA GPU is available"))
-                elif dev.type == "cuda" and dev.index is not None and dev.index >= ctx.cuda_count:
-                    problems.append(("WARN", f"MEMLAB_DEVICE={name!r} but only {ctx.cuda_count} GPU(s) are visible"))
-                elif dev.type not in ("cpu", "cuda"):
-                    problems.append(("WARN", f"MEMLAB_DEVICE={name!r}: the course is written for 'cpu' and 'cuda'"))
-            except Exception:
-                problems.append(("FAIL", f"MEMLAB_DEVICE={name!r} is not a device torch understands ('cpu', 'cuda', 'cuda:N')"))
-    elif device_raw is not None:
-        parts.append("MEMLAB_DEVICE= (empty: automatic)")
-
-    small = device_type != "cuda"
-    if small_raw is not None:
-        parts.append(f"MEMLAB_SMALL={small_raw}")
-        val = small_raw.strip().lower()
-        if val in _TRUE:
-            small = True
-        elif val not in _FALSE:
-            problems.append(("FAIL", f"MEMLAB_SMALL={small_raw!r} is not understood (1/0, true/false, yes/no, on/off)"))
-
-    if not parts:
-        detail = "MEMLAB_DEVICE and MEMLAB_SMALL not set"
-    else:
-        detail = ", ".join(parts)
-    if ctx.torch is not None and not any(s == "FAIL" for s, _ in problems):
-        detail += f" (course runs on {device_type}, {'small' if small else 'full'} scale)"
-    status = "OK"
-    if problems:
-        status = "FAIL" if any(s == "FAIL" for s, _ in problems) else "WARN"
-        detail += "; " + "; ".join(msg for _, msg in problems)
-    return [CheckLine("env", status, detail)]
+    """MEMLAB_DEVICE / MEMLAB_SMALL, read by ``memlab.config``'s own functions: a value it rejects
+    makes ``import memlab.config`` raise, hence FAIL."""
+    parts = _env_parts()
+    detail = ", ".join(parts) if parts else "MEMLAB_DEVICE and MEMLAB_SMALL not set"
+    if ctx.torch is None:
+        return [CheckLine("env", "WARN", f"{detail} (not checked: torch is not importable)")]
+    try:
+        # imported here, not at the top: importing memlab.config raises on a value it rejects
+        config = importlib.import_module("memlab.config")
+        dev = config.device_from_env(cuda_available=ctx.cuda)
+        small = config.small_from_env(dev)
+    except ValueError as e:
+        return [CheckLine("env", "FAIL", f"{detail}; {e}")]
+    except Exception as e:  # torch broken in a way its import did not show
+        return [CheckLine("env", "WARN", f"{detail}; memlab.config could not be read: {exc_text(e)}")]
+    detail += f" (course runs on {dev.type}, {'small' if small else 'full'} scale)"
+    name = os.environ.get("MEMLAB_DEVICE", "").strip()
+    if dev.type == "cuda" and dev.index is not None and dev.index >= ctx.cuda_count:
+        return [CheckLine("env", "WARN", f"{detail}; MEMLAB_DEVICE={name!r} but only {ctx.cuda_count} GPU(s) are visible")]
+    if dev.type not in ("cpu", "cuda"):
+        return [CheckLine("env", "WARN", f"{detail}; MEMLAB_DEVICE={name!r}: the course is written for 'cpu' and 'cuda'")]
+    return [CheckLine("env", "OK", detail)]
 
 
 _CHECKS: List[tuple] = [
@@ -733,89 +544,7 @@ def run_checks() -> List[CheckLine]:
         try:
             lines.extend(check(ctx))
         except Exception as e:  # a bug in the doctor must not hide the rest of the report
-            lines.append(CheckLine(name, "WARN", f"the doctor's {name} check crashed: {_exc(e)}"))
+            lines.append(CheckLine(name, "WARN", f"the doctor's {name} check crashed: {exc_text(e)}"))
     return lines
 
 
-# --------------------------------------------------------------------------------------------
-# output
-# --------------------------------------------------------------------------------------------
-
-
-def _core_fails(lines: Sequence[CheckLine]) -> List[str]:
-    return [line.name for line in lines if line.status == "FAIL" and line.name.split(":")[0] in CORE_CHECKS]
-
-
-def core_summary(lines: Sequence[CheckLine]) -> str:
-    """``"memlab core can run"`` or ``"memlab core cannot run: fix the FAIL lines of torch"``."""
-    bad = _core_fails(lines)
-    if bad:
-        return f"memlab core cannot run: fix the FAIL lines of {', '.join(bad)}"
-    return "memlab core can run (torch, numpy, matplotlib, tqdm: `pip install ./utils`)"
-
-
-def summarize(lines: Sequence[CheckLine]) -> str:
-    """``"the course can run (2 warnings)"`` or ``"the course cannot run: fix the FAIL lines ..."``
-    (with ``"memlab core only"`` when the failures are all outside memlab's core)."""
-    fails = sum(1 for line in lines if line.status == "FAIL")
-    warns = sum(1 for line in lines if line.status == "WARN")
-    if fails:
-        text = (
-            f"the course cannot run: fix the FAIL lines ({_plural(fails, 'failure')}, "
-            f"{_plural(warns, 'warning')})"
-        )
-        if not _core_fails(lines):
-            text += "; memlab core only: `make setup` or `pip install -r requirements.txt` installs the rest"
-        return text
-    if warns:
-        return f"the course can run ({_plural(warns, 'warning')})"
-    return "the course can run (no warnings)"
-
-
-def format_report(lines: Sequence[CheckLine]) -> str:
-    width = max([14] + [len(line.name) for line in lines]) + 1
-    tags = {"OK": "[ OK ]", "WARN": "[WARN]", "FAIL": "[FAIL]"}
-    out = ["memlab doctor"]
-    for line in lines:
-        out.append(f"{tags[line.status]} {line.name.ljust(width)}{line.detail}")
-    out.append(core_summary(lines))
-    out.append(summarize(lines))
-    return "\n".join(out)
-
-
-def _exit_code(lines: Sequence[CheckLine]) -> int:
-    return 1 if any(line.status == "FAIL" for line in lines) else 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``memlab doctor``; returns 0 when the course can run (no line is FAIL), else 1."""
-    parser = argparse.ArgumentParser(
-        prog="memlab doctor",
-        description="Check that this environment can run LLM Memory Lab; paste the output into bug reports.",
-    )
-    parser.add_argument("--json", action="store_true", help="print the checks as JSON instead of text")
-    if argv is None and "ipykernel" in sys.modules:
-        argv = []  # called as doctor.main() in a notebook: sys.argv holds the kernel's arguments
-    args = parser.parse_args(list(argv) if argv is not None else None)
-
-    lines = run_checks()
-    code = _exit_code(lines)
-    if args.json:
-        payload = {
-            "checks": [line.to_dict() for line in lines],
-            "failures": sum(1 for line in lines if line.status == "FAIL"),
-            "warnings": sum(1 for line in lines if line.status == "WARN"),
-            "summary": summarize(lines),
-            "core_summary": core_summary(lines),
-            "core_can_run": not _core_fails(lines),
-            "course_can_run": code == 0,
-            "exit_code": code,
-        }
-        print(json.dumps(payload, indent=2))
-    else:
-        print(format_report(lines))
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
