@@ -25,7 +25,7 @@ from memlab.course.grading.registry import (
     format_table, get_exercise, load_all, load_chapter, parse_seconds, register, timeout_from_env,
 )
 from memlab.course.grading.running import CheckTimeout, chapter_fingerprint, check, time_limit
-from memlab.course.grading.verify import verify_memlab_modules
+from memlab.course.grading.verify import is_grader_module, verify_memlab_modules
 from memlab.course.grading.kernel import stop_processes
 from memlab.course.grading.notebook import CheckCall, check_calls, exercises_in, grade_notebook
 from memlab.course.grading.command import chapter_path, grade_main
@@ -51,6 +51,7 @@ __all__ = [
     "parse_seconds",
     "stop_processes",
     "verify_memlab_modules",
+    "is_grader_module",
     "time_limit",
     "timeout_from_env",
     "CheckTimeout",

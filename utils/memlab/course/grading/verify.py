@@ -133,7 +133,8 @@ def _shim_target(root: str, name: str) -> str | None:
 
 
 def _shim_assignment(tree: ast.Module) -> str | None:
-    """For ``from a import b as _m`` ... ``sys.modules[__name__] = _m``: ``"a.b"``; else None."""
+    """For ``from a import b as _m`` ... ``sys.modules[__name__] = _m`` (or ``= importlib.import_module("a.b")``):
+    ``"a.b"``; else None."""
     bound: dict[str, str] = {}
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -144,9 +145,15 @@ def _shim_assignment(tree: ast.Module) -> str | None:
                 if a.asname:
                     bound[a.asname] = a.name
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Subscript)
-                and ast.unparse(node.targets[0]) == "sys.modules[__name__]" and isinstance(node.value, ast.Name)):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and ast.unparse(node.targets[0]) == "sys.modules[__name__]"):
+            continue
+        if isinstance(node.value, ast.Name):
             return bound.get(node.value.id)
+        value = node.value  # importlib.import_module("memlab.x")
+        if (isinstance(value, ast.Call) and ast.unparse(value.func).endswith("import_module") and len(value.args) == 1
+                and isinstance(value.args[0], ast.Constant) and isinstance(value.args[0].value, str)):
+            return value.args[0].value
     return None
 
 
