@@ -1,4 +1,4 @@
-"""Process helpers shared by the grader (memlab.grading) and launch() (memlab.distributed)."""
+"""Process helpers shared by the grader (memlab.course.grading) and launch() (memlab.distributed)."""
 from __future__ import annotations
 
 
