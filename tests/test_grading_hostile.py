@@ -242,7 +242,9 @@ def test_grade_notebook_rejects_bad_limits(tmp_path, limit):
         grade_notebook(tmp_path / "x.ipynb", timeout=limit)
 
 
-def test_a_shadow_memlab_next_to_the_notebook_is_refused(tmp_path):
+def test_a_shadow_memlab_next_to_the_notebook_is_refused(tmp_path, monkeypatch):
+    # first on the kernel's path however memlab is installed (editable, or on PYTHONPATH as in a checkout)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     (tmp_path / "memlab").mkdir()
     (tmp_path / "memlab" / "__init__.py").write_text("# a learner's own memlab, found first on the kernel's path\n")
     path = _write(tmp_path / "00_shadow.ipynb", ["def f(*a, **k):\n    return 0", "check('00.activation_bytes', f)"])

@@ -32,7 +32,12 @@ def _memlab_grader_prepare(args):
         spec.loader.exec_module(mod)
         return mod
     try:
-        import memlab, memlab.course
+        import os, memlab
+        where = getattr(memlab, "__file__", None) or "?"
+        if not os.path.realpath(where).startswith(os.path.realpath(args["dir"]) + os.sep):
+            return {"ok": False, "message": "the kernel's memlab comes from " + where + ", not from the grader's "
+                    "memlab (" + args["dir"] + "): is there a memlab/ folder next to the notebook?"}
+        import memlab.course
         load("memlab.course.grading", args["dir"] + "/course/grading")
         load("memlab.course.checks", args["dir"] + "/course/checks")
         return sys.modules["memlab.course.grading.inkernel"].prepare(args, old)
