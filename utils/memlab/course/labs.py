@@ -61,7 +61,15 @@ class LabBuildError(ValueError):
 
 
 def stub_line(indent: str, exercise_id: str) -> str:
-    """The line that replaces a solution block in the lab."""
+    """The line that replaces a solution block in the lab.
+
+    Args:
+        indent: the block's indentation.
+        exercise_id: ``"NN.name"``.
+
+    Returns:
+        The ``raise NotImplementedError(...)`` line.
+    """
     return f'{indent}raise NotImplementedError("exercise {exercise_id}: replace this line with your code")'
 
 
@@ -133,7 +141,15 @@ def _nbval_comment_to_tag(cell: Any) -> None:
 
 def build_lab(solution: Any, name: str = "notebook") -> Any:
     """Return the lab notebook (an nbformat node) made from a solution notebook; the solution is
-    not modified. Raises :class:`LabBuildError` naming ``name`` and the cell on a bad marker."""
+    not modified. Raises :class:`LabBuildError` naming ``name`` and the cell on a bad marker.
+
+    Args:
+        solution: the solution notebook.
+        name: the file's name, for errors.
+
+    Returns:
+        The lab.
+    """
     nb = copy.deepcopy(solution)
     cells = []
     for i, cell in enumerate(nb.cells):
@@ -164,7 +180,14 @@ def build_lab(solution: Any, name: str = "notebook") -> Any:
 
 
 def render(nb: Any) -> str:
-    """The bytes (as text) a notebook is stored with: nbformat's JSON plus a final newline."""
+    """The bytes (as text) a notebook is stored with: nbformat's JSON plus a final newline.
+
+    Args:
+        nb: the notebook.
+
+    Returns:
+        The text.
+    """
     with needs("memlab labs"):
         import nbformat
 
@@ -192,12 +215,27 @@ def _pairs(root: Path) -> list[tuple[Path, Path]]:
 
 
 def expected_lab(solution_path: Path) -> str:
-    """The text ``memlab labs build`` writes for ``solution_path``."""
+    """The text ``memlab labs build`` writes for ``solution_path``.
+
+    Args:
+        solution_path: ``solutions/NN_topic.ipynb``.
+
+    Returns:
+        The lab's text.
+    """
     return render(build_lab(_read(Path(solution_path)), name=str(solution_path)))
 
 
 def find_markers(nb: Any, name: str = "notebook") -> list[str]:
-    """One line per cell of ``nb`` that holds a solution marker (any case, any number of ``#``)."""
+    """One line per cell of ``nb`` that holds a solution marker (any case, any number of ``#``).
+
+    Args:
+        nb: the notebook.
+        name: the file's name, for the lines.
+
+    Returns:
+        The lines ([] when there is none).
+    """
     found = []
     for i, cell in enumerate(nb.cells):
         m = _MARKER_ANYWHERE.search(cell.source)
@@ -211,7 +249,15 @@ def learner_exercises(lab: Any, expected: Any | None = None) -> list[str]:
 
     An exercise is one checked by a ``check("NN.name", ...)`` cell of ``lab``; it holds learner code
     when ``lab`` has fewer stub lines for it than ``expected`` (the freshly generated lab; one stub
-    when ``expected`` is None or lacks the exercise)."""
+    when ``expected`` is None or lacks the exercise).
+
+    Args:
+        lab: the notebook in labs/.
+        expected: what the build would write (default: read again from its solution).
+
+    Returns:
+        The ids, in notebook order.
+    """
 
     def stubs(nb: Any) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -277,7 +323,18 @@ def build(root: str | Path = ".", *, force: bool = False) -> list[Path]:
     Every lab is generated in memory first (a bad solution raises :class:`LabBuildError` before
     anything is written); then the changed ones are written atomically, all or nothing. A lab
     that holds a learner's code is never overwritten unless ``force`` is true: the build stops
-    with a :class:`LabBuildError` naming it and writes nothing."""
+    with a :class:`LabBuildError` naming it and writes nothing.
+
+    Args:
+        root: the course's folder.
+        force: overwrite labs that hold a learner's code.
+
+    Returns:
+        The labs written.
+
+    Raises:
+        LabBuildError: for a bad solution, or a lab with a learner's code without ``force``.
+    """
     root = Path(root)
     pairs = _pairs(root)
     generated = {}
@@ -325,7 +382,14 @@ def _same_lab(actual: str, expected: str) -> bool:
 
 def drift(root: str | Path = ".") -> list[str]:
     """Problems: labs that differ from what build() would write, labs with no solution, labs
-    holding a solution marker."""
+    holding a solution marker.
+
+    Args:
+        root: the course's folder.
+
+    Returns:
+        One line per problem ([] when labs/ is in sync).
+    """
     root = Path(root)
     problems = []
     pairs = _pairs(root)
@@ -343,7 +407,14 @@ def drift(root: str | Path = ".") -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``memlab labs build [--force] | check | start | reset NN``."""
+    """``memlab labs build [--force] | check | start | reset NN``.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code.
+    """
     import argparse
 
     ap = argparse.ArgumentParser(

@@ -96,7 +96,14 @@ def _copy_atomically(src: Path, target: Path) -> None:
 
 def is_complete_notebook(path: Path) -> bool:
     """Whether ``path`` is a whole notebook (JSON that nbformat reads, with cells): a copy cut
-    short by a full disk or a crash is not, and is not kept as the learner's."""
+    short by a full disk or a crash is not, and is not kept as the learner's.
+
+    Args:
+        path: the file.
+
+    Returns:
+        True for a whole notebook.
+    """
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read().decode("utf-8"))
@@ -124,7 +131,15 @@ def start(root: str | Path = ".", *, notes: list[str] | None = None) -> tuple[li
     A copy in ``work/`` that is not a complete notebook (cut short by a full disk or a crash) is
     not yours: it is moved to ``work/backups/NN_topic.incomplete-<time>.ipynb`` and replaced by a
     fresh copy (``notes`` gets a line saying so). A symbolic link in ``work/`` is refused, never
-    followed; every write is a temp file in the same folder, fsynced, then renamed."""
+    followed; every write is a temp file in the same folder, fsynced, then renamed.
+
+    Args:
+        root: the course's folder.
+        notes: a list that collects one line per problem met (copies kept aside ...).
+
+    Returns:
+        (copied, kept).
+    """
     root = Path(root)
     lab_dir = root / "labs"
     with _os_errors("labs start"):
@@ -183,7 +198,19 @@ def _untouched(copy: Path, lab: Path) -> bool:
 def reset(chapter: str, root: str | Path = ".", *, now: _dt.datetime | None = None) -> tuple[Path, Path | None]:
     """Give a fresh copy of lab ``chapter`` in ``work/``, after moving the learner's copy to
     ``work/backups/NN_topic.YYYYmmdd-HHMMSS.ipynb`` (no backup of a copy whose cells are still the
-    lab's, see :func:`_untouched`). Returns (fresh copy, backup or None)."""
+    lab's, see :func:`_untouched`). Returns (fresh copy, backup or None).
+
+    Args:
+        chapter: ``"03"`` or ``"3"``.
+        root: the course's folder.
+        now: the backup's time stamp (default: now).
+
+    Returns:
+        (the fresh copy, the backup or None).
+
+    Raises:
+        ValueError: for a chapter with no lab.
+    """
     root = Path(root)
     with _os_errors("labs reset"):
         lab = _lab_for(chapter, root)
@@ -201,7 +228,14 @@ def reset(chapter: str, root: str | Path = ".", *, now: _dt.datetime | None = No
 
 def default_notebooks(root: str | Path = ".") -> tuple[Path, list[Path]]:
     """What ``memlab grade`` grades when given no path: ``work/*.ipynb`` when ``work/`` exists,
-    else ``labs/*.ipynb``. Returns (folder, notebooks)."""
+    else ``labs/*.ipynb``. Returns (folder, notebooks).
+
+    Args:
+        root: the course's folder.
+
+    Returns:
+        (folder, notebooks).
+    """
     root = Path(root)
     folder = root / WORK if (root / WORK).is_dir() else root / "labs"
     return folder, sorted(folder.glob("*.ipynb"))

@@ -537,7 +537,11 @@ _CHECKS: List[tuple] = [
 
 def run_checks() -> List[CheckLine]:
     """Run every check and return one :class:`CheckLine` per line of the report (two or more
-    ``gpu`` lines on multi-GPU machines). Never raises: a check that crashes becomes a WARN."""
+    ``gpu`` lines on multi-GPU machines). Never raises: a check that crashes becomes a WARN.
+
+    Returns:
+        The lines, in the report's order.
+    """
     ctx = _Context()
     lines: List[CheckLine] = []
     for name, check in _CHECKS:

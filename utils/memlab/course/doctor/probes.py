@@ -14,16 +14,41 @@ from memlab.core.units import GiB, KiB
 
 
 def exc_text(e: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message.
+
+    Args:
+        e: the exception.
+
+    Returns:
+        ``"Type: message"``, at most 160 characters.
+    """
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     text = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
     return text if len(text) <= 160 else text[:157] + "..."
 
 
 def gib(n: float) -> str:
+    """``n`` bytes in GiB, one decimal.
+
+    Args:
+        n: bytes.
+
+    Returns:
+        ``"1.5 GiB"``.
+    """
     return f"{n / GiB:.1f} GiB"
 
 
 def plural(n: int, word: str) -> str:
+    """``"1 warning"``, ``"2 warnings"``.
+
+    Args:
+        n: the count.
+        word: the noun, singular.
+
+    Returns:
+        The count and the noun.
+    """
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
@@ -35,7 +60,11 @@ class Captured:
 def capture_output() -> Iterator[Captured]:
     """Swallow everything written while the block runs: Python-level ``sys.stdout``/``stderr``,
     logging that falls back to stderr, ``warnings``, and (best effort) C-level writes to file
-    descriptors 1 and 2. What was written is available as ``.text`` after the block."""
+    descriptors 1 and 2. What was written is available as ``.text`` after the block.
+
+    Returns:
+        A context manager yielding an object whose ``.text`` holds what was written, after the block.
+    """
     result = Captured()
     buf = io.StringIO()
     saved: List[tuple] = []
@@ -87,6 +116,15 @@ def capture_output() -> Iterator[Captured]:
 
 
 def first_line(text: str, limit: int = 120) -> str:
+    """The first non-blank line of ``text``, cut to ``limit`` characters.
+
+    Args:
+        text: any text.
+        limit: the longest line returned.
+
+    Returns:
+        The line, or ''.
+    """
     for line in text.splitlines():
         line = line.strip()
         if line:
@@ -160,7 +198,11 @@ def ram_bytes(import_module: Callable[[str], Any] = importlib.import_module) -> 
 
 
 def cgroup_limit() -> Optional[int]:
-    """Memory limit of the container (cgroup v2 or v1), None when unlimited or unknown."""
+    """Memory limit of the container (cgroup v2 or v1), None when unlimited or unknown.
+
+    Returns:
+        The limit in bytes, or None.
+    """
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             with open(path) as f:

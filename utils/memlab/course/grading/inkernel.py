@@ -81,7 +81,15 @@ def _restore_modules(old: Mapping[str, Any]) -> None:
 
 
 def prepare(args: dict[str, Any], old_modules: dict[str, Any]) -> dict[str, Any]:
-    """(In the kernel, in a freshly imported memlab.) Load the chapter's checks and compare fingerprints."""
+    """(In the kernel, in a freshly imported memlab.) Load the chapter's checks and compare fingerprints.
+
+    Args:
+        args: the request (memlab's folder, the chapter, the grader's fingerprint, a nonce).
+        old_modules: the grader's modules the fresh import replaced (put back on failure).
+
+    Returns:
+        ``{"ok": True, "fingerprint": ...}``, or ``{"ok": False, "message": ...}``.
+    """
     chapter = args["chapter"]
     try:
         fingerprint = chapter_fingerprint(chapter)
@@ -123,7 +131,15 @@ def _resolve(name: str, user_ns: Mapping[str, Any]) -> Any:
 
 
 def run(args: dict[str, Any], user_ns: Mapping[str, Any]) -> dict[str, Any]:
-    """(In the kernel, in the fresh memlab.) Run one exercise's checks on the learner's object by name."""
+    """(In the kernel, in the fresh memlab.) Run one exercise's checks on the learner's object by name.
+
+    Args:
+        args: the request (the exercise, the object's name, the limit, the prepare request's nonce).
+        user_ns: the notebook's namespace.
+
+    Returns:
+        ``{"status", "message", "reference", "seconds"}`` for the grader.
+    """
     old = PREPARED.get("old", {})
     start = time.perf_counter()
     try:
@@ -150,7 +166,16 @@ def run(args: dict[str, Any], user_ns: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def request(boot: str, args: dict[str, Any], with_namespace: bool = False) -> str:
-    """The code of one grader request: ``boot`` run in a private namespace with ``args``."""
+    """The code of one grader request: ``boot`` run in a private namespace with ``args``.
+
+    Args:
+        boot: :data:`BOOT_PREPARE` or :data:`BOOT_RUN`.
+        args: the request's arguments (plain data).
+        with_namespace: also pass the notebook's namespace.
+
+    Returns:
+        One line of code to execute in the kernel.
+    """
     ns = "{'__builtins__': __import__('builtins'), 'ARGS': %s%s}" % (
         repr(args), ", 'USER_NS': globals()" if with_namespace else "")
     return f"__import__('builtins').exec({boot!r}, {ns})"

@@ -92,7 +92,16 @@ def stop_processes(mark: str, kernel_pid: int | None = None, before: set[int] | 
     """SIGKILL every process of a grading run (see ``_marked_processes``); returns how many were stopped.
 
     ``before``: this process's children before the run started; any other child now (but the
-    kernel) is an orphan of the run that the grader, as child subreaper, adopted: killed and reaped."""
+    kernel) is an orphan of the run that the grader, as child subreaper, adopted: killed and reaped.
+
+    Args:
+        mark: the run's random mark (in its processes' environment).
+        kernel_pid: the kernel's pid, when known.
+        before: this process's children before the run, to tell the run's orphans apart.
+
+    Returns:
+        How many processes were killed.
+    """
     if not Path("/proc/self/stat").exists():  # not Linux: the kernel's process group is the best we can do
         if kernel_pid is not None:
             try:

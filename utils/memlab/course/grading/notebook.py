@@ -39,7 +39,14 @@ class CheckCall:
 
 
 def check_calls(nb: Any) -> list[CheckCall]:
-    """Every ``check("...", name)`` call in the notebook's code cells, in order (unknown ids included)."""
+    """Every ``check("...", name)`` call in the notebook's code cells, in order (unknown ids included).
+
+    Args:
+        nb: an nbformat notebook.
+
+    Returns:
+        One :class:`CheckCall` per call; a commented-out call does not count.
+    """
     found = []
     for i, cell in enumerate(nb.cells):
         if cell.get("cell_type") != "code" or not isinstance(cell.get("source"), str):
@@ -52,7 +59,14 @@ def check_calls(nb: Any) -> list[CheckCall]:
 
 
 def exercises_in(nb: Any) -> list[tuple[str, int]]:
-    """(exercise id, index of the first cell that checks it), in notebook order, ids as written."""
+    """(exercise id, index of the first cell that checks it), in notebook order, ids as written.
+
+    Args:
+        nb: an nbformat notebook.
+
+    Returns:
+        The (id, cell) pairs.
+    """
     seen: dict[str, int] = {}
     for call in check_calls(nb):
         if _ID_RE.match(call.exercise):
@@ -92,6 +106,16 @@ def _chapters_of(path: Path, calls: list[CheckCall]) -> list[str]:
 
 
 def file_error(path: Path, message: str, max_points: float = 0.0) -> list[CheckResult]:
+    """The rows of a notebook that cannot be graded at all.
+
+    Args:
+        path: the notebook.
+        message: what is wrong with it.
+        max_points: the points it could have scored.
+
+    Returns:
+        One ``error`` row named after the file.
+    """
     return [CheckResult(path.name, "error", 0.0, max_points, _short(message))]
 
 
@@ -109,6 +133,20 @@ def grade_notebook(
     ``cell_timeout`` each of the notebook's cells (default: max(300, 2 x the longest check limit));
     ``notebook_timeout`` the whole run (default 1800 s). Never raises for what the notebook holds
     or does: an unreadable notebook is one ``error`` row naming the file.
+
+    Args:
+        path: the notebook.
+        full: run at full scale (default: ``MEMLAB_SMALL=1`` in the kernel).
+        timeout: seconds per check.
+        cell_timeout: seconds per cell.
+        notebook_timeout: seconds for the whole notebook.
+
+    Returns:
+        One :class:`CheckResult` per exercise of the chapter (registry order), then one ``error``
+        row per check cell of another chapter or of an unknown id.
+
+    Raises:
+        ValueError: for a malformed limit, ``MEMLAB_CHECK_TIMEOUT``, ``MEMLAB_DEVICE`` or ``MEMLAB_SMALL``.
     """
     with needs("memlab grade"):
         import jupyter_client  # noqa: F401 - the kernel is started with it

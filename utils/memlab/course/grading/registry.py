@@ -80,6 +80,19 @@ def register(
     ``reference`` returns memlab's own implementation of the exercise; tests/ run every check
     against it so the package and the grader cannot drift apart. Several checks may be
     registered for one exercise; they run in order and the first failure is reported.
+
+    Args:
+        exercise_id: ``"NN.name"``.
+        points: the exercise's points (> 0).
+        timeout: seconds for all of its checks (> 0).
+        reference: returns memlab's own answer.
+        title: a short title (default: the check function's name).
+
+    Returns:
+        The decorator; it returns the check unchanged.
+
+    Raises:
+        ValueError: naming the argument, for a malformed id, points or timeout.
     """
     if not _ID_RE.match(exercise_id):
         raise ValueError(f"exercise_id={exercise_id!r} must look like 'NN.name' (two digits, a dot, an identifier)")
@@ -140,7 +153,17 @@ def chapter_exercises(chapter: str) -> list[Exercise]:
 
 
 def get_exercise(exercise_id: str) -> Exercise:
-    """The registered exercise ``exercise_id``; ValueError (listing the known ids) if there is none."""
+    """The registered exercise ``exercise_id``; ValueError (listing the known ids) if there is none.
+
+    Args:
+        exercise_id: ``"NN.name"``.
+
+    Returns:
+        Its :class:`Exercise`.
+
+    Raises:
+        ValueError: for a malformed or unknown id (listing the known ones).
+    """
     if not isinstance(exercise_id, str) or not _ID_RE.match(exercise_id):
         raise ValueError(f"exercise_id={exercise_id!r} must look like 'NN.name', e.g. '00.activation_bytes'")
     if exercise_id not in REGISTRY:
@@ -152,7 +175,18 @@ def get_exercise(exercise_id: str) -> Exercise:
 
 
 def parse_seconds(name: str, raw: Any) -> float:
-    """``raw`` as a positive, finite number of seconds; ValueError naming ``name`` and the value otherwise."""
+    """``raw`` as a positive, finite number of seconds; ValueError naming ``name`` and the value otherwise.
+
+    Args:
+        name: what the value is called in the error (``--timeout``, ``MEMLAB_CHECK_TIMEOUT``).
+        raw: a number or a string.
+
+    Returns:
+        The seconds, as a float.
+
+    Raises:
+        ValueError: for anything but a number in (0, a week].
+    """
     try:
         value = float(raw)
     except (TypeError, ValueError):
@@ -164,7 +198,11 @@ def parse_seconds(name: str, raw: Any) -> float:
 
 
 def timeout_from_env() -> float | None:
-    """``MEMLAB_CHECK_TIMEOUT`` in seconds (None when unset); ValueError naming the variable when malformed."""
+    """``MEMLAB_CHECK_TIMEOUT`` in seconds (None when unset); ValueError naming the variable when malformed.
+
+    Returns:
+        The seconds, or None.
+    """
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or not raw.strip():
         return None
@@ -189,14 +227,29 @@ _MARK = {"pass": "PASS", "fail": "FAIL", "todo": "TODO", "error": "ERROR", "time
 
 
 def format_row(r: CheckResult) -> str:
-    """One row: status, exercise, points and the message."""
+    """One row: status, exercise, points and the message.
+
+    Args:
+        r: the result.
+
+    Returns:
+        The row's text.
+    """
     pts = f"{r.points:g}/{r.max_points:g}"
     msg = f"  {r.message}" if r.message else ""
     return f"{_MARK.get(r.status, r.status.upper()):<8}{r.exercise:<34}{pts:>6}{msg}"
 
 
 def format_table(title: str, results: list[CheckResult]) -> str:
-    """The rows of one notebook and its total."""
+    """The rows of one notebook and its total.
+
+    Args:
+        title: the first line (the notebook's path).
+        results: its rows.
+
+    Returns:
+        The table's text.
+    """
     got = sum(r.points for r in results)
     total = sum(r.max_points for r in results)
     lines = [title, "-" * max(len(title), 48)]

@@ -38,6 +38,9 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     injects the exception with PyThreadState_SetAsyncExc. Both interrupt Python code; a single
     long C call (one huge matmul) is interrupted when it returns. A bare ``except:`` can still
     swallow it: ``memlab grade`` therefore also keeps a deadline of its own, outside the kernel.
+
+    Args:
+        seconds: the limit; None or <= 0 for none.
     """
     if not seconds or seconds <= 0:
         yield
@@ -168,7 +171,14 @@ def _reference_note(obj: Any, ex: Exercise, modules: Mapping[str, Any] | None = 
 
 
 def is_learner_file(filename: str) -> bool:
-    """Code the learner wrote (a notebook cell, a script): neither memlab's nor a library's."""
+    """Code the learner wrote (a notebook cell, a script): neither memlab's nor a library's.
+
+    Args:
+        filename: a code object's file name.
+
+    Returns:
+        True for the learner's code.
+    """
     f = filename.replace("\\", "/")
     return not (f.startswith("<frozen") or _is_library_frame(filename) or os.path.realpath(filename).startswith(MEMLAB_DIR + os.sep))
 
@@ -248,7 +258,16 @@ def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
 
 
 def run_checks_watched(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str, str]:
-    """:func:`_run_checks`, and a note when the answer is (or calls) memlab's reference."""
+    """:func:`_run_checks`, and a note when the answer is (or calls) memlab's reference.
+
+    Args:
+        ex: the exercise.
+        obj: the learner's answer.
+        limit: seconds for all of the checks.
+
+    Returns:
+        (status, message, note); the note is '' unless the answer is memlab's own.
+    """
     found: list[str] = []
     with _watch_reference(ex, found):
         status, message = _run_checks(ex, obj, limit)
