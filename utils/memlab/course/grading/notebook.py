@@ -119,6 +119,34 @@ def file_error(path: Path, message: str, max_points: float = 0.0) -> list[CheckR
     return [CheckResult(path.name, "error", 0.0, max_points, _short(message))]
 
 
+def _sort_calls(calls: list[CheckCall], expected: list[Exercise], chapters: list[str]
+                ) -> tuple[dict[str, CheckResult], list[CheckResult], dict[str, CheckCall]]:
+    """The check cells of a notebook, sorted out before it runs: (rows already decided: missing
+    or unnamed check cells; error rows of check cells that are not this chapter's; the last check
+    cell of each expected exercise)."""
+    rows: dict[str, CheckResult] = {}
+    extra: list[CheckResult] = []
+    where: dict[str, CheckCall] = {}  # the last check cell of each expected exercise
+    for call in calls:
+        if call.exercise in {ex.id for ex in expected}:
+            where[call.exercise] = call
+            continue
+        try:
+            get_exercise(call.exercise)
+            msg = f"cell {call.cell}: check({call.exercise!r}) is not an exercise of chapter {'/'.join(chapters)}; not graded"
+        except ValueError as exc:
+            msg = f"cell {call.cell}: {exc}"
+        extra.append(CheckResult(call.exercise[:34], "error", 0.0, 0.0, _short(msg)))
+    for ex in expected:
+        if ex.id not in where:
+            rows[ex.id] = CheckResult(ex.id, "missing", 0.0, ex.points,
+                                      f'no check("{ex.id}", ...) cell in the notebook: restore it from the lab to be graded')
+        elif where[ex.id].name is None:
+            rows[ex.id] = CheckResult(ex.id, "error", 0.0, ex.points,
+                                      f'cell {where[ex.id].cell}: the check cell must name your object: check("{ex.id}", your_function)')
+    return rows, extra, where
+
+
 def grade_notebook(
     path: str | os.PathLike,
     *,
@@ -175,26 +203,7 @@ def grade_notebook(
         return file_error(path, f"{path}: no exercises to grade: name the file NN_topic.ipynb after its chapter, "
                                  "or keep its check(\"NN.name\", ...) cells")
 
-    rows: dict[str, CheckResult] = {}
-    extra: list[CheckResult] = []
-    where: dict[str, CheckCall] = {}  # the last check cell of each expected exercise
-    for call in calls:
-        if call.exercise in {ex.id for ex in expected}:
-            where[call.exercise] = call
-            continue
-        try:
-            get_exercise(call.exercise)
-            msg = f"cell {call.cell}: check({call.exercise!r}) is not an exercise of chapter {'/'.join(chapters)}; not graded"
-        except ValueError as exc:
-            msg = f"cell {call.cell}: {exc}"
-        extra.append(CheckResult(call.exercise[:34], "error", 0.0, 0.0, _short(msg)))
-    for ex in expected:
-        if ex.id not in where:
-            rows[ex.id] = CheckResult(ex.id, "missing", 0.0, ex.points,
-                                      f'no check("{ex.id}", ...) cell in the notebook: restore it from the lab to be graded')
-        elif where[ex.id].name is None:
-            rows[ex.id] = CheckResult(ex.id, "error", 0.0, ex.points,
-                                      f'cell {where[ex.id].cell}: the check cell must name your object: check("{ex.id}", your_function)')
+    rows, extra, where = _sort_calls(calls, expected, chapters)
     todo = [ex for ex in expected if ex.id not in rows]
     if todo:
         limit_of = {ex.id: (timeout or env_timeout or ex.timeout) for ex in todo}
