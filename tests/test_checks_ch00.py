@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from memlab import accounting
-from memlab.grading import check
+from memlab.course.grading import check
 
 
 def status(exercise: str, obj) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import memlab.profiler as prof
-from memlab.grading import check, load_chapter
+from memlab.course.grading import check, load_chapter
 
 load_chapter("01")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memlab.grading import check, get_exercise, load_chapter
+from memlab.course.grading import check, get_exercise, load_chapter
 
 load_chapter("03")
 
@@ -60,7 +60,7 @@ def test_predict_update_peak_accepts_a_prediction_within_tolerance():
 def test_update_peak_counts_16_bit_buffers():
     """MasterWeights casts the model, float buffers too: the prediction follows (issue 24)."""
     from memlab import amp
-    from memlab.checks.ch03 import _NormsAndTable
+    from memlab.course.checks.ch03 import _NormsAndTable
 
     for recipe in amp.UPDATE_RECIPES:
         torch.manual_seed(0)

@@ -6,7 +6,7 @@ import torch
 
 from memlab import offload
 from memlab import offload as O
-from memlab.grading import check, get_exercise
+from memlab.course.grading import check, get_exercise
 
 IDS = ["04.adamw_update", "04.pack_flat", "04.chunked_step", "04.grad_hook", "04.offload_optimizer", "04.predict_traffic"]
 
@@ -60,7 +60,7 @@ def test_memlab_offloaded_adamw_passes_the_optimizer_check():
 
 def test_predict_traffic_counts_what_offloaded_adamw_reports():
     """The check's independent copy counter agrees with OffloadedAdamW's own traffic counter."""
-    from memlab.checks import ch04
+    from memlab.course.checks import ch04
 
     for name, model in ch04._traffic_models():
         for k, off in ((1, False), (4, True)):

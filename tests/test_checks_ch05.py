@@ -13,7 +13,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():  # 05.triton_f
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from memlab.grading import REGISTRY, check, load_chapter  # noqa: E402
+from memlab.course.grading import REGISTRY, check, load_chapter  # noqa: E402
 
 load_chapter("05")
 
@@ -76,7 +76,7 @@ def test_triton_check_names_the_missing_interpreter(monkeypatch):
     """On a CPU, a triton imported without TRITON_INTERPRET=1 cannot run the kernel: the check says what to do."""
     if torch.cuda.is_available():
         pytest.skip("with CUDA the kernel compiles")
-    import memlab.checks.ch05 as ch05
+    import memlab.course.checks.ch05 as ch05
     import triton.language as tl_
 
     monkeypatch.setattr(tl_, "zeros", object())  # what tl.zeros is when triton was imported in compiled mode
@@ -86,7 +86,7 @@ def test_triton_check_names_the_missing_interpreter(monkeypatch):
 
 def test_chunked_forward_memory_is_measured_not_guessed():
     """The chunked check's peak grows with the chunk for memlab's own forward (inputs made inside the tracker)."""
-    import memlab.checks.ch05 as ch05
+    import memlab.course.checks.ch05 as ch05
 
     small = ch05._forward_extra_peak(ch05.chunked_forward_reference, 64, 1024, 16, 16)
     large = ch05._forward_extra_peak(ch05.chunked_forward_reference, 64, 1024, 16, 1024)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from memlab import quant
-from memlab.grading import check, get_exercise
+from memlab.course.grading import check, get_exercise
 
 IDS = ["06.nf4_codebook", "06.nf4_codes", "06.pack_nibbles", "06.dequantize_nf4", "06.lora_linear",
        "06.predict_qlora_bytes"]

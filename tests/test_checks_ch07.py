@@ -7,7 +7,7 @@ import os
 import pytest
 
 from memlab import ckpt, train
-from memlab.grading import check, get_exercise
+from memlab.course.grading import check, get_exercise
 from memlab.plan import Stack
 
 IDS = ["07.cheapest_stack", "07.back_off", "07.atomic_write", "07.predict_peak"]
@@ -97,7 +97,7 @@ def test_predict_peak_formula_is_the_measurement(cfg, mb, ga, seq_len):
     configurations the check does not grade."""
     from functools import partial
 
-    from memlab.checks.ch07 import _tiny, predict_peak_formula
+    from memlab.course.checks.ch07 import _tiny, predict_peak_formula
 
     fn, s = partial(_tiny, cfg), Stack(micro_batch=mb, grad_accum=ga)
     assert predict_peak_formula(fn, s, seq_len) == train.measure_stack_peak(fn, s, seq_len)

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from memlab import distributed as D
-from memlab.grading import check, get_exercise
+from memlab.course.grading import check, get_exercise
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

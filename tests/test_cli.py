@@ -108,17 +108,17 @@ def test_grade_takes_a_chapter_number(tmp_path):
     missing = _memlab("grade", "7", cwd=tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip() == "memlab grade: chapter '7': no labs/07_*.ipynb; allowed: 00, or a notebook's path"
-    from memlab import grading
+    from memlab.course import grading
 
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        assert grading._chapter_path("0") == Path("labs") / lab.name
-        assert grading._chapter_path("00") == Path("labs") / lab.name
+        assert grading.chapter_path("0") == Path("labs") / lab.name
+        assert grading.chapter_path("00") == Path("labs") / lab.name
         (tmp_path / "work").mkdir()
         shutil.copy(lab, tmp_path / "work" / lab.name)
-        assert grading._chapter_path("00") == Path("work") / lab.name  # work/ first, as with no argument
-        assert grading._chapter_path(str(lab)) == lab  # a path stays a path
+        assert grading.chapter_path("00") == Path("work") / lab.name  # work/ first, as with no argument
+        assert grading.chapter_path(str(lab)) == lab  # a path stays a path
     finally:
         os.chdir(cwd)
 
@@ -148,7 +148,7 @@ def test_make_grade_fails_only_when_the_grader_cannot_grade(tmp_path, code, make
 
 
 def test_reset_of_an_untouched_lab_makes_no_backup(tmp_path):
-    from memlab import labs
+    from memlab.course import labs
 
     shutil.copytree(ROOT / "labs", tmp_path / "labs")
     labs.start(tmp_path)

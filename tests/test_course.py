@@ -9,8 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from memlab import labs
-from memlab.grading import check, exercises_in, grade_notebook, load_all
+from memlab.course import labs
+from memlab.course.grading import check, exercises_in, grade_notebook, load_all
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))

@@ -1,4 +1,4 @@
-"""Tests for ``memlab doctor`` (memlab/doctor.py): real runs in this environment plus simulated
+"""Tests for ``memlab doctor`` (memlab/course/doctor/): real runs in this environment plus simulated
 missing or broken packages."""
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ except ImportError:  # running from a checkout without `pip install -e ./utils`
 import torch
 
 import memlab
-from memlab import doctor
+import memlab.config  # noqa: F401 - imported before the tests set MEMLAB_DEVICE, as in a session
+from memlab.course import doctor
+from memlab.course.doctor import checks as dchecks
+from memlab.course.doctor import probes
 
 EXPECTED_NAMES = {
     "python",
@@ -59,15 +62,15 @@ def _by_name(lines):
 
 
 def _fake_import(monkeypatch, broken: dict):
-    """Make doctor._import_module raise broken[name] (an exception instance) for those names."""
-    real = doctor._import_module
+    """Make dchecks._import_module raise broken[name] (an exception instance) for those names."""
+    real = dchecks._import_module
 
     def fake(name):
         if name in broken:
             raise broken[name]
         return real(name)
 
-    monkeypatch.setattr(doctor, "_import_module", fake)
+    monkeypatch.setattr(dchecks, "_import_module", fake)
 
 
 # ------------------------------------------------------------------ real runs in this environment
@@ -137,7 +140,7 @@ def test_checkline_rejects_unknown_status():
     [((3, 8, 10), "FAIL"), ((3, 9, 18), "WARN"), ((3, 10, 0), "OK"), ((3, 13, 1), "OK")],
 )
 def test_python_thresholds(version, status):
-    assert doctor._python_status(version) == status
+    assert dchecks._python_status(version) == status
 
 
 # ------------------------------------------------------------------ simulated missing packages
@@ -236,12 +239,12 @@ def test_too_old_transformers_is_warn(monkeypatch):
         importlib.metadata, "version", lambda d: "4.30.2" if d == "transformers" else real_version(d)
     )
     line = _by_name(doctor.run_checks())["transformers"]
-    assert line.status == "WARN" and "4.30.2" in line.detail and ">=4.45" in line.detail
+    assert line.status == "WARN" and "4.30.2" in line.detail and ">=5.16" in line.detail
 
 
 def test_broken_bitsandbytes_import_is_contained(monkeypatch, capfd):
     """An import that prints at Python and C level, then raises, becomes one WARN line."""
-    real = doctor._import_module
+    real = dchecks._import_module
 
     def fake(name):
         if name == "bitsandbytes":
@@ -251,7 +254,7 @@ def test_broken_bitsandbytes_import_is_contained(monkeypatch, capfd):
             raise RuntimeError("CUDA Setup failed despite GPU being available")
         return real(name)
 
-    monkeypatch.setattr(doctor, "_import_module", fake)
+    monkeypatch.setattr(dchecks, "_import_module", fake)
     capfd.readouterr()
     lines = doctor.run_checks()
     leaked = capfd.readouterr()
@@ -260,14 +263,14 @@ def test_broken_bitsandbytes_import_is_contained(monkeypatch, capfd):
     assert line.status == "WARN"
     assert "CUDA Setup failed" in line.detail and "chapter 06" in line.detail
     assert "NOISE-STDOUT" in line.detail  # what it printed is kept for the bug report
-    assert doctor._exit_code(lines) == 0
+    assert doctor.exit_code(lines) == 0
 
 
 def test_bitsandbytes_without_native_cuda_library_on_gpu_is_warn(monkeypatch):
     """On a CUDA machine, a bitsandbytes whose native library failed to load is flagged."""
     cext = types.SimpleNamespace(BNB_BACKEND="CUDA", lib=type("ErrorHandlerMockBNBNativeLibrary", (), {})())
     fake_bnb = types.SimpleNamespace(__version__="0.50.2")
-    real = doctor._import_module
+    real = dchecks._import_module
 
     def fake(name):
         if name == "bitsandbytes":
@@ -276,11 +279,11 @@ def test_bitsandbytes_without_native_cuda_library_on_gpu_is_warn(monkeypatch):
             return cext
         return real(name)
 
-    monkeypatch.setattr(doctor, "_import_module", fake)
+    monkeypatch.setattr(dchecks, "_import_module", fake)
     monkeypatch.delitem(sys.modules, "bitsandbytes.cextension", raising=False)
-    ctx = doctor._Context()
+    ctx = dchecks._Context()
     ctx.torch, ctx.cuda, ctx.cuda_count = torch, True, 1
-    (line,) = doctor._check_bitsandbytes(ctx)
+    (line,) = dchecks._check_bitsandbytes(ctx)
     assert line.status == "WARN" and "CUDA backend" in line.detail and "no native library" in line.detail
 
 
@@ -306,8 +309,8 @@ def test_a_crashing_check_does_not_stop_the_report(monkeypatch):
     def boom(ctx):
         raise ZeroDivisionError("bug")
 
-    checks = [(n, boom if n == "ram" else f) for n, f in doctor._CHECKS]
-    monkeypatch.setattr(doctor, "_CHECKS", checks)
+    checks = [(n, boom if n == "ram" else f) for n, f in dchecks._CHECKS]
+    monkeypatch.setattr(dchecks, "_CHECKS", checks)
     by = _by_name(doctor.run_checks())
     assert by["ram"].status == "WARN" and "crashed" in by["ram"].detail
     assert by["torch"].status == "OK" and by["env"].status == "OK"
@@ -315,7 +318,7 @@ def test_a_crashing_check_does_not_stop_the_report(monkeypatch):
 
 def test_ram_without_psutil(monkeypatch):
     _fake_import(monkeypatch, {"psutil": ImportError("No module named 'psutil'")})
-    total, avail, source = doctor._ram_bytes()
+    total, avail, source = probes.ram_bytes(dchecks._import_module)
     if sys.platform.startswith("linux"):
         assert source == "/proc/meminfo" and total > 0 and 0 < avail <= total
 
@@ -334,14 +337,14 @@ def test_env_variables_reported_and_validated(monkeypatch):
     monkeypatch.setenv("MEMLAB_SMALL", "maybe")
     lines = doctor.run_checks()
     assert _by_name(lines)["env"].status == "FAIL"  # memlab.config would refuse to import
-    assert doctor._exit_code(lines) == 1
+    assert doctor.exit_code(lines) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_device_without_gpu_is_fail(monkeypatch):
     monkeypatch.setenv("MEMLAB_DEVICE", "cuda")
     line = _by_name(doctor.run_checks())["env"]
-    assert line.status == "FAIL" and "no CUDA GPU" in line.detail
+    assert line.status == "FAIL" and "asks for CUDA" in line.detail  # memlab.config's own message
 
 
 # ------------------------------------------------------------------ independent of the repo layout
@@ -352,10 +355,10 @@ def test_module_runs_from_an_empty_directory(tmp_path):
     env.pop("MEMLAB_DEVICE", None)
     env.pop("MEMLAB_SMALL", None)
     # works whether memlab is pip-installed or only importable through this checkout
-    pkg_parent = str(Path(doctor.__file__).resolve().parents[1])
+    pkg_parent = str(Path(dchecks.__file__).resolve().parents[3])  # utils/, above memlab/course/doctor/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "memlab.doctor", "--json"],
+        [sys.executable, "-m", "memlab.course.doctor", "--json"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -400,36 +403,63 @@ def _fake_cuda_torch(free_gib=70.0, bf16=True):
 
 def test_gpu_lines_with_a_fake_cuda_torch(monkeypatch):
     fake_torch = _fake_cuda_torch()
-    _real = doctor._import_module
-    monkeypatch.setattr(doctor, "_import_module", lambda n: fake_torch if n == "torch" else _real(n))
-    ctx = doctor._Context()
-    (tline,) = doctor._check_torch(ctx)
+    _real = dchecks._import_module
+    monkeypatch.setattr(dchecks, "_import_module", lambda n: fake_torch if n == "torch" else _real(n))
+    ctx = dchecks._Context()
+    (tline,) = dchecks._check_torch(ctx)
     assert tline == doctor.CheckLine("torch", "OK", "2.13.0+cu128 (CUDA 12.8 build)")
     assert ctx.cuda and ctx.cuda_count == 2
-    gpu = doctor._check_gpu(ctx)
+    gpu = dchecks._check_gpu(ctx)
     assert [g.name for g in gpu] == ["gpu", "gpu:1"]
     assert gpu[0].status == "OK"
     assert gpu[0].detail == "cuda:0 NVIDIA Fake 80GB, compute capability 9.0, 80.0 GiB total, 70.0 GiB free"
-    assert doctor._check_bf16(ctx)[0].status == "OK"
+    assert dchecks._check_bf16(ctx)[0].status == "OK"
 
     monkeypatch.setenv("MEMLAB_DEVICE", "cuda:3")
-    (env,) = doctor._check_env(ctx)
+    (env,) = dchecks._check_env(ctx)
     assert env.status == "WARN" and "only 2 GPU" in env.detail
 
 
 def test_busy_gpu_and_no_bf16_are_warnings():
-    ctx = doctor._Context()
+    ctx = dchecks._Context()
     ctx.torch, ctx.cuda, ctx.cuda_count = _fake_cuda_torch(free_gib=10.0, bf16=False), True, 1
-    (gpu,) = doctor._check_gpu(ctx)
+    (gpu,) = dchecks._check_gpu(ctx)
     assert gpu.status == "WARN" and "already in use" in gpu.detail
-    (bf16,) = doctor._check_bf16(ctx)
+    (bf16,) = dchecks._check_bf16(ctx)
     assert bf16.status == "WARN" and "8.0" in bf16.detail
 
 
 def test_ipywidgets_line_says_what_it_is_for(monkeypatch):
     """Without ipywidgets a JupyterLab progress bar is text (and may warn 'IProgress not found'):
     a WARN naming the fix, never a FAIL (the course runs without it)."""
-    monkeypatch.setattr(doctor, "_dist_version", lambda dist: None if dist == "ipywidgets" else "1.0")
-    monkeypatch.setattr(doctor, "_module_location", lambda module: None)
-    (line,) = doctor._check_ipywidgets(None)
+    monkeypatch.setattr(dchecks, "_dist_version", lambda dist: None if dist == "ipywidgets" else "1.0")
+    monkeypatch.setattr(dchecks, "_module_location", lambda module: None)
+    (line,) = dchecks._check_ipywidgets(None)
     assert line.status == "WARN" and "IProgress not found" in line.detail and "requirements.txt" in line.detail
+
+
+def test_minimum_versions_are_those_of_pyproject():
+    """The doctor's minimums are utils/pyproject.toml's lower bounds, every one of them."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "utils" / "pyproject.toml").read_text())["project"]
+    specs = list(project["dependencies"]) + [d for deps in project["optional-dependencies"].values() for d in deps]
+    declared = {}
+    for spec in specs:
+        m = re.match(r"^([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)", spec)
+        assert m, f"{spec!r} has no lower bound"
+        declared[m.group(1).lower()] = tuple(int(x) for x in m.group(2).split("."))
+    assert doctor.MINIMUMS == declared
+
+
+def test_too_old_peft_is_warn_with_pyproject_minimum(monkeypatch):
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.10.0" if d == "peft" else real_version(d))
+    line = _by_name(doctor.run_checks())["peft"]
+    assert line.status == "WARN" and ">=0.12" in line.detail
+
+
+def test_old_path_is_the_new_package():
+    import memlab.doctor as old
+
+    assert old is doctor and old.main is doctor.main

@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from memlab import accounting
-from memlab.grading import CheckResult, CheckTimeout, check, format_table, get_exercise, grade_notebook, load_all, time_limit
+from memlab.course.grading import CheckResult, CheckTimeout, check, format_table, get_exercise, grade_notebook, load_all, time_limit
 
 EX = "00.activation_bytes"
 
@@ -173,7 +173,7 @@ def test_no_results_file_is_written(tmp_path, monkeypatch):
 
 
 def test_parse_seconds_rejects_nan_inf_and_non_positive():
-    from memlab.grading import parse_seconds
+    from memlab.course.grading import parse_seconds
 
     assert parse_seconds("--timeout", "1.5") == 1.5
     for bad in ("nan", "inf", "-inf", "0", "-3", "abc", None, True):
@@ -182,7 +182,7 @@ def test_parse_seconds_rejects_nan_inf_and_non_positive():
 
 
 def test_fingerprint_is_stable_and_per_chapter():
-    from memlab.grading import chapter_fingerprint
+    from memlab.course.grading import chapter_fingerprint
 
     a = chapter_fingerprint("00")
     assert len(a) == 64 and a == chapter_fingerprint("00") and a != chapter_fingerprint("01")
@@ -193,11 +193,12 @@ def test_kernel_side_rejects_other_checks():
     modules are put back as they were."""
     import sys
 
-    from memlab import grading
+    from memlab.course.grading import inkernel
+    from memlab.course.grading.running import MEMLAB_DIR
 
     before = {k: v for k, v in sys.modules.items() if k == "memlab" or k.startswith("memlab.")}
-    args = {"chapter": "00", "fingerprint": "0" * 64, "nonce": "n", "dir": str(Path(grading.__file__).parent)}
-    out = grading._kernel_prepare(args, dict(before))
+    args = {"chapter": "00", "fingerprint": "0" * 64, "nonce": "n", "dir": MEMLAB_DIR}
+    out = inkernel.prepare(args, dict(before))
     assert out["ok"] is False and "fingerprint" in out["message"]
     assert all(sys.modules[k] is v for k, v in before.items())
 
@@ -216,7 +217,7 @@ def _nb(cells: list[str]) -> nbformat.NotebookNode:
 
 
 HOSTILE = [
-    "from memlab.grading import check\nfrom memlab import accounting",
+    "from memlab.course.grading import check\nfrom memlab import accounting",
     # pass
     "check('00.activation_bytes', accounting.activation_bytes_per_layer)",
     # todo
@@ -294,7 +295,7 @@ def test_cli_rejects_bad_time_limits_in_one_line(flag, value):
     import contextlib
     import io
 
-    from memlab.grading import grade_main
+    from memlab.course.grading import grade_main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -314,7 +315,7 @@ def test_cli_names_a_bad_environment_variable(var, value):
 
 
 def test_every_exercise_has_a_reference():
-    from memlab.grading import load_all
+    from memlab.course.grading import load_all
 
     for ex_id, ex in load_all().items():
         assert ex.reference is not None, f"{ex_id} has no reference implementation"
@@ -322,7 +323,7 @@ def test_every_exercise_has_a_reference():
 
 
 def test_check_calls_read_from_the_notebook():
-    from memlab.grading import check_calls
+    from memlab.course.grading import check_calls
 
     cells = ['check(\n    "00.a",\n    f)', '# check("00.b", g)', 'r = check("00.c", mod.fn, timeout=3)',
              'check("00.d", lambda: 1)', 'check("typo", f)']
@@ -336,7 +337,7 @@ def test_expect_equal_compares_exact_types_through_the_reference():
 
     import torch
 
-    from memlab.checks import expect_close, expect_equal, same_value
+    from memlab.course.checks import expect_close, expect_equal, same_value
 
     class Yes(str):
         def __eq__(self, other):
@@ -363,3 +364,79 @@ def test_expect_equal_compares_exact_types_through_the_reference():
         expect_close("y", "0.5", 0.5)
     with pytest.raises(AssertionError, match=r"\.item\(\)"):
         expect_close("y", torch.tensor(0.5), 0.5)
+
+
+# ---------------------------------------------------------------- old paths and every memlab module
+@pytest.mark.parametrize("chapter", [f"ch{n:02d}" for n in range(9)])
+def test_old_checks_path_is_the_same_module(chapter):
+    """``import memlab.checks.chNN`` gives the module object of ``memlab.course.checks.chNN``: one
+    registry, never a second copy of the checks."""
+    import importlib
+
+    old = importlib.import_module(f"memlab.checks.{chapter}")
+    new = importlib.import_module(f"memlab.course.checks.{chapter}")
+    assert old is new
+    import memlab.checks
+    import memlab.course.checks
+
+    assert memlab.checks is memlab.course.checks
+
+
+def _every_memlab_module() -> list[str]:
+    """Every module of the installed memlab, found by walking the package (new sub-packages included)."""
+    import pkgutil
+
+    import memlab
+
+    return sorted(info.name for info in pkgutil.walk_packages(memlab.__path__, "memlab.")
+                  if not info.name.endswith("__main__"))
+
+
+def test_verify_covers_every_memlab_module(monkeypatch):
+    """With every memlab module imported (old-path shims included), verify_memlab_modules finds nothing
+    wrong; replacing a top-level function of any of them is found, naming it."""
+    import importlib
+    import sys
+    import types
+
+    from memlab.course.grading import is_grader_module, verify_memlab_modules
+
+    names = _every_memlab_module()
+    assert "memlab.course.grading.verify" in names and "memlab.core.units" in names
+    imported = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional dependency this environment lacks
+            continue
+        imported.append(name)
+    assert verify_memlab_modules() == ""
+    patched = 0
+    for name in imported:
+        mod = sys.modules[name]
+        if mod.__name__ != name or is_grader_module(name):
+            continue  # an old path's shim; the grader's own modules are re-imported fresh instead
+        fname = next((k for k, v in sorted(vars(mod).items()) if isinstance(v, types.FunctionType)
+                      and v.__module__ == name and v.__name__ == k and not k.startswith("__")), None)
+        if fname is None:
+            continue
+        with monkeypatch.context() as m:
+            m.setattr(mod, fname, lambda *a, **k: None)
+            assert f"{name}.{fname}" in verify_memlab_modules(), name
+        patched += 1
+    assert verify_memlab_modules() == "" and patched > 20
+
+
+def test_verify_refuses_an_old_path_holding_another_module(monkeypatch):
+    """An old path may hold its new module only where its shim says so."""
+    import sys
+
+    import memlab.gpus  # noqa: F401 - the shim of memlab.core.gpus
+    from memlab import accounting
+    from memlab.course.grading import verify_memlab_modules
+
+    assert verify_memlab_modules() == ""
+    monkeypatch.setitem(sys.modules, "memlab.gpus", accounting)
+    assert "memlab.gpus" in verify_memlab_modules()
+    monkeypatch.setitem(sys.modules, "memlab.gpus", sys.modules["memlab.core.gpus"])
+    assert verify_memlab_modules() == ""

@@ -16,9 +16,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from memlab.grading import CHECK_GRACE, KILL_GRACE, check, grade_notebook
+from memlab.course.grading import CHECK_GRACE, KILL_GRACE, check, grade_notebook
 
-from memlab.grading import load_all as _load_all
+from memlab.course.grading import load_all as _load_all
 
 N_00 = sum(e.startswith("00.") for e in _load_all())  # exercises of chapter 00, from its registry
 
@@ -79,7 +79,7 @@ SPAWN = (
 
 def test_forgery_tampering_deleted_cells_and_an_always_equal_int_do_not_count(tmp_path):
     cells = [
-        SETUP + "\nimport memlab.checks, memlab.checks.ch00",
+        SETUP + "\nimport memlab.checks, memlab.checks.ch00, memlab.course.grading.running",
         # a forged check(): prints PASS rows and appends pass rows to the results channel of old
         "import os, json\n"
         "def check(ex, obj, **kw):\n"
@@ -91,7 +91,8 @@ def test_forgery_tampering_deleted_cells_and_an_always_equal_int_do_not_count(tm
         "for ex in memlab.grading.REGISTRY.values():\n"
         "    ex.checks[:] = []\n"
         "memlab.checks.expect = lambda *a, **k: None\n"
-        "memlab.grading._run_checks = lambda ex, obj, limit: ('pass', '')\n" + SPAWN,
+        "memlab.grading._run_checks = lambda ex, obj, limit: ('pass', '')\n"
+        "memlab.course.grading.running._run_checks = lambda ex, obj, limit: ('pass', '')\n" + SPAWN,
         SOLVED["00.activation_bytes"],
         "check('00.activation_bytes', activation_bytes_per_layer)",
         # an int whose == always says yes
@@ -241,7 +242,9 @@ def test_grade_notebook_rejects_bad_limits(tmp_path, limit):
         grade_notebook(tmp_path / "x.ipynb", timeout=limit)
 
 
-def test_a_shadow_memlab_next_to_the_notebook_is_refused(tmp_path):
+def test_a_shadow_memlab_next_to_the_notebook_is_refused(tmp_path, monkeypatch):
+    # first on the kernel's path however memlab is installed (editable, or on PYTHONPATH as in a checkout)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     (tmp_path / "memlab").mkdir()
     (tmp_path / "memlab" / "__init__.py").write_text("# a learner's own memlab, found first on the kernel's path\n")
     path = _write(tmp_path / "00_shadow.ipynb", ["def f(*a, **k):\n    return 0", "check('00.activation_bytes', f)"])
@@ -407,7 +410,7 @@ def test_predictions_must_be_exactly_int_or_float():
 
 @pytest.mark.parametrize("flag", ["--timeout", "--cell-timeout", "--notebook-timeout"])
 def test_huge_time_limits_are_refused_where_they_are_parsed(flag, capsys, monkeypatch):
-    from memlab.grading import MAX_SECONDS, grade_main, parse_seconds
+    from memlab.course.grading import MAX_SECONDS, grade_main, parse_seconds
 
     assert grade_main([flag, "1e12", "labs/00_where_the_memory_goes.ipynb"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -447,7 +450,7 @@ def test_verify_memlab_modules_sees_each_kind_of_patch(monkeypatch):
 
     import memlab
     from memlab import accounting, profiler
-    from memlab.grading import load_all, verify_memlab_modules
+    from memlab.course.grading import load_all, verify_memlab_modules
 
     load_all()
     assert verify_memlab_modules() == ""

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from memlab import labs
+from memlab.course import labs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbval_plugin = pytest.importorskip("nbval.plugin")
 
-from memlab import labs  # noqa: E402
+from memlab.course import labs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))

@@ -32,6 +32,10 @@ MOVED: dict[str, str] = {
     "memlab._optional": "memlab.optional",
     "memlab.attention_triton": "memlab.attention.triton_kernels",
     "memlab.ckpt": "memlab.training_state",
+    "memlab.grading": "memlab.course.grading",
+    "memlab.checks": "memlab.course.checks",
+    "memlab.labs": "memlab.course.labs",
+    "memlab.doctor": "memlab.course.doctor",
 }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from memlab.grading import check, load_all
+from memlab.course.grading import check, load_all
 
 MUTANTS_DIR = Path(__file__).parent / "mutants"
 CHAPTERS = sorted({e.split(".")[0] for e in load_all()})

@@ -14,7 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from memlab import labs
+from memlab.course import labs
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTER = "00_where_the_memory_goes.ipynb"
@@ -168,7 +168,7 @@ def test_pyproject_lower_bounds_equal_requirements():
 def test_contributing_names_only_what_exists():
     text = (ROOT / "CONTRIBUTING.md").read_text()
     for path in re.findall(r"`((?:tests|tools|utils|solutions|notebooks|labs)/[\w./-]+\.(?:py|sh|cfg))`", text):
-        if "NN" in path:  # a template such as utils/memlab/checks/chNN.py
+        if "NN" in path:  # a template such as utils/memlab/course/checks/chNN.py
             continue
         assert (ROOT / path).exists(), f"CONTRIBUTING.md names {path}, which does not exist"
     assert "DESIGN` in the README" not in text

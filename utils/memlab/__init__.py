@@ -5,7 +5,7 @@ One module or small package per technique of the course (``memlab.profiler``, ``
 and the byte accounting they are checked against (``memlab.accounting``). ``memlab.core`` holds
 what every module shares (units, argument checks, the vocabulary, the GPU table; no torch);
 ``memlab.config`` decides the device and scale once; the course machinery (grading, checks,
-labs, doctor) stays out of the techniques' way.
+labs, doctor) lives in ``memlab.course``, out of the techniques' way.
 
 Nothing is imported here: ``import memlab`` stays cheap and works without transformers, peft or
 bitsandbytes, and each submodule (``import memlab.quant``, ``from memlab import lora``) is

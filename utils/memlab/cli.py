@@ -29,9 +29,9 @@ from memlab.optional import EXTRAS, MissingExtraError, missing_optional
 from memlab.cli_args import PARSERS
 
 _COMMANDS = {
-    "doctor": ("memlab.doctor", "main", "environment report for bug reports"),
-    "grade": ("memlab.grading", "grade_main", "grade lab notebooks headless, or lab NN (default: work/, else labs/)"),
-    "labs": ("memlab.labs", "main", "labs start | reset NN | build | check"),
+    "doctor": ("memlab.course.doctor", "main", "environment report for bug reports"),
+    "grade": ("memlab.course.grading", "grade_main", "grade lab notebooks headless, or lab NN (default: work/, else labs/)"),
+    "labs": ("memlab.course.labs", "main", "labs start | reset NN | build | check"),
     "bench": ("memlab.bench", "main", "benchmarks: from-scratch vs production"),
     "estimate": ("memlab.estimate", "main", "estimate training memory without a GPU"),
     "plan": ("memlab.plan", "main", "pick the stack that fits a memory budget (chapter 07)"),

@@ -1,4 +1,4 @@
-"""Process helpers shared by the grader (memlab.grading) and launch() (memlab.distributed.launcher).
+"""Process helpers shared by the grader (memlab.course.grading) and launch() (memlab.distributed.launcher).
 
 Linux-first: the process tree is read from /proc, and ``prctl`` makes this process adopt orphans.
 Elsewhere they degrade to doing nothing (an empty set, False).

@@ -2,7 +2,7 @@
 
 Each check is plain code a learner can read: it calls your function or class on a few inputs
 and compares the answer with memlab's own implementation, raising AssertionError with a
-message that says what was expected. ``memlab.grading.check`` runs them.
+message that says what was expected. ``memlab.course.grading.check`` runs them.
 
 Helpers below keep the messages uniform: "name: got X, expected Y". They compare exact types
 and compare values through the *reference's* type: an ``int`` subclass whose ``==`` always
@@ -17,7 +17,7 @@ import math
 import sys
 from typing import Any
 
-from memlab.grading import register
+from memlab.course.grading import register
 
 __all__ = ["register", "expect", "expect_equal", "expect_close", "expect_tensor_close", "expect_type",
            "exact_type", "same_value"]

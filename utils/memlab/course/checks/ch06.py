@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memlab import lora, quant
-from memlab.checks import expect, expect_type, register
+from memlab.course.checks import expect, expect_type, register
 
 
 def _tensor_equal(name: str, got, want) -> None:

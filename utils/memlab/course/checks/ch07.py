@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from memlab import ckpt, train
-from memlab.checks import expect, expect_equal, register
+from memlab.course.checks import expect, expect_equal, register
 from memlab.plan import Stack
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from memlab import amp
-from memlab.checks import expect, expect_close, expect_equal, expect_type, register
+from memlab.course.checks import expect, expect_close, expect_equal, expect_type, register
 
 
 # ----------------------------------------------------------------------------- 03.underflow_fraction

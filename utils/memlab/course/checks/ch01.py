@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memlab import profiler as ref
-from memlab.checks import expect, expect_equal, expect_type, register
+from memlab.course.checks import expect, expect_equal, expect_type, register
 
 
 # ---------------------------------------------------------------------------- 01.live_bytes

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab import checkpoint as ref
 from memlab.accounting import saved_activation_bytes
-from memlab.checks import expect, expect_equal, expect_type, register
+from memlab.course.checks import expect, expect_equal, expect_type, register
 from memlab.models import TinyGPT, TinyGPTConfig
 
 

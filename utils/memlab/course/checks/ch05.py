@@ -16,7 +16,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 import torch.utils._python_dispatch
 
 from memlab import attention as ref
-from memlab.checks import expect, expect_close, expect_equal, expect_tensor_close, expect_type, register
+from memlab.course.checks import expect, expect_close, expect_equal, expect_tensor_close, expect_type, register
 
 
 def _randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from memlab import distributed as D
-from memlab.checks import expect, expect_type, register
+from memlab.course.checks import expect, expect_type, register
 
 WORLD_SIZE = 2
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab import offload
-from memlab.checks import expect, expect_type, register
+from memlab.course.checks import expect, expect_type, register
 
 HPARAMS = [
     dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2),

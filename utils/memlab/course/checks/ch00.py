@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from memlab import accounting as ref
-from memlab.checks import expect, expect_equal, expect_type, register
+from memlab.course.checks import expect, expect_equal, expect_type, register
 
 
 @register("00.model_state_bytes", reference=lambda: ref.model_state_bytes, title="bytes of weights, grads, optimizer")

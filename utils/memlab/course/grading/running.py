@@ -1,0 +1,355 @@
+"""Running an exercise's checks on a learner's object: time limits, the learner's frame in an
+error, memlab's own reference passed off as an answer, and ``check()`` itself."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from memlab.course.grading.registry import (
+    CHECKS_PACKAGE, GRADING_ENV, CheckResult, Exercise, _safe_str, _short, chapter_exercises, get_exercise, parse_seconds,
+    timeout_from_env, RESULTS,
+)
+
+
+# ----------------------------------------------------------------------------- time limits
+class CheckTimeout(BaseException):
+    """Raised inside a check that ran past its limit (a BaseException so `except Exception` can't eat it)."""
+
+
+@contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise CheckTimeout in the current thread after ``seconds``.
+
+    On the main thread of a POSIX process this is a SIGALRM timer; elsewhere a watchdog thread
+    injects the exception with PyThreadState_SetAsyncExc. Both interrupt Python code; a single
+    long C call (one huge matmul) is interrupted when it returns. A bare ``except:`` can still
+    swallow it: ``memlab grade`` therefore also keeps a deadline of its own, outside the kernel.
+
+    Args:
+        seconds: the limit; None or <= 0 for none.
+    """
+    if not seconds or seconds <= 0:
+        yield
+        return
+    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+
+        def _alarm(signum: int, frame: Any) -> None:
+            raise CheckTimeout(f"ran longer than the {seconds:g} s limit")
+
+        previous = signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        return
+
+    target = threading.get_ident()
+    done = threading.Event()
+
+    def _watchdog() -> None:
+        if not done.wait(seconds):
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), ctypes.py_object(CheckTimeout))
+
+    watchdog = threading.Thread(target=_watchdog, daemon=True)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+# ----------------------------------------------------------------------------- running the checks
+# memlab's own folder (two levels above this package): frames in it are memlab's, not the learner's
+MEMLAB_DIR = str(Path(__file__).resolve().parents[2])
+_TORCH_NOT_IMPLEMENTED = ("Could not run 'aten::", "not implemented for '", "NYI")
+
+
+def _is_library_frame(filename: str) -> bool:
+    f = filename.replace("\\", "/")
+    return ("site-packages/" in f or "dist-packages/" in f or "/lib/python3" in f) and MEMLAB_DIR not in filename
+
+
+def _learner_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The deepest frame that is neither the grader, a check, nor a library: the learner's line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        if not fr.filename.startswith(MEMLAB_DIR) and not _is_library_frame(fr.filename):
+            return fr
+    return frames[-1] if frames else None
+
+
+def _where(fr: traceback.FrameSummary | None) -> str:
+    if fr is None:
+        return ""
+    name = Path(fr.filename).name
+    if name.startswith("<ipython-input") or "ipykernel_" in fr.filename:
+        name = "your cell"
+    code = f": {fr.line.strip()}" if fr.line else ""
+    return f" (in {fr.name}, {name} line {fr.lineno}{code})"
+
+
+
+def _run_checks(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str]:
+    """Run every check of ``ex`` on ``obj`` under ``limit`` seconds: (status, message). Never raises."""
+    status, message = "pass", ""
+    try:
+        try:
+            with time_limit(limit):
+                for fn in ex.checks:
+                    fn(obj)
+        except CheckTimeout:
+            status, message = "timeout", f"ran longer than the {limit:g} s limit: look for a loop that never ends"
+        except NotImplementedError as exc:
+            text = _safe_str(exc)
+            if any(marker in text for marker in _TORCH_NOT_IMPLEMENTED):
+                # torch itself said "not implemented" (an op for a dtype/device): a bug, not a stub
+                status, message = "error", _short(f"NotImplementedError: {text}") + _where(_learner_frame(exc))
+            else:
+                status, message = "todo", _short(text or "not implemented yet")
+        except AssertionError as exc:
+            text = _safe_str(exc)
+            status, message = "fail", _short(text or "a check did not hold") + _where(_learner_frame(exc) if not text else None)
+        except KeyboardInterrupt as exc:
+            status, message = "error", "KeyboardInterrupt: your code was interrupted (or raised KeyboardInterrupt)" + _where(_learner_frame(exc))
+        except SystemExit as exc:
+            status, message = "error", _short(f"SystemExit({exc.code!r}): your code called sys.exit()") + _where(_learner_frame(exc))
+        except BaseException as exc:  # noqa: BLE001 - the learner's code raised
+            status, message = "error", _short(f"{type(exc).__name__}: {_safe_str(exc)}") + _where(_learner_frame(exc))
+    except CheckTimeout:  # the alarm fired between the end of the check and disarming the timer
+        status, message = "timeout", f"ran longer than the {limit:g} s limit"
+    return status, message
+
+
+def _reference_note(obj: Any, ex: Exercise, modules: Mapping[str, Any] | None = None) -> str:
+    """A note when ``obj`` is memlab's own code (the exercise's reference, or anything from memlab), else ''.
+
+    ``modules`` maps module names to the modules the learner's code sees (``sys.modules`` by default).
+    """
+    modules = sys.modules if modules is None else modules
+    try:
+        target = obj
+        while isinstance(target, functools.partial):
+            target = target.func
+        target = inspect.unwrap(target) if callable(target) else target
+        candidates: list[Any] = []
+        if ex.reference is not None:
+            ref = ex.reference()
+            candidates.append(ref)
+            mod = modules.get(getattr(ref, "__module__", "") or "")
+            name = getattr(ref, "__qualname__", None)
+            if mod is not None and isinstance(name, str) and "." not in name:
+                candidates.append(getattr(mod, name, None))
+        named = None
+        if any(target is c or obj is c for c in candidates if c is not None):
+            named = target
+        elif isinstance(target, type):
+            named = next((c for c in target.__mro__ if str(getattr(c, "__module__", "")).startswith("memlab.")), None)
+        elif str(getattr(target, "__module__", "") or "").startswith("memlab."):
+            named = target
+        if named is None:
+            return ""
+        where = f"{getattr(named, '__module__', 'memlab')}.{getattr(named, '__qualname__', type(named).__name__)}"
+        return f"uses the reference implementation ({where}), not your own code: no points"
+    except Exception:  # noqa: BLE001 - a hostile object must not break the row
+        return ""
+
+
+def is_learner_file(filename: str) -> bool:
+    """Code the learner wrote (a notebook cell, a script): neither memlab's nor a library's.
+
+    Args:
+        filename: a code object's file name.
+
+    Returns:
+        True for the learner's code.
+    """
+    f = filename.replace("\\", "/")
+    return not (f.startswith("<frozen") or _is_library_frame(filename) or os.path.realpath(filename).startswith(MEMLAB_DIR + os.sep))
+
+
+def _reference_codes(ex: Exercise) -> dict[types.CodeType, str]:
+    """The code objects of the exercise's reference: the function, or the methods its class defines."""
+    if ex.reference is None:
+        return {}
+    ref = ex.reference()
+    codes: dict[types.CodeType, str] = {}
+
+    def add(fn: Any, where: str) -> None:
+        for f in (fn, getattr(fn, "__func__", None), getattr(fn, "fget", None), getattr(fn, "fset", None)):
+            if f is None:
+                continue
+            try:
+                f = inspect.unwrap(f)
+            except ValueError:
+                continue
+            code = getattr(f, "__code__", None)
+            if isinstance(code, types.CodeType):
+                codes[code] = where
+
+    name = f"{getattr(ref, '__module__', 'memlab')}.{getattr(ref, '__qualname__', type(ref).__name__)}"
+    if isinstance(ref, type):
+        for attr, value in vars(ref).items():
+            add(value, f"{name}.{attr}")
+    else:
+        add(ref, name)
+    return codes
+
+
+@contextmanager
+def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
+    """Note in ``found`` when the learner's code calls the exercise's reference, however wrapped.
+
+    A global trace function (called on Python function calls only, never per line) sees every
+    call of the reference's code objects; the caller chain is walked up
+    past library frames (functools, builtins' ``map``, decorators): if the first frame that is not
+    a library's is the learner's, the answer delegates to memlab's reference. Calls made by the
+    checks themselves (and by memlab's other code) do not count.
+    """
+    try:
+        codes = _reference_codes(ex)
+    except Exception:  # noqa: BLE001
+        codes = {}
+    if not codes:
+        yield
+        return
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or found or frame.f_code not in codes:
+            return
+        f = frame.f_back
+        while f is not None:
+            filename = f.f_code.co_filename
+            if is_learner_file(filename):
+                found.append(codes[frame.f_code])
+                return
+            if not (_is_library_frame(filename) or filename.startswith("<frozen")):
+                return  # memlab's own code (a check, or a helper) made the call
+            f = f.f_back
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:  # global trace: called on Python calls only
+        if frame.f_code in codes:
+            hook(frame, event, arg)
+        return None  # no per-line tracing
+
+    old = sys.gettrace()
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(old)
+        threading.settrace(None)  # type: ignore[arg-type]
+
+
+def run_checks_watched(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str, str]:
+    """:func:`_run_checks`, and a note when the answer is (or calls) memlab's reference.
+
+    Args:
+        ex: the exercise.
+        obj: the learner's answer.
+        limit: seconds for all of the checks.
+
+    Returns:
+        (status, message, note); the note is '' unless the answer is memlab's own.
+    """
+    found: list[str] = []
+    with _watch_reference(ex, found):
+        status, message = _run_checks(ex, obj, limit)
+    note = ""
+    if status == "pass":
+        note = _reference_note(obj, ex)
+        if not note and found:
+            note = f"calls the reference implementation ({found[0]}) from your code: no points"
+    return status, message, note
+
+
+def check(exercise_id: str, obj: Any, *, timeout: float | None = None, quiet: bool = False) -> CheckResult:
+    """Grade ``obj`` (your function or class) for ``exercise_id``; print and return the row.
+
+    Never raises: an exception of ``obj`` becomes ``error``, a leftover ``NotImplementedError``
+    stub ``todo``, an assertion of the check ``fail``, running past the time limit ``timeout``;
+    an unknown exercise id or a malformed ``MEMLAB_CHECK_TIMEOUT`` is an ``error`` row that says so.
+    Passing memlab's own implementation is a ``pass`` row with no points, flagged as such.
+
+    Inside the kernel that ``memlab grade`` starts, ``check`` only marks the cell: the grader
+    runs the checks itself, from a fresh import, right after this cell.
+
+    Args:
+        exercise_id: ``"NN.name"``, as the lab's check cell writes it.
+        obj: your function or class.
+        timeout: seconds for all of the exercise's checks (default: ``MEMLAB_CHECK_TIMEOUT``, else the
+            exercise's own limit).
+        quiet: do not print the row.
+
+    Returns:
+        The :class:`CheckResult` (also appended to ``RESULTS``).
+    """
+    if os.environ.get(GRADING_ENV) == "1":
+        return CheckResult(str(exercise_id), "graded later", 0.0, 0.0, "memlab grade runs this check itself")
+    start = time.perf_counter()
+    try:
+        ex = get_exercise(exercise_id)
+        limit = timeout if timeout is not None else (timeout_from_env() or ex.timeout)
+        if timeout is not None:
+            parse_seconds("timeout", timeout)
+    except Exception as exc:  # noqa: BLE001 - a typo in the id or the environment is a row, not a crash
+        result = CheckResult(str(exercise_id)[:60], "error", 0.0, 0.0, _short(_safe_str(exc)))
+    else:
+        status, message, note = run_checks_watched(ex, obj, limit)
+        points = ex.points if status == "pass" else 0.0
+        if note:
+            points, message = 0.0, note
+        result = CheckResult(exercise_id, status, points, ex.points, message, round(time.perf_counter() - start, 3))
+    RESULTS.append(result)
+    if not quiet:
+        print(result.row(), flush=True)
+        result._printed = True  # type: ignore[attr-defined]
+    return result
+
+
+# ----------------------------------------------------------------------------- the checks' fingerprint
+def _source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return f"<no source for {obj!r}>"
+
+
+def chapter_fingerprint(chapter: str) -> str:
+    """sha256 of what grades chapter ``NN``: its exercises, points, limits and the source of its checks.
+
+    The grader computes it in its own process and again inside the kernel after a fresh import;
+    the two must agree, or the kernel is not running memlab's checks.
+
+    Args:
+        chapter: the two-digit chapter number.
+
+    Returns:
+        The hex digest.
+    """
+    helpers = importlib.import_module(CHECKS_PACKAGE)
+    h = hashlib.sha256()
+    h.update(_source(helpers).encode())
+    h.update(_source(_run_checks).encode())
+    for ex in chapter_exercises(chapter):
+        h.update(json.dumps([ex.id, ex.points, ex.timeout]).encode())
+        for fn in ex.checks:
+            h.update(_source(fn).encode())
+    return h.hexdigest()
+
