@@ -251,7 +251,7 @@ def _solution(name: str) -> str:
 
 
 SOLVED_00 = [
-    "from memlab.grading import check\nimport torch\nfrom torch import nn\nfrom memlab.models import TinyGPT",
+    "from memlab.course.grading import check\nimport torch\nfrom torch import nn\nfrom memlab.models import TinyGPT",
     _solution("model_state_bytes"),
     "check('00.model_state_bytes', model_state_bytes)",
     _solution("optimizer_state_bytes"),

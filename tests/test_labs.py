@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _solution() -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     md = nbformat.v4.new_markdown_cell("# Lab")
-    setup = nbformat.v4.new_code_cell("from memlab.grading import check")
+    setup = nbformat.v4.new_code_cell("from memlab.course.grading import check")
     ex = nbformat.v4.new_code_cell(
         "def double(x):\n"
         '    """Twice x."""\n'
@@ -171,7 +171,7 @@ def test_marker_variants_are_stripped(begin, end):
     ids=["markdown", "raw", "begin-unclosed", "end-unopened", "nested", "inline"],
 )
 def test_bad_markers_are_one_line_errors_naming_file_and_cell(cells, problem):
-    nb = _nb(nbformat.v4.new_code_cell("from memlab.grading import check"), *cells, nbformat.v4.new_code_cell('check("00.x", f)'))
+    nb = _nb(nbformat.v4.new_code_cell("from memlab.course.grading import check"), *cells, nbformat.v4.new_code_cell('check("00.x", f)'))
     with pytest.raises(labs.LabBuildError, match=problem) as info:
         labs.build_lab(nb, name="solutions/07_bad.ipynb")
     message = str(info.value)

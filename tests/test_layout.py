@@ -154,3 +154,36 @@ def test_old_import_paths_re_export(old, new):
     assert public, f"{new} exports nothing"
     for name in public:
         assert getattr(old_mod, name) is getattr(new_mod, name), f"{old}.{name} is not {new}.{name}"
+
+
+def test_contributing_map_names_existing_paths():
+    """Every path in CONTRIBUTING.md's map (technique modules, tests, checks, mutants) exists."""
+    import re
+
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    start = text.index("## The map")
+    rows = [ln for ln in text[start:].splitlines() if re.match(r"^\| 0\d \|", ln)]
+    assert len(rows) == 9, "the map has one row per chapter 00-08"
+    missing = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        tech, tests, checks, mutants = cells[1], cells[2], cells[3], cells[4]
+        for name in re.findall(r"`([\w/.]+)`", tech.split("(")[0] + " " + " ".join(
+                re.findall(r"^`[\w/.]+`|, `[\w/.]+`(?![^(]*\))", tech))):
+            if not (PKG / name).exists():
+                missing.append(f"utils/memlab/{name}")
+        for name in re.findall(r"`([\w/.]+)`", tests):
+            if not (ROOT / "tests" / name).exists():
+                missing.append(f"tests/{name}")
+        for name in re.findall(r"`(ch\d\d\.py)`", checks):
+            if not (PKG / "course" / "checks" / name).exists():
+                missing.append(name)
+        for name in re.findall(r"`(ch\d\d\.py)`", mutants):
+            if not (ROOT / "tests" / "mutants" / name).exists():
+                missing.append(f"mutants/{name}")
+        # the files named inside a package's parentheses
+        for pkg, inner in re.findall(r"`([\w]+/)` \(([^)]*)\)", tech):
+            for name in re.findall(r"`([\w.]+\.(?:py|cpp))`", inner):
+                if not (PKG / pkg / name).exists():
+                    missing.append(f"utils/memlab/{pkg}{name}")
+    assert not missing, f"CONTRIBUTING.md's map names paths that do not exist: {missing}"

@@ -274,3 +274,15 @@ def test_one_vocabulary_bf16_is_mixed_and_adam8bit_is_adamw8bit():
     assert mixed.dtype == "bf16-mixed" and pure.dtype == "bf16-pure"
     # fp32 weights vs bf16 ones (fp32 buffers such as RoPE's inv_freq stay fp32 in both)
     assert mixed.n_params == pure.n_params and 1.99 < mixed.breakdown["parameters"] / pure.breakdown["parameters"] < 2
+
+
+def test_trace_cache_key_covers_existing_sources():
+    """Each source pattern the trace cache hashes names files that exist: a module that moved (profiler.py ->
+    profiler/) would otherwise drop out of the key, and edits to it would not re-trace."""
+    from pathlib import Path
+
+    from memlab.plan import stacks
+
+    here = Path(stacks.__file__).resolve().parents[1]
+    empty = [p for p in stacks._TRACED_SOURCES if not list(here.glob(p))]
+    assert not empty, f"trace cache patterns matching no file: {empty}"

@@ -235,7 +235,7 @@ def test_the_old_path_passes_the_graders_module_check():
     import sys
 
     import memlab.ckpt as old
-    from memlab.grading import verify_memlab_modules
+    from memlab.course.grading import verify_memlab_modules
 
     assert old is ckpt and sys.modules["memlab.ckpt"] is sys.modules["memlab.training_state"]
     assert verify_memlab_modules() == ""

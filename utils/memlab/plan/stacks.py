@@ -129,8 +129,9 @@ _CACHE: dict[tuple, Any] = {}
 _CACHE_MAX = 512
 _SOURCES_HASH: list[str] = []
 # memlab's modules a trace runs: edited code re-traces
-_TRACED_SOURCES = ("estimate/*.py", "plan/*.py", "profiler.py", "lora.py", "quant.py", "models.py", "accounting.py",
-                   "adapters.py", "cuda_rules.py")
+_TRACED_SOURCES = ("estimate/*.py", "plan/*.py", "profiler/*.py", "core/*.py", "quant/*.py", "models/*.py",
+                   "checkpoint/*.py", "attention/*.py", "offload/*.py", "lora.py", "accounting.py", "adapters.py",
+                   "cuda_rules.py", "hub.py")
 
 
 def trace_cache_dir() -> Path | None:
@@ -161,7 +162,7 @@ def _versions() -> str:
         here = Path(__file__).resolve().parents[1]
         for pattern in _TRACED_SOURCES:
             for f in sorted(here.glob(pattern)):
-                h.update(f.name.encode() + f.read_bytes())
+                h.update(str(f.relative_to(here)).encode() + f.read_bytes())
         try:
             ver = md.version("memlab")
         except md.PackageNotFoundError:

@@ -13,9 +13,9 @@
                     (forward, backward or optimizer step, fake tensors included) fails; graded exactly against
                     the measurement (MemoryTracker on the real run): the smallest omissions are 4-12 B
 
-The references are memlab.train.cheapest_stack, memlab.train.back_off, memlab.ckpt.atomic_write and
+The references are memlab.train.cheapest_stack, memlab.train.back_off, memlab.training_state.atomic_write and
 predict_peak_formula here (a formula; memlab.train.estimate_stack_peak traces the same step on fake tensors);
-tests/test_train.py, tests/test_ckpt.py and tests/test_checks_ch07.py test them.
+tests/test_train.py, tests/test_training_state.py and tests/test_checks_ch07.py test them.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from memlab import ckpt, train
+from memlab import train, training_state
 from memlab.course.checks import expect, expect_equal, register
 from memlab.plan import Stack
 
@@ -98,7 +98,7 @@ _BACK_OFF_CASES = [
     Stack(micro_batch=12, grad_accum=1, precision="bf16-mixed", optimizer="adamw-fused", attention="eager"),
     Stack(micro_batch=3, grad_accum=4, checkpointing="every-k", ckpt_every=2),
     Stack(micro_batch=1, grad_accum=16),
-    Stack(micro_batch=1, grad_accum=8, checkpointing="every-k", ckpt_every=3, precision="bf16"),
+    Stack(micro_batch=1, grad_accum=8, checkpointing="every-k", ckpt_every=3, precision="bf16-pure"),
     Stack(micro_batch=1, grad_accum=8, checkpointing="full"),
 ]
 
@@ -226,7 +226,7 @@ def _killed_in_child(fn, path: Path, chunks: list[bytes], kill_after: int) -> in
     return status
 
 
-@register("07.atomic_write", reference=lambda: ckpt.atomic_write, title="atomic checkpoint writer", timeout=120)
+@register("07.atomic_write", reference=lambda: training_state.atomic_write, title="atomic checkpoint writer", timeout=120)
 def check_atomic_write(fn) -> None:
     expect(callable(fn), f"atomic_write: expected a function, got {type(fn).__name__}")
     d = Path(tempfile.mkdtemp(prefix="memlab-07-"))
