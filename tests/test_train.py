@@ -204,7 +204,7 @@ def test_bad_arguments():
     m = model()
     with pytest.raises(ValueError, match=r"stacks\[1\]: micro_batch=2 x grad_accum=2 = 4; allowed: effective_batch=8"):
         BudgetTrainer(m, None, stacks=[A, Stack(micro_batch=2, grad_accum=2)], effective_batch=8, seq_len=T)
-    with pytest.raises(ValueError, match=r"stacks\[0\].optimizer='adam8bit'"):
+    with pytest.raises(ValueError, match=r"stacks\[0\].optimizer='adamw8bit'"):
         BudgetTrainer(m, None, stacks=[Stack(optimizer="adam8bit", micro_batch=8)], effective_batch=8, seq_len=T)
     with pytest.raises(ValueError, match="budget=-1"):
         BudgetTrainer(m, -1, stacks=[A], effective_batch=8, seq_len=T)
