@@ -80,6 +80,19 @@ RECIPE_ALIASES: dict[str, str] = {
 OPTIMIZER_ALIASES: dict[str, str] = {"adam8bit": "adamw8bit", "adamw-8bit": "adamw8bit", "adamw_8bit": "adamw8bit"}
 
 
+def _parse(cls: type[Enum], aliases: dict[str, str], name: Any, argument: str) -> Any:
+    """The member of ``cls`` that ``name`` (a member, a value or an alias) means, else :func:`invalid`."""
+    if isinstance(name, cls):
+        return name
+    if isinstance(name, str):
+        key = aliases.get(name.strip().lower(), name.strip().lower())
+        for member in cls:
+            if member.value == key:
+                return member
+    raise invalid(argument, name, ", ".join(repr(m.value) for m in cls)
+                  + " (aliases: " + ", ".join(f"{a!r}={b!r}" for a, b in aliases.items()) + ")")
+
+
 def recipe(name: Any, *, argument: str = "recipe") -> Recipe:
     """The :class:`Recipe` a spelling means (``"bf16"`` is bf16 mixed precision).
 
@@ -89,16 +102,11 @@ def recipe(name: Any, *, argument: str = "recipe") -> Recipe:
 
     Returns:
         The Recipe.
+
+    Raises:
+        ValueError: naming ``argument``, the value and the allowed spellings.
     """
-    if isinstance(name, Recipe):
-        return name
-    if isinstance(name, str):
-        key = RECIPE_ALIASES.get(name.strip().lower(), name.strip().lower())
-        for r in Recipe:
-            if r.value == key:
-                return r
-    raise invalid(argument, name, ", ".join(repr(r.value) for r in Recipe)
-                  + " (aliases: " + ", ".join(f"{a!r}={b!r}" for a, b in RECIPE_ALIASES.items()) + ")")
+    return _parse(Recipe, RECIPE_ALIASES, name, argument)
 
 
 def optimizer(name: Any, *, argument: str = "optimizer") -> Optimizer:
@@ -110,13 +118,8 @@ def optimizer(name: Any, *, argument: str = "optimizer") -> Optimizer:
 
     Returns:
         The Optimizer.
+
+    Raises:
+        ValueError: naming ``argument``, the value and the allowed spellings.
     """
-    if isinstance(name, Optimizer):
-        return name
-    if isinstance(name, str):
-        key = OPTIMIZER_ALIASES.get(name.strip().lower(), name.strip().lower())
-        for o in Optimizer:
-            if o.value == key:
-                return o
-    raise invalid(argument, name, ", ".join(repr(o.value) for o in Optimizer)
-                  + " (aliases: " + ", ".join(f"{a!r}={b!r}" for a, b in OPTIMIZER_ALIASES.items()) + ")")
+    return _parse(Optimizer, OPTIMIZER_ALIASES, name, argument)
