@@ -346,7 +346,16 @@ _PREDICT_CASES = [
 
 def predict_peak_formula(model_fn, stack: Stack, seq_len: int) -> int:
     """The reference: chapter 07's peak of a TinyGPT step (fp32, AdamW foreach=False, SDPA, no checkpointing),
-    derived term by term from the config and the stack; nothing runs but the model's constructor."""
+    derived term by term from the config and the stack; nothing runs but the model's constructor.
+
+    Args:
+        model_fn: a zero-argument function returning the TinyGPT (only its config is read).
+        stack: the micro-batch and gradient-accumulation settings.
+        seq_len: tokens per sequence.
+
+    Returns:
+        The predicted peak in bytes, the larger of the backward and optimizer-step peaks.
+    """
     cfg = model_fn().config
     V, bs, L, a, h = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd
     mb, ga, E, s, f = stack.micro_batch, stack.grad_accum, stack.effective_batch, seq_len, 4
