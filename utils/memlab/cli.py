@@ -52,11 +52,24 @@ def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
 
 def one_line_errors() -> None:
     """Make every argparse parser of this process report an argument error in one line (the
-    ``memlab`` command calls it first; a parser class that overrides ``error`` keeps its own)."""
+    ``memlab`` command calls it first; a parser class that overrides ``error`` keeps its own).
+
+    Returns:
+        None.
+    """
     argparse.ArgumentParser.error = _one_line_error  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``memlab`` command.
+
+    Args:
+        argv: the arguments after ``memlab`` (None: ``sys.argv[1:]``).
+
+    Returns:
+        The command's exit status; 2 for an unknown command or a missing optional package. An
+        argument error raises SystemExit(2) after one line on stderr.
+    """
     original = argparse.ArgumentParser.error
     one_line_errors()
     try:

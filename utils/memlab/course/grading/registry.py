@@ -40,6 +40,11 @@ class CheckResult:
         return self.status == "pass"
 
     def row(self) -> str:
+        """This result as one row of the report (see :func:`format_row`).
+
+        Returns:
+            The row's text.
+        """
         return format_row(self)
 
     def __str__(self) -> str:
@@ -118,6 +123,9 @@ def load_chapter(chapter: str) -> None:
 
     Args:
         chapter: the two-digit chapter number, ``"03"``.
+
+    Returns:
+        None.
     """
     importlib.import_module(f"{CHECKS_PACKAGE}.ch{chapter}")
 
