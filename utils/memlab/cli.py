@@ -15,7 +15,7 @@ An argument error is one line on stderr, ``memlab estimate: error: ... (memlab e
 for usage)``, exit code 2: every command's argparse parser prints its usage only for ``--help``.
 ``memlab grade`` and ``memlab labs`` parse their arguments before anything heavy is imported;
 so do ``estimate`` and ``plan``, whose parsers live in the torch-free :mod:`memlab.cli_args`
-(an argument error in well under a second instead of after the 1-4 s torch import). ``bench``
+(an argument error comes before the torch import, not after it). ``bench``
 defines its parser in a module that imports torch, so its argument errors come after that import.
 """
 from __future__ import annotations

@@ -8,8 +8,8 @@
                        merge / unmerge, alpha / r that is not an integer
 06.predict_qlora_bytes predict the bytes of a QLoRA model from the float model; graded exactly (the count is exact)
 
-The references are memlab.quant and memlab.lora, which tests/test_quant.py and tests/test_lora.py
-prove bit-exact against bitsandbytes and equal to peft.
+The references are memlab.quant and memlab.lora, tested bit-exact against bitsandbytes and
+equal to peft.
 """
 from __future__ import annotations
 

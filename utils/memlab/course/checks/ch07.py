@@ -11,11 +11,10 @@
 07.predict_peak     derive the tracked peak of a BudgetTrainer step (TinyGPT, fp32, AdamW, SDPA, no
                     checkpointing) as a formula over the config and the stack: a function that runs the model
                     (forward, backward or optimizer step, fake tensors included) fails; graded exactly against
-                    the measurement (MemoryTracker on the real run): the smallest omissions are 4-12 B
+                    the measurement (MemoryTracker on the real run): the smallest omissions are a few bytes
 
 The references are memlab.train.cheapest_stack, memlab.train.back_off, memlab.training_state.atomic_write and
-predict_peak_formula here (a formula; memlab.train.estimate_stack_peak traces the same step on fake tensors);
-tests/test_train.py, tests/test_training_state.py and tests/test_checks_ch07.py test them.
+predict_peak_formula here (a formula; memlab.train.estimate_stack_peak traces the same step on fake tensors).
 """
 from __future__ import annotations
 

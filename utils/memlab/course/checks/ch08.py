@@ -13,8 +13,7 @@
                        stages 0-3 at the optimizer step (the model state at the peak: the paper's formula),
                        exactly, against ranks measured on 2 processes (an odd vocabulary; tied embeddings)
 
-The references live in memlab.distributed; tests/test_distributed.py proves them against
-single-process training and FSDP2.
+The references live in memlab.distributed, tested against single-process training and FSDP2.
 """
 from __future__ import annotations
 
