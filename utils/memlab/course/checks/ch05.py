@@ -466,6 +466,7 @@ def check_triton_forward(kernel):
 
     Raises:
         AssertionError: naming the first input where ``kernel`` is wrong, its answer and the expected one.
+        NotImplementedError: the kernel is still the lab's stub (graded as todo).
     """
     expect(type(kernel).__module__.startswith("triton") and hasattr(kernel, "__getitem__"),
            f"expected a @triton.jit kernel, got {type(kernel).__name__}"
