@@ -82,7 +82,7 @@ def register(
 ) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
     """Decorator for a check function ``fn(obj)`` that raises AssertionError when ``obj`` is wrong.
 
-    ``reference`` returns memlab's own implementation of the exercise; tests/ run every check
+    ``reference`` returns memlab's own implementation of the exercise; the test suite runs every check
     against it so the package and the grader cannot drift apart. Several checks may be
     registered for one exercise; they run in order and the first failure is reported.
 
