@@ -459,7 +459,7 @@ def check_triton_forward(kernel):
     """Grade exercise ``05.triton_forward``: FA2 forward in Triton (interpreter on CPU).
 
     Args:
-        kernel: the learner's Triton kernel, held against the reference ``triton_forward_reference``.
+        kernel: the learner's Triton kernel, held against memlab's ``flash_fwd_kernel`` (:func:`triton_forward_reference`).
 
     Returns:
         None: the check passes silently.
