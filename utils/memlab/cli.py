@@ -15,7 +15,7 @@ An argument error is one line on stderr, ``memlab estimate: error: ... (memlab e
 for usage)``, exit code 2: every command's argparse parser prints its usage only for ``--help``.
 ``memlab grade`` and ``memlab labs`` parse their arguments before anything heavy is imported;
 so do ``estimate`` and ``plan``, whose parsers live in the torch-free :mod:`memlab.cli_args`
-(an argument error in well under a second instead of after the 1-4 s torch import). ``bench``
+(an argument error comes before the torch import, not after it). ``bench``
 defines its parser in a module that imports torch, so its argument errors come after that import.
 """
 from __future__ import annotations
@@ -52,11 +52,24 @@ def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
 
 def one_line_errors() -> None:
     """Make every argparse parser of this process report an argument error in one line (the
-    ``memlab`` command calls it first; a parser class that overrides ``error`` keeps its own)."""
+    ``memlab`` command calls it first; a parser class that overrides ``error`` keeps its own).
+
+    Returns:
+        None.
+    """
     argparse.ArgumentParser.error = _one_line_error  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``memlab`` command.
+
+    Args:
+        argv: the arguments after ``memlab`` (None: ``sys.argv[1:]``).
+
+    Returns:
+        The command's exit status; 2 for an unknown command or a missing optional package. An
+        argument error raises SystemExit(2) after one line on stderr.
+    """
     original = argparse.ArgumentParser.error
     one_line_errors()
     try:

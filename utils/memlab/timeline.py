@@ -399,6 +399,9 @@ class Timeline:
 
         Args:
             **kwargs: passed to :meth:`html`.
+
+        Returns:
+            None.
         """
         from IPython.display import HTML, display
 

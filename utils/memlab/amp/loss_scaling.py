@@ -402,7 +402,14 @@ class DynamicLossScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Args: new_factor: the factor S grows by from now on."""
+        """Set the factor S grows by, from now on.
+
+        Args:
+            new_factor: the new value.
+
+        Returns:
+            None.
+        """
         self._growth_factor = new_factor
 
     def get_backoff_factor(self) -> float:
@@ -410,7 +417,14 @@ class DynamicLossScaler:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Args: new_factor: the factor S shrinks by from now on."""
+        """Set the factor S shrinks by, from now on.
+
+        Args:
+            new_factor: the new value.
+
+        Returns:
+            None.
+        """
         self._backoff_factor = new_factor
 
     def get_growth_interval(self) -> int:
@@ -418,7 +432,14 @@ class DynamicLossScaler:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Args: new_interval: the clean steps in a row before S grows, from now on."""
+        """Set the clean steps in a row before S grows, from now on.
+
+        Args:
+            new_interval: the new value.
+
+        Returns:
+            None.
+        """
         self._growth_interval = new_interval
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,17 +1,12 @@
 """GPUs by name and true size: what the driver reports, and what a training step can use.
 
-A card sold as "24 GB" has 24 GiB (RTX 3090: 24576 MiB in ``nvidia-smi``); an "80 GB" H100 shows
-81559 MiB in ``nvidia-smi`` and 79.18 GiB in ``torch.cuda.get_device_properties(0).total_memory``
-(85,017,493,504 B, measured on an H100 80GB HBM3, driver 580, CUDA 13, torch 2.11:
-``results/h100/estimator_probe.json``). The totals below are ``nvidia-smi``'s, each from a
-public log named in ``source``; where PyTorch's own total was measured it is given too
-(``torch_total_bytes``) and used.
-
-Not all of it is PyTorch's: the CUDA context (driver state, kernels loaded lazily, the cuBLAS
-handle) takes memory outside the caching allocator. Measured on the same H100 as
-``total - free - reserved`` from ``torch.cuda.mem_get_info()``: 619 MiB after the first CUDA tensor,
-685 MiB after the first matmul. :data:`CONTEXT_RESERVE_BYTES` is that figure; it varies with the
-driver, the CUDA version and the libraries loaded (measure yours with ``torch.cuda.mem_get_info``).
+A card sold as "N GB" reports its size in MiB (``nvidia-smi``); the totals below are ``nvidia-smi``'s,
+each from the public log or measurement named in ``source``, and PyTorch's own total
+(``torch.cuda.get_device_properties(0).total_memory``) is given and used where it was measured.
+Not all of it is PyTorch's: the CUDA context (driver state, lazily loaded kernels, the cuBLAS
+handle) takes memory outside the caching allocator, ``total - free - reserved`` from
+``torch.cuda.mem_get_info()``. :data:`CONTEXT_RESERVE_BYTES` is one measured figure of it; it varies
+with the driver, the CUDA version and the libraries loaded (measure yours with ``torch.cuda.mem_get_info``).
 """
 from __future__ import annotations
 
@@ -20,8 +15,8 @@ from dataclasses import dataclass
 
 from memlab.core.units import GiB, MiB  # noqa: F401  (memlab.gpus.MiB/GiB: old names)
 
-# total - free - reserved after the first matmul, H100 80GB HBM3, torch 2.11 + CUDA 13
-# (results/h100/estimator_probe.json: after_matmul.context = 718,077,952 B)
+# measured: total - free - reserved after the first matmul, H100 80GB HBM3, driver 580, torch 2.11 + CUDA 13
+# (results/h100/estimator_probe.json: after_matmul.context = 718,077,952 B; 619 MiB after the first tensor)
 CONTEXT_RESERVE_BYTES = 718_077_952
 CONTEXT_RESERVE_SOURCE = "measured on an H100 80GB, torch 2.11, CUDA 13 (results/h100/estimator_probe.json)"
 
@@ -90,23 +85,50 @@ CAPABILITIES: dict[str, Capability] = {
 
 
 def capability(name: str) -> Capability | None:
-    """The compute capability of the card called ``name`` (aliases as :func:`find_gpu`), else None."""
+    """The compute capability of the card called ``name`` (aliases as :func:`find_gpu`), else None.
+
+    Args:
+        name: a card's name or alias.
+
+    Returns:
+        The :class:`Capability`, or None for an unknown card.
+    """
     key = str(name).strip().lower().replace("_", "-").replace(" ", "")
     key = ALIASES.get(key, key)
     return CAPABILITIES.get(key) or CAPABILITIES.get(key.split("-")[0])
 
 
 def gpu_names() -> list[str]:
+    """The names of every GPU preset.
+
+    Returns:
+        The preset names, sorted.
+    """
     return sorted(GPUS)
 
 
 def find_gpu(name: str) -> GPU | None:
-    """The preset called ``name`` (case-insensitive, aliases such as ``h100``), else None."""
+    """The preset called ``name`` (case-insensitive, aliases such as ``h100``), else None.
+
+    Args:
+        name: a preset's name or alias.
+
+    Returns:
+        The :class:`GPU`, or None for an unknown name.
+    """
     key = str(name).strip().lower().replace("_", "-").replace(" ", "")
     key = ALIASES.get(key, key)
     return GPUS.get(key)
 
 
 def suggest(name: str) -> str:
+    """A hint for an unknown GPU name: the closest preset names and aliases.
+
+    Args:
+        name: the name that was not found.
+
+    Returns:
+        ``" (did you mean a, b?)"``, or ``""`` when nothing is close.
+    """
     close = difflib.get_close_matches(str(name).lower(), list(GPUS) + list(ALIASES), n=3, cutoff=0.5)
     return f" (did you mean {', '.join(close)}?)" if close else ""

@@ -163,6 +163,9 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
         Args:
             param_group: ``{"params": [...], **hyper-parameters}`` as for ``torch.optim.Optimizer``.
 
+        Returns:
+            None.
+
         Raises:
             ValueError: a bad hyper-parameter, a non-floating-point parameter, or parameters on two devices.
         """
@@ -211,7 +214,11 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
                 self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(self)))
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks from the parameters (the optimizer then gathers grads in step())."""
+        """Detach the gradient hooks from the parameters (the optimizer then gathers grads in step()).
+
+        Returns:
+            None.
+        """
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -438,7 +445,11 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
 
     @torch.no_grad()
     def flush(self) -> None:
-        """``delay_update=True``: wait for the update still running and copy its weights to the model (end of training)."""
+        """``delay_update=True``: wait for the update still running and copy its weights to the model (end of training).
+
+        Returns:
+            None.
+        """
         self._copy_back_delayed()
         if self.cuda:
             torch.cuda.current_stream(self._device).wait_stream(self._h2d_stream)
@@ -458,6 +469,9 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
 
         Args:
             set_to_none: set ``p.grad = None`` instead of zeroing it.
+
+        Returns:
+            None.
         """
         if self.step_in_backward:
             self._drain()  # (a delayed update keeps running: it reads its own gradient buffer)
@@ -482,6 +496,9 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
 
         Args:
             state_dict: from :meth:`state_dict` (keys ``"state"`` and ``"param_groups"``).
+
+        Returns:
+            None.
 
         Raises:
             ValueError: not such a dict.

@@ -91,6 +91,9 @@ def run_search(search: _Search, live: list[PlanRow], top: int, bar: Any = None) 
         live: the rows not dominated, in ranking order.
         top: stop after this many rows that fit.
         bar: a progress bar (tqdm) or None.
+
+    Returns:
+        None; ``search`` holds the traces taken and the rows decided along the way are updated.
     """
     L = search.L
     lines: dict[tuple, list[PlanRow]] = {}

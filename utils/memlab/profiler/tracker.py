@@ -411,6 +411,9 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
             nbytes: the bytes, an int >= 0.
             category: one of :data:`CATEGORIES`.
 
+        Returns:
+            None.
+
         Raises:
             ValueError: naming a bad ``nbytes`` or ``category``.
         """

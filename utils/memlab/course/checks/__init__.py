@@ -26,7 +26,18 @@ _DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Co
 
 
 def expect(condition: bool, message: str) -> None:
-    """Fail with ``message`` unless ``condition`` holds."""
+    """Fail with ``message`` unless ``condition`` holds.
+
+    Args:
+        condition: what the check requires.
+        message: the failure message (what was expected, what came back).
+
+    Returns:
+        None.
+
+    Raises:
+        AssertionError: ``message``, when ``condition`` is false.
+    """
     if not condition:
         raise AssertionError(message)
 
@@ -51,7 +62,15 @@ def _is_tensor_type(t: type) -> bool:
 
 def exact_type(got: Any, kind: type | tuple[type, ...]) -> bool:
     """Whether ``type(got)`` is exactly ``kind`` (or one of them): subclasses do not count, except
-    the standard library's dict subclasses for ``dict`` and ``nn.Parameter`` for ``torch.Tensor``."""
+    the standard library's dict subclasses for ``dict`` and ``nn.Parameter`` for ``torch.Tensor``.
+
+    Args:
+        got: the learner's value.
+        kind: the allowed type, or a tuple of them (an int also passes as a float).
+
+    Returns:
+        True when the type matches, else False.
+    """
     kinds = kind if isinstance(kind, tuple) else (kind,)
     t = type(got)
     for k in kinds:
@@ -63,7 +82,19 @@ def exact_type(got: Any, kind: type | tuple[type, ...]) -> bool:
 
 
 def expect_type(name: str, got: Any, kind: type | tuple[type, ...]) -> None:
-    """Fail unless ``got``'s type is exactly ``kind`` (see :func:`exact_type`)."""
+    """Fail unless ``got``'s type is exactly ``kind`` (see :func:`exact_type`).
+
+    Args:
+        name: what the value is, for the message (an expression such as ``fn(3)``).
+        got: the learner's value.
+        kind: the allowed type, or a tuple of them.
+
+    Returns:
+        None.
+
+    Raises:
+        AssertionError: naming the expected type and the type (and value) that came back.
+    """
     names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
     expect(exact_type(got, kind), f"{name}: expected a {names}, got {_type_name(type(got))} ({_repr(got, 80)})")
 
@@ -143,7 +174,15 @@ def _compare(got: Any, want: Any, path: str) -> None:
 
 
 def same_value(got: Any, want: Any) -> bool:
-    """Whether ``got`` equals the reference answer ``want``, with exact types (see :func:`expect_equal`)."""
+    """Whether ``got`` equals the reference answer ``want``, with exact types (see :func:`expect_equal`).
+
+    Args:
+        got: the learner's value.
+        want: the reference's value; its type decides how the two are compared.
+
+    Returns:
+        True when they are equal with exact types, else False.
+    """
     try:
         _compare(got, want, "")
     except (_TypeMismatch, _ValueMismatch):
@@ -156,6 +195,17 @@ def expect_equal(name: str, got: Any, want: Any) -> None:
 
     Containers are compared element by element (dicts key by key), so the learner's own ``==``
     is never the judge: an ``int`` subclass that says yes to everything fails here.
+
+    Args:
+        name: what the value is, for the message.
+        got: the learner's value.
+        want: the reference's value.
+
+    Returns:
+        None.
+
+    Raises:
+        AssertionError: naming the first element with the wrong type, or the value and the expected one.
     """
     try:
         _compare(got, want, "")
@@ -167,7 +217,22 @@ def expect_equal(name: str, got: Any, want: Any) -> None:
 
 
 def expect_close(name: str, got: Any, want: float, rtol: float = 1e-6, atol: float = 0.0) -> None:
-    """Fail unless ``got`` is a Python number (exactly float or int) within the tolerance of ``want``."""
+    """Fail unless ``got`` is a Python number (exactly float or int) within the tolerance of ``want``.
+
+    Args:
+        name: what the value is, for the message.
+        got: the learner's number.
+        want: the reference's number.
+        rtol: relative tolerance, as a fraction of ``abs(want)``.
+        atol: absolute tolerance.
+
+    Returns:
+        None.
+
+    Raises:
+        AssertionError: when ``got`` is not a Python number (a tensor gets a hint to call ``.item()``), is not
+            finite, or is outside ``atol + rtol * abs(want)``; the message gives both values and the tolerance.
+    """
     if type(got) not in (float, int):
         raise AssertionError(f"{name}: expected a number (a Python float), got {_type_name(type(got))} ({_repr(got, 80)})"
                              + ("; return .item() of the tensor" if _is_tensor_type(type(got)) else ""))
@@ -177,7 +242,21 @@ def expect_close(name: str, got: Any, want: float, rtol: float = 1e-6, atol: flo
 
 
 def expect_tensor_close(name: str, got: Any, want: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    """Shapes and dtypes must match; values within tolerance. Reports the max abs diff."""
+    """Shapes and dtypes must match; values within tolerance. Reports the max abs diff.
+
+    Args:
+        name: what the tensor is, for the message.
+        got: the learner's tensor.
+        want: the reference's tensor.
+        rtol: relative tolerance (as in :func:`torch.allclose`).
+        atol: absolute tolerance.
+
+    Returns:
+        None.
+
+    Raises:
+        AssertionError: naming a wrong type, shape or dtype, or the largest absolute difference.
+    """
     import torch
 
     expect_type(name, got, torch.Tensor)

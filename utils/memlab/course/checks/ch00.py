@@ -10,6 +10,17 @@ from memlab.course.checks import expect, expect_equal, expect_type, register
 
 @register("00.model_state_bytes", reference=lambda: ref.model_state_bytes, title="bytes of weights, grads, optimizer")
 def check_model_state_bytes(fn):
+    """Grade exercise ``00.model_state_bytes``: bytes of weights, grads, optimizer.
+
+    Args:
+        fn: the learner's function, held against the reference ``ref.model_state_bytes``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     for n in (0, 1, 1000, 7_000_000_000):
         for recipe in ("fp32-adamw", "fp32-sgd", "mixed-adamw"):
             got = fn(n, recipe)
@@ -37,6 +48,17 @@ def _stepped(opt_factory, dtype: torch.dtype = torch.float32) -> torch.optim.Opt
 
 @register("00.optimizer_state_bytes", reference=lambda: ref.optimizer_state_bytes, title="count an optimizer's state")
 def check_optimizer_state_bytes(fn):
+    """Grade exercise ``00.optimizer_state_bytes``: count an optimizer's state.
+
+    Args:
+        fn: the learner's function, held against the reference ``ref.optimizer_state_bytes``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     cases = {
         "a fresh AdamW (no step yet)": _model_opt_fresh(),
         "AdamW after one step": _stepped(lambda p: torch.optim.AdamW(p, lr=1e-3)),
@@ -84,6 +106,17 @@ def _model_opt_fresh() -> torch.optim.Optimizer:
 @register("00.activation_bytes", reference=lambda: ref.activation_bytes_per_layer, title="activation bytes per layer")
 def check_activation_bytes(fn):
     # the last two: h does not divide a*s (5*a*s/h is not an integer: no integer division)
+    """Grade exercise ``00.activation_bytes``: activation bytes per layer.
+
+    Args:
+        fn: the learner's function, held against the reference ``ref.activation_bytes_per_layer``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     for s, b, h, a in ((2048, 1, 4096, 32), (4096, 4, 8192, 64), (128, 8, 768, 12), (64, 2, 128, 4),
                        (100, 3, 96, 7), (33, 1, 40, 5)):
         got = fn(s, b, h, a)
@@ -122,6 +155,17 @@ class _Block(nn.Module):
 
 @register("00.saved_bytes", reference=lambda: ref.saved_activation_bytes, title="measure saved activations")
 def check_saved_bytes(fn):
+    """Grade exercise ``00.saved_bytes``: measure saved activations.
+
+    Args:
+        fn: the learner's function, held against the reference ``ref.saved_activation_bytes``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     torch.manual_seed(0)
     x = torch.randn(4, 16, 32, requires_grad=True)
     block = _Block()
@@ -187,7 +231,16 @@ PEAK_TOLERANCE = 0.04
 
 
 def measured_step_peak(config, batch_size: int, seq_len: int) -> tuple[int, str]:
-    """(peak bytes, phase) of the second fp32 AdamW step of TinyGPT(config), tracked on the CPU."""
+    """(peak bytes, phase) of the second fp32 AdamW step of TinyGPT(config), tracked on the CPU.
+
+    Args:
+        config: the TinyGPT config to build.
+        batch_size: sequences per step.
+        seq_len: tokens per sequence.
+
+    Returns:
+        ``(peak_bytes, peak_phase)`` from :class:`memlab.profiler.MemoryTracker`.
+    """
     from memlab.models import TinyGPT
     from memlab.profiler import MemoryTracker
 
@@ -208,6 +261,17 @@ def measured_step_peak(config, batch_size: int, seq_len: int) -> tuple[int, str]
 @register("00.predict_peak", reference=lambda: ref.tinygpt_step_peak, timeout=120,
           title="predict a training step's peak, then measure it")
 def check_predict_peak(fn):
+    """Grade exercise ``00.predict_peak``: predict a training step's peak, then measure it.
+
+    Args:
+        fn: the learner's function, held against the reference ``ref.tinygpt_step_peak``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     from memlab.models import TinyGPTConfig
 
     for n_layer, n_embd, n_head, b, s in PEAK_CASES:

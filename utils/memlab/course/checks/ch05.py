@@ -39,6 +39,17 @@ def _attn_lse(q, k, v, scale=None):
 # ----------------------------------------------------------------------------- 05.merge_partials
 @register("05.merge_partials", reference=lambda: ref.merge_partials, title="merge two partial softmax results")
 def check_merge_partials(fn):
+    """Grade exercise ``05.merge_partials``: merge two partial softmax results.
+
+    Args:
+        fn: the learner's function, held against the reference ``ref.merge_partials``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     q, k, v = _randn(2, 5, 8, seed=1), _randn(2, 9, 8, seed=2), _randn(2, 9, 4, seed=3)
     for cut, mult in ((4, 1.0), (1, 1.0), (8, 1.0), (3, 1000.0)):
         qq = q * mult  # scores in the thousands: exp() of them overflows even in fp64 unless you subtract a max
@@ -120,7 +131,18 @@ class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
 
 # ----------------------------------------------------------------------------- 05.chunked_forward
 def chunked_forward_reference(q, k, v, kv_chunk, causal=False):
-    """memlab's answer: all queries at once, keys kv_chunk at a time; (output, logsumexp in fp32 or fp64)."""
+    """memlab's answer: all queries at once, keys kv_chunk at a time; (output, logsumexp in fp32 or fp64).
+
+    Args:
+        q: queries ``(..., Lq, d)``.
+        k: keys ``(..., Lk, d)``.
+        v: values ``(..., Lk, dv)``.
+        kv_chunk: keys per chunk.
+        causal: whether query i sees only keys j <= i.
+
+    Returns:
+        ``(output, logsumexp)``, shaped ``(..., Lq, dv)`` and ``(..., Lq)``.
+    """
     q4, k4, v4 = (t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v))
     o, lse = ref.chunked_attention(q4, k4, v4, kv_chunk=kv_chunk, q_chunk=q.shape[-2], causal=_lab_causal(causal),
                                    return_lse=True)
@@ -142,6 +164,17 @@ def _forward_extra_peak(fn, lq, lk, d, chunk):
 @register("05.chunked_forward", reference=lambda: chunked_forward_reference, title="online-softmax forward over key chunks",
           timeout=120)
 def check_chunked_forward(fn):
+    """Grade exercise ``05.chunked_forward``: online-softmax forward over key chunks.
+
+    Args:
+        fn: the learner's function, held against the reference ``chunked_forward_reference``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     q, k, v = _randn(2, 3, 7, 8, seed=4), _randn(2, 3, 13, 8, seed=5), _randn(2, 3, 13, 6, seed=6)
     for chunk, mult in ((4, 1.0), (5, 1.0), (1, 1.0), (13, 1.0), (100, 1.0), (3, 1000.0)):
         qq = q * mult
@@ -194,7 +227,17 @@ def check_chunked_forward(fn):
 
 # ----------------------------------------------------------------------------- 05.flash_backward
 def flash_backward_reference(q, k, v, o, lse, do, causal=False, block=16):
-    """memlab's answer: FA2's backward (Algorithm 2) in block x block tiles, skipping fully masked tiles."""
+    """memlab's answer: FA2's backward (Algorithm 2) in block x block tiles, skipping fully masked tiles.
+
+    Args:
+        q: queries. k: keys. v: values.
+        o: the forward's output. lse: the forward's logsumexp. do: the output's gradient.
+        causal: whether the forward was causal.
+        block: the tile size.
+
+    Returns:
+        ``(dq, dk, dv)``, shaped like ``q``, ``k`` and ``v``.
+    """
     return ref.flash_attention_backward(do, q, k, v, o, lse, causal=_lab_causal(causal), block_q=block, block_k=block)
 
 
@@ -213,6 +256,17 @@ def _backward_inputs(b, h, lq, lk, d, dv, seed, dtype=torch.float64, causal=Fals
 @register("05.flash_backward", reference=lambda: flash_backward_reference, title="tiled backward from the logsumexp (FA2)",
           timeout=120)
 def check_flash_backward(fn):
+    """Grade exercise ``05.flash_backward``: tiled backward from the logsumexp (FA2).
+
+    Args:
+        fn: the learner's function, held against the reference ``flash_backward_reference``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     for lq, lk, dv, causal, block in ((40, 56, 8, False, 16), (40, 56, 8, True, 16), (56, 40, 6, False, 16),
                                       (48, 48, 8, True, 16), (37, 53, 8, True, 8), (24, 24, 8, True, 5),
                                       (40, 56, 8, True, 64)):
@@ -258,6 +312,16 @@ class FlashAttentionReference(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):  # type: ignore[override]
+        """Tiled forward; saves q, k, v, O and the logsumexp (O(L) beyond the inputs).
+
+        Args:
+            ctx: autograd's context.
+            q: queries. k: keys. v: values.
+            causal: whether query i sees only keys j <= i.
+
+        Returns:
+            The attention output, shaped like ``q`` with ``v``'s last dimension.
+        """
         o, lse = ref.flash_attention_forward(q, k, v, causal=_lab_causal(causal), block_q=16, block_k=16)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
@@ -265,6 +329,15 @@ class FlashAttentionReference(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):  # type: ignore[override]
+        """FA2's tiled backward from the saved tensors.
+
+        Args:
+            ctx: autograd's context, holding what forward saved.
+            do: the output's gradient.
+
+        Returns:
+            ``(dq, dk, dv, None)``: no gradient for ``causal``.
+        """
         q, k, v, o, lse = ctx.saved_tensors
         return (*flash_backward_reference(q, k, v, o, lse, do, ctx.causal, 16), None)
 
@@ -281,6 +354,17 @@ def _ctx_tensors(grad_fn):
 @register("05.flash_function", reference=lambda: FlashAttentionReference, title="autograd.Function that saves O(L)",
           timeout=120)
 def check_flash_function(cls):
+    """Grade exercise ``05.flash_function``: autograd.Function that saves O(L).
+
+    Args:
+        cls: the learner's class, held against the reference ``FlashAttentionReference``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``cls`` is wrong, its answer and the expected one.
+    """
     expect(isinstance(cls, type) and issubclass(cls, torch.autograd.Function),
            f"expected a subclass of torch.autograd.Function (the class itself), got {str(cls)[:80]}")
     for (lq, lk, causal, dtype) in ((24, 40, True, torch.float64), (40, 24, False, torch.float64),
@@ -346,7 +430,11 @@ def check_flash_function(cls):
 
 # ----------------------------------------------------------------------------- 05.triton_forward
 def triton_forward_reference():
-    """memlab's answer: memlab.attention.triton_kernels.flash_fwd_kernel (imported here: it imports triton)."""
+    """memlab's answer: memlab.attention.triton_kernels.flash_fwd_kernel (imported here: it imports triton).
+
+    Returns:
+        The ``triton.jit`` kernel ``flash_fwd_kernel``.
+    """
     from memlab.attention.triton_kernels import flash_fwd_kernel
 
     return flash_fwd_kernel
@@ -368,6 +456,18 @@ def _triton_device():
 @register("05.triton_forward", reference=triton_forward_reference, title="FA2 forward in Triton (interpreter on CPU)",
           timeout=300)
 def check_triton_forward(kernel):
+    """Grade exercise ``05.triton_forward``: FA2 forward in Triton (interpreter on CPU).
+
+    Args:
+        kernel: the learner's Triton kernel, held against memlab's ``flash_fwd_kernel`` (:func:`triton_forward_reference`).
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``kernel`` is wrong, its answer and the expected one.
+        NotImplementedError: the kernel is still the lab's stub (graded as todo).
+    """
     expect(type(kernel).__module__.startswith("triton") and hasattr(kernel, "__getitem__"),
            f"expected a @triton.jit kernel, got {type(kernel).__name__}"
            + ("" if ref.triton_available() else " (triton is not installed here: pip install triton, on Linux x86_64)"))
@@ -402,13 +502,31 @@ def check_triton_forward(kernel):
                             atol=1e-5 if interpreted else 5e-3)
 # ----------------------------------------------------------------------------- 05.predict_saved_bytes
 def predict_saved_bytes_reference(batch, heads, seq, head_dim):
-    """fp32, no mask: naive keeps the probabilities P; flash keeps the output O and the logsumexp."""
+    """fp32, no mask: naive keeps the probabilities P; flash keeps the output O and the logsumexp.
+
+    Args:
+        batch: batch size. heads: attention heads. seq: sequence length. head_dim: per-head width.
+
+    Returns:
+        ``(naive_bytes, flash_bytes)`` saved for backward.
+    """
     return batch * heads * seq * seq * 4, batch * heads * seq * (head_dim + 1) * 4
 
 
 @register("05.predict_saved_bytes", reference=lambda: predict_saved_bytes_reference,
           title="predict, then measure, the bytes saved for backward")
 def check_predict_saved_bytes(fn):
+    """Grade exercise ``05.predict_saved_bytes``: predict, then measure, the bytes saved for backward.
+
+    Args:
+        fn: the learner's function, held against the reference ``predict_saved_bytes_reference``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     for b, h, s, d in ((1, 2, 64, 16), (2, 4, 128, 32), (1, 2, 256, 8)):
         got = fn(b, h, s, d)
         expect(isinstance(got, tuple) and len(got) == 2,

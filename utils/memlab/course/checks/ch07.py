@@ -11,11 +11,10 @@
 07.predict_peak     derive the tracked peak of a BudgetTrainer step (TinyGPT, fp32, AdamW, SDPA, no
                     checkpointing) as a formula over the config and the stack: a function that runs the model
                     (forward, backward or optimizer step, fake tensors included) fails; graded exactly against
-                    the measurement (MemoryTracker on the real run): the smallest omissions are 4-12 B
+                    the measurement (MemoryTracker on the real run): the smallest omissions are a few bytes
 
 The references are memlab.train.cheapest_stack, memlab.train.back_off, memlab.training_state.atomic_write and
-predict_peak_formula here (a formula; memlab.train.estimate_stack_peak traces the same step on fake tensors);
-tests/test_train.py, tests/test_training_state.py and tests/test_checks_ch07.py test them.
+predict_peak_formula here (a formula; memlab.train.estimate_stack_peak traces the same step on fake tensors).
 """
 from __future__ import annotations
 
@@ -73,6 +72,17 @@ def _planner_cases() -> list[tuple[str, int, int, object, object]]:
 
 @register("07.cheapest_stack", reference=lambda: train.cheapest_stack, title="planner: the cheapest stack that fits")
 def check_cheapest_stack(fn) -> None:
+    """Grade exercise ``07.cheapest_stack``: planner: the cheapest stack that fits.
+
+    Args:
+        fn: the learner's function, held against the reference ``train.cheapest_stack``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     expect(callable(fn), f"cheapest_stack: expected a function, got {type(fn).__name__}")
     for name, eb, budget, estimate, cost in _planner_cases():
         got = fn(eb, budget, estimate, cost)
@@ -105,6 +115,17 @@ _BACK_OFF_CASES = [
 
 @register("07.back_off", reference=lambda: train.back_off, title="the OOM back-off rule")
 def check_back_off(fn) -> None:
+    """Grade exercise ``07.back_off``: the OOM back-off rule.
+
+    Args:
+        fn: the learner's function, held against the reference ``train.back_off``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     expect(callable(fn), f"back_off: expected a function, got {type(fn).__name__}")
     for s in _BACK_OFF_CASES:
         got = fn(s)
@@ -228,6 +249,17 @@ def _killed_in_child(fn, path: Path, chunks: list[bytes], kill_after: int) -> in
 
 @register("07.atomic_write", reference=lambda: training_state.atomic_write, title="atomic checkpoint writer", timeout=120)
 def check_atomic_write(fn) -> None:
+    """Grade exercise ``07.atomic_write``: atomic checkpoint writer.
+
+    Args:
+        fn: the learner's function, held against the reference ``training_state.atomic_write``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     expect(callable(fn), f"atomic_write: expected a function, got {type(fn).__name__}")
     d = Path(tempfile.mkdtemp(prefix="memlab-07-"))
     try:
@@ -313,7 +345,16 @@ _PREDICT_CASES = [
 
 def predict_peak_formula(model_fn, stack: Stack, seq_len: int) -> int:
     """The reference: chapter 07's peak of a TinyGPT step (fp32, AdamW foreach=False, SDPA, no checkpointing),
-    derived term by term from the config and the stack; nothing runs but the model's constructor."""
+    derived term by term from the config and the stack; nothing runs but the model's constructor.
+
+    Args:
+        model_fn: a zero-argument function returning the TinyGPT (only its config is read).
+        stack: the micro-batch and gradient-accumulation settings.
+        seq_len: tokens per sequence.
+
+    Returns:
+        The predicted peak in bytes, the larger of the backward and optimizer-step peaks.
+    """
     cfg = model_fn().config
     V, bs, L, a, h = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd
     mb, ga, E, s, f = stack.micro_batch, stack.grad_accum, stack.effective_batch, seq_len, 4
@@ -371,6 +412,17 @@ def _forbid_running(fn, *args):
 @register("07.predict_peak", reference=lambda: predict_peak_formula,
           title="predict a stack's peak, then measure", timeout=240)
 def check_predict_peak(fn) -> None:
+    """Grade exercise ``07.predict_peak``: predict a stack's peak, then measure.
+
+    Args:
+        fn: the learner's function, held against the reference ``predict_peak_formula``.
+
+    Returns:
+        None: the check passes silently.
+
+    Raises:
+        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
+    """
     expect(callable(fn), f"predict_peak: expected a function, got {type(fn).__name__}")
     for cfg, stack, seq_len in _PREDICT_CASES:
         model_fn = functools.partial(_tiny, cfg)

@@ -54,6 +54,11 @@ class CheckLine:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
 
     def to_dict(self) -> dict:
+        """This line as a JSON-ready dict.
+
+        Returns:
+            ``{field: value}`` for every field of the line.
+        """
         return asdict(self)
 
 

@@ -163,6 +163,14 @@ class Kernel:
         self._was_subreaper: bool | None = None
 
     async def start(self) -> None:
+        """Start the kernel on this interpreter and wait (up to 120 s) until it answers.
+
+        Returns:
+            None; ``self.kc`` is then a connected client.
+
+        Raises:
+            MissingExtraError: jupyter_client or ipykernel is not installed.
+        """
         with needs("memlab grade"):
             from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
             from jupyter_client.manager import AsyncKernelManager
@@ -195,7 +203,11 @@ class Kernel:
         await self.kc.wait_for_ready(timeout=120)
 
     def exit_description(self) -> str:
-        """How the kernel ended: a signal's name, an exit code, and a fatal error line from its log."""
+        """How the kernel ended: a signal's name, an exit code, and a fatal error line from its log.
+
+        Returns:
+            A phrase such as ``"was killed by signal SIGKILL (Killed)"``, to follow "the kernel".
+        """
         proc = getattr(getattr(self.km, "provisioner", None), "process", None)
         rc = proc.poll() if proc is not None else None
         if rc is None:
@@ -226,13 +238,29 @@ class Kernel:
             return False
 
     def kill(self) -> None:
-        """Kill every process of this run now."""
+        """Kill every process of this run now.
+
+        Returns:
+            None; the kernel is marked dead.
+        """
         self.dead = True
         stop_processes(self.mark, self.pid, self.before)
 
     async def execute(self, code: str, limit: float, *, keep_text: bool = False, store_history: bool = True,
                       silent: bool = False) -> Outcome:
-        """Run ``code``; past ``limit`` seconds interrupt, ``KILL_GRACE`` later kill. Never raises."""
+        """Run ``code``; past ``limit`` seconds interrupt, ``KILL_GRACE`` later kill. Never raises.
+
+        Args:
+            code: the source to run.
+            limit: seconds before the kernel is interrupted.
+            keep_text: keep the stream output (its last 2,000,000 characters).
+            store_history: whether the kernel numbers this execution.
+            silent: run without broadcasting output.
+
+        Returns:
+            The :class:`Outcome`: ``"ok"``, ``"error"``, ``"interrupted"``, ``"killed"`` or ``"died"``, with the
+            error's name and value, the text kept and the seconds taken.
+        """
         start = time.monotonic()
         if self.dead:
             return Outcome("died")
@@ -280,6 +308,9 @@ class Kernel:
 
         The processes are killed before the kernel is reaped, so that its pid cannot have been
         reused by an unrelated process when its session and descendants are looked up.
+
+        Returns:
+            None.
         """
         try:
             if self.kc is not None:

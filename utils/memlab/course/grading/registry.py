@@ -40,6 +40,11 @@ class CheckResult:
         return self.status == "pass"
 
     def row(self) -> str:
+        """This result as one row of the report (see :func:`format_row`).
+
+        Returns:
+            The row's text.
+        """
         return format_row(self)
 
     def __str__(self) -> str:
@@ -77,7 +82,7 @@ def register(
 ) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
     """Decorator for a check function ``fn(obj)`` that raises AssertionError when ``obj`` is wrong.
 
-    ``reference`` returns memlab's own implementation of the exercise; tests/ run every check
+    ``reference`` returns memlab's own implementation of the exercise; the test suite runs every check
     against it so the package and the grader cannot drift apart. Several checks may be
     registered for one exercise; they run in order and the first failure is reported.
 
@@ -118,6 +123,9 @@ def load_chapter(chapter: str) -> None:
 
     Args:
         chapter: the two-digit chapter number, ``"03"``.
+
+    Returns:
+        None.
     """
     importlib.import_module(f"{CHECKS_PACKAGE}.ch{chapter}")
 

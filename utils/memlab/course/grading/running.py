@@ -41,6 +41,9 @@ def time_limit(seconds: float | None) -> Iterator[None]:
 
     Args:
         seconds: the limit; None or <= 0 for none.
+
+    Yields:
+        None, while the limit runs.
     """
     if not seconds or seconds <= 0:
         yield

@@ -38,6 +38,9 @@ class LiveBytes:
 
         Args:
             t: any tensor; its views share its storage.
+
+        Returns:
+            None; ``current`` and ``peak`` are updated.
         """
         st = t.untyped_storage()
         key = st._cdata
