@@ -234,7 +234,12 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
         mode = contextlib.nullcontext()
     build_attn = None if s.attn == "auto" else ("sdpa" if s.attn == "flash" else s.attn)
     with mode, torch.device(s.traced_on):
-        model = _prepare(spec.build(step.dtype, build_attn), step.dtype, step.checkpointing)
+        ctx_fn = None
+        if s.cuda_rules is not None:  # checkpointing's recompute runs under the same CUDA rules
+            from memlab.cuda_rules import checkpoint_context_fn
+
+            ctx_fn = checkpoint_context_fn(s.cuda_rules)
+        model = _prepare(spec.build(step.dtype, build_attn), step.dtype, step.checkpointing, ctx_fn)
         vocab = _vocab_size(model)
     n_params = None
     if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values
