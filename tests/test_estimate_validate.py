@@ -11,7 +11,6 @@ from __future__ import annotations
 import statistics
 
 import pytest
-import torch.utils.checkpoint
 
 from memlab import estimate as E
 from memlab import published_peaks as PP
@@ -93,13 +92,3 @@ def test_validation_meets_the_targets(all_rows, capsys):
     assert f"{len(rows) - len(KNOWN_MISSED)} of {len(rows)} comparable figures meet their target; MISSED: " in out
     assert out.count("MISSED (at or below the measurement)") == len(KNOWN_MISSED)
     assert f"{len(PP.NOT_EXPRESSIBLE)} published figures the estimator cannot express" in out
-
-
-def test_blocked_rows_still_fail_to_trace():
-    # published_peaks.BLOCKED: checkpointed BERT-large runs that device="cuda" cannot trace on a CPU-only torch
-    # (memlab.cuda_rules' dropout rule applies in the forward, not in the checkpoint's recompute). When this
-    # test fails, the estimator traces them: move BLOCKED into FIGURES.
-    f = PP.BLOCKED[0]
-    model, extra = PP._model(f)
-    with pytest.raises(torch.utils.checkpoint.CheckpointError):
-        E.estimate_training_memory(model, device="cuda", **{**f.settings, "seq_len": 64}, **extra)

@@ -19,7 +19,7 @@ from memlab.estimate.attention import _attention_plan, _make_tracker
 from memlab.estimate.model import ModelSpec, _largest_layer_params, _prepare, _vocab_size
 from memlab.estimate.optim import (_bnb, _bnb_state_bytes, _offload_host_breakdown, _OffloadDeviceSide,
                                    _resolve_impl, make_optimizer)
-from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CATEGORIES, CUBLAS_THREADS, CUBLAS_WORKSPACE_BYTES,
+from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CATEGORIES, CUBLAS_THREADS, cublas_workspace,
                                      LOSSES, MIXED, OPTIMIZER_IMPLS, OPTIMIZERS, Recipe, check_dtype)
 from memlab.estimate.result import MemoryEstimate
 from memlab.estimate.step import StepSpec, _is_hf_model, load_step, training_step
@@ -294,8 +294,12 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
     attention = _after_notes(s, tracker, attention, softmax_rule)
     extras: dict[str, int] = {}
     if s.target.type == "cuda":
-        extras[f"cuBLAS workspaces ({CUBLAS_WORKSPACE_BYTES // MiB} MiB x {CUBLAS_THREADS} threads: "
-               f"forward and autograd, measured on an H100)"] = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS
+        ws, why = cublas_workspace(step.gpu)
+        extras[f"cuBLAS workspaces ({format_bytes(ws)} x {CUBLAS_THREADS} threads: forward and autograd; "
+               f"{why})"] = ws * CUBLAS_THREADS
+        if step.gpu is None:
+            s.notes.append("no card given (gpu=/--gpu): the cuBLAS workspace is Hopper's 32 MiB per thread (PyTorch's "
+                           "default before compute capability 9.0 is 8.125 MiB)")
     from memlab.models import count_parameters
 
     return MemoryEstimate(
