@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from memlab.core.units import MiB, format_bytes
+from memlab.core.units import format_bytes
 from memlab.core.validation import check_choice
 from memlab.estimate.attention import _attention_plan, _make_tracker
 from memlab.estimate.model import ModelSpec, _largest_layer_params, _prepare, _vocab_size
