@@ -99,14 +99,12 @@ def _peft(name: str, file: str, measured: int, kind: str, note: str = "", **sett
 # Why the r10 MLP row misses (checked against the source at the pinned commit: batch 4, max_seq_length 768,
 # use_gc false, no autocast, r 10, alpha 20, dropout 0, targets down/up/gate_proj; the figure is
 # max_memory_reserved() minus init_accelerator()'s 2 MiB). The trace's tensors peak at 24,688,848,040 B, 9.3 MB
-# below the figure; most of the miss is the estimate's cuBLAS line: 2 x 32 MiB, PyTorch's workspace on compute
-# capability 9.x/10.x/12.x. On an L40S (8.9) PyTorch's default is 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B per
-# handle (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize; cuBLASLt shares it), so the
-# estimate is 47.75 MiB too high on this card. Corrected, it is 24,705,887,400 B: 5.6 MB (0.02%) above the
-# figure + 2 MiB, inside what the unknown padded length (at most the 768 the estimate uses) can move.
-_R10_NOTE = ("; MISSED mostly by the estimator's cuBLAS line: it adds 2 x 32 MiB (Hopper's workspace) on every card, where "
-             "PyTorch's default on an L40S (sm_89) is 2 x 8.125 MiB (CUBLAS_WORKSPACE_CONFIG :4096:2:16:8); with that "
-             "the estimate is 0.02% above the figure plus the harness's 2 MiB, within the unknown padded length")
+# below the figure; the card's cuBLAS workspaces (L40S, sm 8.9: 2 x 8,519,680 B, PyTorch's :4096:2:16:8 default;
+# memlab.estimate.recipes.cublas_workspace) bring the estimate to 24,705,887,400 B: 7.7 MB (0.03%) above the
+# figure (5.6 MB above it plus the 2 MiB), inside what the unknown padded length (at most the 768 the estimate
+# uses) can move. Before the workspace followed the card the estimate added Hopper's 2 x 32 MiB (+0.23%).
+_R10_NOTE = ("; MISSED by 0.03% (7.7 MB): the trace's tensors are 9.3 MB below the figure, the L40S's two cuBLAS "
+             "workspaces (2 x 8.125 MiB) put it above; the padded length is unknown (the estimate uses the 768 cap)")
 
 
 def _fms_fsdp(batch: int, measured: int) -> Figure:
