@@ -93,3 +93,57 @@ def test_real_cuda_fake_trace_agrees_with_the_modelled_one(monkeypatch):
     modelled = E.estimate_training_memory("gpt2", **kw)
     assert modelled.traced_on == "cpu" and any(n.startswith("CUDA rule") for n in modelled.notes)
     assert abs(modelled.peak_bytes - real.peak_bytes) <= max(64 * 1024, real.peak_bytes // 1000)
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    # dropout 0.1 (hidden and attention probabilities) and LayerNorm: both CUDA rules fire in every block
+    return BertForSequenceClassification(BertConfig(num_labels=2, hidden_size=64, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=128, vocab_size=128,
+                                                    attn_implementation="eager"))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_checkpointing_recomputes_under_the_cuda_rules(dtype):
+    # the checkpoint's recompute in backward must keep the forward's tensors (bool masks, fp32 norms): before
+    # the fix it ran without the rules and torch.utils.checkpoint raised CheckpointError on the mismatch
+    from memlab.published_peaks import _bert_cls_step
+
+    kw = dict(batch_size=8, seq_len=256, dtype=dtype, device="cuda", step=_bert_cls_step, extrapolate=False)
+    plain = E.estimate_training_memory(_tiny_bert, **kw)
+    ck = E.estimate_training_memory(_tiny_bert, checkpointing=True, **kw)
+    for est in (plain, ck):
+        assert any(n.startswith("CUDA rule: dropout keeps a 1-byte bool mask") for n in est.notes)
+        assert any(n.startswith("CUDA rule: autocast's CUDA float32 list") for n in est.notes)
+    assert ck.peak_bytes < plain.peak_bytes
+    assert ck.phase_peaks["forward"] < plain.phase_peaks["forward"]
+
+
+def test_cublas_workspace_follows_the_card(monkeypatch):
+    # PyTorch's default (aten/src/ATen/cuda/CublasHandlePool.cpp): 32 MiB from compute capability 9.0,
+    # :4096:2:16:8 = 4096 KiB x 2 + 16 KiB x 8 before it; CUBLAS_WORKSPACE_CONFIG overrides both
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert E.cublas_workspace("h100")[0] == E.cublas_workspace("rtx5090")[0] == 32 * 2**20
+    assert E.cublas_workspace("a100")[0] == E.cublas_workspace("l40s")[0] == 8_519_680
+    assert E.cublas_workspace(None) == (32 * 2**20, "no card given: Hopper's")
+    assert E.cublas_workspace("h100", env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})[0] == 32 * 2**20
+    assert E.cublas_workspace("h100", env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"})[0] == 128 * 2**10
+    assert E.cublas_workspace(None, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"})[0] == 8_519_680
+    assert E.cublas_workspace("a100", env={"CUBLAS_WORKSPACE_CONFIG": "junk"})[0] == 8_519_680  # torch: default
+    with pytest.raises(ValueError, match="gpu='tpu' is invalid; allowed: a card of memlab.core.gpus"):
+        E.cublas_workspace("tpu")
+
+
+def test_estimate_adds_the_cards_cublas_workspace(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    kw = dict(batch_size=1, seq_len=16, device="cuda", extrapolate=False)
+    none, h100, a100 = (E.estimate_training_memory("gpt2", gpu=g, **kw) for g in (None, "h100", "a100"))
+    assert none.allocated_bytes == h100.allocated_bytes
+    assert none.allocated_bytes - a100.allocated_bytes == 2 * (32 * 2**20 - 8_519_680)
+    assert any("no card given" in n for n in none.notes) and not any("no card given" in n for n in a100.notes)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    env = E.estimate_training_memory("gpt2", gpu="h100", **kw)
+    assert env.allocated_bytes == a100.allocated_bytes
+    with pytest.raises(ValueError, match="gpu='tpu' is invalid"):
+        E.estimate_training_memory("gpt2", gpu="tpu", **kw)

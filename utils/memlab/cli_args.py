@@ -83,13 +83,23 @@ def _positive_int(text: str) -> int:
     return v
 
 
+class GpuArg(tuple):
+    """``--gpu`` parsed: ``(label, usable bytes)`` as :func:`memlab.estimate.resolve_gpu` gives, with
+    ``card``, the card's name of :mod:`memlab.core.gpus` (None for a size)."""
+
+    card: str | None = None
+
+
 def _gpu(text: str) -> tuple[str, int]:
+    from memlab.core import gpus
     from memlab.estimate import resolve_gpu  # torch: only when a --gpu is given
 
     try:
-        return resolve_gpu(text)
+        out = GpuArg(resolve_gpu(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    out.card = text if gpus.find_gpu(text) is not None else None
+    return out
 
 
 def _override(text: str) -> tuple[str, Any]:

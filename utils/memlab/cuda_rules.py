@@ -17,10 +17,13 @@ scratch other than the softmax-backward rule of :mod:`memlab.estimate.attention`
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Callable
+
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CUDA_FP32_OPS", "CUDA_LOWER_OPS", "cuda_semantics", "rule_notes"]
+__all__ = ["CUDA_FP32_OPS", "CUDA_LOWER_OPS", "checkpoint_context_fn", "cuda_semantics", "rule_notes"]
 
 # CUDA's float32 autocast list (PyTorch AMP docs), by the Python name the op is called under. Kept
 # only where CPU autocast differs (checked on torch 2.13 CPU: these return bf16 for bf16 inputs).
@@ -85,6 +88,20 @@ def cuda_semantics() -> _CudaSemantics:
         A fresh ``TorchFunctionMode``; enter it around forward and backward.
     """
     return _CudaSemantics()
+
+
+def checkpoint_context_fn(mode: _CudaSemantics) -> Callable[[], tuple]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (non-reentrant) that runs the recompute
+    in backward under ``mode`` too, so it keeps the forward's tensors (bool dropout masks, fp32 norms).
+
+    Args:
+        mode: the mode the traced step runs under (:func:`cuda_semantics`).
+
+    Returns:
+        A function returning (forward context, recompute context): nothing extra in the forward (the
+        mode is already on), ``mode`` in the recompute.
+    """
+    return lambda: (contextlib.nullcontext(), mode)
 
 
 def rule_notes(mode: _CudaSemantics) -> list[str]:

@@ -80,6 +80,7 @@ class Figure:
     model: Any  # a preset name, a dict of LlamaConfig fields, or "bert-large-cls"
     settings: dict = field(default_factory=dict)
     gpu: str = ""
+    card: str | None = None  # the card's name in memlab.core.gpus when the source names it: passed as gpu=
     differs: str = ""
     context_bytes: int = 0  # the CUDA context inside an nvidia-smi figure, as the source measured it
     kind: str = "full"  # "full", "lora", "qlora": for the table
@@ -92,20 +93,18 @@ def _peft(name: str, file: str, measured: int, kind: str, note: str = "", **sett
     return Figure(name=name, source=_PEFT + file, measured_bytes=measured, metric="reserved",
                   as_published=f'"accelerator_memory_max": {measured} (train_info)', model=LLAMA_3_2_3B,
                   settings=dict(batch_size=4, seq_len=768, dtype="bf16-pure", optimizer="adamw", **settings),
-                  gpu=_PEFT_GPU, differs=_PEFT_DIFFERS + note, kind=kind)
+                  gpu=_PEFT_GPU, card="l40s", differs=_PEFT_DIFFERS + note, kind=kind)
 
 
 # Why the r10 MLP row misses (checked against the source at the pinned commit: batch 4, max_seq_length 768,
 # use_gc false, no autocast, r 10, alpha 20, dropout 0, targets down/up/gate_proj; the figure is
 # max_memory_reserved() minus init_accelerator()'s 2 MiB). The trace's tensors peak at 24,688,848,040 B, 9.3 MB
-# below the figure; most of the miss is the estimate's cuBLAS line: 2 x 32 MiB, PyTorch's workspace on compute
-# capability 9.x/10.x/12.x. On an L40S (8.9) PyTorch's default is 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B per
-# handle (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize; cuBLASLt shares it), so the
-# estimate is 47.75 MiB too high on this card. Corrected, it is 24,705,887,400 B: 5.6 MB (0.02%) above the
-# figure + 2 MiB, inside what the unknown padded length (at most the 768 the estimate uses) can move.
-_R10_NOTE = ("; MISSED mostly by the estimator's cuBLAS line: it adds 2 x 32 MiB (Hopper's workspace) on every card, where "
-             "PyTorch's default on an L40S (sm_89) is 2 x 8.125 MiB (CUBLAS_WORKSPACE_CONFIG :4096:2:16:8); with that "
-             "the estimate is 0.02% above the figure plus the harness's 2 MiB, within the unknown padded length")
+# below the figure; the card's cuBLAS workspaces (L40S, sm 8.9: 2 x 8,519,680 B, PyTorch's :4096:2:16:8 default;
+# memlab.estimate.recipes.cublas_workspace) bring the estimate to 24,705,887,400 B: 7.7 MB (0.03%) above the
+# figure (5.6 MB above it plus the 2 MiB), inside what the unknown padded length (at most the 768 the estimate
+# uses) can move. Before the workspace followed the card the estimate added Hopper's 2 x 32 MiB (+0.23%).
+_R10_NOTE = ("; MISSED by 0.03% (7.7 MB): the trace's tensors are 9.3 MB below the figure, the L40S's two cuBLAS "
+             "workspaces (2 x 8.125 MiB) put it above; the padded length is unknown (the estimate uses the 768 cap)")
 
 
 def _fms_fsdp(batch: int, measured: int) -> Figure:
@@ -118,6 +117,7 @@ def _fms_fsdp(batch: int, measured: int) -> Figure:
         model="mistral-7b",
         settings=dict(batch_size=batch, seq_len=512, dtype="bf16-pure", optimizer="adamw", checkpointing=True,
                       world_size=2, zero_stage=3),
+        card="a100-80gb",
         gpu="A100 80GB x 2, accelerate FSDP1 FULL_SHARD over 2 ranks, HF Trainer, torch per refs/requirements.txt",
         differs="FSDP1 shards each unit as one flat parameter; the estimate traces FSDP2 (a shard of every parameter, "
                 "memlab's ZeRO-3 route), which holds the same bytes per rank at the peak: the optimizer step over half "
@@ -132,7 +132,7 @@ def _gpu_one(what: str, mb: int, as_published: str, note: str = "", **settings: 
     base = dict(batch_size=4, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop")
     return Figure(name=f"Efficient training on one GPU: BERT-large classifier, {what}", source=_GPU_ONE,
                   measured_bytes=mb * MiB, metric="nvidia-smi", as_published=f"GPU memory occupied: {mb} MB. ({as_published})",
-                  model="bert-large-cls", settings={**base, **settings}, gpu=_GPU_ONE_GPU,
+                  model="bert-large-cls", settings={**base, **settings}, gpu=_GPU_ONE_GPU, card="v100",
                   differs=_GPU_ONE_DIFFERS + note, context_bytes=ANATOMY_CONTEXT_BYTES)
 
 
@@ -152,6 +152,7 @@ def _liger(framework: str, batch: int, measured: int) -> Figure:
                      f"per_device_train_batch_size {batch})",
         model="llama-3-8b",
         settings=dict(batch_size=batch, seq_len=512, dtype="bf16-pure", optimizer="adamw", checkpointing=True),
+        card="a100-80gb",
         gpu="A100 80GB, 1 GPU, accelerate FSDP1 (FULL_SHARD on 1 rank), HF Trainer (bf16=True), torch 2.4.1, "
             "transformers 4.45.2 (refs/requirements_liger.txt)",
         differs="the peak is the optimizer step (bf16 parameters, gradients, two moments and foreach AdamW's "
@@ -180,7 +181,7 @@ FIGURES: tuple[Figure, ...] = (
         as_published="mem_peak_torch_mem_alloc_in_bytes 72434837504 (framework_config none, num_gpus 1, batch 4)",
         model="mistral-7b",
         settings=dict(batch_size=4, seq_len=512, dtype="bf16-pure", optimizer="adamw", checkpointing=True),
-        gpu=_FMS_GPU,
+        gpu=_FMS_GPU, card="a100-80gb",
         differs="FSDP1 on one rank keeps each unit's parameters as one flat tensor of the same bytes; the peak is the "
                 "optimizer step (foreach AdamW's moment-sized temporary over bf16 state), where the sequence length "
                 "(Alpaca, padded per batch, not stated) does not enter: the estimate uses 512; flash attention",
@@ -191,7 +192,7 @@ FIGURES: tuple[Figure, ...] = (
         as_published="mem_peak_torch_mem_alloc_in_bytes 72435230720 (framework_config none, num_gpus 1, batch 8)",
         model="mistral-7b",
         settings=dict(batch_size=8, seq_len=512, dtype="bf16-pure", optimizer="adamw", checkpointing=True),
-        gpu=_FMS_GPU,
+        gpu=_FMS_GPU, card="a100-80gb",
         differs="as the batch-4 row: the optimizer step holds the peak, so batch and sequence length do not enter",
     ),
     _fms_fsdp(2, 36_225_939_968),
@@ -232,18 +233,16 @@ FIGURES: tuple[Figure, ...] = (
         as_published="Peak Mem. 78 GiB (model 16 GiB), H100 x 1",
         model="llama-3-8b",
         settings=dict(batch_size=2, seq_len=8192, dtype="bf16-pure", optimizer="adamw", checkpointing=True),
+        card="h100-80gb",
         gpu="H100 80GB, torch 2.5.1, transformers 4.49.0",
         differs="the metric is not stated (78 GiB on an 80 GB card is likely nvidia-smi or reserved memory, "
                 "which add the CUDA context and the allocator cache); gradient clipping not stated",
     ),
 )
 
-# Expressible runs the estimator cannot trace today: with device="cuda" on a CPU-only torch, gradient
-# checkpointing of a model with dropout (or under autocast) raises torch.utils.checkpoint.CheckpointError: the
-# forward runs memlab.cuda_rules' CUDA rules (a bool dropout mask, fp32 norms), the recompute in backward does not
-# (CPU's fp32 noise mask), so the recomputed tensors' dtypes differ. An estimator bug, not a limit of the
-# configuration: these figures move to FIGURES once the rules also apply to the recompute.
-BLOCKED: tuple[Figure, ...] = (
+# The doc's checkpointed runs (gradient_checkpointing=True). Traced with device="cuda" on a CPU-only torch, the
+# checkpoint's recompute runs under memlab.cuda_rules too (memlab.estimate.model._enable_checkpointing).
+FIGURES += (
     _gpu_one("fp32, batch 1 (x4 accumulation), checkpointing", 6775, f"{_ACC4}, gradient_checkpointing=True",
              checkpointing=True, batch_size=1),
     _gpu_one("fp16 mixed, batch 1 (x4 accumulation), checkpointing", 7275,
@@ -252,9 +251,7 @@ BLOCKED: tuple[Figure, ...] = (
              f"bnb.optim.Adam8bit, {_ACC4}, gradient_checkpointing=True, fp16=True", _BNB_NOTE,
              optimizer="adamw8bit", optimizer_impl="auto", dtype="fp16", checkpointing=True, batch_size=1),
 )
-_BLOCKED_WHY = ("estimator error today, not a limit of the run: device='cuda' traced on a CPU-only torch with "
-                "checkpointing and dropout raises CheckpointError (memlab.cuda_rules' dropout rule runs in the forward, "
-                "not in the recompute during backward); settings kept in published_peaks.BLOCKED")
+BLOCKED: tuple[Figure, ...] = ()  # expressible runs the estimator cannot trace: none since the rows above moved
 
 # (name, source, published figure with its metric, why the estimator cannot express the run)
 NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
@@ -291,8 +288,6 @@ NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
      "https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-tables.md", "21.30 GB (max allocated)",
      "litgpt's own Llama and LoRA modules (fused qkv), Alpaca samples of varying length; not a transformers model"),
 )
-NOT_EXPRESSIBLE += tuple((f.name, f.source, f"{f.measured_bytes // MiB} MB ({f.metric}, with the "
-                          f"{f.context_bytes // MiB} MB context)", _BLOCKED_WHY) for f in BLOCKED)
 NOT_COMPARABLE = tuple((n, u, why) for n, u, _, why in NOT_EXPRESSIBLE)  # the old name, kept
 
 
@@ -353,7 +348,7 @@ def validate(filter: str | None = None) -> list[dict]:
         if filter and filter.lower() not in fig.name.lower():
             continue
         model, extra = _model(fig)
-        est = estimate_training_memory(model, device="cuda", **fig.settings, **extra)
+        est = estimate_training_memory(model, device="cuda", gpu=fig.card, **fig.settings, **extra)
         ours = est.allocated_bytes + (fig.context_bytes if fig.metric == "nvidia-smi" else 0)
         err, ok, target = _verdict(fig, ours)
         rows.append(dict(figure=fig, estimate=est, compared_bytes=ours, error=err, ok=ok, target=target))

@@ -79,6 +79,7 @@ CAPABILITIES: dict[str, Capability] = {
     "rtx3090": Capability("GeForce RTX 3090", (8, 6)),
     "l4": Capability("NVIDIA L4", (8, 9)),
     "rtx4090": Capability("GeForce RTX 4090", (8, 9)),
+    "l40s": Capability("NVIDIA L40S", (8, 9)),
     "h100-80gb": Capability("H100 80GB", (9, 0)),
     "rtx5090": Capability("GeForce RTX 5090", (12, 0)),
 }

@@ -33,7 +33,8 @@ from __future__ import annotations
 # ruff: noqa: F401
 from memlab.core.units import format_bytes
 from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, CATEGORIES,
-                                     CUBLAS_THREADS, CUBLAS_WORKSPACE_BYTES, DTYPE_ALIASES, DTYPES,
+                                     CUBLAS_THREADS, CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACE_PRE_HOPPER_BYTES,
+                                     DTYPE_ALIASES, DTYPES, cublas_workspace,
                                      FRAGMENTATION_MARGIN, LOSSES, MAX_BATCH, MAX_CONFIG_BYTES, MAX_SEQ_LEN,
                                      MAX_TOKENS, MAX_WORLD_SIZE, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS,
                                      ZERO_STAGES, canonical_dtype, canonical_optimizer, check_input_bounds,
@@ -69,6 +70,8 @@ __all__ = [
     "suggestions",
     "main",
     "resolve_gpu",
+    "cublas_workspace",
+    "CUBLAS_WORKSPACE_PRE_HOPPER_BYTES",
     "load_step",
     "ATTN_IMPLEMENTATIONS",
     "LOSSES",

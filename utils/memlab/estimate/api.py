@@ -9,7 +9,7 @@ from torch import nn
 
 from memlab.estimate.extrapolate import FSDP_EXTRAPOLATION_DEPTHS, extrapolated, extrapolated_fsdp
 from memlab.estimate.model import ModelSpec, check_positions, resolve_model
-from memlab.estimate.recipes import canonical_dtype, canonical_optimizer, check_input_bounds
+from memlab.estimate.recipes import canonical_dtype, canonical_optimizer, check_input_bounds, cublas_workspace
 from memlab.estimate.result import MemoryEstimate
 from memlab.estimate.sharding import _check_zero, _fsdp_units, shard_estimate, trace_fsdp
 from memlab.estimate.step import StepSpec
@@ -43,6 +43,8 @@ def make_step(*, adapter: Any = None, lora_r: int = 16, lora_alpha: float | None
     ad = adapters.adapter_spec(adapter, recipe=settings.get("dtype", StepSpec.dtype), lora_r=lora_r,
                                lora_alpha=lora_alpha, target_modules=target_modules, lora_dropout=lora_dropout,
                                adapter_dtype=adapter_dtype)
+    if settings.get("gpu") is not None:
+        cublas_workspace(settings["gpu"], env={})  # an unknown card is refused here, named
     return StepSpec(adapter=ad, **settings)
 
 
@@ -136,7 +138,7 @@ def estimate_training_memory(
     attn_implementation: str = "auto", allow_longer_seq: bool = False, extrapolate: bool | str = "auto",
     kernel_scratch: bool = True, world_size: int = 1, zero_stage: int = 0, adapter: str | None = None,
     lora_r: int = 16, lora_alpha: float | None = None, target_modules: str | Sequence[str] | None = None,
-    lora_dropout: float = 0.0, adapter_dtype: str | None = None,
+    lora_dropout: float = 0.0, adapter_dtype: str | None = None, gpu: str | None = None,
 ) -> MemoryEstimate:
     """Peak memory of a (steady-state) training step of ``model``, traced on fake tensors (nothing allocated).
 
@@ -165,6 +167,8 @@ def estimate_training_memory(
             traced with FSDP2 under a fake process group; chapter 08).
         adapter, lora_r, lora_alpha, target_modules, lora_dropout, adapter_dtype: LoRA / QLoRA on a frozen
             base (:mod:`memlab.adapters`, the planner's builder too).
+        gpu: the target card (a name of :mod:`memlab.core.gpus`) or None: on a CUDA target its compute
+            capability sets the cuBLAS workspace (:func:`memlab.estimate.recipes.cublas_workspace`).
 
     Returns:
         The :class:`MemoryEstimate`.
@@ -178,7 +182,7 @@ def estimate_training_memory(
                   optimizer_kwargs=optimizer_kwargs, seed=seed, loss=loss, step=step,
                   attn_implementation=attn_implementation, kernel_scratch=kernel_scratch, world_size=world_size,
                   zero_stage=zero_stage, adapter=adapter, lora_r=lora_r, lora_alpha=lora_alpha,
-                  target_modules=target_modules, lora_dropout=lora_dropout, adapter_dtype=adapter_dtype)
+                  target_modules=target_modules, lora_dropout=lora_dropout, adapter_dtype=adapter_dtype, gpu=gpu)
     return estimate_step(model, s, config_overrides=config_overrides, allow_longer_seq=allow_longer_seq,
                          extrapolate=extrapolate)
 

@@ -32,7 +32,8 @@ def _keywords(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
     """(run keywords, adapter keywords, config overrides) of the parsed arguments."""
     run_kwargs = dict(optimizer_impl=args.optimizer_impl, device=args.device, loss=args.loss, step=args.step,
                       attn_implementation=args.attn, allow_longer_seq=args.allow_longer_seq,
-                      extrapolate=not args.no_extrapolate)
+                      extrapolate=not args.no_extrapolate,
+                      gpu=getattr(args.gpu, "card", None))  # a card (not a size) sets the cuBLAS workspace
     adapter_kw = dict(adapter=args.adapter, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                       target_modules=args.target_modules, lora_dropout=args.lora_dropout,
                       adapter_dtype=args.adapter_dtype)

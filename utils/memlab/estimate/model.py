@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import stat as _stat
@@ -17,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from memlab.core.units import MiB
 from memlab.core.vocab import Recipe
@@ -363,18 +365,24 @@ def _vocab_size(model: nn.Module) -> int:
     raise ValueError(f"cannot find the vocabulary size of {type(model).__name__}: give it a config.vocab_size or an nn.Embedding")
 
 
-def _enable_checkpointing(model: nn.Module) -> None:
+def _enable_checkpointing(model: nn.Module, context_fn: Callable[[], tuple] | None = None) -> None:
+    """Turn on the model's own checkpointing; with ``context_fn``, PyTorch's non-reentrant checkpoint
+    gets it, so the recompute in backward runs under the contexts it returns (the CUDA rules of
+    :mod:`memlab.cuda_rules`: without them the recompute keeps CPU's tensors and torch's checkpoint
+    refuses the mismatch with a CheckpointError)."""
     from memlab.models import TinyGPT
 
+    kwargs = None if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
     if isinstance(model, TinyGPT):
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(None if kwargs is None else functools.partial(checkpoint, **kwargs))
         return
     for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
         fn = getattr(model, name, None)
         if callable(fn):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                fn()
+                # transformers' enable methods take the checkpoint's keyword arguments first
+                fn() if kwargs is None else fn(kwargs)
             return
     raise ValueError(
         f"checkpointing=True but {type(model).__name__} has no gradient_checkpointing_enable(); "
@@ -411,10 +419,11 @@ def _build_in(builder: Callable[[], nn.Module], param_dtype: torch.dtype) -> nn.
     return model
 
 
-def _prepare(model: nn.Module, dtype: str, checkpointing: bool) -> nn.Module:
+def _prepare(model: nn.Module, dtype: str, checkpointing: bool,
+             context_fn: Callable[[], tuple] | None = None) -> nn.Module:
     model.train()
     if checkpointing:
-        _enable_checkpointing(model)
+        _enable_checkpointing(model, context_fn)
     return model
 
 

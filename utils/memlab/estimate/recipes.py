@@ -6,10 +6,12 @@ accepted as the mixed recipes, ``"adam8bit"`` as ``"adamw8bit"``.
 """
 from __future__ import annotations
 
-from typing import Any
+import os
+import re
+from typing import Any, Mapping
 
 from memlab.core import vocab
-from memlab.core.units import MiB, parse_size  # noqa: F401  (parse_size: memlab.estimate.parse_size)
+from memlab.core.units import KiB, MiB, parse_size  # noqa: F401  (parse_size: memlab.estimate.parse_size)
 from memlab.core.validation import check_choice, invalid
 from memlab.core.vocab import CATEGORIES, OPTIMIZER_ALIASES, RECIPE_ALIASES, Recipe  # noqa: F401
 
@@ -96,11 +98,48 @@ def check_dtype(dtype: Any) -> None:
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCKSIZE = 256
 
-# cuBLAS allocates a 32 MiB workspace through the caching allocator for each thread that runs
-# matmuls: the forward thread and the autograd engine's backward thread (results/h100/diag.log).
-# It is in torch.cuda.max_memory_allocated but no op returns it.
-CUBLAS_WORKSPACE_BYTES = 32 * MiB
+# cuBLAS allocates one workspace through the caching allocator for each thread that runs matmuls:
+# the forward thread and the autograd engine's backward thread (results/h100/diag.log). It is in
+# torch.cuda.max_memory_allocated but no op returns it. Its size is PyTorch's choice, by card
+# (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize): 32 MiB on compute capability
+# 9.x and later (Hopper, Blackwell), the ":4096:2:16:8" default elsewhere (4096 KiB x 2 + 16 KiB x 8),
+# and CUBLAS_WORKSPACE_CONFIG (":SIZE_KiB:COUNT" pairs) overrides both.
+CUBLAS_WORKSPACE_BYTES = 32 * MiB  # Hopper and later; also the estimate's figure when no card is given
+CUBLAS_WORKSPACE_PRE_HOPPER_BYTES = 4096 * KiB * 2 + 16 * KiB * 8  # 8,519,680 B (Ampere, Ada, Volta ...)
 CUBLAS_THREADS = 2
+
+
+def cublas_workspace(gpu: str | None = None, env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """The bytes of one cuBLAS workspace on the target card, and where the figure comes from.
+
+    Args:
+        gpu: a card name of :mod:`memlab.core.gpus` (its compute capability picks PyTorch's default),
+            or None (no card known: the Hopper figure, 32 MiB).
+        env: the environment to read ``CUBLAS_WORKSPACE_CONFIG`` from (default ``os.environ``).
+
+    Returns:
+        ``(bytes, why)``; ``why`` says which rule gave the figure.
+
+    Raises:
+        ValueError: a card name :mod:`memlab.core.gpus` does not know, naming the cards it knows.
+    """
+    from memlab.core import gpus
+
+    config = (os.environ if env is None else env).get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        # PyTorch sums every ":SIZE:COUNT" pair (SIZE in KiB); with none it warns and keeps its default
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if pairs:
+            return sum(int(a) * int(b) for a, b in pairs) * KiB, f"CUBLAS_WORKSPACE_CONFIG={config}"
+    if gpu is None:
+        return CUBLAS_WORKSPACE_BYTES, "no card given: Hopper's"
+    cap = gpus.capability(gpu)
+    if cap is None:
+        raise invalid("gpu", gpu, f"a card of memlab.core.gpus ({', '.join(sorted(gpus.CAPABILITIES))}) or None")
+    if cap.sm >= (9, 0):
+        return CUBLAS_WORKSPACE_BYTES, f"{cap.name}, compute capability {cap.sm[0]}.{cap.sm[1]}: 32 MiB"
+    return CUBLAS_WORKSPACE_PRE_HOPPER_BYTES, (f"{cap.name}, compute capability {cap.sm[0]}.{cap.sm[1]}: "
+                                               f"PyTorch's :4096:2:16:8 default, 8.125 MiB")
 # max_memory_reserved / max_memory_allocated at the peak of a steady training step, measured on
 # an H100 (TinyGPT and a Llama with a 32k vocabulary, 6 x 512, batch 8 x 512, fp32 and bf16 AMP):
 # 1.05, 1.10, 1.09, 1.14 (results/h100/estimator_probe.json). The largest is the stated margin.

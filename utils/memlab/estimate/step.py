@@ -22,7 +22,7 @@ class StepSpec:
     depth, the ZeRO sharding and :func:`memlab.plan.estimate_stack` pass it along whole.
     ``dtype`` and ``optimizer`` are canonical (:mod:`memlab.core.vocab`); ``adapter`` is a
     :class:`memlab.adapters.AdapterSpec` or None; ``step`` a callable ``(model, batch) -> loss``,
-    a ``"module:function"`` or None.
+    a ``"module:function"`` or None; ``gpu`` a card name of :mod:`memlab.core.gpus` or None.
     """
 
     batch_size: int
@@ -42,6 +42,7 @@ class StepSpec:
     world_size: int = 1
     zero_stage: int = 0
     adapter: Any = None
+    gpu: str | None = None  # the target card (memlab.core.gpus): its cuBLAS workspace
 
     def replace(self, **changes: Any) -> "StepSpec":
         """A copy with some fields changed.

@@ -66,7 +66,7 @@ def estimate_command(model: Any, **kw: Any) -> str:
     flags = (("batch_size", "--batch-size", None), ("seq_len", "--seq-len", None), ("dtype", "--dtype", Recipe.BF16_MIXED.value),
              ("optimizer", "--optimizer", "adamw"), ("optimizer_impl", "--optimizer-impl", "auto"),
              ("device", "--device", "cuda"), ("loss", "--loss", "auto"), ("attn_implementation", "--attn", "auto"),
-             ("world_size", "--world-size", 1), ("zero_stage", "--zero-stage", 0))
+             ("world_size", "--world-size", 1), ("zero_stage", "--zero-stage", 0), ("gpu", "--gpu", None))
     canon = {"dtype": canonical_dtype, "optimizer": canonical_optimizer}
     for key, flag, default in flags:
         if key in kw and canon.get(key, lambda v: v)(kw[key]) != default:

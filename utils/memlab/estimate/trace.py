@@ -13,13 +13,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from memlab.core.units import MiB, format_bytes
+from memlab.core.units import format_bytes
 from memlab.core.validation import check_choice
 from memlab.estimate.attention import _attention_plan, _make_tracker
 from memlab.estimate.model import ModelSpec, _largest_layer_params, _prepare, _vocab_size
 from memlab.estimate.optim import (_bnb, _bnb_state_bytes, _offload_host_breakdown, _OffloadDeviceSide,
                                    _resolve_impl, make_optimizer)
-from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CATEGORIES, CUBLAS_THREADS, CUBLAS_WORKSPACE_BYTES,
+from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CATEGORIES, CUBLAS_THREADS, cublas_workspace,
                                      LOSSES, MIXED, OPTIMIZER_IMPLS, OPTIMIZERS, Recipe, check_dtype)
 from memlab.estimate.result import MemoryEstimate
 from memlab.estimate.step import StepSpec, _is_hf_model, load_step, training_step
@@ -234,7 +234,12 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
         mode = contextlib.nullcontext()
     build_attn = None if s.attn == "auto" else ("sdpa" if s.attn == "flash" else s.attn)
     with mode, torch.device(s.traced_on):
-        model = _prepare(spec.build(step.dtype, build_attn), step.dtype, step.checkpointing)
+        ctx_fn = None
+        if s.cuda_rules is not None:  # checkpointing's recompute runs under the same CUDA rules
+            from memlab.cuda_rules import checkpoint_context_fn
+
+            ctx_fn = checkpoint_context_fn(s.cuda_rules)
+        model = _prepare(spec.build(step.dtype, build_attn), step.dtype, step.checkpointing, ctx_fn)
         vocab = _vocab_size(model)
     n_params = None
     if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values
@@ -289,8 +294,12 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
     attention = _after_notes(s, tracker, attention, softmax_rule)
     extras: dict[str, int] = {}
     if s.target.type == "cuda":
-        extras[f"cuBLAS workspaces ({CUBLAS_WORKSPACE_BYTES // MiB} MiB x {CUBLAS_THREADS} threads: "
-               f"forward and autograd, measured on an H100)"] = CUBLAS_WORKSPACE_BYTES * CUBLAS_THREADS
+        ws, why = cublas_workspace(step.gpu)
+        extras[f"cuBLAS workspaces ({format_bytes(ws)} x {CUBLAS_THREADS} threads: forward and autograd; "
+               f"{why})"] = ws * CUBLAS_THREADS
+        if step.gpu is None:
+            s.notes.append("no card given (gpu=/--gpu): the cuBLAS workspace is Hopper's 32 MiB per thread (PyTorch's "
+                           "default before compute capability 9.0 is 8.125 MiB)")
     from memlab.models import count_parameters
 
     return MemoryEstimate(
