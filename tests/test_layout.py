@@ -187,3 +187,26 @@ def test_contributing_map_names_existing_paths():
                 if not (PKG / pkg / name).exists():
                     missing.append(f"utils/memlab/{pkg}{name}")
     assert not missing, f"CONTRIBUTING.md's map names paths that do not exist: {missing}"
+
+
+def test_public_functions_document_args_and_returns():
+    """Every public function and method says ``Args:`` (when it takes any) and ``Returns:`` (or ``Yields:``)."""
+    missing = []
+    for p in _modules():
+        rel = str(p.relative_to(PKG))
+
+        def visit(body, owner=""):
+            for node in body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    visit(node.body, node.name + ".")
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if node.name.startswith("_") or any(
+                            isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list):
+                        continue
+                    args = [a.arg for a in node.args.args + node.args.kwonlyargs if a.arg not in ("self", "cls")]
+                    doc = ast.get_docstring(node) or ""
+                    if (args and "Args:" not in doc) or ("Returns:" not in doc and "Yields:" not in doc):
+                        missing.append(f"{rel}:{owner}{node.name}")
+
+        visit(ast.parse(p.read_text()).body)
+    assert not missing, f"public functions without Args:/Returns: sections: {missing}"

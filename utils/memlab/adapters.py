@@ -222,8 +222,14 @@ _QUANT_WARM = False
 
 
 def warm_quant() -> None:
-    """Build memlab.quant's cached codebooks once, for real, outside any trace (built inside the
-    first traced step they would count in that trace only, enough to bend an extrapolation)."""
+    """Build memlab.quant's cached codebooks once, for real, outside any trace.
+
+    Built inside the first traced step they would count in that trace only, enough to bend a
+    depth extrapolation.
+
+    Returns:
+        None.
+    """
     global _QUANT_WARM
     if not _QUANT_WARM:
         from memlab.quant import Linear4bit

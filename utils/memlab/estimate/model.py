@@ -117,6 +117,9 @@ def check_overrides(cfg: Any, overrides: Mapping[str, Any], what: str) -> None:
         overrides: field -> value.
         what: how the error names the model.
 
+    Returns:
+        None (it only raises).
+
     Raises:
         ValueError: naming the unknown key, with the closest field names.
     """
@@ -324,6 +327,9 @@ def check_positions(spec: ModelSpec, seq_len: int, allow_longer_seq: bool) -> No
         spec: the resolved model (a callable's model is not checked).
         seq_len: tokens per sequence.
         allow_longer_seq: allow it for position encodings that extend (RoPE scaling).
+
+    Returns:
+        None (it only raises).
 
     Raises:
         ValueError: naming ``seq_len``, the model's position field and its size.

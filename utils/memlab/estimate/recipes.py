@@ -86,6 +86,9 @@ def check_dtype(dtype: Any) -> None:
     Args:
         dtype: the recipe to check.
 
+    Returns:
+        None (it only raises).
+
     Raises:
         ValueError: naming ``dtype``, the value and the recipes allowed.
     """
@@ -159,6 +162,9 @@ def check_input_bounds(batch_size: Any, seq_len: Any, world_size: Any = 1) -> No
         batch_size: sequences per step (per rank), 1 to :data:`MAX_BATCH`.
         seq_len: tokens per sequence, 1 to :data:`MAX_SEQ_LEN`.
         world_size: ranks, 1 to :data:`MAX_WORLD_SIZE`.
+
+    Returns:
+        None (it only raises).
 
     Raises:
         ValueError: naming the argument, its value and the allowed range; or the product
