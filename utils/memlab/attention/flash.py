@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from memlab.attention.masks import _acc, _check, _grouped, _loop_mask, _positive, _q_start
+from memlab.attention.masks import _acc, _check, _grouped, _loop_mask, _q_start
 from memlab.attention.reference import _online_forward
 
 __all__ = ["flash_attention_forward", "flash_attention_backward", "FlashAttentionFunction", "flash_attention",
@@ -37,9 +37,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     Raises:
         ValueError: as :func:`~memlab.attention.naive_attention`, or a bad block size.
     """
-    mode, scale, g = _check("flash_attention_forward", q, k, v, causal, scale)
-    _positive("flash_attention_forward", "block_q", block_q)
-    _positive("flash_attention_forward", "block_k", block_k)
+    mode, scale, g = _check("flash_attention_forward", q, k, v, causal, scale, block_q=block_q, block_k=block_k)
     b, h, lq, _ = q.shape
     with torch.no_grad():
         outs, lses = _online_forward(_grouped(q, g), k, v, mode, scale, block_q, block_k, lq, k.shape[2])
@@ -135,9 +133,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     Raises:
         ValueError: as :func:`~memlab.attention.naive_attention`, or a bad block size.
     """
-    _check("flash_attention", q, k, v, causal, scale)
-    _positive("flash_attention", "block_q", block_q)
-    _positive("flash_attention", "block_k", block_k)
+    _check("flash_attention", q, k, v, causal, scale, block_q=block_q, block_k=block_k)
     o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, block_q, block_k)
     return (o, lse) if return_lse else o
 

@@ -37,8 +37,12 @@ def _positive(where: str, name: str, value: Any) -> int:
     return check_positive_int(f"{where}: {name}", value)
 
 
-def _check(where: str, q: Any, k: Any, v: Any, causal: Any, scale: Any) -> tuple[str | None, float, int]:
-    """Validate; return (causal mode, scale, group size G = Hq // Hkv)."""
+def _check(where: str, q: Any, k: Any, v: Any, causal: Any, scale: Any,
+           **blocks: Any) -> tuple[str | None, float, int]:
+    """Validate q, k, v, causal, scale and each block size in ``blocks`` (name -> positive int);
+    return (causal mode, scale, group size G = Hq // Hkv)."""
+    for name, value in blocks.items():
+        _positive(where, name, value)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")

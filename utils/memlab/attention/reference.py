@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from memlab.attention.masks import _acc, _check, _grouped, _kv_end, _loop_mask, _positive, block_mask
+from memlab.attention.masks import _acc, _check, _grouped, _kv_end, _loop_mask, block_mask
 
 __all__ = ["sdpa_reference", "naive_attention", "merge_partials", "chunked_attention"]
 
@@ -162,9 +162,7 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     Raises:
         ValueError: as :func:`~memlab.attention.naive_attention`, or a bad block size.
     """
-    mode, scale, g = _check("chunked_attention", q, k, v, causal, scale)
-    _positive("chunked_attention", "q_chunk", q_chunk)
-    _positive("chunked_attention", "kv_chunk", kv_chunk)
+    mode, scale, g = _check("chunked_attention", q, k, v, causal, scale, q_chunk=q_chunk, kv_chunk=kv_chunk)
     b, h, lq, _ = q.shape
     outs, lses = _online_forward(_grouped(q, g), k, v, mode, scale, q_chunk, kv_chunk, lq, k.shape[2])
     o = torch.cat(outs, dim=-2).reshape(b, h, lq, v.shape[-1]).to(q.dtype)

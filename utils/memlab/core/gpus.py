@@ -85,6 +85,12 @@ CAPABILITIES: dict[str, Capability] = {
 }
 
 
+def _key(name: str) -> str:
+    """A card's name as the tables spell it: lower case, dashes, no spaces, aliases resolved."""
+    key = str(name).strip().lower().replace("_", "-").replace(" ", "")
+    return ALIASES.get(key, key)
+
+
 def capability(name: str) -> Capability | None:
     """The compute capability of the card called ``name`` (aliases as :func:`find_gpu`), else None.
 
@@ -94,8 +100,7 @@ def capability(name: str) -> Capability | None:
     Returns:
         The :class:`Capability`, or None for an unknown card.
     """
-    key = str(name).strip().lower().replace("_", "-").replace(" ", "")
-    key = ALIASES.get(key, key)
+    key = _key(name)
     return CAPABILITIES.get(key) or CAPABILITIES.get(key.split("-")[0])
 
 
@@ -117,9 +122,7 @@ def find_gpu(name: str) -> GPU | None:
     Returns:
         The :class:`GPU`, or None for an unknown name.
     """
-    key = str(name).strip().lower().replace("_", "-").replace(" ", "")
-    key = ALIASES.get(key, key)
-    return GPUS.get(key)
+    return GPUS.get(_key(name))
 
 
 def suggest(name: str) -> str:

@@ -18,7 +18,14 @@ __all__ = ["Recipe", "Optimizer", "Category", "Phase", "CATEGORIES", "PHASES",
            "RECIPE_ALIASES", "OPTIMIZER_ALIASES", "recipe", "optimizer"]
 
 
-class Recipe(str, Enum):
+class _Word(str, Enum):
+    """A str enum that prints as its value (``f"{Recipe.FP32}" == "fp32"``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Recipe(_Word):
     """How the weights, gradients, optimizer state and compute are typed."""
 
     FP32 = "fp32"              # everything fp32
@@ -26,11 +33,8 @@ class Recipe(str, Enum):
     FP16_MIXED = "fp16-mixed"  # the same under autocast(float16), with loss scaling (chapter 03)
     BF16_PURE = "bf16-pure"    # bf16 weights, gradients and optimizer state, no fp32 master copy
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Optimizer(str, Enum):
+class Optimizer(_Word):
     """The optimizers the estimator, the planner and the trainer know."""
 
     ADAMW = "adamw"                  # torch.optim.AdamW
@@ -38,11 +42,8 @@ class Optimizer(str, Enum):
     ADAMW8BIT = "adamw8bit"          # bitsandbytes.optim.AdamW8bit / memlab.quant's 8-bit Adam
     OFFLOAD_ADAMW = "offload-adamw"  # memlab.offload.OffloadedAdamW (chapter 04)
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Category(str, Enum):
+class Category(_Word):
     """What a byte of training memory holds."""
 
     PARAMETERS = "parameters"
@@ -51,20 +52,14 @@ class Category(str, Enum):
     ACTIVATIONS = "activations"
     OTHER = "other"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Phase(str, Enum):
+class Phase(_Word):
     """Where in a training step an allocation happens."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     OTHER = "other"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: the categories in the order tables and plots show them

@@ -4,6 +4,12 @@ Each check is plain code a learner can read: it calls your function or class on 
 and compares the answer with memlab's own implementation, raising AssertionError with a
 message that says what was expected. ``memlab.course.grading.check`` runs them.
 
+Every ``check_*`` function registered with ``@register("NN.name", reference=...)`` has one contract,
+stated here once rather than in each docstring: its argument is the learner's answer (a function or
+a class) for that exercise, held against the reference; it returns None when every case agrees and
+raises AssertionError naming the first case where the answer is wrong, the answer and the expected
+one (a lab's untouched stub raises NotImplementedError, graded as todo).
+
 Helpers below keep the messages uniform: "name: got X, expected Y". They compare exact types
 and compare values through the *reference's* type: an ``int`` subclass whose ``==`` always
 says yes is not an int, and a dict's values are compared one by one, never with the learner's

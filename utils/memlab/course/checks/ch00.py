@@ -10,17 +10,7 @@ from memlab.course.checks import expect, expect_equal, expect_type, register
 
 @register("00.model_state_bytes", reference=lambda: ref.model_state_bytes, title="bytes of weights, grads, optimizer")
 def check_model_state_bytes(fn):
-    """Grade exercise ``00.model_state_bytes``: bytes of weights, grads, optimizer.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.model_state_bytes``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``00.model_state_bytes``: bytes of weights, grads, optimizer."""
     for n in (0, 1, 1000, 7_000_000_000):
         for recipe in ("fp32-adamw", "fp32-sgd", "mixed-adamw"):
             got = fn(n, recipe)
@@ -48,17 +38,7 @@ def _stepped(opt_factory, dtype: torch.dtype = torch.float32) -> torch.optim.Opt
 
 @register("00.optimizer_state_bytes", reference=lambda: ref.optimizer_state_bytes, title="count an optimizer's state")
 def check_optimizer_state_bytes(fn):
-    """Grade exercise ``00.optimizer_state_bytes``: count an optimizer's state.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.optimizer_state_bytes``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``00.optimizer_state_bytes``: count an optimizer's state."""
     cases = {
         "a fresh AdamW (no step yet)": _model_opt_fresh(),
         "AdamW after one step": _stepped(lambda p: torch.optim.AdamW(p, lr=1e-3)),
@@ -106,17 +86,7 @@ def _model_opt_fresh() -> torch.optim.Optimizer:
 @register("00.activation_bytes", reference=lambda: ref.activation_bytes_per_layer, title="activation bytes per layer")
 def check_activation_bytes(fn):
     # the last two: h does not divide a*s (5*a*s/h is not an integer: no integer division)
-    """Grade exercise ``00.activation_bytes``: activation bytes per layer.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.activation_bytes_per_layer``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``00.activation_bytes``: activation bytes per layer."""
     for s, b, h, a in ((2048, 1, 4096, 32), (4096, 4, 8192, 64), (128, 8, 768, 12), (64, 2, 128, 4),
                        (100, 3, 96, 7), (33, 1, 40, 5)):
         got = fn(s, b, h, a)
@@ -155,17 +125,7 @@ class _Block(nn.Module):
 
 @register("00.saved_bytes", reference=lambda: ref.saved_activation_bytes, title="measure saved activations")
 def check_saved_bytes(fn):
-    """Grade exercise ``00.saved_bytes``: measure saved activations.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.saved_activation_bytes``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``00.saved_bytes``: measure saved activations."""
     torch.manual_seed(0)
     x = torch.randn(4, 16, 32, requires_grad=True)
     block = _Block()
@@ -261,17 +221,7 @@ def measured_step_peak(config, batch_size: int, seq_len: int) -> tuple[int, str]
 @register("00.predict_peak", reference=lambda: ref.tinygpt_step_peak, timeout=120,
           title="predict a training step's peak, then measure it")
 def check_predict_peak(fn):
-    """Grade exercise ``00.predict_peak``: predict a training step's peak, then measure it.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.tinygpt_step_peak``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``00.predict_peak``: predict a training step's peak, then measure it."""
     from memlab.models import TinyGPTConfig
 
     for n_layer, n_embd, n_head, b, s in PEAK_CASES:

@@ -18,17 +18,7 @@ from memlab.course.checks import expect, expect_equal, expect_type, register
 # ---------------------------------------------------------------------------- 01.live_bytes
 @register("01.live_bytes", reference=lambda: ref.LiveBytes, title="a live-bytes counter with weakref finalizers")
 def check_live_bytes(cls):
-    """Grade exercise ``01.live_bytes``: a live-bytes counter with weakref finalizers.
-
-    Args:
-        cls: the learner's class, held against the reference ``ref.LiveBytes``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``cls`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``01.live_bytes``: a live-bytes counter with weakref finalizers."""
     lb = cls()
     expect_equal("a new counter: (current, peak)", (lb.current, lb.peak), (0, 0))
     x = torch.zeros(256)  # 1024 bytes
@@ -149,13 +139,7 @@ class _Births(TorchDispatchMode):
 
 @register("01.categorize", reference=lambda: ref.categorize, title="which category a tensor belongs to")
 def check_categorize(fn):
-    """Grade exercise ``01.categorize``: which category a tensor belongs to.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.categorize``.
-    Returns:
-        None. Raises AssertionError naming the first wrong input, the answer and the expected one.
-    """
+    """Grade exercise ``01.categorize``: which category a tensor belongs to."""
     model, opt = _mlp()
     x = torch.randn(5, 8)  # an input batch: made outside forward, backward and the step
     saved = []
@@ -238,17 +222,7 @@ def _ev(i, phase, **b):
 @register("01.phase_peaks", reference=lambda: ref.phase_peaks, title="per-phase peaks from a timeline")
 def check_phase_peaks(fn):
     # the categories peak at different events: the answer is the peak of the totals
-    """Grade exercise ``01.phase_peaks``: per-phase peaks from a timeline.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.phase_peaks``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``01.phase_peaks``: per-phase peaks from a timeline."""
     tl = [
         _ev(0, "other", parameters=100),
         _ev(3, "forward", parameters=100, activations=50),
@@ -285,17 +259,7 @@ def check_phase_peaks(fn):
 @register("01.fake_activations", timeout=90, reference=lambda: ref.fake_activation_bytes,
           title="activation bytes of a too-large model, on fake tensors")
 def check_fake_activations(fn):
-    """Grade exercise ``01.fake_activations``: activation bytes of a too-large model, on fake tensors.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.fake_activation_bytes``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``01.fake_activations``: activation bytes of a too-large model, on fake tensors."""
     from memlab.accounting import saved_activation_bytes
     from memlab.models import TinyGPT, TinyGPTConfig
 
@@ -372,17 +336,7 @@ def _probe_graphs(model):
 
 @register("01.fix_the_leak", timeout=90, reference=lambda: ref.train_losses, title="find and fix the leak")
 def check_fix_the_leak(train):
-    """Grade exercise ``01.fix_the_leak``: find and fix the leak.
-
-    Args:
-        train: the learner's fixed training function, held against the reference ``ref.train_losses``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``train`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``01.fix_the_leak``: find and fix the leak."""
     currents, result = {}, {}
     for steps in (1, 3):
         model, opt, x, y = _setup()

@@ -34,17 +34,7 @@ def _same_grads(name: str, got: list, want: list) -> None:
 # ----------------------------------------------------------------------------- 02.count_saved
 @register("02.count_saved", reference=lambda: ref.count_saved_tensors, title="count the tensors a block saves")
 def check_count_saved(fn):
-    """Grade exercise ``02.count_saved``: count the tensors a block saves.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.count_saved_tensors``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``02.count_saved``: count the tensors a block saves."""
     torch.manual_seed(0)
     h = torch.randn(2, 16, 32, requires_grad=True)
     cases = {
@@ -87,17 +77,7 @@ def check_count_saved(fn):
 @register("02.checkpoint_function", reference=lambda: ref.checkpoint_reentrant,
           title="checkpoint as an autograd.Function")
 def check_checkpoint_function(fn):
-    """Grade exercise ``02.checkpoint_function``: checkpoint as an autograd.Function.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.checkpoint_reentrant``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``02.checkpoint_function``: checkpoint as an autograd.Function."""
     block = _blocks(1)[0]
     torch.manual_seed(0)
     x = torch.randn(2, 16, 32, requires_grad=True)
@@ -144,17 +124,7 @@ def check_checkpoint_function(fn):
 # ----------------------------------------------------------------------------- 02.rng_replay
 @register("02.rng_replay", reference=lambda: ref.RNGState, title="RNG snapshot and replay")
 def check_rng_replay(cls):
-    """Grade exercise ``02.rng_replay``: RNG snapshot and replay.
-
-    Args:
-        cls: the learner's class, held against the reference ``ref.RNGState``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``cls`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``02.rng_replay``: RNG snapshot and replay."""
     torch.manual_seed(1234)
     untouched = torch.rand(6)
     torch.manual_seed(1234)
@@ -261,17 +231,7 @@ def _wide_layers(n: int) -> list[nn.Module]:
 @register("02.checkpoint_sequential", reference=lambda: ref.checkpoint_sequential,
           title="checkpoint_sequential with k segments")
 def check_checkpoint_sequential(fn):
-    """Grade exercise ``02.checkpoint_sequential``: checkpoint_sequential with k segments.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.checkpoint_sequential``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``02.checkpoint_sequential``: checkpoint_sequential with k segments."""
     for n, k in ((6, 3), (6, 2), (6, 1), (4, 4), (8, 4), (7, 3), (5, 2), (10, 4)):
         layers, calls = _counting_layers(n)
         params = [p for m in layers for p in m.parameters()]
@@ -338,17 +298,7 @@ def check_checkpoint_sequential(fn):
 @register("02.choose_segments", reference=lambda: ref.segments_for_budget,
           title="fewest segments that fit a budget")
 def check_choose_segments(fn):
-    """Grade exercise ``02.choose_segments``: fewest segments that fit a budget.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.segments_for_budget``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``02.choose_segments``: fewest segments that fit a budget."""
     cases = [(16, 2000.0, 100.0, 10.0), (16, 900.0, 100.0, 10.0), (16, 500.0, 100.0, 10.0),
              (16, 440.0, 100.0, 10.0), (12, 350.0, 50.0, 20.0), (32, 1e9, 2.2e6, 1.3e5),
              (32, 2.0e7, 2.2e6, 1.3e5), (1, 5.0, 4.0, 1.0),
@@ -388,17 +338,7 @@ CKPT_PEAK_TOLERANCE = 0.015
 @register("02.predict_ckpt_peak", reference=lambda: ref.sequential_activation_peak, timeout=120,
           title="predict checkpoint_sequential's activation peak, then measure it")
 def check_predict_ckpt_peak(fn):
-    """Grade exercise ``02.predict_ckpt_peak``: predict checkpoint_sequential's activation peak, then measure it.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.sequential_activation_peak``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``02.predict_ckpt_peak``: predict checkpoint_sequential's activation peak, then measure it."""
     for n, h, a, b, s, k in CKPT_PEAK_CASES:
         cfg = TinyGPTConfig(n_layer=n, n_embd=h, n_head=a, block_size=s, dropout=0.1)
         where = f"{n} TinyGPT blocks {h} wide, {a} heads, batch {b} x {s}, {k} segment{'s' * (k > 1)}"

@@ -38,17 +38,7 @@ def _underflow_cases() -> list[tuple[str, torch.Tensor, torch.dtype]]:
 
 @register("03.underflow_fraction", reference=lambda: amp.underflow_fraction, title="underflow fraction")
 def check_underflow_fraction(fn) -> None:
-    """Grade exercise ``03.underflow_fraction``: underflow fraction.
-
-    Args:
-        fn: the learner's function, held against the reference ``amp.underflow_fraction``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``03.underflow_fraction``: underflow fraction."""
     expect(callable(fn), f"underflow_fraction: expected a function, got {type(fn).__name__}")
     for name, t, dtype in _underflow_cases():
         got = fn(t.clone(), dtype)
@@ -60,17 +50,7 @@ def check_underflow_fraction(fn) -> None:
 # ----------------------------------------------------------------------------- 03.update_scale
 @register("03.update_scale", reference=lambda: amp.update_scale_, title="scale update rule")
 def check_update_scale(fn) -> None:
-    """Grade exercise ``03.update_scale``: scale update rule.
-
-    Args:
-        fn: the learner's function, held against the reference ``amp.update_scale_``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``03.update_scale``: scale update rule."""
     expect(callable(fn), f"update_scale_: expected a function, got {type(fn).__name__}")
     rng = random.Random(0)
     cases = [(2.0, 0.5, 3, 2.0**16), (1.7, 0.3, 2, 1000.0), (3.0, 0.25, 1, 1.0), (2.0, 0.5, 2, 2.0**126)]
@@ -103,17 +83,7 @@ def check_update_scale(fn) -> None:
 # ----------------------------------------------------------------------------- 03.unscale_grads
 @register("03.unscale_grads", reference=lambda: amp.unscale_grads_, title="unscale with inf/NaN detection")
 def check_unscale_grads(fn) -> None:
-    """Grade exercise ``03.unscale_grads``: unscale with inf/NaN detection.
-
-    Args:
-        fn: the learner's function, held against the reference ``amp.unscale_grads_``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``03.unscale_grads``: unscale with inf/NaN detection."""
     expect(callable(fn), f"unscale_grads_: expected a function, got {type(fn).__name__}")
     gen = torch.Generator().manual_seed(5)
     # fp16 (what loss scaling exists for), several bad tensors at once (found_inf is a flag, 1.0, not a
@@ -164,17 +134,7 @@ def _mlp() -> nn.Module:
 
 @register("03.loss_scaler", reference=lambda: amp.DynamicLossScaler, title="loss scaler in lockstep with GradScaler", timeout=120)
 def check_loss_scaler(cls) -> None:
-    """Grade exercise ``03.loss_scaler``: loss scaler in lockstep with GradScaler.
-
-    Args:
-        cls: the learner's class, held against the reference ``amp.DynamicLossScaler``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``cls`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``03.loss_scaler``: loss scaler in lockstep with GradScaler."""
     expect(callable(cls), f"LossScaler: expected a class, got {type(cls).__name__}")
     kw = dict(init_scale=3000.0, growth_factor=1.5, backoff_factor=0.6, growth_interval=3)
     mine = cls(**kw)
@@ -227,17 +187,7 @@ def check_loss_scaler(cls) -> None:
 # ----------------------------------------------------------------------------- 03.master_step
 @register("03.master_step", reference=lambda: amp.master_step, title="fp32 master-weights step")
 def check_master_step(fn) -> None:
-    """Grade exercise ``03.master_step``: fp32 master-weights step.
-
-    Args:
-        fn: the learner's function, held against the reference ``amp.master_step``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``03.master_step``: fp32 master-weights step."""
     expect(callable(fn), f"master_step: expected a function, got {type(fn).__name__}")
     for dtype in (torch.float16, torch.bfloat16):
         torch.manual_seed(0)
@@ -309,17 +259,7 @@ UPDATE_PEAK_TOLERANCE = 0.01
 @register("03.predict_update_peak", reference=lambda: amp.update_peak_bytes, timeout=120,
           title="predict an update's peak, fp32 vs fp32 master weights, then measure it")
 def check_predict_update_peak(fn) -> None:
-    """Grade exercise ``03.predict_update_peak``: predict an update's peak, fp32 vs fp32 master weights, then measure it.
-
-    Args:
-        fn: the learner's function, held against the reference ``amp.update_peak_bytes``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``03.predict_update_peak``: predict an update's peak, fp32 vs fp32 master weights, then measure it."""
     expect(callable(fn), f"predict_update_peak: expected a function, got {type(fn).__name__}")
     for name, make in _update_models():
         for recipe in amp.UPDATE_RECIPES:

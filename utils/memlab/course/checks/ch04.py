@@ -58,17 +58,7 @@ LAYOUTS = ("odd", "matrix", "transposed", "channels_last")
 # ----------------------------------------------------------------------------- 04.adamw_update
 @register("04.adamw_update", reference=lambda: offload.adamw_step_, title="AdamW update, bitwise vs torch")
 def check_adamw_update(fn) -> None:
-    """Grade exercise ``04.adamw_update``: AdamW update, bitwise vs torch.
-
-    Args:
-        fn: the learner's function, held against the reference ``offload.adamw_step_``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``04.adamw_update``: AdamW update, bitwise vs torch."""
     expect(callable(fn), f"adamw_step_: expected a function, got {type(fn).__name__}")
     for hp in HPARAMS:
         for kind in LAYOUTS:
@@ -111,17 +101,7 @@ def _pack_reference(tensors):
 
 @register("04.pack_flat", reference=lambda: _pack_reference, title="flat buffer with views")
 def check_pack_flat(fn) -> None:
-    """Grade exercise ``04.pack_flat``: flat buffer with views.
-
-    Args:
-        fn: the learner's function, held against the reference ``_pack_reference``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``04.pack_flat``: flat buffer with views."""
     expect(callable(fn), f"pack: expected a function, got {type(fn).__name__}")
     gen = torch.Generator().manual_seed(0)
     cases = [
@@ -203,17 +183,7 @@ def _one_update_each(before, hp, step):
 
 @register("04.chunked_step", reference=lambda: offload.adamw_step_eager_chunked_, title="chunked step on flat buffers")
 def check_chunked_step(fn) -> None:
-    """Grade exercise ``04.chunked_step``: chunked step on flat buffers.
-
-    Args:
-        fn: the learner's function, held against the reference ``offload.adamw_step_eager_chunked_``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``04.chunked_step``: chunked step on flat buffers."""
     expect(callable(fn), f"adamw_step_chunked_: expected a function, got {type(fn).__name__}")
     for n, chunk in ((1000, 128), (1003, 100), (64, 64), (50, 1000), (9, 1)):
         for hp in HPARAMS:
@@ -272,17 +242,7 @@ def _micro_grads(ref: nn.Module, batches, conv: bool) -> list[list[torch.Tensor 
 
 @register("04.grad_hook", reference=lambda: offload.install_grad_hooks, title="gradient-staging hooks")
 def check_grad_hook(fn) -> None:
-    """Grade exercise ``04.grad_hook``: gradient-staging hooks.
-
-    Args:
-        fn: the learner's function, held against the reference ``offload.install_grad_hooks``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``04.grad_hook``: gradient-staging hooks."""
     expect(callable(fn), f"install_grad_hooks: expected a function, got {type(fn).__name__}")
     for dtype in (torch.float32, torch.bfloat16):
         for conv in (False, True):
@@ -354,17 +314,7 @@ def _loss(model, x, y, k):
 
 @register("04.offload_optimizer", reference=lambda: _ReferenceOffload, title="your offload optimizer, bitwise", timeout=120)
 def check_offload_optimizer(cls) -> None:
-    """Grade exercise ``04.offload_optimizer``: your offload optimizer, bitwise.
-
-    Args:
-        cls: the learner's class, held against the reference ``_ReferenceOffload``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``cls`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``04.offload_optimizer``: your offload optimizer, bitwise."""
     expect(callable(cls), f"OffloadAdamW: expected a class, got {type(cls).__name__}")
     k, steps = 3, 3
     for dtype in (torch.float32, torch.bfloat16):
@@ -525,17 +475,7 @@ def _predict_traffic_reference(model: nn.Module, micro_batches: int, offload_gra
 @register("04.predict_traffic", reference=lambda: _predict_traffic_reference, title="predict bytes moved, then measure",
           timeout=120)
 def check_predict_traffic(fn) -> None:
-    """Grade exercise ``04.predict_traffic``: predict bytes moved, then measure.
-
-    Args:
-        fn: the learner's function, held against the reference ``_predict_traffic_reference``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``04.predict_traffic``: predict bytes moved, then measure."""
     expect(callable(fn), f"predict_traffic: expected a function, got {type(fn).__name__}")
     for name, model in _traffic_models():
         for micro_batches, offload_gradients in ((1, False), (4, False), (4, True)):

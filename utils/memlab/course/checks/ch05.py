@@ -39,17 +39,7 @@ def _attn_lse(q, k, v, scale=None):
 # ----------------------------------------------------------------------------- 05.merge_partials
 @register("05.merge_partials", reference=lambda: ref.merge_partials, title="merge two partial softmax results")
 def check_merge_partials(fn):
-    """Grade exercise ``05.merge_partials``: merge two partial softmax results.
-
-    Args:
-        fn: the learner's function, held against the reference ``ref.merge_partials``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``05.merge_partials``: merge two partial softmax results."""
     q, k, v = _randn(2, 5, 8, seed=1), _randn(2, 9, 8, seed=2), _randn(2, 9, 4, seed=3)
     for cut, mult in ((4, 1.0), (1, 1.0), (8, 1.0), (3, 1000.0)):
         qq = q * mult  # scores in the thousands: exp() of them overflows even in fp64 unless you subtract a max
@@ -164,17 +154,7 @@ def _forward_extra_peak(fn, lq, lk, d, chunk):
 @register("05.chunked_forward", reference=lambda: chunked_forward_reference, title="online-softmax forward over key chunks",
           timeout=120)
 def check_chunked_forward(fn):
-    """Grade exercise ``05.chunked_forward``: online-softmax forward over key chunks.
-
-    Args:
-        fn: the learner's function, held against the reference ``chunked_forward_reference``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``05.chunked_forward``: online-softmax forward over key chunks."""
     q, k, v = _randn(2, 3, 7, 8, seed=4), _randn(2, 3, 13, 8, seed=5), _randn(2, 3, 13, 6, seed=6)
     for chunk, mult in ((4, 1.0), (5, 1.0), (1, 1.0), (13, 1.0), (100, 1.0), (3, 1000.0)):
         qq = q * mult
@@ -256,17 +236,7 @@ def _backward_inputs(b, h, lq, lk, d, dv, seed, dtype=torch.float64, causal=Fals
 @register("05.flash_backward", reference=lambda: flash_backward_reference, title="tiled backward from the logsumexp (FA2)",
           timeout=120)
 def check_flash_backward(fn):
-    """Grade exercise ``05.flash_backward``: tiled backward from the logsumexp (FA2).
-
-    Args:
-        fn: the learner's function, held against the reference ``flash_backward_reference``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``05.flash_backward``: tiled backward from the logsumexp (FA2)."""
     for lq, lk, dv, causal, block in ((40, 56, 8, False, 16), (40, 56, 8, True, 16), (56, 40, 6, False, 16),
                                       (48, 48, 8, True, 16), (37, 53, 8, True, 8), (24, 24, 8, True, 5),
                                       (40, 56, 8, True, 64)):
@@ -354,17 +324,7 @@ def _ctx_tensors(grad_fn):
 @register("05.flash_function", reference=lambda: FlashAttentionReference, title="autograd.Function that saves O(L)",
           timeout=120)
 def check_flash_function(cls):
-    """Grade exercise ``05.flash_function``: autograd.Function that saves O(L).
-
-    Args:
-        cls: the learner's class, held against the reference ``FlashAttentionReference``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``cls`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``05.flash_function``: autograd.Function that saves O(L)."""
     expect(isinstance(cls, type) and issubclass(cls, torch.autograd.Function),
            f"expected a subclass of torch.autograd.Function (the class itself), got {str(cls)[:80]}")
     for (lq, lk, causal, dtype) in ((24, 40, True, torch.float64), (40, 24, False, torch.float64),
@@ -456,18 +416,7 @@ def _triton_device():
 @register("05.triton_forward", reference=triton_forward_reference, title="FA2 forward in Triton (interpreter on CPU)",
           timeout=300)
 def check_triton_forward(kernel):
-    """Grade exercise ``05.triton_forward``: FA2 forward in Triton (interpreter on CPU).
-
-    Args:
-        kernel: the learner's Triton kernel, held against memlab's ``flash_fwd_kernel`` (:func:`triton_forward_reference`).
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``kernel`` is wrong, its answer and the expected one.
-        NotImplementedError: the kernel is still the lab's stub (graded as todo).
-    """
+    """Grade exercise ``05.triton_forward``: FA2 forward in Triton (interpreter on CPU)."""
     expect(type(kernel).__module__.startswith("triton") and hasattr(kernel, "__getitem__"),
            f"expected a @triton.jit kernel, got {type(kernel).__name__}"
            + ("" if ref.triton_available() else " (triton is not installed here: pip install triton, on Linux x86_64)"))
@@ -516,17 +465,7 @@ def predict_saved_bytes_reference(batch, heads, seq, head_dim):
 @register("05.predict_saved_bytes", reference=lambda: predict_saved_bytes_reference,
           title="predict, then measure, the bytes saved for backward")
 def check_predict_saved_bytes(fn):
-    """Grade exercise ``05.predict_saved_bytes``: predict, then measure, the bytes saved for backward.
-
-    Args:
-        fn: the learner's function, held against the reference ``predict_saved_bytes_reference``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``05.predict_saved_bytes``: predict, then measure, the bytes saved for backward."""
     for b, h, s, d in ((1, 2, 64, 16), (2, 4, 128, 32), (1, 2, 256, 8)):
         got = fn(b, h, s, d)
         expect(isinstance(got, tuple) and len(got) == 2,

@@ -41,17 +41,7 @@ def _tensor_equal(name: str, got, want) -> None:
 # ----------------------------------------------------------------------------- 06.nf4_codebook
 @register("06.nf4_codebook", reference=lambda: quant.nf4_codebook, title="NF4 codebook from normal quantiles")
 def check_nf4_codebook(fn) -> None:
-    """Grade exercise ``06.nf4_codebook``: NF4 codebook from normal quantiles.
-
-    Args:
-        fn: the learner's function, held against the reference ``quant.nf4_codebook``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``06.nf4_codebook``: NF4 codebook from normal quantiles."""
     expect(callable(fn), f"nf4_codebook: expected a function, got {type(fn).__name__}")
     _tensor_equal("nf4_codebook()", fn(), quant.nf4_codebook())
     for offset in (0.99, 0.95, 0.9):
@@ -80,17 +70,7 @@ def _code_cases() -> list[tuple[str, torch.Tensor, int]]:
 
 @register("06.nf4_codes", reference=lambda: quant.nf4_codes, title="blockwise NF4 codes (unpacked)")
 def check_nf4_codes(fn) -> None:
-    """Grade exercise ``06.nf4_codes``: blockwise NF4 codes (unpacked).
-
-    Args:
-        fn: the learner's function, held against the reference ``quant.nf4_codes``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``06.nf4_codes``: blockwise NF4 codes (unpacked)."""
     expect(callable(fn), f"nf4_codes: expected a function, got {type(fn).__name__}")
     for name, w, bs in _code_cases():
         got = fn(w.clone(), bs)
@@ -103,17 +83,7 @@ def check_nf4_codes(fn) -> None:
 # ----------------------------------------------------------------------------- 06.pack_nibbles
 @register("06.pack_nibbles", reference=lambda: quant.pack_nibbles, title="pack two codes per byte")
 def check_pack_nibbles(fn) -> None:
-    """Grade exercise ``06.pack_nibbles``: pack two codes per byte.
-
-    Args:
-        fn: the learner's function, held against the reference ``quant.pack_nibbles``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``06.pack_nibbles``: pack two codes per byte."""
     expect(callable(fn), f"pack_nibbles: expected a function, got {type(fn).__name__}")
     gen = torch.Generator().manual_seed(7)
     cases = [("codes 0x0, 0xF", torch.tensor([0, 15], dtype=torch.uint8)),
@@ -132,17 +102,7 @@ def check_pack_nibbles(fn) -> None:
 # ----------------------------------------------------------------------------- 06.dequantize_nf4
 @register("06.dequantize_nf4", reference=lambda: quant.dequantize_nf4, title="dequantize NF4, bit-exact")
 def check_dequantize_nf4(fn) -> None:
-    """Grade exercise ``06.dequantize_nf4``: dequantize NF4, bit-exact.
-
-    Args:
-        fn: the learner's function, held against the reference ``quant.dequantize_nf4``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``06.dequantize_nf4``: dequantize NF4, bit-exact."""
     expect(callable(fn), f"dequantize_nf4: expected a function, got {type(fn).__name__}")
     gen = torch.Generator().manual_seed(8)
     for shape, dtype, bs in [((256,), torch.float32, 64), ((16, 64), torch.bfloat16, 64), ((7, 13), torch.float16, 64),
@@ -157,17 +117,7 @@ def check_dequantize_nf4(fn) -> None:
 # ----------------------------------------------------------------------------- 06.lora_linear
 @register("06.lora_linear", reference=lambda: lora.LoRALinear, title="LoRA layer equal to peft", timeout=120)
 def check_lora_linear(cls) -> None:
-    """Grade exercise ``06.lora_linear``: LoRA layer equal to peft.
-
-    Args:
-        cls: the learner's class, held against the reference ``lora.LoRALinear``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``cls`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``06.lora_linear``: LoRA layer equal to peft."""
     expect(callable(cls), f"LoRALinear: expected a class, got {type(cls).__name__}")
     # r=3, alpha=8 and r=6, alpha=16: alpha / r is not an integer (alpha // r, 2, passes every case where r
     # divides alpha); r=16, alpha=8: a scaling below 1 (alpha // r is 0)
@@ -248,17 +198,7 @@ def _predict_models() -> list[tuple[str, nn.Module, int]]:
 @register("06.predict_qlora_bytes", reference=lambda: lora.predict_qlora_bytes,
           title="predict QLoRA model bytes, then measure", timeout=180)
 def check_predict_qlora_bytes(fn) -> None:
-    """Grade exercise ``06.predict_qlora_bytes``: predict QLoRA model bytes, then measure.
-
-    Args:
-        fn: the learner's function, held against the reference ``lora.predict_qlora_bytes``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``06.predict_qlora_bytes``: predict QLoRA model bytes, then measure."""
     expect(callable(fn), f"predict_qlora_bytes: expected a function, got {type(fn).__name__}")
     for name, model, r in _predict_models():
         predicted = fn(copy.deepcopy(model), r)

@@ -72,17 +72,7 @@ def _planner_cases() -> list[tuple[str, int, int, object, object]]:
 
 @register("07.cheapest_stack", reference=lambda: train.cheapest_stack, title="planner: the cheapest stack that fits")
 def check_cheapest_stack(fn) -> None:
-    """Grade exercise ``07.cheapest_stack``: planner: the cheapest stack that fits.
-
-    Args:
-        fn: the learner's function, held against the reference ``train.cheapest_stack``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``07.cheapest_stack``: planner: the cheapest stack that fits."""
     expect(callable(fn), f"cheapest_stack: expected a function, got {type(fn).__name__}")
     for name, eb, budget, estimate, cost in _planner_cases():
         got = fn(eb, budget, estimate, cost)
@@ -115,17 +105,7 @@ _BACK_OFF_CASES = [
 
 @register("07.back_off", reference=lambda: train.back_off, title="the OOM back-off rule")
 def check_back_off(fn) -> None:
-    """Grade exercise ``07.back_off``: the OOM back-off rule.
-
-    Args:
-        fn: the learner's function, held against the reference ``train.back_off``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``07.back_off``: the OOM back-off rule."""
     expect(callable(fn), f"back_off: expected a function, got {type(fn).__name__}")
     for s in _BACK_OFF_CASES:
         got = fn(s)
@@ -249,17 +229,7 @@ def _killed_in_child(fn, path: Path, chunks: list[bytes], kill_after: int) -> in
 
 @register("07.atomic_write", reference=lambda: training_state.atomic_write, title="atomic checkpoint writer", timeout=120)
 def check_atomic_write(fn) -> None:
-    """Grade exercise ``07.atomic_write``: atomic checkpoint writer.
-
-    Args:
-        fn: the learner's function, held against the reference ``training_state.atomic_write``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``07.atomic_write``: atomic checkpoint writer."""
     expect(callable(fn), f"atomic_write: expected a function, got {type(fn).__name__}")
     d = Path(tempfile.mkdtemp(prefix="memlab-07-"))
     try:
@@ -412,17 +382,7 @@ def _forbid_running(fn, *args):
 @register("07.predict_peak", reference=lambda: predict_peak_formula,
           title="predict a stack's peak, then measure", timeout=240)
 def check_predict_peak(fn) -> None:
-    """Grade exercise ``07.predict_peak``: predict a stack's peak, then measure.
-
-    Args:
-        fn: the learner's function, held against the reference ``predict_peak_formula``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``07.predict_peak``: predict a stack's peak, then measure."""
     expect(callable(fn), f"predict_peak: expected a function, got {type(fn).__name__}")
     for cfg, stack, seq_len in _PREDICT_CASES:
         model_fn = functools.partial(_tiny, cfg)

@@ -55,17 +55,7 @@ def _tensor_equal(name: str, got: Any, want: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------- 08.shard_flat
 @register("08.shard_flat", reference=lambda: D.shard_flat, title="shard a flat buffer")
 def check_shard_flat(fn) -> None:
-    """Grade exercise ``08.shard_flat``: shard a flat buffer.
-
-    Args:
-        fn: the learner's function, held against the reference ``D.shard_flat``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``08.shard_flat``: shard a flat buffer."""
     expect(callable(fn), f"shard_flat: expected a function, got {type(fn).__name__}")
     for numel, ws in ((12, 2), (12, 4), (10, 4), (7, 3), (1, 2), (5, 8)):
         flat = torch.arange(1, numel + 1, dtype=torch.float32)
@@ -119,17 +109,7 @@ def _reduce_scatter_reference():
 
 @register("08.reduce_scatter", reference=_reduce_scatter_reference, title="reduce-scatter the gradients")
 def check_reduce_scatter(fn) -> None:
-    """Grade exercise ``08.reduce_scatter``: reduce-scatter the gradients.
-
-    Args:
-        fn: the learner's function, held against the reference ``_reduce_scatter_reference``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``08.reduce_scatter``: reduce-scatter the gradients."""
     expect(callable(fn), f"reduce_scatter: expected a function, got {type(fn).__name__}")
     ranks = _launch(_rs_worker, fn)
     for rank, got in enumerate(ranks):
@@ -206,17 +186,7 @@ def _zero1_reference():
 
 @register("08.zero1_step", reference=_zero1_reference, title="the ZeRO-1 step")
 def check_zero1_step(fn) -> None:
-    """Grade exercise ``08.zero1_step``: the ZeRO-1 step.
-
-    Args:
-        fn: the learner's function, held against the reference ``_zero1_reference``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``08.zero1_step``: the ZeRO-1 step."""
     expect(callable(fn), f"zero1_step: expected a function, got {type(fn).__name__}")
     for optim in _OPTIMIZERS:
         ranks = _launch(_zero_worker, fn, optim)
@@ -307,17 +277,7 @@ def _predict_reference():
 
 @register("08.predict_rank_bytes", reference=_predict_reference, title="predict the bytes per rank", timeout=180)
 def check_predict_rank_bytes(fn) -> None:
-    """Grade exercise ``08.predict_rank_bytes``: predict the bytes per rank.
-
-    Args:
-        fn: the learner's function, held against the reference ``_predict_reference``.
-
-    Returns:
-        None: the check passes silently.
-
-    Raises:
-        AssertionError: naming the first input where ``fn`` is wrong, its answer and the expected one.
-    """
+    """Grade exercise ``08.predict_rank_bytes``: predict the bytes per rank."""
     from memlab.models import tiny_llama
 
     expect(callable(fn), f"predict_rank_bytes: expected a function, got {type(fn).__name__}")
