@@ -100,7 +100,7 @@ def test_bf16_amp_keeps_fp32_states_and_pure_halves_them():
 def test_adamw8bit_state_matches_bitsandbytes_layout():
     est = estimate_training_memory(small_llama, batch_size=1, seq_len=16, dtype="fp32", optimizer="adamw8bit", device="cpu")
     model = small_llama()
-    layout = E._bnb_state_bytes(model, "fp32")
+    layout = E.optim._bnb_state_bytes(model, "fp32")
     # + the two shared 256-entry fp32 quantization maps that bitsandbytes keeps in the state
     assert est.breakdown_end["optimizer"] == layout + 2 * 256 * 4
     full = estimate_training_memory(small_llama, batch_size=1, seq_len=16, dtype="fp32", optimizer="adamw", device="cpu")
@@ -561,7 +561,7 @@ def test_offload_host_bytes_are_the_optimizers_buffers(dtype):
     params' dtype (2 bytes/param for bf16). The device keeps what memlab.offload.predict_device_bytes says."""
     from memlab.offload import OffloadedAdamW, device_host_bytes, predict_device_bytes
 
-    model = E._build(small_llama, dtype)  # as the estimator builds it (buffers keep their own dtype)
+    model = E.model._build(small_llama, dtype)  # as the estimator builds it (buffers keep their own dtype)
     P, n = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
     kw = dict(batch_size=1, seq_len=16, dtype=dtype, optimizer="offload-adamw")
     cpu = estimate_training_memory(small_llama, device="cpu", **kw)

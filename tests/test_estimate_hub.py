@@ -69,9 +69,9 @@ def test_plan_takes_a_hub_id_through_the_same_resolver(offline_home, monkeypatch
     kw = dict(batch_size=2, seq_len=16, device="cpu", lora_r=4, host_budget=None,
               allow={"precision": ["bf16-mixed"], "adapter": ["full", "lora"], "optimizer": ["adamw"],
                      "checkpointing": ["none"], "micro_batch": [2]})
-    P._CACHE.clear()
+    P.stacks._CACHE.clear()
     res = P.plan(repo, "1GiB", **kw)
-    P._CACHE.clear()
+    P.stacks._CACHE.clear()
     same = P.plan(hub.load_hub_config(repo), "1GiB", **kw)
     assert res.model.startswith(repo) and res.traces >= 1
     assert [(r.stack, r.peak_bytes) for r in res.rows] == [(r.stack, r.peak_bytes) for r in same.rows]

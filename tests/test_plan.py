@@ -29,7 +29,7 @@ def tiny_cfg(layers: int = 4):
 def _brute_force(cfg):
     """Every stack of ALLOW, each traced (no pruning): {stack: peak bytes}."""
     stacks, _ = P.enumerate_stacks(BATCH, 2, ALLOW, device="cpu")
-    return {s: P._estimate("tiny", cfg, s, seq_len=SEQ, device="cpu", lora_r=4).peak_bytes for s in stacks}
+    return {s: P.stacks._estimate("tiny", cfg, s, seq_len=SEQ, device="cpu", lora_r=4).peak_bytes for s in stacks}
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_extrapolated_traces_equal_full_traces(layers, stack):
 def test_every_k_checkpoints_one_layer_in_k():
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    model = P._builder(tiny_cfg(layers=6), Stack(checkpointing="every-k", ckpt_every=3), 4)()
+    model = P.stacks._builder(tiny_cfg(layers=6), Stack(checkpointing="every-k", ckpt_every=3), 4)()
     flags = [m.gradient_checkpointing for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     assert flags == [True, False, False] * 2
 
@@ -141,7 +141,7 @@ def test_budget_from_a_card():
     assert budget == card.total_bytes - gpus.CONTEXT_RESERVE_BYTES and "RTX 4090" in label
     assert P.resolve_budget("24GiB", None, "cuda")[0] == 24 * 2**30
     assert P.resolve_budget("24GB", None, "cuda")[0] == 24 * 10**9
-    assert P._cost_model_for("rtx4090")[0] is P.GPU_SPECS["rtx4090"]
+    assert P.cost._cost_model_for("rtx4090")[0] is P.GPU_SPECS["rtx4090"]
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -214,11 +214,11 @@ def test_traces_persist_across_runs_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMLAB_CACHE_DIR", str(tmp_path / "cache"))
     kw = dict(batch_size=2, seq_len=SEQ, device="cpu", lora_r=4,
               allow={"precision": ["bf16-pure"], "adapter": ["full"], "optimizer": ["adamw"], "micro_batch": [1, 2]})
-    P._CACHE.clear()
+    P.stacks._CACHE.clear()
     first = P.plan(tiny_cfg(layers=2), "1GiB", **kw)
     files = sorted((tmp_path / "cache").glob("*.pkl"))
     assert first.traces >= 1 and len(files) == first.traces
-    P._CACHE.clear()  # a new process: only the disk remains
+    P.stacks._CACHE.clear()  # a new process: only the disk remains
 
     def no_trace(*a, **k):
         raise AssertionError("traced again although the disk cache holds this trace")
@@ -227,7 +227,7 @@ def test_traces_persist_across_runs_on_disk(tmp_path, monkeypatch):
     second = P.plan(tiny_cfg(layers=2), "1GiB", **kw)
     assert [(r.stack, r.peak_bytes, r.fits) for r in second.rows] == [(r.stack, r.peak_bytes, r.fits) for r in first.rows]
     # another sequence length is another key: traced (and here refused)
-    P._CACHE.clear()
+    P.stacks._CACHE.clear()
     with pytest.raises(AssertionError, match="traced again"):
         P.plan(tiny_cfg(layers=2), "1GiB", **dict(kw, seq_len=SEQ // 2))
     monkeypatch.setenv("MEMLAB_CACHE_DIR", "none")

@@ -391,17 +391,7 @@ def test_a_checkpoint_that_does_not_verify_after_writing_deletes_nothing(tmp_pat
 
 
 def test_precision_speaks_the_shared_vocabulary():
-    """"bf16" is bf16 *mixed* precision (memlab.core.vocab); a checkpoint's stored "bf16" meant pure."""
-    from memlab.plan import PRECISIONS
-    from memlab.train import canonical_stack, stack_from_state
-
-    assert canonical_stack(Stack(precision="bf16", micro_batch=8)).precision == "bf16-mixed"
-    assert canonical_stack(Stack(precision="bf16-mixed", micro_batch=8)).precision == "bf16-mixed"
-    assert canonical_stack(Stack(optimizer="adamw", micro_batch=8)) == Stack(optimizer="adamw", micro_batch=8)
+    """"bf16" is bf16 *mixed* precision (memlab.core.vocab), which the trainer runs as "bf16-mixed"."""
+    assert Stack(precision="bf16", micro_batch=8) == Stack(precision="bf16-mixed", micro_batch=8)
     t = BudgetTrainer(model(), None, stacks=[Stack(precision="bf16", micro_batch=8)], effective_batch=8, seq_len=T)
     assert t.stack.precision == "bf16-mixed"
-    old = dataclasses.asdict(Stack(micro_batch=8))
-    old["precision"] = "bf16"
-    want = "bf16-pure" if "bf16-pure" in PRECISIONS else "bf16"  # the planner's spelling of pure bf16
-    assert stack_from_state(old).precision == want
-    assert stack_from_state(dataclasses.asdict(Stack(micro_batch=8))) == Stack(micro_batch=8)

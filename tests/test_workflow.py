@@ -224,7 +224,8 @@ def test_config_files_are_read_with_a_limit(tmp_path):
 def test_plan_bounds_batch_and_finds_divisors_fast(capsys):
     import time
 
-    from memlab.plan import _divisors, main
+    from memlab.plan import main
+    from memlab.plan.search import _divisors
 
     t0 = time.monotonic()
     assert _divisors(2**20) == [2**k for k in range(21)] and _divisors(1_000_003) == [1, 1_000_003]

@@ -32,9 +32,9 @@ for build in (cuda_gpt, cuda_llama):
         gc.collect(); torch.cuda.empty_cache(); torch.manual_seed(0)
         base = torch.cuda.memory_allocated()
         with torch.device("cuda"):
-            model = E._prepare(E._build(build, dtype), dtype, False)
+            model = E.model._prepare(E.model._build(build, dtype), dtype, False)
         opt = E.make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad], device="cuda")
-        vocab = E._vocab_size(model)
+        vocab = E.model._vocab_size(model)
         def step():
             x = torch.randint(0, vocab, (8, 512), device="cuda"); y = torch.randint(0, vocab, (8, 512), device="cuda")
             E.training_step(model, opt, x, y, dtype=dtype)

@@ -25,7 +25,7 @@ from typing import Any
 
 from memlab.core.units import GiB, MiB, format_bytes
 
-__all__ = ["Figure", "FIGURES", "BLOCKED", "NOT_EXPRESSIBLE", "NOT_COMPARABLE", "validate", "summary", "main"]
+__all__ = ["Figure", "FIGURES", "NOT_EXPRESSIBLE", "NOT_COMPARABLE", "validate", "summary", "main"]
 
 # Llama-3.2-3B's dimensions, from https://huggingface.co/meta-llama/Llama-3.2-3B/blob/main/config.json
 LLAMA_3_2_3B = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
@@ -251,8 +251,6 @@ FIGURES += (
              f"bnb.optim.Adam8bit, {_ACC4}, gradient_checkpointing=True, fp16=True", _BNB_NOTE,
              optimizer="adamw8bit", optimizer_impl="auto", dtype="fp16", checkpointing=True, batch_size=1),
 )
-BLOCKED: tuple[Figure, ...] = ()  # expressible runs the estimator cannot trace: none since the rows above moved
-
 # (name, source, published figure with its metric, why the estimator cannot express the run)
 NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
     ("PEFT MetaMathQA: DoRA r32 q,v, Llama-3.2-3B", _PEFT + "lora--llama-3.2-3B-rank32-dora.json",

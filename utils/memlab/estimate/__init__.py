@@ -40,9 +40,9 @@ from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, BNB_BLOCKSIZE, BNB_MI
                                      ZERO_STAGES, canonical_dtype, canonical_optimizer, check_input_bounds,
                                      parse_size)
 from memlab.estimate.result import MemoryEstimate, resolve_gpu
-from memlab.estimate.model import (ModelSpec, _build, _prepare, _vocab_size, check_overrides, check_positions,
-                                   is_hf_config, load_config, resolve_model)
-from memlab.estimate.optim import _bnb_state_bytes, make_optimizer
+from memlab.estimate.model import (ModelSpec, check_overrides, check_positions, is_hf_config, load_config,
+                                   resolve_model)
+from memlab.estimate.optim import make_optimizer
 from memlab.estimate.step import StepSpec, load_step, training_step
 from memlab.estimate.trace import trace_step
 from memlab.estimate.sharding import fsdp_units, shard_estimate

@@ -24,9 +24,9 @@ from __future__ import annotations
 # ruff: noqa: F401
 from memlab.plan.stack import (ADAPTERS, ATTENTIONS, CHECKPOINTING, DEFAULT_ALLOW, OPTIMIZERS, PRECISIONS, Stack,
                                fidelity_tier, stack_label)
-from memlab.plan.cost import GPU_SPECS, REFERENCE_GPU, CostModel, ModelShape, _cost_model_for, model_shape, stack_cost
-from memlab.plan.stacks import _CACHE, _builder, _estimate, estimate_stack, resolve_config, trace_cache_dir
-from memlab.plan.search import _divisors, enumerate_stacks
+from memlab.plan.cost import GPU_SPECS, REFERENCE_GPU, CostModel, ModelShape, model_shape, stack_cost
+from memlab.plan.stacks import estimate_stack, resolve_config, trace_cache_dir
+from memlab.plan.search import enumerate_stacks
 from memlab.plan.result import PlanResult, PlanRow
 from memlab.plan.budget import DEFAULT_HOST_BUDGET, host_available_bytes, resolve_budget
 from memlab.plan.planner import plan

@@ -8,9 +8,9 @@ back-off), :mod:`~memlab.train.peaks` (a stack's peak, predicted and measured),
 from memlab.train.bucketing import bucket_batches, pad_batch, padding_stats, random_batches
 from memlab.train.budget import BudgetTracker
 from memlab.train.peaks import cheapest_stack, estimate_stack_peak, measure_stack_peak
-from memlab.train.stacks import SUPPORTED, Backoff, back_off, back_off_chain, canonical_stack, stack_from_state
+from memlab.train.stacks import SUPPORTED, Backoff, back_off, back_off_chain
 from memlab.train.trainer import BudgetTrainer
 
 __all__ = ["BudgetTrainer", "BudgetTracker", "Backoff", "back_off", "bucket_batches", "random_batches",
            "padding_stats", "pad_batch", "measure_stack_peak", "estimate_stack_peak", "cheapest_stack",
-           "back_off_chain", "SUPPORTED", "canonical_stack", "stack_from_state"]
+           "back_off_chain", "SUPPORTED"]

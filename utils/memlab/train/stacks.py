@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from memlab.core.vocab import OPTIMIZER_ALIASES, Recipe, recipe
-from memlab.plan import PRECISIONS, Stack
+from memlab.core.vocab import Recipe
+from memlab.plan import Stack
 
-__all__ = ["SUPPORTED", "Backoff", "back_off", "back_off_chain", "canonical_stack", "stack_from_state"]
+__all__ = ["SUPPORTED", "Backoff", "back_off", "back_off_chain"]
 
 SUPPORTED: dict[str, tuple[str, ...]] = {
     "precision": (Recipe.FP32.value, Recipe.BF16_MIXED.value),
@@ -17,48 +17,6 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "adapter": ("full",),
     "attention": ("eager", "sdpa"),
 }
-
-
-def canonical_stack(stack: Stack) -> Stack:
-    """``stack`` with memlab.core.vocab's spellings: ``"bf16"`` is bf16 mixed precision (``"bf16-mixed"``),
-    ``"adam8bit"`` is ``"adamw8bit"``.
-
-    Args:
-        stack: a :class:`memlab.plan.Stack`.
-
-    Returns:
-        The same stack, respelled where the trainer runs the canonical value (other values are
-        left as given, for the trainer's error to name them).
-    """
-    changes: dict[str, str] = {}
-    try:
-        precision = recipe(stack.precision, argument="precision").value
-    except ValueError:
-        precision = stack.precision
-    if precision != stack.precision and precision in SUPPORTED["precision"]:
-        changes["precision"] = precision
-    opt = OPTIMIZER_ALIASES.get(stack.optimizer, stack.optimizer)
-    if opt != stack.optimizer and opt in SUPPORTED["optimizer"]:
-        changes["optimizer"] = opt
-    return dataclasses.replace(stack, **changes) if changes else stack
-
-
-def stack_from_state(d: Mapping[str, Any]) -> Stack:
-    """The :class:`memlab.plan.Stack` a checkpoint stored as a dict.
-
-    Args:
-        d: ``dataclasses.asdict(stack)`` as saved.
-
-    Returns:
-        The stack, in today's vocabulary.
-    """
-    d = dict(d)
-    # Checkpoints written before memlab.core.vocab spelled pure bf16 "bf16" (memlab.plan's old
-    # PRECISIONS); "bf16" now means bf16 *mixed*, so a stored "bf16" resumes as pure bf16. (Where
-    # memlab.plan does not know "bf16-pure" yet, its "bf16" still means pure and is kept.)
-    if d.get("precision") == "bf16" and Recipe.BF16_PURE.value in PRECISIONS:
-        d["precision"] = Recipe.BF16_PURE.value
-    return Stack(**d)
 
 
 # ----------------------------------------------------------------------------- back-off
@@ -92,7 +50,7 @@ class Backoff:
         Returns:
             The Backoff.
         """
-        return cls(d["step"], stack_from_state(d["from_stack"]), stack_from_state(d["to_stack"]), d["reason"],
+        return cls(d["step"], Stack(**d["from_stack"]), Stack(**d["to_stack"]), d["reason"],
                    d["restored"])
 
 

@@ -65,7 +65,7 @@ from memlab.plan import Stack
 from memlab.profiler import MemoryTracker
 from memlab.train.budget import BudgetTracker
 from memlab.train.helpers import _corpus_data, _parse_budget, _rng_state, _set_attention, _set_rng_state
-from memlab.train.stacks import SUPPORTED, Backoff, back_off_chain, canonical_stack, stack_from_state
+from memlab.train.stacks import SUPPORTED, Backoff, back_off_chain
 
 __all__ = ["BudgetTrainer"]
 
@@ -189,7 +189,7 @@ class BudgetTrainer:
         return list(stacks)
 
     def _check_stacks(self, stacks: Any) -> list[Stack]:
-        out = [canonical_stack(s) for s in self._check_stacks_type(stacks)]
+        out = self._check_stacks_type(stacks)  # Stack stores canonical spellings (bf16 -> bf16-mixed)
         for i, s in enumerate(out):
             if s.effective_batch != self.effective_batch:
                 raise ValueError(f"stacks[{i}]: micro_batch={s.micro_batch} x grad_accum={s.grad_accum} = "
@@ -393,7 +393,7 @@ class BudgetTrainer:
 
     def _load_state(self, state: dict[str, Any], resume: bool) -> None:
         if resume:
-            saved = stack_from_state(state["stack"])  # respells an old pure-bf16 "bf16"
+            saved = Stack(**state["stack"])  # the trainer stores only stacks it runs (SUPPORTED)
             self.stack_index = self.stacks.index(saved) if saved in self.stacks else 0
             self.backoffs = [Backoff.from_json(b) for b in state["backoffs"]]
             self.resumed_from = state.get("__path__")
