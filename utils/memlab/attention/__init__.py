@@ -31,7 +31,6 @@ from memlab.attention.reference import chunked_attention, merge_partials, naive_
 from memlab.attention.triton_flash import (TritonFlashAttentionFunction, load_triton_kernels, triton_available,
                                            triton_flash_attention, triton_interpreted)
 
-_block_mask = block_mask  # the old private name, for one release: use block_mask
 
 __all__ = [
     "CAUSAL_MODES",
