@@ -21,9 +21,6 @@ from memlab.distributed.ranks import rank_bytes, rank_tracker
 from memlab.distributed.training import global_batches, single_process_losses, train_rank
 from memlab.distributed.zero import STAGES, ZeroOptimizer, zero_model_state_bytes
 
-# the old private name that notebook 08 reads (``D._batches``) until it switches to global_batches
-_batches = global_batches
-
 __all__ = [
     "launch",
     "RankError",
