@@ -62,6 +62,17 @@ def test_validate_mistral_rows_within_target(capsys):
     assert len(rows) == 2 and all("met (within 3%)" in r for r in rows)
     assert "allocated figures: median |error|" in out and "2 of 2 comparable figures meet their target" in out
     assert PP._FMS in out and "MISSED" not in out
+    # the filter names no row that cannot be expressed: none is counted or listed
+    assert "0 published figures the estimator cannot express are listed" in out
+
+
+def test_validate_filter_counts_only_its_not_expressible_rows(capsys):
+    assert E.main(["--validate", "QLoRA"]) == 0  # no comparable QLoRA row; four that cannot be expressed
+    out = capsys.readouterr().out
+    qlora = [n for n, *_ in PP.NOT_EXPRESSIBLE if "qlora" in n.lower()]
+    assert len(qlora) >= 3
+    assert f"{len(qlora)} published figures the estimator cannot express are listed" in out
+    assert out.count("cannot express: ") == len(qlora) and "DoRA" not in out
 
 
 @pytest.fixture(scope="module")

@@ -103,8 +103,18 @@ def _peft(name: str, file: str, measured: int, kind: str, note: str = "", **sett
 # memlab.estimate.recipes.cublas_workspace) bring the estimate to 24,705,887,400 B: 7.7 MB (0.03%) above the
 # figure (5.6 MB above it plus the 2 MiB), inside what the unknown padded length (at most the 768 the estimate
 # uses) can move. Before the workspace followed the card the estimate added Hopper's 2 x 32 MiB (+0.23%).
+#
+# The five PEFT rows train on the same batches (seed 0, one BucketIterator), so they share one longest batch. The
+# measured r10-minus-r32 difference (2,405,433,344 B) is what the trace gives at about 686 tokens (2,692,042,976 B
+# at 768, 2,244,597,984 B at 640: linear in the length); the r64-minus-r32 pair (measured 260,046,848 B, traced
+# 132,120,576 B whatever the length) shows how far the allocator cache alone moves such a difference, about 37
+# tokens' worth here. A hint that the longest batch was shorter than the cap, not a measurement: the estimate
+# stays at the cap.
 _R10_NOTE = ("; MISSED by 0.03% (7.7 MB): the trace's tensors are 9.3 MB below the figure, the L40S's two cuBLAS "
-             "workspaces (2 x 8.125 MiB) put it above; the padded length is unknown (the estimate uses the 768 cap)")
+             "workspaces (2 x 8.125 MiB) put it above; the padded length is unknown (the estimate uses the 768 cap). "
+             "The rows share their batches (same seed and sampler): the measured r10-minus-r32 difference (2.41 GB) "
+             "is what the trace gives at about 686 tokens (2.69 GB at 768), a hint, not a measurement, that the "
+             "longest batch was shorter than the cap")
 
 
 def _fms_fsdp(batch: int, measured: int) -> Figure:
@@ -282,6 +292,20 @@ NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
      "recipes/configs/llama3_1/8B_full_single_device.yaml steps the optimizer inside backward (optimizer_in_bwd), "
      "keeps bitsandbytes PagedAdamW8bit state in paged (unified) memory and uses a chunked cross-entropy; the README "
      "adds torch.compile: none of these is a setting of the estimator"),
+    ("Answer.AI FSDP-QLoRA benchmarks: QLoRA Llama-2-7B, FSDP over 2 RTX 3090s, batch 1 x 2048, 5.21 GiB",
+     "https://github.com/AnswerDotAI/fsdp_qlora/blob/05ed9f2a60f96a0795cb082bceab70a9b19fd213/benchmarks_03_2024.md",
+     "5.21 GiB (peak memory per GPU: the text calls the tables' figures peak reserved, train.py logs "
+     "max_memory_allocated)",
+     "FSDP1 over 2 GPUs with bitsandbytes Params4bit (quant_storage bf16) inside flat parameters and the quant "
+     "states outside them, FSDP's reentrant checkpoint wrapper and its own wrapping of the LoRA layers, torch 2.2 "
+     "and transformers 4.38 of March 2024 (whose loss copied the shifted fp32 logits); the metric is not certain: "
+     "the estimator shards plain parameters (ZeRO) and builds memlab's Linear4bit, not bitsandbytes under FSDP1"),
+    ("Qwen README: Q-LoRA Qwen-7B-Chat-Int4, batch 1 x 2048, 13.9G (A100 80GB)",
+     "https://github.com/QwenLM/Qwen/blob/03cd81f5e4da6ab60fc8f97f3b8aa1206fdb08a9/README.md",
+     "13.9G (unstated metric)",
+     "the 4-bit base is GPTQ (auto-gptq's QuantLinear, group-wise int4 with fp16 scales), not bitsandbytes NF4; "
+     "Qwen's own remote-code model (fused c_attn with a bias, its flash-attention path); the memory metric is "
+     "not stated"),
     ("litgpt resource tables: LoRA Llama 2 7B, micro-batch 1, 21.30 GB (A100 40GB)",
      "https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-tables.md", "21.30 GB (max allocated)",
      "litgpt's own Llama and LoRA modules (fused qkv), Alpaca samples of varying length; not a transformers model"),
@@ -429,9 +453,10 @@ def main(model_filter: str | None = None) -> int:
               f"(target 2%), worst {100 * sm['allocated_worst']:.1f}% (target 3%)")
     print(f"{sm['n'] - len(sm['failed'])} of {sm['n']} comparable figures meet their target"
           + (f"; MISSED: {', '.join(sm['failed'])}" if sm["failed"] else ""))
-    print(f"{len(NOT_EXPRESSIBLE)} published figures the estimator cannot express are listed with the reason")
+    shown = [(n, u) for n, u, _, _ in NOT_EXPRESSIBLE if not model_filter or model_filter.lower() in n.lower()]
+    print(f"{len(shown)} published figure{'s' if len(shown) != 1 else ''} the estimator cannot express "
+          f"{'are' if len(shown) != 1 else 'is'} listed with the reason")
     print("\nsources (not expressible):")
-    for name, url, _, _ in NOT_EXPRESSIBLE:
-        if not model_filter or model_filter.lower() in name.lower():
-            print(f"  - {name}: {url}")
+    for name, url in shown:
+        print(f"  - {name}: {url}")
     return 0

@@ -49,6 +49,8 @@ GPUS: dict[str, GPU] = {
     "a100-40gb": GPU("A100-SXM4-40GB", 40339, "https://github.com/bottlerocket-os/bottlerocket/pull/3873"),
     # an A800-SXM4-80GB (the A100 80GB board for China) on driver 535; older drivers printed 81252 MiB
     "a100-80gb": GPU("A100-SXM4-80GB", 81920, "https://github.com/dexmal/dexbotic/issues/41"),
+    # nvidia-smi --query-gpu=name,memory.total on driver 595.71: "NVIDIA L40S, 46068 MiB"
+    "l40s": GPU("NVIDIA L40S (48 GB)", 46068, "https://github.com/akash-network/provider-configs/pull/99"),
     "h100-80gb": GPU("H100 80GB HBM3", 81559, "measured: results/h100/estimator_probe_smi.txt",
                      torch_total_bytes=85_017_493_504),
 }
