@@ -70,7 +70,7 @@ def test_validate_filter_counts_only_its_not_expressible_rows(capsys):
     assert E.main(["--validate", "QLoRA"]) == 0  # no comparable QLoRA row; four that cannot be expressed
     out = capsys.readouterr().out
     qlora = [n for n, *_ in PP.NOT_EXPRESSIBLE if "qlora" in n.lower()]
-    assert len(qlora) >= 3
+    assert len(qlora) >= 4  # fms-acceleration's two, Answer.AI's FSDP-QLoRA, Qwen's GPTQ Q-LoRA
     assert f"{len(qlora)} published figures the estimator cannot express are listed" in out
     assert out.count("cannot express: ") == len(qlora) and "DoRA" not in out
 

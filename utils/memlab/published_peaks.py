@@ -300,7 +300,7 @@ NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
      "states outside them, FSDP's reentrant checkpoint wrapper and its own wrapping of the LoRA layers, torch 2.2 "
      "and transformers 4.38 of March 2024 (whose loss copied the shifted fp32 logits); the metric is not certain: "
      "the estimator shards plain parameters (ZeRO) and builds memlab's Linear4bit, not bitsandbytes under FSDP1"),
-    ("Qwen README: Q-LoRA Qwen-7B-Chat-Int4, batch 1 x 2048, 13.9G (A100 80GB)",
+    ("Qwen README: QLoRA (Qwen's Q-LoRA) on Qwen-7B-Chat-Int4, batch 1 x 2048, 13.9G (A100 80GB)",
      "https://github.com/QwenLM/Qwen/blob/03cd81f5e4da6ab60fc8f97f3b8aa1206fdb08a9/README.md",
      "13.9G (unstated metric)",
      "the 4-bit base is GPTQ (auto-gptq's QuantLinear, group-wise int4 with fp16 scales), not bitsandbytes NF4; "
@@ -419,17 +419,20 @@ def _print_row(i: int, r: dict) -> None:
     print(f"   error: {100 * r['error']:+.1f}% (target: {r['target']}: {'met' if r['ok'] else 'MISSED'})\n")
 
 
-def _print_table(rows: list[dict], model_filter: str | None) -> None:
-    names = [r["figure"].name for r in rows] + [n for n, *_ in NOT_EXPRESSIBLE]
+def _not_expressible(model_filter: str | None) -> list[tuple[str, str, str, str]]:
+    """The rows of :data:`NOT_EXPRESSIBLE` whose name contains ``model_filter`` (all for None)."""
+    return [row for row in NOT_EXPRESSIBLE if not model_filter or model_filter.lower() in row[0].lower()]
+
+
+def _print_table(rows: list[dict], shown: list[tuple[str, str, str, str]]) -> None:
+    names = [r["figure"].name for r in rows] + [n for n, *_ in shown]
     w = max(len(n) for n in names) if names else 10
     print(f"{'figure':<{w}}  {'metric':<10}  {'published':>10}  {'estimate':>10}  {'error':>6}  target")
     for r in rows:
         f = r["figure"]
         print(f"{f.name:<{w}}  {f.metric:<10}  {format_bytes(f.measured_bytes):>10}  {format_bytes(r['compared_bytes']):>10}  "
               f"{100 * r['error']:>+5.1f}%  {'met' if r['ok'] else 'MISSED'} ({r['target']})")
-    for name, _url, published, why in NOT_EXPRESSIBLE:
-        if model_filter and model_filter.lower() not in name.lower():
-            continue
+    for name, _url, published, why in shown:
         print(f"{name:<{w}}  {'-':<10}  {published:>10}  cannot express: {why}")
 
 
@@ -446,17 +449,17 @@ def main(model_filter: str | None = None) -> int:
     print("memlab estimate --validate: the estimate against published peaks of real fine-tunes (offline)\n")
     for i, r in enumerate(rows, 1):
         _print_row(i, r)
-    _print_table(rows, model_filter)
+    shown = _not_expressible(model_filter)
+    _print_table(rows, shown)
     sm = summary(rows)
     if sm["allocated_median"] is not None:
         print(f"\nallocated figures: median |error| {100 * sm['allocated_median']:.1f}% "
               f"(target 2%), worst {100 * sm['allocated_worst']:.1f}% (target 3%)")
     print(f"{sm['n'] - len(sm['failed'])} of {sm['n']} comparable figures meet their target"
           + (f"; MISSED: {', '.join(sm['failed'])}" if sm["failed"] else ""))
-    shown = [(n, u) for n, u, _, _ in NOT_EXPRESSIBLE if not model_filter or model_filter.lower() in n.lower()]
     print(f"{len(shown)} published figure{'s' if len(shown) != 1 else ''} the estimator cannot express "
           f"{'are' if len(shown) != 1 else 'is'} listed with the reason")
     print("\nsources (not expressible):")
-    for name, url in shown:
+    for name, url, _, _ in shown:
         print(f"  - {name}: {url}")
     return 0
