@@ -451,6 +451,37 @@ def test_each_cpu_kernel_estimate_equals_real(attn, dtype):
     assert est.attention.startswith(attn)
 
 
+def padded_step(model, batch):
+    """A right-padded batch (the last token of every sample but the first is padding), as a collator pads."""
+    x = batch["input_ids"]
+    keep = torch.ones_like(x)
+    keep[1:, -1] = 0
+    return model(input_ids=x, attention_mask=keep, labels=x).loss
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("step", [None, padded_step], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_sdpa_mask_path_estimate_equals_real(kv_heads, step, checkpointing):
+    """Where attention sets the peak (small vocabulary, 128 tokens), the fake trace takes the mask path a real
+    step takes: no mask and SDPA's own GQA for an unpadded batch (transformers cannot read fake position ids
+    and would build a full mask and repeat K/V: 5.7% over before the trace told it the batch is unpacked),
+    the padding mask and repeated K/V for a padded one."""
+    cfg = vocab_llama_config(num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=64,
+                             max_position_embeddings=128)
+    kw = dict(batch_size=2, seq_len=128, dtype="bf16", device="cpu", attn_implementation="sdpa",
+              checkpointing=checkpointing, step=step)
+    est = estimate_training_memory(cfg, **kw)
+    real = measure_training_memory(cfg, **kw)
+    assert est.peak_bytes == real.peak_bytes and est.breakdown == real.breakdown
+    assert est.phase_peaks == real.phase_peaks
+    assert ("padding mask" in est.attention) == (step is not None) == ("padding mask" in real.attention)
+    assert ("batch traced as unpacked" in " ".join(est.notes)) == (step is None)
+    if step is None and not checkpointing:
+        padded = estimate_training_memory(cfg, **{**kw, "step": padded_step})
+        assert padded.peak_bytes > est.peak_bytes  # the mask (and repeated K/V under GQA) are kept
+
+
 def test_cuda_target_attention_is_modelled():
     kw = dict(batch_size=2, seq_len=64, device="cuda", optimizer_impl="for-loop", extrapolate=False)
     gqa = vocab_llama_config(num_attention_heads=4, num_key_value_heads=2)

@@ -70,6 +70,50 @@ def _attention_plan(model: nn.Module, spec: ModelSpec, requested: str, dtype: st
             f"(same saved tensors)"), sdpa_kernel(backends), False
 
 
+class _UnpackedPositions:
+    """Within a fake trace, tell transformers that the batch's sequences are not packed.
+
+    With no attention mask and no cache (a training step), transformers reads the position ids to
+    detect packed sequences (``masking_utils.find_packed_sequence_indices``); a fake tensor has no
+    values to read, so it assumes packing, builds a full ``b x 1 x s x s`` mask and, for grouped-query
+    attention, repeats K and V to every head (``repeat_kv``) instead of SDPA's ``enable_gqa``: more
+    than the real step keeps (measured: the fake trace of a GQA Llama kept repeated K/V and a mask
+    the real CPU step does not). The trace's own batches are unpacked (positions 0..s-1), which is
+    what the real step finds; a padding mask the step passes still builds the masked path, as on a
+    real run. ``calls`` counts the fake position ids answered this way (for the estimate's notes).
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._module: Any = None
+        self._orig: Any = None
+
+    def __enter__(self) -> "_UnpackedPositions":
+        try:
+            from transformers import masking_utils
+        except Exception:  # pragma: no cover - transformers absent
+            return self
+        orig = getattr(masking_utils, "find_packed_sequence_indices", None)
+        if orig is None:  # pragma: no cover - a transformers without packed-sequence detection
+            return self
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        def unpacked(position_ids: torch.Tensor) -> Any:
+            if isinstance(position_ids, FakeTensor):
+                self.calls += 1
+                return None
+            return orig(position_ids)
+
+        self._module, self._orig = masking_utils, orig
+        masking_utils.find_packed_sequence_indices = unpacked
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._module is not None:
+            self._module.find_packed_sequence_indices = self._orig
+            self._module = None
+
+
 def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool, per_rank: bool = False):
     """A MemoryTracker that also notes which attention ops ran, with the per-op rule for CUDA
     softmax backward's scratch when asked. ``per_rank`` (a model sharded by FSDP2): the tracker of
@@ -84,7 +128,8 @@ def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bo
         base = type(rank_tracker(model, opt, resizes=True))
 
     softmax_bwd = torch.ops.aten._softmax_backward_data.default
-    flash_ops = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    flash_ops_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    flash_ops = {flash_ops_cpu}
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention"):
         op = getattr(torch.ops.aten, name, None)
@@ -94,12 +139,17 @@ def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bo
     class _Tracker(base):  # type: ignore[valid-type, misc]
         scratch_bytes = 0
         fused_attention_calls = 0
+        masked_attention_calls = 0  # fused calls given a mask (a padded batch): see the estimate's attention
         softmax_calls = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if func in flash_ops:
                 self.fused_attention_calls += 1
+                mask = (kwargs or {}).get("attn_mask")  # the CPU flash kernel; CUDA's efficient one: attn_bias
+                if mask is None and func is not flash_ops_cpu and len(args) > 3 and isinstance(args[3], torch.Tensor):
+                    mask = args[3]
+                self.masked_attention_calls += mask is not None
             elif func is softmax_bwd:
                 self.softmax_calls += 1
             if softmax_rule and func is softmax_bwd and isinstance(args[0], torch.Tensor) and args[0].dim() >= 3:

@@ -15,7 +15,7 @@ from torch import nn
 
 from memlab.core.units import format_bytes
 from memlab.core.validation import check_choice
-from memlab.estimate.attention import _attention_plan, _make_tracker
+from memlab.estimate.attention import _attention_plan, _make_tracker, _UnpackedPositions
 from memlab.estimate.model import ModelSpec, _largest_layer_params, _prepare, _vocab_size
 from memlab.estimate.optim import (_bnb, _bnb_state_bytes, _offload_host_breakdown, _OffloadDeviceSide,
                                    _resolve_impl, make_optimizer)
@@ -166,7 +166,8 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
         with s.cuda_rules if s.cuda_rules is not None else contextlib.nullcontext():
             training_step(model, opt, x, y, dtype=step.dtype, loss=loss, step=s.step_fn)
 
-    with mode, attn_ctx:
+    unpacked = _UnpackedPositions()
+    with mode, attn_ctx, unpacked:
         for _ in range(step.warmup_steps):  # untracked: afterwards the optimizer state exists
             if _FAST_WARMUP and fake:
                 # what a first step leaves behind is the optimizer's state (created lazily in its
@@ -180,6 +181,10 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
         tracker = _make_tracker(model, opt, softmax_rule, per_rank=per_rank)
         with tracker:
             one_step()
+    if unpacked.calls:
+        s.notes.append("batch traced as unpacked: transformers cannot read fake position ids and would assume packed "
+                       "sequences (a full s x s mask, K/V repeated to every head); the trace answers as a real step "
+                       "finds (memlab.estimate.attention._UnpackedPositions)")
     return tracker
 
 
@@ -212,6 +217,12 @@ def _after_notes(s: _Setup, tracker: Any, attention: str, softmax_rule: bool) ->
         attention += ("; BUT the model passed an attention mask the CPU flash kernel does not take, so the trace ran the "
                       "math kernel (keeps b x h x s x s probabilities): an overestimate of the CUDA memory-efficient kernel")
         s.notes.append("attention traced with the math kernel (mask given): activations overestimated for a CUDA target")
+    if getattr(tracker, "masked_attention_calls", 0):
+        attention += ("; the step passed a padding mask: transformers repeats K/V to every head and SDPA keeps the "
+                      "s x s additive mask per layer"
+                      + (" (on CUDA the memory-efficient kernel, as flash takes no mask: same saved tensors; its "
+                         "padding of the mask to a multiple of 16 columns is not modelled)" if s.target.type == "cuda"
+                         else ""))
     if s.cuda_rules is not None:
         from memlab import cuda_rules
 
