@@ -637,3 +637,19 @@ def test_offload_table_extrapolation_cli_and_errors(capsys):
     assert "host:" in capsys.readouterr().out
     assert E.main(["gpt2", "--seq-len", "64", "--offload-gradients"]) == 2
     assert "--offload-gradients needs --optimizer offload-adamw" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_grad_accum_estimate_equals_real(dtype):
+    """Accumulation: the fake trace equals the real step to the byte; the first micro-batch's gradients stay
+    through the second (above one micro-batch's peak); a third micro-batch repeats the second."""
+    cfg = vocab_llama_config(num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=128)
+    kw = dict(batch_size=2, seq_len=64, dtype=dtype, device="cpu", attn_implementation="sdpa")
+    est = estimate_training_memory(cfg, grad_accum=2, **kw)
+    real = measure_training_memory(cfg, grad_accum=2, **kw)
+    assert est.peak_bytes == real.peak_bytes and est.breakdown == real.breakdown
+    assert est.peak_bytes > estimate_training_memory(cfg, **kw).peak_bytes
+    assert estimate_training_memory(cfg, grad_accum=3, **kw).peak_bytes == est.peak_bytes
+    assert any("gradient accumulation over 2 micro-batches" in n for n in est.notes)
+    with pytest.raises(ValueError, match="grad_accum=0 is invalid"):
+        estimate_training_memory(cfg, grad_accum=0, **kw)

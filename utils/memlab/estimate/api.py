@@ -138,7 +138,7 @@ def estimate_training_memory(
     attn_implementation: str = "auto", allow_longer_seq: bool = False, extrapolate: bool | str = "auto",
     kernel_scratch: bool = True, world_size: int = 1, zero_stage: int = 0, adapter: str | None = None,
     lora_r: int = 16, lora_alpha: float | None = None, target_modules: str | Sequence[str] | None = None,
-    lora_dropout: float = 0.0, adapter_dtype: str | None = None, gpu: str | None = None,
+    lora_dropout: float = 0.0, adapter_dtype: str | None = None, gpu: str | None = None, grad_accum: int = 1,
 ) -> MemoryEstimate:
     """Peak memory of a (steady-state) training step of ``model``, traced on fake tensors (nothing allocated).
 
@@ -169,6 +169,8 @@ def estimate_training_memory(
             base (:mod:`memlab.adapters`, the planner's builder too).
         gpu: the target card (a name of :mod:`memlab.core.gpus`) or None: on a CUDA target its compute
             capability sets the cuBLAS workspace (:func:`memlab.estimate.recipes.cublas_workspace`).
+        grad_accum: micro-batches of ``batch_size`` per optimizer step; the gradients of the first stay
+            allocated through the next (two are traced: later ones repeat the second).
 
     Returns:
         The :class:`MemoryEstimate`.
@@ -182,7 +184,8 @@ def estimate_training_memory(
                   optimizer_kwargs=optimizer_kwargs, seed=seed, loss=loss, step=step,
                   attn_implementation=attn_implementation, kernel_scratch=kernel_scratch, world_size=world_size,
                   zero_stage=zero_stage, adapter=adapter, lora_r=lora_r, lora_alpha=lora_alpha,
-                  target_modules=target_modules, lora_dropout=lora_dropout, adapter_dtype=adapter_dtype, gpu=gpu)
+                  target_modules=target_modules, lora_dropout=lora_dropout, adapter_dtype=adapter_dtype, gpu=gpu,
+                  grad_accum=grad_accum)
     return estimate_step(model, s, config_overrides=config_overrides, allow_longer_seq=allow_longer_seq,
                          extrapolate=extrapolate)
 
@@ -194,7 +197,7 @@ def measure_training_memory(
     seed: int = 0, loss: str = "auto", step: Callable[[nn.Module, dict], torch.Tensor] | str | None = None,
     attn_implementation: str = "auto", allow_longer_seq: bool = False, adapter: str | None = None,
     lora_r: int = 16, lora_alpha: float | None = None, target_modules: str | Sequence[str] | None = None,
-    lora_dropout: float = 0.0, adapter_dtype: str | None = None,
+    lora_dropout: float = 0.0, adapter_dtype: str | None = None, grad_accum: int = 1,
 ) -> MemoryEstimate:
     """The same step as :func:`estimate_training_memory`, run for real on ``device`` and tracked with
     :class:`memlab.profiler.MemoryTracker` (for models that fit).
@@ -205,7 +208,8 @@ def measure_training_memory(
     Args:
         model, batch_size, seq_len, dtype, optimizer, checkpointing, warmup_steps, device, optimizer_impl,
         optimizer_kwargs, config_overrides, seed, loss, step, attn_implementation, allow_longer_seq, adapter,
-        lora_r, lora_alpha, target_modules, lora_dropout, adapter_dtype: as for :func:`estimate_training_memory`.
+        lora_r, lora_alpha, target_modules, lora_dropout, adapter_dtype, grad_accum: as for
+        :func:`estimate_training_memory`.
 
     Returns:
         The measured :class:`MemoryEstimate` (``fake=False``).
@@ -215,5 +219,5 @@ def measure_training_memory(
                   optimizer_kwargs=optimizer_kwargs, seed=seed, loss=loss, step=step,
                   attn_implementation=attn_implementation, kernel_scratch=False, adapter=adapter, lora_r=lora_r,
                   lora_alpha=lora_alpha, target_modules=target_modules, lora_dropout=lora_dropout,
-                  adapter_dtype=adapter_dtype)
+                  adapter_dtype=adapter_dtype, grad_accum=grad_accum)
     return trace_step(resolve_for_step(model, s, config_overrides, allow_longer_seq), s, fake=False)

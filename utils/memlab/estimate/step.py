@@ -43,6 +43,7 @@ class StepSpec:
     zero_stage: int = 0
     adapter: Any = None
     gpu: str | None = None  # the target card (memlab.core.gpus): its cuBLAS workspace
+    grad_accum: int = 1  # micro-batches per optimizer step (gradients kept between them)
 
     def replace(self, **changes: Any) -> "StepSpec":
         """A copy with some fields changed.
@@ -88,9 +89,13 @@ def training_step(
     dtype: str = Recipe.FP32.value,
     loss: str = "memlab",
     step: Callable[[nn.Module, dict], torch.Tensor] | None = None,
+    micro_batches: int = 1,
 ) -> torch.Tensor:
     """One step as :func:`estimate_training_memory` runs it: zero_grad(set_to_none), forward and
-    loss (under autocast for the mixed recipes), backward, optimizer.step().
+    loss (under autocast for the mixed recipes), backward, optimizer.step(). With
+    ``micro_batches`` > 1, forward and backward run that many times on ``x`` (each loss divided by
+    the count, as a trainer accumulating gradients does) before the one optimizer step: the
+    gradients of the first micro-batch stay allocated through the next ones.
 
     Args:
         model: the model.
@@ -102,22 +107,26 @@ def training_step(
             computes it: the logits upcast to fp32, shifted inside); ``"memlab"``:
             :func:`memlab.models.lm_loss` of ``x`` against ``y``.
         step: your ``step(model, {"input_ids": x, "labels": x}) -> loss``; overrides ``loss``.
+        micro_batches: forward/backward passes before the optimizer step (gradient accumulation).
 
     Returns:
-        The loss, detached.
+        The (last micro-batch's) loss, detached.
 
     Raises:
         ValueError: an unknown recipe; TypeError: a ``step`` that returns no scalar tensor.
     """
     dtype = canonical_dtype(dtype)
     optimizer.zero_grad(set_to_none=True)
-    if dtype in MIXED:
-        amp = torch.bfloat16 if dtype == Recipe.BF16_MIXED else torch.float16
-        with torch.autocast(device_type=x.device.type, dtype=amp):
+    for _ in range(micro_batches):
+        if dtype in MIXED:
+            amp = torch.bfloat16 if dtype == Recipe.BF16_MIXED else torch.float16
+            with torch.autocast(device_type=x.device.type, dtype=amp):
+                out = _loss(model, x, y, loss, step)
+        else:
             out = _loss(model, x, y, loss, step)
-    else:
-        out = _loss(model, x, y, loss, step)
-    out.backward()
+        (out / micro_batches if micro_batches > 1 else out).backward()
+        if micro_batches > 1:
+            out = out.detach()  # what a trainer keeps of a finished micro-batch: its loss value
     optimizer.step()
     return out.detach()
 

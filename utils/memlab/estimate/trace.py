@@ -48,7 +48,7 @@ class _Setup:
 def _check_step(step: StepSpec) -> tuple[Callable | None, str]:
     """Validate the settings a trace takes; return the step function and the attention asked for."""
     for arg, val, low in (("batch_size", step.batch_size, 1), ("seq_len", step.seq_len, 1),
-                          ("warmup_steps", step.warmup_steps, 0)):
+                          ("warmup_steps", step.warmup_steps, 0), ("grad_accum", step.grad_accum, 1)):
         if isinstance(val, bool) or not isinstance(val, int) or val < low:
             raise ValueError(f"{arg}={val!r} is invalid; allowed: an int >= {low}")
     check_dtype(step.dtype)
@@ -164,7 +164,8 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
         x = torch.randint(0, vocab, (step.batch_size, step.seq_len), device=s.traced_on)
         y = torch.randint(0, vocab, (step.batch_size, step.seq_len), device=s.traced_on)
         with s.cuda_rules if s.cuda_rules is not None else contextlib.nullcontext():
-            training_step(model, opt, x, y, dtype=step.dtype, loss=loss, step=s.step_fn)
+            training_step(model, opt, x, y, dtype=step.dtype, loss=loss, step=s.step_fn,
+                          micro_batches=min(step.grad_accum, 2))
 
     unpacked = _UnpackedPositions()
     with mode, attn_ctx, unpacked:
@@ -181,6 +182,10 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
         tracker = _make_tracker(model, opt, softmax_rule, per_rank=per_rank)
         with tracker:
             one_step()
+    if step.grad_accum > 1:
+        s.notes.append(f"gradient accumulation over {step.grad_accum} micro-batches of {step.batch_size}: "
+                       f"{min(step.grad_accum, 2)} traced (the first one's gradients stay allocated through the next "
+                       f"forward and backward; later micro-batches repeat the second)")
     if unpacked.calls:
         s.notes.append("batch traced as unpacked: transformers cannot read fake position ids and would assume packed "
                        "sequences (a full s x s mask, K/V repeated to every head); the trace answers as a real step "

@@ -141,9 +141,10 @@ def _family(s: Stack) -> tuple:
 
 def _needs_at_least(c: Stack, d: Stack, n_layers: int) -> bool:
     """True when ``c`` holds at least ``d``'s device memory by construction: the same family, a
-    micro-batch at least as large, a subset of d's checkpointed layers, an optimizer that keeps
-    at least as much."""
+    micro-batch at least as large, accumulation if d accumulates (its gradients stay through the
+    next micro-batch), a subset of d's checkpointed layers, an optimizer that keeps at least as much."""
     return (_family(c) == _family(d) and c.micro_batch >= d.micro_batch
+            and (c.grad_accum > 1 or d.grad_accum == 1)
             and _ckpt_set(c, n_layers) <= _ckpt_set(d, n_layers)
             and _opt_ge(c.optimizer, d.optimizer))
 

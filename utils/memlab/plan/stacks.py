@@ -100,7 +100,8 @@ def _builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
 def estimate_stack(model: Any, stack: Stack, *, seq_len: int, device: str = "cuda",
                    config_overrides: Mapping[str, Any] | None = None, lora_r: int = 16,
                    extrapolate: bool = True, loss: str = "auto") -> Any:
-    """memlab.estimate's traced estimate of one micro-batch step of ``stack`` (batch ``stack.micro_batch``).
+    """memlab.estimate's traced estimate of one optimizer step of ``stack`` (micro-batches of
+    ``stack.micro_batch``; with accumulation the first micro-batch's gradients stay through the next).
 
     A full fine-tune or LoRA/QLoRA with checkpointing "none" or "full" is the estimator's own case
     (:func:`memlab.estimate.estimate_step`). "every-k" is traced on a model built by a callable
@@ -183,8 +184,8 @@ def _disk_path(key: tuple) -> Path | None:
 
 def _estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int,
               extrapolate: bool = True, loss: str = "auto") -> Any:
-    """The traced estimate of ``stack``'s micro-batch step, cached by (config, stack, seq_len, ...):
-    the accumulation count does not change a micro-batch's peak. Cached in memory and on disk
+    """The traced estimate of ``stack``'s step, cached by (config, stack, seq_len, ...): with accumulation
+    the first micro-batch's gradients stay allocated through the second, and later ones repeat it. Cached in memory and on disk
     (:func:`trace_cache_dir`, keyed also by the versions and memlab's source), so a second
     identical ``memlab plan`` reads its traces instead of tracing again.
 
@@ -199,8 +200,9 @@ def _estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, l
     """
     import pickle
 
-    key = (cfg.to_json_string(use_diff=False), dataclasses.replace(stack, grad_accum=1), seq_len, device, lora_r,
-           extrapolate, loss)
+    # accumulation's count beyond 2 does not change the peak (the second micro-batch and later ones are alike)
+    key = (cfg.to_json_string(use_diff=False), dataclasses.replace(stack, grad_accum=min(stack.grad_accum, 2)),
+           seq_len, device, lora_r, extrapolate, loss)
     if key in _CACHE:
         return _CACHE[key]
     path = _disk_path(key)
@@ -242,7 +244,7 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
         adapters.warm_quant()
     opt, impl, okw = _OPTIMIZER[stack.optimizer]
     kw = dict(batch_size=stack.micro_batch, seq_len=seq_len, dtype=stack.precision, optimizer=opt,
-              optimizer_impl=impl, optimizer_kwargs=okw, device=device, loss=loss)
+              optimizer_impl=impl, optimizer_kwargs=okw, device=device, loss=loss, grad_accum=stack.grad_accum)
     if stack.checkpointing in ("none", "full"):  # the estimator's own route, adapters included (memlab.adapters)
         step = make_step(checkpointing=stack.checkpointing == "full", attn_implementation=stack.attention,
                          adapter=_adapter_spec(stack, lora_r), **kw)
