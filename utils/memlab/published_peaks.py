@@ -139,7 +139,7 @@ def _peft(name: str, file: str, measured: int, kind: str, note: str = "", **sett
 # agree (at most 722, 728, 734 and 734 tokens): one longest batch, shared by the five runs (seed 0, one
 # BucketIterator over MetaMathQA's first 20,000 filtered samples, in file order), explains them all. Before this
 # the estimator traced the masked path by accident (fake position ids, see
-# memlab.estimate.attention._UnpackedPositions) and dropped `outputs`; the two errors offset each other.
+# memlab.estimate.attention.UnpackedPositions) and dropped `outputs`; the two errors offset each other.
 
 
 def _fms_fsdp(batch: int, measured: int) -> Figure:

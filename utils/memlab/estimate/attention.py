@@ -70,7 +70,7 @@ def _attention_plan(model: nn.Module, spec: ModelSpec, requested: str, dtype: st
             f"(same saved tensors)"), sdpa_kernel(backends), False
 
 
-class _UnpackedPositions:
+class UnpackedPositions:
     """Within a fake trace, tell transformers that the batch's sequences are not packed.
 
     With no attention mask and no cache (a training step), transformers reads the position ids to
@@ -88,7 +88,7 @@ class _UnpackedPositions:
         self._module: Any = None
         self._orig: Any = None
 
-    def __enter__(self) -> "_UnpackedPositions":
+    def __enter__(self) -> "UnpackedPositions":
         try:
             from transformers import masking_utils
         except Exception:  # pragma: no cover - transformers absent

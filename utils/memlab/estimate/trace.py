@@ -15,7 +15,7 @@ from torch import nn
 
 from memlab.core.units import format_bytes
 from memlab.core.validation import check_choice
-from memlab.estimate.attention import _attention_plan, _make_tracker, _UnpackedPositions
+from memlab.estimate.attention import _attention_plan, _make_tracker, UnpackedPositions
 from memlab.estimate.model import ModelSpec, _largest_layer_params, _prepare, _vocab_size
 from memlab.estimate.optim import (_bnb, _bnb_state_bytes, _offload_host_breakdown, _OffloadDeviceSide,
                                    _resolve_impl, make_optimizer)
@@ -167,7 +167,7 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
             training_step(model, opt, x, y, dtype=step.dtype, loss=loss, step=s.step_fn,
                           micro_batches=min(step.grad_accum, 2))
 
-    unpacked = _UnpackedPositions()
+    unpacked = UnpackedPositions()
     with mode, attn_ctx, unpacked:
         for _ in range(step.warmup_steps):  # untracked: afterwards the optimizer state exists
             if _FAST_WARMUP and fake:
@@ -189,7 +189,7 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
     if unpacked.calls:
         s.notes.append("batch traced as unpacked: transformers cannot read fake position ids and would assume packed "
                        "sequences (a full s x s mask, K/V repeated to every head); the trace answers as a real step "
-                       "finds (memlab.estimate.attention._UnpackedPositions)")
+                       "finds (memlab.estimate.attention.UnpackedPositions)")
     return tracker
 
 

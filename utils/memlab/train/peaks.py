@@ -32,11 +32,11 @@ def estimate_stack_peak(model_fn: Callable[[], nn.Module], stack: Stack, seq_len
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memlab.estimate.attention import _UnpackedPositions
+    from memlab.estimate.attention import UnpackedPositions
 
     check_positive_int("steps", steps)
     # the batches are unpacked: say so to transformers, which cannot read fake position ids (memlab.estimate)
-    with FakeTensorMode(), _UnpackedPositions():
+    with FakeTensorMode(), UnpackedPositions():
         model = model_fn()
         E = stack.effective_batch
 
