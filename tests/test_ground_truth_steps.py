@@ -322,4 +322,7 @@ def test_zero_ranks_vs_data_parallelism_by_the_allocator():
                 f"{flat} B buffer")
         assert tracked[1] < tracked[0] and peak[1] > peak[0], (
             f"rank {rank}: ZeRO-1 vs DP, tracker {tracked[1]} vs {tracked[0]} B, allocator {peak[1]} vs {peak[0]} B")
-        assert peak[2] < peak[1], f"rank {rank}: ZeRO-2 {peak[2]} B vs ZeRO-1 {peak[1]} B"
+        # ZeRO-2 holds less than ZeRO-1 when the step starts (its gradient half); its allocator peak need not be
+        # lower: the reduces' scratch during backward varies run to run (one CI run: ZeRO-2 1,396,228 B against
+        # ZeRO-1 1,367,684 B on rank 1), so the peaks are not compared
+        assert res[2][0] < res[1][0], f"rank {rank}: ZeRO-2 holds {res[2][0]} B vs ZeRO-1 {res[1][0]} B"
