@@ -135,7 +135,7 @@ def _peft(name: str, file: str, measured: int, kind: str, note: str = "", **sett
 # (tests/test_estimate.py::test_sdpa_mask_path_estimate_equals_real): a padded batch takes transformers' masked
 # attention path (K/V repeated to 24 heads, an s x s mask kept per layer), and `outputs` keeps the bf16 logits and
 # the KV cache alive through backward. With both, the estimate at the 768 cap is above every LoRA figure (by 3.2% to
-# 4.7%) and below the full fine-tune's: the LoRA rows are undecided, and the lengths at which each meets its figure
+# 4.6%) and below the full fine-tune's: the LoRA rows are undecided, and the lengths at which each meets its figure
 # agree (at most 722, 728, 734 and 734 tokens): one longest batch, shared by the five runs (seed 0, one
 # BucketIterator over MetaMathQA's first 20,000 filtered samples, in file order), explains them all. Before this
 # the estimator traced the masked path by accident (fake position ids, see
@@ -391,7 +391,6 @@ def _longest_length_at_or_below(fig: Figure) -> tuple[int, int, int] | None:
     """For an undecided row: (longest padded length whose estimate is at or below the figure, that estimate,
     the estimate one token longer); None when even one token is above (then the row is missed at any length).
     A bisection over [1, cap): the estimate grows with the length."""
-    lo, hi = 0, fig.settings["seq_len"]  # est(hi) > figure is known
     cache: dict[int, int] = {}
 
     def at(n: int) -> int:
@@ -401,7 +400,7 @@ def _longest_length_at_or_below(fig: Figure) -> tuple[int, int, int] | None:
 
     if at(1) > fig.measured_bytes:
         return None
-    lo = 1
+    lo, hi = 1, fig.settings["seq_len"]  # at(lo) <= figure < at(hi), the cap's estimate being above it
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if at(mid) <= fig.measured_bytes:
