@@ -274,7 +274,7 @@ def test_lockstep_bf16_gradients(device):
 
 
 def test_lockstep_tinygpt():
-    from memlab.data import batches, stdlib_corpus
+    from memlab.models.corpus import batches, stdlib_corpus
     from memlab.models import TinyGPT, TinyGPTConfig
 
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from memlab import train
-from memlab import training_state as ckpt
+from memlab.train import state as ckpt
 from memlab.course.grading import check, get_exercise
 from memlab.plan import Stack
 

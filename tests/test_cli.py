@@ -192,7 +192,7 @@ print("CODE", code, "HEAVY", ",".join(heavy) or "-")
     (["plan", "llama-2-7b", "--seq-len", "512"], "the following arguments are required: --batch-size"),
 ])
 def test_estimate_and_plan_argument_errors_come_before_torch_is_imported(argv, message):
-    """The parsers live in memlab.cli_args: an argument error exits 2 with one line and torch
+    """The parsers live in memlab.cli.args: an argument error exits 2 with one line and torch
     (and transformers) never imported, instead of after their 1-4 s import."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "utils")}
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH_BEFORE_THE_ERROR.format(argv=argv)],
@@ -214,8 +214,9 @@ def test_a_good_command_line_still_imports_torch():
 
 
 def test_cli_args_name_lists_equal_the_estimate_constants():
-    """memlab.cli_args keeps torch-free copies of the choices: they must equal the real ones."""
-    from memlab import adapters, cli_args
+    """memlab.cli.args keeps torch-free copies of the choices: they must equal the real ones."""
+    from memlab.estimate import adapters
+    from memlab.cli import args as cli_args
     from memlab import estimate as E
 
     assert list(cli_args.DTYPE_CHOICES) == list(E.DTYPES) + list(E.DTYPE_ALIASES)

@@ -128,9 +128,9 @@ def test_enums_compare_equal_to_their_old_strings():
 
 
 def test_core_imports_without_torch():
-    code = ("import sys, memlab.core, memlab.core.env, memlab.gpus; "
+    code = ("import sys, memlab.core, memlab.core.env, memlab.core.gpus; "
             "assert 'torch' not in sys.modules, 'memlab.core imported torch'; "
-            "assert memlab.gpus is memlab.core.gpus")
+            "assert memlab.core.gpus is memlab.core.gpus")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

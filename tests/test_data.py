@@ -1,4 +1,4 @@
-"""Tests for memlab.data: the standard-library corpus, batching and the byte tokenizer."""
+"""Tests for memlab.models.corpus: the standard-library corpus, batching and the byte tokenizer."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ try:
 except ImportError:  # package not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "utils"))
 
-from memlab import data  # noqa: E402
-from memlab.data import batches, decode, encode, split_bounds, stdlib_corpus, stdlib_files  # noqa: E402
+from memlab.models import corpus as data  # noqa: E402
+from memlab.models.corpus import batches, decode, encode, split_bounds, stdlib_corpus, stdlib_files  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- corpus

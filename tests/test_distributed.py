@@ -127,8 +127,8 @@ def test_spawn_cannot_import_a_notebook_function_and_says_why(monkeypatch):
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
 def test_procs_finds_children_and_grandchildren():
-    """launch() kills what a rank started by walking the process tree: memlab.procs reads it."""
-    from memlab.procs import descendants, own_children
+    """launch() kills what a rank started by walking the process tree: memlab.core.procs reads it."""
+    from memlab.core.procs import descendants, own_children
 
     # a child shell whose own child (the sleep) is our grandchild
     child = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])

@@ -460,6 +460,6 @@ def test_too_old_peft_is_warn_with_pyproject_minimum(monkeypatch):
 
 
 def test_old_path_is_the_new_package():
-    import memlab.doctor as old
+    import memlab.course.doctor as old
 
     assert old is doctor and old.main is doctor.main

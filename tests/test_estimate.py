@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from memlab import estimate as E
+from memlab.cli import estimate as estimate_cli
 from memlab.estimate import (
     MemoryEstimate,
     accelerate_estimate,
@@ -197,7 +198,7 @@ def test_deepspeed_zero_formulas():
 def test_cli_fits(capsys, tmp_path):
     path = tmp_path / "config.json"
     tiny_llama_config(num_hidden_layers=1).to_json_file(str(path))
-    code = E.main([str(path), "--batch-size", "1", "--seq-len", "16", "--gpu", "24GB"])
+    code = estimate_cli.main([str(path), "--batch-size", "1", "--seq-len", "16", "--gpu", "24GB"])
     out = capsys.readouterr().out
     assert code == 0
     assert "verdict: FITS" in out and "parameters" in out
@@ -206,7 +207,7 @@ def test_cli_fits(capsys, tmp_path):
 
 def test_cli_does_not_fit_suggests(capsys):
     # one Llama-2-7B layer (0.46B parameters with its 32k embeddings and head): 7 GiB of fp32 AdamW states
-    code = E.main(["llama-2-7b", "--set", "num_hidden_layers=1", "--batch-size", "1", "--seq-len", "8",
+    code = estimate_cli.main(["llama-2-7b", "--set", "num_hidden_layers=1", "--batch-size", "1", "--seq-len", "8",
                    "--dtype", "fp32", "--gpu", "4GiB"])
     out = capsys.readouterr().out
     assert code == 0
@@ -232,7 +233,7 @@ def test_cli_does_not_fit_suggests(capsys):
 )
 def test_cli_errors(capsys, argv, needle):
     try:
-        code = E.main(argv)
+        code = estimate_cli.main(argv)
     except SystemExit as exc:  # argparse
         code = exc.code
     err = capsys.readouterr().err
@@ -352,12 +353,12 @@ def test_cli_step(tmp_path, monkeypatch, capsys):
     (tmp_path / "mystep_mod.py").write_text(
         "def loss_fn(model, batch):\n    return model(input_ids=batch['input_ids'], labels=batch['labels']).loss\n")
     monkeypatch.chdir(tmp_path)
-    code = E.main(["llama-2-7b", "--set", "num_hidden_layers=1", "--set", "hidden_size=64", "--set", "intermediate_size=64",
+    code = estimate_cli.main(["llama-2-7b", "--set", "num_hidden_layers=1", "--set", "hidden_size=64", "--set", "intermediate_size=64",
                    "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
                    "--seq-len", "16", "--step", "mystep_mod:loss_fn"])
     out = capsys.readouterr().out
     assert code == 0 and "your step mystep_mod.loss_fn" in out
-    code = E.main(["llama-2-7b", "--step", "mystep_mod:nope"])
+    code = estimate_cli.main(["llama-2-7b", "--step", "mystep_mod:nope"])
     assert code == 2 and "has no function 'nope'" in capsys.readouterr().err
 
 
@@ -399,14 +400,14 @@ def test_cli_gpu_validated_before_tracing(monkeypatch, capsys):
 
     monkeypatch.setattr(E.cli, "estimate_training_memory", boom)
     with pytest.raises(SystemExit) as exc:
-        E.main(["llama-2-7b", "--gpu", "0.4"])
+        estimate_cli.main(["llama-2-7b", "--gpu", "0.4"])
     assert exc.value.code == 2 and "less than 1 GiB" in capsys.readouterr().err
 
 
 def test_cli_bad_config_file_named(tmp_path, capsys):
     bad = tmp_path / "cfg.json"
     bad.write_text("not json")
-    assert E.main([str(bad)]) == 2
+    assert estimate_cli.main([str(bad)]) == 2
     assert "cfg.json" in capsys.readouterr().err
 
 
@@ -414,7 +415,7 @@ def test_cli_bad_config_file_named(tmp_path, capsys):
 
 
 def test_gpu_presets_and_sizes():
-    from memlab import gpus
+    from memlab.core import gpus
 
     label, usable = E.resolve_gpu("h100-80gb")
     assert usable == 85_017_493_504 - gpus.CONTEXT_RESERVE_BYTES and "79.18 GiB" in label
@@ -632,10 +633,10 @@ def test_offload_table_extrapolation_cli_and_errors(capsys):
     with pytest.raises(ValueError, match="offload_gradients"):
         estimate_training_memory(small_gpt, batch_size=1, seq_len=8, device="cpu", optimizer="offload-adamw",
                                  optimizer_kwargs={"offload_gradients": "yes"})
-    assert E.main(["gpt2", "--seq-len", "64", "--optimizer", "offload-adamw", "--offload-gradients",
+    assert estimate_cli.main(["gpt2", "--seq-len", "64", "--optimizer", "offload-adamw", "--offload-gradients",
                    "--no-suggest"]) == 0
     assert "host:" in capsys.readouterr().out
-    assert E.main(["gpt2", "--seq-len", "64", "--offload-gradients"]) == 2
+    assert estimate_cli.main(["gpt2", "--seq-len", "64", "--offload-gradients"]) == 2
     assert "--offload-gradients needs --optimizer offload-adamw" in capsys.readouterr().err
 
 

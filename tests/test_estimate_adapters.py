@@ -1,4 +1,4 @@
-"""LoRA / QLoRA in the estimator: one builder (memlab.adapters), one answer by the API, the CLI and plan;
+"""LoRA / QLoRA in the estimator: one builder (memlab.estimate.adapters), one answer by the API, the CLI and plan;
 the fake trace equals the real step; bad adapter values are errors; the peers' formulas; aliases."""
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import shlex
 
 import pytest
 
-from memlab import adapters as A
+from memlab.estimate import adapters as A
 from memlab import estimate as E
-from memlab import peers
+from memlab.cli import estimate as estimate_cli
+from memlab.estimate import peers
 from memlab import plan as P
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -18,7 +19,7 @@ SMALL3 = {**SMALL, "num_hidden_layers": 3}  # traced whole (one trace per route:
 
 
 def _cli_peak(argv, capsys) -> int:
-    assert E.main(argv) == 0
+    assert estimate_cli.main(argv) == 0
     out = capsys.readouterr().out
     return int(re.search(r"peak: ([\d,]+) bytes of tensors", out).group(1).replace(",", ""))
 
@@ -41,7 +42,7 @@ def test_api_cli_and_plan_agree_to_the_byte(adapter, capsys):
     assert api.peak_bytes == cli == planned.peak_bytes
     assert api.breakdown == planned.breakdown and api.phase_peaks == planned.phase_peaks
     assert api.breakdown["gradients"] < api.breakdown["parameters"] / 10
-    assert adapter in api.adapter and any("memlab.adapters" in n for n in api.notes)
+    assert adapter in api.adapter and any("memlab.estimate.adapters" in n for n in api.notes)
 
 
 def test_adapter_extrapolation_equals_the_full_trace():
@@ -100,7 +101,7 @@ def test_bad_adapter_values(kw, needle):
 
 
 def test_cli_bad_adapter_value(capsys):
-    code = E.main(["llama-2-7b", *_set_args(SMALL), "--seq-len", "8", "--adapter", "lora", "--target-modules", "wq"])
+    code = estimate_cli.main(["llama-2-7b", *_set_args(SMALL), "--seq-len", "8", "--adapter", "lora", "--target-modules", "wq"])
     err = capsys.readouterr().err
     assert code == 2 and "target_modules='wq' matches no linear layer" in err and "q_proj" in err
 
@@ -135,7 +136,7 @@ def test_peers_formulas():
 
 
 def test_cli_compare(capsys):
-    assert E.main(["llama-2-7b", *_set_args(SMALL3), "--seq-len", "32", "--compare"]) == 0
+    assert estimate_cli.main(["llama-2-7b", *_set_args(SMALL3), "--seq-len", "32", "--compare"]) == 0
     out = capsys.readouterr().out
     for needle in ("accelerate estimate-memory", "DeepSpeed ZeRO estimator", "bytes-per-parameter rule",
                    peers.ANATOMY_URL, peers.DEEPSPEED_URL, "what they leave out"):

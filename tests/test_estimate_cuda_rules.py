@@ -1,11 +1,11 @@
-"""memlab.cuda_rules: a CPU trace answers for a CUDA card (dropout's mask, CUDA autocast's op lists), op by op."""
+"""memlab.estimate.cuda_rules: a CPU trace answers for a CUDA card (dropout's mask, CUDA autocast's op lists), op by op."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from memlab import cuda_rules as R
+from memlab.estimate import cuda_rules as R
 from memlab import estimate as E
 
 
@@ -108,7 +108,7 @@ def _tiny_bert():
 def test_checkpointing_recomputes_under_the_cuda_rules(dtype):
     # the checkpoint's recompute in backward must keep the forward's tensors (bool masks, fp32 norms): before
     # the fix it ran without the rules and torch.utils.checkpoint raised CheckpointError on the mismatch
-    from memlab.published_peaks import _bert_cls_step
+    from memlab.estimate.validate import _bert_cls_step
 
     kw = dict(batch_size=8, seq_len=256, dtype=dtype, device="cuda", step=_bert_cls_step, extrapolate=False)
     plain = E.estimate_training_memory(_tiny_bert, **kw)

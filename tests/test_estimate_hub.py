@@ -6,7 +6,8 @@ import json
 import pytest
 
 from memlab import estimate as E
-from memlab import hub
+from memlab.cli import estimate as estimate_cli
+from memlab.estimate import hub
 from memlab.models import preset_config
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -39,7 +40,7 @@ def test_hub_id_reads_the_cached_config_only(offline_home, capsys):
     cfg = hub.load_hub_config(repo)
     same = E.estimate_training_memory(cfg, batch_size=1, seq_len=16, device="cpu")
     assert est.peak_bytes == same.peak_bytes and est.model.startswith(repo)
-    assert E.main([repo, "--seq-len", "16", "--no-suggest"]) == 0
+    assert estimate_cli.main([repo, "--seq-len", "16", "--no-suggest"]) == 0
     assert repo in capsys.readouterr().out
     files = sorted(p.name for p in offline_home.rglob("*") if p.is_file())
     assert files == ["config.json", "main"]  # nothing else was fetched or written
@@ -50,7 +51,7 @@ def test_offline_without_a_cached_copy_is_one_line(offline_home, capsys):
         E.estimate_training_memory("meta-llama/Llama-3.1-8B", batch_size=1, seq_len=16)
     msg = str(exc.value)
     assert "\n" not in msg and "offline" in msg and "llama-2-7b" in msg and "config.json" in msg
-    assert E.main(["meta-llama/Llama-3.1-8B"]) == 2
+    assert estimate_cli.main(["meta-llama/Llama-3.1-8B"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model='meta-llama/Llama-3.1-8B'" in err[0] and "the path of a config.json" in err[0]
 
@@ -63,6 +64,7 @@ def test_repo_id_shape():
 
 def test_plan_takes_a_hub_id_through_the_same_resolver(offline_home, monkeypatch, capsys):
     from memlab import plan as P
+    from memlab.cli import plan as plan_cli
 
     monkeypatch.setenv("MEMLAB_CACHE_DIR", "none")
     repo = _hub_cache(offline_home)
@@ -75,7 +77,7 @@ def test_plan_takes_a_hub_id_through_the_same_resolver(offline_home, monkeypatch
     same = P.plan(hub.load_hub_config(repo), "1GiB", **kw)
     assert res.model.startswith(repo) and res.traces >= 1
     assert [(r.stack, r.peak_bytes) for r in res.rows] == [(r.stack, r.peak_bytes) for r in same.rows]
-    assert P.main([repo, "--budget", "1GiB", "--batch-size", "2", "--seq-len", "16", "--device", "cpu",
+    assert plan_cli.main([repo, "--budget", "1GiB", "--batch-size", "2", "--seq-len", "16", "--device", "cpu",
                    "--allow", "adapter=full", "--allow", "micro_batch=2", "--host-budget", "none",
                    "--no-progress"]) == 0
     assert repo in capsys.readouterr().out

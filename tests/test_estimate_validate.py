@@ -14,7 +14,8 @@ import statistics
 import pytest
 
 from memlab import estimate as E
-from memlab import published_peaks as PP
+from memlab.cli import estimate as estimate_cli
+from memlab.estimate import validate as PP
 from memlab.core.units import GiB
 
 # The rows whose source records only an upper bound on the padded length and whose estimate is above the reserved
@@ -94,7 +95,7 @@ def test_peft_step_keeps_what_the_loop_keeps(monkeypatch):
 
 
 def test_validate_mistral_rows_within_target(capsys):
-    assert E.main(["--validate", "acceleration: full fine-tuning, Mistral-7B"]) == 0  # the 2 single-GPU rows
+    assert estimate_cli.main(["--validate", "acceleration: full fine-tuning, Mistral-7B"]) == 0  # the 2 single-GPU rows
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("fms-acceleration: full fine-tuning, Mistral-7B")]
     assert len(rows) == 2 and all("met (within 3%)" in r for r in rows)
@@ -105,7 +106,7 @@ def test_validate_mistral_rows_within_target(capsys):
 
 
 def test_validate_filter_counts_only_its_not_expressible_rows(capsys):
-    assert E.main(["--validate", "QLoRA"]) == 0  # no comparable QLoRA row; four that cannot be expressed
+    assert estimate_cli.main(["--validate", "QLoRA"]) == 0  # no comparable QLoRA row; four that cannot be expressed
     out = capsys.readouterr().out
     qlora = [n for n, *_ in PP.NOT_EXPRESSIBLE if "qlora" in n.lower()]
     assert len(qlora) >= 4  # fms-acceleration's two, Answer.AI's FSDP-QLoRA, Qwen's GPTQ Q-LoRA

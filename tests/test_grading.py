@@ -366,22 +366,7 @@ def test_expect_equal_compares_exact_types_through_the_reference():
         expect_close("y", torch.tensor(0.5), 0.5)
 
 
-# ---------------------------------------------------------------- old paths and every memlab module
-@pytest.mark.parametrize("chapter", [f"ch{n:02d}" for n in range(9)])
-def test_old_checks_path_is_the_same_module(chapter):
-    """``import memlab.checks.chNN`` gives the module object of ``memlab.course.checks.chNN``: one
-    registry, never a second copy of the checks."""
-    import importlib
-
-    old = importlib.import_module(f"memlab.checks.{chapter}")
-    new = importlib.import_module(f"memlab.course.checks.{chapter}")
-    assert old is new
-    import memlab.checks
-    import memlab.course.checks
-
-    assert memlab.checks is memlab.course.checks
-
-
+# ---------------------------------------------------------------- every memlab module
 def _every_memlab_module() -> list[str]:
     """Every module of the installed memlab, found by walking the package (new sub-packages included)."""
     import pkgutil
@@ -393,7 +378,7 @@ def _every_memlab_module() -> list[str]:
 
 
 def test_verify_covers_every_memlab_module(monkeypatch):
-    """With every memlab module imported (old-path shims included), verify_memlab_modules finds nothing
+    """With every memlab module imported, verify_memlab_modules finds nothing
     wrong; replacing a top-level function of any of them is found, naming it."""
     import importlib
     import sys
@@ -415,7 +400,7 @@ def test_verify_covers_every_memlab_module(monkeypatch):
     for name in imported:
         mod = sys.modules[name]
         if mod.__name__ != name or is_grader_module(name):
-            continue  # an old path's shim; the grader's own modules are re-imported fresh instead
+            continue  # the grader's own modules are re-imported fresh instead
         fname = next((k for k, v in sorted(vars(mod).items()) if isinstance(v, types.FunctionType)
                       and v.__module__ == name and v.__name__ == k and not k.startswith("__")), None)
         if fname is None:
@@ -427,16 +412,14 @@ def test_verify_covers_every_memlab_module(monkeypatch):
     assert verify_memlab_modules() == "" and patched > 20
 
 
-def test_verify_refuses_an_old_path_holding_another_module(monkeypatch):
-    """An old path may hold its new module only where its shim says so."""
+def test_verify_refuses_a_module_name_holding_another_module(monkeypatch):
+    """A name in sys.modules that holds another memlab module is found."""
     import sys
 
-    import memlab.gpus  # noqa: F401 - the shim of memlab.core.gpus
+    import memlab.core.gpus  # noqa: F401
     from memlab import accounting
     from memlab.course.grading import verify_memlab_modules
 
     assert verify_memlab_modules() == ""
-    monkeypatch.setitem(sys.modules, "memlab.gpus", accounting)
-    assert "memlab.gpus" in verify_memlab_modules()
-    monkeypatch.setitem(sys.modules, "memlab.gpus", sys.modules["memlab.core.gpus"])
-    assert verify_memlab_modules() == ""
+    monkeypatch.setitem(sys.modules, "memlab.core.gpus", accounting)
+    assert "memlab.core.gpus" in verify_memlab_modules()

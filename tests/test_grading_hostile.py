@@ -22,7 +22,7 @@ from memlab.course.grading import load_all as _load_all
 
 N_00 = sum(e.startswith("00.") for e in _load_all())  # exercises of chapter 00, from its registry
 
-SETUP = ("from memlab.grading import check\nfrom memlab import accounting\nimport torch\nfrom torch import nn\n"
+SETUP = ("from memlab.course.grading import check\nfrom memlab import accounting\nimport torch\nfrom torch import nn\n"
          "from memlab.models import TinyGPT")
 _SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions" / "00_where_the_memory_goes.ipynb"
 
@@ -79,7 +79,7 @@ SPAWN = (
 
 def test_forgery_tampering_deleted_cells_and_an_always_equal_int_do_not_count(tmp_path):
     cells = [
-        SETUP + "\nimport memlab.checks, memlab.checks.ch00, memlab.course.grading.running",
+        SETUP + "\nimport memlab.course.checks, memlab.course.checks.ch00, memlab.course.grading.running",
         # a forged check(): prints PASS rows and appends pass rows to the results channel of old
         "import os, json\n"
         "def check(ex, obj, **kw):\n"
@@ -88,10 +88,10 @@ def test_forgery_tampering_deleted_cells_and_an_always_equal_int_do_not_count(tm
         "        fh.write(json.dumps(row) + '\\n')\n"
         "    print(f'PASS    {ex:<34}   1/1')\n"
         # tampering with the checks already loaded in the kernel
-        "for ex in memlab.grading.REGISTRY.values():\n"
+        "for ex in memlab.course.grading.REGISTRY.values():\n"
         "    ex.checks[:] = []\n"
-        "memlab.checks.expect = lambda *a, **k: None\n"
-        "memlab.grading._run_checks = lambda ex, obj, limit: ('pass', '')\n"
+        "memlab.course.checks.expect = lambda *a, **k: None\n"
+        "memlab.course.grading._run_checks = lambda ex, obj, limit: ('pass', '')\n"
         "memlab.course.grading.running._run_checks = lambda ex, obj, limit: ('pass', '')\n" + SPAWN,
         SOLVED["00.activation_bytes"],
         "check('00.activation_bytes', activation_bytes_per_layer)",
@@ -153,7 +153,7 @@ def test_bare_except_loop_in_a_check_times_out_within_the_deadline_and_nothing_s
 
 def test_cells_that_hang_are_interrupted_or_killed_and_say_so(tmp_path):
     cells = [
-        "from memlab.grading import check  # no torch import here: it could take longer than the cell limit",
+        "from memlab.course.grading import check  # no torch import here: it could take longer than the cell limit",
         "import time\ntime.sleep(60)  # interrupted: the kernel goes on",
         "def activation_bytes_per_layer(*a, **k):\n    from memlab import accounting\n"
         "    return accounting.activation_bytes_per_layer(*a, **k)",
@@ -256,7 +256,7 @@ def test_a_shadow_memlab_next_to_the_notebook_is_refused(tmp_path, monkeypatch):
 
 def test_the_notebook_deadline_holds(tmp_path):
     cells = [
-        "from memlab.grading import check",
+        "from memlab.course.grading import check",
         "import time\ntime.sleep(120)",
         "def f(*a, **k):\n    return 0",
         "check('00.activation_bytes', f)",

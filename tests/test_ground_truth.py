@@ -8,7 +8,7 @@ here is "bytes above the resting state" of the region (the resting state is comp
 
 Comparisons (tiny Llama from transformers' LlamaConfig, batch 4 x 64 tokens, eager attention):
 
-* QLoRA r=8, one training step: memlab.quant + memlab.lora vs transformers ``BitsAndBytesConfig`` (nf4, double
+* QLoRA r=8, one training step: memlab.quant + memlab.quant.lora vs transformers ``BitsAndBytesConfig`` (nf4, double
   quant) + bitsandbytes + peft, fp32 and bf16 compute. Tolerance 2%; measured equal (before memlab's Linear4bit
   kept only its 4-bit state for backward: 1.23x in fp32, 1.11x in bf16 compute).
 * one Linear4bit layer's forward: bytes still allocated when forward returns, besides its output, vs
@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 bnb = pytest.importorskip("bitsandbytes")
 
-from memlab import lora  # noqa: E402
+from memlab.quant import lora  # noqa: E402
 from memlab.models import lm_loss, tiny_llama  # noqa: E402
 from memlab.quant import Linear4bit  # noqa: E402
 
@@ -182,7 +182,7 @@ def test_linear4bit_forward_keeps_nothing_but_its_output_like_bitsandbytes(compu
 
 # ----------------------------------------------------------------------------- LoRA
 def test_lora_step_peak_and_trainable_equal_to_peft(base_and_batch):
-    """LoRA r=8 on every linear of the fp32 tiny Llama but lm_head: memlab.lora vs peft. Same initialisation order
+    """LoRA r=8 on every linear of the fp32 tiny Llama but lm_head: memlab.quant.lora vs peft. Same initialisation order
     (so the same adapters under the same seed), trainable parameters equal, the step's peak within 2% (measured:
     equal), the first step's loss and updated adapters bitwise equal."""
     from peft import LoraConfig, get_peft_model

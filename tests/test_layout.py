@@ -28,14 +28,14 @@ LONG_FUNCTIONS: dict[str, str] = {}
 
 # old import path -> new one (re-exported for one release)
 MOVED: dict[str, str] = {
-    "memlab.gpus": "memlab.core.gpus",
-    "memlab._optional": "memlab.optional",
-    "memlab.attention_triton": "memlab.attention.triton_kernels",
-    "memlab.ckpt": "memlab.training_state",
-    "memlab.grading": "memlab.course.grading",
-    "memlab.checks": "memlab.course.checks",
-    "memlab.labs": "memlab.course.labs",
-    "memlab.doctor": "memlab.course.doctor",
+    "memlab.core.gpus": "memlab.core.gpus",
+    "memlab.core.optional": "memlab.core.optional",
+    "memlab.attention.triton_kernels": "memlab.attention.triton_kernels",
+    "memlab.train.state": "memlab.train.state",
+    "memlab.course.grading": "memlab.course.grading",
+    "memlab.course.checks": "memlab.course.checks",
+    "memlab.course.labs": "memlab.course.labs",
+    "memlab.course.doctor": "memlab.course.doctor",
 }
 
 

@@ -1,4 +1,4 @@
-"""memlab.lora against peft: initialisation under the same seed, outputs and gradients, merge / unmerge,
+"""memlab.quant.lora against peft: initialisation under the same seed, outputs and gradients, merge / unmerge,
 LoRA on a Linear4bit base (QLoRA) against peft on bitsandbytes.nn.Linear4bit, and bad arguments."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 peft = pytest.importorskip("peft")
 bnb = pytest.importorskip("bitsandbytes")
 
-from memlab import lora as L  # noqa: E402
+from memlab.quant import lora as L  # noqa: E402
 from memlab import quant as Q  # noqa: E402
 
 
@@ -189,7 +189,7 @@ def test_qlora_model_bytes_predicted_exactly_and_only_adapters_train():
 
 def test_qlora_end_to_end_matches_transformers_bitsandbytes_peft():
     """Stated tolerance: tiny_llama, the same fp32 weights, transformers' BitsAndBytesConfig (NF4, double quant,
-    bf16 compute) + peft LoRA r=8 on every linear vs memlab.lora.qlora_model with the same adapter weights;
+    bf16 compute) + peft LoRA r=8 on every linear vs memlab.quant.lora.qlora_model with the same adapter weights;
     10 AdamW steps on the stdlib corpus: every loss within 1e-3 (the only differences are the CPU lookup's
     occasional neighbour code for a double-quantized scale and the order of bf16 roundings)."""
     import tempfile
@@ -197,7 +197,7 @@ def test_qlora_end_to_end_matches_transformers_bitsandbytes_peft():
     import torch._dynamo
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
-    from memlab.data import batches, stdlib_corpus
+    from memlab.models.corpus import batches, stdlib_corpus
     from memlab.models import lm_loss, tiny_llama
 
     old = torch._dynamo.config.disable

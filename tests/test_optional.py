@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from memlab import optional
-from memlab.optional import EXTRAS, MissingExtraError, needs, require_installed
+from memlab.core import optional
+from memlab.core.optional import EXTRAS, MissingExtraError, needs, require_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "labs/00_where_the_memory_goes.ipynb"
@@ -91,7 +91,7 @@ def test_cli_prints_one_line_and_exits_2(missing, argv, line):
 )
 def test_library_raises_one_line_import_error(call, feature):
     code = f"""
-        from memlab.optional import MissingExtraError
+        from memlab.core.optional import MissingExtraError
         try:
             {call}
         except MissingExtraError as exc:
@@ -106,7 +106,7 @@ def test_core_imports_without_any_extra():
     """``import memlab`` and its core modules need none of the extras."""
     proc = _run_without(
         sorted(EXTRAS),
-        "import memlab, memlab.config, memlab.models, memlab.estimate, memlab.labs, memlab.cli\n"
+        "import memlab, memlab.config, memlab.models, memlab.estimate, memlab.course.labs, memlab.cli\n"
         "from memlab.models import TinyGPT, TinyGPTConfig\nprint('ok')",
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

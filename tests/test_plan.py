@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from memlab import plan as P
+from memlab.cli import plan as plan_cli
 from memlab.models import tiny_llama_config
 from memlab.plan import Stack
 
@@ -137,7 +138,7 @@ def test_infeasible_budget_says_so():
 
 
 def test_budget_from_a_card():
-    from memlab import gpus
+    from memlab.core import gpus
 
     card = gpus.GPUS["rtx4090"]
     budget, label = P.resolve_budget(None, "rtx4090", "cuda")
@@ -184,15 +185,15 @@ def test_cli(tmp_path, capsys):
     tiny_cfg().to_json_file(str(path))
     narrow = ["--allow", "precision=bf16-pure", "--allow", "optimizer=adamw-fused", "--allow", "adapter=full",
               "--allow", "checkpointing=full", "--allow", "micro_batch=1,2"]
-    code = P.main([str(path), "--budget", "8MiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
+    code = plan_cli.main([str(path), "--budget", "8MiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
                    "--no-progress", *narrow])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "for the CPU" in out and "8.00 MiB budget" in out and "pick: bf16-pure adamw-fused ckpt all mb 2x1" in out
-    code = P.main([str(path), "--budget", "64KiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
+    code = plan_cli.main([str(path), "--budget", "64KiB", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
                    "--no-progress", *narrow])
     assert code == 1 and "nothing fits" in capsys.readouterr().out
-    code = P.main([str(path), "--budget", "8MiB", "--batch-size", "2", "--seq-len", str(SEQ), "--allow", "adapter=dora"])
+    code = plan_cli.main([str(path), "--budget", "8MiB", "--batch-size", "2", "--seq-len", str(SEQ), "--allow", "adapter=dora"])
     assert code == 2 and "allow['adapter'] value 'dora' is invalid" in capsys.readouterr().err
 
 
@@ -254,7 +255,7 @@ def test_host_budget_defaults_to_the_machines_available_memory(monkeypatch):
 
 
 def test_a_card_without_bf16_plans_fp16_mixed_precision():
-    from memlab import gpus
+    from memlab.core import gpus
 
     assert not gpus.capability("t4").bf16 and not gpus.capability("v100").bf16 and gpus.capability("h100").bf16
     allow = {"adapter": ["full", "lora"], "optimizer": ["adamw"], "checkpointing": ["full"], "micro_batch": [1]}

@@ -1,4 +1,4 @@
-"""memlab.timeline: every storage of a step as a band in time, its sum equal to MemoryTracker's
+"""memlab.profiler.timeline: every storage of a step as a band in time, its sum equal to MemoryTracker's
 count op for op; exported as PyTorch's memory snapshot (memory_viz) and as a self-contained
 interactive page, which a real browser renders (headless Chromium, when installed)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from memlab.models import TinyGPT, TinyGPTConfig
-from memlab.timeline import Timeline
+from memlab.profiler.timeline import Timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = TinyGPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=32)

@@ -230,7 +230,7 @@ def test_bad_arguments():
 
 
 def _line_lengths() -> list[int]:
-    from memlab.data import stdlib_corpus
+    from memlab.models.corpus import stdlib_corpus
 
     text = bytes(stdlib_corpus(max_bytes=200_000).tolist()).decode("utf-8", "replace")
     return [len(line) + 1 for line in text.split("\n")]
@@ -260,7 +260,7 @@ def test_pad_batch():
 
 def test_bucketing_saves_measured_activation_bytes():
     """The padding saved, measured: the tracked peak of forward + backward of each padded batch."""
-    from memlab.data import stdlib_corpus
+    from memlab.models.corpus import stdlib_corpus
     from memlab.profiler import MemoryTracker
 
     raw = bytes(stdlib_corpus(max_bytes=20_000).tolist())
@@ -297,7 +297,7 @@ def _corrupt(path):
 
 
 def test_all_checkpoints_corrupt_is_refused_unless_fresh(tmp_path):
-    from memlab.training_state import CheckpointError
+    from memlab.train.state import CheckpointError
 
     run([B], steps=2, ckpt_dir=tmp_path)
     for f in tmp_path.glob("step-*.safetensors"):
@@ -329,8 +329,8 @@ def test_keep_counts_steps_and_never_deletes_the_newest_valid(tmp_path):
 
 
 def test_a_foreign_checkpoint_is_a_checkpoint_error_naming_the_file(tmp_path):
-    from memlab import training_state as ckpt
-    from memlab.training_state import CheckpointError
+    from memlab.train import state as ckpt
+    from memlab.train.state import CheckpointError
 
     def trainer(d, m=None):
         return BudgetTrainer(m or model(), None, stacks=[B], effective_batch=E, seq_len=T, ckpt_dir=d)
@@ -371,7 +371,7 @@ def test_resuming_with_another_lr_applies_it_and_says_so(tmp_path):
 
 
 def test_a_checkpoint_that_does_not_verify_after_writing_deletes_nothing(tmp_path, monkeypatch):
-    from memlab import training_state as ckpt
+    from memlab.train import state as ckpt
 
     t = run([B], steps=2, ckpt_dir=tmp_path)
     before = sorted(f.name for f in tmp_path.glob("step-*.safetensors"))

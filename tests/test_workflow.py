@@ -196,7 +196,7 @@ def _rc(main, argv) -> int:
 def test_estimate_refuses_hostile_sizes_in_one_line_before_any_work(argv, needle, capsys):
     import time
 
-    from memlab.estimate import main
+    from memlab.cli.estimate import main
 
     t0 = time.monotonic()
     assert _rc(main, ["qwen2.5-0.5b", *argv]) == 2
@@ -224,7 +224,7 @@ def test_config_files_are_read_with_a_limit(tmp_path):
 def test_plan_bounds_batch_and_finds_divisors_fast(capsys):
     import time
 
-    from memlab.plan import main
+    from memlab.cli.plan import main
     from memlab.plan.search import _divisors
 
     t0 = time.monotonic()

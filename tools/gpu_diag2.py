@@ -2,7 +2,7 @@
 import gc, os, pickle, sys
 import torch
 from memlab.models import TinyGPT, TinyGPTConfig
-from memlab.data import batches, stdlib_corpus
+from memlab.models.corpus import batches, stdlib_corpus
 from memlab.profiler import MemoryTracker
 MiB = 2**20
 corpus = stdlib_corpus(max_bytes=2_000_000)

@@ -4,7 +4,7 @@
     python tools/timeline_screenshot.py --out /tmp/x    # somewhere else
 
 The page is one TinyGPT training step with AdamW (2 steps, so the optimizer state is there),
-recorded by ``memlab.timeline.Timeline`` on the CPU, written by ``Timeline.save_html`` (a
+recorded by ``memlab.profiler.timeline.Timeline`` on the CPU, written by ``Timeline.save_html`` (a
 self-contained page: inline JavaScript, no network) and opened with ``#hover=peak``, which makes
 the page show the tooltip of the largest tensor alive at the peak, as a mouse hover would.
 Chromium runs with --dump-dom first to check that the script ran (the tooltip holds the tensor's
@@ -50,7 +50,7 @@ def record(html: Path) -> dict:
 
     sys.path.insert(0, str(ROOT / "utils"))
     from memlab.models import TinyGPT, TinyGPTConfig
-    from memlab.timeline import Timeline
+    from memlab.profiler.timeline import Timeline
 
     torch.manual_seed(0)
     cfg = TinyGPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=64)
@@ -100,7 +100,7 @@ def shoot(browser: str, html: Path, png: Path, timeout: float = 120) -> str:
 NOTEBOOK_CELL = """\
 import torch
 from memlab.models import TinyGPT, TinyGPTConfig
-from memlab.timeline import Timeline
+from memlab.profiler.timeline import Timeline
 
 torch.manual_seed(0)
 cfg = TinyGPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=64)
@@ -140,7 +140,7 @@ def make_notebook(folder: Path, data_dir: Path, env: dict) -> Path:
     from nbformat.sign import NotebookNotary
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell("## memlab.timeline in JupyterLab\nHover a band to name its tensor."),
+    nb.cells = [nbformat.v4.new_markdown_cell("## memlab.profiler.timeline in JupyterLab\nHover a band to name its tensor."),
                 nbformat.v4.new_code_cell(NOTEBOOK_CELL)]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     saved = {k: os.environ.get(k) for k in env}

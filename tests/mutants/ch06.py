@@ -9,7 +9,8 @@ import math
 import torch
 from torch import nn
 
-from memlab import lora, quant
+from memlab import quant
+from memlab.quant import lora
 
 
 # ----------------------------------------------------------------------------- 06.nf4_codebook

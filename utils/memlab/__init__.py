@@ -1,7 +1,7 @@
 """LLM Memory Lab: GPU-memory techniques for training language models, built from scratch.
 
 One module or small package per technique of the course (``memlab.profiler``, ``memlab.checkpoint``,
-``memlab.amp``, ``memlab.quant``, ``memlab.lora`` ...), the models they run on (``memlab.models``)
+``memlab.amp``, ``memlab.quant``, ``memlab.quant.lora`` ...), the models they run on (``memlab.models``)
 and the byte accounting they are checked against (``memlab.accounting``). ``memlab.core`` holds
 what every module shares (units, argument checks, the vocabulary, the GPU table; no torch);
 ``memlab.config`` decides the device and scale once; the course machinery (grading, checks,

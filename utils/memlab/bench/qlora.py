@@ -6,7 +6,7 @@ Three tables, each measured in one run on the current device:
    (time medians, bytes stored, and whether the bytes are equal);
 2. a 4-bit linear layer's forward: memlab.quant.Linear4bit vs bitsandbytes.nn.Linear4bit;
 3. one training step of tiny_llama (forward, backward, AdamW step): full fine-tune in fp32,
-   LoRA (memlab.lora on the fp32 model) and QLoRA (memlab.lora.qlora_model: NF4 base, bf16
+   LoRA (memlab.quant.lora on the fp32 model) and QLoRA (memlab.quant.lora.qlora_model: NF4 base, bf16
    compute, fp32 adapters), peak and breakdown measured with memlab.profiler.MemoryTracker.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ def bench_steps(device: torch.device, batch: int, seq: int) -> list[list[Any]]:
     Returns:
         One table row per recipe: trainable parameters, stored model, peak and its breakdown, in MiB.
     """
-    from memlab import lora
+    from memlab.quant import lora
     from memlab.models import lm_loss, tiny_llama
     from memlab.profiler import MemoryTracker
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from memlab.core.units import GiB, MiB  # noqa: F401  (memlab.gpus.MiB/GiB: old names)
+from memlab.core.units import GiB, MiB  # noqa: F401  (memlab.core.gpus.MiB/GiB: old names)
 
 # measured: total - free - reserved after the first matmul, H100 80GB HBM3, driver 580, torch 2.11 + CUDA 13
 # (results/h100/estimator_probe.json: after_matmul.context = 718,077,952 B; 619 MiB after the first tensor)

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from memlab.course.workspace import (  # the workspace is part of memlab.course.labs' API
     BACKUPS, WORK, LabFileError, _fix_for, _no_link, _os_errors, default_notebooks, is_complete_notebook, reset, start,
 )
-from memlab.optional import needs
+from memlab.core.optional import needs
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"

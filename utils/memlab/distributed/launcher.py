@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from memlab.core.validation import check_choice, check_number, check_positive_int, invalid
-from memlab.procs import child_subreaper, descendants, own_children
+from memlab.core.procs import child_subreaper, descendants, own_children
 
 __all__ = ["launch", "RankError", "in_torchrun", "free_port", "MAX_LAUNCH_TIMEOUT"]
 
@@ -164,7 +164,7 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, 
 
 def _kill_ranks(procs: list[Any], adopted: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     """SIGKILL every rank, its process group and every descendant (a grandchild in a session of its own too);
-    ``adopted``: orphans reparented to this process (see :func:`memlab.procs.child_subreaper`), killed and reaped too."""
+    ``adopted``: orphans reparented to this process (see :func:`memlab.core.procs.child_subreaper`), killed and reaped too."""
     pids = {p.pid for p in procs if p.pid is not None} | set(adopted)
     groups = set(pids)
     for _ in range(3):

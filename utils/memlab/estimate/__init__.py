@@ -21,11 +21,14 @@ One concern per module:
 * :mod:`~memlab.estimate.api`: :func:`estimate_training_memory`, :func:`measure_training_memory`;
 * :mod:`~memlab.estimate.result`: :class:`MemoryEstimate` and :func:`resolve_gpu`;
 * :mod:`~memlab.estimate.suggest`: what would make it fit;
-* :mod:`~memlab.estimate.cli`: ``memlab estimate``.
 
-Elsewhere: CUDA's rules on a CPU trace (:mod:`memlab.cuda_rules`), adapters (:mod:`memlab.adapters`),
-the rules of thumb (:mod:`memlab.peers`), Hub configs (:mod:`memlab.hub`), the published comparisons
-(:mod:`memlab.published_peaks`).
+* :mod:`~memlab.estimate.cuda_rules`: CUDA's rules on a CPU trace;
+* :mod:`~memlab.estimate.adapters`: LoRA and QLoRA;
+* :mod:`~memlab.estimate.peers`: the rules of thumb;
+* :mod:`~memlab.estimate.hub`: Hub configs;
+* :mod:`~memlab.estimate.validate`: the published comparisons (``memlab estimate --validate``).
+
+The command line is :mod:`memlab.cli.estimate`.
 """
 from __future__ import annotations
 
@@ -51,8 +54,7 @@ from memlab.estimate.extrapolate import (EXTRAPOLATE_MIN_LAYERS, EXTRAPOLATION_D
 from memlab.estimate.api import (estimate_one_rank, estimate_step, estimate_training_memory, make_step,
                                  measure_training_memory, resolve_for_step)
 from memlab.estimate.suggest import QLORA_BITS_PER_PARAM, Suggestion, estimate_command, suggestions
-from memlab.estimate.cli import main
-from memlab.peers import accelerate_estimate, deepspeed_zero_estimate
+from memlab.estimate.peers import accelerate_estimate, deepspeed_zero_estimate
 
 __all__ = [
     "DTYPES",
@@ -63,12 +65,9 @@ __all__ = [
     "estimate_training_memory",
     "measure_training_memory",
     "training_step",
-    "parse_size",
-    "format_bytes",
     "accelerate_estimate",
     "deepspeed_zero_estimate",
     "suggestions",
-    "main",
     "resolve_gpu",
     "cublas_workspace",
     "CUBLAS_WORKSPACE_PRE_HOPPER_BYTES",

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from memlab.estimate.extrapolate import FSDP_EXTRAPOLATION_DEPTHS, extrapolated, extrapolated_fsdp
+from memlab.estimate.extrapolate import estimate_one_rank
 from memlab.estimate.model import ModelSpec, check_positions, resolve_model
 from memlab.estimate.recipes import canonical_dtype, canonical_optimizer, check_input_bounds, cublas_workspace
 from memlab.estimate.result import MemoryEstimate
@@ -25,7 +25,7 @@ def make_step(*, adapter: Any = None, lora_r: int = 16, lora_alpha: float | None
 
     Args:
         adapter, lora_r, lora_alpha, target_modules, lora_dropout, adapter_dtype: the adapter settings
-            (:func:`memlab.adapters.adapter_spec`); ``adapter`` may be an ``AdapterSpec`` already.
+            (:func:`memlab.estimate.adapters.adapter_spec`); ``adapter`` may be an ``AdapterSpec`` already.
         **settings: the other fields of :class:`StepSpec` (``dtype`` and ``optimizer`` in any spelling).
 
     Returns:
@@ -34,7 +34,7 @@ def make_step(*, adapter: Any = None, lora_r: int = 16, lora_alpha: float | None
     Raises:
         ValueError: an unknown recipe or a bad adapter setting.
     """
-    from memlab import adapters
+    from memlab.estimate import adapters
 
     if "dtype" in settings:
         settings["dtype"] = canonical_dtype(settings["dtype"])
@@ -64,35 +64,12 @@ def resolve_for_step(model: Any, step: StepSpec, config_overrides: Mapping[str, 
     spec = resolve_model(model, config_overrides)
     check_positions(spec, step.seq_len, allow_longer_seq)
     if step.adapter is not None:
-        from memlab import adapters
+        from memlab.estimate import adapters
 
         spec = spec.with_adapter(step.adapter)
         if step.adapter.kind == "qlora":
             adapters.warm_quant()
     return spec
-
-
-def estimate_one_rank(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto",
-                      fsdp_world_size: int = 0) -> MemoryEstimate:
-    """One rank's traced step, extrapolated by depth where that is exact.
-
-    Args:
-        spec: the model.
-        step: the step.
-        extrapolate: "auto", True or False (see :func:`memlab.estimate.extrapolate.extrapolated`).
-        fsdp_world_size: > 0 to trace FSDP2 under the fake process group of that many ranks.
-
-    Returns:
-        The estimate.
-    """
-    if fsdp_world_size:
-        if extrapolate and spec.is_hf and spec.homogeneous() and spec.layers()[1] > max(FSDP_EXTRAPOLATION_DEPTHS):
-            est = extrapolated_fsdp(spec, step, fsdp_world_size)
-            if est is not None:
-                return est
-        return trace_step(spec, step, fsdp_world_size=fsdp_world_size)
-    est = extrapolated(spec, step, extrapolate)
-    return est if est is not None else trace_step(spec, step)
 
 
 def estimate_step(model: Any, step: StepSpec, *, config_overrides: Mapping[str, Any] | None = None,
@@ -166,7 +143,7 @@ def estimate_training_memory(
         world_size, zero_stage: one of ``world_size`` data-parallel ranks under ZeRO stage 0-3 (stage 3
             traced with FSDP2 under a fake process group; chapter 08).
         adapter, lora_r, lora_alpha, target_modules, lora_dropout, adapter_dtype: LoRA / QLoRA on a frozen
-            base (:mod:`memlab.adapters`, the planner's builder too).
+            base (:mod:`memlab.estimate.adapters`, the planner's builder too).
         gpu: the target card (a name of :mod:`memlab.core.gpus`) or None: on a CUDA target its compute
             capability sets the cuBLAS workspace (:func:`memlab.estimate.recipes.cublas_workspace`).
         grad_accum: micro-batches of ``batch_size`` per optimizer step; the gradients of the first stay

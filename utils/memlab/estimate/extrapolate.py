@@ -200,3 +200,24 @@ def extrapolated_fsdp(spec: ModelSpec, step: StepSpec, world_size: int) -> Memor
     return est
 
 
+def estimate_one_rank(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto",
+                      fsdp_world_size: int = 0) -> MemoryEstimate:
+    """One rank's traced step, extrapolated by depth where that is exact.
+
+    Args:
+        spec: the model.
+        step: the step.
+        extrapolate: "auto", True or False (see :func:`memlab.estimate.extrapolate.extrapolated`).
+        fsdp_world_size: > 0 to trace FSDP2 under the fake process group of that many ranks.
+
+    Returns:
+        The estimate.
+    """
+    if fsdp_world_size:
+        if extrapolate and spec.is_hf and spec.homogeneous() and spec.layers()[1] > max(FSDP_EXTRAPOLATION_DEPTHS):
+            est = extrapolated_fsdp(spec, step, fsdp_world_size)
+            if est is not None:
+                return est
+        return trace_step(spec, step, fsdp_world_size=fsdp_world_size)
+    est = extrapolated(spec, step, extrapolate)
+    return est if est is not None else trace_step(spec, step)

@@ -2,7 +2,7 @@
 becomes a :class:`ModelSpec` that builds the model (on fake tensors) at any depth.
 
 Used by :func:`memlab.estimate.estimate_training_memory` and :func:`memlab.plan.plan` alike. Hub ids
-read only their config.json, through transformers (:mod:`memlab.hub`).
+read only their config.json, through transformers (:mod:`memlab.estimate.hub`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from memlab.core.units import MiB
 from memlab.core.vocab import Recipe
 from memlab.estimate.recipes import MAX_CONFIG_BYTES
-from memlab.optional import needs
+from memlab.core.optional import needs
 
 def is_hf_config(obj: Any) -> bool:
     """True when ``obj`` is a transformers ``PretrainedConfig``.
@@ -145,7 +145,7 @@ class ModelSpec:
     name: str
     config: Any = None
     fn: Callable[[], nn.Module] | None = None
-    adapter: Any = None  # a memlab.adapters.AdapterSpec: LoRA / QLoRA built on the base (memlab.adapters)
+    adapter: Any = None  # a memlab.estimate.adapters.AdapterSpec: LoRA / QLoRA built on the base (memlab.estimate.adapters)
 
     @property
     def is_hf(self) -> bool:
@@ -203,7 +203,7 @@ class ModelSpec:
         """The same model with LoRA / QLoRA adapters.
 
         Args:
-            adapter: a :class:`memlab.adapters.AdapterSpec`, or None.
+            adapter: a :class:`memlab.estimate.adapters.AdapterSpec`, or None.
 
         Returns:
             A new spec.
@@ -221,7 +221,7 @@ class ModelSpec:
             The model, adapters applied when the spec has them.
         """
         if self.adapter is not None:  # the one builder of adapted models (estimate, CLI and plan)
-            from memlab import adapters
+            from memlab.estimate import adapters
 
             base = adapters.base_dtype(dtype)
             if self.fn is not None:
@@ -249,7 +249,7 @@ def resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> Mod
 
     Args:
         model: a preset of :data:`memlab.models.PRESETS`, a config.json path (or its folder), a Hub
-            model id ``org/name`` (its config.json only, :mod:`memlab.hub`), a transformers config,
+            model id ``org/name`` (its config.json only, :mod:`memlab.estimate.hub`), a transformers config,
             or a callable returning an ``nn.Module``.
         config_overrides: config fields to change (not for a callable).
 
@@ -271,9 +271,9 @@ def resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> Mod
                 check_overrides(preset_config(model), overrides, f"preset {model!r}")
             cfg = preset_config(model, **overrides)
             return ModelSpec(model, config=cfg)
-        from memlab import hub
+        from memlab.estimate import hub
 
-        if hub.looks_like_repo_id(model):  # "org/name": its config.json through transformers (memlab.hub)
+        if hub.looks_like_repo_id(model):  # "org/name": its config.json through transformers (memlab.estimate.hub)
             cfg = hub.load_hub_config(model)
             check_overrides(cfg, overrides, f"model {model!r}")
             for k, v in overrides.items():
@@ -374,7 +374,7 @@ def _vocab_size(model: nn.Module) -> int:
 def _enable_checkpointing(model: nn.Module, context_fn: Callable[[], tuple] | None = None) -> None:
     """Turn on the model's own checkpointing; with ``context_fn``, PyTorch's non-reentrant checkpoint
     gets it, so the recompute in backward runs under the contexts it returns (the CUDA rules of
-    :mod:`memlab.cuda_rules`: without them the recompute keeps CPU's tensors and torch's checkpoint
+    :mod:`memlab.estimate.cuda_rules`: without them the recompute keeps CPU's tensors and torch's checkpoint
     refuses the mismatch with a CheckpointError)."""
     from memlab.models import TinyGPT
 

@@ -59,7 +59,7 @@ class MemoryEstimate:
     host_breakdown: dict[str, int] = field(default_factory=dict)
     world_size: int = 1
     zero_stage: int = 0
-    adapter: str = ""  # memlab.adapters.AdapterSpec.describe() of a LoRA/QLoRA estimate, "" for a full fine-tune
+    adapter: str = ""  # memlab.estimate.adapters.AdapterSpec.describe() of a LoRA/QLoRA estimate, "" for a full fine-tune
 
     @property
     def allocated_bytes(self) -> int:
@@ -221,7 +221,7 @@ def _params(n: int) -> str:
 
 
 def resolve_gpu(gpu: Any) -> tuple[str, int]:
-    """(label, usable bytes) of ``--gpu``: a card name of :mod:`memlab.gpus` or a size.
+    """(label, usable bytes) of ``--gpu``: a card name of :mod:`memlab.core.gpus` or a size.
 
     A card: its total as the driver reports it, minus the stated CUDA context reserve. A size
     (``24GiB`` = 24 x 2**30; ``24GB`` = 24 x 10**9, shown in GiB): that memory minus the same

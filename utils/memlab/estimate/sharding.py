@@ -8,12 +8,13 @@ import copy
 from typing import Any, Callable, Mapping
 
 import torch
-from torch import nn
 
 from memlab.estimate.model import ModelSpec, resolve_model
 from memlab.estimate.recipes import CATEGORIES, ZERO_STAGES, Recipe, canonical_dtype
 from memlab.estimate.result import MemoryEstimate, _PhaseSummary
 from memlab.estimate.step import StepSpec
+from memlab.estimate.trace import NoFSDPUnits
+from memlab.estimate.extrapolate import estimate_one_rank
 
 def _check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -24,22 +25,6 @@ def _check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
     if zero_stage and optimizer == "offload-adamw":
         raise ValueError(f"zero_stage={zero_stage} with optimizer='offload-adamw' is not modelled; allowed with ZeRO: "
                          f"'adamw', 'sgd', 'adamw8bit'")
-
-
-class _NoFSDPUnits(Exception):
-    """The model has no decoder layers for ``fully_shard`` to wrap (memlab.distributed.fsdp2_shard)."""
-
-
-def _fully_shard(model: nn.Module) -> None:
-    """FSDP2 as :func:`memlab.distributed.fsdp2_shard` applies it (``fully_shard`` on every decoder layer,
-    then the root), here on a model of fake tensors under the fake process group."""
-    from memlab.distributed import fsdp2_shard
-    from memlab.models import NoDecoderLayersError
-
-    try:
-        fsdp2_shard(model)
-    except NoDecoderLayersError as exc:
-        raise _NoFSDPUnits(str(exc)) from None
 
 
 @contextlib.contextmanager
@@ -76,8 +61,6 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
     Returns:
         ``(the estimate, "")`` or ``(None, why it cannot be traced)``.
     """
-    from memlab.estimate.api import estimate_one_rank  # the caller's module: imported when used
-
     world_size = step.world_size
     import torch.distributed as dist
 
@@ -89,7 +72,7 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
     try:
         with _fake_process_group(world_size):
             est = estimate_one_rank(spec, step, extrapolate, fsdp_world_size=world_size)
-    except _NoFSDPUnits as exc:
+    except NoFSDPUnits as exc:
         return None, str(exc)
     except (ValueError, TypeError, KeyError, FileNotFoundError):
         raise  # bad arguments: the same errors as without ZeRO

@@ -21,7 +21,7 @@ class StepSpec:
     ``estimate_training_memory(...)`` builds one from its keywords; the trace, the extrapolation by
     depth, the ZeRO sharding and :func:`memlab.plan.estimate_stack` pass it along whole.
     ``dtype`` and ``optimizer`` are canonical (:mod:`memlab.core.vocab`); ``adapter`` is a
-    :class:`memlab.adapters.AdapterSpec` or None; ``step`` a callable ``(model, batch) -> loss``,
+    :class:`memlab.estimate.adapters.AdapterSpec` or None; ``step`` a callable ``(model, batch) -> loss``,
     a ``"module:function"`` or None; ``gpu`` a card name of :mod:`memlab.core.gpus` or None.
     """
 

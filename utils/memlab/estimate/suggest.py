@@ -60,7 +60,7 @@ def estimate_command(model: Any, **kw: Any) -> str:
     """
     import shlex
 
-    from memlab import adapters
+    from memlab.estimate import adapters
 
     out = ["memlab", "estimate", model if isinstance(model, str) else "MODEL"]
     flags = (("batch_size", "--batch-size", None), ("seq_len", "--seq-len", None), ("dtype", "--dtype", Recipe.BF16_MIXED.value),
@@ -104,7 +104,7 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     ("traced"); the others use a byte formula ("formula"): CPU-offloaded AdamW (chapter 04)
     removes the optimizer state and the fp32 master copy from the GPU; LoRA (chapter 06) keeps
     the frozen weights in 16 bits with no gradients or optimizer state for them; QLoRA stores
-    them in NF4. LoRA and QLoRA (rank 16, every linear layer but the head, :mod:`memlab.adapters`)
+    them in NF4. LoRA and QLoRA (rank 16, every linear layer but the head, :mod:`memlab.estimate.adapters`)
     are traced where ``base`` is a full fine-tune; each traced row carries the ``memlab estimate``
     command that reproduces it (``Suggestion.command``).
 
@@ -157,7 +157,7 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
                           extra_bytes=extra))
     if base.adapter:
         return out
-    # LoRA / QLoRA traced (memlab.adapters): a 16-bit recipe (bf16 mixed for an fp32 run), AdamW on the adapters
+    # LoRA / QLoRA traced (memlab.estimate.adapters): a 16-bit recipe (bf16 mixed for an fp32 run), AdamW on the adapters
     ad_kw = dict(dtype=Recipe.BF16_MIXED.value if base.dtype == Recipe.FP32 else base.dtype,
                  optimizer="adamw" if base.optimizer == "offload-adamw" else base.optimizer, optimizer_kwargs=None)
     try:

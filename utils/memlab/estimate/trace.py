@@ -77,11 +77,11 @@ def _setup(spec: ModelSpec, step: StepSpec, fake: bool) -> _Setup:
         raise ValueError("attn_implementation='flash' is a CUDA kernel; allowed on device='cpu': 'auto', 'eager', 'sdpa'")
     s = _Setup(fn, attn, target, traced_on, step.optimizer)
     if traced_on != str(target):
-        from memlab import cuda_rules
+        from memlab.estimate import cuda_rules
 
-        s.cuda_rules = cuda_rules.cuda_semantics()  # CUDA's dropout and autocast op lists (memlab.cuda_rules)
+        s.cuda_rules = cuda_rules.cuda_semantics()  # CUDA's dropout and autocast op lists (memlab.estimate.cuda_rules)
         s.notes.append(f"traced on {traced_on} fake tensors (no CUDA here): CUDA's dropout and autocast op lists are "
-                       f"modelled (memlab.cuda_rules); the attention kernel is the CUDA one, modelled (see attention)")
+                       f"modelled (memlab.estimate.cuda_rules); the attention kernel is the CUDA one, modelled (see attention)")
     if spec.adapter is not None:
         s.notes.append(_adapter_note(spec, step.dtype))
     if step.optimizer == "adamw8bit":
@@ -97,14 +97,14 @@ def _setup(spec: ModelSpec, step: StepSpec, fake: bool) -> _Setup:
 
 
 def _adapter_note(spec: ModelSpec, dtype: str) -> str:
-    from memlab import adapters
+    from memlab.estimate import adapters
 
     base = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[adapters.base_dtype(dtype)]
     amp = {Recipe.BF16_MIXED.value: "bf16", Recipe.FP16_MIXED.value: "fp16"}.get(dtype)
     return (f"{spec.adapter.describe()}; frozen base in {base}"
             + (" (NF4 linears)" if spec.adapter.kind == "qlora" else "")
             + (f", forward under autocast({amp})" if dtype in MIXED else "")
-            + ": gradients and optimizer state for the adapters only (memlab.adapters)")
+            + ": gradients and optimizer state for the adapters only (memlab.estimate.adapters)")
 
 
 def _step_text(step_fn: Any, loss: str) -> str:
@@ -229,13 +229,29 @@ def _after_notes(s: _Setup, tracker: Any, attention: str, softmax_rule: bool) ->
                          "padding of the mask to a multiple of 16 columns is not modelled)" if s.target.type == "cuda"
                          else ""))
     if s.cuda_rules is not None:
-        from memlab import cuda_rules
+        from memlab.estimate import cuda_rules
 
         s.notes.extend(cuda_rules.rule_notes(s.cuda_rules))
     if softmax_rule and getattr(tracker, "scratch_bytes", 0):
         s.notes.append(f"CUDA softmax backward's scratch copy of its incoming gradient "
                        f"({format_bytes(tracker.scratch_bytes)}) counted while it runs (per-op rule, measured on an H100)")
     return attention
+
+
+class NoFSDPUnits(Exception):
+    """The model has no decoder layers for ``fully_shard`` to wrap (memlab.distributed.fsdp2_shard)."""
+
+
+def fully_shard_layers(model: nn.Module) -> None:
+    """FSDP2 as :func:`memlab.distributed.fsdp2_shard` applies it (``fully_shard`` on every decoder layer,
+    then the root), here on a model of fake tensors under the fake process group."""
+    from memlab.distributed import fsdp2_shard
+    from memlab.models import NoDecoderLayersError
+
+    try:
+        fsdp2_shard(model)
+    except NoDecoderLayersError as exc:
+        raise NoFSDPUnits(str(exc)) from None
 
 
 def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_world_size: int) -> tuple:
@@ -252,18 +268,17 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
     with mode, torch.device(s.traced_on):
         ctx_fn = None
         if s.cuda_rules is not None:  # checkpointing's recompute runs under the same CUDA rules
-            from memlab.cuda_rules import checkpoint_context_fn
+            from memlab.estimate.cuda_rules import checkpoint_context_fn
 
             ctx_fn = checkpoint_context_fn(s.cuda_rules)
         model = _prepare(spec.build(step.dtype, build_attn), step.dtype, step.checkpointing, ctx_fn)
         vocab = _vocab_size(model)
     n_params = None
     if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values
-        from memlab.estimate.sharding import _fully_shard
         from memlab.models import count_parameters
 
         n_params = count_parameters(model)  # before sharding (then counted from the DTensors' storages)
-        _fully_shard(model)
+        fully_shard_layers(model)
     return model, mode, n_params, vocab
 
 

@@ -99,7 +99,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of ``model`` on inputs ``x`` and targets ``y``.
 
-    ``y[b, t]`` is the token after ``x[b, t]`` (the convention of :func:`memlab.data.batches`
+    ``y[b, t]`` is the token after ``x[b, t]`` (the convention of :func:`memlab.models.corpus.batches`
     and :class:`TinyGPT`), for every position -- so no extra shifting is done for
     ``transformers`` models, which are called as ``model(input_ids=x)``.
 

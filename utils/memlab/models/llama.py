@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memlab.optional import needs
+from memlab.core.optional import needs
 
 __all__ = ["TINY_LLAMA_DEFAULTS", "tiny_llama_config", "tiny_llama"]
 

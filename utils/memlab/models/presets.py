@@ -12,7 +12,7 @@ from typing import Any
 import torch.nn as nn
 
 from memlab.core.validation import invalid
-from memlab.optional import needs
+from memlab.core.optional import needs
 
 __all__ = ["PRESETS", "UnknownPresetError", "CONFIG_LIMITS", "validate_config", "preset_config", "build_preset",
            "preset_parameter_count"]

@@ -14,7 +14,7 @@ One concern per module: :mod:`~memlab.plan.stack` (the knobs and their vocabular
 :mod:`~memlab.plan.cost` (the cost model), :mod:`~memlab.plan.stacks` (estimating one stack, cached),
 :mod:`~memlab.plan.search` (candidates and their memory order), :mod:`~memlab.plan.search_run` (the
 search), :mod:`~memlab.plan.budget` (budgets), :mod:`~memlab.plan.result`, :mod:`~memlab.plan.planner`
-(:func:`plan`), :mod:`~memlab.plan.cli`.
+(:func:`plan`); the command line is :mod:`memlab.cli.plan`.
 
     memlab plan llama-3-8b --gpu rtx4090 --seq-len 2048 --batch-size 16
 """
@@ -30,9 +30,8 @@ from memlab.plan.search import enumerate_stacks
 from memlab.plan.result import PlanResult, PlanRow
 from memlab.plan.budget import DEFAULT_HOST_BUDGET, host_available_bytes, resolve_budget
 from memlab.plan.planner import plan
-from memlab.plan.cli import main
 
 __all__ = ["Stack", "PRECISIONS", "CHECKPOINTING", "OPTIMIZERS", "ADAPTERS", "ATTENTIONS",
            "CostModel", "GPU_SPECS", "PlanRow", "PlanResult", "plan", "enumerate_stacks", "estimate_stack",
-           "stack_cost", "fidelity_tier", "main", "DEFAULT_ALLOW", "ModelShape", "model_shape", "stack_label",
+           "stack_cost", "fidelity_tier", "DEFAULT_ALLOW", "ModelShape", "model_shape", "stack_label",
            "resolve_budget"]

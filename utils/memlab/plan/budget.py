@@ -76,7 +76,7 @@ def host_available_bytes() -> tuple[int, str]:
 
 
 def _allow_for_card(gpu: Any, allow: Mapping[str, Any] | None) -> tuple[Mapping[str, Any] | None, str | None]:
-    """A card without bf16 (memlab.gpus.CAPABILITIES): its precisions are fp32 and fp16 mixed precision."""
+    """A card without bf16 (memlab.core.gpus.CAPABILITIES): its precisions are fp32 and fp16 mixed precision."""
     from memlab.core import gpus
 
     caps = gpus.capability(gpu) if gpu is not None else None

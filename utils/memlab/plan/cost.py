@@ -195,7 +195,7 @@ def model_shape(cfg: Any, lora_r: int = 16) -> ModelShape:
                 c["matmul"] = sum(mod.weight.numel() for _, mod in lin)
                 c["head"] = sum(mod.weight.numel() for n, mod in lin if n.rsplit(".", 1)[-1] == "lm_head")
         c["qlora"] = c["lora"]
-        c["quantized"] = c["matmul"] - c["head"]  # memlab.lora.qlora_model: every nn.Linear but lm_head
+        c["quantized"] = c["matmul"] - c["head"]  # memlab.quant.lora.qlora_model: every nn.Linear but lm_head
         counts[depth] = c
     ext = {k: counts[1][k] + (counts[2][k] - counts[1][k]) * (L - 1) for k in counts[1]}
     d = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or getattr(cfg, "d_model")

@@ -50,10 +50,10 @@ def _at_depth(cfg: Any, depth: int) -> Any:
 
 
 def _adapter_spec(stack: Stack, lora_r: int) -> Any:
-    """The planner's LoRA/QLoRA as a :class:`memlab.adapters.AdapterSpec` (None for a full fine-tune):
+    """The planner's LoRA/QLoRA as a :class:`memlab.estimate.adapters.AdapterSpec` (None for a full fine-tune):
     rank ``lora_r``, alpha 2 x r, every linear layer but the head, fp32 adapters -- the same adapters
-    ``memlab estimate --adapter`` builds (one builder: :func:`memlab.adapters.apply_adapter`)."""
-    from memlab import adapters
+    ``memlab estimate --adapter`` builds (one builder: :func:`memlab.estimate.adapters.apply_adapter`)."""
+    from memlab.estimate import adapters
 
     if stack.adapter == "full":
         return None
@@ -70,7 +70,7 @@ def _builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
         from transformers import AutoModelForCausalLM
         from transformers.modeling_layers import GradientCheckpointingLayer
 
-        from memlab import adapters
+        from memlab.estimate import adapters
 
         spec = _adapter_spec(stack, lora_r)
         if spec is not None:
@@ -237,7 +237,7 @@ def _estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, l
 
 def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, extrapolate: bool,
            loss: str = "auto") -> Any:
-    from memlab import adapters
+    from memlab.estimate import adapters
     from memlab.estimate import estimate_step, extrapolate_by_depth, make_step
 
     if stack.adapter == "qlora":
@@ -245,7 +245,7 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
     opt, impl, okw = _OPTIMIZER[stack.optimizer]
     kw = dict(batch_size=stack.micro_batch, seq_len=seq_len, dtype=stack.precision, optimizer=opt,
               optimizer_impl=impl, optimizer_kwargs=okw, device=device, loss=loss, grad_accum=stack.grad_accum)
-    if stack.checkpointing in ("none", "full"):  # the estimator's own route, adapters included (memlab.adapters)
+    if stack.checkpointing in ("none", "full"):  # the estimator's own route, adapters included (memlab.estimate.adapters)
         step = make_step(checkpointing=stack.checkpointing == "full", attn_implementation=stack.attention,
                          adapter=_adapter_spec(stack, lora_r), **kw)
         return estimate_step(cfg, step, extrapolate=extrapolate)

@@ -11,8 +11,6 @@ counts: categories, phases, events), :mod:`~memlab.profiler.modules` (which modu
 """
 from __future__ import annotations
 
-from typing import Any
-
 from memlab.core.units import format_bytes
 from memlab.profiler.allocator import (CUDA_BLOCK_BYTES, DEFAULT_BLOCK_BYTES, KERNEL_SCRATCH_FRAMES,
                                        allocator_bytes, allocator_peak, kernel_scratch_at_peak)
@@ -30,13 +28,9 @@ __all__ = [
     "CUDA_BLOCK_BYTES",
     "allocator_bytes",
     "allocator_peak",
-    "LiveBytes",
-    "categorize",
     "phase_peaks",
     "kernel_scratch_at_peak",
     "format_bytes",
-    "fake_activation_bytes",
-    "train_losses",
     # also public: the pieces the tracker is made of
     "DEFAULT_BLOCK_BYTES",
     "KERNEL_SCRATCH_FRAMES",
@@ -47,15 +41,3 @@ __all__ = [
     "format_report",
     "plot_timeline",
 ]
-
-# chapter 01's lab reference answers live with the course machinery since the layout's second pass;
-# re-exported from here for one release (lazily: memlab.course.reference.ch01 imports this package)
-_MOVED_TO_COURSE = ("LiveBytes", "categorize", "fake_activation_bytes", "train_losses")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_COURSE:
-        from memlab.course.reference import ch01
-
-        return getattr(ch01, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

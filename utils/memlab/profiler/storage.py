@@ -53,7 +53,7 @@ class _Entry:
 _MUTATES: dict[Any, bool] = {}
 #: ops that alias an input born outside the dispatcher an instant before, inside the block:
 #: ``torch.tensor(...)`` builds its tensor in C++ and hands it to ``lift_fresh``, so the storage
-#: is new even though the op returns an alias of its input (:mod:`memlab.timeline` applies the
+#: is new even though the op returns an alias of its input (:mod:`memlab.profiler.timeline` applies the
 #: same rule)
 FRESH_ALIAS_OPS = frozenset(
     getattr(torch.ops.aten, name).default for name in ("lift_fresh", "lift") if hasattr(torch.ops.aten, name))

@@ -37,7 +37,7 @@ def _set_attention(model: nn.Module, attention: str) -> None:
 
 
 def _corpus_data(corpus: torch.Tensor, seq_len: int, effective_batch: int, seed: int) -> Callable[[int], tuple]:
-    from memlab.data import split_bounds
+    from memlab.models.corpus import split_bounds
 
     if corpus.dim() != 1:
         raise ValueError(f"data: a corpus must be a 1-D tensor of token ids, got shape {tuple(corpus.shape)}")

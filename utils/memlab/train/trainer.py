@@ -18,7 +18,7 @@ inside ``budget`` bytes:
   restores the last checkpoint (model, optimizer state, RNG states, data position, loss history),
   so the failed step is re-run from a state that is bitwise the one before it. Each back-off is a
   :class:`Backoff` event in ``.backoffs``.
-* **it checkpoints with** :mod:`memlab.training_state` (one safetensors file, atomic rename, SHA-256
+* **it checkpoints with** :mod:`memlab.train.state` (one safetensors file, atomic rename, SHA-256
   verified) every ``ckpt_interval`` optimizer steps; a new ``BudgetTrainer`` on the same
   ``ckpt_dir`` resumes from the newest complete checkpoint, after a crash or ``kill -9`` at any
   instant, with nothing lost or repeated. Checkpoints are written between optimizer steps,
@@ -57,7 +57,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from memlab import training_state
+from memlab.train import state as training_state
 from memlab.core.units import MiB, format_bytes
 from memlab.core.validation import check_bool, check_int, check_number, check_positive_int
 from memlab.models import decoder_layers
@@ -82,7 +82,7 @@ class BudgetTrainer:
         budget: bytes (an int, or a string such as ``"24 MiB"``); ``None`` measures without a limit.
         stacks: the stacks to try, in order (all with ``effective_batch``); after an OOM the next
             one is used. A single :class:`~memlab.plan.Stack` means ``back_off_chain(stack)``.
-        data: ``None`` (the standard-library corpus, :func:`memlab.data.stdlib_corpus`), a 1-D
+        data: ``None`` (the standard-library corpus, :func:`memlab.models.corpus.stdlib_corpus`), a 1-D
             tensor of token ids (windows are drawn from its first 90%), or ``data(step) -> (x, y)``
             returning ``(effective_batch, seq_len)`` long tensors, a pure function of ``step``.
         effective_batch, seq_len: sequences per optimizer step and tokens per sequence.
@@ -98,13 +98,13 @@ class BudgetTrainer:
         progress: show a tqdm bar over the optimizer steps.
         fresh: start at step 0 even though ``ckpt_dir`` holds checkpoints: they are renamed to
             ``<name>.set-aside`` (never deleted). Without it, a directory whose checkpoints all
-            fail verification is refused (:class:`memlab.training_state.CheckpointError`), so that a
+            fail verification is refused (:class:`memlab.train.state.CheckpointError`), so that a
             corruption never silently restarts a run from step 0.
 
     Checkpoints that fail verification are skipped (newest first) and renamed to
     ``<name>.corrupt``; one that verifies but belongs to another run (another model's tensors,
     another ``effective_batch``/``seq_len``/``seed``, not a trainer's state) raises
-    :class:`~memlab.training_state.CheckpointError` naming the file. Resuming with another ``lr`` or
+    :class:`~memlab.train.state.CheckpointError` naming the file. Resuming with another ``lr`` or
     ``weight_decay`` than the checkpoint's applies the new value to the optimizer and warns
     (``hparams_applied`` lists what changed).
     """
@@ -203,7 +203,7 @@ class BudgetTrainer:
     def _make_data(self, data: Any) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
         if data is None:
             from memlab.config import pick
-            from memlab.data import stdlib_corpus
+            from memlab.models.corpus import stdlib_corpus
 
             data = stdlib_corpus(max_bytes=pick(full=None, small=MiB))
         if isinstance(data, torch.Tensor):
@@ -256,7 +256,7 @@ class BudgetTrainer:
         """Everything a resume needs.
 
         Returns:
-            A tree for :func:`memlab.training_state.save` (model, optimizer, RNG states, step,
+            A tree for :func:`memlab.train.state.save` (model, optimizer, RNG states, step,
             losses, stacks and back-offs).
         """
         assert self.optimizer is not None

@@ -8,7 +8,7 @@
                        merge / unmerge, alpha / r that is not an integer
 06.predict_qlora_bytes predict the bytes of a QLoRA model from the float model; graded exactly (the count is exact)
 
-The references are memlab.quant and memlab.lora, tested bit-exact against bitsandbytes and
+The references are memlab.quant and memlab.quant.lora, tested bit-exact against bitsandbytes and
 equal to peft.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ import copy
 import torch
 from torch import nn
 
-from memlab import lora, quant
+from memlab import quant
+from memlab.quant import lora
 from memlab.course.checks import expect, expect_type, register
 
 

@@ -13,7 +13,7 @@
                     (forward, backward or optimizer step, fake tensors included) fails; graded exactly against
                     the measurement (MemoryTracker on the real run): the smallest omissions are a few bytes
 
-The references are memlab.train.cheapest_stack, memlab.train.back_off, memlab.training_state.atomic_write and
+The references are memlab.train.cheapest_stack, memlab.train.back_off, memlab.train.state.atomic_write and
 predict_peak_formula here (a formula; memlab.train.estimate_stack_peak traces the same step on fake tensors).
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from memlab import train, training_state
+from memlab import train
+from memlab.train import state as training_state
 from memlab.course.checks import expect, expect_equal, register
 from memlab.plan import Stack
 

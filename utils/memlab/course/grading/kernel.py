@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from memlab.course.grading.registry import KILL_GRACE, RUN_MARK_ENV, _short
-from memlab.optional import needs, require_installed
-from memlab.procs import child_subreaper
+from memlab.core.optional import needs, require_installed
+from memlab.core.procs import child_subreaper
 
 
 # ----------------------------------------------------------------------------- the kernel, from outside

@@ -22,7 +22,7 @@ from memlab.course.grading.registry import (
 )
 from memlab.course.grading.running import MEMLAB_DIR, chapter_fingerprint
 from memlab.course.grading.verify import GRADER_PACKAGES
-from memlab.optional import needs, require_installed
+from memlab.core.optional import needs, require_installed
 
 
 # ----------------------------------------------------------------------------- the notebook's check cells

@@ -1,7 +1,6 @@
 """Memlab's modules in a kernel, compared with their source files (a patched reference is found)."""
 from __future__ import annotations
 
-import ast
 import inspect
 import os
 import sys
@@ -12,11 +11,10 @@ from typing import Any
 from memlab.course.grading.running import MEMLAB_DIR, is_learner_file
 
 
-# The modules the grader imports afresh inside the kernel (with their old paths, kept for one release).
-GRADER_PACKAGES = ("memlab.course.grading", "memlab.course.checks", "memlab.grading", "memlab.checks")
+# The modules the grader imports afresh inside the kernel.
+GRADER_PACKAGES = ("memlab.course.grading", "memlab.course.checks")
 
 _COMPILED: dict[tuple[str, float], dict[str, Any]] = {}
-_SHIMS: dict[tuple[str, float], str | None] = {}
 
 
 def is_grader_module(name: str) -> bool:
@@ -26,7 +24,7 @@ def is_grader_module(name: str) -> bool:
         name: a dotted module name.
 
     Returns:
-        True for the grading package, the checks and their submodules, under the new or the old path.
+        True for the grading package, the checks and their submodules.
     """
     return any(name == p or name.startswith(p + ".") for p in GRADER_PACKAGES)
 
@@ -112,59 +110,12 @@ def _function_ok(obj: Any, qualname: str, table: dict[str, Any]) -> bool:
     return True  # not a Python function (a C object made by a decorator): nothing to compare
 
 
-def _shim_target(root: str, name: str) -> str | None:
-    """The module that the old-path shim of ``name`` puts in its place, read from the shim's source.
-
-    A shim (``memlab/gpus.py``) imports its new module and does ``sys.modules[__name__] = <it>``;
-    a submodule of a shimmed package (``memlab.checks.ch03``) follows its package's target.
-    """
-    parts = name.split(".")[1:]
-    for path in (Path(root, *parts).with_suffix(".py"), Path(root, *parts, "__init__.py")):
-        if path.is_file():
-            key = (str(path), path.stat().st_mtime)
-            if key not in _SHIMS:
-                _SHIMS[key] = _shim_assignment(ast.parse(path.read_text(encoding="utf-8")))
-            return _SHIMS[key]
-    parent, _, leaf = name.rpartition(".")
-    if "." in parent:
-        target = _shim_target(root, parent)
-        return f"{target}.{leaf}" if target else None
-    return None
-
-
-def _shim_assignment(tree: ast.Module) -> str | None:
-    """For ``from a import b as _m`` ... ``sys.modules[__name__] = _m`` (or ``= importlib.import_module("a.b")``):
-    ``"a.b"``; else None."""
-    bound: dict[str, str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            for a in node.names:
-                bound[a.asname or a.name] = f"{node.module}.{a.name}"
-        elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.asname:
-                    bound[a.asname] = a.name
-    for node in tree.body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and ast.unparse(node.targets[0]) == "sys.modules[__name__]"):
-            continue
-        if isinstance(node.value, ast.Name):
-            return bound.get(node.value.id)
-        value = node.value  # importlib.import_module("memlab.x")
-        if (isinstance(value, ast.Call) and ast.unparse(value.func).endswith("import_module") and len(value.args) == 1
-                and isinstance(value.args[0], ast.Constant) and isinstance(value.args[0].value, str)):
-            return value.args[0].value
-    return None
-
-
 def _module_changed(name: str, mod: Any, root: str) -> str:
     """'' when module ``name`` in ``sys.modules`` still holds its file's code; else what changed."""
     file = getattr(mod, "__file__", None)
     if not isinstance(mod, types.ModuleType) or not isinstance(file, str):
         return f"sys.modules[{name!r}] is not memlab's module (a {type(mod).__name__})"
-    if mod.__name__ != name:  # an old path's shim put its new module here: checked under its own name
-        if sys.modules.get(mod.__name__) is mod and _shim_target(root, name) == mod.__name__:
-            return ""
+    if mod.__name__ != name:
         return f"sys.modules[{name!r}] is {mod.__name__}, not memlab's module of that name"
     real = os.path.realpath(file)
     if not real.startswith(root + os.sep) or not real.endswith(".py"):
@@ -254,8 +205,7 @@ def verify_memlab_modules(root: str | None = None) -> str:
     ``root``; every top-level function and every method of a top-level class must run the code its
     source file compiles to (a replaced function, a patched ``__code__``, a wrapper, a rebound name
     all show), every class must still be that file's class, and every literal constant must hold
-    its value. An old path (``memlab.gpus``) may hold its new module only where its shim file says
-    so. The grader calls it in the kernel before and after a check runs, so that a notebook that
+    its value. The grader calls it in the kernel before and after a check runs, so that a notebook that
     patches memlab's reference (or ``sys.modules``) cannot make a wrong answer pass.
 
     Args:

@@ -22,7 +22,7 @@ Two ways to look at it:
 
 Usage::
 
-    from memlab.timeline import Timeline
+    from memlab.profiler.timeline import Timeline
     with Timeline(model, optimizer) as tl:
         loss = model(x, y)[1]; loss.backward(); optimizer.step(); optimizer.zero_grad()
     tl.show()                                 # in a notebook
@@ -287,7 +287,7 @@ class Timeline:
 
         def frames(a: Allocation) -> list[dict]:
             return [{"filename": f"category: {a.category}", "line": a.start, "name": f"{a.label} ({a.phase})"},
-                    {"filename": f"device: {a.device}", "line": 0, "name": "memlab.timeline"}]
+                    {"filename": f"device: {a.device}", "line": 0, "name": "memlab.profiler.timeline"}]
 
         events = []
         for i, a in enumerate(self.allocations):

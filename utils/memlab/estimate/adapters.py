@@ -16,7 +16,7 @@ What is built, and why (the usual Hugging Face + peft recipe):
 * QLoRA: every ``nn.Linear`` but ``lm_head`` stored in NF4 (:class:`memlab.quant.Linear4bit`,
   blocksize 64, double quantization, compute in the base's 16-bit dtype), as transformers'
   ``BitsAndBytesConfig(load_in_4bit=True)`` does; embeddings, norms and the head stay 16-bit;
-* a rank-``r`` :class:`memlab.lora.LoRALinear` on each target (``target_modules``: leaf names such as
+* a rank-``r`` :class:`memlab.quant.lora.LoRALinear` on each target (``target_modules``: leaf names such as
   ``q_proj,v_proj``, or ``"all-linear"``: every linear layer but the output head, as peft's
   ``target_modules="all-linear"``), scaled by ``lora_alpha / r`` (default alpha = 2r), with
   ``lora_dropout`` on the adapter's input (a real dropout mask, counted);
@@ -189,7 +189,7 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec, recipe: str) -> nn.Module
     Raises:
         ValueError: no target found, naming the linear layers there are.
     """
-    from memlab.lora import LoRALinear
+    from memlab.quant.lora import LoRALinear
     from memlab.quant import Linear4bit
 
     for p in model.parameters():

@@ -10,7 +10,7 @@ Only what ``--help`` shows needs the heavy modules (the preset names, the dtype 
 those parts are filled in when the help is formatted. ``--gpu`` of ``memlab estimate`` is checked
 by :func:`memlab.estimate.resolve_gpu`, imported when a ``--gpu`` is given.
 
-The name lists below equal the constants of :mod:`memlab.estimate` and :mod:`memlab.adapters`
+The name lists below equal the constants of :mod:`memlab.estimate` and :mod:`memlab.estimate.adapters`
 (tests/test_cli.py asserts it); recipes and optimizers come from :mod:`memlab.core.vocab` (torch-free).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from memlab.core.vocab import OPTIMIZER_ALIASES, RECIPE_ALIASES, Optimizer, Recipe
 
 # = memlab.estimate.DTYPES + DTYPE_ALIASES, OPTIMIZERS + OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, LOSSES,
-# ATTN_IMPLEMENTATIONS, ZERO_STAGES, MAX_*; memlab.adapters.ADAPTERS, ADAPTER_DTYPES
+# ATTN_IMPLEMENTATIONS, ZERO_STAGES, MAX_*; memlab.estimate.adapters.ADAPTERS, ADAPTER_DTYPES
 DTYPE_CHOICES = tuple(r.value for r in Recipe) + tuple(RECIPE_ALIASES)
 OPTIMIZER_CHOICES = tuple(o.value for o in Optimizer) + tuple(OPTIMIZER_ALIASES)
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")

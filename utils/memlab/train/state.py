@@ -37,7 +37,7 @@ from memlab.core.units import MiB
 __all__ = ["CheckpointError", "save", "load", "atomic_write", "serialize", "deserialize", "read_state_json",
            "remove_stale_temps", "temp_files", "iter_checkpoints", "step_of", "DTYPES"]
 
-FORMAT = "memlab.ckpt/1"  # written into every file: the name stays
+FORMAT = "memlab.train.state/1"  # written into every file: the name stays
 _STATE_KEY = "memlab.state"
 _SHA_KEY = "memlab.sha256"
 _FORMAT_KEY = "memlab.format"

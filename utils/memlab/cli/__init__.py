@@ -14,7 +14,7 @@ A command whose optional dependency is missing prints one line naming the extra 
 An argument error is one line on stderr, ``memlab estimate: error: ... (memlab estimate --help
 for usage)``, exit code 2: every command's argparse parser prints its usage only for ``--help``.
 ``memlab grade`` and ``memlab labs`` parse their arguments before anything heavy is imported;
-so do ``estimate`` and ``plan``, whose parsers live in the torch-free :mod:`memlab.cli_args`
+so do ``estimate`` and ``plan``, whose parsers live in the torch-free :mod:`memlab.cli.args`
 (an argument error comes before the torch import, not after it). ``bench``
 defines its parser in a module that imports torch, so its argument errors come after that import.
 """
@@ -25,16 +25,16 @@ import difflib
 import importlib
 import sys
 
-from memlab.optional import EXTRAS, MissingExtraError, missing_optional
-from memlab.cli_args import PARSERS
+from memlab.core.optional import EXTRAS, MissingExtraError, missing_optional
+from memlab.cli.args import PARSERS
 
 _COMMANDS = {
     "doctor": ("memlab.course.doctor", "main", "environment report for bug reports"),
     "grade": ("memlab.course.grading", "grade_main", "grade lab notebooks headless, or lab NN (default: work/, else labs/)"),
     "labs": ("memlab.course.labs", "main", "labs start | reset NN | build | check"),
     "bench": ("memlab.bench", "main", "benchmarks: from-scratch vs production"),
-    "estimate": ("memlab.estimate", "main", "estimate training memory without a GPU"),
-    "plan": ("memlab.plan", "main", "pick the stack that fits a memory budget (chapter 07)"),
+    "estimate": ("memlab.cli.estimate", "main", "estimate training memory without a GPU"),
+    "plan": ("memlab.cli.plan", "main", "pick the stack that fits a memory budget (chapter 07)"),
 }
 
 
@@ -108,7 +108,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"memlab {name}: not available in this version of memlab", file=sys.stderr)
             return 2
         optional = missing_optional(exc)
-        if optional is not None:  # an optional import not wrapped in memlab.optional.needs
+        if optional is not None:  # an optional import not wrapped in memlab.core.optional.needs
             print(MissingExtraError(f"memlab {name}", optional, EXTRAS[optional]), file=sys.stderr)
             return 2
         raise

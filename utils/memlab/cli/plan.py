@@ -1,5 +1,5 @@
 """``memlab plan``: the ranked stacks for a model, a budget and a batch. The parser is
-:func:`memlab.cli_args.plan_parser` (torch-free)."""
+:func:`memlab.cli.args.plan_parser` (torch-free)."""
 from __future__ import annotations
 
 import sys
@@ -17,7 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit code: 0 when a stack fits, 1 when none does, 2 on bad input.
     """
-    from memlab.cli_args import plan_parser
+    from memlab.cli.args import plan_parser
 
     parser = plan_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)

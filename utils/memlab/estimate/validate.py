@@ -276,7 +276,7 @@ FIGURES: tuple[Figure, ...] = (
 )
 
 # The doc's checkpointed runs (gradient_checkpointing=True). Traced with device="cuda" on a CPU-only torch, the
-# checkpoint's recompute runs under memlab.cuda_rules too (memlab.estimate.model._enable_checkpointing).
+# checkpoint's recompute runs under memlab.estimate.cuda_rules too (memlab.estimate.model._enable_checkpointing).
 FIGURES += (
     _gpu_one("fp32, batch 1 (x4 accumulation), checkpointing", 6775, f"{_ACC4}, gradient_checkpointing=True",
              checkpointing=True, batch_size=1),
@@ -290,7 +290,7 @@ FIGURES += (
 NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
     ("PEFT MetaMathQA: DoRA r32 q,v, Llama-3.2-3B", _PEFT + "lora--llama-3.2-3B-rank32-dora.json",
      "24,532,484,096 B reserved",
-     "DoRA: the weight norm of every adapted layer (and its graph) is computed each step; memlab.adapters builds "
+     "DoRA: the weight norm of every adapted layer (and its graph) is computed each step; memlab.estimate.adapters builds "
      "plain LoRA only"),
     ("PEFT MetaMathQA: LoRA-FA r32 q,v, Llama-3.2-3B", _PEFT + "lora--llama-3.2-3B-rank32-lorafa.json",
      "22,240,296,960 B reserved",

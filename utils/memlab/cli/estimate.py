@@ -1,6 +1,6 @@
 """``memlab estimate``: the breakdown, the verdict for a GPU, what would make it fit, the peers side by
 side (``--compare``) and the published comparisons (``--validate``). The parser is
-:func:`memlab.cli_args.estimate_parser` (torch-free)."""
+:func:`memlab.cli.args.estimate_parser` (torch-free)."""
 from __future__ import annotations
 
 import argparse
@@ -112,11 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit code: 0, or 2 on bad input (one line on stderr).
     """
-    from memlab.cli_args import parse_estimate
+    from memlab.cli.args import parse_estimate
 
     _, args = parse_estimate(argv)
     if args.validate:
-        from memlab import published_peaks
+        from memlab.estimate import validate as published_peaks
 
         return published_peaks.main(model_filter=args.model)
     run_kwargs, adapter_kw, overrides = _keywords(args)
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(est.table())
     print(f"estimated in {est.seconds:.1f} s on fake tensors (nothing allocated)")
     if args.compare:
-        from memlab import peers
+        from memlab.estimate import peers
 
         print("\n" + peers.format_compare(est))
     if args.gpu is None or _verdict(est, args) or args.no_suggest:
