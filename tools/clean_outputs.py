@@ -10,7 +10,7 @@ What counts as noise (stderr only; stdout is the notebook's own printing):
   (``path:line: XWarning: ...``, which carry the builder's paths),
 - install prefixes in a traceback a cell shows on purpose become ``<python>/``,
 - and ``--check`` also reports absolute paths of a builder's machine in any stream.
-tests/test_notebook_outputs.py runs ``--check`` over every lecture and solution.
+tests/meta/test_notebook_outputs.py runs ``--check`` over every lecture and solution.
 """
 from __future__ import annotations
 

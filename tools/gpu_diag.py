@@ -51,7 +51,7 @@ for build in (cuda_gpt, cuda_llama):
               f"| est phases {dict((k, round(v/MiB,1)) for k, v in est.tracker.phase_peaks().items())}")
         del model, opt, states; gc.collect()
 
-# 3. tracker vs allocator, as tests/test_profiler.py does, per optimizer implementation
+# 3. tracker vs allocator, as tests/ch01/test_profiler.py does, per optimizer implementation
 from test_profiler import gpt, batch, train_step
 for impl in ("foreach", "fused", "for-loop"):
     gc.collect(); torch.cuda.empty_cache(); torch.manual_seed(0)

@@ -6,7 +6,7 @@
 The block between ``<!-- sample:estimate:begin -->`` and ``<!-- sample:estimate:end -->`` holds
 the command and, of its output, the ``GPU:``, ``verdict:``, the suggestions' header and the
 ``next to try:`` lines (the full table is long; ``...`` marks what is left out).
-tests/test_readme.py checks the verdict line against a fresh estimate.
+tests/meta/test_readme.py checks the verdict line against a fresh estimate.
 """
 from __future__ import annotations
 

@@ -1,0 +1,93 @@
+"""Chapter 05 checks: pass on memlab's own answers (wrong answers: tests/course/test_mutants.py), todo on stubs."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():  # 05.triton_forward runs in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from memlab.course.grading import REGISTRY, check, load_chapter  # noqa: E402
+
+load_chapter("05")
+
+IDS = ["05.merge_partials", "05.chunked_forward", "05.flash_backward", "05.flash_function", "05.triton_forward",
+       "05.predict_saved_bytes"]
+
+
+def test_the_chapter_registers_its_exercises_in_order():
+    assert [k for k in REGISTRY if k.startswith("05.")] == IDS
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_reference_passes(exercise_id):
+    r = check(exercise_id, REGISTRY[exercise_id].reference(), quiet=True)
+    assert r.status == "pass", r.message
+
+
+def _stub_function(exercise_id):
+    def stub(*args):
+        raise NotImplementedError(f"exercise {exercise_id}: replace this line with your code")
+
+    return stub
+
+
+class StubFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        raise NotImplementedError("exercise 05.flash_function: replace this line with your code")
+
+    @staticmethod
+    def backward(ctx, do):
+        raise NotImplementedError("exercise 05.flash_function: replace this line with your code")
+
+
+@triton.jit
+def stub_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    raise NotImplementedError("exercise 05.triton_forward: replace this line with your code")
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_stub_is_todo(exercise_id):
+    stub = {"05.flash_function": StubFunction, "05.triton_forward": stub_kernel}.get(exercise_id)
+    r = check(exercise_id, stub or _stub_function(exercise_id), quiet=True)
+    assert r.status == "todo", r.message
+
+
+def test_wrong_return_type_is_a_fail_with_a_message():
+    r = check("05.merge_partials", lambda o1, l1, o2, l2: o1, quiet=True)
+    assert r.status == "fail" and "tuple" in r.message
+    r = check("05.predict_saved_bytes", lambda b, h, s, d: (1.5, 2.5), quiet=True)
+    assert r.status == "fail" and "predicted bytes naive_attention" in r.message
+    r = check("05.flash_function", lambda q, k, v, causal=False: q, quiet=True)
+    assert r.status == "fail" and "subclass of torch.autograd.Function" in r.message
+    r = check("05.triton_forward", lambda *a: None, quiet=True)
+    assert r.status == "fail" and "@triton.jit kernel" in r.message
+
+
+def test_triton_check_names_the_missing_interpreter(monkeypatch):
+    """On a CPU, a triton imported without TRITON_INTERPRET=1 cannot run the kernel: the check says what to do."""
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the kernel compiles")
+    import memlab.course.checks.ch05 as ch05
+    import triton.language as tl_
+
+    monkeypatch.setattr(tl_, "zeros", object())  # what tl.zeros is when triton was imported in compiled mode
+    with pytest.raises(AssertionError, match="TRITON_INTERPRET=1"):
+        ch05._triton_device()
+
+
+def test_chunked_forward_memory_is_measured_not_guessed():
+    """The chunked check's peak grows with the chunk for memlab's own forward (inputs made inside the tracker)."""
+    import memlab.course.checks.ch05 as ch05
+
+    small = ch05._forward_extra_peak(ch05.chunked_forward_reference, 64, 1024, 16, 16)
+    large = ch05._forward_extra_peak(ch05.chunked_forward_reference, 64, 1024, 16, 1024)
+    assert 0 < small < 2 * 64 * 1024 * 4 // 8 and large > 2 * 64 * 1024 * 4  # < 1/8 of one score matrix; > one

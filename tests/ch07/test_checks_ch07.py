@@ -1,0 +1,104 @@
+"""Chapter 07's checks pass on memlab's own answers, report a stub as todo, and name what is wrong."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from memlab import train
+from memlab.train import state as ckpt
+from memlab.course.grading import check, get_exercise
+from memlab.plan import Stack
+
+IDS = ["07.cheapest_stack", "07.back_off", "07.atomic_write", "07.predict_peak"]
+
+
+@pytest.mark.parametrize("exercise", IDS)
+def test_reference_passes(exercise):
+    r = check(exercise, get_exercise(exercise).reference(), quiet=True)
+    assert r.status == "pass", r.message
+
+
+def test_a_copy_of_the_reference_passes_and_earns_points():
+    def back_off(stack):
+        eff = stack.effective_batch
+        if stack.micro_batch > 1:
+            mb = max(d for d in range(1, stack.micro_batch // 2 + 1) if eff % d == 0)
+            return dataclasses.replace(stack, micro_batch=mb, grad_accum=eff // mb)
+        return dataclasses.replace(stack, checkpointing="full") if stack.checkpointing != "full" else None
+
+    r = check("07.back_off", back_off, quiet=True)
+    assert r.status == "pass" and r.points == 1.0 and "no points" not in (r.message or "")
+
+    def atomic_write(path, chunks):  # a learner's own copy: not memlab's object, so it earns the point
+        return ckpt.atomic_write(path, chunks)
+
+    r = check("07.atomic_write", atomic_write, quiet=True)
+    assert r.status == "pass", r.message
+
+
+def test_stub_is_todo():
+    def stub(*a, **k):
+        raise NotImplementedError("exercise 07.x: replace this line with your code")
+
+    for e in IDS:
+        assert check(e, stub, quiet=True).status == "todo"
+
+
+def test_messages_name_the_problem():
+    r = check("07.back_off", lambda s: dataclasses.replace(s, micro_batch=max(1, s.micro_batch // 2)), quiet=True)
+    assert r.status == "fail" and "effective batch" in r.message
+    r = check("07.cheapest_stack", lambda eb, budget, est, cost: Stack(micro_batch=eb), quiet=True)
+    assert r.status == "fail" and "expected micro_batch=" in r.message
+    r = check("07.predict_peak", lambda model_fn, stack, seq_len: 10**6, quiet=True)
+    assert r.status == "fail" and "allowed exactly" in r.message and "measured" in r.message
+    r = check("07.predict_peak", train.estimate_stack_peak, quiet=True)
+    assert r.status == "fail" and "asks for a derivation" in r.message, r.message
+
+    def in_place(path, chunks):
+        with open(path, "wb") as f:
+            for c in chunks:
+                f.write(c)
+
+    r = check("07.atomic_write", in_place, quiet=True)
+    assert r.status == "fail" and "rename" in r.message
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_only_the_kill_catches_a_writer_that_moves_the_good_file_away():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "course" / "mutants" / "ch07.py"
+    spec = importlib.util.spec_from_file_location("memlab_mutants_ch07_t", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = check("07.atomic_write", mod.write_move_old_away, quiet=True)
+    assert r.status == "fail" and "SIGKILL" in r.message and "gone" in r.message, r.message
+
+
+def test_predict_peak_reference_is_exact():
+    from functools import partial
+
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    fn = partial(lambda: TinyGPT(TinyGPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)))
+    s = Stack(micro_batch=2, grad_accum=2)
+    assert train.estimate_stack_peak(fn, s, 16) == train.measure_stack_peak(fn, s, 16)
+
+
+@pytest.mark.parametrize("cfg,mb,ga,seq_len", [
+    (dict(block_size=32, n_layer=1, n_head=2, n_embd=32), 2, 2, 16),   # backward, accumulation
+    (dict(block_size=48, n_layer=2, n_head=4, n_embd=48), 3, 3, 24),   # three micro-batches: 4 B more of losses
+    (dict(block_size=32, n_layer=2, n_head=2, n_embd=64), 2, 1, 4),    # the optimizer step is the peak
+])
+def test_predict_peak_formula_is_the_measurement(cfg, mb, ga, seq_len):
+    """The derived formula (the check's reference) equals the real step's tracked peak to the byte, on
+    configurations the check does not grade."""
+    from functools import partial
+
+    from memlab.course.checks.ch07 import _tiny, predict_peak_formula
+
+    fn, s = partial(_tiny, cfg), Stack(micro_batch=mb, grad_accum=ga)
+    assert predict_peak_formula(fn, s, seq_len) == train.measure_stack_peak(fn, s, seq_len)

@@ -1,0 +1,414 @@
+"""Plausible wrong answers to chapter 05's exercises; tests/course/test_mutants.py asserts each FAILS its check.
+
+MUTANTS maps an exercise id to (name, wrong implementation) pairs. The Triton kernels run in Triton's
+interpreter on a CPU: TRITON_INTERPRET=1 is set below before triton is imported (when no GPU is present).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+# ----------------------------------------------------------------------------- 05.merge_partials
+def merge_no_renormalise(o1, lse1, o2, lse2):
+    """adds the two outputs as they are: each was normalised over its own keys only."""
+    return o1 + o2, torch.logaddexp(lse1, lse2)
+
+
+def merge_lse_is_max(o1, lse1, o2, lse2):
+    """logsumexp of the union taken as the larger of the two."""
+    lse = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - torch.logaddexp(lse1, lse2)), torch.exp(lse2 - torch.logaddexp(lse1, lse2))
+    return w1.unsqueeze(-1) * o1 + w2.unsqueeze(-1) * o2, lse
+
+
+def merge_unstable(o1, lse1, o2, lse2):
+    """right maths, exp() of raw logsumexps: overflows to inf/NaN for large scores."""
+    e1, e2 = torch.exp(lse1), torch.exp(lse2)
+    return (e1.unsqueeze(-1) * o1 + e2.unsqueeze(-1) * o2) / (e1 + e2).unsqueeze(-1), torch.log(e1 + e2)
+
+
+def merge_nan_when_empty(o1, lse1, o2, lse2):
+    """stable, but subtracts a max that is -inf when both parts are empty: NaN."""
+    lse = torch.logaddexp(lse1, lse2)
+    return torch.exp(lse1 - lse).unsqueeze(-1) * o1 + torch.exp(lse2 - lse).unsqueeze(-1) * o2, lse
+
+
+def merge_averages(o1, lse1, o2, lse2):
+    """weights 1/2 and 1/2, whatever the number of keys on each side."""
+    return (o1 + o2) / 2, torch.logaddexp(lse1, lse2)
+
+
+def merge_weights_swapped(o1, lse1, o2, lse2):
+    """each output weighted by the other part's share."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(lse2 - safe).unsqueeze(-1) * o1 + torch.exp(lse1 - safe).unsqueeze(-1) * o2, lse
+
+
+def merge_lse_added(o1, lse1, o2, lse2):
+    """right output, but the logsumexps added (log of a product) instead of log-added."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(lse1 - safe).unsqueeze(-1) * o1 + torch.exp(lse2 - safe).unsqueeze(-1) * o2, lse1 + lse2
+
+
+def merge_in_fp32(o1, lse1, o2, lse2):
+    """right formula, computed in fp32 and cast back: the check's fp64 inputs lose half their digits."""
+    o, lse = merge_weights(o1.float(), lse1.float(), o2.float(), lse2.float())
+    return o.to(o1.dtype), lse.to(lse1.dtype)
+
+
+def merge_weights(o1, lse1, o2, lse2):
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(lse1 - safe).unsqueeze(-1) * o1 + torch.exp(lse2 - safe).unsqueeze(-1) * o2, lse
+
+
+# ----------------------------------------------------------------------------- 05.chunked_forward
+def _online(q, k, v, kv_chunk, causal=False, *, rescale=True, stable=True, lse_max=True, offset="bottom_right",
+            acc_dtype="fp32", device=True, lse_dtype=None, whole_scores=False, drop_tail=False):
+    """A correct online-softmax forward, unless a flag says otherwise (one flag = one mistake)."""
+    dt = torch.promote_types(q.dtype, torch.float32) if acc_dtype == "fp32" else q.dtype
+    dev = {"device": q.device} if device else {}
+    lq, lk = q.shape[-2], k.shape[-2]
+    off = (lk - lq if offset == "bottom_right" else lq - lk if offset == "sign" else 0) if causal else None
+    c = 1 / math.sqrt(q.shape[-1])
+    qq = q.to(dt)
+    m = torch.full(q.shape[:-1], float("-inf"), dtype=dt, **dev)
+    l = torch.zeros(q.shape[:-1], dtype=dt, **dev)
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=dt, **dev)
+    full = qq @ k.to(dt).transpose(-1, -2) * c if whole_scores else None
+    end = lk // kv_chunk * kv_chunk if drop_tail and lk >= kv_chunk else lk
+    for s0 in range(0, end, kv_chunk):
+        s1 = min(end, s0 + kv_chunk)
+        s = full[..., s0:s1] if whole_scores else qq @ k[..., s0:s1, :].to(dt).transpose(-1, -2) * c
+        if off is not None:
+            j = torch.arange(s0, s1, device=q.device)
+            i = torch.arange(lq, device=q.device)
+            s = s.masked_fill(j[None, :] > i[:, None] + off, float("-inf"))
+        if stable:
+            m_new = torch.maximum(m, s.detach().amax(-1))
+        else:
+            m_new = torch.zeros_like(m)
+        a = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+        p = torch.exp(s - m_new.unsqueeze(-1))
+        l = l * a + p.sum(-1)
+        acc = acc * a.unsqueeze(-1) + p @ v[..., s0:s1, :].to(dt)
+        m = m_new
+    lse = m + torch.log(l) if lse_max else torch.log(l)
+    return (acc / l.unsqueeze(-1)).to(q.dtype), lse.to(lse_dtype or dt)
+
+
+def chunked_local_softmax(q, k, v, kv_chunk, causal=False):
+    """softmax within each chunk, then the chunks' outputs averaged."""
+    outs, lses = [], []
+    for s0 in range(0, k.shape[-2], kv_chunk):
+        o, l = _online(q, k[..., s0:s0 + kv_chunk, :], v[..., s0:s0 + kv_chunk, :], kv_chunk, causal)
+        outs.append(o)
+        lses.append(l)
+    return torch.stack(outs).mean(0), torch.logsumexp(torch.stack(lses), 0)
+
+
+def chunked_naive_then_split(q, k, v, kv_chunk, causal=False):
+    """right numbers from the whole score matrix; kv_chunk only splits the work after it is built."""
+    return _online(q, k, v, kv_chunk, causal, whole_scores=True)
+
+
+# ----------------------------------------------------------------------------- 05.flash_backward
+def _tiled(q, k, v, o, lse, do, causal=False, block=16, *, bq=None, bk=None, skip=True, delta="rows", scale=True,
+           offset="bottom_right", acc_dtype="fp32", lse_norm=True):
+    """A correct tiled FA2 backward, unless a flag says otherwise (one flag = one mistake)."""
+    bq, bk = bq or block, bk or block
+    dt = torch.promote_types(q.dtype, torch.float32) if acc_dtype == "fp32" else q.dtype
+    lq, lk = q.shape[-2], k.shape[-2]
+    off = (lk - lq if offset == "bottom_right" else 0) if causal else None
+    c = 1 / math.sqrt(q.shape[-1])
+    q_, k_, v_, o_, do_ = (t.to(dt) for t in (q, k, v, o, do))
+    dd = (do_ * o_).sum(-1)
+    dq, dk, dv = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
+    for qs in range(0, lq, bq):
+        qe = min(lq, qs + bq)
+        for ks in range(0, lk, bk):
+            ke = min(lk, ks + bk)
+            if off is not None and skip and ks > qe - 1 + off:
+                break
+            s = q_[..., qs:qe, :] @ k_[..., ks:ke, :].transpose(-1, -2) * c
+            p = torch.exp(s - (lse[..., qs:qe, None].to(dt) if lse_norm else s.amax(-1, keepdim=True)))
+            if off is not None:
+                j, i = torch.arange(ks, ke), torch.arange(qs, qe)
+                p = p.masked_fill(j[None, :] > i[:, None] + off, 0.0)
+            dv[..., ks:ke, :] += p.transpose(-1, -2) @ do_[..., qs:qe, :]
+            dp = do_[..., qs:qe, :] @ v_[..., ks:ke, :].transpose(-1, -2)
+            if delta == "rows":
+                ds = p * (dp - dd[..., qs:qe, None])
+            elif delta == "none":
+                ds = p * dp
+            else:  # "tile": rowsum(P * dP) over this tile's keys only, not all keys
+                ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+            sc = c if scale else 1.0
+            dq[..., qs:qe, :] += ds @ k_[..., ks:ke, :] * sc
+            dk[..., ks:ke, :] += ds.transpose(-1, -2) @ q_[..., qs:qe, :] * sc
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def backward_one_block(q, k, v, o, lse, do, causal=False, block=16):
+    """right numbers, but one tile covering the whole matrices (plain recomputation, not FA2's tiles)."""
+    return _tiled(q, k, v, o, lse, do, causal, max(q.shape[-2], k.shape[-2]))
+
+
+def backward_row_blocks(q, k, v, o, lse, do, causal=False, block=16):
+    """tiles the queries only: each query block against every key at once."""
+    return _tiled(q, k, v, o, lse, do, causal, block, bk=k.shape[-2])
+
+
+# ----------------------------------------------------------------------------- 05.flash_function
+def _fwd(q, k, v, causal):
+    return _online(q, k, v, 16, causal)
+
+
+def _function(save="right", lse_dtype=None, bwd_block=16, bwd_acc="fp32"):
+    """An autograd.Function over the correct pieces above, saving what ``save`` says."""
+
+    class Flash(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal=False):
+            o, lse = _fwd(q, k, v, causal)
+            if lse_dtype == "input":
+                lse = lse.to(q.dtype)
+            ctx.causal = causal
+            if save == "right" or save == "lse16":
+                ctx.save_for_backward(q, k, v, o, lse)
+            elif save == "P":  # the probabilities too, "to save recomputing them"
+                p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)
+                ctx.save_for_backward(q, k, v, o, lse, p)
+            elif save == "attr":
+                ctx.save_for_backward(q, k, v, o)
+                ctx.lse = lse
+            elif save == "upcast":
+                acc = torch.promote_types(q.dtype, torch.float32)
+                ctx.save_for_backward(q.to(acc), k.to(acc), v.to(acc), o, lse)
+            elif save == "contiguous":
+                ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), o, lse)
+            elif save == "qkv":  # backward recomputes the forward under autograd
+                ctx.save_for_backward(q, k, v)
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            if save == "qkv":
+                q, k, v = ctx.saved_tensors
+                with torch.enable_grad():
+                    q2, k2, v2 = (t.detach().requires_grad_(True) for t in (q, k, v))
+                    o, _ = _fwd(q2, k2, v2, ctx.causal)
+                    return (*torch.autograd.grad(o, (q2, k2, v2), do), None)
+            if save == "attr":
+                q, k, v, o = ctx.saved_tensors
+                lse = ctx.lse
+            else:
+                q, k, v, o, lse = ctx.saved_tensors[:5]
+            block = bwd_block or max(q.shape[-2], k.shape[-2])
+            lse = lse.to(torch.promote_types(q.dtype, torch.float32))
+            return (*_tiled(q, k, v, o, lse, do, ctx.causal, block, acc_dtype=bwd_acc), None)
+
+    Flash.__name__ = Flash.__qualname__ = "FlashAttention"
+    return Flash
+
+
+# ----------------------------------------------------------------------------- 05.triton_forward
+@triton.jit
+def _fwd_body(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BUG: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols0 = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, D)
+    if BUG == 2:  # assumes head_dim is contiguous (stride 1) in q and k
+        sqd = 1
+        skd = 1
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd, mask=rows[:, None] < Lq, other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    offset = Lk - Lq
+    if BUG == 1:  # top-left causal: SDPA's is_causal, not the lab's bottom-right alignment
+        offset = 0
+    end = Lk
+    if CAUSAL:
+        end = tl.minimum(Lk, (pid_m + 1) * BLOCK_M + offset)
+    for start in range(0, end, BLOCK_N):
+        cols = start + cols0
+        kt = tl.load(K + b * skb + h * skh + cols[None, :] * skn + dims[:, None] * skd, mask=cols[None, :] < Lk, other=0.0)
+        s = tl.dot(q, kt) * scale
+        ok = cols[None, :] < Lk
+        if BUG == 3:  # keys past Lk load as 0, but their score 0 is not masked: e^0 joins the sum
+            ok = cols[None, :] >= 0
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= rows[:, None] + offset)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        if BUG == 5:  # forgets to rescale what was summed under the old max
+            alpha = tl.full([BLOCK_M], 1.0, tl.float32)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        vv = tl.load(V + b * svb + h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=cols[:, None] < Lk, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        m = m_new
+    tl.store(O + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod, acc / l[:, None], mask=rows[:, None] < Lq)
+    if BUG == 4:  # the logsumexp without the running max
+        tl.store(LSE + bh * Lq + rows, tl.log(l), mask=rows < Lq)
+    else:
+        tl.store(LSE + bh * Lq + rows, m + tl.log(l), mask=rows < Lq)
+
+
+@triton.jit
+def triton_top_left(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                    H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    _fwd_body(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 1)
+
+
+@triton.jit
+def triton_unit_stride(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                       H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    _fwd_body(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 2)
+
+
+@triton.jit
+def triton_tail_unmasked(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                         H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    _fwd_body(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 3)
+
+
+@triton.jit
+def triton_lse_no_max(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                      H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    _fwd_body(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 4)
+
+
+@triton.jit
+def triton_no_rescale(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                      H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    _fwd_body(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 5)
+
+
+# ----------------------------------------------------------------------------- 05.predict_saved_bytes
+def predict_flash_quadratic_too(b, h, s, d):
+    return b * h * s * s * 4, b * h * s * s * 4
+
+
+def predict_16bit(b, h, s, d):
+    return b * h * s * s * 2, b * h * s * (d + 1) * 2
+
+
+def predict_flash_counts_qkv(b, h, s, d):
+    """q, k and v are the caller's tensors, not extra bytes the attention saves."""
+    return b * h * s * s * 4, b * h * s * (4 * d + 1) * 4
+
+
+def predict_scores_and_probs(b, h, s, d):
+    """naive keeps P only (softmax saves its output), not S and P."""
+    return 2 * b * h * s * s * 4, b * h * s * (d + 1) * 4
+
+
+def predict_no_heads(b, h, s, d):
+    return b * s * s * 4, b * s * (d + 1) * 4
+
+
+P = functools.partial
+def predict_flash_without_lse(b, h, s, d):
+    """flash keeps the output only, forgetting the logsumexp row."""
+    return b * h * s * s * 4, b * h * s * d * 4
+
+
+def predict_lse_fp64(b, h, s, d):
+    """the logsumexp taken as 8 bytes per row."""
+    return b * h * s * s * 4, b * h * s * (4 * d + 8)
+
+
+def predict_naive_with_mask_row(b, h, s, d):
+    """naive counted as (s + 1) x s: an extra row for the softmax's sum."""
+    return b * h * s * (s + 1) * 4, b * h * s * (d + 1) * 4
+
+
+MUTANTS = {
+    "05.merge_partials": [
+        ("no renormalisation", merge_no_renormalise),
+        ("lse = max", merge_lse_is_max),
+        ("exp overflow", merge_unstable),
+        ("NaN when both empty", merge_nan_when_empty),
+        ("average", merge_averages),
+        ("weights swapped", merge_weights_swapped),
+        ("logsumexps added", merge_lse_added),
+        ("computed in fp32", merge_in_fp32),
+    ],
+    "05.chunked_forward": [
+        ("no rescale", P(_online, rescale=False)),
+        ("drops the tail chunk", P(_online, drop_tail=True)),
+        ("no running max", P(_online, stable=False)),
+        ("softmax per chunk", chunked_local_softmax),
+        ("lse without max", P(_online, lse_max=False)),
+        ("causal top-left (SDPA's is_causal) for Lq != Lk", P(_online, offset="top_left")),
+        ("causal offset Lq - Lk", P(_online, offset="sign")),
+        ("running sums in the input's dtype (bf16)", P(_online, acc_dtype="input")),
+        ("logsumexp returned in the input's dtype", P(_online, lse_dtype=torch.bfloat16)),
+        ("buffers made on the CPU (no device=)", P(_online, device=False)),
+        ("whole score matrix, then split", chunked_naive_then_split),
+    ],
+    "05.flash_backward": [
+        ("no D term", P(_tiled, delta="none")),
+        ("D from the tile's keys only", P(_tiled, delta="tile")),
+        ("no scale", P(_tiled, scale=False)),
+        ("P not normalised by the logsumexp", P(_tiled, lse_norm=False)),
+        ("causal top-left for Lq != Lk", P(_tiled, offset="top_left")),
+        ("one block (plain recomputation)", backward_one_block),
+        ("query blocks against all keys", backward_row_blocks),
+        ("masked tiles computed, not skipped", P(_tiled, skip=False)),
+        ("accumulates dq, dk, dv in bf16", P(_tiled, acc_dtype="input")),
+    ],
+    "05.flash_function": [
+        ("saves P too", _function(save="P")),
+        ("logsumexp as a ctx attribute", _function(save="attr")),
+        ("saves fp32 copies of bf16 q, k, v", _function(save="upcast")),
+        ("saves q.contiguous() copies", _function(save="contiguous")),
+        ("saves a bf16 logsumexp", _function(save="lse16", lse_dtype="input")),
+        ("saves q, k, v only, backward recomputes with autograd", _function(save="qkv")),
+        ("backward in one block", _function(bwd_block=None)),
+        ("backward accumulates in bf16", _function(bwd_acc="input")),
+    ],
+    "05.triton_forward": [
+        ("top-left causal", triton_top_left),
+        ("assumes head_dim stride 1", triton_unit_stride),
+        ("tail keys not masked", triton_tail_unmasked),
+        ("logsumexp without the max", triton_lse_no_max),
+        ("no rescale", triton_no_rescale),
+    ],
+    "05.predict_saved_bytes": [
+        ("flash quadratic", predict_flash_quadratic_too),
+        ("2 bytes per element", predict_16bit),
+        ("flash counts q, k, v", predict_flash_counts_qkv),
+        ("naive keeps S and P", predict_scores_and_probs),
+        ("forgets heads", predict_no_heads),
+        ("flash without the logsumexp", predict_flash_without_lse),
+        ("logsumexp in fp64", predict_lse_fp64),
+        ("naive with an extra row", predict_naive_with_mask_row),
+    ],
+}
