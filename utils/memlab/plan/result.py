@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from memlab.core.units import format_bytes
 from memlab.plan.cost import CostModel
-from memlab.plan.stack import _TIER_TEXT, Stack, stack_label
+from memlab.plan.stack import TIER_TEXT, Stack, stack_label
 
 
 @dataclass
@@ -70,7 +70,7 @@ class PlanResult:
             p = self.pick
             host = f", needs {format_bytes(p.host_bytes)} of host memory for offloaded state"
             return (f"pick: {stack_label(p.stack)}: {format_bytes(p.peak_bytes)} estimated of {format_bytes(self.budget)}"
-                    f"{host}, relative cost {p.cost:.2f} ({_TIER_TEXT[p.tier]})")
+                    f"{host}, relative cost {p.cost:.2f} ({TIER_TEXT[p.tier]})")
         traced = [r for r in self.rows if r.status == "traced"]
         if not traced:
             return f"nothing fits {format_bytes(self.budget)}: no stack was traced"

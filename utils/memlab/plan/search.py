@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from memlab.plan.stack import (_ALLOWED_VALUES, _OPT_GE, DEFAULT_ALLOW, Stack, canonical_precision,
+from memlab.plan.stack import (ALLOWED_VALUES, OPTIMIZER_GE, DEFAULT_ALLOW, Stack, canonical_precision,
                                canonical_stack_optimizer)
 
 
 def _opt_ge(a: str, b: str) -> bool:
-    return a == b or (a, b) in _OPT_GE
+    return a == b or (a, b) in OPTIMIZER_GE
 
 
 def _divisors(n: int) -> list[int]:
@@ -43,13 +43,13 @@ def _check_allow(allow: Mapping[str, Any] | None, batch_size: int) -> dict[str, 
             values = tuple(canonical_stack_optimizer(v) for v in values)
         if not values:
             raise ValueError(f"allow[{key!r}] is empty; allowed: at least one value")
-        if key in _ALLOWED_VALUES:
+        if key in ALLOWED_VALUES:
             for v in values:
-                if v not in _ALLOWED_VALUES[key]:
+                if v not in ALLOWED_VALUES[key]:
                     extra = (" ('selective' is not enumerated: the estimator cannot express it, and with flash "
                              "attention there is no T x T tensor for it to drop)" if v == "selective" else "")
                     raise ValueError(f"allow[{key!r}] value {v!r} is invalid; allowed: "
-                                     f"{', '.join(map(repr, _ALLOWED_VALUES[key]))}{extra}")
+                                     f"{', '.join(map(repr, ALLOWED_VALUES[key]))}{extra}")
         elif key == "micro_batch":
             for v in values:
                 if type(v) is not int or v < 1 or batch_size % v:

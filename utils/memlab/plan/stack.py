@@ -95,13 +95,14 @@ DEFAULT_ALLOW: dict[str, tuple] = {
     "attention": ("sdpa",),
     "micro_batch": None,  # every divisor of batch_size
 }
-_ALLOWED_VALUES: dict[str, tuple] = {
+# the values allow= may name for each enumerated knob
+ALLOWED_VALUES: dict[str, tuple] = {
     "precision": PRECISIONS, "checkpointing": ("none", "every-k", "full"), "optimizer": OPTIMIZERS,
     "adapter": ADAPTERS, "attention": ATTENTIONS,
 }
 
 # Stack.optimizer -> (memlab.estimate optimizer, optimizer_impl, optimizer_kwargs)
-_OPTIMIZER = {
+ESTIMATOR_OPTIMIZER = {
     "adamw": ("adamw", "auto", None),  # PyTorch's default on CUDA: the foreach implementation
     "adamw-fused": ("adamw", "fused", None),
     "adamw8bit": ("adamw8bit", "auto", None),
@@ -113,7 +114,8 @@ _OPTIMIZER = {
 # what the offloaded one does (state, master weights and gradients on the host). 8-bit AdamW is
 # ordered against neither AdamW: tensors under 4,096 elements keep fp32 moments, and bf16 weights
 # have 2-byte AdamW moments, so on a small model it can hold more.
-_OPT_GE = {("adamw", "adamw-fused")} | {(o, "offload-adamw") for o in OPTIMIZERS}
+# (a, b): optimizer a holds at least what b holds on the device
+OPTIMIZER_GE = {("adamw", "adamw-fused")} | {(o, "offload-adamw") for o in OPTIMIZERS}
 
 
 
@@ -141,7 +143,7 @@ def fidelity_tier(stack: Stack) -> int:
     return 0
 
 
-_TIER_TEXT = {0: "exact AdamW update", 1: "rounded update", 2: "LoRA", 3: "QLoRA"}
+TIER_TEXT = {0: "exact AdamW update", 1: "rounded update", 2: "LoRA", 3: "QLoRA"}
 
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from memlab.core.vocab import Recipe
-from memlab.plan.stack import _OPTIMIZER, Stack
+from memlab.plan.stack import ESTIMATOR_OPTIMIZER, Stack
 
 
 def resolve_config(model: Any, config_overrides: Mapping[str, Any] | None = None) -> tuple[str, Any]:
@@ -242,7 +242,7 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
 
     if stack.adapter == "qlora":
         adapters.warm_quant()
-    opt, impl, okw = _OPTIMIZER[stack.optimizer]
+    opt, impl, okw = ESTIMATOR_OPTIMIZER[stack.optimizer]
     kw = dict(batch_size=stack.micro_batch, seq_len=seq_len, dtype=stack.precision, optimizer=opt,
               optimizer_impl=impl, optimizer_kwargs=okw, device=device, loss=loss, grad_accum=stack.grad_accum)
     if stack.checkpointing in ("none", "full"):  # the estimator's own route, adapters included (memlab.estimate.adapters)
