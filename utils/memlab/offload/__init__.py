@@ -23,7 +23,8 @@ The modules, in the order the chapter builds them:
 * :mod:`~memlab.offload.streaming`: :func:`install_grad_hooks` (gradients to the host during
   backward) and :class:`StreamedSequential` (inference with layers streamed to the device);
 * :mod:`~memlab.offload.optimizer`: :class:`OffloadedAdamW`, a ``torch.optim.Optimizer``
-  (its copies between device and host in :mod:`~memlab.offload.transfer`);
+  (its copies between device and host made by a
+  :class:`~memlab.offload.transfer.HostTransfer` it holds);
 * :mod:`~memlab.offload.memory`: :func:`device_host_bytes`, :func:`predict_device_bytes`.
 """
 from memlab.offload.kernel import (DEFAULT_CHUNK, KERNEL_PATH, KERNEL_SOURCE, adamw_step_eager_chunked_,

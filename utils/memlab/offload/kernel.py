@@ -56,15 +56,13 @@ def _compile(cache: Path) -> Any:
 
 
 def load_kernel(force: str | None = None) -> str:
-    """Compile (once, cached in ``~/.cache/memlab`` or ``$MEMLAB_CACHE``) and load the C++ kernel.
+    """Compile (once, cached in ``~/.cache/memlab`` or ``$MEMLAB_CACHE``) and load the C++ kernel;
+    return the name of the kernel :func:`adamw_step_flat_` now runs.
 
     Args:
         force: ``"cpp"``, ``"eager"`` or ``"auto"``; None reads the environment variable
             ``MEMLAB_OFFLOAD_KERNEL`` (default ``"auto"``: the C++ kernel when it builds, else the
             eager chunked torch fallback).
-
-    Returns:
-        The name of the kernel :func:`adamw_step_flat_` now runs.
 
     Raises:
         ValueError: an unknown choice.
@@ -90,11 +88,8 @@ def load_kernel(force: str | None = None) -> str:
 
 
 def kernel_name() -> str:
-    """Which fast-step implementation :func:`adamw_step_flat_` runs (loading it on first call).
-
-    Returns:
-        ``"C++/OpenMP ..."`` or ``"eager chunked torch ..."``.
-    """
+    """Which fast-step implementation :func:`adamw_step_flat_` runs, ``"C++/OpenMP ..."`` or
+    ``"eager chunked torch ..."`` (loading it on first call)."""
     return _KERNEL_NAME if _KERNEL_NAME is not None else load_kernel()
 
 
@@ -120,14 +115,7 @@ def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: 
     x86 builds), which is not correctly rounded: that is why ``AdamW(fused=True)`` and
     ``AdamW(foreach=False)`` do not agree bitwise on a CPU.
 
-    Args:
-        param, grad, exp_avg, exp_avg_sq: contiguous float32 CPU tensors of one size (flat buffers).
-        step: the number of this update, from 1.
-        lr, beta1, beta2, eps, weight_decay: AdamW's hyper-parameters.
-        chunk: elements per slice.
-
-    Returns:
-        None: the tensors are updated in place.
+    The four tensors are contiguous float32 CPU tensors of one size; ``chunk`` is elements per slice.
 
     Raises:
         ValueError: a bad hyper-parameter or step, or a tensor that is not contiguous float32 on the CPU.
@@ -158,13 +146,8 @@ def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     Args:
         param, grad, exp_avg, exp_avg_sq: contiguous float32 CPU tensors of one size; param and the
             moments are updated in place.
-        step: the number of this update, from 1.
-        lr, beta1, beta2, eps, weight_decay: AdamW's hyper-parameters.
         chunk: elements per chunk (one OpenMP work item).
         threads: OpenMP threads; None uses ``torch.get_num_threads()``.
-
-    Returns:
-        None: the tensors are updated in place.
 
     Raises:
         ValueError: a bad hyper-parameter, step or chunk, or a tensor that is not contiguous float32 on the CPU.

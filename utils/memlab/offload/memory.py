@@ -24,17 +24,14 @@ DEVICE_RECIPES = ("adamw", "offload", "offload grads")
 
 
 def device_host_bytes(n_params: int, recipe: str) -> dict[str, int]:
-    """Device and host bytes of weights + grads + optimizer state for ``n_params`` 16-bit-trained parameters.
+    """``{"device": bytes, "host": bytes}`` of weights + grads + optimizer state for ``n_params``
+    16-bit-trained parameters.
 
     Activations and the pinned staging buffers (2 host bytes per 16-bit parameter on CUDA) are not counted.
 
     Args:
-        n_params: the number of parameters, >= 0.
         recipe: ``fp32-adamw`` and ``mixed-adamw`` (16 bytes/param on the device), ``offload-adamw``
             (4 on the device, 16 on the host) or ``offload-adamw-grads`` (2 on the device).
-
-    Returns:
-        ``{"device": bytes, "host": bytes}``.
 
     Raises:
         ValueError: a negative or non-int ``n_params``, or an unknown recipe.
@@ -56,9 +53,6 @@ def predict_device_bytes(model: nn.Module, recipe: str) -> int:
             the parameters' dtype), ``"offload"`` (OffloadedAdamW: weights and grads stay, states
             leave) or ``"offload grads"`` (OffloadedAdamW with ``offload_gradients=True``: only the
             weights stay).
-
-    Returns:
-        The bytes.
 
     Raises:
         ValueError: an unknown recipe.

@@ -7,14 +7,17 @@ CPU steps, and the updated 16-bit weights are copied back.
 """
 from __future__ import annotations
 
+import queue
 import threading
+import time
+import weakref
 from typing import Any, Iterable
 
 import torch
 
 from memlab.core.validation import check_bool, check_choice, check_positive_int, invalid
 from memlab.offload.kernel import adamw_step_flat_
-from memlab.offload.transfer import _grad_hook, _HostTransfer
+from memlab.offload.transfer import HostTransfer
 from memlab.offload.update import FlatBuffer, adamw_step_, check_hparams, pack
 
 __all__ = ["OffloadedAdamW"]
@@ -22,7 +25,7 @@ __all__ = ["OffloadedAdamW"]
 
 def _check_modes(overlap: bool, offload_gradients: bool, step_in_backward: bool, delay_update: bool,
                  grad_scaler: Any) -> None:
-    """The option combinations that cannot work, each refused with the reason."""
+    # the option combinations that cannot work, each refused with the reason
     if step_in_backward and not (overlap or offload_gradients):
         raise ValueError("step_in_backward=True needs overlap=True: the update starts from the gradient hook")
     if step_in_backward and delay_update:
@@ -36,7 +39,19 @@ def _check_modes(overlap: bool, offload_gradients: bool, step_in_backward: bool,
                       "torch.amp.GradScaler or memlab.amp.DynamicLossScaler")
 
 
-class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
+def _grad_hook(opt: OffloadedAdamW) -> Any:
+    # the post-accumulate-grad hook of opt, holding it by a weak reference so that it does not keep it alive
+    ref = weakref.ref(opt)
+
+    def hook(p: torch.Tensor) -> None:
+        o = ref()
+        if o is not None:
+            o._on_grad(p)
+
+    return hook
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
     """AdamW with fp32 master weights and moments in host memory and the step on the CPU (ZeRO-Offload).
 
     Host (pinned when the parameters are on CUDA), per param group, flat fp32 buffers with a view
@@ -51,7 +66,8 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
       are summed on the host in fp32);
     * updated weights, host to device, in the parameters' dtype (cast on the host), once per step.
 
-    :attr:`traffic` counts both (bytes and copies) since construction.
+    :attr:`traffic` counts both (bytes and copies) since construction. The copies are made by a
+    :class:`~memlab.offload.transfer.HostTransfer` the optimizer holds.
 
     * ``overlap=True``: a post-accumulate-grad hook sends each gradient to the host as soon as
       backward has finished it, on a side CUDA stream, so backward goes on meanwhile.
@@ -84,18 +100,8 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
 
     Args:
         params: parameters or param groups, as for any ``torch.optim.Optimizer``; all on one device.
-        lr: learning rate.
-        betas: ``(beta1, beta2)``.
-        eps: added to the denominator.
-        weight_decay: decoupled weight decay.
         pin_memory: page-lock the host buffers; None pins them when the parameters are on CUDA.
-        overlap: send each gradient to the host from a hook as soon as backward finishes it.
-        offload_gradients: free each device gradient in the hook (sum micro-batches on the host).
-        kernel: ``"fast"`` (:func:`adamw_step_flat_`) or ``"exact"`` (:func:`adamw_step_`).
         accumulation_steps: micro-batches (backward passes) per :meth:`step`.
-        step_in_backward: update each parameter on a worker thread as its gradient arrives.
-        grad_scaler: the loss scaler, needed with ``offload_gradients`` under loss scaling.
-        delay_update: DeepSpeed's one-step delayed parameter update.
 
     Raises:
         ValueError: a bad hyper-parameter or flag, or options that cannot work together (the message says why).
@@ -128,23 +134,16 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
         self._flats: list[dict[str, Any]] = []
         self._hooks: list[Any] = []
         self._device: torch.device | None = None
-        self._d2h_stream: Any = None
-        self._h2d_stream: Any = None
-        self._h2d_event: Any = None
+        self._transfer: HostTransfer | None = None  # made with the first param group, once the device is known
         self._reset_runtime()
-        self.traffic = {"to_host_bytes": 0, "to_host_copies": 0, "to_device_bytes": 0, "to_device_copies": 0}
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def _reset_runtime(self) -> None:
-        """Per-parameter bookkeeping, keyed by parameter (rebuilt after deepcopy / unpickling)."""
+        # per-parameter bookkeeping, keyed by parameter (rebuilt after deepcopy / unpickling)
         self._slot: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (group index, index in group)
-        self._ready: dict[torch.Tensor, int] = {}  # micro-batches summed in the host slot (0: none)
         self._count: dict[torch.Tensor, int] = {}  # backward passes that finished p's gradient this step
-        self._pending: dict[torch.Tensor, Any] = {}  # CUDA event of a grad copy still in flight
         self._stepped: dict[torch.Tensor, bool] = {}  # updated by the worker during this backward
-        self._copied: dict[torch.Tensor, tuple[int, int]] = {}  # (id, _version) of the p.grad last sent to the host
         self._unscaled_found: torch.Tensor | None = None  # host grads already unscaled (clip under a scaler)
-        self._lock = threading.Lock()
         self._queue: Any = None
         self._worker: Any = None
         self._worker_error: BaseException | None = None
@@ -157,14 +156,15 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
         """Whether the parameters live on a CUDA device (host and device are then different memories)."""
         return self._device is not None and self._device.type == "cuda"
 
+    @property
+    def traffic(self) -> dict[str, int]:
+        """Bytes and copies moved since construction: ``to_host_bytes``, ``to_host_copies``,
+        ``to_device_bytes``, ``to_device_copies``."""
+        return self._transfer.traffic
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group and make its host buffers (master copy, gradient slots, moments).
-
-        Args:
-            param_group: ``{"params": [...], **hyper-parameters}`` as for ``torch.optim.Optimizer``.
-
-        Returns:
-            None.
+        """Add a param group (``{"params": [...], **hyper-parameters}``) and make its host buffers
+        (master copy, gradient slots, moments).
 
         Raises:
             ValueError: a bad hyper-parameter, a non-floating-point parameter, or parameters on two devices.
@@ -187,9 +187,8 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
             "exp_avg": FlatBuffer([p.shape for p in params], pin_memory=pin),
             "exp_avg_sq": FlatBuffer([p.shape for p in params], pin_memory=pin),
         }
-        if self.cuda:
-            # pinned staging in each parameter's own dtype: grads arrive here, updated weights leave from here
-            bufs["staging"] = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
+        if self._transfer is None:
+            self._transfer = HostTransfer(self._device, pin, self.offload_gradients)
         self._flats.append(bufs)
         for i, p in enumerate(params):
             st = self.state[p]
@@ -200,49 +199,73 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
         self._attach(len(self._flats) - 1)
 
     def _attach(self, gi: int) -> None:
-        """Bookkeeping, streams and gradient hooks for param group ``gi``."""
-        if self.cuda and self._d2h_stream is None:
-            self._d2h_stream = torch.cuda.Stream(device=self._device)
-            self._h2d_stream = torch.cuda.Stream(device=self._device)
+        # bookkeeping, staging and gradient hooks for param group gi
         for i, p in enumerate(self.param_groups[gi]["params"]):
             self._slot[p] = (gi, i)
-            self._ready[p] = 0
+            self._transfer.add(p)
             self._count[p] = 0
-            self._pending[p] = None
             self._stepped[p] = False
             if p.requires_grad and (self.overlap or self.offload_gradients):
                 self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(self)))
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks from the parameters (the optimizer then gathers grads in step()).
-
-        Returns:
-            None.
-        """
+        """Detach the gradient hooks from the parameters (the optimizer then gathers grads in step())."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
 
+    # -- gradients to the host, from the post-accumulate-grad hook
+    def _host_grad(self, p: torch.Tensor) -> torch.Tensor:
+        gi, i = self._slot[p]
+        return self._flats[gi]["grad"].views[i]
+
+    def _log(self, what: str, p: torch.Tensor) -> None:
+        gi, i = self._slot[p]
+        self.timeline.append((what, gi, i, time.perf_counter()))
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        # the hook: send p.grad to the host when it is final for this step (every micro-batch if offloading)
+        if p.grad is None:
+            return
+        if not self._cycle_open:
+            self.timeline = []
+            self._cycle_open = True
+        self._count[p] += 1
+        self._log("grad", p)
+        if self.offload_gradients:
+            self._transfer.send(p, self._host_grad(p))  # every micro-batch: the device keeps no gradient
+        elif self._count[p] == self.accumulation_steps:
+            if not self.cuda and not self.step_in_backward:
+                return  # host == device: nothing to hide, step() makes the one copy (the tracker sees it there)
+            self._transfer.send(p, self._host_grad(p))  # the last micro-batch: the sum autograd accumulated
+        elif self._count[p] > self.accumulation_steps:
+            self._transfer.forget(p)  # more micro-batches than declared: step() copies again
+            return
+        else:
+            return
+        if self.step_in_backward and self._count[p] == self.accumulation_steps:
+            self._start_worker()
+            self._queue.put(p)
+
+    def _gather(self, p: torch.Tensor) -> bool:
+        return self._transfer.gather(p, self._host_grad(p))
 
     # -- copies: pickling and deepcopy keep the buffers and rebuild hooks, streams and the worker
     def __getstate__(self) -> dict[str, Any]:
         self._drain()
-        skip = {"_hooks", "_slot", "_ready", "_count", "_pending", "_stepped", "_copied", "_unscaled_found", "_lock",
-                "_queue", "_worker",
-                "_worker_error", "_d2h_stream", "_h2d_stream", "_h2d_event", "_cycle_open", "timeline"}
+        skip = {"_hooks", "_slot", "_count", "_stepped", "_unscaled_found", "_queue", "_worker", "_worker_error",
+                "_cycle_open", "timeline"}
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._hooks = []
-        self._d2h_stream = self._h2d_stream = self._h2d_event = None
         self._reset_runtime()
         for gi, bufs in enumerate(self._flats):
             for i, p in enumerate(self.param_groups[gi]["params"]):
                 for k in ("master", "exp_avg", "exp_avg_sq"):
                     self.state[p][k] = bufs[k].views[i]  # the state is the buffers' views again (pickle split them)
             self._attach(gi)
-
 
     # -- the update, one parameter (worker thread) or a whole group
     def _hp(self, group: dict[str, Any]) -> dict[str, float]:
@@ -259,10 +282,10 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
         update(bufs["master"].views[i], grad.views[i], bufs["exp_avg"].views[i], bufs["exp_avg_sq"].views[i],
                int(st["step"].item()), **self._hp(self.param_groups[gi]))
         if copy_back:
-            self._copy_back(p, gi, i)
+            self._transfer.copy_back(p, bufs["master"].views[i])
 
     def _apply(self, todo: list[tuple[int, list[int]]], grads: list[FlatBuffer], copy_back: bool) -> None:
-        """Step the parameters ``todo`` lists, group by group, from the gradient buffers ``grads``."""
+        # step the parameters todo lists, group by group, from the gradient buffers grads
         for (gi, idx), grad in zip(todo, grads):
             group = self.param_groups[gi]
             params = group["params"]
@@ -276,11 +299,56 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
                                  steps.pop() + 1, **self._hp(group))
                 if copy_back:
                     for i in idx:
-                        self._copy_back(params[i], gi, i)
+                        self._transfer.copy_back(params[i], bufs["master"].views[i])
             else:
                 for i in idx:
                     self._update_one(params[i], grad, copy_back)
 
+    # -- the worker thread: updates during backward (step_in_backward) or the next step (delay_update)
+    def _start_worker(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            return
+        self._queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, args=(self._queue,), name="OffloadedAdamW-step", daemon=True)
+        self._worker.start()
+
+    def _work(self, q: Any) -> None:
+        while True:
+            p = q.get()
+            try:
+                if p is None:
+                    return
+                if callable(p):  # delay_update: a whole step's update
+                    if self._worker_error is None:
+                        with torch.no_grad():
+                            p()
+                elif self._worker_error is None:
+                    self._transfer.fold(p, self._host_grad(p))
+                    self._log("update_start", p)
+                    with torch.no_grad():
+                        self._update_one(p)
+                    self._log("update_end", p)
+                    self._stepped[p] = True
+            except BaseException as exc:  # reported by step()
+                self._worker_error = exc
+            finally:
+                q.task_done()
+
+    def _drain(self) -> None:
+        # wait until the worker has finished every update it was given; raise its error
+        if self._queue is not None:
+            self._queue.join()
+        if self._worker_error is not None:
+            exc, self._worker_error = self._worker_error, None
+            raise RuntimeError(f"OffloadedAdamW: a parameter update in the worker thread failed: {exc!r}") from exc
+
+    def _copy_back_delayed(self) -> None:
+        self._drain()
+        if self._delayed:
+            self._transfer.wait_for_compute()  # backward has read the old weights
+        for gi, i in self._delayed:
+            self._transfer.copy_back(self.param_groups[gi]["params"][i], self._flats[gi]["master"].views[i])
+        self._delayed = []
 
     # -- clipping
     @torch.no_grad()
@@ -290,12 +358,7 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
         Same arithmetic as ``torch.nn.utils.clip_grad_norm_(foreach=False)``: the norm of the
         per-tensor norms, then ``g *= min(1, max_norm / (total + 1e-6))``.
 
-        Args:
-            max_norm: the largest global norm, > 0.
-            norm_type: 2.0 (the only one supported).
-
-        Returns:
-            The global norm before clipping (a 0-d tensor).
+        ``max_norm`` > 0 (inf: measure, clip nothing); ``norm_type`` 2.0 only. The norm is a 0-d tensor.
 
         Raises:
             ValueError: a bad ``max_norm`` or ``norm_type``.
@@ -327,7 +390,7 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
 
     # -- loss scaling
     def _unscale_host(self, host_grads: list[torch.Tensor]) -> torch.Tensor:
-        """Offloaded gradients under the attached scaler: unscale the host grads, report the inf check to the scaler."""
+        # offloaded gradients under the attached scaler: unscale the host grads, report the inf check to the scaler
         scale = self.grad_scaler._scale
         found = torch.zeros((), dtype=torch.float32)
         if scale is not None and host_grads:
@@ -338,7 +401,7 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
         return found
 
     def _unscale(self, host_grads: list[torch.Tensor]) -> bool:
-        """Under a loss scaler: unscale the host gradients in place; True when the step must be skipped."""
+        # under a loss scaler: unscale the host gradients in place; True when the step must be skipped
         scaler_found = getattr(self, "found_inf", 0)
         if self.offload_gradients:
             if self.grad_scaler is None:
@@ -356,17 +419,12 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
             torch._amp_foreach_non_finite_check_and_unscale_(host_grads, found, inv)
         return bool(found.item()) or bool(float(scaler_found))
 
-
     # -- the step
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Update every parameter that has a gradient (or, with ``delay_update``, start that update).
 
-        Args:
-            closure: re-evaluates the model and returns the loss, as for ``torch.optim.Optimizer``.
-
-        Returns:
-            The closure's loss, or None.
+        Returns the closure's loss (as ``torch.optim.Optimizer``), or None.
 
         Raises:
             RuntimeError: with ``step_in_backward``, under a loss scaler or after a number of
@@ -390,8 +448,7 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
                                    f"micro-batch {self.accumulation_steps}, so call step() after exactly that many")
         if self.delay_update:
             self._copy_back_delayed()  # the previous step's update, computed during this step's forward/backward
-        if self._h2d_event is not None:
-            self._h2d_event.synchronize()  # last step's copies have left the staging buffers
+        self._transfer.wait_staging_free()  # last step's copies back have left the staging buffers
         todo: list[tuple[int, list[int]]] = []
         host_grads = []
         for gi, group in enumerate(self.param_groups):
@@ -421,58 +478,37 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
             self._delayed = [(gi, i) for gi, idx in todo for i in idx]
             self._start_worker()
             self._queue.put(lambda: self._apply(todo, grads, copy_back=False))
-        if self.cuda:
-            self._h2d_event = torch.cuda.Event()
-            self._h2d_event.record(self._h2d_stream)
-            torch.cuda.current_stream(self._device).wait_stream(self._h2d_stream)  # the next forward reads the weights
+        self._transfer.end_copies_back()  # the next forward reads the weights
         self._end_cycle()
         return loss
 
-
     def extra_state_tensors(self) -> list[torch.Tensor]:
-        """The host buffers kept outside ``self.state``: the fp32 gradient slots (two with
+        """The host buffers kept outside ``self.state``, each once: the fp32 gradient slots (two with
         ``delay_update``) and, on CUDA, the pinned staging copies. ``memlab.profiler.MemoryTracker``
         counts them as optimizer memory (they are made with the optimizer, before any tracked step).
-
-        Returns:
-            The tensors, each once.
         """
         out: list[torch.Tensor] = []
         for bufs in self._flats:
             out += [bufs[k].flat for k in ("grad", "grad_next") if k in bufs]
-            out += list(bufs.get("staging", []))
-        return out
+        return out + self._transfer.staging()
 
     @torch.no_grad()
     def flush(self) -> None:
-        """``delay_update=True``: wait for the update still running and copy its weights to the model (end of training).
-
-        Returns:
-            None.
-        """
+        """``delay_update=True``: wait for the update still running and copy its weights to the model (end of training)."""
         self._copy_back_delayed()
-        if self.cuda:
-            torch.cuda.current_stream(self._device).wait_stream(self._h2d_stream)
+        self._transfer.end_copies_back()
 
     def _end_cycle(self) -> None:
         self._unscaled_found = None
-        for p in self._ready:
-            self._ready[p] = 0
+        for p in self._count:
             self._count[p] = 0
             self._stepped[p] = False
-            self._pending[p] = None
+        self._transfer.reset()
         self._cycle_open = False
 
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients and this step's bookkeeping (waiting for updates running during backward).
-
-        Args:
-            set_to_none: set ``p.grad = None`` instead of zeroing it.
-
-        Returns:
-            None.
-        """
+        """Reset the gradients (``set_to_none``: ``p.grad = None``) and this step's bookkeeping, waiting for
+        updates running during backward."""
         if self.step_in_backward:
             self._drain()  # (a delayed update keeps running: it reads its own gradient buffer)
         super().zero_grad(set_to_none=set_to_none)
@@ -484,24 +520,16 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
 
         The tensors are the live host views (as torch returns live tensors); ``copy.deepcopy`` or
         ``torch.save`` them to keep a snapshot.
-
-        Returns:
-            The state dict.
         """
         self._drain()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore hyper-parameters, steps, moments and master weights (and copy the masters to the model).
-
-        Args:
-            state_dict: from :meth:`state_dict` (keys ``"state"`` and ``"param_groups"``).
-
-        Returns:
-            None.
+        """Restore hyper-parameters, steps, moments and master weights from :meth:`state_dict` (and copy
+        the masters to the model).
 
         Raises:
-            ValueError: not such a dict.
+            ValueError: not a dict with ``"state"`` and ``"param_groups"``.
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise invalid("state_dict", state_dict, "a dict with 'state' and 'param_groups' (from OffloadedAdamW.state_dict())")
@@ -525,4 +553,3 @@ class OffloadedAdamW(_HostTransfer, torch.optim.Optimizer):
                     if "master" in src:
                         p.data.copy_(st["master"])
                     index += 1
-

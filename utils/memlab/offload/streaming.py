@@ -25,10 +25,6 @@ def install_grad_hooks(params: Iterable[torch.Tensor], slots: Sequence[torch.Ten
     gradient of this backward; setting ``p.grad = None`` there releases the device memory at
     once, so the device never holds all gradients together.
 
-    Args:
-        params: the parameters.
-        slots: one float32 buffer per parameter, with its shape.
-
     Returns:
         The hook handles (``handle.remove()`` detaches one); frozen parameters get none.
 
@@ -104,7 +100,7 @@ class StreamedSequential(nn.Module):
         return list(m.parameters()) + list(m.buffers())
 
     def _fetch(self, k: int) -> tuple[list[torch.Tensor], Any]:
-        """Start copying layer ``k`` to the device; return the device tensors and an event (CUDA)."""
+        # start copying layer k to the device; return the device tensors and an event (CUDA)
         if self._stream is None:
             return [h.to(self.device, copy=True) for h in self._host[k]], None
         with torch.cuda.stream(self._stream):
@@ -115,15 +111,9 @@ class StreamedSequential(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Run the layers in order, each with its weights on the device only while it runs.
-
-        Args:
-            x: the first layer's input, on the device.
-            args, kwargs: passed to every layer.
-
-        Returns:
-            The last layer's output (the first element when a layer returns a tuple).
-        """
+        """Run the layers in order, each with its weights on the device only while it runs; ``args`` and
+        ``kwargs`` go to every layer. Returns the last layer's output (the first element when a layer
+        returns a tuple)."""
         n = len(self.layers)
         nxt = self._fetch(0)
         resident = 0

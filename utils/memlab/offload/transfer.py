@@ -1,69 +1,101 @@
-"""What crosses between device and host for :class:`memlab.offload.OffloadedAdamW`.
+"""HostTransfer: the copies between device and host that :class:`memlab.offload.OffloadedAdamW` makes.
 
-Gradients go to the host as backward finishes them (a post-accumulate-grad hook, a side CUDA
-stream, pinned staging buffers); updated weights come back, cast on the host; a worker thread runs
-updates while the device computes. ZeRO-Offload: Ren et al. 2021, "ZeRO-Offload: Democratizing
-Billion-Scale Model Training" (USENIX ATC).
+Gradients go to fp32 host slots as backward finishes them: on CUDA through a pinned staging copy in
+the parameter's dtype, on a side stream, so that backward goes on meanwhile; updated weights come
+back from the fp32 master, cast on the host so that half the bytes cross PCIe. ZeRO-Offload: Ren et
+al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training" (USENIX ATC).
 """
 from __future__ import annotations
 
-import queue
 import threading
-import time
-import weakref
 from typing import Any
 
 import torch
 
-__all__: list[str] = []
+__all__ = ["HostTransfer"]
 
 
-class _HostTransfer:
-    """The copy machinery of :class:`memlab.offload.OffloadedAdamW` (a mixin: it uses the optimizer's
-    ``_flats``, ``_slot``, ``_ready``, ``_count``, ``_pending``, ``traffic`` and ``_update_one``)."""
+class HostTransfer:
+    """The device <-> host copies of one optimizer, each counted in :attr:`traffic`.
 
-    # -- gradients to the host
-    def _log(self, what: str, p: torch.Tensor) -> None:
-        gi, i = self._slot[p]
-        self.timeline.append((what, gi, i, time.perf_counter()))
+    Per parameter it keeps how many micro-batches its host slot holds, the CUDA event of a copy still
+    in flight, and (on CUDA) a pinned staging tensor in the parameter's dtype: gradients arrive there,
+    updated weights leave from there. The optimizer owns the fp32 host slots and masters and passes
+    them in. With ``offload_gradients`` each micro-batch's gradient is added to the slot and freed on
+    the device. On a CPU host and device are one memory: the copies are plain ``copy_``.
 
-    def _count_copy(self, direction: str, t: torch.Tensor) -> None:
+    Thread-safe where the optimizer needs it: :meth:`fold` and :meth:`copy_back` also run on its
+    worker thread (the traffic counts are locked).
+
+    Args:
+        device: the parameters' device.
+        pin_memory: page-lock the staging tensors.
+        offload_gradients: sum micro-batches in the host slot and free each device gradient.
+    """
+
+    def __init__(self, device: torch.device, pin_memory: bool, offload_gradients: bool) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pin_memory = pin_memory
+        self.offload_gradients = offload_gradients
+        self.traffic = {"to_host_bytes": 0, "to_host_copies": 0, "to_device_bytes": 0, "to_device_copies": 0}
+        self._runtime()
+
+    def _runtime(self) -> None:
+        self._lock = threading.Lock()
+        self._ready: dict[torch.Tensor, int] = {}  # micro-batches summed in the host slot (0: none)
+        self._pending: dict[torch.Tensor, Any] = {}  # CUDA event of a grad copy still in flight
+        self._copied: dict[torch.Tensor, tuple[int, int]] = {}  # (id, _version) of the p.grad last sent to the host
+        self._staging: dict[torch.Tensor, torch.Tensor] = {}
+        self._d2h: Any = None
+        self._h2d: Any = None
+        self._h2d_event: Any = None
+        if self.cuda:
+            self._d2h = torch.cuda.Stream(device=self.device)
+            self._h2d = torch.cuda.Stream(device=self.device)
+
+    # pickling and deepcopy keep the counts; streams, events, staging and the per-parameter maps are
+    # rebuilt as the optimizer adds its parameters again
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: self.__dict__[k] for k in ("device", "cuda", "pin_memory", "offload_gradients", "traffic")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._runtime()
+
+    def add(self, p: torch.Tensor) -> None:
+        """Start tracking ``p`` (on CUDA: allocate its staging tensor)."""
+        self._ready[p] = 0
+        self._pending[p] = None
+        if self.cuda and p not in self._staging:
+            self._staging[p] = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.pin_memory)
+
+    def staging(self) -> list[torch.Tensor]:
+        """The pinned staging tensors (host memory the optimizer holds outside its state)."""
+        return list(self._staging.values())
+
+    def forget(self, p: torch.Tensor) -> None:
+        """Mark ``p``'s host slot empty: the next :meth:`gather` copies its gradient again."""
+        self._ready[p] = 0
+        self._pending[p] = None
+
+    def reset(self) -> None:
+        """A new optimizer step: every host slot empty."""
+        for p in self._ready:
+            self.forget(p)
+
+    def _count(self, direction: str, t: torch.Tensor) -> None:
         with self._lock:
             self.traffic[f"{direction}_bytes"] += t.numel() * t.element_size()
             self.traffic[f"{direction}_copies"] += 1
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        """The post-accumulate-grad hook: send ``p.grad`` to the host when it is final for this step."""
-        if p.grad is None:
-            return
-        if not self._cycle_open:
-            self.timeline = []
-            self._cycle_open = True
-        self._count[p] += 1
-        self._log("grad", p)
-        if self.offload_gradients:
-            self._to_host(p)  # every micro-batch: the device keeps no gradient
-        elif self._count[p] == self.accumulation_steps:
-            if not self.cuda and not self.step_in_backward:
-                return  # host == device: nothing to hide, step() makes the one copy (the tracker sees it there)
-            self._to_host(p)  # the last micro-batch: the sum autograd accumulated on the device
-        elif self._count[p] > self.accumulation_steps:
-            self._ready[p], self._pending[p] = 0, None  # more micro-batches than declared: step() copies again
-            return
-        else:
-            return
-        if self.step_in_backward and self._count[p] == self.accumulation_steps:
-            self._start_worker()
-            self._queue.put(p)
-
-    def _to_host(self, p: torch.Tensor) -> None:
-        """Copy (or, with offload_gradients, add) ``p.grad`` into its fp32 host slot; free it if offloading."""
-        gi, i = self._slot[p]
+    # -- gradients to the host
+    def send(self, p: torch.Tensor, slot: torch.Tensor) -> None:
+        """Copy (with ``offload_gradients``: add) ``p.grad`` into the fp32 host ``slot``; asynchronous on CUDA."""
         grad = p.grad
-        self._count_copy("to_host", grad)
+        self._count("to_host", grad)
         self._copied[p] = (id(grad), grad._version)
         if not self.cuda:
-            slot = self._flats[gi]["grad"].views[i]
             if self._ready[p] and self.offload_gradients:
                 slot.add_(grad)
             else:
@@ -71,10 +103,10 @@ class _HostTransfer:
             self._ready[p] += 1
         else:
             if self.offload_gradients:
-                self._fold(p)  # an earlier micro-batch's copy joins the fp32 host slot first
-            stream = self._d2h_stream
+                self.fold(p, slot)  # an earlier micro-batch's copy joins the fp32 host slot first
+            stream = self._d2h
             stream.wait_stream(torch.cuda.current_stream(p.device))
-            staging = self._flats[gi]["staging"][i]
+            staging = self._staging[p]
             with torch.cuda.stream(stream):
                 staging.copy_(grad, non_blocking=True)
                 event = torch.cuda.Event()
@@ -84,15 +116,13 @@ class _HostTransfer:
         if self.offload_gradients:
             p.grad = None
 
-    def _fold(self, p: torch.Tensor) -> None:
-        """Wait for ``p``'s grad copy and add it to (or write it into) the fp32 host slot."""
+    def fold(self, p: torch.Tensor, slot: torch.Tensor) -> None:
+        """Wait for ``p``'s copy in flight, if any, and add it to (or write it into) the host ``slot``."""
         event = self._pending[p]
         if event is None:
             return
         event.synchronize()
-        gi, i = self._slot[p]
-        slot = self._flats[gi]["grad"].views[i]
-        staging = self._flats[gi]["staging"][i]
+        staging = self._staging[p]
         if self._ready[p] and self.offload_gradients:
             slot.add_(staging)
         else:
@@ -100,98 +130,51 @@ class _HostTransfer:
         self._ready[p] += 1
         self._pending[p] = None
 
-    def _gather(self, p: torch.Tensor) -> bool:
-        """Make ``p``'s host gradient ready; False when ``p`` has no gradient this step.
+    def gather(self, p: torch.Tensor, slot: torch.Tensor) -> bool:
+        """Make ``p``'s host gradient ready in ``slot``; False when ``p`` has no gradient this step.
 
-        Without offloaded gradients ``p.grad`` stays the truth: if it changed in place since a
-        hook sent it (a loss scaler's ``unscale_``, another micro-batch), it is sent again.
+        Without offloaded gradients ``p.grad`` stays the truth: if it changed in place since it was
+        sent (a loss scaler's ``unscale_``, another micro-batch), it is copied again.
         """
         if self._pending.get(p) is not None:
-            self._fold(p)
+            self.fold(p, slot)
         if not self.offload_gradients and p.grad is None:
             return False  # the gradient stays on the device: none there (or set to None since), no update, like torch
         if p.grad is not None and not self.offload_gradients and (
                 not self._ready[p] or self._copied.get(p) != (id(p.grad), p.grad._version)):
-            gi, i = self._slot[p]
-            self._count_copy("to_host", p.grad)
+            self._count("to_host", p.grad)
             self._copied[p] = (id(p.grad), p.grad._version)
-            self._flats[gi]["grad"].views[i].copy_(p.grad)  # synchronous: no hook sent it, or it went stale
+            slot.copy_(p.grad)  # synchronous: nothing sent it, or it went stale
             self._ready[p] = 1
         return bool(self._ready[p])
 
-
-    # -- the worker thread: updates during backward (step_in_backward) or the next step (delay_update)
-    def _start_worker(self) -> None:
-        if self._worker is not None and self._worker.is_alive():
-            return
-        self._queue = queue.Queue()
-        self._worker = threading.Thread(target=self._work, args=(self._queue,), name="OffloadedAdamW-step", daemon=True)
-        self._worker.start()
-
-    def _work(self, q: Any) -> None:
-        while True:
-            p = q.get()
-            try:
-                if p is None:
-                    return
-                if callable(p):  # delay_update: a whole step's update
-                    if self._worker_error is None:
-                        with torch.no_grad():
-                            p()
-                elif self._worker_error is None:
-                    self._fold(p)
-                    self._log("update_start", p)
-                    with torch.no_grad():
-                        self._update_one(p)
-                    self._log("update_end", p)
-                    self._stepped[p] = True
-            except BaseException as exc:  # reported by step()
-                self._worker_error = exc
-            finally:
-                q.task_done()
-
-    def _drain(self) -> None:
-        """Wait until the worker has finished every update it was given."""
-        if self._queue is not None:
-            self._queue.join()
-        if self._worker_error is not None:
-            exc, self._worker_error = self._worker_error, None
-            raise RuntimeError(f"OffloadedAdamW: a parameter update in the worker thread failed: {exc!r}") from exc
-
-
     # -- updated weights back to the device
-    def _copy_back_delayed(self) -> None:
-        self._drain()
-        if self.cuda and self._delayed:
-            self._h2d_stream.wait_stream(torch.cuda.current_stream(self._device))  # backward has read the old weights
-        for gi, i in self._delayed:
-            self._copy_back(self.param_groups[gi]["params"][i], gi, i)
-        self._delayed = []
-
-
-    def _copy_back(self, p: torch.Tensor, gi: int, i: int) -> None:
-        master = self._flats[gi]["master"].views[i]
-        self._count_copy("to_device", p)
+    def copy_back(self, p: torch.Tensor, master: torch.Tensor) -> None:
+        """Copy the fp32 ``master`` into ``p`` in ``p``'s dtype (on CUDA on a side stream, cast on the host)."""
+        self._count("to_device", p)
         if not self.cuda:
             p.data.copy_(master)  # cast to p's dtype (round to nearest even)
             return
-        staging = self._flats[gi]["staging"][i]
         src = master
         if p.dtype != torch.float32:
-            staging.copy_(master)  # cast on the host: half the bytes cross PCIe
-            src = staging
-        with torch.cuda.stream(self._h2d_stream):
+            src = self._staging[p]
+            src.copy_(master)  # cast on the host: half the bytes cross PCIe
+        with torch.cuda.stream(self._h2d):
             p.data.copy_(src, non_blocking=True)
 
+    def wait_for_compute(self) -> None:
+        """Copies back issued from now on wait for the work queued on the compute stream (it reads the old weights)."""
+        if self.cuda:
+            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
 
+    def wait_staging_free(self) -> None:
+        """Block until the copies back before the last :meth:`end_copies_back` have left the staging tensors."""
+        if self._h2d_event is not None:
+            self._h2d_event.synchronize()
 
-def _grad_hook(opt: Any) -> Any:
-    """The post-accumulate-grad hook of ``opt``; a weak reference, so the hook does not keep the optimizer alive."""
-    ref = weakref.ref(opt)
-
-    def hook(p: torch.Tensor) -> None:
-        o = ref()
-        if o is not None:
-            o._on_grad(p)
-
-    return hook
+    def end_copies_back(self) -> None:
+        """Make the compute stream wait for the copies back (the next forward reads the weights)."""
+        if self.cuda:
+            self._h2d_event = torch.cuda.Event()
+            self._h2d_event.record(self._h2d)
+            torch.cuda.current_stream(self.device).wait_stream(self._h2d)

@@ -23,17 +23,8 @@ def _real(name: str, value: Any) -> float:
 
 
 def check_hparams(lr: Any, beta1: Any, beta2: Any, eps: Any, weight_decay: Any) -> None:
-    """Check AdamW's hyper-parameters, each a finite Python number.
-
-    Args:
-        lr: learning rate, >= 0.
-        beta1: first-moment decay, in [0, 1).
-        beta2: second-moment decay, in [0, 1).
-        eps: denominator term, > 0.
-        weight_decay: decoupled weight decay, >= 0.
-
-    Returns:
-        None; it raises on the first bad value.
+    """Check AdamW's hyper-parameters, each a finite Python number (not a tensor): ``lr >= 0``,
+    ``beta1`` and ``beta2`` in [0, 1), ``eps > 0``, ``weight_decay >= 0``.
 
     Raises:
         ValueError: naming the first bad argument, its value and what is allowed.
@@ -50,15 +41,8 @@ def check_hparams(lr: Any, beta1: Any, beta2: Any, eps: Any, weight_decay: Any) 
 
 
 def bias_corrections(step: int, beta1: float, beta2: float) -> tuple[float, float]:
-    """Adam's bias corrections for update number ``step``, in Python floats (double) as torch computes them.
-
-    Args:
-        step: the number of this update, counting from 1.
-        beta1: first-moment decay.
-        beta2: second-moment decay.
-
-    Returns:
-        ``(1 - beta1**step, 1 - beta2**step)``.
+    """Adam's bias corrections ``(1 - beta1**step, 1 - beta2**step)`` for update number ``step``
+    (counting from 1), in Python floats (double) as torch computes them.
 
     Raises:
         ValueError: ``step`` is not an int >= 1.
@@ -84,22 +68,8 @@ def adamw_step_(
     """One AdamW update in place on ``param``, ``exp_avg`` and ``exp_avg_sq``.
 
     The ops and their order are those of torch's single-tensor AdamW, so the results are bitwise
-    equal to ``torch.optim.AdamW(foreach=False)``.
-
-    Args:
-        param: the parameter (or its fp32 master copy), updated in place.
-        grad: its gradient, same shape.
-        exp_avg: the first moment, same shape, updated in place.
-        exp_avg_sq: the second moment, same shape, updated in place.
-        step: the number of this update (1 for the first).
-        lr: learning rate.
-        beta1: first-moment decay.
-        beta2: second-moment decay.
-        eps: added to the denominator.
-        weight_decay: decoupled weight decay.
-
-    Returns:
-        None: the tensors are updated in place.
+    equal to ``torch.optim.AdamW(foreach=False)``. ``param`` may be the fp32 master copy; ``grad``
+    and the moments have its shape; ``step`` is the number of this update (1 for the first).
 
     Raises:
         ValueError: a bad hyper-parameter or step, or a tensor whose shape is not ``param``'s.
@@ -126,12 +96,7 @@ class FlatBuffer:
 
     ``offsets[i]`` is where tensor ``i`` starts; ``views[i]`` shares the buffer's storage, so
     writing a view writes the buffer and one kernel call over ``flat`` updates every tensor.
-
-    Args:
-        shapes: the shape of each tensor, in order.
-        dtype: the buffer's dtype.
-        device: where the buffer lives.
-        pin_memory: page-lock the (CPU) buffer, for asynchronous copies to and from CUDA.
+    ``pin_memory`` page-locks the (CPU) buffer, for asynchronous copies to and from CUDA.
     """
 
     def __init__(self, shapes: Sequence[torch.Size | tuple[int, ...]], *, dtype: torch.dtype = torch.float32,
@@ -157,30 +122,13 @@ class FlatBuffer:
         self.views = [self.flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
     def segment(self, i: int) -> torch.Tensor:
-        """The flat 1-D slice of tensor ``i``.
-
-        Args:
-            i: the tensor's index.
-
-        Returns:
-            A 1-D view of ``flat``.
-        """
+        """The flat 1-D slice (a view of ``flat``) of tensor ``i``."""
         return self.flat[self.offsets[i]:self.offsets[i + 1]]
 
 
 def pack(tensors: Sequence[torch.Tensor], *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
          pin_memory: bool = False) -> FlatBuffer:
-    """Copy ``tensors`` into one :class:`FlatBuffer`, in order.
-
-    Args:
-        tensors: the tensors to copy (cast to ``dtype``).
-        dtype: the buffer's dtype.
-        device: where the buffer lives.
-        pin_memory: page-lock the (CPU) buffer.
-
-    Returns:
-        The buffer, its ``views[i]`` equal to ``tensors[i]``.
-    """
+    """Copy ``tensors`` (cast to ``dtype``) into one :class:`FlatBuffer`, in order: ``views[i]`` equals ``tensors[i]``."""
     tensors = list(tensors)
     buf = FlatBuffer([t.shape for t in tensors], dtype=dtype, device=device, pin_memory=pin_memory)
     with torch.no_grad():
