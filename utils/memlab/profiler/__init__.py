@@ -4,10 +4,11 @@
 the CPU, on a GPU and on fake tensors that allocate nothing (chapter 01). It is checked against
 the allocator's own events (:func:`allocator_peak`) and against PyTorch's ``MemTracker``.
 
-Modules: :mod:`~memlab.profiler.tracker` (the tracker), :mod:`~memlab.profiler.storage` (what it
-counts: categories, phases, events), :mod:`~memlab.profiler.modules` (which module is running),
+Modules: :mod:`~memlab.profiler.tracker` (the tracker, with its module frames and step hooks),
+:mod:`~memlab.profiler.storage` (what it counts: categories, phases, events),
 :mod:`~memlab.profiler.allocator` (block rounding and the independent counters),
-:mod:`~memlab.profiler.report` (table and plot).
+:mod:`~memlab.profiler.report` (table and plot), :mod:`~memlab.profiler.timeline` (every storage
+as a band in time, for an interactive page or pytorch.org/memory_viz).
 """
 from __future__ import annotations
 

@@ -28,19 +28,16 @@ KERNEL_SCRATCH_FRAMES: tuple[str, ...] = ("softmax_backward_cuda_out::impl",)
 
 def allocator_bytes(nbytes: int, device: str | torch.device,
                     block_bytes: Mapping[str, int] | None = None) -> int:
-    """Bytes the allocator of ``device`` takes for a request of ``nbytes``.
+    """Bytes the allocator of ``device`` takes for a request of ``nbytes``: ``nbytes`` rounded up
+    to a multiple of the device's block.
 
     >>> allocator_bytes(100, "cuda"), allocator_bytes(100, "cpu"), allocator_bytes(0, "cuda")
     (512, 100, 0)
 
     Args:
-        nbytes: the size asked for.
-        device: the device (or its type, ``"cuda"``, ``"cuda:1"``, ``"cpu"``, ``"meta"``).
+        device: the device or its type (``"cuda"``, ``"cuda:1"``, ``"cpu"``, ``"meta"``).
         block_bytes: device type -> block size; default :data:`DEFAULT_BLOCK_BYTES` (CUDA's
             512-byte blocks, every other device as asked).
-
-    Returns:
-        ``nbytes`` rounded up to a multiple of the device's block.
     """
     dev = device if isinstance(device, str) else device.type
     block = (DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes).get(dev.split(":")[0], 1)
@@ -48,7 +45,7 @@ def allocator_bytes(nbytes: int, device: str | torch.device,
 
 
 class _quiet_stderr:
-    """Point file descriptor 2 at /dev/null for a moment (C++ log lines bypass ``sys.stderr``)."""
+    # point file descriptor 2 at /dev/null for a moment (C++ log lines bypass sys.stderr)
 
     def __enter__(self) -> None:
         import os
@@ -81,12 +78,9 @@ def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     and no tensor. It cannot see the free of a block allocated before it started, so ``fn`` should
     not free older memory (make the inputs inside ``fn``, or keep them alive).
 
-    Args:
-        fn: the work to measure, called once with no argument.
-
     Returns:
         ``(peak, end)``: the highest point and the last one, both above the bytes live when ``fn``
-        started.
+        (called once, with no argument) started.
     """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
@@ -115,7 +109,8 @@ def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
 
 def kernel_scratch_at_peak(snapshot: Mapping[str, Any], frames: Sequence[str] = KERNEL_SCRATCH_FRAMES,
                            device: int = 0) -> int:
-    """Bytes that CUDA kernels allocated inside themselves and still held at the allocator's peak.
+    """Bytes that CUDA kernels allocated inside themselves and still held at the allocator's peak:
+    the bytes of the matching blocks alive at the trace's peak.
 
     Args:
         snapshot: ``torch.cuda.memory._snapshot()`` taken after recording a step with
@@ -123,9 +118,6 @@ def kernel_scratch_at_peak(snapshot: Mapping[str, Any], frames: Sequence[str] = 
             that of the recorded trace.
         frames: a block counts when one of its C++ frames contains one of these names.
         device: the CUDA device index in the snapshot.
-
-    Returns:
-        The bytes of the matching blocks alive at the trace's peak.
 
     Raises:
         ValueError: ``device`` is not in the snapshot.

@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 from memlab.core.units import GiB, KiB, MiB, format_bytes
 from memlab.core.validation import check_choice
-from memlab.profiler.storage import _BWD, _FWD, _OPT, CATEGORIES, PHASES
+from memlab.profiler.storage import CATEGORIES, PHASES
 
 __all__ = ["format_report", "plot_timeline"]
 
@@ -15,16 +15,9 @@ _UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB}
 
 
 def format_report(tracker: Any, top: int = 5) -> str:
-    """A text table of a tracker's results.
-
-    Args:
-        tracker: a :class:`~memlab.profiler.MemoryTracker` (after or inside its block).
-        top: how many modules to list, the highest peaks first.
-
-    Returns:
-        Categories at the peak and at the end, the peak's op, phase and module, the phase peaks
-        and the top modules, one per line.
-    """
+    """A text table of a :class:`~memlab.profiler.MemoryTracker`'s results (after or inside its
+    block): categories at the peak and at the end, the peak's op, phase and module, the phase peaks
+    and the ``top`` modules, the highest peaks first."""
     peak, end = tracker.breakdown("peak"), tracker.breakdown("end")
     w = max(len(c) for c in CATEGORIES) + 2
     lines = [f"{'category':<{w}}{'at peak':>14}{'at end':>14}"]
@@ -46,15 +39,16 @@ def format_report(tracker: Any, top: int = 5) -> str:
 
 
 def _shade_phases(ax: Any, events: Sequence[tuple]) -> None:
-    """Shade each run of forward, backward and optimizer events, with the phase's name on top."""
-    shades = {_FWD: "#e8f0ff", _BWD: "#fff0e0", _OPT: "#e8ffe8"}
+    # shade each run of forward, backward and optimizer events, with the phase's name on top
+    shades = {"forward": "#e8f0ff", "backward": "#fff0e0", "optimizer": "#e8ffe8"}
     start = events[0]
     for i in range(1, len(events) + 1):
         if i == len(events) or events[i][1] != start[1]:
             end_x = events[i][0] if i < len(events) else events[-1][0] + 1
-            if start[1] in shades:
-                ax.axvspan(start[0], end_x, color=shades[start[1]], zorder=0)
-                ax.text((start[0] + end_x) / 2, 1.0, PHASES[start[1]], transform=ax.get_xaxis_transform(),
+            phase = PHASES[start[1]]
+            if phase in shades:
+                ax.axvspan(start[0], end_x, color=shades[phase], zorder=0)
+                ax.text((start[0] + end_x) / 2, 1.0, phase, transform=ax.get_xaxis_transform(),
                         ha="center", va="bottom", fontsize=8)
             if i < len(events):
                 start = events[i]
@@ -62,18 +56,13 @@ def _shade_phases(ax: Any, events: Sequence[tuple]) -> None:
 
 def plot_timeline(events: Sequence[tuple], peak_event: int, peak_bytes: int, ax: Any = None,
                   title: str | None = None, unit: str = "MiB"):
-    """Stacked-area timeline by category, phases shaded, the peak marked.
+    """Stacked-area timeline by category, phases shaded, the peak (``peak_bytes`` after op
+    ``peak_event``) marked; returns the Axes.
 
     Args:
         events: the tracker's raw events ``(op index, phase index, bytes per category...)``.
-        peak_event: the op index of the peak.
-        peak_bytes: the peak's total.
         ax: a matplotlib Axes to draw on, or None for a new figure.
-        title: the plot's title, or None.
         unit: ``"B"``, ``"KiB"``, ``"MiB"`` or ``"GiB"``.
-
-    Returns:
-        The Axes.
 
     Raises:
         ValueError: an unknown ``unit``.

@@ -46,14 +46,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab.core.validation import check_positive_int
-from memlab.profiler import CATEGORIES, CUDA_BLOCK_BYTES, FRESH_ALIAS_OPS, MemoryTracker
+from memlab.profiler.allocator import CUDA_BLOCK_BYTES
+from memlab.profiler.storage import CATEGORIES, FRESH_ALIAS_OPS
+from memlab.profiler.tracker import MemoryTracker
 
 __all__ = ["Allocation", "Timeline", "COLORS"]
 
 #: one colour per category (matplotlib's tab10)
 COLORS = {"parameters": "#1f77b4", "gradients": "#ff7f0e", "optimizer": "#2ca02c",
           "activations": "#d62728", "other": "#7f7f7f"}
-
 
 
 @dataclass
@@ -250,11 +251,7 @@ class Timeline:
         return self._ops
 
     def live_bytes(self) -> list[int]:
-        """The sum of the bands at each time.
-
-        Returns:
-            Bytes alive after each op ``0 .. ops``.
-        """
+        """The sum of the bands at each time: bytes alive after each op ``0 .. ops``."""
         delta = [0] * (self._ops + 2)
         for a in self.allocations:
             delta[a.start] += a.nbytes
@@ -276,10 +273,7 @@ class Timeline:
         """The allocations as ``torch.cuda.memory._snapshot()`` lays them out (one trace per device
         type here: index 0), for https://pytorch.org/memory_viz. Addresses are made up (the
         dispatcher sees no allocator); each block's frames name its category, op, shape and phase.
-
-        Returns:
-            A dict with ``segments`` and ``device_traces``.
-        """
+        A dict with ``segments`` and ``device_traces``."""
         addr, next_addr = {}, 0
         for i, a in enumerate(self.allocations):
             addr[i] = next_addr
@@ -322,14 +316,8 @@ class Timeline:
         return {"segments": [segment], "device_traces": [trace]}
 
     def save_snapshot(self, path: str | Path) -> Path:
-        """Pickle :meth:`snapshot` to ``path`` (open it at https://pytorch.org/memory_viz).
-
-        Args:
-            path: the file to write.
-
-        Returns:
-            ``path`` as a Path.
-        """
+        """Pickle :meth:`snapshot` to ``path`` (open it at https://pytorch.org/memory_viz); returns
+        ``path`` as a Path."""
         path = Path(path)
         path.write_bytes(pickle.dumps(self.snapshot()))
         return path
@@ -357,14 +345,9 @@ class Timeline:
         ``max_bands`` largest storages are drawn (the rest are counted in the caption).
 
         Args:
-            title: the caption's title.
             max_bands: how many storages to draw, the largest first (an int >= 1).
-            width: the plot's width in pixels.
-            height: the plot's height in pixels.
+            width, height: the plot's size in pixels.
             full_page: a whole HTML document rather than a fragment.
-
-        Returns:
-            The HTML.
 
         Raises:
             ValueError: a bad ``max_bands``.
@@ -380,29 +363,15 @@ class Timeline:
         return body
 
     def save_html(self, path: str | Path, **kwargs: Any) -> Path:
-        """Write :meth:`html` as a whole page.
-
-        Args:
-            path: the file to write.
-            **kwargs: passed to :meth:`html`.
-
-        Returns:
-            ``path`` as a Path.
-        """
+        """Write :meth:`html` (``kwargs`` are passed to it) as a whole page to ``path``; returns
+        ``path`` as a Path."""
         path = Path(path)
         path.write_text(self.html(full_page=True, **kwargs), encoding="utf-8")
         return path
 
     def show(self, **kwargs: Any):
-        """Display :meth:`html` inline (JupyterLab runs the inline script of outputs it trusts: those
-        of cells run in this session).
-
-        Args:
-            **kwargs: passed to :meth:`html`.
-
-        Returns:
-            None.
-        """
+        """Display :meth:`html` (``kwargs`` are passed to it) inline (JupyterLab runs the inline
+        script of outputs it trusts: those of cells run in this session)."""
         from IPython.display import HTML, display
 
         display(HTML(self.html(**kwargs)))

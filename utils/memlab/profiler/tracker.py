@@ -6,7 +6,9 @@ return; a weak reference to each tensor's *untyped storage*, whose callback runs
 last tensor using it dies, subtracts its bytes exactly when the memory is given back. Views share
 one storage, so each storage is counted once. The design follows PyTorch's own
 ``torch.distributed._tools.mem_tracker.MemTracker``, which differs only in how it charges a view
-of memory born before the block (it charges the whole storage; this tracker charges nothing).
+of memory born before the block (it charges the whole storage; this tracker charges nothing). As
+``MemTracker`` holds a ``ModTracker``, :class:`MemoryTracker` holds its module frames as an object
+(:class:`_ModuleFrames`).
 
 Phases: ``forward`` while the model's forward runs (a pre/post hook on the root module),
 ``backward`` while the autograd engine runs (``torch._C._current_graph_task_id() != -1``),
@@ -22,27 +24,177 @@ exact for the run it watches.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab.core.units import format_bytes
 from memlab.core.validation import check_choice, check_int
+from memlab.core.vocab import Category, Phase
 from memlab.profiler.allocator import DEFAULT_BLOCK_BYTES, allocator_bytes
-from memlab.profiler.hooks import _StepHooks
-from memlab.profiler.modules import _ModuleFrames
 from memlab.profiler.report import format_report, plot_timeline
-from memlab.profiler.storage import (_A, _BWD, _FWD, _G, _O, _OPT, _OTH, _P, _X, BREAKDOWN_AT, CATEGORIES,
-                                     FRESH_ALIAS_OPS, PHASES, Event, LiveStorage, _Entry, _flat_tensors, _mutates,
-                                     _Peak, optimizer_tensors, phase_peaks)
+from memlab.profiler.storage import (BREAKDOWN_AT, CATEGORIES, FRESH_ALIAS_OPS, PHASES, Event, LiveStorage,
+                                     optimizer_tensors, phase_peaks, tensors_in)
 
 __all__ = ["MemoryTracker"]
 
 _graph_task_id = torch._C._current_graph_task_id
 
+# the hot path counts categories and phases as small ints: their positions in CATEGORIES and PHASES
+_P, _G, _O, _A, _X = (CATEGORIES.index(c.value) for c in (
+    Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER, Category.ACTIVATIONS, Category.OTHER))
+_FWD, _BWD, _OPT, _OTH = (PHASES.index(p.value) for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.OTHER))
 
-class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
+
+class _Entry:
+    """One live storage: charged bytes, category index, weak reference, its block, and ``base``,
+    the allocator bytes it held before the tracker met it (never charged)."""
+
+    __slots__ = ("nbytes", "cat", "ref", "block", "base")
+
+    def __init__(self, nbytes: int, cat: int, ref: weakref.ref, block: int, base: int) -> None:
+        self.nbytes, self.cat, self.ref, self.block, self.base = nbytes, cat, ref, block, base
+
+
+@dataclass(frozen=True)
+class _Peak:
+    total: int
+    counts: tuple[int, ...]
+    event: int
+    phase: str
+    module: str | None
+
+
+_MUTATES: dict[Any, bool] = {}
+
+
+def _mutates(func: Any) -> bool:
+    # whether an op writes into one of its arguments (in place or out=): such an op can resize a
+    # storage the tracker has not met yet, so its size is read before the op runs
+    m = _MUTATES.get(func)
+    if m is None:
+        try:
+            m = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        except AttributeError:  # not an OpOverload: assume it may
+            m = True
+        _MUTATES[func] = m
+    return m
+
+
+class _ModuleFrames:
+    """Which module is running, and the highest total each one saw (the part PyTorch's ``ModTracker``
+    plays for its ``MemTracker``).
+
+    Forward hooks push and pop module frames; in backward, the module whose output gradient arrived
+    last is running (with its parents) until the next one starts. Backward attribution is by
+    output-gradient arrival (``torch.autograd.graph.register_multi_grad_hook(mode="any")`` on each
+    module's outputs), exact for sequential models and approximate where modules interleave.
+
+    A frame is ``[qualified name, max total while active, is_backward_frame]``. ``total`` reads the
+    tracker's current bytes; ``on_root_forward`` runs when the model's own forward starts outside
+    the autograd engine.
+    """
+
+    def __init__(self, total: Callable[[], int], on_root_forward: Callable[[], None]) -> None:
+        self.stack: list[list] = []
+        self._peaks: dict[str, int] = {}  # frames that ended: name -> peak
+        self._total = total
+        self._on_root_forward = on_root_forward
+        self._handles: list[Any] = []
+        self._active = False
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Forward pre/post hooks on every submodule of ``model``, until :meth:`remove`."""
+        for name, mod in model.named_modules():
+            self._handles.append(mod.register_forward_pre_hook(self._pre_forward(name)))
+            self._handles.append(mod.register_forward_hook(self._post_forward(name), always_call=True))
+        self._active = True
+
+    def remove(self) -> None:
+        """Remove the hooks and end every frame (backward hooks left on a graph do nothing from now)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._active = False
+        self.pop_to(0)
+
+    def module_peaks(self) -> dict[str, int]:
+        """Qualified module name -> peak total bytes seen while it ran, the highest first."""
+        peaks = dict(self._peaks)
+        for name, peak, _ in self.stack:  # still running (inside the block)
+            peaks[name] = max(peaks.get(name, 0), peak)
+        return dict(sorted(peaks.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    @property
+    def innermost(self) -> str | None:
+        """The name of the innermost module running, or None."""
+        return self.stack[-1][0] if self.stack else None
+
+    def see(self, total: int) -> None:
+        """The innermost running module saw ``total`` bytes."""
+        if self.stack and total > self.stack[-1][1]:
+            self.stack[-1][1] = total
+
+    def end_backward(self) -> None:
+        """The backward is over: its frames end with it."""
+        self.pop_to(0, backward_only=True)
+
+    def pop_to(self, depth: int, backward_only: bool = False) -> None:
+        """End frames until ``depth`` remain (only backward frames with ``backward_only``)."""
+        while len(self.stack) > depth and (not backward_only or self.stack[-1][2]):
+            name, peak, _ = self.stack.pop()
+            if peak > self._peaks.get(name, -1):
+                self._peaks[name] = peak
+            if self.stack and peak > self.stack[-1][1]:
+                self.stack[-1][1] = peak
+
+    def _push(self, name: str, backward: bool = False) -> None:
+        self.stack.append([name, self._total(), backward])
+
+    def _pre_forward(self, name: str):
+        def hook(module, args):
+            if name == "" and _graph_task_id() == -1:
+                self._on_root_forward()
+            self._push(name)
+
+        return hook
+
+    def _post_forward(self, name: str):
+        def hook(module, args, output):
+            for i in range(len(self.stack) - 1, -1, -1):
+                if self.stack[i][0] == name and not self.stack[i][2]:
+                    self.pop_to(i)
+                    break
+            if torch.is_grad_enabled() and _graph_task_id() == -1:
+                ts = [t for t in tensors_in(output) if t.requires_grad]
+                if ts:
+                    torch.autograd.graph.register_multi_grad_hook(ts, self._pre_backward(name), mode="any")
+
+        return hook
+
+    def _pre_backward(self, name: str):
+        chain = [name] if name == "" else [""] + [".".join(name.split(".")[: i + 1]) for i in range(name.count(".") + 1)]
+
+        def hook(grad):
+            if not self._active:
+                return
+            # keep the longest common prefix of the backward frames, push the rest of the chain
+            base = 0
+            while base < len(self.stack) and not self.stack[base][2]:
+                base += 1
+            i = 0
+            while i < len(chain) and base + i < len(self.stack) and self.stack[base + i][0] == chain[i]:
+                i += 1
+            self.pop_to(base + i)
+            for n in chain[i:]:
+                self._push(n, backward=True)
+
+        return hook
+
+
+class MemoryTracker(TorchDispatchMode):
     """Track every tensor storage of one or more training steps, by category, phase and module.
 
     Usage::
@@ -133,7 +285,7 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
         self._dirty = True
         self._peak = _Peak(0, (0, 0, 0, 0, 0), 0, "other", None)
         self._end: tuple[int, ...] | None = None
-        self._init_frames()
+        self._frames = _ModuleFrames(lambda: self._total, self._root_forward_starts)
         self._handles: list[Any] = []
         self._depth = 0
         self._in_opt = 0
@@ -146,49 +298,25 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
     # ------------------------------------------------------------------ the extension API
     def counted_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor whose storage holds ``t``'s bytes: ``t`` itself. Override for wrapper tensors
-        (a DTensor's bytes are its local shard's, see :func:`memlab.distributed.rank_tracker`).
-
-        Args:
-            t: a tensor an op returned or the model holds.
-
-        Returns:
-            The tensor to count.
-        """
+        (a DTensor's bytes are its local shard's, see :func:`memlab.distributed.rank_tracker`)."""
         return t
 
     def after_op(self) -> bool | None:
         """Hook: called after every dispatched op (and at enter, at exit, after each step and for
         each :meth:`add_transient`) once :attr:`current_bytes` is up to date, before the peak and
         the timeline take it. Raise to refuse the op (``memlab.train.BudgetTracker``); return
-        ``False`` to leave this moment out of the peak and the timeline. Does nothing here.
-
-        Returns:
-            ``False`` to skip this moment, else None.
-        """
+        ``False`` to leave this moment out of the peak and the timeline. Does nothing here."""
         return None
 
     def allocated_bytes(self, nbytes: int, device: str | torch.device) -> int:
-        """The rounding policy (see :func:`allocator_bytes` and ``block_bytes``).
-
-        Args:
-            nbytes: the size asked for.
-            device: the device or its type.
-
-        Returns:
-            The bytes the allocator takes for it.
-        """
+        """The bytes the allocator takes for ``nbytes`` on ``device`` (a device or its type): the
+        rounding policy (see :func:`allocator_bytes` and ``block_bytes``)."""
         return allocator_bytes(nbytes, device, self.block_bytes)
 
     def sync_sizes(self, storage: torch.Tensor | torch.UntypedStorage | None = None) -> int:
         """Re-read the size of one tracked storage (a tensor's, or a storage) or, with ``None``, of
-        every live one, and charge what changed now: for resizes that no op returns.
-
-        Args:
-            storage: a tensor, an untyped storage, or None for all.
-
-        Returns:
-            The change in charged bytes.
-        """
+        every live one, and charge what changed now: for resizes that no op returns. Returns the
+        change in charged bytes."""
         if storage is None:
             entries = list(self._live.values())  # a list: a weakref callback may fire meanwhile
         else:
@@ -204,11 +332,7 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
         return change
 
     def live_storages(self) -> list[LiveStorage]:
-        """The storages the tracker holds now.
-
-        Returns:
-            One :class:`LiveStorage` each: key, storage, charged bytes, category.
-        """
+        """The storages the tracker holds now, one :class:`LiveStorage` each."""
         out = []
         for key, e in list(self._live.items()):
             st = e.ref()
@@ -216,14 +340,31 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
                 out.append(LiveStorage(key, st, e.nbytes, CATEGORIES[e.cat]))
         return out
 
-    # ------------------------------------------------------------------ storages
-    def _block(self, dev_type: str) -> int:
-        return self.block_bytes.get(dev_type, 1)
+    def add_transient(self, nbytes: int, category: str = "activations") -> None:
+        """Count ``nbytes`` (an int >= 0) alive for one moment, now, in ``category`` (one of
+        :data:`CATEGORIES`): buffers no tensor shows, such as scratch a kernel allocates inside
+        itself (see :func:`kernel_scratch_at_peak`). The peak and the timeline see the spike; the
+        current total is unchanged afterwards.
 
+        Raises:
+            ValueError: naming a bad ``nbytes`` or ``category``.
+        """
+        check_int("nbytes", nbytes, minimum=0)
+        check_choice("category", category, CATEGORIES)
+        if nbytes == 0:
+            return
+        cat = CATEGORIES.index(category)
+        for sign in (1, -1):
+            self._cur[cat] += sign * nbytes
+            self._total += sign * nbytes
+            self._dirty = True
+            self._after_op()
+
+    # ------------------------------------------------------------------ storages
     def _new_entry(self, st: torch.UntypedStorage, key: int, dev_type: str, cat: int, base: int | None) -> None:
-        """Start counting a storage: all its bytes, or (``base``: the bytes it held before the
-        tracker met it, already rounded) only what it grew since."""
-        block = self._block(dev_type)
+        # start counting a storage: all its bytes, or (base: the bytes it held before the tracker
+        # met it, already rounded) only what it grew since
+        block = self.block_bytes.get(dev_type, 1)
         n = st.nbytes()
         if block > 1:
             n = -(-n // block) * block
@@ -246,7 +387,7 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
         return d
 
     def _track(self, t: torch.Tensor, cat: int, relabel: bool = False) -> None:
-        """Count ``t``'s storage (an owner's when ``relabel``: it is charged in full and takes ``cat``)."""
+        # count t's storage (an owner's when relabel: it is charged in full and takes cat)
         if self._unwrap is not None:
             t = self._unwrap(t)
         try:
@@ -277,9 +418,9 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
 
     def _track_output(self, o: torch.Tensor, cat: int, inputs: list | None, args: Any, kwargs: Any,
                       before: dict | None) -> list | None:  # inputs=(): no input is old
-        """Count an op's output: a storage the tracker has not met is new, unless it is one of the
-        op's inputs' storages, born before tracking (a view or an alias: only growth is charged).
-        Returns the inputs' storage keys (computed once per op, when first needed)."""
+        # count an op's output: a storage the tracker has not met is new, unless it is one of the
+        # op's inputs' storages, born before tracking (a view or an alias: only growth is charged);
+        # returns the inputs' storage keys (computed once per op, when first needed)
         if self._unwrap is not None:
             o = self._unwrap(o)
         try:
@@ -296,7 +437,7 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
             return inputs
         if inputs is None:
             inputs = []
-            for t in _flat_tensors((args, kwargs), []):
+            for t in tensors_in((args, kwargs)):
                 if self._unwrap is not None:
                     t = self._unwrap(t)
                 try:
@@ -313,10 +454,10 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
         return inputs
 
     def _untracked_sizes(self, args: Any, kwargs: Any) -> dict[int, tuple]:
-        """Before an op that writes into its arguments: the allocator bytes of each argument
-        storage the tracker has not met, so that a resize by the op is charged (from this size)."""
+        # before an op that writes into its arguments: the allocator bytes of each argument storage
+        # the tracker has not met, so that a resize by the op is charged (from this size)
         out: dict[int, tuple] = {}
-        for t in _flat_tensors((args, kwargs), []):
+        for t in tensors_in((args, kwargs)):
             if self._unwrap is not None:
                 t = self._unwrap(t)
             try:
@@ -341,7 +482,7 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
         return free
 
     def _track_state(self) -> None:
-        """Label what the model and the optimizer hold right now."""
+        # label what the model and the optimizer hold right now
         params: list[torch.Tensor] = []
         if self.model is not None:
             params.extend(self.model.parameters())
@@ -402,54 +543,106 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
         self._after_op()
         return out
 
-    def add_transient(self, nbytes: int, category: str = "activations") -> None:
-        """Count ``nbytes`` alive for one moment, now, in ``category``: buffers no tensor shows,
-        such as scratch a kernel allocates inside itself (see :func:`kernel_scratch_at_peak`).
-        The peak and the timeline see the spike; the current total is unchanged afterwards.
-
-        Args:
-            nbytes: the bytes, an int >= 0.
-            category: one of :data:`CATEGORIES`.
-
-        Returns:
-            None.
-
-        Raises:
-            ValueError: naming a bad ``nbytes`` or ``category``.
-        """
-        check_int("nbytes", nbytes, minimum=0)
-        check_choice("category", category, CATEGORIES)
-        if nbytes == 0:
-            return
-        cat = CATEGORIES.index(category)
-        for sign in (1, -1):
-            self._cur[cat] += sign * nbytes
-            self._total += sign * nbytes
-            self._dirty = True
-            self._after_op()
-
     def _after_op(self) -> None:
         if self.resizes:
             self.sync_sizes()
         if self._hook is not None and self._hook() is False:
             return
         total = self._total
-        if self._stack and total > self._stack[-1][1]:
-            self._stack[-1][1] = total
+        self._frames.see(total)
         if total > self._peak.total:
-            self._peak = _Peak(
-                total, tuple(self._cur), self._ops, PHASES[self._phase], self._stack[-1][0] if self._stack else None
-            )
+            self._peak = _Peak(total, tuple(self._cur), self._ops, PHASES[self._phase], self._frames.innermost)
         if self._dirty and self._record:
             c = self._cur
             self._events.append((self._ops, self._phase, c[0], c[1], c[2], c[3], c[4]))
         self._dirty = False
 
     def _set_phase(self, phase: int) -> None:
-        if self._phase == _BWD:  # backward is over: its module frames end with it
-            self._pop_to(0, backward_only=True)
+        if self._phase == _BWD:
+            self._frames.end_backward()
         self._phase = phase
         self._dirty = True
+
+    def _root_forward_starts(self) -> None:
+        if not self._in_opt and self._phase != _FWD:
+            self._set_phase(_FWD)
+
+    # ------------------------------------------------------------------ hooks outside the dispatcher
+    def _install_hooks(self) -> None:
+        # the optimizer step's global pre/post hooks (the optimizer phase and its state), the model's
+        # module frames, and a post-accumulate hook on every trainable parameter (the gradients)
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        def opt_pre(optimizer, args, kwargs):
+            self._in_opt += 1
+            self._opt_before = {k for k, e in list(self._live.items()) if e.cat == _O}
+            if self._phase != _OPT:
+                self._set_phase(_OPT)
+
+        def opt_post(optimizer, args, kwargs):
+            self._in_opt -= 1
+            if optimizer is self.optimizer or self.optimizer is None:
+                self._track_optimizer(optimizer)
+                # what the step allocated and still holds outside optimizer.state is not state
+                state = {t.untyped_storage()._cdata for t in optimizer_tensors(optimizer)}
+                for key, e in list(self._live.items()):  # a list: a weakref callback may fire meanwhile
+                    if e.cat == _O and key not in state and key not in self._opt_before:
+                        self._cur[_O] -= e.nbytes
+                        self._cur[_X] += e.nbytes
+                        e.cat = _X
+                        self._dirty = True
+                self._after_op()
+            if not self._in_opt:
+                self._set_phase(_OTH)
+
+        self._handles += [register_optimizer_step_pre_hook(opt_pre), register_optimizer_step_post_hook(opt_post)]
+        seen: set[int] = set()
+        params: list[torch.Tensor] = []
+        if self.model is not None:
+            self._frames.install(self.model)
+            params.extend(self.model.parameters())
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                params.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
+
+        def on_grad(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                self._track(p.grad, _G, relabel=True)
+
+        for p in params:
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
+
+    def _watch_resize(self) -> None:
+        # UntypedStorage.resize_ is a storage method, not an op: no dispatch mode sees it, so it is
+        # wrapped while the tracker is entered (resizes=True)
+        orig = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st, size):  # type: ignore[no-untyped-def]
+            old = st.nbytes()
+            out = orig(st, size)
+            if tracker._depth:
+                tracker._on_resize(st, old)
+            return out
+
+        self._orig_resize = orig
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+    def _on_resize(self, st: torch.UntypedStorage, old: int) -> None:
+        # UntypedStorage.resize_ ran: charge the change now
+        key = st._cdata
+        e = self._live.get(key)
+        if e is not None and e.ref() is st:
+            self._resize_entry(e, st.nbytes())
+            return
+        dev = st.device.type
+        if self._device_type is not None and dev != self._device_type:
+            return
+        cat = _O if self._in_opt else (_A if self._phase in (_FWD, _BWD) else _X)
+        self._new_entry(st, key, dev, cat, self.allocated_bytes(old, dev))
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "MemoryTracker":
@@ -471,13 +664,13 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            self._frames.remove()
             if self._orig_resize is not None:
                 torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
                 self._orig_resize = None
             self._in_opt = 0
             if self._phase != _OTH:
                 self._set_phase(_OTH)
-            self._pop_to(0)
             self._track_state()  # grads / optimizer state created at the very end get their label
             self._dirty = True
             self._after_op()
@@ -509,14 +702,14 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
         """The index of the op after which the peak was reached."""
         return self._peak.event
 
+    @property
+    def module_peaks(self) -> dict[str, int]:
+        """Qualified module name -> peak total bytes seen while it ran (forward or backward)."""
+        return self._frames.module_peaks()
+
     def breakdown(self, at: str = "peak") -> dict[str, int]:
-        """Bytes per category at the peak or at the end of the block (now, if still inside).
-
-        Args:
-            at: ``"peak"`` or ``"end"``.
-
-        Returns:
-            category -> bytes, every category of :data:`CATEGORIES`.
+        """Bytes per category (every one of :data:`CATEGORIES`) at ``"peak"`` or at the ``"end"``
+        of the block (now, if still inside).
 
         Raises:
             ValueError: ``at`` is neither.
@@ -531,34 +724,20 @@ class MemoryTracker(_StepHooks, _ModuleFrames, TorchDispatchMode):
         return [Event(e[0], PHASES[e[1]], dict(zip(CATEGORIES, e[2:]))) for e in self._events]
 
     def phase_peaks(self) -> dict[str, int]:
-        """Peak total bytes in each phase that occurred.
-
-        Returns:
-            phase -> bytes, in the order the phases first occurred.
-        """
+        """Peak total bytes in each phase that occurred, in the order the phases first occurred."""
         return phase_peaks(self.timeline)
 
     def report(self, top: int = 5) -> str:
-        """A text table: categories at the peak and at the end, phase peaks, top modules.
-
-        Args:
-            top: how many modules to list.
-
-        Returns:
-            The table (see :func:`memlab.profiler.format_report`).
-        """
+        """A text table (:func:`memlab.profiler.format_report`): categories at the peak and at the
+        end, phase peaks, the ``top`` modules."""
         return format_report(self, top)
 
     def __repr__(self) -> str:
         return f"MemoryTracker(peak={format_bytes(self.peak_bytes)}, current={format_bytes(self.current_bytes)})"
 
     def plot(self, ax: Any = None, title: str | None = None, unit: str = "MiB"):
-        """Stacked-area timeline by category, phases shaded, the peak marked.
-
-        Args:
-            ax: a matplotlib Axes, or None for a new figure.
-            title: the plot's title, or None.
-            unit: ``"B"``, ``"KiB"``, ``"MiB"`` or ``"GiB"``.
+        """Stacked-area timeline by category, phases shaded, the peak marked, on ``ax`` (a matplotlib
+        Axes, or None for a new figure) in ``unit`` (``"B"``, ``"KiB"``, ``"MiB"`` or ``"GiB"``).
 
         Returns:
             The Axes.
