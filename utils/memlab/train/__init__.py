@@ -3,7 +3,7 @@
 Modules: :mod:`~memlab.train.trainer` (:class:`BudgetTrainer`), :mod:`~memlab.train.budget` (the
 CPU budget, :class:`BudgetTracker`), :mod:`~memlab.train.stacks` (the knobs it runs and the
 back-off), :mod:`~memlab.train.peaks` (a stack's peak, predicted and measured),
-:mod:`~memlab.train.bucketing` (length bucketing), :mod:`~memlab.train.helpers` (data, RNG).
+:mod:`~memlab.train.bucketing` (length bucketing), :mod:`~memlab.train.state` (checkpoint files, RNG states).
 """
 from memlab.train.bucketing import bucket_batches, pad_batch, padding_stats, random_batches
 from memlab.train.budget import BudgetTracker

@@ -25,15 +25,8 @@ def _check_lengths(lengths: Any) -> list[int]:
 
 
 def random_batches(lengths: Sequence[int], batch_size: int, *, seed: int = 0) -> list[list[int]]:
-    """Random batching, the baseline bucketing is compared with.
-
-    Args:
-        lengths: each sequence's length (ints >= 1).
-        batch_size: sequences per batch.
-        seed: the shuffle's seed.
-
-    Returns:
-        The indices shuffled and cut into batches of ``batch_size`` (the last may be short).
+    """Random batching, the baseline bucketing is compared with: the indices of ``lengths`` (ints >= 1)
+    shuffled and cut into batches of ``batch_size`` (the last may be short).
 
     Raises:
         ValueError: naming a bad ``lengths`` or ``batch_size``.
@@ -55,13 +48,7 @@ def bucket_batches(lengths: Sequence[int], batch_size: int, *, pool: int | None 
 
     Args:
         lengths: each sequence's length (ints >= 1).
-        batch_size: sequences per batch.
-        pool: batches per sorted pool, or None for the whole data set.
-        seed: the shuffles' seed.
         shuffle: shuffle the indices before and the batches after (False: sorted, in order).
-
-    Returns:
-        Batches of indices.
 
     Raises:
         ValueError: naming a bad ``lengths``, ``batch_size`` or ``pool``.
@@ -87,7 +74,6 @@ def padding_stats(lengths: Sequence[int], batches: Sequence[Sequence[int]], *, b
     """Tokens, padded slots and padding bytes when each batch is padded to its longest sequence.
 
     Args:
-        lengths: each sequence's length (ints >= 1).
         batches: batches of indices into ``lengths``, every index exactly once.
         bytes_per_token: the bytes one token position costs in whatever you pad (1 for the ids
             counted as tokens; the activation bytes per token of a model for its activations).
@@ -109,11 +95,7 @@ def padding_stats(lengths: Sequence[int], batches: Sequence[Sequence[int]], *, b
 
 
 def pad_batch(seqs: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad 1-D token tensors to the longest.
-
-    Args:
-        seqs: 1-D tensors of token ids (at least one).
-        pad_id: the id written into the padding.
+    """Right-pad 1-D token tensors (at least one) to the longest with ``pad_id``.
 
     Returns:
         ``(ids, mask)``: ``(B, T)`` long ids and a ``(B, T)`` bool mask, True on real tokens.

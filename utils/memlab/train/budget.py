@@ -32,10 +32,8 @@ class BudgetTracker(MemoryTracker):
         self._enforce = True
 
     def after_op(self) -> bool | None:
-        """Refuse the op that takes the live bytes over the budget.
-
-        Returns:
-            ``False`` (leave this moment out of the peak) while unwinding after a refusal, else None.
+        """Refuse the op that takes the live bytes over the budget; ``False`` (leave this moment out of
+        the peak) while unwinding after a refusal.
 
         Raises:
             torch.OutOfMemoryError: the live bytes exceed ``budget``.

@@ -18,17 +18,13 @@ def estimate_stack_peak(model_fn: Callable[[], nn.Module], stack: Stack, seq_len
                         vocab_size: int = 256) -> int:
     """Predict :func:`measure_stack_peak` without running anything for real: the same trainer step,
     traced on fake tensors (``FakeTensorMode``: shapes only, nothing allocated) and counted by
-    :class:`~memlab.profiler.MemoryTracker`. The lab's predict-then-measure reference.
+    :class:`~memlab.profiler.MemoryTracker`; the highest tracked peak of the steps, in bytes. The
+    lab's predict-then-measure reference.
 
     Args:
         model_fn: builds the model (called under ``FakeTensorMode``).
-        stack: the stack to run.
-        seq_len: tokens per sequence.
         steps: optimizer steps to trace (the second one holds the optimizer state).
         vocab_size: the token ids' range for the fake batches.
-
-    Returns:
-        The highest tracked peak of the steps, in bytes.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -67,13 +63,9 @@ def cheapest_stack(effective_batch: int, budget: int, estimate: Callable[[Stack]
     when nothing fits. (:func:`memlab.plan.plan` is the full planner.)
 
     Args:
-        effective_batch: sequences per optimizer step.
         budget: bytes a stack's estimate may reach.
         estimate: stack -> its predicted peak bytes.
         cost: stack -> its cost (time, say).
-
-    Returns:
-        The chosen stack, or None.
     """
     check_positive_int("effective_batch", effective_batch)
     best: tuple[float, float, int] | None = None
@@ -94,18 +86,13 @@ def cheapest_stack(effective_batch: int, budget: int, estimate: Callable[[Stack]
 def measure_stack_peak(model_fn: Callable[[], nn.Module], stack: Stack, seq_len: int, *, steps: int = 2,
                        seed: int = 0, data: Any = None) -> int:
     """Tracked peak bytes of ``steps`` optimizer steps of ``model_fn()`` run with ``stack``, no budget
-    (the measurement a prediction of the stack's peak is graded against; CPU).
+    (the measurement a prediction of the stack's peak is graded against; CPU): the highest
+    per-step tracked peak.
 
     Args:
         model_fn: builds the model (after ``torch.manual_seed(seed)``).
-        stack: the stack to run.
-        seq_len: tokens per sequence.
-        steps: optimizer steps to run.
         seed: the seed of the model, the data and the RNGs.
         data: as :class:`BudgetTrainer`'s ``data``.
-
-    Returns:
-        The highest per-step tracked peak, in bytes.
     """
     torch.manual_seed(seed)
     model = model_fn()

@@ -32,24 +32,13 @@ class Backoff:
     restored: int
 
     def to_json(self) -> dict[str, Any]:
-        """This event as plain values (the stacks as dicts), for a checkpoint.
-
-        Returns:
-            A JSON-able dict; :meth:`from_json` reads it back.
-        """
+        """This event as plain JSON-able values (the stacks as dicts), for a checkpoint; :meth:`from_json` reads it back."""
         return {"step": self.step, "from_stack": dataclasses.asdict(self.from_stack),
                 "to_stack": dataclasses.asdict(self.to_stack), "reason": self.reason, "restored": self.restored}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Backoff":
-        """The event :meth:`to_json` wrote.
-
-        Args:
-            d: the dict from a checkpoint (an old one's pure-bf16 "bf16" is respelled).
-
-        Returns:
-            The Backoff.
-        """
+        """The event :meth:`to_json` wrote (an old checkpoint's pure-bf16 "bf16" is respelled)."""
         return cls(d["step"], Stack(**d["from_stack"]), Stack(**d["to_stack"]), d["reason"],
                    d["restored"])
 
@@ -64,12 +53,6 @@ def back_off(stack: Stack) -> Stack | None:
 
     >>> back_off(Stack(micro_batch=18, grad_accum=1)).micro_batch, back_off(Stack(micro_batch=9, grad_accum=2)).micro_batch
     (9, 3)
-
-    Args:
-        stack: the stack that ran out of memory.
-
-    Returns:
-        The next stack, or None when nothing is left to give.
 
     Raises:
         TypeError: ``stack`` is not a :class:`memlab.plan.Stack`.
@@ -86,14 +69,8 @@ def back_off(stack: Stack) -> Stack | None:
 
 
 def back_off_chain(stack: Stack) -> list[Stack]:
-    """Every stack :func:`back_off` leads to from ``stack``.
-
-    Args:
-        stack: the first stack.
-
-    Returns:
-        ``[stack, back_off(stack), back_off(back_off(stack)), ...]`` until nothing is left.
-    """
+    """Every stack :func:`back_off` leads to from ``stack``: ``[stack, back_off(stack),
+    back_off(back_off(stack)), ...]`` until nothing is left."""
     out = [stack]
     while (nxt := back_off(out[-1])) is not None:
         out.append(nxt)

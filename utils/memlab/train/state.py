@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import secrets
 import struct
@@ -35,7 +36,7 @@ import torch
 from memlab.core.units import MiB
 
 __all__ = ["CheckpointError", "save", "load", "atomic_write", "serialize", "deserialize", "read_state_json",
-           "remove_stale_temps", "temp_files", "iter_checkpoints", "step_of", "DTYPES"]
+           "remove_stale_temps", "temp_files", "iter_checkpoints", "step_of", "rng_state", "set_rng_state", "DTYPES"]
 
 FORMAT = "memlab.train.state/1"  # written into every file: the name stays
 _STATE_KEY = "memlab.state"
@@ -112,14 +113,8 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 # ----------------------------------------------------------------------------- bytes
 def serialize(state: Any) -> list[bytes]:
-    """The checkpoint file's bytes for ``state``.
-
-    Args:
-        state: a tree of dicts, lists, tuples and plain values with tensors as leaves.
-
-    Returns:
-        The file as chunks: the header first, then each tensor's bytes.
-    """
+    """The checkpoint file's bytes for ``state`` (a tree of dicts, lists, tuples and plain values with
+    tensors as leaves), as chunks: the header first, then each tensor's bytes."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _flatten(state, "", tensors, {})
     table: dict[str, Any] = {}
@@ -192,15 +187,8 @@ def _parse(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, Any], int
 
 
 def deserialize(data: bytes, where: str = "<bytes>", *, device: str | torch.device = "cpu") -> Any:
-    """The state that :func:`serialize` turned into ``data``, after every check of :func:`load`.
-
-    Args:
-        data: the file's bytes.
-        where: the name error messages give the data (a path).
-        device: where the tensors are built.
-
-    Returns:
-        The state tree.
+    """The state that :func:`serialize` turned into ``data``, after every check of :func:`load`;
+    ``where`` names the data (a path) in error messages.
 
     Raises:
         CheckpointError: the data is truncated, malformed or fails its checksum.
@@ -243,14 +231,7 @@ def atomic_write(path: str | os.PathLike, chunks: Iterable[bytes]) -> Path:
 
     Temp file in the same directory (``.<name>.tmp-<pid>-<random>``), write, flush, ``fsync``,
     ``os.replace`` onto ``path``, ``fsync`` the directory. If anything fails before the rename the
-    temp file is removed and ``path`` is untouched.
-
-    Args:
-        path: the file to (re)place.
-        chunks: the new content, in order.
-
-    Returns:
-        ``path`` as a Path.
+    temp file is removed and ``path`` is untouched. Returns ``path`` as a Path.
     """
     path = Path(path)
     if path.name in ("", ".", ".."):
@@ -282,13 +263,6 @@ def save(state: Any, path: str | os.PathLike) -> Path:
 
     Tuples come back as tuples, dicts with non-string keys (an optimizer's ``state``) with their
     keys; tensors come back on the CPU, contiguous, with their dtype and shape.
-
-    Args:
-        state: a tree of dicts, lists, tuples and plain values with tensors as leaves.
-        path: the file to write.
-
-    Returns:
-        ``path`` as a Path.
     """
     return atomic_write(path, serialize(state))
 
@@ -304,14 +278,7 @@ def _read(path: str | os.PathLike) -> tuple[bytes, str]:
 
 
 def load(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> Any:
-    """Read a checkpoint written by :func:`save`, verified before anything is built.
-
-    Args:
-        path: the checkpoint file.
-        device: where the tensors are built.
-
-    Returns:
-        The state tree.
+    """Read a checkpoint written by :func:`save`, verified before anything is built (tensors on ``device``).
 
     Raises:
         CheckpointError: the file is truncated, malformed or fails its checksum.
@@ -322,13 +289,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> Any:
 
 
 def read_state_json(path: str | os.PathLike) -> dict[str, Any]:
-    """The verified non-tensor part of a checkpoint.
-
-    Args:
-        path: the checkpoint file.
-
-    Returns:
-        The state tree, each tensor shown as ``{"__tensor__": name}``.
+    """The verified non-tensor part of a checkpoint: the state tree, each tensor shown as ``{"__tensor__": name}``.
 
     Raises:
         CheckpointError: the file is truncated, malformed or fails its checksum.
@@ -344,14 +305,7 @@ def read_state_json(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def temp_files(directory: str | os.PathLike) -> list[Path]:
-    """Leftover temp files of :func:`atomic_write` (from a writer that was killed).
-
-    Args:
-        directory: where to look.
-
-    Returns:
-        Their paths.
-    """
+    """Leftover temp files of :func:`atomic_write` (from a writer that was killed)."""
     return sorted(p for p in Path(directory).iterdir() if _TEMP_RE.match(p.name))
 
 
@@ -359,12 +313,6 @@ def remove_stale_temps(directory: str | os.PathLike) -> int:
     """Delete leftover temp files of killed writers in ``directory``; returns how many.
 
     Only call it when no other process is writing checkpoints into ``directory``.
-
-    Args:
-        directory: where to look.
-
-    Returns:
-        How many files were deleted.
     """
     n = 0
     for p in temp_files(directory):
@@ -380,14 +328,7 @@ _STEP_RE = re.compile(r"(\d+)")
 
 
 def step_of(path: str | os.PathLike) -> int | None:
-    """The step number in a checkpoint's file name.
-
-    Args:
-        path: the checkpoint's path or name.
-
-    Returns:
-        The last run of digits in the name as an int, or ``None`` if it has none.
-    """
+    """The step number in a checkpoint's file name: its last run of digits, or ``None`` if it has none."""
     found = _STEP_RE.findall(Path(path).name)
     return int(found[-1]) if found else None
 
@@ -397,13 +338,36 @@ def iter_checkpoints(directory: str | os.PathLike, pattern: str = "step-*.safete
 
     Ordered by the step number in the name, not by the name (``step-100000000`` is newer than
     ``step-99999999``); names without a number come last. Only regular files count.
-
-    Args:
-        directory: where to look.
-        pattern: a glob for the file names.
-
-    Returns:
-        An iterator over the paths.
     """
     files = [p for p in Path(directory).glob(pattern) if p.is_file()]
     return iter(sorted(files, key=lambda p: (step_of(p) is not None, step_of(p) or 0, p.name), reverse=True))
+
+
+# ----------------------------------------------------------------------------- the RNG states
+def rng_state() -> dict[str, Any]:
+    """The RNG states a resume restores (torch, Python, NumPy, and CUDA once initialised), as plain values."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        s = np.random.get_state()
+        state["numpy"] = [s[0], s[1].tolist(), int(s[2]), int(s[3]), float(s[4])]
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Set the RNG states :func:`rng_state` captured (those of a loaded checkpoint)."""
+    torch.set_rng_state(state["torch"])
+    v = state["python"]
+    random.setstate((v[0], tuple(v[1]), v[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state((s[0], np.array(s[1], dtype=np.uint32), s[2], s[3], s[4]))

@@ -58,18 +58,66 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from memlab.train import state as training_state
-from memlab.core.units import MiB, format_bytes
-from memlab.core.validation import check_bool, check_int, check_number, check_positive_int
+from memlab.core.units import MiB, format_bytes, parse_size
+from memlab.core.validation import check_bool, check_int, check_number, check_positive_int, invalid
 from memlab.models import decoder_layers
 from memlab.plan import Stack
 from memlab.profiler import MemoryTracker
 from memlab.train.budget import BudgetTracker
-from memlab.train.helpers import _corpus_data, _parse_budget, _rng_state, _set_attention, _set_rng_state
 from memlab.train.stacks import SUPPORTED, Backoff, back_off_chain
 
 __all__ = ["BudgetTrainer"]
 
 _CKPT_GLOB = "step-*.safetensors"
+
+
+def _parse_budget(budget: Any) -> int | None:
+    if budget is None:
+        return None
+    if isinstance(budget, str):
+        return parse_size(budget, name="budget")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise invalid("budget", budget, "None, an int number of bytes >= 1, or a size such as '64 MiB'")
+    return budget
+
+
+def _set_attention(model: nn.Module, attention: str) -> None:
+    # "eager" or "sdpa": TinyGPT's blocks, or a transformers model's setter (its config on older versions)
+    from memlab.models import TinyGPT
+
+    if isinstance(model, TinyGPT):
+        impl = "manual" if attention == "eager" else "sdpa"
+        for block in model.blocks:
+            block.attn.attention = impl
+        return
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(attention)
+    elif hasattr(getattr(model, "config", None), "_attn_implementation"):
+        model.config._attn_implementation = attention
+
+
+def _corpus_data(corpus: torch.Tensor, seq_len: int, effective_batch: int, seed: int) -> Callable[[int], tuple]:
+    # data(step) -> (x, y): effective_batch windows of the corpus' train split, a pure function of step
+    from memlab.models.corpus import split_bounds
+
+    if corpus.dim() != 1:
+        raise ValueError(f"data: a corpus must be a 1-D tensor of token ids, got shape {tuple(corpus.shape)}")
+    lo, hi = split_bounds(corpus.numel(), "train")
+    train = corpus[lo:hi]
+    if train.numel() < seq_len + 2:
+        raise ValueError(f"data: the train split has {train.numel()} tokens; seq_len={seq_len} needs at least "
+                         f"{seq_len + 2}")
+    window = torch.arange(seq_len + 1)
+    n_starts = train.numel() - seq_len
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(0, n_starts, (effective_batch,), generator=g)
+        chunk = train[starts[:, None] + window].long()
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    return batch
 
 
 class BudgetTrainer:
@@ -253,12 +301,8 @@ class BudgetTrainer:
         return self.ckpt_dir / f"step-{step:08d}.safetensors"
 
     def state(self) -> dict[str, Any]:
-        """Everything a resume needs.
-
-        Returns:
-            A tree for :func:`memlab.train.state.save` (model, optimizer, RNG states, step,
-            losses, stacks and back-offs).
-        """
+        """Everything a resume needs, a tree for :func:`memlab.train.state.save`: model, optimizer,
+        RNG states, step, losses, stacks and back-offs."""
         assert self.optimizer is not None
         return {
             "format": "memlab.train/1",
@@ -273,17 +317,14 @@ class BudgetTrainer:
                      "seq_len": self.seq_len},
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
-            "rng": _rng_state(),
+            "rng": training_state.rng_state(),
         }
 
     def save_checkpoint(self) -> Path:
         """Write the current state atomically and read it back verified; then keep the ``keep``
         checkpoints of the highest steps up to this one (by step number). The one just written is
         never deleted; if it does not verify, nothing older is deleted either; a file of a higher
-        step (one this run did not write since it resumed) is never deleted.
-
-        Returns:
-            The path written.
+        step (one this run did not write since it resumed) is never deleted. Returns the path written.
         """
         path = training_state.save(self.state(), self._ckpt_path(self.step))
         try:  # read back and verified before any older checkpoint goes
@@ -405,7 +446,7 @@ class BudgetTrainer:
         for g in opt_state["param_groups"]:
             g["fused"], g["foreach"] = (True, None) if fused else (None, False)
         self.optimizer.load_state_dict(opt_state)
-        _set_rng_state(state["rng"])
+        training_state.set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.losses = [float(x) for x in state["losses"]]
         self.step_peaks = [int(x) for x in state["step_peaks"]]
@@ -468,14 +509,8 @@ class BudgetTrainer:
         return max(self.step_peaks, default=0)
 
     def train(self, steps: int) -> list[float]:
-        """Train until ``steps`` optimizer steps are done in all (a resumed run does only the rest);
-        back off along the stacks on OOM.
-
-        Args:
-            steps: the total number of optimizer steps (0 or more).
-
-        Returns:
-            The loss of every step, ``0 .. steps - 1``.
+        """Train until ``steps`` (>= 0) optimizer steps are done in all (a resumed run does only the
+        rest), backing off along the stacks on OOM; return the loss of every step, ``0 .. steps - 1``.
 
         Raises:
             torch.OutOfMemoryError: a step does not fit even the last stack.
