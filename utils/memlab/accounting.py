@@ -31,13 +31,8 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
-    """Bytes per element of a torch dtype or a name such as "fp32", "bf16", "int8".
-
-    Args:
-        dtype: a ``torch.dtype`` or one of the names in ``_DTYPE_NAMES`` (case-insensitive, "torch." allowed).
-
-    Returns:
-        The element size in bytes.
+    """Bytes per element of a ``torch.dtype`` or a name such as "fp32", "bf16", "int8" (one of
+    ``_DTYPE_NAMES``, case-insensitive, "torch." allowed).
 
     Raises:
         ValueError: for an unknown name or a value that is neither.
@@ -68,11 +63,7 @@ class Recipe:
 
     @property
     def total(self) -> float:
-        """Bytes per parameter of all three states together.
-
-        Returns:
-            ``weights + gradients + optimizer``.
-        """
+        """Bytes per parameter of all three states together."""
         return self.weights + self.gradients + self.optimizer
 
 
@@ -100,14 +91,9 @@ RECIPES: dict[str, Recipe] = {
 
 
 def model_state_bytes(n_params: int, recipe: str = "fp32-adamw") -> dict[str, int]:
-    """Bytes of weights, gradients and optimizer state for ``n_params`` parameters.
-
-    Args:
-        n_params: the number of parameters (an int >= 0).
-        recipe: a key of :data:`RECIPES`.
-
-    Returns:
-        A dict with keys "weights", "gradients", "optimizer", "total" (bytes, ints).
+    """Bytes (ints) of weights, gradients and optimizer state for ``n_params`` parameters (an int
+    >= 0) under ``recipe`` (a key of :data:`RECIPES`): keys "weights", "gradients", "optimizer",
+    "total".
 
     Raises:
         ValueError: naming the argument, for a bad ``n_params`` or an unknown ``recipe``.
@@ -136,22 +122,17 @@ def activation_bytes_per_layer(
     ``act_bytes`` (e) per activation element, ``mask_bytes`` (m) per dropout-mask element:
     s*b*h*(16e + 2m) + a*s^2*b*(2e + m). With e=2, m=1 this is Korthikanti et al.'s
     s*b*h*(34 + 5*a*s/h). ``mask_bytes=0`` is no dropout: no masks, and the attention
-    probabilities are the softmax output itself, saved once, so the s^2 term is a*s^2*b*e. ``layernorm_stats_bytes`` adds the mean and 1/std that each of the two
-    LayerNorms saves (2 norms * 2 stats * s*b elements; pass 4 for fp32 statistics).
+    probabilities are the softmax output itself, saved once, so the s^2 term is a*s^2*b*e.
+    ``layernorm_stats_bytes`` adds the mean and 1/std that each of the two LayerNorms saves
+    (2 norms * 2 stats * s*b elements; pass 4 for fp32 statistics).
 
     Args:
-        seq_len: s, an int >= 1.
-        batch_size: b, an int >= 1.
-        hidden: h, an int >= 1.
-        n_heads: a, an int >= 1.
-        act_bytes: e, bytes per activation element: 1, 2, 4 or 8.
-        mask_bytes: m, bytes per dropout-mask element: 0 (no dropout), 1, 2, 4 or 8.
+        seq_len, batch_size, hidden, n_heads: s, b, h, a; ints >= 1.
+        act_bytes: e: 1, 2, 4 or 8.
+        mask_bytes: m: 0 (no dropout), 1, 2, 4 or 8.
         layernorm_stats_bytes: bytes per LayerNorm statistic (0 leaves them out, as the paper does).
         recompute: "none"; "selective" (the attention core is recomputed, so the a*s^2*b terms
             vanish: 34*s*b*h in the paper's case); "full" (only each layer's input, e*s*b*h, is kept).
-
-    Returns:
-        Bytes saved for backward by one layer.
 
     Raises:
         ValueError: naming the argument, its value and what is allowed.
@@ -174,16 +155,8 @@ def activation_bytes_per_layer(
 
 
 def korthikanti_bytes_per_layer(seq_len: int, batch_size: int, hidden: int, n_heads: int) -> int:
-    """The paper's formula as printed: s*b*h*(34 + 5*a*s/h) bytes (16-bit, 1-byte masks).
-
-    Args:
-        seq_len: s, an int >= 1.
-        batch_size: b, an int >= 1.
-        hidden: h, an int >= 1.
-        n_heads: a, an int >= 1.
-
-    Returns:
-        Bytes saved for backward by one layer.
+    """The paper's formula as printed: one layer saves s*b*h*(34 + 5*a*s/h) bytes (16-bit,
+    1-byte masks); s, b, h, a are ints >= 1.
 
     Raises:
         ValueError: naming the argument, for one that is not a positive int.
@@ -206,14 +179,8 @@ def saved_storages(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.T
     through the pack hook. Tensors that share a storage (views) appear once: storages are told
     apart by identity, not by address (a storage saved and freed within the call counts, and
     one that later gets its address is another storage; the storages are held until the call
-    returns). Parameters and
-    buffers are not activations: when ``fn`` is an ``nn.Module`` its own are excluded.
-
-    Args:
-        fn: the computation, e.g. a module or a lambda.
-        *args: its positional arguments.
-        exclude: other tensors to leave out (e.g. a model's parameters when ``fn`` is a lambda).
-        **kwargs: its keyword arguments.
+    returns). Parameters and buffers are not activations: when ``fn`` is an ``nn.Module`` its own
+    are excluded; ``exclude`` leaves out others (e.g. a model's parameters when ``fn`` is a lambda).
 
     Returns:
         ``{(device type, device index, storage id): bytes}``, one entry per saved storage.
@@ -242,29 +209,14 @@ def saved_storages(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.T
 
 
 def saved_activation_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] | None = None, **kwargs: Any) -> int:
-    """Bytes that one call ``fn(*args, **kwargs)`` saves for backward, each storage counted once.
-
-    Args:
-        fn: the computation (see :func:`saved_storages`).
-        *args: its positional arguments.
-        exclude: other tensors to leave out.
-        **kwargs: its keyword arguments.
-
-    Returns:
-        The bytes (0 under ``torch.no_grad``).
-    """
+    """Bytes that one call ``fn(*args, **kwargs)`` saves for backward, each storage counted once
+    (see :func:`saved_storages`; 0 under ``torch.no_grad``)."""
     return sum(saved_storages(fn, *args, exclude=exclude, **kwargs).values())
 
 
 def unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors``.
-
-    Args:
-        tensors: tensors or None (skipped).
-
-    Returns:
-        The bytes, views and tied tensors counted once (a view counts its whole storage).
-    """
+    """Bytes of the distinct storages behind ``tensors`` (None skipped): views and tied tensors
+    counted once, a view counting its whole storage."""
     seen: dict[tuple[Any, ...], int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -273,13 +225,8 @@ def unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state`` (moments, step counters ...), storages once.
-
-    Args:
-        optimizer: a torch optimizer (its state exists after the first step).
-
-    Returns:
-        The bytes.
+    """Bytes of every tensor in ``optimizer.state`` (moments, step counters ...; the state exists
+    after the first step), storages once.
 
     Raises:
         ValueError: when ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -290,17 +237,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Count the live model states: parameters (+ buffers), gradients, optimizer state.
-
-    Each storage counted once (tied weights, views).
-
-    Args:
-        model: the model; its buffers count as parameters.
-        optimizer: its optimizer, or None (no optimizer state counted).
-
-    Returns:
-        A dict with keys "parameters", "gradients", "optimizer", "total" (bytes).
-    """
+    """Bytes of the live model states: keys "parameters" (the model's buffers included),
+    "gradients", "optimizer" (0 without an optimizer), "total". Each storage counted once (tied
+    weights, views)."""
     params = list(model.parameters()) + list(model.buffers())
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     opt = optimizer_state_bytes(optimizer) if optimizer is not None else 0
@@ -318,18 +257,13 @@ def plot_breakdown(
     budget: float | None = None,
     ax: Any = None,
 ) -> Any:
-    """Stacked horizontal bars: one bar per setup, one colour per category.
+    """Stacked horizontal bars, one bar per setup, one colour per category; returns the Axes.
 
     Args:
         bars: ``{label: {category: bytes}}``; a "total" category is not drawn.
-        title: the plot's title.
-        unit: bytes per unit on the x axis (memlab.core.units.GB by default).
-        unit_name: the unit's name, for the axis and labels.
+        unit: bytes per unit on the x axis (memlab.core.units.GB by default), named ``unit_name``.
         budget: a GPU's memory in bytes, drawn as a dashed line, or None.
         ax: the matplotlib Axes to draw on, or None for a new figure.
-
-    Returns:
-        The Axes.
 
     Raises:
         ValueError: when ``bars`` is empty.
@@ -377,13 +311,7 @@ def tinygpt_step_peak(config: Any, batch_size: int, seq_len: int) -> int:
     * optimizer step: all states with gradients (16 bytes/param) + the for-loop's two temporaries
       the size of the largest parameter.
 
-    Args:
-        config: a :class:`memlab.models.TinyGPTConfig` with ``dropout > 0``.
-        batch_size: an int >= 1.
-        seq_len: an int >= 1.
-
-    Returns:
-        The predicted peak, bytes.
+    ``config`` is a :class:`memlab.models.TinyGPTConfig` with ``dropout > 0``.
 
     Raises:
         ValueError: naming the argument, for a bad size or a config without dropout.

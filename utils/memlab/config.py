@@ -28,26 +28,13 @@ DEVICE, SMALL = read_env()
 
 
 def pick(full: T, small: T) -> T:
-    """One of two sizes, by the course's scale.
-
-    Args:
-        full: the value at full scale (a GPU).
-        small: the value at small scale (CPU, or ``MEMLAB_SMALL=1``).
-
-    Returns:
-        ``small`` when :data:`SMALL`, else ``full``.
-    """
+    """``small`` at small scale (:data:`SMALL`: CPU, or ``MEMLAB_SMALL=1``), else ``full``."""
     return small if SMALL else full
 
 
 def seed_everything(seed: int = 0) -> None:
-    """Seed Python, NumPy (when installed) and torch (CPU and every CUDA device).
-
-    Args:
-        seed: an int >= 0 (NumPy gets it modulo 2**32, its limit).
-
-    Returns:
-        None.
+    """Seed Python, NumPy (when installed) and torch (CPU and every CUDA device) with ``seed``, an
+    int >= 0 (NumPy gets it modulo 2**32, its limit).
 
     Raises:
         ValueError: for a seed that is not an int >= 0.
@@ -64,14 +51,8 @@ def seed_everything(seed: int = 0) -> None:
 
 
 def bf16_supported(device: torch.device | None = None) -> bool:
-    """Whether bfloat16 arithmetic runs on ``device``.
-
-    Args:
-        device: the device to ask about (default: :data:`DEVICE`).
-
-    Returns:
-        True when bf16 is supported (on CPU: a small bf16 matmul gives the right answer).
-    """
+    """Whether bfloat16 arithmetic runs on ``device`` (default :data:`DEVICE`; on CPU: whether a
+    small bf16 matmul gives the right answer)."""
     device = DEVICE if device is None else torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -83,11 +64,8 @@ def bf16_supported(device: torch.device | None = None) -> bool:
 
 
 def describe() -> str:
-    """The course's device and scale in one line.
-
-    Returns:
-        Device, GPU name and memory (GiB), 16-bit support, torch version and scale.
-    """
+    """The course's device and scale in one line: device, GPU name and memory (GiB), 16-bit
+    support, torch version and scale."""
     scale = "small scale" if SMALL else "full scale"
     if DEVICE.type == "cuda":
         idx = DEVICE.index if DEVICE.index is not None else torch.cuda.current_device()

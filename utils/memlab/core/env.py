@@ -26,14 +26,11 @@ DEVICE_ALLOWED = "a device torch understands: 'cpu', 'cuda', 'cuda:N'"
 
 
 def parse_device(raw: str | None, *, cuda_available: bool | None = None) -> "torch.device":
-    """The device ``MEMLAB_DEVICE`` asks for, or the automatic choice when it is unset or empty.
+    """The device ``MEMLAB_DEVICE`` asks for (``raw``, None when unset), or when it is unset or
+    empty the automatic choice: ``cuda`` when available, else ``cpu``.
 
     Args:
-        raw: the variable's value (None when unset).
         cuda_available: whether a CUDA GPU is present; None asks ``torch.cuda.is_available()``.
-
-    Returns:
-        ``torch.device(raw)``; unset or empty: ``cuda`` when available, else ``cpu``.
 
     Raises:
         ValueError: ``MEMLAB_DEVICE=... is invalid; allowed: ...`` for a name torch does not
@@ -56,15 +53,9 @@ def parse_device(raw: str | None, *, cuda_available: bool | None = None) -> "tor
 
 
 def parse_small(raw: str | None, *, device_type: str) -> bool:
-    """Whether the course runs at small scale: ``MEMLAB_SMALL`` if it says so, else True off CUDA.
-
-    Args:
-        raw: the variable's value (None when unset).
-        device_type: the course's device type (``"cpu"``, ``"cuda"`` ...).
-
-    Returns:
-        True for a TRUE_WORDS value; for unset or a FALSE_WORDS value, ``device_type != "cuda"``
-        (a CPU always runs small: the full sizes need a GPU).
+    """Whether the course runs at small scale: True when ``MEMLAB_SMALL`` (``raw``, None when
+    unset) is one of TRUE_WORDS; unset or one of FALSE_WORDS, ``device_type != "cuda"`` (a CPU
+    always runs small: the full sizes need a GPU).
 
     Raises:
         ValueError: ``MEMLAB_SMALL=... is invalid; allowed: 1/0, true/false, yes/no, on/off``.
@@ -81,14 +72,8 @@ def parse_small(raw: str | None, *, device_type: str) -> bool:
 
 def read_env(environ: Mapping[str, str] | None = None, *,
              cuda_available: bool | None = None) -> tuple["torch.device", bool]:
-    """``(device, small)`` from ``MEMLAB_DEVICE`` and ``MEMLAB_SMALL``, as :mod:`memlab.config` sets them.
-
-    Args:
-        environ: the environment (default ``os.environ``).
-        cuda_available: whether a CUDA GPU is present; None asks torch.
-
-    Returns:
-        The device and whether the course runs at small scale.
+    """``(device, small)`` from ``MEMLAB_DEVICE`` and ``MEMLAB_SMALL`` of ``environ`` (default
+    ``os.environ``), as :mod:`memlab.config` sets them; ``cuda_available`` None asks torch.
 
     Raises:
         ValueError: naming the variable, its value and what is allowed.

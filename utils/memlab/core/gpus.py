@@ -88,53 +88,30 @@ CAPABILITIES: dict[str, Capability] = {
 
 
 def _key(name: str) -> str:
-    """A card's name as the tables spell it: lower case, dashes, no spaces, aliases resolved."""
+    # a card's name as the tables spell it: lower case, dashes, no spaces, aliases resolved
     key = str(name).strip().lower().replace("_", "-").replace(" ", "")
     return ALIASES.get(key, key)
 
 
 def capability(name: str) -> Capability | None:
-    """The compute capability of the card called ``name`` (aliases as :func:`find_gpu`), else None.
-
-    Args:
-        name: a card's name or alias.
-
-    Returns:
-        The :class:`Capability`, or None for an unknown card.
-    """
+    """The compute capability of the card called ``name`` (aliases as :func:`find_gpu`), or None
+    for an unknown card."""
     key = _key(name)
     return CAPABILITIES.get(key) or CAPABILITIES.get(key.split("-")[0])
 
 
 def gpu_names() -> list[str]:
-    """The names of every GPU preset.
-
-    Returns:
-        The preset names, sorted.
-    """
+    """The names of every GPU preset, sorted."""
     return sorted(GPUS)
 
 
 def find_gpu(name: str) -> GPU | None:
-    """The preset called ``name`` (case-insensitive, aliases such as ``h100``), else None.
-
-    Args:
-        name: a preset's name or alias.
-
-    Returns:
-        The :class:`GPU`, or None for an unknown name.
-    """
+    """The preset called ``name`` (case-insensitive, aliases such as ``h100``), else None."""
     return GPUS.get(_key(name))
 
 
 def suggest(name: str) -> str:
-    """A hint for an unknown GPU name: the closest preset names and aliases.
-
-    Args:
-        name: the name that was not found.
-
-    Returns:
-        ``" (did you mean a, b?)"``, or ``""`` when nothing is close.
-    """
+    """A hint for an unknown GPU name, the closest preset names and aliases:
+    ``" (did you mean a, b?)"``, or ``""`` when nothing is close."""
     close = difflib.get_close_matches(str(name).lower(), list(GPUS) + list(ALIASES), n=3, cutoff=0.5)
     return f" (did you mean {', '.join(close)}?)" if close else ""

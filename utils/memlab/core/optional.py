@@ -37,14 +37,8 @@ EXTRAS: dict[str, str] = {
 
 
 def extra_for(module: str) -> str | None:
-    """The extra that installs top-level ``module`` (``"transformers"`` -> ``"hf"``), else None.
-
-    Args:
-        module: a module name; only its top-level package counts (``"transformers.models"``).
-
-    Returns:
-        The extra's name, or None when ``module`` is not an optional dependency.
-    """
+    """The extra that installs ``module``'s top-level package (``"transformers.models"`` ->
+    ``"hf"``), or None when it is not an optional dependency."""
     return EXTRAS.get(module.split(".")[0])
 
 
@@ -57,14 +51,8 @@ class MissingExtraError(ImportError):
         super().__init__(f"{feature} needs {module}: pip install 'memlab[{extra}]'", name=module)
 
     def for_feature(self, feature: str) -> "MissingExtraError":
-        """The same error, worded for another feature (the CLI names its command).
-
-        Args:
-            feature: what needs the package, as the learner calls it.
-
-        Returns:
-            A new :class:`MissingExtraError` for the same module and extra.
-        """
+        """A new error for the same module and extra, worded for another ``feature`` (the CLI
+        names its command)."""
         return MissingExtraError(feature, self.module, self.extra)
 
 
@@ -77,14 +65,8 @@ def _installed(module: str) -> bool:
 
 def missing_optional(exc: BaseException) -> str | None:
     """The optional top-level module whose absence ``exc`` reports (``"transformers"``), or None
-    when ``exc`` is about something else: a broken install still shows its own error.
-
-    Args:
-        exc: the exception an import raised.
-
-    Returns:
-        The module's top-level name, or None.
-    """
+    when ``exc`` (the exception an import raised) is about something else: a broken install
+    still shows its own error."""
     name = getattr(exc, "name", None)
     if not isinstance(exc, ModuleNotFoundError) or not name:
         return None
@@ -100,12 +82,6 @@ def needs(feature: str) -> Iterator[None]:
 
     ``feature`` names what needs it, as the learner would call it (``"memlab estimate"``,
     ``"memlab.models.tiny_llama"``). Other import errors pass through unchanged.
-
-    Args:
-        feature: what needs the optional package.
-
-    Yields:
-        None, while the block runs.
 
     Raises:
         MissingExtraError: naming ``feature``, the missing module and the extra that installs it.
@@ -124,13 +100,7 @@ def needs(feature: str) -> Iterator[None]:
 def require_installed(module: str, feature: str) -> None:
     """Raise :class:`MissingExtraError` when optional ``module`` cannot be imported, without
     importing it (for packages another process imports, e.g. ipykernel for the grading kernel).
-
-    Args:
-        module: an optional dependency (a key of :data:`EXTRAS`).
-        feature: what needs it, for the message.
-
-    Returns:
-        None.
+    ``feature`` names what needs it, for the message.
 
     Raises:
         ValueError: ``module`` is not an optional dependency.

@@ -17,9 +17,6 @@ def child_subreaper(on: bool) -> bool:
     its own, a grandchild whose parent has exited) is reparented to this process instead of init,
     so that it can still be found and killed.
 
-    Args:
-        on: True to become the subreaper, False to stop being it.
-
     Returns:
         The previous setting; False where prctl is not available (not Linux), where this is a no-op.
     """
@@ -36,7 +33,7 @@ def child_subreaper(on: bool) -> bool:
 
 
 def _parents() -> dict[int, int]:
-    """{pid: parent pid} of every live (not zombie) process, from /proc; empty where there is none."""
+    # {pid: parent pid} of every live (not zombie) process, from /proc; empty where there is none
     parent: dict[int, int] = {}
     try:
         entries = os.listdir("/proc")
@@ -58,14 +55,8 @@ def _parents() -> dict[int, int]:
 
 
 def descendants(roots: set[int]) -> set[int]:
-    """Every live process below ``roots``, by parent pid.
-
-    Args:
-        roots: the pids whose children, grandchildren ... are wanted.
-
-    Returns:
-        Their pids (``roots`` themselves excluded); empty where there is no /proc.
-    """
+    """The pids of every live process below ``roots`` (children, grandchildren ...; ``roots``
+    themselves excluded), by parent pid; empty where there is no /proc."""
     parent = _parents()
     found: set[int] = set()
     frontier = set(roots)
@@ -76,10 +67,6 @@ def descendants(roots: set[int]) -> set[int]:
 
 
 def own_children() -> set[int]:
-    """The live direct children of this process.
-
-    Returns:
-        Their pids; empty where there is no /proc.
-    """
+    """The pids of the live direct children of this process; empty where there is no /proc."""
     me = os.getpid()
     return {pid for pid, pp in _parents().items() if pp == me}

@@ -26,14 +26,14 @@ _SIZE_ALLOWED = ("a number of bytes (24e9) or a number with a unit: B, KB, MB, G
 
 
 def format_bytes(n: float, unit: str = "auto") -> str:
-    """Human-readable bytes, sign kept: ``format_bytes(1536) == '1.50 KiB'``.
+    """Human-readable bytes with two decimals, sign kept (a difference may be negative):
+    ``format_bytes(1536) == '1.50 KiB'``.
 
     Args:
-        n: a number of bytes (may be negative: a difference).
         unit: ``"auto"`` (binary, B .. TiB) or a fixed ``"KiB"``, ``"MiB"``, ``"GiB"``, ``"TiB"``, ``"GB"``.
 
-    Returns:
-        The size with two decimals and its unit.
+    Raises:
+        ValueError: an unknown ``unit``.
     """
     if unit in _FIXED:
         return f"{n / _FIXED[unit]:,.2f} {unit}"
@@ -48,13 +48,11 @@ def format_bytes(n: float, unit: str = "auto") -> str:
 def parse_size(text: str | int | float, *, name: str = "size") -> int:
     """Bytes in a size such as ``"24GB"`` (10**9), ``"80GiB"`` (2**30), ``"24e9"`` or ``512``.
 
-    Args:
-        text: the size; units are case-insensitive: B, KB/MB/GB/TB (powers of 1000),
-            KiB/MiB/GiB/TiB (powers of 1024). A card sold as "24 GB" usually has 24 GiB.
-        name: the argument's name in the error message.
+    Units are case-insensitive: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of
+    1024). A card sold as "24 GB" usually has 24 GiB. Returns a positive int.
 
-    Returns:
-        The size in bytes, a positive int.
+    Args:
+        name: the argument's name in the error message.
 
     Raises:
         ValueError: naming ``name``, the value and what is allowed.

@@ -14,16 +14,9 @@ T = TypeVar("T")
 
 
 def invalid(name: str, value: Any, allowed: str) -> ValueError:
-    """The ValueError every check raises.
-
-    Args:
-        name: the argument's name as the caller wrote it.
-        value: the value that was given.
-        allowed: what would have been accepted, in words.
-
-    Returns:
-        ``ValueError("name=value is invalid; allowed: ...")``, for the caller to raise.
-    """
+    """The ValueError every check raises, for the caller to raise:
+    ``ValueError("name=value is invalid; allowed: ...")``, ``allowed`` saying in words what would
+    have been accepted (a value's repr is cut at 80 characters)."""
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
@@ -31,17 +24,8 @@ def invalid(name: str, value: Any, allowed: str) -> ValueError:
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` if it is an int (not a bool) within ``[minimum, maximum]``, else :func:`invalid`.
-
-    Args:
-        name: the argument's name, for the message.
-        value: what the caller passed.
-        minimum: the smallest allowed value, or None.
-        maximum: the largest allowed value, or None.
-
-    Returns:
-        ``value``, unchanged.
-    """
+    """``value`` if it is an int (not a bool) within ``[minimum, maximum]`` (None: unbounded), else
+    :func:`invalid`."""
     ok = isinstance(value, int) and not isinstance(value, bool)
     if ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
         return value
@@ -57,33 +41,14 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
 
 
 def check_positive_int(name: str, value: Any, *, maximum: int | None = None) -> int:
-    """``value`` if it is an int >= 1 (and <= ``maximum``), else :func:`invalid`.
-
-    Args:
-        name: the argument's name, for the message.
-        value: what the caller passed.
-        maximum: the largest allowed value, or None.
-
-    Returns:
-        ``value``, unchanged.
-    """
+    """``value`` if it is an int >= 1 (and <= ``maximum``), else :func:`invalid`."""
     return check_int(name, value, minimum=1, maximum=maximum)
 
 
 def check_number(name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
                  strict_minimum: bool = False) -> float:
-    """``value`` as a float if it is a finite real number in range, else :func:`invalid`.
-
-    Args:
-        name: the argument's name, for the message.
-        value: what the caller passed (an int or a float, not a bool).
-        minimum: the lower bound, or None.
-        maximum: the upper bound (inclusive), or None.
-        strict_minimum: the lower bound itself is not allowed (``> minimum``).
-
-    Returns:
-        ``float(value)``.
-    """
+    """``float(value)`` if it is a finite int or float (not a bool) within ``[minimum, maximum]``
+    (None: unbounded; ``strict_minimum``: ``> minimum``), else :func:`invalid`."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok and minimum is not None:
         ok = value > minimum if strict_minimum else value >= minimum
@@ -100,16 +65,7 @@ def check_number(name: str, value: Any, *, minimum: float | None = None, maximum
 
 
 def check_choice(name: str, value: T, allowed: Iterable[T]) -> T:
-    """``value`` if it is one of ``allowed``, else :func:`invalid` listing them.
-
-    Args:
-        name: the argument's name, for the message.
-        value: what the caller passed.
-        allowed: the accepted values (their reprs are listed in the message).
-
-    Returns:
-        ``value``, unchanged.
-    """
+    """``value`` if it is one of ``allowed``, else :func:`invalid` listing their reprs."""
     options = list(allowed)
     try:
         if value in options:
@@ -120,15 +76,7 @@ def check_choice(name: str, value: T, allowed: Iterable[T]) -> T:
 
 
 def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is True or False, else :func:`invalid`.
-
-    Args:
-        name: the argument's name, for the message.
-        value: what the caller passed.
-
-    Returns:
-        ``value``, unchanged.
-    """
+    """``value`` if it is True or False, else :func:`invalid`."""
     if isinstance(value, bool):
         return value
     raise invalid(name, value, "True or False")

@@ -8,6 +8,8 @@
   Mistral and Qwen2.5, to build on the ``meta`` device or count analytically.
 * :mod:`memlab.models.common` -- helpers for any of them: :func:`count_parameters`,
   :func:`decoder_layers`, :func:`lm_loss`.
+* :mod:`memlab.models.corpus` -- the byte-level corpus they train on (the standard library's
+  own source, no download) and its tokenizer.
 
 ``transformers`` is imported lazily, so ``TinyGPT`` works with PyTorch alone.
 """

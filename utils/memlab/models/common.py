@@ -16,7 +16,6 @@ from memlab.models.tinygpt import TinyGPT
 __all__ = ["count_parameters", "NoDecoderLayersError", "decoder_layers", "lm_loss"]
 
 
-
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -28,14 +27,8 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
 
     Sharing is detected by identity (the same ``Parameter`` object) and, for tensors with
     real storage, by storage (different ``Parameter`` objects viewing the same memory).
-    Works on the meta device and on fake tensors.
-
-    Args:
-        model: any module.
-        trainable_only: count only ``requires_grad`` parameters.
-
-    Returns:
-        The number of parameter elements.
+    Works on the meta device and on fake tensors. ``trainable_only`` counts only
+    ``requires_grad`` parameters.
     """
     seen_ids: set[int] = set()
     seen_storage: set[tuple] = set()
@@ -69,13 +62,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's stack of transformer blocks: what checkpointing wraps and FSDP2 shards unit by unit.
 
     Looked for at TinyGPT ``.blocks``, Llama/Mistral/Qwen ``.model.layers``, GPT-2 ``.transformer.h``,
-    a peft-wrapped Llama, GPT-NeoX; else the longest ``nn.ModuleList`` in the model.
-
-    Args:
-        model: a TinyGPT, a ``transformers`` decoder or a wrapper of one.
-
-    Returns:
-        The blocks, in order.
+    a peft-wrapped Llama, GPT-NeoX; else the longest ``nn.ModuleList`` in the model. Returns the
+    blocks in order.
 
     Raises:
         NoDecoderLayersError: when the model has no non-empty ModuleList at all.
@@ -105,11 +93,7 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
     Args:
         model: a TinyGPT, a ``transformers`` causal LM (or a peft wrapper), or any module returning logits.
-        x: input token ids, ``(B, T)`` long.
-        y: target token ids, ``(B, T)`` long.
-
-    Returns:
-        The scalar loss.
+        x, y: input and target token ids, ``(B, T)`` long.
     """
     if isinstance(model, TinyGPT):
         _, loss = model(x, y)

@@ -48,17 +48,13 @@ _SPLITS = ("train", "val")
 
 
 def stdlib_root() -> Path:
-    """Directory of the running Python's standard library.
-
-    Returns:
-        The directory where ``os.py`` lives, resolved.
-    """
+    """Directory of the running Python's standard library (where ``os.py`` lives, resolved)."""
     return Path(os.__file__).resolve().parent
 
 
 @functools.lru_cache(maxsize=None)
 def _stdlib_paths() -> tuple[str, ...]:
-    """Relative POSIX paths of the corpus files, sorted as strings."""
+    # relative POSIX paths of the corpus files, sorted as strings
     root = stdlib_root()
     found: list[str] = []
 
@@ -85,16 +81,13 @@ def stdlib_files() -> list[str]:
     packages (directories with an ``__init__.py``) and their sub-packages, skipping any
     directory named ``site-packages``, ``dist-packages``, ``test``, ``tests``, ``idlelib``
     or ``lib2to3``. Sorted by the path string.
-
-    Returns:
-        The paths, relative to :func:`stdlib_root`, with ``/`` separators.
     """
     return list(_stdlib_paths())
 
 
 @functools.lru_cache(maxsize=16)
 def _stdlib_tensor(max_bytes: int | None) -> torch.Tensor:
-    """The corpus (or its first ``max_bytes`` bytes), reading no more files than needed."""
+    # the corpus (or its first max_bytes bytes), reading no more files than needed
     root = stdlib_root()
     parts: list[bytes] = []
     size = 0
@@ -121,12 +114,6 @@ def stdlib_corpus(max_bytes: int | None = None) -> torch.Tensor:
     stops reading files once it has them). Results are cached per process; each call
     returns a fresh copy, so modifying it is safe. The content depends on the Python version.
 
-    Args:
-        max_bytes: keep only this many bytes (an int >= 1), or None for the whole corpus.
-
-    Returns:
-        A 1-D ``torch.uint8`` tensor.
-
     Raises:
         ValueError: for a ``max_bytes`` that is not None or an int >= 1.
     """
@@ -137,26 +124,14 @@ def stdlib_corpus(max_bytes: int | None = None) -> torch.Tensor:
 
 
 def clear_corpus_cache() -> None:
-    """Forget the cached file list and corpus, so the next :func:`stdlib_corpus` reads the files again.
-
-    Returns:
-        None.
-    """
+    """Forget the cached file list and corpus, so the next :func:`stdlib_corpus` reads the files again."""
     _stdlib_tensor.cache_clear()
     _stdlib_paths.cache_clear()
 
 
 def split_bounds(n: int, split: str) -> tuple[int, int]:
-    """``(start, stop)`` of ``split`` in a corpus of ``n`` tokens.
-
-    Train is ``[0, int(n * TRAIN_FRACTION))``, val is ``[int(n * TRAIN_FRACTION), n)``.
-
-    Args:
-        n: the corpus length in tokens.
-        split: ``"train"`` or ``"val"``.
-
-    Returns:
-        ``(start, stop)``.
+    """``(start, stop)`` of ``split`` in a corpus of ``n`` tokens: ``"train"`` is
+    ``[0, int(n * TRAIN_FRACTION))``, ``"val"`` is ``[int(n * TRAIN_FRACTION), n)``.
 
     Raises:
         ValueError: for another split.
@@ -185,14 +160,8 @@ def batches(
 
     Args:
         corpus: 1-D token ids.
-        batch_size: rows per batch, an int >= 1.
-        seq_len: tokens per row, an int >= 1 with ``seq_len + 1`` tokens in the split.
-        split: ``"train"`` or ``"val"``.
-        seed: the stream's seed, an int.
+        seq_len: an int >= 1 with ``seq_len + 1`` tokens in the split.
         device: where the batches go, or None to leave them on the corpus's device.
-
-    Returns:
-        An endless iterator of ``(x, y)``.
 
     Raises:
         ValueError: naming the argument, its value and what is allowed.
@@ -233,25 +202,13 @@ def _batch_stream(
 
 
 def encode(text: str) -> torch.Tensor:
-    """The tokenizer: UTF-8 bytes.
-
-    Args:
-        text: any string.
-
-    Returns:
-        Its UTF-8 bytes as a 1-D ``torch.long`` tensor (ready to index a model).
-    """
+    """The tokenizer: ``text``'s UTF-8 bytes as a 1-D ``torch.long`` tensor (ready to index a model)."""
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
 def decode(tokens: torch.Tensor | Sequence[int]) -> str:
-    """Inverse of :func:`encode`.
-
-    Args:
-        tokens: byte values 0..255, a 1-D tensor or a sequence.
-
-    Returns:
-        The text, undecodable bytes as U+FFFD.
+    """Inverse of :func:`encode`: the text of byte values 0..255 (a 1-D tensor or a sequence),
+    undecodable bytes as U+FFFD.
 
     Raises:
         ValueError: for a tensor of more than one dimension or a value outside 0..255.

@@ -28,14 +28,8 @@ TINY_LLAMA_DEFAULTS: dict[str, Any] = dict(
 
 
 def tiny_llama_config(**overrides: Any):
-    """A small ``transformers.LlamaConfig`` (byte vocab, 4 layers, GQA with 2 KV heads).
-
-    Args:
-        **overrides: config fields that replace :data:`TINY_LLAMA_DEFAULTS`.
-
-    Returns:
-        A ``transformers.LlamaConfig``.
-    """
+    """A small ``transformers.LlamaConfig`` (byte vocab, 4 layers, GQA with 2 KV heads);
+    ``overrides`` replace fields of :data:`TINY_LLAMA_DEFAULTS`."""
     with needs("memlab.models.tiny_llama_config"):
         from transformers import LlamaConfig
 
@@ -43,14 +37,8 @@ def tiny_llama_config(**overrides: Any):
 
 
 def tiny_llama(**overrides: Any):
-    """A randomly initialised ``transformers.LlamaForCausalLM`` (nothing is downloaded; seed torch first).
-
-    Args:
-        **overrides: config fields, as in :func:`tiny_llama_config`.
-
-    Returns:
-        The model, on the default device and dtype.
-    """
+    """A randomly initialised ``transformers.LlamaForCausalLM`` on the default device and dtype
+    (nothing is downloaded; seed torch first); ``overrides`` as in :func:`tiny_llama_config`."""
     with needs("memlab.models.tiny_llama"):
         from transformers import LlamaForCausalLM
 

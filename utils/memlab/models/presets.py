@@ -145,7 +145,7 @@ class UnknownPresetError(KeyError, ValueError):
 
 
 def _preset_fields(name: str, overrides: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(family, config kwargs) of a preset with ``overrides`` applied."""
+    # (family, config kwargs) of a preset with overrides applied
     if name not in PRESETS:
         raise UnknownPresetError(str(invalid("name", name, "a preset: " + ", ".join(sorted(PRESETS)))))
     entry = PRESETS[name]
@@ -200,14 +200,8 @@ def validate_config(config: Any, where: str = "config") -> None:
     ``transformers`` config. Each size present must be an int (not a bool, a float or a string)
     within :data:`CONFIG_LIMITS`; the hidden size must divide by the heads (unless ``head_dim``
     is given) and the heads by the key/value heads. ``None`` (an optional field left unset)
-    passes.
-
-    Args:
-        config: a mapping or a ``transformers`` config.
-        where: what the config is, prefixed to the error (``"preset 'gpt2'"``, a file name).
-
-    Returns:
-        None when the config is usable.
+    passes. ``where`` says what the config is, prefixed to the error (``"preset 'gpt2'"``, a file
+    name).
 
     Raises:
         ValueError: ``"<where>: num_attention_heads=0 is invalid; allowed: ..."``.
@@ -235,14 +229,8 @@ def validate_config(config: Any, where: str = "config") -> None:
 
 
 def preset_config(name: str, **overrides: Any):
-    """The ``transformers`` config of preset ``name``, with keyword ``overrides`` applied.
-
-    Args:
-        name: a key of :data:`PRESETS`.
-        **overrides: config fields to change, e.g. ``num_hidden_layers=2``.
-
-    Returns:
-        A GPT2Config, LlamaConfig, MistralConfig or Qwen2Config.
+    """The ``transformers`` config (GPT2Config, LlamaConfig, MistralConfig or Qwen2Config) of
+    preset ``name``, with keyword ``overrides`` (config fields, e.g. ``num_hidden_layers=2``) applied.
 
     Raises:
         UnknownPresetError: for a name not in :data:`PRESETS`.
@@ -257,14 +245,8 @@ def build_preset(name: str, **overrides: Any) -> nn.Module:
     """A randomly initialised ``transformers`` causal LM with preset ``name``'s architecture.
 
     No weights are downloaded. The big presets need tens of GB in fp32: build them under
-    ``with torch.device("meta"):`` (free) unless you really mean it.
-
-    Args:
-        name: a key of :data:`PRESETS`.
-        **overrides: config fields to change, as in :func:`preset_config`.
-
-    Returns:
-        A ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen2ForCausalLM``.
+    ``with torch.device("meta"):`` (free) unless you really mean it. ``overrides`` as in
+    :func:`preset_config`.
 
     Raises:
         UnknownPresetError: for a name not in :data:`PRESETS`.
@@ -276,14 +258,8 @@ def build_preset(name: str, **overrides: Any) -> nn.Module:
 def preset_parameter_count(name: str, **overrides: Any) -> int:
     """Exact number of (unique) parameters of preset ``name``, computed from its dimensions.
 
-    Nothing is built. Overrides are applied first, as in :func:`preset_config`.
-
-    Args:
-        name: a key of :data:`PRESETS`.
-        **overrides: config fields to change.
-
-    Returns:
-        The parameter count, tied embeddings counted once.
+    Nothing is built; tied embeddings are counted once. Overrides are applied first, as in
+    :func:`preset_config`.
 
     Raises:
         UnknownPresetError: for a name not in :data:`PRESETS`.

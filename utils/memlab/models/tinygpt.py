@@ -29,7 +29,6 @@ ATTENTION_IMPLEMENTATIONS = ("manual", "sdpa")
 CheckpointFn = Callable[..., torch.Tensor]
 
 
-
 @dataclass
 class TinyGPTConfig:
     """Hyper-parameters of :class:`TinyGPT`.
@@ -49,11 +48,7 @@ class TinyGPTConfig:
     tie_weights: bool = True  # lm_head shares its weight with tok_emb
 
     def __post_init__(self) -> None:
-        """Check every field (one error format, memlab.core.validation).
-
-        Raises:
-            ValueError: naming the field, its value and what is allowed.
-        """
+        # check every field: a ValueError naming the field, its value and what is allowed
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             check_positive_int(f"TinyGPTConfig.{name}", getattr(self, name))
         if self.n_embd % self.n_head != 0:
@@ -69,12 +64,7 @@ class TinyGPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with a fused QKV projection (GPT-2 layout).
-
-    Args:
-        config: the model's hyper-parameters (``n_embd``, ``n_head``, ``block_size``, ``dropout``,
-            ``bias``, ``attention``).
-    """
+    """Multi-head causal self-attention with a fused QKV projection (GPT-2 layout)."""
 
     def __init__(self, config: TinyGPTConfig) -> None:
         super().__init__()
@@ -94,14 +84,7 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("future_mask", future_mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Attend each position to itself and the positions before it.
-
-        Args:
-            x: hidden states, ``(B, T, n_embd)`` with ``T <= block_size``.
-
-        Returns:
-            The attention output after the output projection and dropout, ``(B, T, n_embd)``.
-        """
+        # x: (B, T, n_embd), T <= block_size; each position attends to itself and those before it
         B, T, C = x.shape
         hd = C // self.n_head
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
@@ -127,11 +110,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward network: Linear -> GELU(tanh) -> Linear -> Dropout.
-
-    Args:
-        config: the model's hyper-parameters (``n_embd``, ``mlp_ratio``, ``dropout``, ``bias``).
-    """
+    """Position-wise feed-forward network: Linear -> GELU(tanh) -> Linear -> Dropout."""
 
     def __init__(self, config: TinyGPTConfig) -> None:
         super().__init__()
@@ -142,14 +121,6 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP to every position.
-
-        Args:
-            x: hidden states, ``(..., n_embd)``.
-
-        Returns:
-            A tensor of ``x``'s shape.
-        """
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
@@ -158,9 +129,6 @@ class Block(nn.Module):
 
     In training mode it saves for backward what ``memlab.accounting.activation_bytes_per_layer``
     counts (Korthikanti et al.'s per-layer formula, with the dropout-mask size as a parameter).
-
-    Args:
-        config: the model's hyper-parameters.
     """
 
     def __init__(self, config: TinyGPTConfig) -> None:
@@ -171,14 +139,6 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One residual attention step and one residual MLP step.
-
-        Args:
-            x: hidden states, ``(B, T, n_embd)``.
-
-        Returns:
-            The block's output, same shape.
-        """
         x = x + self.attn(self.ln_1(x))
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -193,10 +153,8 @@ class TinyGPT(nn.Module):
     ``idx[b, t]``.
 
     Call :meth:`gradient_checkpointing_enable` to wrap every block in a checkpoint
-    function (PyTorch's non-reentrant ``checkpoint`` by default, or your own).
-
-    Args:
-        config: the hyper-parameters; None is ``TinyGPTConfig()`` (0.8M parameters).
+    function (PyTorch's non-reentrant ``checkpoint`` by default, or your own). ``config`` None is
+    ``TinyGPTConfig()`` (0.8M parameters).
     """
 
     def __init__(self, config: TinyGPTConfig | None = None) -> None:
@@ -235,38 +193,22 @@ class TinyGPT(nn.Module):
 
         ``checkpoint_fn(block, x)`` must return ``block(x)``; the default is
         ``torch.utils.checkpoint.checkpoint`` with ``use_reentrant=False``. It is only used
-        while training with gradients enabled.
-
-        Args:
-            checkpoint_fn: ``fn(block, x) -> block(x)``, or None for PyTorch's non-reentrant checkpoint.
-
-        Returns:
-            None; the model is changed in place.
+        while training with gradients enabled. The model is changed in place.
         """
         if checkpoint_fn is None:
             checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
         self.checkpoint_fn = checkpoint_fn
 
     def gradient_checkpointing_disable(self) -> None:
-        """Go back to keeping every block's activations for backward.
-
-        Returns:
-            None; the model is changed in place.
-        """
+        """Go back to keeping every block's activations for backward (in place)."""
         self.checkpoint_fn = None
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for every position, and the loss when targets are given.
-
-        Args:
-            idx: token ids, ``(B, T)`` long, ``T <= block_size``.
-            targets: the token after each of ``idx``'s, ``(B, T)`` long, or None.
-
-        Returns:
-            ``(logits, loss)``: logits ``(B, T, vocab_size)``; the mean cross entropy over all
-            ``B*T`` positions, or None without targets.
+        """``(logits, loss)`` for token ids ``idx`` ``(B, T)``: logits ``(B, T, vocab_size)``; the
+        mean cross entropy over all ``B*T`` positions against ``targets`` (the token after each of
+        ``idx``'s, ``(B, T)``), or None without targets.
 
         Raises:
             ValueError: when ``T`` exceeds ``block_size`` (no learned position for it).
