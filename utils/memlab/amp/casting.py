@@ -26,14 +26,8 @@ def _tensor(t: Any) -> torch.Tensor:
 
 
 def round_trip(t: torch.Tensor, dtype: torch.dtype | str = torch.float16) -> torch.Tensor:
-    """``t`` cast to ``dtype`` and back to its own dtype: what storing it in ``dtype`` keeps.
-
-    Args:
-        t: any floating-point tensor.
-        dtype: the storage format (:func:`memlab.amp.formats.as_float_dtype`).
-
-    Returns:
-        A new tensor of ``t``'s dtype.
+    """``t`` cast to ``dtype`` (a name or dtype, :func:`memlab.amp.formats.as_float_dtype`) and back to
+    its own dtype: what storing it in ``dtype`` keeps.
 
     Raises:
         ValueError: ``t`` is not a tensor or ``dtype`` not a floating-point format.
@@ -45,14 +39,7 @@ def underflow_fraction(t: torch.Tensor, dtype: torch.dtype | str = torch.float16
     """Share of the non-zero finite values of ``t`` that become exactly zero when cast to ``dtype``.
 
     Values below half the smallest subnormal of ``dtype`` round to zero (2**-25 for fp16,
-    about 4.6e-41 for bf16).
-
-    Args:
-        t: any floating-point tensor.
-        dtype: the format it is cast to.
-
-    Returns:
-        The fraction in [0, 1]; 0.0 when ``t`` has no non-zero finite value.
+    about 4.6e-41 for bf16). 0.0 when ``t`` has no non-zero finite value.
 
     Raises:
         ValueError: ``t`` is not a tensor or ``dtype`` not a floating-point format.
@@ -68,14 +55,7 @@ def underflow_fraction(t: torch.Tensor, dtype: torch.dtype | str = torch.float16
 
 
 def overflow_fraction(t: torch.Tensor, dtype: torch.dtype | str = torch.float16) -> float:
-    """Share of the finite values of ``t`` that become inf when cast to ``dtype``.
-
-    Args:
-        t: any floating-point tensor.
-        dtype: the format it is cast to.
-
-    Returns:
-        The fraction in [0, 1]; 0.0 when ``t`` has no finite value.
+    """Share of the finite values of ``t`` that become inf when cast to ``dtype`` (0.0 when none is finite).
 
     Raises:
         ValueError: ``t`` is not a tensor or ``dtype`` not a floating-point format.
@@ -113,15 +93,7 @@ def record_op_dtypes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple
 
     A ``TorchDispatchMode`` sits below autocast in the dispatcher, so under ``torch.autocast`` it
     sees the ops as they really ran, after autocast inserted its casts (which show up as
-    ``_to_copy``).
-
-    Args:
-        fn: the code to run (a model, a function).
-        *args: its positional arguments.
-        **kwargs: its keyword arguments.
-
-    Returns:
-        ``(fn's result, records)``, the records in the order the ops ran.
+    ``_to_copy``). Returns ``(fn's result, records)``, the records in the order the ops ran.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -154,7 +126,6 @@ def summarize_op_dtypes(records: Sequence[OpRecord], *, compute_only: bool = Tru
     """Count the ops of :func:`record_op_dtypes` by name and output dtype.
 
     Args:
-        records: what :func:`record_op_dtypes` returned.
         compute_only: leave out views, copies and casts (``_to_copy``), which do no arithmetic.
 
     Returns:

@@ -31,9 +31,6 @@ def as_float_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
             ``"fp64"``, ``"float16"``, ``"half"``, ``"torch.bfloat16"`` ...
         name: the argument's name in the error message.
 
-    Returns:
-        The ``torch.dtype``.
-
     Raises:
         ValueError: naming ``name``, the value and the accepted formats.
     """
@@ -51,10 +48,8 @@ def as_float_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
 
 
 def format_info(dtype: torch.dtype | str) -> dict[str, Any]:
-    """Bit layout, range and precision of a floating-point dtype, from ``torch.finfo``.
-
-    Args:
-        dtype: a floating-point dtype or its name (:func:`as_float_dtype`).
+    """Bit layout, range and precision of a floating-point dtype or its name (:func:`as_float_dtype`),
+    from ``torch.finfo``.
 
     Returns:
         A dict with name, dtype, bits, sign_bits (1), exponent_bits, mantissa_bits (stored fraction
@@ -84,26 +79,12 @@ def format_info(dtype: torch.dtype | str) -> dict[str, Any]:
 
 
 def format_table(dtypes: Sequence[torch.dtype | str] = ("fp32", "fp16", "bf16")) -> list[dict[str, Any]]:
-    """One :func:`format_info` row per dtype.
-
-    Args:
-        dtypes: the formats, dtypes or names.
-
-    Returns:
-        The rows, in the order given.
-    """
+    """One :func:`format_info` row per dtype (or name), in the order given."""
     return [format_info(d) for d in dtypes]
 
 
 def format_table_str(dtypes: Sequence[torch.dtype | str] = ("fp32", "fp16", "bf16")) -> str:
-    """:func:`format_table` as aligned text.
-
-    Args:
-        dtypes: the formats, dtypes or names.
-
-    Returns:
-        A header, a rule and one line per format.
-    """
+    """:func:`format_table` as aligned text: a header, a rule and one line per format."""
     header = ["format", "bits", "sign", "exponent", "mantissa", "max", "min normal", "min subnormal", "eps"]
     rows = [
         [r["name"], r["bits"], r["sign_bits"], r["exponent_bits"], r["mantissa_bits"],
@@ -123,12 +104,7 @@ def bit_fields(x: float | torch.Tensor, dtype: torch.dtype | str = torch.float32
     >>> bit_fields(1.0, torch.float16)
     ('0', '01111', '0000000000')
 
-    Args:
-        x: a Python number or a one-element tensor.
-        dtype: the format to round ``x`` to first.
-
-    Returns:
-        The three fields, most significant bit first.
+    ``x`` is a Python number or a one-element tensor; each field is most significant bit first.
     """
     dtype = as_float_dtype(dtype)
     info = format_info(dtype)

@@ -45,9 +45,6 @@ def unscale_grads_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_s
             NaN; never reset here (the caller zeroes it).
         inv_scale: a 1-element float32 tensor, 1 / scale.
 
-    Returns:
-        None.
-
     Raises:
         ValueError: ``found_inf`` or ``inv_scale`` is not a 1-element float32 tensor.
     """
@@ -82,15 +79,9 @@ def update_scale_(
     (float * double). No host-device synchronisation.
 
     Args:
-        scale: a 0-dim float32 tensor, updated in place.
+        scale: a 0-dim float32 tensor, updated in place and returned.
         growth_tracker: a 0-dim int32 tensor counting clean steps in a row, updated in place.
         found_inf: a 0-dim float32 tensor, > 0 when this step saw inf/NaN.
-        growth_factor: the factor after ``growth_interval`` clean steps.
-        backoff_factor: the factor after a step with inf/NaN.
-        growth_interval: clean steps in a row before the scale grows.
-
-    Returns:
-        ``scale``.
     """
     found = found_inf.reshape(()) > 0
     successful = growth_tracker.reshape(()) + 1
@@ -194,18 +185,12 @@ class DynamicLossScaler:
 
     # -- public API
     def is_enabled(self) -> bool:
-        """Returns: whether the scaler scales (False: every method is a pass-through)."""
+        """Whether the scaler scales (False: every method is a pass-through)."""
         return self._enabled
 
     def scale(self, outputs: Any) -> Any:
-        """Multiply a tensor (or a nested list/tuple of tensors) by the current scale.
-
-        Args:
-            outputs: the loss, or a list/tuple (nested) of tensors.
-
-        Returns:
-            The same structure, each tensor times S (``outputs`` itself when disabled).
-        """
+        """The loss (or a nested list/tuple of tensors) times the current scale S, in the same structure
+        (``outputs`` itself when disabled)."""
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
@@ -259,12 +244,6 @@ class DynamicLossScaler:
         Optional: ``step()`` does it when you have not. Call it once per optimizer per iteration,
         after all gradients were accumulated (e.g. before clipping them).
 
-        Args:
-            optimizer: the optimizer whose parameters' gradients are unscaled.
-
-        Returns:
-            None.
-
         Raises:
             RuntimeError: called twice in one iteration, or after ``step()`` (GradScaler's messages).
         """
@@ -288,15 +267,8 @@ class DynamicLossScaler:
                    torch.zeros((), dtype=torch.float32, device=device))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
-        """Unscale (if ``unscale_`` was not called), then ``optimizer.step()`` unless a gradient is inf/NaN.
-
-        Args:
-            optimizer: the optimizer to step.
-            *args: passed to ``optimizer.step``.
-            **kwargs: passed to ``optimizer.step`` (no ``closure``, as with GradScaler).
-
-        Returns:
-            True when the optimizer stepped, False when the step was skipped.
+        """Unscale (if ``unscale_`` was not called), then ``optimizer.step(*args, **kwargs)`` unless a
+        gradient is inf/NaN. Returns True when the optimizer stepped, False when the step was skipped.
 
         Raises:
             RuntimeError: a closure, or a second ``step()`` before ``update()``.
@@ -346,13 +318,8 @@ class DynamicLossScaler:
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Back off after an iteration with inf/NaN gradients, grow after ``growth_interval`` clean ones.
 
-        Call once per iteration, after every ``step()``.
-
-        Args:
-            new_scale: a float or a 1-element tensor that sets the scale by hand instead.
-
-        Returns:
-            None.
+        Call once per iteration, after every ``step()``. ``new_scale`` (a float or a 1-element tensor)
+        sets the scale by hand instead.
         """
         if not self._enabled:
             return
@@ -385,70 +352,46 @@ class DynamicLossScaler:
         self._per_optimizer_states = defaultdict(_fresh_state)
 
     def get_scale(self) -> float:
-        """Returns: the current scale as a Python float (1.0 when disabled; init_scale before the first scale())."""
+        """The current scale as a Python float (1.0 when disabled; init_scale before the first scale())."""
         if not self._enabled:
             return 1.0
         return self._init_scale if self._scale is None else float(self._scale.item())
 
     def get_growth_tracker(self) -> int:
-        """Returns: the clean steps in a row since the scale last changed."""
+        """The clean steps in a row since the scale last changed."""
         if not self._enabled:
             return 0
         return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
 
     # GradScaler's getters and setters, unchecked as there (a checkpoint may set them)
     def get_growth_factor(self) -> float:
-        """Returns: the factor S grows by."""
+        """The factor S grows by."""
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the factor S grows by, from now on.
-
-        Args:
-            new_factor: the new value.
-
-        Returns:
-            None.
-        """
+        """Set the factor S grows by, from now on."""
         self._growth_factor = new_factor
 
     def get_backoff_factor(self) -> float:
-        """Returns: the factor S shrinks by."""
+        """The factor S shrinks by."""
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the factor S shrinks by, from now on.
-
-        Args:
-            new_factor: the new value.
-
-        Returns:
-            None.
-        """
+        """Set the factor S shrinks by, from now on."""
         self._backoff_factor = new_factor
 
     def get_growth_interval(self) -> int:
-        """Returns: the clean steps in a row before S grows."""
+        """The clean steps in a row before S grows."""
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the clean steps in a row before S grows, from now on.
-
-        Args:
-            new_interval: the new value.
-
-        Returns:
-            None.
-        """
+        """Set the clean steps in a row before S grows, from now on."""
         self._growth_interval = new_interval
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state, under the keys GradScaler uses, so either class loads the other's checkpoint.
-
-        Returns:
-            ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``
-            (an empty dict when disabled).
-        """
+        """The scaler's state, under the keys GradScaler uses, so either class loads the other's checkpoint:
+        ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker`` (an empty
+        dict when disabled)."""
         if not self._enabled:
             return {}
         return {
@@ -461,12 +404,6 @@ class DynamicLossScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` (ours or GradScaler's) saved.
-
-        Args:
-            state_dict: the saved state.
-
-        Returns:
-            None.
 
         Raises:
             RuntimeError: the state is empty (saved by a disabled scaler), as GradScaler says.

@@ -22,16 +22,9 @@ __all__ = ["copy_grads_to_master", "copy_master_to_model", "master_step", "Maste
 def copy_grads_to_master(
     model_params: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor], *, free_model_grads: bool = False
 ) -> None:
-    """master.grad <- float32(model.grad) for each pair; a missing model grad clears the master's.
-
-    Args:
-        model_params: the 16-bit parameters, whose ``.grad`` backward filled.
-        master_params: their fp32 masters, in the same order.
-        free_model_grads: drop each 16-bit gradient once copied (its bytes are free for the update).
-
-    Returns:
-        None.
-    """
+    """master.grad <- float32(model.grad) for each pair (the fp32 masters in the 16-bit parameters'
+    order); a missing model grad clears the master's. ``free_model_grads`` drops each 16-bit gradient
+    once copied (its bytes are free for the update)."""
     for p, m in zip(model_params, master_params, strict=True):
         if p.grad is None:
             m.grad = None
@@ -46,15 +39,7 @@ def copy_grads_to_master(
 
 @torch.no_grad()
 def copy_master_to_model(model_params: Sequence[torch.Tensor], master_params: Sequence[torch.Tensor]) -> None:
-    """model <- master rounded to the model's dtype (round to nearest even, as ``Tensor.to`` does).
-
-    Args:
-        model_params: the 16-bit parameters, overwritten.
-        master_params: their fp32 masters, in the same order.
-
-    Returns:
-        None.
-    """
+    """model <- master rounded to the model's dtype (round to nearest even, as ``Tensor.to`` does)."""
     for p, m in zip(model_params, master_params, strict=True):
         p.copy_(m)
 
@@ -75,11 +60,7 @@ def master_step(
     3. the masters are rounded back into the 16-bit model.
 
     Args:
-        model_params: the 16-bit parameters.
-        master_params: their fp32 masters, in the same order.
-        optimizer: an optimizer over ``master_params``.
         scaler: None, a :class:`memlab.amp.DynamicLossScaler` or a ``torch.amp.GradScaler``.
-        free_model_grads: drop each 16-bit gradient once copied.
 
     Returns:
         False when the scaler skipped the step (only knowable with a DynamicLossScaler, whose
@@ -118,7 +99,6 @@ class MasterWeights:
         model: the model, cast to ``dtype`` in place.
         make_optimizer: ``params -> torch.optim.Optimizer``, called with the fp32 masters.
         dtype: the compute dtype, torch.float16 or torch.bfloat16 (or "fp16", "bf16").
-        free_model_grads: drop each 16-bit gradient once copied into its master's.
 
     Raises:
         ValueError: naming the argument that is not usable.
@@ -155,57 +135,28 @@ class MasterWeights:
                           f"a callable returning a torch.optim.Optimizer (it returned {type(self.optimizer).__name__})")
 
     def copy_grads_to_master(self) -> None:
-        """master.grad <- float32(model.grad) for every parameter (None stays None).
-
-        Returns:
-            None.
-        """
+        """master.grad <- float32(model.grad) for every parameter (None stays None)."""
         copy_grads_to_master(self.model_params, self.master_params, free_model_grads=self.free_model_grads)
 
     def copy_master_to_model(self) -> None:
-        """model weight <- master weight rounded to the model's dtype.
-
-        Returns:
-            None.
-        """
+        """model weight <- master weight rounded to the model's dtype."""
         copy_master_to_model(self.model_params, self.master_params)
 
     def step(self, scaler: Any = None) -> bool:
-        """One update (see :func:`master_step`).
-
-        Args:
-            scaler: None, a :class:`memlab.amp.DynamicLossScaler` or a ``torch.amp.GradScaler``.
-
-        Returns:
-            False when a scaler skipped it, else True.
-        """
+        """One update (see :func:`master_step`); False when a scaler skipped it, else True."""
         return master_step(self.model_params, self.master_params, self.optimizer, scaler, free_model_grads=self.free_model_grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the 16-bit and the fp32 gradients.
-
-        Args:
-            set_to_none: drop them (free their bytes) rather than fill them with zeros.
-
-        Returns:
-            None.
-        """
+        """Clear the 16-bit and the fp32 gradients (``set_to_none``: free their bytes rather than fill zeros)."""
         self.model.zero_grad(set_to_none=set_to_none)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """Returns: ``{"master": copies of the fp32 masters, "optimizer": the optimizer's state_dict}``."""
+        """``{"master": copies of the fp32 masters, "optimizer": the optimizer's state_dict}``."""
         return {"master": [m.detach().clone() for m in self.master_params], "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the masters and the optimizer, then round the masters into the model.
-
-        Args:
-            state: what :meth:`state_dict` returned.
-
-        Returns:
-            None.
-        """
+        """Restore the masters and the optimizer from :meth:`state_dict`, then round the masters into the model."""
         with torch.no_grad():
             for m, saved in zip(self.master_params, state["master"]):
                 m.copy_(saved)
@@ -213,12 +164,8 @@ class MasterWeights:
         self.copy_master_to_model()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Live bytes of each model state right now, each storage counted once.
-
-        Returns:
-            Bytes under "model weights (16-bit)", "model grads (16-bit)", "master weights (fp32)",
-            "master grads (fp32)", "optimizer state", "total".
-        """
+        """Live bytes of each model state right now, each storage counted once: "model weights (16-bit)",
+        "model grads (16-bit)", "master weights (fp32)", "master grads (fp32)", "optimizer state", "total"."""
         out = {
             "model weights (16-bit)": unique_bytes(self.model_params),
             "model grads (16-bit)": unique_bytes(p.grad for p in self.model_params),

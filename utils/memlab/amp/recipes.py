@@ -26,14 +26,12 @@ _ALLOWED = "'fp32', 'fp16' or 'fp16-mixed', 'bf16' or 'bf16-mixed' (a memlab.cor
 
 
 def update_recipe_dtype(recipe: Any) -> torch.dtype | None:
-    """The model's dtype in an update recipe.
+    """The model's dtype in an update recipe: torch.float16 or torch.bfloat16 for the mixed recipes,
+    None for fp32.
 
     Args:
         recipe: a key of :data:`UPDATE_RECIPES`, its canonical spelling ("fp16-mixed",
             "bf16-mixed") or a :class:`memlab.core.vocab.Recipe` (not bf16-pure: no master copy).
-
-    Returns:
-        torch.float16 or torch.bfloat16 for the mixed recipes, None for fp32.
 
     Raises:
         ValueError: an unknown or unsupported recipe.
@@ -77,12 +75,7 @@ def update_peak_bytes(model: nn.Module, recipe: str) -> int:
     temporaries (``exp_avg_sq.sqrt()`` and its quotient) the size of the largest parameter. Each
     parameter counted once (``model.parameters()`` skips tied duplicates).
 
-    Args:
-        model: a model whose every parameter trains.
-        recipe: "fp32", "fp16" / "fp16-mixed" or "bf16" / "bf16-mixed" (:func:`update_recipe_dtype`).
-
-    Returns:
-        The predicted peak in bytes.
+    ``recipe`` as :func:`update_recipe_dtype` takes it.
 
     Raises:
         ValueError: ``model`` is not a module, has a frozen parameter or none; an unknown recipe.
@@ -113,13 +106,7 @@ def measure_update_peak(model: nn.Module, recipe: str, *, seed: int = 0) -> int:
     Adam's state exists; after ``zero_grad(set_to_none=True)`` and fresh gradients, the second
     update runs inside a :class:`memlab.profiler.MemoryTracker` over the model and the optimizer.
 
-    Args:
-        model: a model whose every parameter trains; it is cast and stepped.
-        recipe: "fp32", "fp16" / "fp16-mixed" or "bf16" / "bf16-mixed".
-        seed: the seed of the random gradients.
-
-    Returns:
-        The tracker's peak in bytes.
+    ``seed`` seeds the random gradients; returns the tracker's peak in bytes.
 
     Raises:
         ValueError: as :func:`update_peak_bytes`.

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from memlab.attention.masks import _acc, _check, _grouped, _loop_mask, _q_start
-from memlab.attention.reference import _online_forward
+from memlab.attention.masks import (accumulation_dtype, check_attention_args, first_visible_query, group_queries,
+                                    loop_block_mask)
+from memlab.attention.reference import online_softmax_forward
 
 __all__ = ["flash_attention_forward", "flash_attention_backward", "FlashAttentionFunction", "flash_attention",
            "attention_saved_bytes"]
@@ -26,21 +27,18 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The blockwise forward without autograd (the online softmax over key blocks).
 
-    Args:
-        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
-        block_q: query rows per block.
-        block_k: keys per block.
-
-    Returns:
-        (output ``(B, Hq, Lq, Dv)`` in q's dtype, logsumexp ``(B, Hq, Lq)`` in the accumulation dtype).
+    Arguments as :func:`~memlab.attention.naive_attention`, plus ``block_q`` query rows and
+    ``block_k`` keys per block. Returns (output ``(B, Hq, Lq, Dv)`` in q's dtype, logsumexp
+    ``(B, Hq, Lq)`` in the accumulation dtype).
 
     Raises:
-        ValueError: as :func:`~memlab.attention.naive_attention`, or a bad block size.
+        ValueError: as :func:`~memlab.attention.naive_attention`, or a block size < 1.
     """
-    mode, scale, g = _check("flash_attention_forward", q, k, v, causal, scale, block_q=block_q, block_k=block_k)
+    mode, scale, g = check_attention_args("flash_attention_forward", q, k, v, causal, scale,
+                                          block_q=block_q, block_k=block_k)
     b, h, lq, _ = q.shape
     with torch.no_grad():
-        outs, lses = _online_forward(_grouped(q, g), k, v, mode, scale, block_q, block_k, lq, k.shape[2])
+        outs, lses = online_softmax_forward(group_queries(q, g), k, v, mode, scale, block_q, block_k, lq, k.shape[2])
         o = torch.cat(outs, dim=-2).reshape(b, h, lq, v.shape[-1]).to(q.dtype)
         return o, torch.cat(lses, dim=-1).reshape(b, h, lq)
 
@@ -51,41 +49,34 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA2 Algorithm 2: the gradients from q, k, v, o and the logsumexp, recomputing P block by block.
 
-    Args:
-        do: the output's gradient, like ``o``.
-        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
-        o: the forward's output.
-        lse: the forward's logsumexp ``(B, Hq, Lq)``.
-        block_q: query rows per block.
-        block_k: keys per block.
-
-    Returns:
-        ``(dq, dk, dv)`` in the dtypes of q, k and v.
+    ``do`` is the output's gradient, ``o`` and ``lse`` ``(B, Hq, Lq)`` the forward's output and
+    logsumexp; the rest as :func:`flash_attention_forward`. Returns ``(dq, dk, dv)`` in the dtypes
+    of q, k and v.
 
     Raises:
         ValueError: as :func:`~memlab.attention.naive_attention`.
     """
-    mode, scale, g = _check("flash_attention_backward", q, k, v, causal, scale)
-    acc = _acc(q.dtype)
+    mode, scale, g = check_attention_args("flash_attention_backward", q, k, v, causal, scale)
+    acc = accumulation_dtype(q.dtype)
     b, h, lq, d = q.shape
     lk = k.shape[2]
-    q5, do5 = _grouped(q, g), _grouped(do, g)
-    lse5 = _grouped(lse.unsqueeze(-1), g).squeeze(-1).to(acc)
+    q5, do5 = group_queries(q, g), group_queries(do, g)
+    lse5 = group_queries(lse.unsqueeze(-1), g).squeeze(-1).to(acc)
     lse5 = torch.where(torch.isinf(lse5) & (lse5 < 0), torch.full_like(lse5, float("inf")), lse5)  # empty rows: P = 0
-    delta = (do5.to(acc) * _grouped(o, g).to(acc)).sum(-1)  # D = rowsum(dO * O)
+    delta = (do5.to(acc) * group_queries(o, g).to(acc)).sum(-1)  # D = rowsum(dO * O)
     dq = torch.zeros(q5.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     for ks in range(0, lk, block_k):
         ke = min(lk, ks + block_k)
         kj, vj = k[:, :, ks:ke].to(acc), v[:, :, ks:ke].to(acc)
-        first = _q_start(mode, ks, lq, lk) // block_q * block_q
+        first = first_visible_query(mode, ks, lq, lk) // block_q * block_q
         for qs in range(first, lq, block_q):
             qe = min(lq, qs + block_q)
             qi, doi = q5[..., qs:qe, :].to(acc), do5[..., qs:qe, :].to(acc)
             s = torch.einsum("bhgqd,bhkd->bhgqk", qi, kj) * scale
             p = torch.exp(s - lse5[..., qs:qe].unsqueeze(-1))
-            mask = _loop_mask(mode, qs, qe, ks, ke, lq, lk, q.device)
+            mask = loop_block_mask(mode, qs, qe, ks, ke, lq, lk, q.device)
             if mask is not None:
                 p = p.masked_fill(~mask, 0.0)
             dv[:, :, ks:ke] += torch.einsum("bhgqk,bhgqd->bhkd", p, doi)
@@ -101,7 +92,6 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, block_q, block_k):  # type: ignore[override]
-        """Args: as :func:`flash_attention`. Returns: (output, logsumexp)."""
         o, lse = flash_attention_forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.opts = dict(causal=causal, scale=scale, block_q=block_q, block_k=block_k)
@@ -110,7 +100,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):  # type: ignore[override]
-        """Args: the output's gradient (the logsumexp's is ignored). Returns: dq, dk, dv and None per option."""
+        # the logsumexp's gradient is ignored; None per option
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, **ctx.opts)
         return dq, dk, dv, None, None, None, None
@@ -121,34 +111,20 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention-2 in PyTorch: saves O(seq) for backward (q, k, v, output, logsumexp).
 
-    Args:
-        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
-        block_q: query rows per block.
-        block_k: keys per block.
-        return_lse: also return the logsumexp (not differentiable).
-
-    Returns:
-        The output ``(B, Hq, Lq, Dv)`` in q's dtype; with ``return_lse`` the pair (output, logsumexp).
+    Arguments as :func:`flash_attention_forward`; with ``return_lse`` returns (output, logsumexp),
+    the logsumexp not differentiable.
 
     Raises:
-        ValueError: as :func:`~memlab.attention.naive_attention`, or a bad block size.
+        ValueError: as :func:`~memlab.attention.naive_attention`, or a block size < 1.
     """
-    _check("flash_attention", q, k, v, causal, scale, block_q=block_q, block_k=block_k)
+    check_attention_args("flash_attention", q, k, v, causal, scale, block_q=block_q, block_k=block_k)
     o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, block_q, block_k)
     return (o, lse) if return_lse else o
 
 
 def attention_saved_bytes(fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> int:
-    """Bytes ``fn(q, k, v, **kwargs)`` saves for backward beyond q, k and v themselves (each storage once).
-
-    Args:
-        fn: an attention function, such as :func:`flash_attention`.
-        q, k, v: its inputs (q needing grad).
-        kwargs: passed to ``fn``.
-
-    Returns:
-        The bytes autograd keeps (counted by :func:`memlab.accounting.saved_activation_bytes`).
-    """
+    """Bytes ``fn(q, k, v, **kwargs)`` saves for backward beyond q, k and v themselves (each storage
+    once), counted by :func:`memlab.accounting.saved_activation_bytes`; q must need grad."""
     from memlab.accounting import saved_activation_bytes
 
     return saved_activation_bytes(fn, q, k, v, exclude=[q, k, v], **kwargs)

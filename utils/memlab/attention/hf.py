@@ -32,11 +32,7 @@ def register_transformers(name: str = "memlab", impl: str = "flash") -> str:
     batches without padding. GQA goes to memlab's own grouped heads (no repeat of k and v).
 
     Args:
-        name: the implementation's name in transformers (a non-empty string).
         impl: which memlab attention runs: ``"flash"``, ``"chunked"``, ``"naive"`` or ``"triton"``.
-
-    Returns:
-        ``name``.
 
     Raises:
         ValueError: an unknown ``impl`` or an empty ``name``.

@@ -15,6 +15,8 @@ import torch
 from memlab.core.validation import check_positive_int, invalid
 
 __all__ = ["CAUSAL_MODES", "causal_mask", "block_mask"]
+# check_attention_args, accumulation_dtype, diagonal_offset, loop_block_mask, visible_kv_end,
+# first_visible_query and group_queries are the shared internals of reference, flash and triton_flash
 
 #: the accepted values of ``causal``
 CAUSAL_MODES = (False, True, "top_left", "bottom_right")
@@ -23,7 +25,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # ----------------------------------------------------------------------------- arguments
 def _mode(where: str, causal: Any) -> str | None:
-    """``causal`` as None (no mask), ``"top_left"`` or ``"bottom_right"``."""
+    # ``causal`` as None (no mask), "top_left" or "bottom_right"
     if causal is False or causal is None:
         return None
     if causal is True or causal == "top_left":
@@ -33,16 +35,12 @@ def _mode(where: str, causal: Any) -> str | None:
     raise invalid(f"{where}: causal", causal, ", ".join(map(repr, CAUSAL_MODES)))
 
 
-def _positive(where: str, name: str, value: Any) -> int:
-    return check_positive_int(f"{where}: {name}", value)
-
-
-def _check(where: str, q: Any, k: Any, v: Any, causal: Any, scale: Any,
-           **blocks: Any) -> tuple[str | None, float, int]:
+def check_attention_args(where: str, q: Any, k: Any, v: Any, causal: Any, scale: Any,
+                         **blocks: Any) -> tuple[str | None, float, int]:
     """Validate q, k, v, causal, scale and each block size in ``blocks`` (name -> positive int);
-    return (causal mode, scale, group size G = Hq // Hkv)."""
+    return (causal mode, scale, group size G = Hq // Hkv). ``where`` names the caller in errors."""
     for name, value in blocks.items():
-        _positive(where, name, value)
+        check_positive_int(f"{where}: {name}", value)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -72,13 +70,14 @@ def _check(where: str, q: Any, k: Any, v: Any, causal: Any, scale: Any,
     return mode, float(scale), q.shape[1] // k.shape[1]
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 inputs, fp32 for everything else."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _offset(mode: str | None, lq: int, lk: int) -> int:
+def diagonal_offset(mode: str | None, lq: int, lk: int) -> int:
+    """Query ``i`` sees keys ``j <= i + offset``: ``lk - lq`` bottom-right, 0 top-left."""
     return lk - lq if mode == "bottom_right" else 0
-
 
 
 def causal_mask(lq: int, lk: int, causal: Any = True, *, device: Any = None) -> torch.Tensor | None:
@@ -87,71 +86,58 @@ def causal_mask(lq: int, lk: int, causal: Any = True, *, device: Any = None) -> 
     ``True`` / ``"top_left"``: ``j <= i`` (SDPA's ``is_causal``); ``"bottom_right"``:
     ``j <= i + lk - lq`` (flash-attn >= 2.1). Blocks use the same rule with absolute indices.
 
-    Args:
-        lq: query length, >= 1.
-        lk: key length, >= 1.
-        causal: False, True / ``"top_left"`` or ``"bottom_right"``.
-        device: where the mask is made.
-
-    Returns:
-        The mask, or None when ``causal`` is False.
-
     Raises:
         ValueError: an unknown ``causal`` or a length < 1.
     """
     mode = _mode("causal_mask", causal)
-    _positive("causal_mask", "lq", lq)
-    _positive("causal_mask", "lk", lk)
+    check_positive_int("causal_mask: lq", lq)
+    check_positive_int("causal_mask: lk", lk)
     return block_mask(mode, 0, lq, 0, lk, lq, lk, device)
-
 
 
 def block_mask(mode: str | None, qs: int, qe: int, ks: int, ke: int, lq: int, lk: int,
                device: Any = None) -> torch.Tensor | None:
     """The causal mask of one block: query rows ``[qs, qe)`` against key columns ``[ks, ke)``.
 
+    Boolean ``(qe - qs, ke - ks)``, True where the query may see the key; None when ``mode`` is None.
+
     Args:
         mode: None (no mask), ``"top_left"`` or ``"bottom_right"`` (as :func:`causal_mask` spells
             them after parsing ``causal``).
-        qs, qe: the block's first and one-past-last query row (absolute indices).
-        ks, ke: the block's first and one-past-last key column (absolute indices).
+        qs, qe, ks, ke: the block's absolute row and column ranges, end exclusive.
         lq, lk: the whole sequence lengths of the queries and the keys (for bottom-right).
-        device: where the mask is made.
-
-    Returns:
-        Boolean ``(qe - qs, ke - ks)``, True where the query may see the key; None when ``mode`` is None.
     """
     if mode is None:
         return None
     i = torch.arange(qs, qe, device=device).unsqueeze(1)
     j = torch.arange(ks, ke, device=device).unsqueeze(0)
-    return j <= i + _offset(mode, lq, lk)
+    return j <= i + diagonal_offset(mode, lq, lk)
 
 
-def _loop_mask(mode: str | None, qs: int, qe: int, ks: int, ke: int, lq: int, lk: int,
-               device: Any) -> torch.Tensor | None:
+def loop_block_mask(mode: str | None, qs: int, qe: int, ks: int, ke: int, lq: int, lk: int,
+                    device: Any) -> torch.Tensor | None:
     """The block's mask inside the loops: None also when the block lies wholly below the diagonal
     (every query sees every key of it), so most blocks of a causal matrix pay nothing for masking."""
-    if mode is None or ke - 1 <= qs + _offset(mode, lq, lk):
+    if mode is None or ke - 1 <= qs + diagonal_offset(mode, lq, lk):
         return None
     return block_mask(mode, qs, qe, ks, ke, lq, lk, device)
 
 
-def _kv_end(mode: str | None, qe: int, lq: int, lk: int) -> int:
-    """Keys [0, end) can be seen by query rows < qe; later key blocks are fully masked (skipped)."""
+def visible_kv_end(mode: str | None, qe: int, lq: int, lk: int) -> int:
+    """Keys ``[0, end)`` can be seen by query rows < qe; later key blocks are fully masked (skipped)."""
     if mode is None:
         return lk
-    return max(0, min(lk, qe + _offset(mode, lq, lk)))
+    return max(0, min(lk, qe + diagonal_offset(mode, lq, lk)))
 
 
-def _q_start(mode: str | None, ks: int, lq: int, lk: int) -> int:
-    """Query rows >= start can see key ks; earlier query rows are fully masked for this key block."""
+def first_visible_query(mode: str | None, ks: int, lq: int, lk: int) -> int:
+    """The first query row that sees key ``ks``; earlier rows are fully masked for this key block."""
     if mode is None:
         return 0
-    return max(0, min(lq, ks - _offset(mode, lq, lk)))
+    return max(0, min(lq, ks - diagonal_offset(mode, lq, lk)))
 
 
-def _grouped(q: torch.Tensor, g: int) -> torch.Tensor:
+def group_queries(q: torch.Tensor, g: int) -> torch.Tensor:
     """(B, Hq, L, D) -> (B, Hkv, G, L, D): query head h = hk * G + g shares kv head hk."""
     b, h, l, d = q.shape
     return q.view(b, h // g, g, l, d)

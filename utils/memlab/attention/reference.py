@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from memlab.attention.masks import _acc, _check, _grouped, _kv_end, _loop_mask, block_mask
+from memlab.attention.masks import (accumulation_dtype, block_mask, check_attention_args, group_queries,
+                                    loop_block_mask, visible_kv_end)
 
 __all__ = ["sdpa_reference", "naive_attention", "merge_partials", "chunked_attention"]
 
@@ -27,25 +28,17 @@ def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
                    scale: float | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with memlab's options (bottom-right as a boolean mask).
 
-    Args:
-        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
-
-    Returns:
-        The output ``(B, Hq, Lq, Dv)`` in q's dtype.
-
-    Raises:
-        ValueError: as :func:`~memlab.attention.naive_attention`.
+    Arguments and errors as :func:`naive_attention`; GQA by repeating k and v.
     """
     import torch.nn.functional as F
 
-    mode, scale, g = _check("sdpa_reference", q, k, v, causal, scale)
+    mode, scale, g = check_attention_args("sdpa_reference", q, k, v, causal, scale)
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     if mode == "bottom_right":
         mask = block_mask(mode, 0, q.shape[2], 0, k.shape[2], q.shape[2], k.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=mode == "top_left", scale=scale)
-
 
 
 # ----------------------------------------------------------------------------- naive
@@ -61,15 +54,15 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         scale: the score scale; None is ``1 / sqrt(D)``.
 
     Returns:
-        The output ``(B, Hq, Lq, Dv)`` in q's dtype (computed in fp32, fp64 for fp64 inputs).
+        ``(B, Hq, Lq, Dv)`` in q's dtype, computed in fp32 (fp64 for fp64 inputs).
 
     Raises:
         ValueError: a tensor of the wrong rank, dtype, device or shape, or a bad option.
     """
-    mode, scale, g = _check("naive_attention", q, k, v, causal, scale)
-    acc = _acc(q.dtype)
+    mode, scale, g = check_attention_args("naive_attention", q, k, v, causal, scale)
+    acc = accumulation_dtype(q.dtype)
     lq, lk = q.shape[2], k.shape[2]
-    s = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(q, g).to(acc), k.to(acc)) * scale
+    s = torch.einsum("bhgqd,bhkd->bhgqk", group_queries(q, g).to(acc), k.to(acc)) * scale
     mask = block_mask(mode, 0, lq, 0, lk, lq, lk, q.device)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
@@ -90,15 +83,7 @@ def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2:
     ``o_i`` (..., L, D) is the softmax-weighted output over key set ``i``, ``lse_i`` (..., L) its
     logsumexp. The merged ``lse = log(exp(lse1) + exp(lse2))`` and
     ``o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2``. Rows with ``lse = -inf`` (no key) weigh 0.
-
-    Args:
-        o1: the output over the first key set, ``(..., L, D)``.
-        lse1: its logsumexp, ``(..., L)``.
-        o2: the output over the second key set.
-        lse2: its logsumexp.
-
-    Returns:
-        ``(o, lse)`` over the union of the two key sets.
+    Returns ``(o, lse)`` over the union of the two key sets.
     """
     lse = torch.logaddexp(lse1, lse2)
     safe = torch.where(torch.isinf(lse) & (lse < 0), torch.zeros_like(lse), lse)
@@ -107,10 +92,11 @@ def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2:
     return w1 * o1 + w2 * o2, lse
 
 
-def _online_forward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str | None, scale: float,
-                    q_chunk: int, kv_chunk: int, lq: int, lk: int) -> tuple[list, list]:
-    """Blockwise forward on grouped queries; returns per-q-chunk outputs and logsumexps (acc dtype)."""
-    acc = _acc(q5.dtype)
+def online_softmax_forward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str | None, scale: float,
+                           q_chunk: int, kv_chunk: int, lq: int, lk: int) -> tuple[list, list]:
+    """The online softmax over key blocks on grouped queries ``(B, Hkv, G, Lq, D)``, shared by
+    :func:`chunked_attention` and the flash forward; per query chunk, the output and logsumexp (acc dtype)."""
+    acc = accumulation_dtype(q5.dtype)
     outs, lses = [], []
     for qs in range(0, lq, q_chunk):
         qe = min(lq, qs + q_chunk)
@@ -119,10 +105,10 @@ def _online_forward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: st
         m = torch.full(shape, float("-inf"), dtype=acc, device=q5.device)
         l = torch.zeros(shape, dtype=acc, device=q5.device)
         o = torch.zeros(*shape, v.shape[-1], dtype=acc, device=q5.device)
-        for ks in range(0, _kv_end(mode, qe, lq, lk), kv_chunk):
+        for ks in range(0, visible_kv_end(mode, qe, lq, lk), kv_chunk):
             ke = min(lk, ks + kv_chunk)
             s = torch.einsum("bhgqd,bhkd->bhgqk", qi, k[:, :, ks:ke].to(acc)) * scale
-            mask = _loop_mask(mode, qs, qe, ks, ke, lq, lk, q5.device)
+            mask = loop_block_mask(mode, qs, qe, ks, ke, lq, lk, q5.device)
             if mask is not None:
                 s = s.masked_fill(~mask, float("-inf"))
             # the running max only stabilises exp(); the result does not depend on it: no gradient
@@ -149,22 +135,16 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     Differentiable through autograd, which keeps every block's probabilities for backward, so in
     training it keeps as much as :func:`naive_attention` (see :func:`attention_saved_bytes`).
 
-    Args:
-        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
-        q_chunk: query rows per chunk.
-        kv_chunk: keys per chunk.
-        return_lse: also return the logsumexp.
-
-    Returns:
-        The output ``(B, Hq, Lq, Dv)`` in q's dtype; with ``return_lse`` the pair (output,
-        logsumexp ``(B, Hq, Lq)`` in the accumulation dtype).
+    Arguments as :func:`naive_attention`, plus ``q_chunk`` query rows and ``kv_chunk`` keys per
+    chunk. With ``return_lse`` returns (output, logsumexp ``(B, Hq, Lq)`` in the accumulation dtype).
 
     Raises:
-        ValueError: as :func:`~memlab.attention.naive_attention`, or a bad block size.
+        ValueError: as :func:`naive_attention`, or a block size < 1.
     """
-    mode, scale, g = _check("chunked_attention", q, k, v, causal, scale, q_chunk=q_chunk, kv_chunk=kv_chunk)
+    mode, scale, g = check_attention_args("chunked_attention", q, k, v, causal, scale,
+                                          q_chunk=q_chunk, kv_chunk=kv_chunk)
     b, h, lq, _ = q.shape
-    outs, lses = _online_forward(_grouped(q, g), k, v, mode, scale, q_chunk, kv_chunk, lq, k.shape[2])
+    outs, lses = online_softmax_forward(group_queries(q, g), k, v, mode, scale, q_chunk, kv_chunk, lq, k.shape[2])
     o = torch.cat(outs, dim=-2).reshape(b, h, lq, v.shape[-1]).to(q.dtype)
     if return_lse:
         return o, torch.cat(lses, dim=-1).reshape(b, h, lq)

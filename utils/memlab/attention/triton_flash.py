@@ -13,19 +13,15 @@ from typing import Any
 
 import torch
 
-from memlab.attention.masks import _check, _offset, _positive
-from memlab.core.validation import invalid
+from memlab.attention.masks import check_attention_args, diagonal_offset
+from memlab.core.validation import check_positive_int, invalid
 
 __all__ = ["triton_available", "triton_interpreted", "load_triton_kernels", "TritonFlashAttentionFunction",
            "triton_flash_attention"]
 
 
 def triton_available() -> bool:
-    """Whether ``import triton`` works here.
-
-    Returns:
-        True when triton and triton.language import.
-    """
+    """Whether ``import triton`` (and ``triton.language``) works here."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
@@ -38,12 +34,8 @@ _KERNELS: dict[str, Any] = {}
 
 
 def load_triton_kernels() -> Any:
-    """Import the Triton kernels on first use (importing them imports triton).
-
-    Returns:
-        The module :mod:`memlab.attention.triton_kernels`; its kernels are interpreted when
-        ``TRITON_INTERPRET=1`` was set before triton's first import.
-    """
+    """Import and return :mod:`memlab.attention.triton_kernels` on first use (it imports triton); its
+    kernels are interpreted when ``TRITON_INTERPRET=1`` was set before triton's first import."""
     if "k" not in _KERNELS:
         from memlab.attention import triton_kernels
 
@@ -52,20 +44,18 @@ def load_triton_kernels() -> Any:
 
 
 def _precision(q: torch.Tensor) -> str:
-    """fp32 inputs: exact fp32 products ("ieee", not TF32); fp16/bf16: tensor-core dots, fp32 accumulation."""
+    # fp32 inputs: exact fp32 products ("ieee", not TF32); fp16/bf16: tensor-core dots, fp32 accumulation
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def _pow2(n: int) -> int:
+    # a power-of-two tile >= 16 covering n (tl.dot's smallest)
     return max(16, 1 << (max(1, n) - 1).bit_length())
 
 
 def triton_interpreted() -> bool:
-    """Whether Triton kernels run in the interpreter here (TRITON_INTERPRET=1 when triton was imported).
-
-    Returns:
-        True under the interpreter (CPU tensors work), False when kernels compile (CUDA).
-    """
+    """Whether Triton kernels run in the interpreter here (CPU tensors work) rather than compiled (CUDA):
+    TRITON_INTERPRET=1 when triton was imported."""
     import triton.language as tl_
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -96,7 +86,7 @@ class TritonFlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mode, scale, g, block_m, block_n):  # type: ignore[override]
-        """Args: q, k, v, the parsed causal mode, scale, GQA group size, block sizes. Returns: (output, logsumexp)."""
+        # mode: the parsed causal mode; g: the GQA group size; returns (output, logsumexp)
         kern = _triton_setup(q)
         out_dtype = q.dtype
         if q.dtype == torch.bfloat16 and triton_interpreted():
@@ -110,7 +100,7 @@ class TritonFlashAttentionFunction(torch.autograd.Function):
         grid = (-(-lq // block_m), b * h)
         kern.fwd[grid](q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-                       h, g, lq, lk, d, dv, scale, _offset(mode, lq, lk),
+                       h, g, lq, lk, d, dv, scale, diagonal_offset(mode, lq, lk),
                        CAUSAL=mode is not None, PREC=_precision(q), BM=block_m, BN=block_n, BD=_pow2(d),
                        BDV=_pow2(dv))
         ctx.save_for_backward(q, k, v, o, lse)
@@ -120,7 +110,7 @@ class TritonFlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):  # type: ignore[override]
-        """Args: the output's gradient (the logsumexp's is ignored). Returns: dq, dk, dv and None per option."""
+        # the logsumexp's gradient is ignored; None per option
         q, k, v, o, lse = ctx.saved_tensors
         mode, scale, g, block_m, block_n, hk, out_dtype = ctx.opts
         kern = _triton_setup(q)
@@ -133,7 +123,7 @@ class TritonFlashAttentionFunction(torch.autograd.Function):
         dv = torch.empty(b, hk, lk, dvd, dtype=torch.float32, device=q.device)
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   v.stride(0), v.stride(1), v.stride(2))
-        off = _offset(mode, lq, lk)
+        off = diagonal_offset(mode, lq, lk)
         meta = dict(CAUSAL=mode is not None, PREC=_precision(q), BM=block_m, BN=block_n, BD=_pow2(d), BDV=_pow2(dvd))
         kern.bwd_dq[(-(-lq // block_m), b * h)](q, k, v, do, lse, delta, dq, *common,
                                                 h, g, lq, lk, d, dvd, scale, off, **meta)
@@ -156,24 +146,20 @@ def triton_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     :func:`flash_attention`). Under the interpreter bf16 runs in fp32 (NumPy has no bfloat16).
 
     Args:
-        q, k, v, causal, scale: as :func:`~memlab.attention.naive_attention`.
         block_q: query rows per program, a power of two >= 16 (``tl.dot``'s smallest tile).
         block_k: keys per loop step, a power of two >= 16.
         return_lse: also return the logsumexp (fp32, not differentiable).
-
-    Returns:
-        The output ``(B, Hq, Lq, Dv)`` in q's dtype; with ``return_lse`` the pair (output, logsumexp).
 
     Raises:
         ValueError: a bad tensor or option, fp64, or a block size that is not a power of two >= 16.
         RuntimeError: triton is missing, or CPU tensors without Triton's interpreter.
     """
-    mode, scale, g = _check("triton_flash_attention", q, k, v, causal, scale)
+    mode, scale, g = check_attention_args("triton_flash_attention", q, k, v, causal, scale)
     if q.dtype == torch.float64:
         raise ValueError("triton_flash_attention: q.dtype=torch.float64 is not supported; allowed: float16, "
                          "bfloat16, float32 (use flash_attention for fp64)")
     for name, val in (("block_q", block_q), ("block_k", block_k)):
-        _positive("triton_flash_attention", name, val)
+        check_positive_int(f"triton_flash_attention: {name}", val)
         if val < 16 or val & (val - 1):
             raise invalid(f"triton_flash_attention: {name}", val, "a power of two >= 16")
     o, lse = TritonFlashAttentionFunction.apply(q, k, v, mode, scale, g, block_q, block_k)

@@ -32,7 +32,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                      H, Lq, Lk, scale,
                      CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """O[b, h, rows] and LSE[b, h, rows] for one block of BLOCK_M query rows (grid: (cdiv(Lq, BLOCK_M), B * H)).
+    """Writes O[b, h, rows] and LSE[b, h, rows] for one block of BLOCK_M query rows
+    (grid: (cdiv(Lq, BLOCK_M), B * H)).
 
     Args:
         Q, K, V, O, LSE: pointers to q ``(B, H, Lq, D)``, k and v ``(B, H, Lk, D)``, the output like
@@ -42,9 +43,6 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
         scale: the score scale.
         CAUSAL, D, BLOCK_M, BLOCK_N: compile-time: bottom-right causal mask, head dim (a power of
             two), query rows per program, keys per loop step.
-
-    Returns:
-        Nothing: writes O and LSE.
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -89,7 +87,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
 def fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
         H, G, Lq, Lk, D, Dv, scale, offset,
         CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-    """The forward of one block of BM query rows (grid: (cdiv(Lq, BM), B * H)).
+    """The forward of one block of BM query rows (grid: (cdiv(Lq, BM), B * H)). Writes O and LSE.
 
     Args:
         Q, K, V, O, LSE: pointers to q, k, v (contiguous in their last dim), the output, the fp32 logsumexp.
@@ -98,9 +96,6 @@ def fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, 
             lengths, head dims (padded to the powers of two BD, BDV).
         scale, offset: the score scale; the causal diagonal's offset (``Lk - Lq`` bottom-right, 0 top-left).
         CAUSAL, PREC, BM, BN, BD, BDV: compile-time: causal mask, ``tl.dot`` precision, block sizes.
-
-    Returns:
-        Nothing: writes O and LSE.
     """
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -150,16 +145,13 @@ def fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, 
 def bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
            H, G, Lq, Lk, D, Dv, scale, offset,
            CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-    """dQ of one block of BM query rows, looping over key blocks (grid: (cdiv(Lq, BM), B * H)).
+    """Writes dQ of one block of BM query rows, looping over key blocks (grid: (cdiv(Lq, BM), B * H)).
 
     Args:
         Q, K, V, DO, LSE, DELTA, DQ: pointers to q, k, v, dO (contiguous), the logsumexp,
             ``D = rowsum(dO * O)`` and the fp32 dq (contiguous).
         sqb, sqh, sqm, skb, ...: the batch, head and row strides of q, k and v.
         H, G, Lq, Lk, D, Dv, scale, offset, CAUSAL, PREC, BM, BN, BD, BDV: as :func:`fwd`.
-
-    Returns:
-        Nothing: writes DQ.
     """
     # DO and DQ are contiguous: (B, H, Lq, Dv) and (B, H, Lq, D)
     pid_m = tl.program_id(0)
@@ -205,15 +197,12 @@ def bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb,
              H, HK, G, Lq, Lk, D, Dv, scale, offset,
              CAUSAL: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     """dK and dV of one block of BN keys of one kv head, looping over its G query heads and the
-    query blocks that can see it (grid: (cdiv(Lk, BN), B * HK)).
+    query blocks that can see it (grid: (cdiv(Lk, BN), B * HK)). Writes DK and DV.
 
     Args:
         Q, K, V, DO, LSE, DELTA, DK, DV: as :func:`bwd_dq`, with the fp32 dk and dv (contiguous).
         HK: key/value heads; the other arguments as :func:`bwd_dq`.
         H, G, Lq, Lk, D, Dv, scale, offset, CAUSAL, PREC, BM, BN, BD, BDV: as :func:`fwd`.
-
-    Returns:
-        Nothing: writes DK and DV.
     """
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -269,8 +258,6 @@ def launch_flash_fwd(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         kernel: a ``@triton.jit`` kernel with :func:`flash_fwd_kernel`'s signature (the lab's answer or memlab's).
         q, k, v: ``(B, H, L, D)`` tensors, D a power of two >= 16.
         causal: bottom-right causal mask.
-        block_m: query rows per program.
-        block_n: keys per loop step.
         out: where to write the output (any strides); None makes one.
 
     Returns:

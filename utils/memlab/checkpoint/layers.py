@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlab.checkpoint.recompute import _tensors, checkpoint
+from memlab.checkpoint.recompute import checkpoint, tensor_leaves
 from memlab.core.validation import check_positive_int
 
 __all__ = ["enable", "disable"]
@@ -18,7 +18,7 @@ _ENABLED = "_memlab_checkpoint_forward"  # the instance attribute enable() sets 
 
 
 def _cache_length(cache: Any) -> int:
-    """Tokens a KV cache holds (0 for an empty one; a tuple-style cache counts its first tensor)."""
+    # tokens a KV cache holds (0 for an empty one; a tuple-style cache counts its elements)
     get = getattr(cache, "get_seq_length", None)
     if callable(get):
         try:
@@ -26,7 +26,7 @@ def _cache_length(cache: Any) -> int:
         except Exception:  # noqa: BLE001 -- an exotic cache: assume it holds something
             return 1
     if isinstance(cache, (tuple, list)):
-        return sum(t.numel() for t in _tensors(cache))
+        return sum(t.numel() for t in tensor_leaves(cache))
     return 1
 
 
@@ -86,7 +86,6 @@ def enable(model: nn.Module, *, every: int = 1, preserve_rng_state: bool = True)
     it.
 
     Args:
-        model: a transformers model (peft-wrapped or not) or a TinyGPT.
         every: checkpoint one decoder layer in ``every`` (1: all of them).
         preserve_rng_state: replay the forward's RNG state in the recomputation (dropout).
 
@@ -141,14 +140,7 @@ def enable(model: nn.Module, *, every: int = 1, preserve_rng_state: bool = True)
 
 def disable(model: nn.Module) -> int:
     """Undo :func:`enable`: the decoder layers run their own forward again
-    (``model.config.use_cache`` stays as :func:`enable` left it).
-
-    Args:
-        model: the model :func:`enable` wrapped.
-
-    Returns:
-        How many layers were unwrapped.
-    """
+    (``model.config.use_cache`` stays as :func:`enable` left it). Returns how many layers were unwrapped."""
     from memlab.models import decoder_layers
 
     n = 0

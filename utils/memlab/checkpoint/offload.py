@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from memlab.accounting import saved_activation_bytes, saved_storages
-from memlab.checkpoint.recompute import _check_callable
+from memlab.checkpoint.recompute import check_callable
 
 __all__ = ["OffloadStats", "offload_activations", "count_saved_tensors", "saved_activation_bytes"]
 
@@ -43,14 +43,8 @@ def offload_activations(pin_memory: bool = True, min_bytes: int = 0, include_cpu
     storage of a parameter or buffer of a module called inside the block (a global module
     forward-pre-hook records those while the block runs).
 
-    Args:
-        pin_memory: page-locked host copies when CUDA is available.
-        min_bytes: tensors smaller than this stay in place.
-        include_cpu: offload CPU tensors too (a fresh host copy; for teaching on a CPU).
-        skip_parameters: keep the model's parameters and buffers (and views of them) in place.
-
-    Yields:
-        An :class:`OffloadStats`, filled in while the block runs.
+    Raises:
+        ValueError: ``min_bytes`` < 0.
     """
     if min_bytes < 0:
         raise ValueError(f"offload_activations: min_bytes={min_bytes!r} must be >= 0")
@@ -104,18 +98,10 @@ def count_saved_tensors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tu
     ``fn`` (when it is a module) are not activations and are left out. ``bytes`` equals
     :func:`saved_activation_bytes`.
 
-    Args:
-        fn: a module or a function.
-        *args: its positional arguments.
-        **kwargs: its keyword arguments.
-
-    Returns:
-        ``(storages, bytes)``.
-
     Raises:
         ValueError: ``fn`` is not callable.
     """
-    _check_callable("count_saved_tensors", fn)
+    check_callable("count_saved_tensors", fn)
     with torch.enable_grad():
         seen = saved_storages(fn, *args, **kwargs)
     return len(seen), sum(seen.values())

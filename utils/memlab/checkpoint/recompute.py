@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 
 __all__ = ["checkpoint", "checkpoint_reentrant", "selective_checkpoint", "MATMUL_OPS", "RNGState"]
+# tensor_leaves and check_callable are also used by layers and offload
 
 aten = torch.ops.aten
 
@@ -24,18 +25,20 @@ MATMUL_OPS: frozenset = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm})
 
 
 # ----------------------------------------------------------------------------- small helpers
-def _tensors(args: Iterable[Any], kwargs: dict[str, Any] | None = None) -> list[torch.Tensor]:
+def tensor_leaves(args: Iterable[Any], kwargs: dict[str, Any] | None = None) -> list[torch.Tensor]:
+    """The tensors among ``args`` and ``kwargs``, nested containers flattened (torch's pytree)."""
     leaves, _ = tree_flatten((tuple(args), kwargs or {}))
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
-def _check_callable(where: str, fn: Any) -> None:
+def check_callable(where: str, fn: Any) -> None:
+    """Raise ValueError, prefixed with ``where``, when ``fn`` is not callable."""
     if not callable(fn):
         raise ValueError(f"{where}: fn={fn!r} must be callable (a module or a function)")
 
 
 def _cuda_devices(fn: Any, tensors: Sequence[torch.Tensor]) -> list[int]:
-    """CUDA device indices of the inputs (and of fn's parameters when fn is a module)."""
+    # CUDA device indices of the inputs (and of fn's parameters when fn is a module)
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return []
     devs = {t.device.index if t.device.index is not None else torch.cuda.current_device()
@@ -62,11 +65,7 @@ class RNGState:
 
     @contextmanager
     def replay(self) -> Iterator[None]:
-        """Run the ``with`` block under the captured RNG states; the states from before come back after.
-
-        Yields:
-            None.
-        """
+        """Run the ``with`` block under the captured RNG states; the states from before come back after."""
         cpu_now = torch.get_rng_state()
         cuda_now = {d: torch.cuda.get_rng_state(d) for d in self.cuda}
         torch.set_rng_state(self.cpu)
@@ -99,7 +98,7 @@ def _replay_autocast(state: dict[str, tuple[bool, torch.dtype]]) -> Iterator[Non
 
 # ----------------------------------------------------------------------------- selective policy
 class _KeepOutputs(TorchDispatchMode):
-    """Forward: remember the output of every op in ``ops`` (in call order)."""
+    # forward: remember the output of every op in ``ops`` (in call order)
 
     def __init__(self, ops: frozenset, store: list) -> None:
         super().__init__()
@@ -114,7 +113,7 @@ class _KeepOutputs(TorchDispatchMode):
 
 
 class _ReuseOutputs(TorchDispatchMode):
-    """Recompute: hand back the remembered output instead of running the op again."""
+    # recompute: hand back the remembered output instead of running the op again
 
     def __init__(self, ops: frozenset, store: list) -> None:
         super().__init__()
@@ -204,10 +203,10 @@ class _Frame:
 
 def _checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, preserve_rng_state: bool,
                 keep_ops: frozenset | None, where: str) -> Any:
-    _check_callable(where, fn)
+    check_callable(where, fn)
     if not torch.is_grad_enabled():  # nothing will be saved: just run it
         return fn(*args, **kwargs)
-    tensors = _tensors(args, kwargs)
+    tensors = tensor_leaves(args, kwargs)
     rng = RNGState(_cuda_devices(fn, tensors)) if preserve_rng_state else None
     frame = _Frame(fn, args, kwargs, rng, _autocast_state(t.device.type for t in tensors), keep_ops)
     keep = _KeepOutputs(keep_ops, frame.kept) if keep_ops else nullcontext()
@@ -231,15 +230,6 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     non-tensor arguments, nested containers and tuple outputs. Under ``torch.no_grad()`` it
     simply runs ``fn``. What stays in memory is ``args`` (the segment's boundary) and ``fn``.
 
-    Args:
-        fn: a module or a function.
-        *args: its positional arguments.
-        preserve_rng_state: replay the forward's RNG state in the recomputation.
-        **kwargs: its keyword arguments.
-
-    Returns:
-        What ``fn`` returns.
-
     Raises:
         ValueError: ``fn`` is not callable.
         RuntimeError: the recomputation did not run the same operations.
@@ -258,14 +248,10 @@ def selective_checkpoint(fn: Callable[..., Any], *args: Any, keep_ops: Iterable[
     of the boundary. An output modified in place after it was kept is recomputed instead.
 
     Args:
-        fn: a module or a function.
-        *args: its positional arguments.
         keep_ops: the ATen ops (overload packets) whose outputs are kept.
-        preserve_rng_state: replay the forward's RNG state in the recomputation.
-        **kwargs: its keyword arguments.
 
-    Returns:
-        What ``fn`` returns.
+    Raises:
+        ValueError: ``fn`` is not callable, or ``keep_ops`` is empty.
     """
     ops = frozenset(getattr(op, "overloadpacket", op) for op in keep_ops)
     if not ops:
@@ -279,7 +265,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, preserve_rng_state, *args):  # type: ignore[override]
         ctx.fn = fn
-        ctx.rng = RNGState(_cuda_devices(fn, _tensors(args))) if preserve_rng_state else None
+        ctx.rng = RNGState(_cuda_devices(fn, tensor_leaves(args))) if preserve_rng_state else None
         ctx.is_tensor = [isinstance(a, torch.Tensor) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)])
@@ -319,15 +305,10 @@ def checkpoint_reentrant(fn: Callable[..., Any], *args: Any, preserve_rng_state:
     gradient (or ``loss.backward()`` fails with "element 0 of tensors does not require grad").
     Positional arguments only; no keyword arguments.
 
-    Args:
-        fn: a module or a function.
-        *args: its positional arguments.
-        preserve_rng_state: replay the forward's RNG state in the recomputation.
-
-    Returns:
-        What ``fn`` returns.
+    Raises:
+        ValueError: ``fn`` is not callable.
     """
-    _check_callable("checkpoint_reentrant", fn)
+    check_callable("checkpoint_reentrant", fn)
     if not torch.is_grad_enabled():
         return fn(*args)
     return _ReentrantCheckpoint.apply(fn, preserve_rng_state, *args)

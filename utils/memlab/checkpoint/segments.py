@@ -18,7 +18,7 @@ __all__ = ["split_segments", "activation_memory_model", "sqrt_segments", "segmen
 
 
 def _checked(where: str, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run a memlab.core.validation check, its error message prefixed with the public function's name."""
+    # run a memlab.core.validation check, its error message prefixed with the public function's name
     try:
         return check(*args, **kwargs)
     except ValueError as exc:
@@ -34,15 +34,8 @@ def _check_segments(where: str, segments: Any, n_layers: int) -> None:
 
 
 def split_segments(n_layers: int, segments: int) -> list[tuple[int, int]]:
-    """``n_layers`` cut into ``segments`` contiguous runs whose sizes differ by at most one.
-
-    Args:
-        n_layers: the number of layers, >= 1.
-        segments: the number of runs, 1 to ``n_layers``.
-
-    Returns:
-        ``[(start, stop), ...]``, the longer runs first.
-    """
+    """``n_layers`` (>= 1) cut into ``segments`` (1 to ``n_layers``) contiguous runs whose sizes differ
+    by at most one: ``[(start, stop), ...]``, the longer runs first."""
     _check_layers("split_segments", n_layers)
     _check_segments("split_segments", segments, n_layers)
     base, extra = divmod(n_layers, segments)
@@ -67,14 +60,8 @@ def activation_memory_model(n_layers: int, segments: int, layer_bytes: float = 1
     ``e*s*b*h`` bytes) is much smaller than a layer's activations: pass both measured sizes.
     ``segments = 1`` is no checkpointing: the input plus every layer's activations.
 
-    Args:
-        n_layers: the number of layers.
-        segments: the number of segments, 1 to ``n_layers``.
-        layer_bytes: one layer's activations.
-        boundary_bytes: one segment input (default ``layer_bytes``).
-
-    Returns:
-        The modelled peak, in the units of the byte arguments.
+    Returns the modelled peak in the units of the byte arguments (``boundary_bytes`` defaults to
+    ``layer_bytes``).
     """
     _check_layers("activation_memory_model", n_layers)
     _check_segments("activation_memory_model", segments, n_layers)
@@ -90,12 +77,6 @@ def sqrt_segments(n_layers: int) -> int:
     """The segment count that minimises ``k + ceil(n/k)`` (Chen et al.'s sqrt(n) rule).
 
     For a perfect square this is exactly ``sqrt(n)``; among ties the one closest to ``sqrt(n)``.
-
-    Args:
-        n_layers: the number of layers, >= 1.
-
-    Returns:
-        The segment count.
     """
     _check_layers("sqrt_segments", n_layers)
     root = math.sqrt(n_layers)
@@ -108,15 +89,6 @@ def segments_for_budget(n_layers: int, budget_bytes: float, layer_bytes: float,
 
     Fewer segments means less recomputation (``n - ceil(n/k)``-ish layers rerun, growing with k),
     so the first ``k`` that fits is the cheapest.
-
-    Args:
-        n_layers: the number of layers.
-        budget_bytes: the activation memory allowed.
-        layer_bytes: one layer's activations.
-        boundary_bytes: one segment input.
-
-    Returns:
-        The segment count.
 
     Raises:
         ValueError: no segment count fits, or a bad argument.
@@ -143,15 +115,12 @@ def checkpoint_sequential(modules: Sequence[Callable[..., Any]] | nn.Sequential,
     recomputing it would cost time and save nothing. ``segments=1`` is therefore no checkpointing.
 
     Args:
-        modules: the layers, in order (an ``nn.Sequential`` or a sequence of callables).
         segments: the number of segments, 1 to ``len(modules)``.
-        x: the first layer's input.
-        preserve_rng_state: replay the forward's RNG state in the recomputation.
         checkpoint_fn: ``checkpoint_fn(fn, x)``; default :func:`checkpoint` (pass e.g.
             :func:`selective_checkpoint`).
 
-    Returns:
-        The last layer's output.
+    Raises:
+        ValueError: ``modules`` is empty or holds something not callable, or a bad ``segments``.
     """
     mods = list(modules)
     if not mods:
@@ -176,7 +145,6 @@ def checkpoint_sequential(modules: Sequence[Callable[..., Any]] | nn.Sequential,
         seg = run(mods[a:b])
         x = seg(x) if j == len(bounds) - 1 else checkpoint_fn(seg, x)
     return x
-
 
 
 def _check_run_args(where: str, config: Any, batch_size: Any, seq_len: Any, segments: Any) -> None:
@@ -208,14 +176,9 @@ def sequential_activation_peak(config: Any, batch_size: int, seq_len: int, segme
                                     gradient of the MLP hidden and a fresh MLP weight gradient
                                     (an allocation of backward until autograd stores it in .grad)
 
-    Args:
-        config: a ``memlab.models.TinyGPTConfig``.
-        batch_size: sequences per batch.
-        seq_len: tokens per sequence, 1 to ``config.block_size``.
-        segments: the number of segments, 1 to ``config.n_layer``.
-
-    Returns:
-        The predicted peak of the ``activations`` category, in bytes.
+    The result predicts the peak of the tracker's ``activations`` category. ``config`` is a
+    ``memlab.models.TinyGPTConfig``; ``seq_len`` is 1 to ``config.block_size``, ``segments`` 1 to
+    ``config.n_layer``.
 
     Raises:
         ValueError: naming a bad argument.
@@ -233,7 +196,7 @@ def sequential_activation_peak(config: Any, batch_size: int, seq_len: int, segme
 
 
 class _Segments(nn.Module):
-    """The blocks of a TinyGPT run by :func:`checkpoint_sequential` (a root module for the tracker)."""
+    # the blocks of a TinyGPT run by checkpoint_sequential (a root module for the tracker)
 
     def __init__(self, blocks: nn.ModuleList, segments: int, checkpoint_fn: Callable[..., Any] | None) -> None:
         super().__init__()
@@ -252,13 +215,8 @@ def measure_sequential_activation_peak(config: Any, batch_size: int, seq_len: in
     ``checkpoint_sequential(blocks, segments, x)`` forward and backward inside a
     :class:`memlab.profiler.MemoryTracker`.
 
-    Args:
-        config: a ``memlab.models.TinyGPTConfig``.
-        batch_size: sequences per batch.
-        seq_len: tokens per sequence, 1 to ``config.block_size``.
-        segments: the number of segments, 1 to ``config.n_layer``.
-        checkpoint_fn: passed to :func:`checkpoint_sequential`.
-        seed: the model's and the input's seed.
+    Arguments as :func:`sequential_activation_peak`; ``checkpoint_fn`` goes to
+    :func:`checkpoint_sequential`, ``seed`` seeds the model and the input.
 
     Returns:
         The largest number of bytes the tracker's ``activations`` category held (saved and

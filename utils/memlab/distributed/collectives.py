@@ -19,13 +19,6 @@ __all__ = ["padded_size", "shard_range", "shard_flat", "gather_flat", "reduce_sc
 def padded_size(numel: int, world_size: int) -> int:
     """``numel`` rounded up to a multiple of ``world_size``, so that every rank gets an equal shard.
 
-    Args:
-        numel: elements of the flat buffer.
-        world_size: the number of ranks.
-
-    Returns:
-        The padded length.
-
     Raises:
         ValueError: ``world_size`` is not an int >= 1.
     """
@@ -34,15 +27,9 @@ def padded_size(numel: int, world_size: int) -> int:
 
 
 def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Where ``rank``'s contiguous shard lies in a flat buffer padded to :func:`padded_size`.
-
-    Args:
-        numel: elements of the flat buffer (before padding).
-        rank: the rank, 0 to ``world_size - 1``.
-        world_size: the number of ranks.
-
-    Returns:
-        ``(start, stop)``: with ``S = ceil(numel / world_size)``, rank ``r`` owns ``[r S, (r+1) S)``.
+    """Where ``rank``'s contiguous shard lies in a flat buffer of ``numel`` elements padded to
+    :func:`padded_size`: ``(start, stop)``; with ``S = ceil(numel / world_size)``, rank ``r`` owns
+    ``[r S, (r+1) S)``.
 
     Raises:
         ValueError: a rank or world size out of range.
@@ -56,13 +43,8 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
 def shard_flat(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s shard of a 1-D tensor: the ``rank``-th of ``world_size`` equal contiguous pieces.
 
-    Args:
-        flat: a 1-D tensor, zero-padded here to a multiple of ``world_size``.
-        rank: the rank, 0 to ``world_size - 1``.
-        world_size: the number of ranks.
-
-    Returns:
-        The shard: a view of ``flat`` when no padding was needed, else a piece of a padded copy.
+    ``flat`` is zero-padded to a multiple of ``world_size``; the shard is a view of ``flat`` when no
+    padding was needed, else a piece of a padded copy.
 
     Raises:
         ValueError: ``flat`` is not 1-D; a rank or world size out of range.
@@ -78,14 +60,8 @@ def shard_flat(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 
 def gather_flat(shards: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-    """The flat buffer back from every rank's shard: what an all-gather followed by ``[:numel]`` gives.
-
-    Args:
-        shards: one shard per rank, in rank order.
-        numel: elements of the buffer before padding.
-
-    Returns:
-        The first ``numel`` elements of the shards concatenated (the padding dropped).
+    """The flat buffer back from every rank's shard (in rank order): what an all-gather followed by
+    ``[:numel]`` gives, the padding dropped.
 
     Raises:
         ValueError: no shards, or fewer than ``numel`` elements in them.
@@ -114,7 +90,6 @@ def reduce_scatter_flat(flat: torch.Tensor, group: Any = None, average: bool = T
 
     Args:
         flat: this rank's 1-D buffer, its length a multiple of the world size (:func:`padded_size`).
-        group: the process group (None: the default group).
         average: divide the sum by the world size (gloo has no AVG: SUM, then divide).
 
     Returns:
@@ -135,16 +110,8 @@ def reduce_scatter_flat(flat: torch.Tensor, group: Any = None, average: bool = T
 
 
 def all_gather_flat(shard: torch.Tensor, group: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Every rank's ``shard`` concatenated in rank order: one all-gather.
-
-    Args:
-        shard: this rank's piece (every rank's of the same size).
-        group: the process group (None: the default group).
-        out: a buffer of ``world_size * shard.numel()`` elements to gather into (None: a new one).
-
-    Returns:
-        ``out``, or the new buffer.
-    """
+    """Every rank's ``shard`` (all of one size) concatenated in rank order: one all-gather, into ``out``
+    (``world_size * shard.numel()`` elements) or a new buffer, which is returned."""
     ws = dist.get_world_size(group)
     if out is None:
         out = shard.new_empty(shard.numel() * ws)

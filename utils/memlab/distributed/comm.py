@@ -24,16 +24,8 @@ def comm_volume_bytes(n_params: int, world_size: int, stage: int, *, bytes_per_e
     A ring reduce-scatter or all-gather of P elements sends ``(N - 1)/N x P`` elements per rank; an
     all-reduce is both. Stages 0-2: reduce-scatter (or all-reduce) of the gradients and all-gather
     of the parameters: ``2 (N-1)/N P``. Stage 3: all-gather of the parameters in forward and again
-    in backward, reduce-scatter of the gradients: ``3 (N-1)/N P`` (1.5x).
-
-    Args:
-        n_params: P, the model's parameters.
-        world_size: N, the data-parallel ranks.
-        stage: 0 to 3 (:data:`memlab.distributed.zero.STAGES`).
-        bytes_per_element: bytes of a gradient / parameter element on the wire.
-
-    Returns:
-        Bytes per collective kind, and ``total``.
+    in backward, reduce-scatter of the gradients: ``3 (N-1)/N P`` (1.5x). Returns bytes per
+    collective kind, and ``total``.
 
     Raises:
         ValueError: an unknown stage or a world size < 1.
@@ -86,7 +78,7 @@ class CommCounter:
 
     @property
     def total(self) -> float:
-        """Returns: the bytes sent in all collectives counted so far."""
+        """The bytes sent in all collectives counted so far."""
         return sum(self.sent.values())
 
     def _count(self, name: str, args: tuple) -> None:
@@ -139,5 +131,3 @@ class CommCounter:
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
         self._mode = None
-
-

@@ -25,16 +25,14 @@ def fsdp2_shard(model: nn.Module, *, param_dtype: torch.dtype | None = None,
     forward and backward a unit's parameters are all-gathered just before it runs and freed after
     (``reshard_after_forward``), its gradients reduce-scattered.
 
+    Returns ``model``, sharded in place.
+
     Args:
         model: a decoder model (:func:`memlab.models.decoder_layers` finds its layers).
         param_dtype: the compute dtype of a ``MixedPrecisionPolicy`` (e.g. torch.bfloat16), or None.
         reduce_dtype: the dtype gradients are reduced in (e.g. torch.float32), or None.
         cpu_offload: a ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step
             on the host (on a CPU run it changes nothing but the code path).
-        reshard_after_forward: free each unit's gathered parameters after its forward.
-
-    Returns:
-        ``model``, sharded in place.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.

@@ -30,13 +30,8 @@ MAX_LAUNCH_TIMEOUT = 7 * 86400.0
 
 
 class RankError(RuntimeError):
-    """A rank raised (or died, or timed out) inside :func:`launch`; the message holds its traceback.
-
-    Args:
-        message: what happened, with the rank's traceback.
-        rank: the rank at fault, when known.
-        remote_traceback: that rank's traceback alone.
-    """
+    """A rank raised (or died, or timed out) inside :func:`launch`; the message holds its traceback,
+    ``rank`` the rank at fault when known, ``remote_traceback`` that rank's traceback alone."""
 
     def __init__(self, message: str, rank: int | None = None, remote_traceback: str = "") -> None:
         super().__init__(message)
@@ -45,20 +40,13 @@ class RankError(RuntimeError):
 
 
 def in_torchrun() -> bool:
-    """Whether this process was started by ``torchrun``.
-
-    Returns:
-        True when ``TORCHELASTIC_RUN_ID``, ``RANK`` and ``WORLD_SIZE`` are all set.
-    """
+    """Whether this process was started by ``torchrun`` (``TORCHELASTIC_RUN_ID``, ``RANK`` and
+    ``WORLD_SIZE`` all set)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (another process may take it before rank 0 binds it).
-
-    Returns:
-        The port number.
-    """
+    """A TCP port on 127.0.0.1 that is free now (another process may take it before rank 0 binds it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -98,8 +86,6 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
 
     Args:
         fn: ``fn(rank, world_size, *args)``; what it returns must pickle.
-        world_size: the number of processes.
-        *args: passed to ``fn`` after rank and world size.
         backend: the ``torch.distributed`` backend ("gloo" on CPU, "nccl" on GPUs under torchrun).
         timeout: seconds for the whole launch and for each collective (at most a week).
         start_method: "fork", "spawn" or "forkserver" (None: fork on Linux, spawn elsewhere).
@@ -135,7 +121,7 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
 
 def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, port: int, timeout: float,
            threads: int, queue: Any) -> None:
-    """One rank's process: join the group, run ``fn``, report its result or traceback through ``queue``."""
+    # one rank's process: join the group, run ``fn``, report its result or traceback through ``queue``
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:  # a process group of its own: the parent kills it, and whatever fn started in it, on every exit path
@@ -163,8 +149,9 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, 
 
 
 def _kill_ranks(procs: list[Any], adopted: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-    """SIGKILL every rank, its process group and every descendant (a grandchild in a session of its own too);
-    ``adopted``: orphans reparented to this process (see :func:`memlab.core.procs.child_subreaper`), killed and reaped too."""
+    # SIGKILL every rank, its process group and every descendant (a grandchild in a session of its own too);
+    # ``adopted``: orphans reparented to this process (see :func:`memlab.core.procs.child_subreaper`), killed and
+    # reaped too
     pids = {p.pid for p in procs if p.pid is not None} | set(adopted)
     groups = set(pids)
     for _ in range(3):
@@ -191,7 +178,7 @@ def _kill_ranks(procs: list[Any], adopted: set[int] = frozenset()) -> None:  # t
 
 
 def _exit_description(code: int | None) -> str:
-    """A process's exit code in words (negative: the signal that killed it)."""
+    # a process's exit code in words (negative: the signal that killed it)
     if code is None:
         return "is still running"
     if code < 0:
@@ -299,8 +286,8 @@ def _launch_ranks(ctx: Any, fn: Callable, world_size: int, args: tuple, backend:
 
 def _root_cause(rank: int, payload: str, queue: Any, world_size: int, procs: list[Any] | None = None,
                 results: dict[int, Any] | None = None) -> RankError:
-    """The error to show: a rank's own exception rather than a peer's "connection closed" that it caused;
-    when every report is a peer's failure, the rank that died without a report (``os._exit``, a signal)."""
+    # the error to show: a rank's own exception rather than a peer's "connection closed" that it caused; when every
+    # report is a peer's failure, the rank that died without a report (``os._exit``, a signal)
     errors = {rank: payload}
     end = time.monotonic() + 1.0  # the other ranks' reports, if they come at once
     while time.monotonic() < end and len(errors) < world_size:

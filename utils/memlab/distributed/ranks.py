@@ -36,13 +36,9 @@ def rank_tracker(model: nn.Module | None = None, optimizer: Any = None, *, resiz
     a pass over the live storages per op).
 
     Args:
-        model: the rank's model (or None).
         optimizer: a ``torch.optim`` optimizer, a :class:`ZeroOptimizer`, or None.
         resizes: watch storage resizes (None: when ``model`` holds DTensors).
         **kwargs: passed to ``MemoryTracker``.
-
-    Returns:
-        The tracker, a context manager.
     """
     from memlab.profiler import MemoryTracker  # the profiler is heavy; a launch need not import it
 
@@ -65,13 +61,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def rank_bytes(model: nn.Module | None = None, optimizer: Any = None) -> dict[str, int]:
     """Bytes this rank holds, each storage counted once (a view or a DTensor's local shard counts its storage).
 
-    Args:
-        model: the rank's model (or None).
-        optimizer: a ``torch.optim`` optimizer or a :class:`ZeroOptimizer` (its inner optimizer
-            and flat buffers), or None.
-
-    Returns:
-        ``{"parameters": bytes, "gradients": bytes, "optimizer": bytes}``.
+    ``optimizer`` may be a ``torch.optim`` optimizer or a :class:`ZeroOptimizer` (its inner optimizer
+    and flat buffers). Returns ``{"parameters": bytes, "gradients": bytes, "optimizer": bytes}``.
     """
     seen: set[int] = set()
     out = {"parameters": 0, "gradients": 0, "optimizer": 0}

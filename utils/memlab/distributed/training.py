@@ -22,18 +22,9 @@ __all__ = ["global_batches", "single_process_losses", "train_rank"]
 
 
 def global_batches(steps: int, batch_size: int, seq_len: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global batches of a run: random token ids, the same on every rank and in every process.
-
-    Args:
-        steps: batches.
-        batch_size: rows per global batch (each rank takes its ``batch_size / world_size`` of them).
-        seq_len: tokens per row.
-        vocab: token ids are drawn from ``[0, vocab)``.
-        seed: the generator's seed.
-
-    Returns:
-        ``[(inputs, targets), ...]``, each of shape ``(batch_size, seq_len)``.
-    """
+    """The global batches of a run: random token ids in ``[0, vocab)``, the same on every rank and in
+    every process; ``steps`` pairs ``(inputs, targets)``, each ``(batch_size, seq_len)`` (each rank takes
+    its ``batch_size / world_size`` rows)."""
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (batch_size, seq_len), generator=g),
              torch.randint(0, vocab, (batch_size, seq_len), generator=g)) for _ in range(steps)]
@@ -48,12 +39,7 @@ def single_process_losses(steps: int = 3, *, batch_size: int = 4, seq_len: int =
     ``1/world_size``, accumulated in rank order: what the ranks compute, bit for bit.
 
     Args:
-        steps: training steps.
-        batch_size: rows per global batch.
-        seq_len: tokens per row.
         world_size: the ranks whose micro-batches are replayed.
-        lr: AdamW's learning rate.
-        seed: the model's and the batches' seed.
         full_batch: one forward on the whole batch instead (equal up to rounding).
         model_kwargs: passed to :func:`memlab.models.tiny_llama`.
 
@@ -91,7 +77,7 @@ def _median(xs: Sequence[float]) -> float:
 
 def _rank_model(stage: int, lr: float, param_dtype: torch.dtype | None, cpu_offload: bool,
                 model_kwargs: dict | None) -> tuple[nn.Module, Any, int, int]:
-    """(model, optimizer, parameters, parameter tensors) of one rank under ``stage`` (seeded by the caller)."""
+    # (model, optimizer, parameters, parameter tensors) of one rank under ``stage`` (seeded by the caller)
     from memlab.models import tiny_llama
 
     model = tiny_llama(**(model_kwargs or {}))
@@ -108,7 +94,7 @@ def _rank_model(stage: int, lr: float, param_dtype: torch.dtype | None, cpu_offl
 
 
 def _step(model: nn.Module, opt: Any, stage: int, world_size: int, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-    """Forward, backward, gradient averaging (stage 0: an all-reduce per gradient, as DDP), update."""
+    # forward, backward, gradient averaging (stage 0: an all-reduce per gradient, as DDP), update
     from memlab.models import lm_loss
 
     loss = lm_loss(model, xs, ys)
@@ -124,7 +110,7 @@ def _step(model: nn.Module, opt: Any, stage: int, world_size: int, xs: torch.Ten
 
 
 def _full_params(model: nn.Module) -> torch.Tensor:
-    """Every parameter, flat; FSDP2's DTensors gathered in full."""
+    # every parameter, flat; FSDP2's DTensors gathered in full
     flat = []
     for p in model.parameters():
         full = getattr(p, "full_tensor", None)
@@ -144,14 +130,7 @@ def train_rank(rank: int, world_size: int, stage: int, steps: int = 3, *, batch_
     :func:`rank_tracker` and a :class:`CommCounter`.
 
     Args:
-        rank: this rank.
-        world_size: the number of ranks.
-        stage: 0 to 3.
-        steps: training steps.
         batch_size: rows per global batch, a multiple of ``world_size``.
-        seq_len: tokens per row.
-        lr: AdamW's learning rate.
-        seed: the model's and the batches' seed.
         param_dtype: stage 3's compute dtype (a mixed-precision policy, reduced in fp32), or None.
         cpu_offload: stage 3 with FSDP2's CPU offload policy.
         model_kwargs: passed to :func:`memlab.models.tiny_llama`.

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memlab.core.validation import check_choice, check_positive_int, invalid
-from memlab.distributed.collectives import _all_gather, padded_size, shard_range
+from memlab.distributed.collectives import all_gather_flat, padded_size, shard_range
 
 __all__ = ["STAGES", "ZeroOptimizer", "zero_model_state_bytes"]
 
@@ -62,8 +62,6 @@ class ZeroOptimizer:
     Args:
         params: the model's parameters (one dtype on one device; no parameter groups).
         optimizer_cls: a ``torch.optim.Optimizer`` class, e.g. ``torch.optim.AdamW``.
-        stage: 1 (optimizer state sharded) or 2 (and gradients).
-        process_group: the data-parallel group (None: the default group).
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr, betas ...).
 
     Raises:
@@ -136,7 +134,7 @@ class ZeroOptimizer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(self.params)]
 
     def _owner_pieces(self, o: int, n: int) -> list[tuple[int, int, int]]:
-        """(rank, start, stop) of the pieces of flat range [o, o + n) that each rank owns."""
+        # (rank, start, stop) of the pieces of flat range [o, o + n) that each rank owns
         S = self.shard_stop - self.shard_start
         out = []
         for r in range(o // S, min((o + n - 1) // S, self.world_size - 1) + 1):
@@ -182,9 +180,6 @@ class ZeroOptimizer:
         ``S``-element piece to the rank that owns it (no buffer allocated), then / N.
         Stage 2: the slice already holds the sum (reduced during backward), / N.
 
-        Returns:
-            None.
-
         Raises:
             RuntimeError: stage 2 and a parameter got no gradient on this rank. Each gradient is
                 reduced as it is made, so the ranks' collectives must pair one to one: the error
@@ -212,20 +207,15 @@ class ZeroOptimizer:
         self.shard_grad.div_(self.world_size)  # gloo has no AVG: SUM, then / N
         self.optim.step()
         a, b = self.shard_start, self.shard_stop
-        _all_gather(self.flat_param, self.flat_param[a:b].clone(), self.group)
+        all_gather_flat(self.flat_param[a:b].clone(), self.group, out=self.flat_param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers in place and set the parameters' ``.grad`` to None.
 
         The flat buffers persist. Autograd's next gradient of each parameter is copied into the
         flat buffer by the hook and freed; a second backward before ``step()`` accumulates into the
-        buffer in place.
-
-        Args:
-            set_to_none: accepted for the ``torch.optim`` API; the buffers are zeroed either way.
-
-        Returns:
-            None.
+        buffer in place. ``set_to_none`` is accepted for the ``torch.optim`` API; the buffers are
+        zeroed either way.
         """
         for p in self.params:
             p.grad = None
@@ -237,7 +227,7 @@ class ZeroOptimizer:
                 p.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Returns: the inner optimizer's state_dict (this rank's shard of the state)."""
+        """The inner optimizer's state_dict (this rank's shard of the state)."""
         return self.optim.state_dict()
 
     def __repr__(self) -> str:
@@ -258,8 +248,6 @@ def zero_model_state_bytes(n_params: int, world_size: int, stage: int, *, param_
         n_params: P, the model's parameters.
         world_size: N, the data-parallel ranks.
         stage: 0 to 3 (:data:`STAGES`).
-        param_bytes: bytes per weight.
-        grad_bytes: bytes per gradient.
         optimizer_bytes: K, bytes of optimizer state (and master weights) per parameter.
 
     Returns:

@@ -5,6 +5,7 @@
   code, double quantization, bits per parameter.
 * :mod:`memlab.quant.linear4bit` -- :class:`Linear4bit`, a frozen NF4 linear layer (QLoRA's base).
 * :mod:`memlab.quant.adam8bit` -- :class:`Adam8bit`, Adam with 8-bit blockwise moments.
+* :mod:`memlab.quant.lora` -- LoRA adapters, QLoRA models and their bytes (imported from there).
 
 Dettmers, Pagnoni, Holtzman, Zettlemoyer 2023, "QLoRA" (arXiv:2305.14314); Dettmers, Lewis,
 Shleifer, Zettlemoyer 2022, "8-bit Optimizers via Block-wise Quantization" (arXiv:2110.02861).

@@ -6,8 +6,8 @@ import math
 import torch
 
 from memlab.core.validation import check_number, invalid
-from memlab.quant.blockwise import _check_blocksize, dequantize_blockwise, quantize_blockwise
-from memlab.quant.codebooks import _codebook_cached
+from memlab.quant.blockwise import check_blocksize, dequantize_blockwise, quantize_blockwise
+from memlab.quant.codebooks import cached_codebook
 
 __all__ = ["Adam8bit"]
 
@@ -30,14 +30,7 @@ class Adam8bit(torch.optim.Optimizer):
     can differ from the exact nearest level by one step near a midpoint, so parameters agree
     within a tolerance, not bitwise.
 
-    Args:
-        params: the parameters (or parameter groups) to optimize.
-        lr: learning rate, >= 0.
-        betas: ``(b1, b2)``, each in [0, 1).
-        eps: added to the denominator, >= 0.
-        weight_decay: decoupled weight decay, >= 0.
-        blocksize: values per absmax block of the 8-bit moments.
-        min_8bit_size: parameters with fewer elements keep fp32 moments.
+    ``lr``, ``eps`` and ``weight_decay`` are >= 0, each of ``betas`` in [0, 1).
 
     Raises:
         ValueError: naming the argument, its value and what is allowed.
@@ -50,10 +43,10 @@ class Adam8bit(torch.optim.Optimizer):
             raise invalid("betas", betas, "two numbers in [0, 1)")
         check_number("eps", eps, minimum=0.0)
         check_number("weight_decay", weight_decay, minimum=0.0)
-        _check_blocksize(blocksize)
+        check_blocksize(blocksize)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.blocksize, self.min_8bit_size = blocksize, min_8bit_size
-        self.qmap1, self.qmap2 = _codebook_cached("dynamic", "cpu"), _codebook_cached("udynamic", "cpu")
+        self.qmap1, self.qmap2 = cached_codebook("dynamic", "cpu"), cached_codebook("udynamic", "cpu")
 
     def _init(self, p: torch.Tensor) -> dict:
         st = self.state[p]
@@ -71,14 +64,7 @@ class Adam8bit(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Adam update of every parameter with a gradient.
-
-        Args:
-            closure: re-evaluates the model and returns the loss, or None.
-
-        Returns:
-            The closure's loss, or None.
-        """
+        """One Adam update of every parameter with a gradient; returns the closure's loss, or None."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -119,12 +105,6 @@ class Adam8bit(torch.optim.Optimizer):
         the uint8 codes would become moments of the wrong meaning (or bf16) and the fp32 moments of small tensors
         fp16/bf16 (and the next step would take the 8-bit branch). The state is loaded, then each tensor is put back
         in the dtype it was saved in (copied from the saved values, never a round trip through the cast).
-
-        Args:
-            state_dict: what :meth:`state_dict` returned.
-
-        Returns:
-            None.
         """
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -144,13 +124,9 @@ class Adam8bit(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.qmap1, self.qmap2 = _codebook_cached("dynamic", "cpu"), _codebook_cached("udynamic", "cpu")
+        self.qmap1, self.qmap2 = cached_codebook("dynamic", "cpu"), cached_codebook("udynamic", "cpu")
 
     def state_bytes(self) -> int:
-        """Bytes of all optimizer state tensors.
-
-        Returns:
-            The bytes of the moments and their block scales.
-        """
+        """Bytes of all optimizer state tensors (the moments and their block scales)."""
         return sum(x.numel() * x.element_size() for st in self.state.values() for x in st.values()
                    if isinstance(x, torch.Tensor))

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from memlab.core.validation import check_choice, check_positive_int, invalid
-from memlab.quant.codebooks import _codebook_cached
+from memlab.quant.codebooks import cached_codebook
 
 __all__ = ["NF4_BLOCKSIZES", "nf4_codes", "quantize_nf4", "dequantize_nf4", "pack_nibbles", "unpack_nibbles",
            "quantize_blockwise", "dequantize_blockwise", "double_quantize", "double_dequantize", "bits_per_param"]
@@ -45,30 +45,31 @@ __all__ = ["NF4_BLOCKSIZES", "nf4_codes", "quantize_nf4", "dequantize_nf4", "pac
 #: the block sizes bitsandbytes' 4-bit quantization accepts (functional.quantize_4bit); one table for
 #: quantize_nf4 and Linear4bit, so a layer never holds a block size the reference could not reproduce
 NF4_BLOCKSIZES: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: the dtypes quantized and dequantized here (and Linear4bit's compute dtypes)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FLOATS_ALLOWED = "torch.float32, torch.float16 or torch.bfloat16"
 
 
 # ----------------------------------------------------------------------------- blockwise scaling
 def _check_float(w: torch.Tensor, what: str) -> None:
-    """A non-empty float32/float16/bfloat16 tensor, else TypeError/ValueError naming ``what``'s argument."""
+    # a non-empty float32/float16/bfloat16 tensor, else TypeError/ValueError naming ``what``'s argument
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{what}: w={type(w).__name__} is invalid; allowed: a torch.Tensor")
-    if w.dtype not in _FLOATS:
+    if w.dtype not in FLOAT_DTYPES:
         raise invalid(f"{what}: w.dtype", w.dtype, _FLOATS_ALLOWED)
     if w.numel() == 0:
         raise invalid(f"{what}: w.numel()", 0, "a non-empty tensor")
 
 
-def _check_blocksize(blocksize: int, allowed: Sequence[int] | None = None) -> None:
-    """A positive int block size, one of ``allowed`` when given (memlab.core.validation's format)."""
+def check_blocksize(blocksize: int, allowed: Sequence[int] | None = None) -> None:
+    """Raise ValueError unless ``blocksize`` is a positive int, one of ``allowed`` when given."""
     check_positive_int("blocksize", blocksize)
     if allowed is not None:
         check_choice("blocksize", blocksize, allowed)
 
 
 def _scale_blocks(w: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten to float32, per-block absmax, and the values scaled into [-1, 1] (bitsandbytes' arithmetic)."""
+    # flatten to float32, per-block absmax, and the values scaled into [-1, 1] (bitsandbytes' arithmetic)
     flat = w.reshape(-1).float()
     n = flat.numel()
     rem = n % blocksize
@@ -84,7 +85,7 @@ def _scale_blocks(w: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.
 
 
 def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest level of the sorted ``code``; a tie (exactly on a midpoint) goes to the lower level."""
+    # index of the nearest level of the sorted ``code``; a tie (exactly on a midpoint) goes to the lower level
     midpoints = (code[:-1] + code[1:]) / 2
     return torch.bucketize(scaled, midpoints, out_int32=True)
 
@@ -94,13 +95,7 @@ def pack_nibbles(q: torch.Tensor, pad: int = 7) -> torch.Tensor:
 
     An odd count is padded with code ``pad`` (7, NF4's 0.0 level: bitsandbytes pads with the value
     0.0 before quantizing). ``pack_nibbles(nf4_codes(w)[0])`` equals ``quantize_nf4(w)[0].flatten()``.
-
-    Args:
-        q: 4-bit codes, any shape (flattened), values 0..15.
-        pad: the code appended to an odd count.
-
-    Returns:
-        A flat uint8 tensor of ceil(n / 2) bytes.
+    ``q`` of any shape is flattened; the result is a flat uint8 tensor of ceil(n / 2) bytes.
 
     Raises:
         ValueError: for a code outside 0..15.
@@ -115,14 +110,8 @@ def pack_nibbles(q: torch.Tensor, pad: int = 7) -> torch.Tensor:
 
 
 def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_nibbles`.
-
-    Args:
-        packed: the bytes (uint8, or any dtype viewed as uint8), any shape.
-        n: how many codes to return (at most twice the bytes).
-
-    Returns:
-        The first ``n`` codes, int64.
+    """Inverse of :func:`pack_nibbles`: the first ``n`` codes (int64) of ``packed`` (uint8, or any dtype
+    viewed as uint8; any shape).
 
     Raises:
         ValueError: when the bytes hold fewer than ``n`` codes.
@@ -140,23 +129,17 @@ def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- NF4
 def nf4_codes(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise NF4 codes before packing.
-
-    Args:
-        w: a float32/float16/bfloat16 tensor, any shape (flattened).
-        blocksize: values per absmax block, a positive int.
-
-    Returns:
-        ``(codes, absmax)``: uint8 codes of length ``w.numel()``, float32 absmax per block.
+    """Blockwise NF4 codes before packing: ``(codes, absmax)``, uint8 codes of length ``w.numel()``
+    (``w`` float32/float16/bfloat16, flattened) and float32 absmax per block.
 
     Raises:
         TypeError: when ``w`` is not a tensor.
         ValueError: for a non-float or empty ``w``, or a bad ``blocksize``.
     """
     _check_float(w, "nf4_codes")
-    _check_blocksize(blocksize)
+    check_blocksize(blocksize)
     scaled, absmax = _scale_blocks(w.detach(), blocksize)
-    return _nearest(scaled, _codebook_cached("nf4", str(scaled.device), scaled)).to(torch.uint8), absmax
+    return _nearest(scaled, cached_codebook("nf4", str(scaled.device), scaled)).to(torch.uint8), absmax
 
 
 def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,48 +148,32 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
     ``packed``: uint8 of shape ``(ceil(n / 2), 1)``, two codes per byte; ``absmax``: float32, one
     per block (the last block may be partial). Equal to
     ``bitsandbytes.functional.quantize_4bit(w, blocksize=blocksize, quant_type="nf4")``'s output and
-    ``quant_state.absmax`` (compress_statistics=False).
-
-    Args:
-        w: a float32/float16/bfloat16 tensor, any shape (flattened).
-        blocksize: values per absmax block, one of :data:`NF4_BLOCKSIZES`.
-
-    Returns:
-        ``(packed, absmax)``.
+    ``quant_state.absmax`` (compress_statistics=False). ``blocksize`` is one of :data:`NF4_BLOCKSIZES`.
 
     Raises:
         TypeError: when ``w`` is not a tensor.
         ValueError: for a non-float or empty ``w``, or a block size bitsandbytes does not offer.
     """
     _check_float(w, "quantize_nf4")
-    _check_blocksize(blocksize, NF4_BLOCKSIZES)
+    check_blocksize(blocksize, NF4_BLOCKSIZES)
     scaled, absmax = _scale_blocks(w.detach(), blocksize)
     if scaled.numel() % 2:
         scaled = torch.cat([scaled, scaled.new_zeros(1)])  # pad with the value 0.0 (-> code 7)
-    q = _nearest(scaled, _codebook_cached("nf4", str(scaled.device), scaled)).to(torch.uint8)
+    q = _nearest(scaled, cached_codebook("nf4", str(scaled.device), scaled)).to(torch.uint8)
     packed = ((q[0::2] << 4) | q[1::2]).unsqueeze(1)
     return packed, absmax
 
 
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int] | torch.Size,
                    dtype: torch.dtype = torch.float32, blocksize: int = 64) -> torch.Tensor:
-    """Inverse of :func:`quantize_nf4`: ``code[q] * absmax`` in float32, cast to ``dtype``, reshaped to ``shape``.
-
-    Args:
-        packed: the packed codes (uint8, two per byte).
-        absmax: float32 absmax, one per block.
-        shape: the weight's shape.
-        dtype: the result's dtype (float32, float16 or bfloat16).
-        blocksize: values per block, as quantized.
-
-    Returns:
-        The weight, ``shape`` and ``dtype``.
+    """Inverse of :func:`quantize_nf4`: ``code[q] * absmax`` in float32, cast to ``dtype`` (float32, float16
+    or bfloat16), reshaped to ``shape``.
 
     Raises:
         ValueError: for a bad ``dtype`` or ``blocksize``, or too few absmax values or bytes for ``shape``.
     """
-    check_choice("dequantize_nf4: dtype", dtype, _FLOATS)
-    _check_blocksize(blocksize)
+    check_choice("dequantize_nf4: dtype", dtype, FLOAT_DTYPES)
+    check_blocksize(blocksize)
     n = math.prod(shape)
     nblocks = -(-n // blocksize)
     if absmax.numel() != nblocks:
@@ -216,13 +183,13 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     p = p if p.dtype == torch.uint8 else p.view(torch.uint8)
     if 2 * p.numel() < n:
         raise invalid("dequantize_nf4: packed bytes", p.numel(), f">= {-(-n // 2)} for shape {tuple(shape)}")
-    pairs = _codebook_cached("nf4_pairs", str(p.device), absmax)
+    pairs = cached_codebook("nf4_pairs", str(p.device), absmax)
     values = pairs.index_select(0, p.long()).reshape(-1)[:n]  # (bytes, 2) -> high, low, ...; index_select: 4x faster than [] on CPU
     return _scale_back(values, absmax, blocksize).reshape(tuple(shape)).to(dtype)
 
 
 def _scale_back(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """``values * absmax`` of each value's block, in float32 (full blocks as one broadcast multiply)."""
+    # ``values * absmax`` of each value's block, in float32 (full blocks as one broadcast multiply)
     n = values.numel()
     full = n - n % blocksize
     absmax = absmax.float()
@@ -238,23 +205,16 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor | None = None,
     """8-bit blockwise quantization with a sorted 256-level ``code`` (default: the signed dynamic map).
 
     Same arithmetic as bitsandbytes' ``quantize_blockwise`` default kernel (scale by 1/absmax,
-    nearest code by midpoints).
-
-    Args:
-        x: a float32/float16/bfloat16 tensor.
-        code: 256 sorted float32 levels, or None for ``dynamic_map(signed=True)``.
-        blocksize: values per absmax block, a positive int.
-
-    Returns:
-        ``(q, absmax)``: uint8 codes of ``x``'s shape, float32 absmax per block.
+    nearest code by midpoints). Returns ``(q, absmax)``: uint8 codes of ``x``'s shape, float32
+    absmax per block.
 
     Raises:
         TypeError: when ``x`` is not a tensor.
         ValueError: for a non-float or empty ``x``, or a bad ``blocksize``.
     """
     _check_float(x, "quantize_blockwise")
-    _check_blocksize(blocksize)
-    code = _codebook_cached("dynamic", str(x.device), x) if code is None else code
+    check_blocksize(blocksize)
+    code = cached_codebook("dynamic", str(x.device), x) if code is None else code
     scaled, absmax = _scale_blocks(x.detach(), blocksize)
     q = _nearest(scaled, code.to(scaled.device).float()).to(torch.uint8)
     return q.reshape(x.shape), absmax
@@ -262,25 +222,15 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor | None = None,
 
 def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor | None = None,
                          blocksize: int = 256, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_blockwise`: ``code[q] * absmax`` in float32, cast to ``dtype``.
-
-    Args:
-        q: uint8 codes.
-        absmax: float32 absmax per block.
-        code: the levels quantized with, or None for the signed dynamic map.
-        blocksize: values per block, as quantized.
-        dtype: the result's dtype.
-
-    Returns:
-        The values, ``q``'s shape.
+    """Inverse of :func:`quantize_blockwise`: ``code[q] * absmax`` in float32, cast to ``dtype``, ``q``'s shape.
 
     Raises:
         ValueError: for codes that are not uint8, or a bad ``blocksize``.
     """
     if q.dtype != torch.uint8:
         raise invalid("dequantize_blockwise: q.dtype", q.dtype, "torch.uint8")
-    _check_blocksize(blocksize)
-    code = _codebook_cached("dynamic", str(q.device), absmax) if code is None else code.to(q.device).float()
+    check_blocksize(blocksize)
+    code = cached_codebook("dynamic", str(q.device), absmax) if code is None else code.to(q.device).float()
     values = code.index_select(0, q.reshape(-1).long())
     return _scale_back(values, absmax, blocksize).reshape(q.shape).to(dtype)
 
@@ -292,12 +242,8 @@ def double_quantize(absmax: torch.Tensor, blocksize: int = 256) -> tuple[torch.T
     bitsandbytes' ``quantize_4bit(..., compress_statistics=True)`` does the same (functional.py) but its CPU
     kernel is a C lookup routine that can pick a code one level off the nearest.
 
-    Args:
-        absmax: the first-level float32 absmax.
-        blocksize: values per second-level block.
-
     Returns:
-        ``(codes, absmax2, offset)``: uint8, float32 per block, float32 scalar.
+        ``(codes, absmax2, offset)``: uint8, float32 per second-level block, float32 scalar.
 
     Raises:
         ValueError: when ``absmax`` is not float32.
@@ -305,23 +251,14 @@ def double_quantize(absmax: torch.Tensor, blocksize: int = 256) -> tuple[torch.T
     if absmax.dtype != torch.float32:
         raise invalid("double_quantize: absmax.dtype", absmax.dtype, "torch.float32")
     offset = absmax.mean()
-    codes, absmax2 = quantize_blockwise(absmax - offset, _codebook_cached("dynamic", str(absmax.device), absmax), blocksize)
+    dynamic = cached_codebook("dynamic", str(absmax.device), absmax)
+    codes, absmax2 = quantize_blockwise(absmax - offset, dynamic, blocksize)
     return codes, absmax2, offset
 
 
 def double_dequantize(codes: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor,
                       blocksize: int = 256) -> torch.Tensor:
-    """Inverse of :func:`double_quantize`: ``code[q] * absmax2 + offset``.
-
-    Args:
-        codes: the uint8 codes.
-        absmax2: the second-level float32 absmax.
-        offset: the float32 mean subtracted before quantizing.
-        blocksize: values per second-level block.
-
-    Returns:
-        The float32 first-level absmax.
-    """
+    """Inverse of :func:`double_quantize`: the float32 first-level absmax, ``code[q] * absmax2 + offset``."""
     return dequantize_blockwise(codes, absmax2, None, blocksize) + offset
 
 
@@ -330,14 +267,6 @@ def bits_per_param(blocksize: int = 64, double_quant: bool = True, blocksize2: i
 
     Without double quant: 4 + 32/blocksize. With it: 4 + 8/blocksize + 32/(blocksize*blocksize2)
     (the fp32 offset, one per tensor, is ignored). 4.5 and 4.127 at blocksize 64.
-
-    Args:
-        blocksize: weights per first-level absmax.
-        double_quant: whether the absmax are themselves quantized to 8 bits.
-        blocksize2: first-level absmax per second-level block.
-
-    Returns:
-        Bits per weight.
     """
     if double_quant:
         return 4 + 8 / blocksize + 32 / (blocksize * blocksize2)

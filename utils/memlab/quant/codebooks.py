@@ -13,6 +13,7 @@ import torch
 from memlab.core.validation import check_number, invalid
 
 __all__ = ["NF4_OFFSET", "nf4_codebook", "fp4_codebook", "int4_codebook", "dynamic_map"]
+# cached_codebook is the hot paths' shared table (blockwise, adam8bit)
 
 NF4_OFFSET = 0.9677083  # bitsandbytes' create_normal_map default: the outermost quantile used
 
@@ -23,13 +24,8 @@ def nf4_codebook(offset: float | None = None) -> torch.Tensor:
     8 quantiles ``ndtri(p)`` at ``p = linspace(offset, 0.5, 9)[:-1]`` for the positive half and 7 at
     ``linspace(offset, 0.5, 8)[:-1]`` (negated) for the negative half, plus an exact 0, then normalised
     so the largest is 1.0. With the default offset (0.9677083, bitsandbytes' choice) equal bitwise to
-    ``bitsandbytes.functional.get_4bit_type("nf4")``.
-
-    Args:
-        offset: the outermost probability used, in (0.5, 1); None is :data:`NF4_OFFSET`.
-
-    Returns:
-        16 float32 levels, sorted, from -1.0 to 1.0 with an exact 0.0.
+    ``bitsandbytes.functional.get_4bit_type("nf4")``. ``offset`` is the outermost probability used,
+    in (0.5, 1); None is :data:`NF4_OFFSET`.
 
     Raises:
         ValueError: for an offset outside (0.5, 1).
@@ -49,7 +45,7 @@ def nf4_codebook(offset: float | None = None) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _real_codebook(name: str, device: str) -> torch.Tensor:
-    """Read-only cached codebooks for the hot paths (never handed to a caller to mutate), always real tensors."""
+    # read-only cached codebooks for the hot paths (never handed to a caller to mutate), always real tensors
     from torch.utils._python_dispatch import _disable_current_modes
 
     table = {"nf4": nf4_codebook, "dynamic": lambda: dynamic_map(True), "udynamic": lambda: dynamic_map(False),
@@ -64,8 +60,9 @@ def _real_codebook(name: str, device: str) -> torch.Tensor:
     return out
 
 
-def _codebook_cached(name: str, device: str, like: torch.Tensor | None = None) -> torch.Tensor:
-    """The cached codebook; under a FakeTensorMode (``like`` is fake: memlab.estimate's traces) a fake copy."""
+def cached_codebook(name: str, device: str, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The cached, read-only float32 codebook ``name`` ("nf4", "nf4_pairs", "dynamic", "udynamic") on ``device``;
+    a fake copy of its shape when ``like`` is a FakeTensor (memlab.estimate's traces)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(like, FakeTensor):
@@ -74,11 +71,8 @@ def _codebook_cached(name: str, device: str, like: torch.Tensor | None = None) -
 
 
 def fp4_codebook() -> torch.Tensor:
-    """A 4-bit float (1 sign, 2 exponent, 1 mantissa bit, bias 2 as in bitsandbytes' FP4), sorted, max 1.
-
-    Returns:
-        16 float32 levels (15 distinct and a spare zero), sorted, normalised to a maximum of 1.0.
-    """
+    """A 4-bit float (1 sign, 2 exponent, 1 mantissa bit, bias 2 as in bitsandbytes' FP4): 16 float32
+    levels (15 distinct and a spare zero), sorted, normalised to a maximum of 1.0."""
     mags = [0.0, 0.0625, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]  # subnormals 0 and 0.5*2^-3, then 1.m x 2^(e-2) x 4
     values = torch.tensor(sorted({*mags, *(-m for m in mags)}) + [0.0], dtype=torch.float32)  # -0 == 0: 15 distinct + a spare 0
     values = values.sort().values
@@ -86,11 +80,7 @@ def fp4_codebook() -> torch.Tensor:
 
 
 def int4_codebook() -> torch.Tensor:
-    """Symmetric absmax int4: the 15 levels k/7, k = -7..7, plus a spare zero (16 entries), sorted.
-
-    Returns:
-        16 float32 levels, sorted.
-    """
+    """Symmetric absmax int4: the 15 levels k/7, k = -7..7, plus a spare zero (16 float32 entries), sorted."""
     return torch.cat([torch.arange(-7, 8, dtype=torch.float32) / 7, torch.zeros(1, dtype=torch.float32)]).sort().values
 
 
@@ -104,10 +94,7 @@ def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int
     Args:
         signed: mirror the positive values (for signed data such as Adam's first moment).
         max_exponent_bits: exponent bits of the tree encoding (bitsandbytes' default 7).
-        total_bits: bits per code (8: 256 values).
-
-    Returns:
-        ``2**total_bits`` float32 values, sorted.
+        total_bits: bits per code (8: 256 values, ``2**total_bits`` float32 values in all).
     """
     data: list[float] = []
     non_sign_bits = total_bits - 1

@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 from memlab.core.validation import check_choice, check_positive_int, invalid
-from memlab.quant.blockwise import (_FLOATS, NF4_BLOCKSIZES, _check_blocksize, double_dequantize, double_quantize,
-                                    dequantize_nf4, quantize_nf4)
+from memlab.quant.blockwise import (FLOAT_DTYPES, NF4_BLOCKSIZES, check_blocksize, dequantize_nf4, double_dequantize,
+                                    double_quantize, quantize_nf4)
 
 __all__ = ["Linear4bit"]
 
 
 def _dequantize_state(state: tuple, shape: tuple[int, int], dtype: torch.dtype, blocksize: int) -> torch.Tensor:
-    """The weight from a Linear4bit's 4-bit state ``(packed, absmax)`` or ``(packed, codes, absmax2, offset)``."""
+    # the weight from a Linear4bit's 4-bit state ``(packed, absmax)`` or ``(packed, codes, absmax2, offset)``
     if len(state) == 2:
         packed, absmax = state
     else:
@@ -73,9 +73,6 @@ class Linear4bit(nn.Module):
     ``.to(dtype)`` / ``.half()`` cast the bias but keep the quantization scales float32.
 
     Args:
-        in_features: input width, an int >= 1.
-        out_features: output width, an int >= 1.
-        bias: whether the layer has a (trainable) bias.
         compute_dtype: the dtype the matmul runs in (float32, float16 or bfloat16).
         blocksize: weights per absmax block, one of :data:`NF4_BLOCKSIZES`.
         double_quant: quantize the absmax too (QLoRA's double quantization).
@@ -91,8 +88,8 @@ class Linear4bit(nn.Module):
         super().__init__()
         check_positive_int("in_features", in_features)
         check_positive_int("out_features", out_features)
-        check_choice("compute_dtype", compute_dtype, _FLOATS)
-        _check_blocksize(blocksize, NF4_BLOCKSIZES)
+        check_choice("compute_dtype", compute_dtype, FLOAT_DTYPES)
+        check_blocksize(blocksize, NF4_BLOCKSIZES)
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype, self.blocksize, self.double_quant = compute_dtype, blocksize, double_quant
         w = torch.empty(out_features, in_features, dtype=torch.float32)
@@ -101,13 +98,7 @@ class Linear4bit(nn.Module):
         self.quantize_(w)
 
     def quantize_(self, weight: torch.Tensor) -> None:
-        """Store ``weight`` in NF4, replacing any stored weight.
-
-        Args:
-            weight: ``(out_features, in_features)``, float.
-
-        Returns:
-            None; the layer's buffers are replaced.
+        """Store ``weight`` (``(out_features, in_features)``, float) in NF4, replacing the layer's buffers.
 
         Raises:
             ValueError: for a weight of another shape.
@@ -128,16 +119,8 @@ class Linear4bit(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16, blocksize: int = 64,
                     double_quant: bool = True) -> "Linear4bit":
-        """Quantize an ``nn.Linear``'s weight (in its own dtype, as bitsandbytes does) and copy its bias.
-
-        Args:
-            linear: the layer to quantize (left unchanged).
-            compute_dtype: the new layer's matmul dtype; its bias is stored in it.
-            blocksize: weights per absmax block, one of :data:`NF4_BLOCKSIZES`.
-            double_quant: quantize the absmax too.
-
-        Returns:
-            A new Linear4bit.
+        """A new Linear4bit from an ``nn.Linear`` (left unchanged): its weight quantized in its own dtype, as
+        bitsandbytes does, and its bias copied in ``compute_dtype``.
 
         Raises:
             TypeError: when ``linear`` is not an ``nn.Linear``.
@@ -149,61 +132,39 @@ class Linear4bit(nn.Module):
         nn.Module.__init__(m)
         m.in_features, m.out_features = linear.in_features, linear.out_features
         m.compute_dtype, m.blocksize, m.double_quant = compute_dtype, blocksize, double_quant
-        _check_blocksize(blocksize, NF4_BLOCKSIZES)
+        check_blocksize(blocksize, NF4_BLOCKSIZES)
         m.weight_dtype = linear.weight.dtype
         m.quantize_(linear.weight)
         m.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(compute_dtype).clone())
         return m
 
     def absmax_fp32(self) -> torch.Tensor:
-        """The first-level absmax, dequantized when double-quantized.
-
-        Returns:
-            float32, one per block.
-        """
+        """The first-level float32 absmax, one per block, dequantized when double-quantized."""
         if self.double_quant:
             return double_dequantize(self.absmax_codes, self.absmax2, self.absmax_offset)
         return self.absmax
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The stored weight, dequantized.
-
-        Args:
-            dtype: the result's dtype; None is ``compute_dtype``.
-
-        Returns:
-            ``(out_features, in_features)``.
-        """
+        """The stored weight, dequantized to ``dtype`` (None: ``compute_dtype``)."""
         return dequantize_nf4(self.weight_packed, self.absmax_fp32(), (self.out_features, self.in_features),
                               dtype or self.compute_dtype, self.blocksize)
 
     def quant_state(self) -> tuple[torch.Tensor, ...]:
-        """The stored 4-bit state.
-
-        Returns:
-            ``(weight_packed, absmax)`` or, with double quant,
-            ``(weight_packed, absmax_codes, absmax2, absmax_offset)``.
-        """
+        """The stored 4-bit state: ``(weight_packed, absmax)`` or, with double quant,
+        ``(weight_packed, absmax_codes, absmax2, absmax_offset)``."""
         if self.double_quant:
             return self.weight_packed, self.absmax_codes, self.absmax2, self.absmax_offset
         return self.weight_packed, self.absmax
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T + bias`` in ``compute_dtype``.
-
-        Args:
-            x: ``(..., in_features)``, any float dtype.
-
-        Returns:
-            ``(..., out_features)`` in ``x``'s dtype.
-        """
+        """``x @ W.T + bias`` computed in ``compute_dtype``, returned in ``x``'s dtype."""
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         out = _MatMul4bit.apply(x.to(self.compute_dtype), bias, self.quant_state(),
                                 (self.out_features, self.in_features), self.blocksize, self.compute_dtype)
         return out.to(x.dtype)
 
     def _apply(self, fn, recurse=True):
-        """``.to()``, ``.half()``, ``.cuda()``...: the quantization scales move but stay float32 (as in bitsandbytes)."""
+        # .to(), .half(), .cuda()...: the quantization scales move but stay float32 (as in bitsandbytes)
         kept = {n: self._buffers[n] for n in self._QUANT_STATE if self._buffers.get(n) is not None}
         super()._apply(fn, recurse)
         for n, old in kept.items():
@@ -213,18 +174,9 @@ class Linear4bit(nn.Module):
         return self
 
     def storage_bytes(self) -> int:
-        """Bytes of the stored weight and its scales.
-
-        Returns:
-            The bytes of every buffer (the bias, a parameter, is not counted).
-        """
+        """Bytes of the stored weight and its scales: every buffer (the bias, a parameter, is not counted)."""
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers())
 
     def extra_repr(self) -> str:
-        """What ``print(module)`` shows inside the parentheses.
-
-        Returns:
-            The layer's settings as ``key=value`` pairs.
-        """
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"compute_dtype={self.compute_dtype}, blocksize={self.blocksize}, double_quant={self.double_quant}")

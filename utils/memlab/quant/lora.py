@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from memlab.core.validation import check_positive_int, invalid
-from memlab.quant import Linear4bit
+from memlab.quant.linear4bit import Linear4bit
 
 __all__ = ["LoRALinear", "add_lora", "lora_parameters", "count_trainable", "quantize_model", "qlora_model",
            "model_storage_bytes", "predict_qlora_bytes"]
@@ -36,8 +36,6 @@ class LoRALinear(nn.Module):
 
     Args:
         base: the layer to adapt; its parameters are frozen.
-        r: the adapter's rank, an int >= 1.
-        alpha: the scale numerator (the update is multiplied by ``alpha / r``).
         dropout: dropout on the adapter's input, in [0, 1).
         dtype: the adapter's dtype (QLoRA keeps it float32 over a bf16-computing base).
 
@@ -69,22 +67,12 @@ class LoRALinear(nn.Module):
         self.merged = False
 
     def delta_weight(self) -> torch.Tensor:
-        """What :meth:`merge` adds to the base weight.
-
-        Returns:
-            ``(B @ A) * scaling``, ``(out_features, in_features)``.
-        """
+        """What :meth:`merge` adds to the base weight: ``(B @ A) * scaling``, ``(out_features, in_features)``."""
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The base layer's output plus the scaled adapter's (just the base's once merged).
-
-        Args:
-            x: ``(..., in_features)``.
-
-        Returns:
-            ``(..., out_features)`` in the base output's dtype.
-        """
+        """The base layer's output plus the scaled adapter's (just the base's once merged), in the base
+        output's dtype."""
         result = self.base(x)
         if self.merged:
             return result
@@ -97,9 +85,6 @@ class LoRALinear(nn.Module):
     def merge(self) -> None:
         """Fold the adapter into the base weight (an NF4 base is dequantized, updated and requantized: lossy).
 
-        Returns:
-            None.
-
         Raises:
             RuntimeError: when already merged.
         """
@@ -111,9 +96,6 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def unmerge(self) -> None:
         """Subtract the adapter from the base weight again (exact inverse up to rounding for nn.Linear).
-
-        Returns:
-            None.
 
         Raises:
             RuntimeError: when not merged.
@@ -131,11 +113,6 @@ class LoRALinear(nn.Module):
             self.base.quantize_(w)
 
     def extra_repr(self) -> str:
-        """What ``print(module)`` shows inside the parentheses.
-
-        Returns:
-            The layer's settings as ``key=value`` pairs.
-        """
         return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, merged={self.merged}"
 
 
@@ -145,17 +122,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16, target_modules: It
 
     All other parameters are frozen (requires_grad=False), as peft's get_peft_model does.
     Modules are wrapped in ``named_modules()`` order, so the random initialisation matches peft's
-    under the same seed.
-
-    Args:
-        model: the model, changed in place.
-        r: the adapters' rank.
-        alpha: their scale numerator.
-        target_modules: leaf names of the layers to adapt (a single string is one name).
-        dropout: dropout on each adapter's input.
-
-    Returns:
-        ``model``.
+    under the same seed. ``target_modules`` are leaf names (a single string is one name). Returns ``model``.
 
     Raises:
         ValueError: when ``target_modules`` is empty or matches nothing (a typo is otherwise silent).
@@ -179,26 +146,12 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16, target_modules: It
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The adapters' parameters, what the optimizer gets.
-
-    Args:
-        model: a model with LoRALinear layers.
-
-    Returns:
-        lora_A and lora_B of every LoRALinear, in module order.
-    """
+    """The adapters' parameters, what the optimizer gets: lora_A and lora_B of every LoRALinear, in module order."""
     return [p for m in model.modules() if isinstance(m, LoRALinear) for p in (m.lora_A.weight, m.lora_B.weight)]
 
 
 def count_trainable(model: nn.Module) -> tuple[int, int]:
-    """Trainable and all parameters.
-
-    Args:
-        model: any model; a Linear4bit's weight (a buffer) counts by its element count.
-
-    Returns:
-        ``(trainable, total)``.
-    """
+    """``(trainable, total)`` parameters; a Linear4bit's weight (a buffer) counts by its element count."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     total += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear4bit))
@@ -211,16 +164,7 @@ def quantize_model(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16
     """Replace every nn.Linear (except those named in ``skip``) by a Linear4bit, in place.
 
     As transformers' ``BitsAndBytesConfig(load_in_4bit=True)`` does (it keeps lm_head in 16/32 bit).
-
-    Args:
-        model: the model, changed in place.
-        compute_dtype: the Linear4bit layers' matmul dtype.
-        blocksize: weights per absmax block.
-        double_quant: quantize the absmax too.
-        skip: leaf names left in floating point.
-
-    Returns:
-        ``model``.
+    Returns ``model``.
     """
     skip = tuple(skip)
     for name, module in list(model.named_modules()):
@@ -234,16 +178,8 @@ def quantize_model(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16
 def qlora_model(model: nn.Module, r: int = 8, alpha: float = 16, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
     """QLoRA as in the paper: every linear layer (but lm_head) in NF4 and a LoRA adapter on each.
 
-    NF4 with double quant, blocksize 64, bf16 compute; fp32 adapters.
-
-    Args:
-        model: the model, changed in place.
-        r: the adapters' rank.
-        alpha: their scale numerator.
-        skip: leaf names left in floating point and without adapter.
-
-    Returns:
-        ``model``.
+    NF4 with double quant, blocksize 64, bf16 compute; fp32 adapters; ``skip`` leaf names are left in
+    floating point and without adapter. Returns ``model``, changed in place.
     """
     quantize_model(model, skip=skip)
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, Linear4bit)}
@@ -251,14 +187,7 @@ def qlora_model(model: nn.Module, r: int = 8, alpha: float = 16, skip: Iterable[
 
 
 def model_storage_bytes(model: nn.Module) -> int:
-    """Bytes of every distinct storage held by the model's parameters and buffers.
-
-    Args:
-        model: any model.
-
-    Returns:
-        The bytes, shared storages once.
-    """
+    """Bytes of every distinct storage held by the model's parameters and buffers (shared storages once)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
         st = t.untyped_storage()
@@ -275,14 +204,6 @@ def predict_qlora_bytes(model: nn.Module, r: int = 8, skip: Iterable[str] = ("lm
     Per quantized linear (n = in*out weights): n/2 code bytes (ceil), one uint8 code per 64-block scale,
     a float32 second-level scale per 256 first-level scales, a float32 offset, the bias in bf16, and
     LoRA's r*(in+out) float32 numbers. Everything else keeps its bytes (tied storages once).
-
-    Args:
-        model: the floating-point model (not changed).
-        r: the adapters' rank.
-        skip: leaf names left in floating point.
-
-    Returns:
-        The predicted bytes.
     """
     skip = tuple(skip)
     quantized = {id(m.weight) for n, m in model.named_modules()
