@@ -30,7 +30,7 @@ def tiny_cfg(layers: int = 4):
 def _brute_force(cfg):
     """Every stack of ALLOW, each traced (no pruning): {stack: peak bytes}."""
     stacks, _ = P.enumerate_stacks(BATCH, 2, ALLOW, device="cpu")
-    return {s: P.stacks._estimate("tiny", cfg, s, seq_len=SEQ, device="cpu", lora_r=4).peak_bytes for s in stacks}
+    return {s: P.stacks.cached_estimate("tiny", cfg, s, seq_len=SEQ, device="cpu", lora_r=4).peak_bytes for s in stacks}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_extrapolated_traces_equal_full_traces(layers, stack):
 def test_every_k_checkpoints_one_layer_in_k():
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    model = P.stacks._builder(tiny_cfg(layers=6), Stack(checkpointing="every-k", ckpt_every=3), 4)()
+    model = P.stacks.model_builder(tiny_cfg(layers=6), Stack(checkpointing="every-k", ckpt_every=3), 4)()
     flags = [m.gradient_checkpointing for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     assert flags == [True, False, False] * 2
 
@@ -145,7 +145,7 @@ def test_budget_from_a_card():
     assert budget == card.total_bytes - gpus.CONTEXT_RESERVE_BYTES and "RTX 4090" in label
     assert P.resolve_budget("24GiB", None, "cuda")[0] == 24 * 2**30
     assert P.resolve_budget("24GB", None, "cuda")[0] == 24 * 10**9
-    assert P.cost._cost_model_for("rtx4090")[0] is P.GPU_SPECS["rtx4090"]
+    assert P.cost.cost_model_for("rtx4090")[0] is P.GPU_SPECS["rtx4090"]
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -246,7 +246,9 @@ def test_host_budget_defaults_to_the_machines_available_memory(monkeypatch):
     res = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow)
     assert any(n.startswith("host budget") for n in res.notes) and res.pick is not None
     assert "of host memory for offloaded state" in res.verdict
-    monkeypatch.setattr(P.budget, "host_available_bytes", lambda: (1024, "a test's tiny machine"))
+    import memlab.plan.planner as planner
+
+    monkeypatch.setattr(planner, "host_available_bytes", lambda: (1024, "a test's tiny machine"))
     small = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow)
     assert small.pick is None and "> host budget 1.00 KiB" in small.rows[0].notes
     unbounded = P.plan(tiny_cfg(layers=2), "1GiB", batch_size=2, seq_len=SEQ, device="cuda", allow=allow,
@@ -322,8 +324,8 @@ def test_accumulation_keeps_the_gradients_in_the_planned_peak():
 
 def test_memory_order_knows_accumulation():
     """A larger micro-batch needs at least a smaller one's memory only when it accumulates too (or neither does)."""
-    from memlab.plan.search import _needs_at_least
+    from memlab.plan.search import needs_at_least
 
-    assert not _needs_at_least(Stack(micro_batch=8), Stack(micro_batch=4, grad_accum=2), 4)
-    assert _needs_at_least(Stack(micro_batch=4, grad_accum=2), Stack(micro_batch=2, grad_accum=4), 4)
-    assert _needs_at_least(Stack(micro_batch=8), Stack(micro_batch=4), 4)
+    assert not needs_at_least(Stack(micro_batch=8), Stack(micro_batch=4, grad_accum=2), 4)
+    assert needs_at_least(Stack(micro_batch=4, grad_accum=2), Stack(micro_batch=2, grad_accum=4), 4)
+    assert needs_at_least(Stack(micro_batch=8), Stack(micro_batch=4), 4)

@@ -19,22 +19,13 @@ from memlab.core.validation import check_positive_int
 
 
 def available() -> list[str]:
-    """The benchmarks there are.
-
-    Returns:
-        The names of the ``memlab.bench`` submodules, sorted.
-    """
+    """The names of the ``memlab.bench`` submodules (the benchmarks there are), sorted."""
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 
 
 def device_name(device: torch.device | str | None = None) -> str:
-    """The device in words, for a table's header (timings mean nothing without it).
-
-    Args:
-        device: a device, or None for ``memlab.config.DEVICE``.
-
-    Returns:
-        The GPU's name, or the CPU's architecture, core count and torch thread count.
+    """The device in words, for a table's header (timings mean nothing without it): the GPU's name, or
+    the CPU's architecture, core count and torch thread count. ``device`` None is ``memlab.config.DEVICE``.
     """
     from memlab.config import DEVICE
 
@@ -48,13 +39,8 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 
 def sync(device: torch.device | str | None = None) -> None:
-    """Wait for the GPU's queued work, so a clock read after it measures the work (CUDA is asynchronous).
-
-    Args:
-        device: the device timed; nothing is done for a CPU device or without CUDA.
-
-    Returns:
-        None.
+    """Wait for the GPU's queued work, so a clock read after it measures the work (CUDA is asynchronous);
+    nothing is done for a CPU ``device`` or without CUDA.
     """
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         torch.cuda.synchronize()
@@ -64,13 +50,9 @@ def time_median(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, devi
     """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls.
 
     Args:
-        fn: the work to time, called with no arguments.
         repeat: timed calls (>= 1); the median is robust to one slow call on a shared machine.
         warmup: untimed calls first (caches, lazy initialisation, kernel selection).
         device: the device to synchronise before reading the clock.
-
-    Returns:
-        The median, in seconds.
 
     Raises:
         ValueError: for a ``repeat`` below 1.
@@ -89,16 +71,8 @@ def time_median(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, devi
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], device: Any = None) -> str:
-    """A plain-text table with the device named under the title.
-
-    Args:
-        title: the first line.
-        header: the column names.
-        rows: the cells; floats and large ints are formatted, anything else is ``str()``-ed.
-        device: the device named in the second line.
-
-    Returns:
-        The table as one string.
+    """A plain-text table, ``title`` on the first line and the device named on the second; floats and
+    large ints in ``rows`` are formatted, anything else is ``str()``-ed.
     """
     cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -111,15 +85,8 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], devi
 
 
 def report_targets(checks: Sequence[tuple[str, float, bool]], device: Any = None, *, strict: bool = False) -> int:
-    """Print ``(text, ratio, holds)`` targets as holds / MISSED under the device's name.
-
-    Args:
-        checks: one ``(text, ratio, holds)`` per target.
-        device: the device the targets were measured on.
-        strict: whether a missed target is a failure (timings on a shared machine are noisy).
-
-    Returns:
-        The exit code: 1 when a target is missed and ``strict``, else 0.
+    """Print ``(text, ratio, holds)`` targets as holds / MISSED under the device's name; return the exit
+    code: 1 when a target is missed and ``strict`` (timings on a shared machine are noisy), else 0.
     """
     if checks:
         print()
@@ -141,13 +108,8 @@ def _fmt(x: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``memlab bench NAME [options]``: run one benchmark, or list them.
-
-    Args:
-        argv: the arguments after ``memlab bench``.
-
-    Returns:
-        The benchmark's exit code; 0 for the list, 2 for an unknown name.
+    """``memlab bench NAME [options]``: run one benchmark, or list them; the benchmark's exit code, 0 for the
+    list, 2 for an unknown name.
     """
     argv = list(argv or [])
     names = available()

@@ -41,13 +41,9 @@ def _build(name: str, device: torch.device, seq_len: int) -> torch.nn.Module:
 
 
 def make_step(model_name: str, recipe: str, device: torch.device, seq_len: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[torch.Tensor, torch.Tensor], Any]]:
-    """One training step of a model under a precision recipe.
+    """One training step of a model (one of :data:`MODELS`) under a precision recipe (one of :data:`RECIPES`).
 
-    Args:
-        model_name: one of :data:`MODELS`.
-        recipe: one of :data:`RECIPES`.
-        device: where the model lives.
-        seq_len: the longest sequence the model must take.
+    ``seq_len`` is the longest sequence the model must take.
 
     Returns:
         ``(model, optimizer, step)``; ``step(x, y)`` runs forward, backward and the update.
@@ -94,13 +90,7 @@ def make_step(model_name: str, recipe: str, device: torch.device, seq_len: int) 
 def measure(model_name: str, recipe: str, device: torch.device, batch_size: int, seq_len: int, repeat: int) -> dict[str, Any]:
     """Peak memory (and on CUDA the speed) of one step of :func:`make_step`, after three warm-up steps.
 
-    Args:
-        model_name: one of :data:`MODELS`.
-        recipe: one of :data:`RECIPES`.
-        device: where to run.
-        batch_size: sequences per step.
-        seq_len: tokens per sequence.
-        repeat: timed steps on CUDA (the median is reported).
+    ``repeat``: timed steps on CUDA (the median is reported).
 
     Returns:
         ``peak`` and ``breakdown`` (MemoryTracker's, at the peak); on CUDA also ``cuda_peak``,
@@ -129,14 +119,7 @@ def measure(model_name: str, recipe: str, device: torch.device, batch_size: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``memlab bench amp``: one table per model, a row per recipe.
-
-    Args:
-        argv: the command line (None: ``sys.argv``).
-
-    Returns:
-        0.
-    """
+    """``memlab bench amp``: one table per model, a row per recipe; returns 0."""
     from memlab.config import DEVICE, SMALL, bf16_supported
 
     ap = argparse.ArgumentParser(prog="memlab bench amp", description=__doc__.split("\n\n")[0])

@@ -64,16 +64,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(argv: list[str] | None, on_gpu: bool) -> tuple[argparse.ArgumentParser, dict[str, Any]]:
-    """Parse and check the command line; fill the device's defaults.
-
-    Args:
-        argv: the arguments (None: ``sys.argv``).
-        on_gpu: whether memlab's device is CUDA.
-
-    Returns:
-        The parser (for later errors) and the settings: ``seqs``, ``b``, ``heads``, ``d``, ``dtype``,
-        ``blk``, ``repeat``, ``max_naive``, ``only``, ``strict``.
-    """
+    # parse and check the command line, fill the device's defaults: the parser (for later errors) and the
+    # settings seqs, b, heads, d, dtype, blk, repeat, max_naive, only, strict
     p = _parser()
     args = p.parse_args(argv)
     try:
@@ -94,7 +86,7 @@ def _settings(argv: list[str] | None, on_gpu: bool) -> tuple[argparse.ArgumentPa
 
 
 def _impls(blk: int, on_gpu: bool, only: str | None, p: argparse.ArgumentParser) -> tuple[dict[str, Callable], list[str]]:
-    """The implementations to run, each ``fn(q, k, v) -> o`` (causal), and notes on those left out."""
+    # The implementations to run, each ``fn(q, k, v) -> o`` (causal), and notes on those left out.
     from memlab import attention as att
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -129,7 +121,7 @@ def _impls(blk: int, on_gpu: bool, only: str | None, p: argparse.ArgumentParser)
 
 
 def _peak(impl: Callable, q: torch.Tensor, do: torch.Tensor, on_gpu: bool) -> int:
-    """Peak bytes of one forward + backward whose inputs are made inside the measured window."""
+    # Peak bytes of one forward + backward whose inputs are made inside the measured window.
     from memlab.config import DEVICE
     from memlab.profiler import allocator_peak
 
@@ -149,7 +141,7 @@ def _peak(impl: Callable, q: torch.Tensor, do: torch.Tensor, on_gpu: bool) -> in
 
 def _measure_seq(s: int, impls: dict[str, Callable], cfg: dict[str, Any], on_gpu: bool
                  ) -> tuple[dict[str, float], dict[str, int]]:
-    """Median fwd+bwd time and peak bytes of each implementation at sequence length ``s``."""
+    # Median fwd+bwd time and peak bytes of each implementation at sequence length ``s``.
     from memlab.config import DEVICE
 
     b, heads, d, dtype = cfg["b"], cfg["heads"], cfg["d"], cfg["dtype"]
@@ -181,7 +173,7 @@ def _measure_seq(s: int, impls: dict[str, Callable], cfg: dict[str, Any], on_gpu
 
 def _targets(seqs: list[int], results: dict[tuple[str, int], tuple[float, int, float]], on_gpu: bool,
              d: int, dtype: torch.dtype) -> list[tuple[str, float, bool]]:
-    """The targets as ``(text, ratio, holds)``."""
+    # The targets as ``(text, ratio, holds)``.
     checks = []
     if not on_gpu:
         for s in seqs:
@@ -200,14 +192,7 @@ def _targets(seqs: list[int], results: dict[tuple[str, int], tuple[float, int, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its table and targets.
-
-    Args:
-        argv: the command line after ``memlab bench attention`` (None: ``sys.argv``).
-
-    Returns:
-        The exit code: 0, or 1 with ``--strict`` when a target is missed.
-    """
+    """Run the benchmark and print its table and targets; exit code 0, or 1 with ``--strict`` when a target is missed."""
     from memlab.config import DEVICE, seed_everything
     from memlab.core.units import format_bytes
 

@@ -42,7 +42,7 @@ def _interleaved_medians(fns: dict[str, Callable[[], None]], repeat: int, device
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line; ``--layers`` below 1 is refused by argparse (exit 2)."""
+    # The command line; ``--layers`` below 1 is refused by argparse (exit 2).
     p = argparse.ArgumentParser(prog="memlab bench checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=16, help="number of TinyGPT blocks (default 16)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 64 on CPU, 512 on GPU)")
@@ -61,7 +61,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _configurations(model, x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[dict[str, Callable[[], None]],
                                                                                Callable[[], None]]:
-    """One training step per configuration (name -> step), and the step with the blocks skipped."""
+    # One training step per configuration (name -> step), and the step with the blocks skipped.
     from memlab.checkpoint import checkpoint, checkpoint_sequential, selective_checkpoint
 
     s, dev = x.shape[1], x.device
@@ -111,7 +111,7 @@ def _configurations(model, x: torch.Tensor, y: torch.Tensor, k: int) -> tuple[di
 
 
 def _rows(peaks: dict[str, int], times: dict[str, float]) -> list[list[str]]:
-    """The table's rows: each configuration against no checkpointing and against torch's same cut."""
+    # The table's rows: each configuration against no checkpointing and against torch's same cut.
     from memlab.core.units import format_bytes
 
     base_p, base_t = peaks["no checkpointing"], times["no checkpointing"]
@@ -127,15 +127,14 @@ def _rows(peaks: dict[str, int], times: dict[str, float]) -> list[list[str]]:
 
 def _targets(peaks: dict[str, int], times: dict[str, float], n: int, k: int, predicted: int, boundary: int,
              layer: int, rest: int) -> list[tuple[str, float, bool]]:
-    """The targets as ``(text, ratio, holds)``.
-
-    * the activation peak with sqrt(n) segments is within 15% of the model
-      ``k * boundary + ceil(n/k) * layer`` plus the rest of the model (embedding, head, loss: the
-      same step with the blocks skipped), ``layer`` and ``boundary`` measured by saved_tensors_hooks;
-    * step time with sqrt(n) segments is less than 40% above no checkpointing;
-    * memlab's peak is within 2% of torch.utils.checkpoint's and its step time at most 10% above it,
-      for the same segments (being faster is not a miss).
-    """
+    # The targets as ``(text, ratio, holds)``.
+    #
+    # * the activation peak with sqrt(n) segments is within 15% of the model
+    #   ``k * boundary + ceil(n/k) * layer`` plus the rest of the model (embedding, head, loss: the
+    #   same step with the blocks skipped), ``layer`` and ``boundary`` measured by saved_tensors_hooks;
+    # * step time with sqrt(n) segments is less than 40% above no checkpointing;
+    # * memlab's peak is within 2% of torch.utils.checkpoint's and its step time at most 10% above it,
+    #   for the same segments (being faster is not a miss).
     from memlab.core.units import format_bytes
 
     seg, tseg = f"memlab, {k} segments", f"torch, {k} segments"
@@ -158,14 +157,7 @@ def _targets(peaks: dict[str, int], times: dict[str, float], n: int, k: int, pre
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its table and targets.
-
-    Args:
-        argv: the arguments after ``memlab bench checkpoint`` (``--help`` lists them).
-
-    Returns:
-        The exit code: 0, or 1 when a target is missed under ``--strict``.
-    """
+    """Run the benchmark and print its table and targets; exit code 0, or 1 with ``--strict`` when a target is missed."""
     from memlab.accounting import saved_activation_bytes
     from memlab.checkpoint import activation_memory_model, sqrt_segments
     from memlab.config import DEVICE, seed_everything

@@ -27,7 +27,7 @@ NAMES = {0: "stage 0: data parallel (all-reduce)", 1: "stage 1: memlab ZeroOptim
 
 
 def _ranks(rank: int, world_size: int, steps: int, batch_size: int, seq_len: int, layers: int) -> list[dict[str, Any]]:
-    """One rank's :func:`memlab.distributed.train_rank` under every stage, in one launch (a fork each costs)."""
+    # One rank's :func:`memlab.distributed.train_rank` under every stage, in one launch (a fork each costs).
     from memlab.distributed import STAGES, train_rank
 
     kw = dict(steps=steps, batch_size=batch_size * world_size, seq_len=seq_len, model_kwargs={"num_hidden_layers": layers})
@@ -35,13 +35,8 @@ def _ranks(rank: int, world_size: int, steps: int, batch_size: int, seq_len: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``memlab bench distributed``: a table of every stage on every rank, then the targets.
-
-    Args:
-        argv: the command line (None: ``sys.argv``).
-
-    Returns:
-        0, or 1 with ``--strict`` when a target is missed.
+    """``memlab bench distributed``: a table of every stage on every rank, then the targets; exit code 0, or 1
+    with ``--strict`` when a target is missed.
     """
     from memlab.config import pick
     from memlab.distributed import STAGES, launch

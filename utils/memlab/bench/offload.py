@@ -47,12 +47,8 @@ def copy_bandwidth(n: int = 32 * MiB, repeat: int = 7, kind: str = "a += b") -> 
     """Bytes per second read + written on float32 CPU tensors of ``n`` elements (128 MiB each by default).
 
     Args:
-        n: elements per tensor.
         repeat: timed repetitions (the median is kept).
         kind: ``"a += b"`` (in place, 12 bytes per element) or ``"copy"`` (``dst.copy_(src)``, 8 bytes counted).
-
-    Returns:
-        Bytes per second.
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -67,14 +63,9 @@ def copy_bandwidth(n: int = 32 * MiB, repeat: int = 7, kind: str = "a += b") -> 
 
 
 def parse_count(text: str, *, name: str = "--sizes") -> int:
-    """A number of parameters such as ``"10M"`` (10**6 each: K, M, G as in :func:`memlab.core.parse_size`).
-
-    Args:
-        text: the count: an int, a float with an exponent, or with a suffix K, M or G (1M = 1,000,000).
-        name: the argument's name in the error message.
-
-    Returns:
-        The count, an int >= 1.
+    """A number of parameters such as ``"10M"`` (10**6 each: K, M, G as in :func:`memlab.core.parse_size`):
+    an int, a float with an exponent, or with a suffix K, M or G (1M = 1,000,000); an int >= 1. ``name`` is the
+    argument's name in the error message.
 
     Raises:
         ValueError: not a count, or a byte unit (``B``, ``MiB``, ...: these are parameters, not bytes;
@@ -93,10 +84,9 @@ def parse_count(text: str, *, name: str = "--sizes") -> int:
 
 
 def cpu_step_rows(sizes: list[int], repeat: int = 5, n_tensors: int = 8) -> tuple[list[list[Any]], dict[str, Any]]:
-    """Time memlab's flat step and torch's three AdamW implementations at each size.
+    """Time memlab's flat step and torch's three AdamW implementations at each size (parameter counts).
 
     Args:
-        sizes: parameter counts.
         repeat: timed repetitions per measurement (medians).
         n_tensors: how many tensors torch's optimizers get (memlab's step runs on one flat buffer).
 
@@ -166,14 +156,8 @@ def _gpt(n_layer: int, n_embd: int, seq: int, dtype: torch.dtype) -> torch.nn.Mo
 
 
 def gpu_recipe(recipe: str, *, n_layer: int, n_embd: int, batch: int, seq: int, accum: int, repeat: int) -> dict[str, Any]:
-    """Step time (median) and peak device memory of one recipe on a TinyGPT (CUDA).
-
-    Args:
-        recipe: one of :data:`GPU_RECIPES`.
-        n_layer, n_embd: the TinyGPT's depth and width.
-        batch, seq: micro-batch shape.
-        accum: micro-batches per optimizer step.
-        repeat: timed steps (the median is kept).
+    """Step time (median of ``repeat``) and peak device memory of one recipe (of :data:`GPU_RECIPES`) on a
+    TinyGPT of ``n_layer`` x ``n_embd``, micro-batches ``batch`` x ``seq``, ``accum`` per optimizer step (CUDA).
 
     Returns:
         ``{"params", "peak", "seconds"}``, or ``{"skipped": why}``.
@@ -235,14 +219,7 @@ GPU_RECIPES = (BASELINE, "on-device fused AdamW, fp32 weights + bf16 autocast", 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the CPU step table and, on CUDA, the offloaded-training table.
-
-    Args:
-        argv: the command line after ``memlab bench offload`` (None: ``sys.argv``).
-
-    Returns:
-        The exit code, 0.
-    """
+    """Print the CPU step table and, on CUDA, the offloaded-training table; returns 0."""
     from memlab.config import DEVICE, pick
 
     ap = argparse.ArgumentParser(prog="memlab bench offload", description=__doc__.split("\n\n")[0])

@@ -111,14 +111,7 @@ def _estimator_cost(model: str, seq_len: int, batch_size: int, dtype: str, optim
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its tables and PASS/FAIL lines.
-
-    Args:
-        argv: the arguments after ``memlab bench profiler`` (``--help`` lists them).
-
-    Returns:
-        The exit code: 0 when every target holds, else 1.
-    """
+    """Run the benchmark and print its tables and PASS/FAIL lines; exit code 0 when every target holds, else 1."""
     parser = argparse.ArgumentParser(prog="memlab bench profiler", description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=7, help="timed repeats per variant (median)")
     parser.add_argument("--batch-size", type=int, default=8, help="TinyGPT batch size")

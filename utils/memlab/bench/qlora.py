@@ -32,13 +32,8 @@ def _bnb():
 
 
 def bench_nf4(rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.device, repeat: int) -> list[list[Any]]:
-    """NF4 quantize and dequantize of one random matrix, memlab.quant against bitsandbytes.functional.
-
-    Args:
-        rows_cols: the matrix's shape.
-        dtype: its dtype (float32, float16 or bfloat16).
-        device: where it lives.
-        repeat: timed runs per operation (the median is shown).
+    """NF4 quantize and dequantize of one random matrix (float32, float16 or bfloat16), memlab.quant against
+    bitsandbytes.functional; ``repeat`` timed runs per operation (the median is shown).
 
     Returns:
         Two table rows (quantize, dequantize): times in ms, speed ratio, Gweights/s, bytes, bit-exactness.
@@ -74,13 +69,8 @@ def bench_nf4(rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.devi
 
 
 def bench_linear(shape: tuple[int, int], batch: int, device: torch.device, repeat: int) -> list[list[Any]]:
-    """One Linear4bit forward (double quant), memlab.quant against bitsandbytes.nn.
-
-    Args:
-        shape: ``(out_features, in_features)``.
-        batch: rows of the input.
-        device: where the layers run.
-        repeat: timed runs (the median is shown).
+    """One Linear4bit forward (double quant) of ``shape`` ``(out_features, in_features)`` on ``batch`` input
+    rows, memlab.quant against bitsandbytes.nn; ``repeat`` timed runs (the median is shown).
 
     Returns:
         One table row: times in ms, speed ratio and the largest absolute difference of the outputs.
@@ -109,11 +99,6 @@ def bench_linear(shape: tuple[int, int], batch: int, device: torch.device, repea
 
 def bench_steps(device: torch.device, batch: int, seq: int) -> list[list[Any]]:
     """The second training step of tiny_llama under full fine-tuning, LoRA and QLoRA, tracked.
-
-    Args:
-        device: where the model trains.
-        batch: batch size.
-        seq: sequence length.
 
     Returns:
         One table row per recipe: trainable parameters, stored model, peak and its breakdown, in MiB.
@@ -155,14 +140,7 @@ def bench_steps(device: torch.device, batch: int, seq: int) -> list[list[Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its three tables.
-
-    Args:
-        argv: the arguments after ``memlab bench qlora`` (``--help`` lists them).
-
-    Returns:
-        The exit code, 0.
-    """
+    """Run the benchmark and print its three tables; returns 0."""
     from memlab.config import DEVICE, SMALL
 
     ap = argparse.ArgumentParser(prog="memlab bench qlora", description=__doc__.split("\n\n")[0])

@@ -12,8 +12,8 @@ and ranks those that fit by a stated cost model (:func:`stack_cost`; vendor peak
 
 One concern per module: :mod:`~memlab.plan.stack` (the knobs and their vocabulary),
 :mod:`~memlab.plan.cost` (the cost model), :mod:`~memlab.plan.stacks` (estimating one stack, cached),
-:mod:`~memlab.plan.search` (candidates and their memory order), :mod:`~memlab.plan.search_run` (the
-search), :mod:`~memlab.plan.budget` (budgets), :mod:`~memlab.plan.result`, :mod:`~memlab.plan.planner`
+:mod:`~memlab.plan.search` (the candidates, their memory order and the search),
+:mod:`~memlab.plan.budget` (budgets), :mod:`~memlab.plan.result`, :mod:`~memlab.plan.planner`
 (:func:`plan`); the command line is :mod:`memlab.cli.plan`.
 
     memlab plan llama-3-8b --gpu rtx4090 --seq-len 2048 --batch-size 16

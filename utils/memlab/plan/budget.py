@@ -9,15 +9,11 @@ from memlab.plan.stack import canonical_precision
 
 
 def resolve_budget(budget: Any, gpu: Any = None, device: str = "cuda") -> tuple[int, str]:
-    """The device budget of :func:`memlab.plan.plan`'s ``budget`` / ``gpu`` arguments.
+    """The device budget ``(bytes, label)`` of :func:`memlab.plan.plan`'s ``budget`` / ``gpu`` arguments.
 
     Args:
         budget: bytes, a size (``"24GiB"``, ``"24GB"``) or a card name; or None to use ``gpu``'s.
         gpu: a card (its memory minus the CUDA context).
-        device: the target.
-
-    Returns:
-        ``(bytes, label)``.
 
     Raises:
         ValueError: neither given, or a value that is no size and no card.
@@ -53,13 +49,9 @@ DEFAULT_HOST_BUDGET = 64 * GiB  # where the machine's memory cannot be read: a w
 
 
 def host_available_bytes() -> tuple[int, str]:
-    """This machine's available memory.
-
-    Returns:
-        ``(bytes, where from)``: MemAvailable in /proc/meminfo (Linux), else psutil's
-        ``virtual_memory().available`` if psutil is installed, else :data:`DEFAULT_HOST_BUDGET`
-        (a stated default a learner can change).
-    """
+    """This machine's available memory, ``(bytes, where from)``: MemAvailable in /proc/meminfo (Linux), else
+    psutil's ``virtual_memory().available`` if psutil is installed, else :data:`DEFAULT_HOST_BUDGET` (a stated
+    default a learner can change)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -75,8 +67,9 @@ def host_available_bytes() -> tuple[int, str]:
         return DEFAULT_HOST_BUDGET, "memlab.plan.DEFAULT_HOST_BUDGET (this machine's memory could not be read)"
 
 
-def _allow_for_card(gpu: Any, allow: Mapping[str, Any] | None) -> tuple[Mapping[str, Any] | None, str | None]:
-    """A card without bf16 (memlab.core.gpus.CAPABILITIES): its precisions are fp32 and fp16 mixed precision."""
+def allow_for_card(gpu: Any, allow: Mapping[str, Any] | None) -> tuple[Mapping[str, Any] | None, str | None]:
+    """``(allow, note)`` for ``gpu``: a card without bf16 (memlab.core.gpus.CAPABILITIES) allows fp32 and fp16
+    mixed precision, and a bf16 precision asked for it raises ValueError; other cards leave ``allow`` as it is."""
     from memlab.core import gpus
 
     caps = gpus.capability(gpu) if gpu is not None else None

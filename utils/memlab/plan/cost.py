@@ -9,6 +9,7 @@ from typing import Any
 
 from memlab.core.vocab import Recipe
 from memlab.plan.stack import ADAPTERS, Stack
+from memlab.plan.stacks import config_at_depth, layer_count, model_builder
 
 @dataclass(frozen=True)
 class CostModel:
@@ -58,7 +59,9 @@ GPU_SPECS: dict[str, CostModel] = {
 REFERENCE_GPU = "h100-80gb"
 
 
-def _cost_model_for(gpu: Any) -> tuple[CostModel, str | None]:
+def cost_model_for(gpu: Any) -> tuple[CostModel, str | None]:
+    """The cost constants for ``gpu`` (a card name, or anything else for the reference card's), and a note
+    when they are not the card's own."""
     from memlab.core import gpus
 
     card = gpus.find_gpu(gpu) if isinstance(gpu, str) else None
@@ -112,15 +115,6 @@ def stack_cost(stack: Stack, shape: ModelShape, seq_len: int, cost: CostModel) -
       fp32 AdamW step (chapter 04) at ``host`` bandwidth; no overlap is assumed (an upper bound).
     * Eager attention writes and reads the b x h x T x T probabilities (forward, backward) at HBM
       bandwidth.
-
-    Args:
-        stack: the stack.
-        shape: the model's shape (:func:`model_shape`).
-        seq_len: tokens per sequence.
-        cost: the constants.
-
-    Returns:
-        ``(relative cost, seconds by term)``.
     """
     sixteen = stack.precision != Recipe.FP32
     peak = cost.flops_16bit if sixteen else cost.flops_fp32
@@ -166,28 +160,18 @@ def stack_cost(stack: Stack, shape: ModelShape, seq_len: int, cost: CostModel) -
 
 
 def model_shape(cfg: Any, lora_r: int = 16) -> ModelShape:
-    """What :func:`stack_cost` needs of a transformers config.
-
-    Args:
-        cfg: the transformers config.
-        lora_r: the adapters' rank.
-
-    Returns:
-        The :class:`ModelShape`: parameter counts at depths 1 and 2 on the meta device, extrapolated by
-        layer count.
-    """
+    """What :func:`stack_cost` needs of a transformers config (adapters of rank ``lora_r``): parameter
+    counts at depths 1 and 2 on the meta device, extrapolated by layer count."""
     import torch
-
-    from memlab.plan.stacks import _at_depth, _builder, _layers
     from torch import nn
 
-    _, L = _layers(cfg)
+    L = layer_count(cfg)
     counts: dict[int, dict[str, int]] = {}
     for depth in (1, 2):
         c: dict[str, int] = {}
         for adapter in ("full", "lora"):  # QLoRA: the same adapters on the same layers, quantized
             with torch.device("meta"):
-                m = _builder(_at_depth(cfg, depth), Stack(precision="bf16-mixed", adapter=adapter), lora_r)()
+                m = model_builder(config_at_depth(cfg, depth), Stack(precision="bf16-mixed", adapter=adapter), lora_r)()
             c[adapter] = sum(p.numel() for p in m.parameters() if p.requires_grad)
             if adapter == "full":
                 c["all"] = sum(p.numel() for p in m.parameters())

@@ -6,13 +6,12 @@ from typing import Any, Mapping
 
 from memlab.core.units import format_bytes, parse_size
 from memlab.core.validation import check_choice, check_positive_int
-from memlab.plan import budget as _budget
-from memlab.plan.cost import CostModel, _cost_model_for, model_shape, stack_cost
+from memlab.plan.budget import allow_for_card, host_available_bytes, resolve_budget
+from memlab.plan.cost import CostModel, cost_model_for, model_shape, stack_cost
 from memlab.plan.result import PlanResult, PlanRow
-from memlab.plan.search import enumerate_stacks
-from memlab.plan.search_run import _live_rows, _Search, run_search
+from memlab.plan.search import Search, enumerate_stacks, live_rows, run_search
 from memlab.plan.stack import Stack, fidelity_tier
-from memlab.plan.stacks import _layers, resolve_config
+from memlab.plan.stacks import layer_count, resolve_config
 
 
 def _check_arguments(batch_size: int, seq_len: int, top: int, lora_r: int, device: str, loss: str, prefer: str,
@@ -30,9 +29,9 @@ def _check_arguments(batch_size: int, seq_len: int, top: int, lora_r: int, devic
 
 
 def _host_budget(host_budget: int | str | None) -> tuple[int | None, str | None]:
-    """(bytes or None for no bound, a note saying where the default came from)."""
+    # (bytes or None for no bound, a note saying where the default came from).
     if isinstance(host_budget, str) and host_budget == "auto":
-        b, where = _budget.host_available_bytes()
+        b, where = host_available_bytes()
         return b, (f"host budget {format_bytes(b)}: {where} (offloaded stacks keep their optimizer "
                    f"on the host; change it with host_budget= / --host-budget SIZE, or 'none' for no bound)")
     if host_budget is None or isinstance(host_budget, str) and host_budget.lower() == "none":
@@ -46,8 +45,8 @@ def _host_budget(host_budget: int | str | None) -> tuple[int | None, str | None]
 
 def _stacks(cfg: Any, L: int, batch_size: int, gpu: Any, allow: Mapping[str, Any] | None,
             device: str, host_note: str | None) -> tuple[list[Stack], list[str]]:
-    """The candidates and the notes on what is left out (the card's precisions, fp32 every-k with GQA)."""
-    allow, card_note = _budget._allow_for_card(gpu, allow)
+    # The candidates and the notes on what is left out (the card's precisions, fp32 every-k with GQA).
+    allow, card_note = allow_for_card(gpu, allow)
     stacks, notes = enumerate_stacks(batch_size, L, allow, device)
     notes += [n for n in (card_note, host_note) if n]
     heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
@@ -66,7 +65,7 @@ def _stacks(cfg: Any, L: int, batch_size: int, gpu: Any, allow: Mapping[str, Any
 
 
 def _ranked(rows: list[PlanRow]) -> list[PlanRow]:
-    """Those that fit (by key), those traced that do not (by peak), then the untraced."""
+    # Those that fit (by key), those traced that do not (by peak), then the untraced.
     order = {"traced": 0, "exceeds": 1, "dominated": 2, "not needed": 3}
     feasible = sorted((r for r in rows if r.fits and r.status == "traced"), key=lambda r: r.key)
     over = sorted((r for r in rows if r.status == "traced" and not r.fits), key=lambda r: r.peak_bytes)
@@ -86,7 +85,7 @@ def plan(model: Any, budget: int | str | None = None, *, batch_size: int, seq_le
     Each stack's peak is traced by :func:`memlab.estimate.estimate_step` on fake tensors
     (:func:`memlab.plan.estimate_stack`), never a formula. Ranking: ``prefer="fidelity"`` orders by
     :func:`fidelity_tier` first, then by :func:`stack_cost`; ``prefer="cost"`` by the cost alone. The search
-    traces as little as it can (:func:`memlab.plan.search_run.run_search`): a candidate that needs at least
+    traces as little as it can (:func:`memlab.plan.search.run_search`): a candidate that needs at least
     the memory of a traced stack that did not fit is ruled out untraced, and it stops after ``top`` stacks fit.
 
     Args:
@@ -94,34 +93,26 @@ def plan(model: Any, budget: int | str | None = None, *, batch_size: int, seq_le
             transformers config (the one resolver of :mod:`memlab.estimate.model`).
         budget: bytes, a size (``"24GiB"``, ``"24GB"`` = 24 x 10**9) or a card name; or None and ``gpu``.
         batch_size: the effective batch: a micro-batch m runs ``batch_size // m`` accumulation steps.
-        seq_len: tokens per sequence.
         gpu: a card: its memory minus the CUDA context, and its cost constants (:data:`GPU_SPECS`); a card
             without bf16 gets fp16 mixed precision instead of the bf16 recipes.
         allow: knob -> values to consider (:data:`DEFAULT_ALLOW` for the rest).
         device: "cuda" compares the reserved estimate with the budget; "cpu" the traced tensor peak.
         top: stop after this many stacks that fit.
-        prefer: "fidelity" or "cost".
         cost: the cost constants (default: ``gpu``'s or the reference card's).
-        lora_r: the adapters' rank.
-        config_overrides: config fields to change.
         host_budget: bytes or a size bounding offloaded stacks' host memory; "auto": this machine's
             available memory (:func:`host_available_bytes`); None / "none": no bound.
         loss: the estimator's (see :func:`memlab.plan.estimate_stack`).
-        progress: show a progress bar.
-
-    Returns:
-        The :class:`PlanResult`.
 
     Raises:
         ValueError, TypeError, FileNotFoundError: a bad argument, named with what is allowed.
     """
     t0 = time.perf_counter()
     _check_arguments(batch_size, seq_len, top, lora_r, device, loss, prefer, gpu)
-    budget_bytes, budget_label = _budget.resolve_budget(budget, gpu, device)
+    budget_bytes, budget_label = resolve_budget(budget, gpu, device)
     host_budget_bytes, host_note = _host_budget(host_budget)
-    cost, cost_note = _cost_model_for(gpu if gpu is not None else budget) if cost is None else (cost, None)
+    cost, cost_note = cost_model_for(gpu if gpu is not None else budget) if cost is None else (cost, None)
     name, cfg = resolve_config(model, config_overrides)
-    _, L = _layers(cfg)
+    L = layer_count(cfg)
     from memlab.estimate import ModelSpec, check_positions
 
     check_positions(ModelSpec(name, config=cfg), seq_len, False)
@@ -137,9 +128,9 @@ def plan(model: Any, budget: int | str | None = None, *, batch_size: int, seq_le
         tier = fidelity_tier(s)
         rows.append(PlanRow(stack=s, cost=c, tier=tier, terms=terms, key=(tier if prefer == "fidelity" else 0, c)))
     rows.sort(key=lambda r: r.key)
-    search = _Search(name, cfg, L, seq_len=seq_len, device=device, lora_r=lora_r, loss=loss, budget=budget_bytes,
-                     host_budget=host_budget_bytes)
-    live = _live_rows(rows, L)
+    search = Search(name, cfg, L, seq_len=seq_len, device=device, lora_r=lora_r, loss=loss, budget=budget_bytes,
+                    host_budget=host_budget_bytes)
+    live = live_rows(rows, L)
     bar = None
     if progress:
         from tqdm.auto import tqdm

@@ -79,14 +79,7 @@ class PlanResult:
                 f"({stack_label(low.stack)}); allow more (adapters, offload, checkpointing), a shorter sequence, or more GPUs (chapter 08)")
 
     def table(self, limit: int | None = 12) -> str:
-        """The ranked rows as a plain-text table.
-
-        Args:
-            limit: the rows shown (None: all).
-
-        Returns:
-            The table.
-        """
+        """The ranked rows as a plain-text table, the first ``limit`` of them (None: all)."""
         head = ("rank", "stack", "peak", "fits", "rel. cost", "tier", "host", "notes")
         rows = [head]
         shown = self.rows if limit is None else self.rows[:limit]

@@ -12,14 +12,11 @@ from memlab.plan.stack import ESTIMATOR_OPTIMIZER, Stack
 
 
 def resolve_config(model: Any, config_overrides: Mapping[str, Any] | None = None) -> tuple[str, Any]:
-    """The planner's model, through the estimator's one resolver (:func:`memlab.estimate.resolve_model`).
+    """The planner's model as ``(name, transformers config)``, through the estimator's one resolver
+    (:func:`memlab.estimate.resolve_model`).
 
     Args:
         model: a preset, a config.json path, a Hub model id (its config.json only) or a transformers config.
-        config_overrides: config fields to change.
-
-    Returns:
-        ``(name, transformers config)``.
 
     Raises:
         TypeError: a callable or a module (the planner rebuilds the model with adapters and checkpointing);
@@ -37,22 +34,24 @@ def resolve_config(model: Any, config_overrides: Mapping[str, Any] | None = None
     return spec.name, spec.config
 
 
-def _layers(cfg: Any) -> tuple[str, int]:
+def layer_count(cfg: Any) -> int:
+    """The number of decoder layers of a transformers config (:meth:`memlab.estimate.ModelSpec.layers`)."""
     from memlab.estimate import ModelSpec
 
-    return ModelSpec("", config=cfg).layers()
+    return ModelSpec("", config=cfg).layers()[1]
 
 
-def _at_depth(cfg: Any, depth: int) -> Any:
+def config_at_depth(cfg: Any, depth: int) -> Any:
+    """``cfg`` with ``depth`` decoder layers (the estimator's extrapolation by depth traces such copies)."""
     from memlab.estimate import ModelSpec
 
     return ModelSpec("", config=cfg).at_depth(depth).config
 
 
 def _adapter_spec(stack: Stack, lora_r: int) -> Any:
-    """The planner's LoRA/QLoRA as a :class:`memlab.estimate.adapters.AdapterSpec` (None for a full fine-tune):
-    rank ``lora_r``, alpha 2 x r, every linear layer but the head, fp32 adapters -- the same adapters
-    ``memlab estimate --adapter`` builds (one builder: :func:`memlab.estimate.adapters.apply_adapter`)."""
+    # The planner's LoRA/QLoRA as a :class:`memlab.estimate.adapters.AdapterSpec` (None for a full fine-tune):
+    # rank ``lora_r``, alpha 2 x r, every linear layer but the head, fp32 adapters -- the same adapters
+    # ``memlab estimate --adapter`` builds (one builder: :func:`memlab.estimate.adapters.apply_adapter`).
     from memlab.estimate import adapters
 
     if stack.adapter == "full":
@@ -60,8 +59,9 @@ def _adapter_spec(stack: Stack, lora_r: int) -> Any:
     return adapters.adapter_spec(stack.adapter, recipe=stack.precision, lora_r=lora_r)
 
 
-def _builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
-    """A callable that builds ``stack``'s model from ``cfg`` (called inside the estimator's fake mode)."""
+def model_builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
+    """A callable that builds ``stack``'s model from ``cfg``: its dtype, attention, LoRA/QLoRA adapters of rank
+    ``lora_r`` and checkpointing (called inside the estimator's fake mode, or on the meta device)."""
     import torch
 
     def build():
@@ -100,8 +100,9 @@ def _builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
 def estimate_stack(model: Any, stack: Stack, *, seq_len: int, device: str = "cuda",
                    config_overrides: Mapping[str, Any] | None = None, lora_r: int = 16,
                    extrapolate: bool = True, loss: str = "auto") -> Any:
-    """memlab.estimate's traced estimate of one optimizer step of ``stack`` (micro-batches of
-    ``stack.micro_batch``; with accumulation the first micro-batch's gradients stay through the next).
+    """memlab.estimate's traced estimate (a :class:`memlab.estimate.MemoryEstimate`) of one optimizer step of
+    ``stack`` (micro-batches of ``stack.micro_batch``; with accumulation the first micro-batch's gradients stay
+    through the next).
 
     A full fine-tune or LoRA/QLoRA with checkpointing "none" or "full" is the estimator's own case
     (:func:`memlab.estimate.estimate_step`). "every-k" is traced on a model built by a callable
@@ -110,20 +111,12 @@ def estimate_stack(model: Any, stack: Stack, *, seq_len: int, device: str = "cud
 
     Args:
         model: a preset, a config.json path, a Hub model id or a transformers config.
-        stack: the stack.
-        seq_len: tokens per sequence.
-        device: the target ("cuda" or "cpu").
-        config_overrides: config fields to change.
-        lora_r: the adapters' rank.
         extrapolate: False traces every layer.
         loss: the estimator's (``"auto"``: transformers' own loss; ``"memlab"``: :func:`memlab.models.lm_loss`,
             the loss :class:`memlab.train.BudgetTrainer` runs).
-
-    Returns:
-        The :class:`memlab.estimate.MemoryEstimate`.
     """
     name, cfg = resolve_config(model, config_overrides)
-    return _estimate(name, cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate, loss=loss)
+    return cached_estimate(name, cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate, loss=loss)
 
 
 _CACHE: dict[tuple, Any] = {}
@@ -131,17 +124,12 @@ _CACHE_MAX = 512
 _SOURCES_HASH: list[str] = []
 # memlab's modules a trace runs: edited code re-traces
 _TRACED_SOURCES = ("estimate/*.py", "plan/*.py", "profiler/*.py", "core/*.py", "quant/*.py", "models/*.py",
-                   "checkpoint/*.py", "attention/*.py", "offload/*.py", "lora.py", "accounting.py", "adapters.py",
-                   "cuda_rules.py", "hub.py")
+                   "checkpoint/*.py", "attention/*.py", "offload/*.py", "accounting.py")
 
 
 def trace_cache_dir() -> Path | None:
-    """Where traced estimates persist across runs.
-
-    Returns:
-        ``$MEMLAB_CACHE_DIR`` (None when it is ``none``: no disk cache), else ``$XDG_CACHE_HOME/memlab/traces``,
-        else ``~/.cache/memlab/traces``.
-    """
+    """Where traced estimates persist across runs: ``$MEMLAB_CACHE_DIR`` (None when it is ``none``: no disk
+    cache), else ``$XDG_CACHE_HOME/memlab/traces``, else ``~/.cache/memlab/traces``."""
     env = os.environ.get("MEMLAB_CACHE_DIR")
     if env is not None:
         return None if env.strip().lower() in ("", "none", "off") else Path(env).expanduser()
@@ -150,8 +138,8 @@ def trace_cache_dir() -> Path | None:
 
 
 def _versions() -> str:
-    """Everything outside the arguments that changes a trace: the versions of memlab, torch and
-    transformers, and the source of the memlab modules a trace runs (edited code re-traces)."""
+    # everything outside the arguments that changes a trace: the versions of memlab, torch and
+    # transformers, and the source of the memlab modules a trace runs (edited code re-traces)
     if not _SOURCES_HASH:
         import hashlib
         import importlib.metadata as md
@@ -182,21 +170,14 @@ def _disk_path(key: tuple) -> Path | None:
     return d / (hashlib.sha256(repr((key, _versions())).encode()).hexdigest()[:32] + ".pkl")
 
 
-def _estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int,
-              extrapolate: bool = True, loss: str = "auto") -> Any:
-    """The traced estimate of ``stack``'s step, cached by (config, stack, seq_len, ...): with accumulation
-    the first micro-batch's gradients stay allocated through the second, and later ones repeat it. Cached in memory and on disk
-    (:func:`trace_cache_dir`, keyed also by the versions and memlab's source), so a second
+def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int,
+                    extrapolate: bool = True, loss: str = "auto") -> Any:
+    """:func:`estimate_stack` of a resolved ``(name, cfg)``, cached by (config, stack, seq_len, ...) in memory
+    and on disk (:func:`trace_cache_dir`, keyed also by the versions and memlab's source), so a second
     identical ``memlab plan`` reads its traces instead of tracing again.
 
-    Args:
-        name: the model's name (not in the key: the config is).
-        cfg: the transformers config.
-        stack: the stack (its accumulation is not in the key).
-        seq_len, device, lora_r, extrapolate, loss: as for :func:`estimate_stack`.
-
-    Returns:
-        The :class:`memlab.estimate.MemoryEstimate`.
+    With accumulation the first micro-batch's gradients stay allocated through the second, and later
+    ones repeat it: a ``grad_accum`` above 2 is keyed as 2. ``name`` is not in the key (the config is).
     """
     import pickle
 
@@ -250,11 +231,11 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
                          adapter=_adapter_spec(stack, lora_r), **kw)
         return estimate_step(cfg, step, extrapolate=extrapolate)
     step = make_step(checkpointing=False, **kw)  # checkpointing and adapters: in the builder
-    _, L = _layers(cfg)
+    L = layer_count(cfg)
     unit = stack.ckpt_every if stack.checkpointing == "every-k" else 1
 
     def at(depth: int) -> Any:
-        return estimate_step(_builder(_at_depth(cfg, depth), stack, lora_r), step, extrapolate=False)
+        return estimate_step(model_builder(config_at_depth(cfg, depth), stack, lora_r), step, extrapolate=False)
 
     if extrapolate and L % unit == 0:
         # from the second unit on: with a frozen embedding the first layer's input needs no
