@@ -36,7 +36,7 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fope
 
 
 def _compile(cache: Path) -> Any:
-    """Build ``adamw.cpp`` into ``cache`` (once per source, flags and compiler) and load it with ctypes."""
+    # Build ``adamw.cpp`` into ``cache`` (once per source, flags and compiler) and load it with ctypes.
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")

@@ -59,7 +59,7 @@ class CheckpointError(ValueError):
 
 # ----------------------------------------------------------------------------- the tree
 def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor], ids: dict[int, str]) -> Any:
-    """The JSON-able skeleton of ``obj``; its tensors go into ``tensors`` under dotted paths."""
+    # The JSON-able skeleton of ``obj``; its tensors go into ``tensors`` under dotted paths.
     if isinstance(obj, torch.Tensor):
         if obj.dtype not in DTYPES:
             raise TypeError(f"save: tensor at {path or '<root>'} has dtype {obj.dtype}; allowed: "
@@ -137,7 +137,7 @@ def serialize(state: Any) -> list[bytes]:
 
 
 def _parse(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """Check the layout and the checksum of a file's bytes; (metadata, tensor table, data start)."""
+    # Check the layout and the checksum of a file's bytes; (metadata, tensor table, data start).
     n = len(data)
     if n < 8:
         raise CheckpointError(f"{where}: truncated: {n} bytes, shorter than the 8-byte header length; refusing to load")

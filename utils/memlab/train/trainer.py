@@ -268,7 +268,7 @@ class BudgetTrainer:
         return self.stacks[self.stack_index]
 
     def _apply(self, stack: Stack) -> None:
-        """Make the model and the optimizer run ``stack`` (checkpointing, attention, optimizer kind)."""
+        # Make the model and the optimizer run ``stack`` (checkpointing, attention, optimizer kind).
         old = self._applied
         blocks = None
         if old is None or (old.checkpointing, old.ckpt_every) != (stack.checkpointing, stack.ckpt_every):
@@ -340,7 +340,7 @@ class BudgetTrainer:
         return path
 
     def _set_aside(self, path: Path, suffix: str) -> None:
-        """Rename ``path`` to ``<name>.<suffix>`` (out of the checkpoint pattern; never deleted)."""
+        # Rename ``path`` to ``<name>.<suffix>`` (out of the checkpoint pattern; never deleted).
         target = path.with_name(f"{path.name}.{suffix}")
         n = 1
         while target.exists():
@@ -353,8 +353,8 @@ class BudgetTrainer:
         self.set_aside.append(target)
 
     def _latest_checkpoint(self) -> dict[str, Any] | None:
-        """The newest checkpoint that verifies; newer ones that fail are renamed ``<name>.corrupt``
-        once a verified one is found (so the keep rule never weighs them against new ones)."""
+        # The newest checkpoint that verifies; newer ones that fail are renamed ``<name>.corrupt``
+        # once a verified one is found (so the keep rule never weighs them against new ones).
         bad: list[Path] = []
         for path in training_state.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB):
             try:
@@ -374,7 +374,7 @@ class BudgetTrainer:
         return None
 
     def _check_state(self, state: dict[str, Any]) -> None:
-        """Refuse a verified checkpoint of another run before anything is loaded from it."""
+        # Refuse a verified checkpoint of another run before anything is loaded from it.
         where = state.get("__path__")
         fix = "use another ckpt_dir, or fresh=True (--fresh) to set its checkpoints aside"
         if state.get("format") != "memlab.train/1":
@@ -409,7 +409,7 @@ class BudgetTrainer:
                                         f"{len(state['losses'])} losses; {fix}")
 
     def _restore(self, state: dict[str, Any], resume: bool) -> None:
-        """Load ``state``; on ``resume`` (a new trainer) also its stack and back-off history."""
+        # Load ``state``; on ``resume`` (a new trainer) also its stack and back-off history.
         self._check_state(state)
         try:
             self._load_state(state, resume)
@@ -460,7 +460,7 @@ class BudgetTrainer:
         return contextlib.nullcontext()
 
     def _optimizer_step(self, step: int, stack: Stack) -> torch.Tensor:
-        """One optimizer step of ``stack`` on the batch of ``step``; the mean loss (a 0-d tensor)."""
+        # One optimizer step of ``stack`` on the batch of ``step``; the mean loss (a 0-d tensor).
         assert self.optimizer is not None
         from memlab.models import lm_loss
 
@@ -495,7 +495,7 @@ class BudgetTrainer:
             torch.cuda.empty_cache()
 
     def _set_cuda_fraction(self, on: bool) -> None:
-        """Limit this process's CUDA caching allocator to ``budget`` bytes (``on``), or lift the limit."""
+        # Limit this process's CUDA caching allocator to ``budget`` bytes (``on``), or lift the limit.
         if self.budget is None or self.device.type != "cuda":
             return
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
