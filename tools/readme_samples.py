@@ -23,7 +23,7 @@ KEEP = ("GPU:", "verdict:", "what would make it fit", "next to try:")
 
 def run(args: list[str] = ARGS) -> str:
     sys.path.insert(0, str(ROOT / "utils"))
-    from memlab.estimate import main
+    from memlab.cli.estimate import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -13,7 +13,6 @@ from memlab.estimate import (
     deepspeed_zero_estimate,
     estimate_training_memory,
     measure_training_memory,
-    parse_size,
 )
 from memlab.models import (
     PRESETS,
@@ -101,7 +100,7 @@ def test_bf16_amp_keeps_fp32_states_and_pure_halves_them():
 def test_adamw8bit_state_matches_bitsandbytes_layout():
     est = estimate_training_memory(small_llama, batch_size=1, seq_len=16, dtype="fp32", optimizer="adamw8bit", device="cpu")
     model = small_llama()
-    layout = E.optim._bnb_state_bytes(model, "fp32")
+    layout = E.optim.bnb_state_bytes(model)
     # + the two shared 256-entry fp32 quantization maps that bitsandbytes keeps in the state
     assert est.breakdown_end["optimizer"] == layout + 2 * 256 * 4
     full = estimate_training_memory(small_llama, batch_size=1, seq_len=16, dtype="fp32", optimizer="adamw", device="cpu")
@@ -136,6 +135,46 @@ def test_bad_arguments():
         estimate_training_memory(small_gpt, batch_size=0, seq_len=8)
     with pytest.raises(TypeError, match="pass a function"):
         estimate_training_memory(small_gpt(), batch_size=1, seq_len=8)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'batch'"):
+        estimate_training_memory(small_gpt, batch=1, seq_len=8)
+    with pytest.raises(TypeError, match="missing batch_size"):
+        estimate_training_memory(small_gpt, seq_len=8)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'world_size'"):
+        measure_training_memory(small_gpt, batch_size=1, seq_len=8, world_size=2)
+
+
+def test_a_step_spec_and_keywords_are_one_call():
+    """The StepSpec form is the real one; the keywords build the same StepSpec (make_step), or change a given one."""
+    spec = E.StepSpec(batch_size=2, seq_len=16, dtype="bf16", device="cpu")
+    assert spec == E.make_step(batch_size=2, seq_len=16, dtype="bf16-mixed", device="cpu") and spec.dtype == "bf16-mixed"
+    a = estimate_training_memory(small_gpt, spec)
+    b = estimate_training_memory(small_gpt, batch_size=2, seq_len=16, dtype="bf16", device="cpu")
+    c = estimate_training_memory(small_gpt, E.StepSpec(batch_size=1, seq_len=16, device="cpu"), batch_size=2,
+                                 dtype="bf16")
+    assert a.peak_bytes == b.peak_bytes == c.peak_bytes and a.dtype == c.dtype == "bf16-mixed"
+
+
+def test_one_canonicaliser_one_error_everywhere():
+    """core.vocab is the one canonicaliser: the estimator, the planner and the rules of thumb map a spelling one
+    way and refuse an unknown one with the same message."""
+    from memlab.core import vocab
+    from memlab.estimate import peers
+    from memlab.plan.stack import Stack, canonical_precision
+
+    assert E.StepSpec(1, 8, dtype="BF16").dtype == Stack(precision="BF16").precision == "bf16-mixed"
+    assert E.StepSpec(1, 8, optimizer="adam8bit").optimizer == Stack(optimizer="adam8bit").optimizer == "adamw8bit"
+    errors = set()
+    for bad in (lambda: E.StepSpec(1, 8, dtype="fp8"), lambda: vocab.recipe("fp8", argument="dtype"),
+                lambda: canonical_precision("fp8", argument="dtype"), lambda: peers.accelerate_estimate(1, "fp8"),
+                lambda: E.training_step(None, None, None, None, dtype="fp8")):
+        with pytest.raises(ValueError) as exc:
+            bad()
+        errors.add(str(exc.value))
+    assert len(errors) == 1 and "(aliases: 'bf16'='bf16-mixed'" in errors.pop()
+    with pytest.raises(ValueError, match=r"optimizer='lion' is invalid; allowed: 'adamw', 'sgd'"):
+        E.StepSpec(1, 8, optimizer="lion")
+    with pytest.raises(ValueError, match=r"optimizer='sgd' is invalid; allowed: 'adamw', 'adamw-fused'"):
+        Stack(optimizer="sgd")  # the planner's own set, the same aliases and message
 
 
 def test_fits_and_table():
@@ -148,24 +187,6 @@ def test_fits_and_table():
     for key in E.CATEGORIES:
         assert key in text
     assert f"{est.peak_bytes:,}" in text
-
-
-# ---------------------------------------------------------------- sizes
-
-
-@pytest.mark.parametrize(
-    "text,expected",
-    [("24GB", 24 * 10**9), ("80GiB", 80 * 2**30), ("24e9", 24 * 10**9), ("512", 512), (4096, 4096),
-     ("1.5 TB", 1.5e12), ("16gib", 16 * 2**30), ("100MiB", 100 * 2**20)],
-)
-def test_parse_size(text, expected):
-    assert parse_size(text) == int(expected)
-
-
-@pytest.mark.parametrize("text", ["abc", "24XB", "", "-1GB", "0", "GB", True])
-def test_parse_size_rejects(text):
-    with pytest.raises(ValueError, match="allowed"):
-        parse_size(text)
 
 
 # ---------------------------------------------------------------- reference formulas
@@ -398,7 +419,7 @@ def test_cli_gpu_validated_before_tracing(monkeypatch, capsys):
     def boom(*a, **k):
         raise AssertionError("traced before --gpu was validated")
 
-    monkeypatch.setattr(E.cli, "estimate_training_memory", boom)
+    monkeypatch.setattr(estimate_cli, "estimate_training_memory", boom)
     with pytest.raises(SystemExit) as exc:
         estimate_cli.main(["llama-2-7b", "--gpu", "0.4"])
     assert exc.value.code == 2 and "less than 1 GiB" in capsys.readouterr().err
@@ -593,7 +614,7 @@ def test_offload_host_bytes_are_the_optimizers_buffers(dtype):
     params' dtype (2 bytes/param for bf16). The device keeps what memlab.offload.predict_device_bytes says."""
     from memlab.offload import OffloadedAdamW, device_host_bytes, predict_device_bytes
 
-    model = E.model._build(small_llama, dtype)  # as the estimator builds it (buffers keep their own dtype)
+    model = E.ModelSpec("small_llama", fn=small_llama).build(dtype, None)  # as the estimator builds it (buffers keep their own dtype)
     P, n = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
     kw = dict(batch_size=1, seq_len=16, dtype=dtype, optimizer="offload-adamw")
     cpu = estimate_training_memory(small_llama, device="cpu", **kw)

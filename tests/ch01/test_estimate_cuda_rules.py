@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from memlab.estimate import cuda_rules as R
 from memlab import estimate as E
+from memlab.estimate.recipes import cublas_workspace
 
 
 def _saved_dtypes(t: torch.Tensor) -> set[torch.dtype]:
@@ -124,15 +125,15 @@ def test_cublas_workspace_follows_the_card(monkeypatch):
     # PyTorch's default (aten/src/ATen/cuda/CublasHandlePool.cpp): 32 MiB from compute capability 9.0,
     # :4096:2:16:8 = 4096 KiB x 2 + 16 KiB x 8 before it; CUBLAS_WORKSPACE_CONFIG overrides both
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    assert E.cublas_workspace("h100")[0] == E.cublas_workspace("rtx5090")[0] == 32 * 2**20
-    assert E.cublas_workspace("a100")[0] == E.cublas_workspace("l40s")[0] == 8_519_680
-    assert E.cublas_workspace(None) == (32 * 2**20, "no card given: Hopper's")
-    assert E.cublas_workspace("h100", env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})[0] == 32 * 2**20
-    assert E.cublas_workspace("h100", env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"})[0] == 128 * 2**10
-    assert E.cublas_workspace(None, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"})[0] == 8_519_680
-    assert E.cublas_workspace("a100", env={"CUBLAS_WORKSPACE_CONFIG": "junk"})[0] == 8_519_680  # torch: default
+    assert cublas_workspace("h100")[0] == cublas_workspace("rtx5090")[0] == 32 * 2**20
+    assert cublas_workspace("a100")[0] == cublas_workspace("l40s")[0] == 8_519_680
+    assert cublas_workspace(None) == (32 * 2**20, "no card given: Hopper's")
+    assert cublas_workspace("h100", env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})[0] == 32 * 2**20
+    assert cublas_workspace("h100", env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"})[0] == 128 * 2**10
+    assert cublas_workspace(None, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"})[0] == 8_519_680
+    assert cublas_workspace("a100", env={"CUBLAS_WORKSPACE_CONFIG": "junk"})[0] == 8_519_680  # torch: default
     with pytest.raises(ValueError, match="gpu='tpu' is invalid; allowed: a card of memlab.core.gpus"):
-        E.cublas_workspace("tpu")
+        cublas_workspace("tpu")
 
 
 def test_estimate_adds_the_cards_cublas_workspace(monkeypatch):

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from memlab import distributed as D
-from memlab.estimate import estimate_training_memory, fsdp_units, main, shard_estimate
+from memlab.cli.estimate import main
+from memlab.estimate import estimate_training_memory, fsdp_units, shard_estimate
 from memlab.models import TinyGPT, TinyGPTConfig, tiny_llama, tiny_llama_config
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

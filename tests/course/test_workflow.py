@@ -206,7 +206,8 @@ def test_estimate_refuses_hostile_sizes_in_one_line_before_any_work(argv, needle
 
 
 def test_config_files_are_read_with_a_limit(tmp_path):
-    from memlab.estimate import MAX_CONFIG_BYTES, load_config
+    from memlab.estimate import load_config
+    from memlab.estimate.recipes import MAX_CONFIG_BYTES
 
     with pytest.raises(ValueError, match=r"'/dev/zero' is not a regular file"):
         load_config("/dev/zero")

@@ -135,9 +135,8 @@ def test_core_imports_without_torch():
 
 
 def test_units_module_has_no_local_copies_elsewhere():
-    """memlab.accounting's and memlab.estimate's size helpers are memlab.core's (one implementation)."""
-    from memlab import accounting, estimate
+    """memlab.accounting's size helpers are memlab.core's (one implementation)."""
+    from memlab import accounting
 
     assert accounting.format_bytes is units.format_bytes
-    assert estimate.parse_size is units.parse_size
     assert validation.check_positive_int is check_positive_int

@@ -52,19 +52,12 @@ def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
 
 def one_line_errors() -> None:
     """Make every argparse parser of this process report an argument error in one line (the
-    ``memlab`` command calls it first; a parser class that overrides ``error`` keeps its own).
-
-    Returns:
-        None.
-    """
+    ``memlab`` command calls it first; a parser class that overrides ``error`` keeps its own)."""
     argparse.ArgumentParser.error = _one_line_error  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``memlab`` command.
-
-    Args:
-        argv: the arguments after ``memlab`` (None: ``sys.argv[1:]``).
+    """Run the ``memlab`` command on ``argv``, the arguments after ``memlab`` (None: ``sys.argv[1:]``).
 
     Returns:
         The command's exit status; 2 for an unknown command or a missing optional package. An

@@ -3,15 +3,15 @@
 ``memlab.cli`` parses a command's arguments with these parsers before it imports the command's
 module, so an argument error (an unknown option, a bad int, a missing model) is one line on stderr
 within a fraction of a second instead of after the 1-4 s import of torch and transformers.
-``memlab.estimate.main`` and ``memlab.plan.main`` parse with the same parsers, so the options and
-messages have one source.
+:func:`memlab.cli.estimate.main` and :func:`memlab.cli.plan.main` parse with the same parsers, so the
+options and messages have one source.
 
 Only what ``--help`` shows needs the heavy modules (the preset names, the dtype descriptions):
 those parts are filled in when the help is formatted. ``--gpu`` of ``memlab estimate`` is checked
 by :func:`memlab.estimate.resolve_gpu`, imported when a ``--gpu`` is given.
 
 The name lists below equal the constants of :mod:`memlab.estimate` and :mod:`memlab.estimate.adapters`
-(tests/test_cli.py asserts it); recipes and optimizers come from :mod:`memlab.core.vocab` (torch-free).
+(tests/shared/test_cli.py asserts it); recipes and optimizers come from :mod:`memlab.core.vocab` (torch-free).
 """
 from __future__ import annotations
 
@@ -140,11 +140,7 @@ def _fill_estimate_help(parser: argparse.ArgumentParser) -> None:
 
 
 def estimate_parser() -> argparse.ArgumentParser:
-    """The parser of ``memlab estimate`` (torch-free until its help is formatted).
-
-    Returns:
-        The parser.
-    """
+    """The parser of ``memlab estimate`` (torch-free until its help is formatted)."""
     from memlab.core import gpus  # torch-free
 
     parser = _EstimateParser(
@@ -202,14 +198,7 @@ def estimate_parser() -> argparse.ArgumentParser:
 
 
 def parse_estimate(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """Parse ``memlab estimate``'s arguments; an error exits 2 with one line, before torch.
-
-    Args:
-        argv: the arguments.
-
-    Returns:
-        ``(parser, parsed arguments)``.
-    """
+    """``(parser, parsed arguments)`` of ``memlab estimate``; an error exits 2 with one line, before torch."""
     parser = estimate_parser()
     args = parser.parse_args(list(argv or []))
     if args.model is None and not args.validate:
@@ -229,11 +218,7 @@ def _fill_plan_help(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    """The parser of ``memlab plan`` (torch-free until its help is formatted).
-
-    Returns:
-        The parser.
-    """
+    """The parser of ``memlab plan`` (torch-free until its help is formatted)."""
     parser = _PlanParser(
         prog="memlab plan",
         description="Pick the training stack that fits a model into a memory budget (chapter 07): every "

@@ -104,21 +104,15 @@ def _print_suggestions(est: MemoryEstimate, sug: list[Suggestion], usable: int) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``memlab estimate MODEL [options]`` and ``memlab estimate --validate``.
-
-    Args:
-        argv: the arguments (``sys.argv[1:]`` style); None reads none.
-
-    Returns:
-        The exit code: 0, or 2 on bad input (one line on stderr).
-    """
+    """``memlab estimate MODEL [options]`` and ``memlab estimate --validate`` (``argv``: ``sys.argv[1:]``
+    style; None reads none). The exit code is 0, or 2 on bad input (one line on stderr)."""
     from memlab.cli.args import parse_estimate
 
     _, args = parse_estimate(argv)
     if args.validate:
-        from memlab.estimate import validate as published_peaks
+        from memlab.estimate import validate
 
-        return published_peaks.main(model_filter=args.model)
+        return validate.main(model_filter=args.model)
     run_kwargs, adapter_kw, overrides = _keywords(args)
     if args.offload_gradients and args.optimizer != "offload-adamw":
         return _error(f"--offload-gradients needs --optimizer offload-adamw (got --optimizer {args.optimizer})")

@@ -9,14 +9,8 @@ from memlab.plan.planner import plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``memlab plan MODEL --gpu CARD | --budget SIZE --batch-size B --seq-len T``: the ranked stacks.
-
-    Args:
-        argv: the arguments; None reads ``sys.argv``.
-
-    Returns:
-        The exit code: 0 when a stack fits, 1 when none does, 2 on bad input.
-    """
+    """``memlab plan MODEL --gpu CARD | --budget SIZE --batch-size B --seq-len T``: the ranked stacks
+    (``argv``: None reads ``sys.argv``). The exit code is 0 when a stack fits, 1 when none does, 2 on bad input."""
     from memlab.cli.args import plan_parser
 
     parser = plan_parser()

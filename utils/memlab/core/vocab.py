@@ -6,6 +6,11 @@ enums, so ``Category.ACTIVATIONS == "activations"`` and the old string spellings
 "bf16" alone means bf16 *mixed* precision everywhere (fp32 master weights, gradients and
 optimizer state; the forward under ``autocast(bfloat16)``), as in Lightning's ``"bf16-mixed"`` and
 transformers' ``TrainingArguments(bf16=True)``. Pure bf16 (no fp32 copy anywhere) is ``"bf16-pure"``.
+
+This is the one canonicaliser: estimate, plan, train and amp read a recipe or an optimizer through
+:func:`canonical_recipe` / :func:`canonical_optimizer` (or the enum forms :func:`recipe`,
+:func:`optimizer`), so a spelling means the same everywhere and an unknown one is refused with the
+same message, naming the argument, the value, the canonical names and their aliases.
 """
 from __future__ import annotations
 
@@ -14,8 +19,8 @@ from typing import Any
 
 from memlab.core.validation import invalid
 
-__all__ = ["Recipe", "Optimizer", "Category", "Phase", "CATEGORIES", "PHASES",
-           "RECIPE_ALIASES", "OPTIMIZER_ALIASES", "recipe", "optimizer"]
+__all__ = ["Recipe", "Optimizer", "Category", "Phase", "CATEGORIES", "PHASES", "RECIPES", "OPTIMIZERS",
+           "RECIPE_ALIASES", "OPTIMIZER_ALIASES", "canonical_recipe", "canonical_optimizer", "recipe", "optimizer"]
 
 
 class _Word(str, Enum):
@@ -75,46 +80,48 @@ RECIPE_ALIASES: dict[str, str] = {
 OPTIMIZER_ALIASES: dict[str, str] = {"adam8bit": "adamw8bit", "adamw-8bit": "adamw8bit", "adamw_8bit": "adamw8bit"}
 
 
-def _parse(cls: type[Enum], aliases: dict[str, str], name: Any, argument: str) -> Any:
-    """The member of ``cls`` that ``name`` (a member, a value or an alias) means, else :func:`invalid`."""
-    if isinstance(name, cls):
-        return name
-    if isinstance(name, str):
-        key = aliases.get(name.strip().lower(), name.strip().lower())
-        for member in cls:
-            if member.value == key:
-                return member
-    raise invalid(argument, name, ", ".join(repr(m.value) for m in cls)
-                  + " (aliases: " + ", ".join(f"{a!r}={b!r}" for a, b in aliases.items()) + ")")
+#: the canonical spellings, in table order
+RECIPES: tuple[str, ...] = tuple(r.value for r in Recipe)
+OPTIMIZERS: tuple[str, ...] = tuple(o.value for o in Optimizer)
+
+
+def _canonical(value: Any, aliases: dict[str, str], allowed: tuple[str, ...], argument: str) -> str:
+    if isinstance(value, str):  # a member of a str enum too
+        key = value.strip().lower()
+        key = aliases.get(key, key)
+        if key in allowed:
+            return key
+    shown = {a: b for a, b in aliases.items() if b in allowed}
+    raise invalid(argument, value, ", ".join(map(repr, allowed))
+                  + " (aliases: " + ", ".join(f"{a!r}={b!r}" for a, b in shown.items()) + ")")
+
+
+def canonical_recipe(value: Any, *, argument: str = "recipe") -> str:
+    """The canonical spelling of a recipe (``"bf16"`` -> ``"bf16-mixed"``, case and spaces ignored).
+
+    Raises:
+        ValueError: ``argument=value is invalid; allowed:`` the recipes and their aliases.
+    """
+    return _canonical(value, RECIPE_ALIASES, RECIPES, argument)
+
+
+def canonical_optimizer(value: Any, *, argument: str = "optimizer", allowed: tuple[str, ...] = OPTIMIZERS) -> str:
+    """The canonical spelling of an optimizer (``"adam8bit"`` -> ``"adamw8bit"``).
+
+    ``allowed`` is the caller's set of canonical names (the planner adds ``"adamw-fused"`` and has no SGD);
+    the aliases map the same way for every caller.
+
+    Raises:
+        ValueError: ``argument=value is invalid; allowed:`` ``allowed`` and the aliases that lead into it.
+    """
+    return _canonical(value, OPTIMIZER_ALIASES, tuple(allowed), argument)
 
 
 def recipe(name: Any, *, argument: str = "recipe") -> Recipe:
-    """The :class:`Recipe` a spelling means (``"bf16"`` is bf16 mixed precision).
-
-    Args:
-        name: a Recipe or one of its values or aliases (:data:`RECIPE_ALIASES`).
-        argument: the argument's name in the error message.
-
-    Returns:
-        The Recipe.
-
-    Raises:
-        ValueError: naming ``argument``, the value and the allowed spellings.
-    """
-    return _parse(Recipe, RECIPE_ALIASES, name, argument)
+    """The :class:`Recipe` a spelling means (:func:`canonical_recipe`, as the enum)."""
+    return Recipe(canonical_recipe(name, argument=argument))
 
 
 def optimizer(name: Any, *, argument: str = "optimizer") -> Optimizer:
-    """The :class:`Optimizer` a spelling means (``"adam8bit"`` is ``"adamw8bit"``).
-
-    Args:
-        name: an Optimizer or one of its values or aliases (:data:`OPTIMIZER_ALIASES`).
-        argument: the argument's name in the error message.
-
-    Returns:
-        The Optimizer.
-
-    Raises:
-        ValueError: naming ``argument``, the value and the allowed spellings.
-    """
-    return _parse(Optimizer, OPTIMIZER_ALIASES, name, argument)
+    """The :class:`Optimizer` a spelling means (:func:`canonical_optimizer`, as the enum)."""
+    return Optimizer(canonical_optimizer(name, argument=argument))

@@ -3,7 +3,7 @@
 ``memlab estimate --adapter lora``, ``estimate_training_memory(..., adapter="qlora")`` and
 :func:`memlab.plan.plan`'s LoRA/QLoRA stacks all build their fake model here
 (:func:`apply_adapter` on the base model that :func:`base_dtype` says how to build), so one
-configuration gives one answer by every route (``tests/test_estimate_adapters.py``).
+configuration gives one answer by every route (``tests/ch01/test_estimate_adapters.py``).
 
 What is built, and why (the usual Hugging Face + peft recipe):
 
@@ -54,22 +54,14 @@ class AdapterSpec:
     dtype: str = "fp32"
 
     def describe(self) -> str:
-        """One line naming the adapters (what the estimate's ``adapter`` field shows).
-
-        Returns:
-            The line.
-        """
+        """One line naming the adapters (what the estimate's ``adapter`` field shows)."""
         t = self.target_modules if isinstance(self.target_modules, str) else ",".join(self.target_modules)
         base = "NF4 base (every linear but lm_head), " if self.kind == "qlora" else ""
         return (f"{self.kind}: {base}rank {self.r}, alpha {self.alpha:g}, on {t}, dropout {self.dropout:g}, "
                 f"{self.dtype} adapters")
 
     def cli_args(self) -> list[str]:
-        """The ``memlab estimate`` flags that give this spec.
-
-        Returns:
-            The flags, one list item per word.
-        """
+        """The ``memlab estimate`` flags that give this spec, one list item per word."""
         t = self.target_modules if isinstance(self.target_modules, str) else ",".join(self.target_modules)
         out = ["--adapter", self.kind, "--lora-r", str(self.r), "--lora-alpha", f"{self.alpha:g}",
                "--target-modules", t]
@@ -139,27 +131,14 @@ def adapter_spec(adapter: str | AdapterSpec | None, *, recipe: str = "bf16-mixed
 
 
 def base_dtype(recipe: str) -> torch.dtype:
-    """The frozen base's dtype under a training recipe (see the module docstring).
-
-    Args:
-        recipe: a recipe of :mod:`memlab.core.vocab` in any spelling.
-
-    Returns:
-        fp32 for "fp32", fp16 for "fp16-mixed", else bf16.
-    """
+    """The frozen base's dtype under a training recipe, any spelling (see the module docstring): fp32 for
+    "fp32", fp16 for "fp16-mixed", else bf16."""
     r = vocab.recipe(recipe)
     return {vocab.Recipe.FP16_MIXED: torch.float16, vocab.Recipe.FP32: torch.float32}.get(r, torch.bfloat16)
 
 
 def linear_targets(model: nn.Module) -> list[str]:
-    """Leaf names of every linear layer but the output head (peft's ``"all-linear"``).
-
-    Args:
-        model: the model.
-
-    Returns:
-        The sorted leaf names.
-    """
+    """The sorted leaf names of every linear layer but the output head (peft's ``"all-linear"``)."""
     from memlab.quant import Linear4bit
 
     head = _head_names(model)
@@ -178,13 +157,7 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec, recipe: str) -> nn.Module
     """In place: freeze ``model`` (built in :func:`base_dtype`), quantize it for QLoRA, wrap the targets
     in LoRALinear adapters of ``spec``.
 
-    Args:
-        model: the base model.
-        spec: the adapters.
-        recipe: the training recipe (QLoRA's compute dtype: the base's 16-bit dtype).
-
-    Returns:
-        ``model``.
+    ``recipe`` sets QLoRA's compute dtype (the base's 16-bit dtype). Returns ``model``.
 
     Raises:
         ValueError: no target found, naming the linear layers there are.
@@ -226,9 +199,6 @@ def warm_quant() -> None:
 
     Built inside the first traced step they would count in that trace only, enough to bend a
     depth extrapolation.
-
-    Returns:
-        None.
     """
     global _QUANT_WARM
     if not _QUANT_WARM:
@@ -241,16 +211,8 @@ def warm_quant() -> None:
 
 def adapted_builder(build_base: Callable[[torch.dtype], nn.Module], spec: AdapterSpec | None,
                     recipe: str) -> Callable[[], nn.Module]:
-    """A no-argument builder of the adapted model.
-
-    Args:
-        build_base: dtype -> the base model.
-        spec: the adapters, or None for the base alone.
-        recipe: the training recipe.
-
-    Returns:
-        A builder: ``build_base(base_dtype(recipe))`` then :func:`apply_adapter`.
-    """
+    """A no-argument builder of the adapted model: ``build_base(base_dtype(recipe))``, then
+    :func:`apply_adapter` of ``spec`` (None: the base alone)."""
 
     def build() -> nn.Module:
         model = build_base(base_dtype(recipe))

@@ -11,7 +11,8 @@ from torch import nn
 from memlab.estimate.model import ModelSpec
 from memlab.estimate.recipes import SIXTEEN_BIT
 
-def _attention_plan(model: nn.Module, spec: ModelSpec, requested: str, dtype: str, target: torch.device,
+
+def attention_plan(model: nn.Module, spec: ModelSpec, requested: str, dtype: str, target: torch.device,
                     traced_on: str) -> tuple[str, Any, bool]:
     """(description, context manager for the traced step, softmax-scratch rule on?).
 
@@ -114,7 +115,7 @@ class UnpackedPositions:
             self._module = None
 
 
-def _make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool, per_rank: bool = False):
+def make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool, per_rank: bool = False):
     """A MemoryTracker that also notes which attention ops ran, with the per-op rule for CUDA
     softmax backward's scratch when asked. ``per_rank`` (a model sharded by FSDP2): the tracker of
     :func:`memlab.distributed.rank_tracker`, which counts a DTensor's local shard and FSDP2's storage

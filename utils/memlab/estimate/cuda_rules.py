@@ -82,37 +82,21 @@ class _CudaSemantics(TorchFunctionMode):
 
 
 def cuda_semantics() -> _CudaSemantics:
-    """The mode to trace a CUDA step on CPU tensors.
-
-    Returns:
-        A fresh ``TorchFunctionMode``; enter it around forward and backward.
-    """
+    """A fresh mode to trace a CUDA step on CPU tensors (a ``TorchFunctionMode``: enter it around forward
+    and backward)."""
     return _CudaSemantics()
 
 
 def checkpoint_context_fn(mode: _CudaSemantics) -> Callable[[], tuple]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (non-reentrant) that runs the recompute
-    in backward under ``mode`` too, so it keeps the forward's tensors (bool dropout masks, fp32 norms).
-
-    Args:
-        mode: the mode the traced step runs under (:func:`cuda_semantics`).
-
-    Returns:
-        A function returning (forward context, recompute context): nothing extra in the forward (the
-        mode is already on), ``mode`` in the recompute.
+    in backward under ``mode`` (:func:`cuda_semantics`) too, so it keeps the forward's tensors (bool
+    dropout masks, fp32 norms). Nothing extra in the forward: the mode is already on there.
     """
     return lambda: (contextlib.nullcontext(), mode)
 
 
 def rule_notes(mode: _CudaSemantics) -> list[str]:
-    """The rules that changed something in the traced step, in words.
-
-    Args:
-        mode: the mode the step ran under.
-
-    Returns:
-        One note per rule that fired (for ``MemoryEstimate.notes``).
-    """
+    """The rules that changed something in the step run under ``mode``, one note each (for ``MemoryEstimate.notes``)."""
     out = []
     c = mode.counts
     if c["dropout"]:

@@ -7,8 +7,8 @@ import time
 from typing import Any, Callable, Iterable
 
 from memlab.estimate.model import ModelSpec
-from memlab.estimate.recipes import CATEGORIES
-from memlab.estimate.result import MemoryEstimate, _PhaseSummary
+from memlab.core.vocab import CATEGORIES
+from memlab.estimate.result import MemoryEstimate, PhaseSummary
 from memlab.estimate.step import StepSpec
 from memlab.estimate.trace import trace_step
 
@@ -25,13 +25,7 @@ def _affine(a: int, b: int, d1: int, d2: int, n: int) -> int:
 
 
 def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: int) -> MemoryEstimate | None:
-    """The estimate at depth ``n`` from estimates of the same step at depths ``d1 < d2``.
-
-    Args:
-        a: the estimate at ``d1`` layers.
-        b: the estimate at ``d2`` layers.
-        d1, d2: the traced depths.
-        n: the depth to extrapolate to.
+    """The estimate at depth ``n`` from estimates ``a`` and ``b`` of the same step at depths ``d1 < d2``.
 
     Returns:
         The extrapolated estimate (its timeline reduced to the phase peaks), or None where the two do
@@ -60,7 +54,7 @@ def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: i
         optimizer=b.optimizer, checkpointing=b.checkpointing, peak_bytes=peak, breakdown=phase_bd[peak_phase],
         breakdown_end=end, max_activation_bytes=max_act, largest_layer_params=b.largest_layer_params,
         device=b.device, traced_on=b.traced_on, fake=True, seconds=0.0, notes=list(b.notes),
-        tracker=_PhaseSummary(peak, peak_phase, phases), peak_phase=peak_phase, phase_peaks=phases,
+        tracker=PhaseSummary(peak, peak_phase, phases), peak_phase=peak_phase, phase_peaks=phases,
         extras=dict(b.extras), attention=b.attention, step=b.step, optimizer_impl=b.optimizer_impl,
         extrapolated_from=(d1, d2), phase_breakdowns=phase_bd,
         host_bytes=sum(host_bd.values()), host_breakdown=host_bd, adapter=b.adapter,
@@ -98,16 +92,11 @@ def extrapolate_by_depth(trace_at: Callable[[int], MemoryEstimate], n_layers: in
 
 
 def extrapolated(spec: ModelSpec, step: StepSpec, extrapolate: bool | str) -> MemoryEstimate | None:
-    """The estimator's extrapolation of a single-rank step, where it applies.
+    """The estimator's extrapolation of a single-rank step where it applies (a homogeneous transformers
+    stack), else None (trace every layer).
 
-    Args:
-        spec: the model; a homogeneous transformers stack is extrapolated.
-        step: the step.
-        extrapolate: "auto" (stacks of at least :data:`EXTRAPOLATE_MIN_LAYERS` layers), True (any
-            stack deeper than the traced depths) or False (never).
-
-    Returns:
-        The extrapolated estimate, or None (trace every layer).
+    ``extrapolate``: "auto" (stacks of at least :data:`EXTRAPOLATE_MIN_LAYERS` layers), True (any stack
+    deeper than the traced depths) or False (never).
     """
     if not (extrapolate and spec.is_hf and spec.homogeneous()):
         return None
@@ -125,7 +114,7 @@ def extrapolated(spec: ModelSpec, step: StepSpec, extrapolate: bool | str) -> Me
 # units gathered at the backward peak differ: measured on Llama shapes), so a sharded stack is traced at
 # 3 and 4 layers, checked against a trace at 5, and extrapolated; a mismatch traces the whole stack. A
 # peak that moved to another moment of the same run of a phase only beyond 5 layers would go unseen:
-# Llama-2-70B (batch 1 x 256, 8 ranks) extrapolated equals its 80-layer trace (tests/test_estimate_distributed.py).
+# Llama-2-70B (batch 1 x 256, 8 ranks) extrapolated equals its 80-layer trace (tests/ch08/test_estimate_distributed.py).
 FSDP_EXTRAPOLATION_DEPTHS = (3, 4, 5)
 
 
@@ -149,15 +138,9 @@ def extrapolated_fsdp(spec: ModelSpec, step: StepSpec, world_size: int) -> Memor
     """The FSDP2-sharded estimate of the whole stack from traces at 3 and 4 layers.
 
     Each run of one phase (:func:`_segments`) is extrapolated by layer count, when the same
-    extrapolation to 5 layers equals the trace at 5 (every run's breakdown and the end state).
-
-    Args:
-        spec: the model (a homogeneous transformers stack deeper than 5 layers).
-        step: the step of one rank.
-        world_size: the ranks of the fake process group (the caller creates it).
-
-    Returns:
-        The per-rank estimate, or None (the caller traces every layer).
+    extrapolation to 5 layers equals the trace at 5 (every run's breakdown and the end state); else
+    None (the caller traces every layer). ``spec`` is a homogeneous transformers stack deeper than 5
+    layers, ``step`` one rank's; the caller creates the fake process group of ``world_size`` ranks.
     """
     if step.optimizer == "adamw8bit":  # its state may be modelled beside the timeline: trace it all
         return None
@@ -193,7 +176,7 @@ def extrapolated_fsdp(spec: ModelSpec, step: StepSpec, world_size: int) -> Memor
     phases = {ph: sum(bd.values()) for ph, bd in phase_bd.items()}
     est.phase_breakdowns, est.phase_peaks = phase_bd, phases
     est.peak_bytes, est.breakdown, est.peak_phase = peak, dict(at_peak), peak_phase
-    est.tracker = _PhaseSummary(peak, peak_phase, phases)
+    est.tracker = PhaseSummary(peak, peak_phase, phases)
     est.seconds = time.perf_counter() - t0
     est.notes.append(f"FSDP2 per-rank trace: the extrapolation from {d1} and {d2} layers equals the trace at {d3} "
                      f"layers (checked in this run)")
@@ -202,17 +185,8 @@ def extrapolated_fsdp(spec: ModelSpec, step: StepSpec, world_size: int) -> Memor
 
 def estimate_one_rank(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto",
                       fsdp_world_size: int = 0) -> MemoryEstimate:
-    """One rank's traced step, extrapolated by depth where that is exact.
-
-    Args:
-        spec: the model.
-        step: the step.
-        extrapolate: "auto", True or False (see :func:`memlab.estimate.extrapolate.extrapolated`).
-        fsdp_world_size: > 0 to trace FSDP2 under the fake process group of that many ranks.
-
-    Returns:
-        The estimate.
-    """
+    """One rank's traced step, extrapolated by depth where that is exact (``extrapolate``: see
+    :func:`extrapolated`); ``fsdp_world_size`` > 0 traces FSDP2 under the fake process group of that many ranks."""
     if fsdp_world_size:
         if extrapolate and spec.is_hf and spec.homogeneous() and spec.layers()[1] > max(FSDP_EXTRAPOLATION_DEPTHS):
             est = extrapolated_fsdp(spec, step, fsdp_world_size)

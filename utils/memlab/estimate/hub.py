@@ -27,14 +27,8 @@ class HubConfigError(ValueError):
 
 
 def looks_like_repo_id(name: Any) -> bool:
-    """Whether ``name`` is a Hub model id.
-
-    Args:
-        name: anything.
-
-    Returns:
-        True for ``"org/name"`` that is not a path that exists and not a file name ending in .json.
-    """
+    """Whether ``name`` is a Hub model id: ``"org/name"`` that is not a path that exists and not a file
+    name ending in .json."""
     return (isinstance(name, str) and bool(_REPO_ID.match(name)) and not name.endswith(".json")
             and not os.path.exists(name))
 
@@ -66,12 +60,7 @@ def _cache_dir() -> str | None:
 def load_hub_config(repo_id: str, revision: str | None = None) -> Any:
     """The transformers config of a Hub model (its config.json only, through transformers' cache).
 
-    Args:
-        repo_id: ``"org/name"``.
-        revision: a branch, tag or commit (default: main).
-
-    Returns:
-        The transformers config.
+    ``revision``: a branch, tag or commit (default: main).
 
     Raises:
         HubConfigError: in one line, naming the routes that work without the Hub (a preset, a config.json path).

@@ -20,20 +20,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memlab.core.optional import needs
 from memlab.core.units import MiB
 from memlab.core.vocab import Recipe
 from memlab.estimate.recipes import MAX_CONFIG_BYTES
-from memlab.core.optional import needs
+
 
 def is_hf_config(obj: Any) -> bool:
-    """True when ``obj`` is a transformers ``PretrainedConfig``.
-
-    Args:
-        obj: anything.
-
-    Returns:
-        Whether it is a transformers config.
-    """
+    """True when ``obj`` is a transformers ``PretrainedConfig``."""
     try:
         from transformers import PretrainedConfig
     except Exception:  # pragma: no cover - transformers is a dependency
@@ -56,12 +50,6 @@ _LEARNED_POSITIONS = ("gpt2", "gpt_neo", "gpt_bigcode", "opt", "bert", "roberta"
 
 def load_config(path: str | os.PathLike):
     """A ``transformers`` config from a local ``config.json`` (or a folder holding one), offline.
-
-    Args:
-        path: a config.json, or a folder holding one.
-
-    Returns:
-        The transformers config.
 
     Raises:
         FileNotFoundError, ValueError: naming the file: missing, unreadable, not JSON, no
@@ -110,15 +98,8 @@ def load_config(path: str | os.PathLike):
 
 
 def check_overrides(cfg: Any, overrides: Mapping[str, Any], what: str) -> None:
-    """Refuse override keys that are not fields of ``cfg`` (a typo would otherwise be ignored).
-
-    Args:
-        cfg: the transformers config the overrides apply to.
-        overrides: field -> value.
-        what: how the error names the model.
-
-    Returns:
-        None (it only raises).
+    """Refuse override keys that are not fields of ``cfg`` (a typo would otherwise be ignored);
+    ``what`` is how the error names the model.
 
     Raises:
         ValueError: naming the unknown key, with the closest field names.
@@ -152,11 +133,7 @@ class ModelSpec:
         return self.config is not None
 
     def layers(self) -> tuple[str, int] | None:
-        """The config's layer-count field and its value.
-
-        Returns:
-            ``(field, n)``, or None for a callable or a config without a layer count.
-        """
+        """``(the config's layer-count field, its value)``, or None for a callable or a config without one."""
         for f in _LAYER_FIELDS:
             v = getattr(self.config, f, None) if self.config is not None else None
             if isinstance(v, int) and v > 0:
@@ -164,11 +141,8 @@ class ModelSpec:
         return None
 
     def homogeneous(self) -> bool:
-        """Whether the decoder layers are identical (no per-layer types that differ).
-
-        Returns:
-            True for a homogeneous stack, the case extrapolation by depth is exact for.
-        """
+        """Whether the decoder layers are identical (no per-layer types that differ): the case
+        extrapolation by depth is exact for."""
         if self.layers() is None:
             return False
         for f in ("layer_types", "sliding_window_pattern_list", "block_types"):
@@ -182,14 +156,7 @@ class ModelSpec:
         return True
 
     def at_depth(self, depth: int) -> "ModelSpec":
-        """The same model with ``depth`` decoder layers.
-
-        Args:
-            depth: the layer count.
-
-        Returns:
-            A new spec (the config deep-copied; per-layer lists cut to ``depth``).
-        """
+        """The same model with ``depth`` decoder layers (the config deep-copied; per-layer lists cut to ``depth``)."""
         cfg = copy.deepcopy(self.config)
         f, n = self.layers()
         setattr(cfg, f, depth)
@@ -200,25 +167,15 @@ class ModelSpec:
         return ModelSpec(self.name, config=cfg, adapter=self.adapter)
 
     def with_adapter(self, adapter: Any) -> "ModelSpec":
-        """The same model with LoRA / QLoRA adapters.
-
-        Args:
-            adapter: a :class:`memlab.estimate.adapters.AdapterSpec`, or None.
-
-        Returns:
-            A new spec.
-        """
+        """The same model with LoRA / QLoRA adapters (a :class:`memlab.estimate.adapters.AdapterSpec`, or None)."""
         return ModelSpec(self.name, config=self.config, fn=self.fn, adapter=adapter)
 
     def build(self, dtype: str, attn: str | None) -> nn.Module:
-        """Build the model (call it inside a fake mode for a trace).
+        """Build the model, adapters applied when the spec has them (call it inside a fake mode for a trace).
 
         Args:
             dtype: the canonical recipe; it alone sets the weights' dtype.
             attn: transformers' ``attn_implementation``, or None for its default.
-
-        Returns:
-            The model, adapters applied when the spec has them.
         """
         if self.adapter is not None:  # the one builder of adapted models (estimate, CLI and plan)
             from memlab.estimate import adapters
@@ -252,9 +209,6 @@ def resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> Mod
             model id ``org/name`` (its config.json only, :mod:`memlab.estimate.hub`), a transformers config,
             or a callable returning an ``nn.Module``.
         config_overrides: config fields to change (not for a callable).
-
-    Returns:
-        The :class:`ModelSpec`.
 
     Raises:
         ValueError, TypeError, FileNotFoundError: an unknown name (with the closest preset), a bad
@@ -323,13 +277,8 @@ def resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> Mod
 def check_positions(spec: ModelSpec, seq_len: int, allow_longer_seq: bool) -> None:
     """Refuse a ``seq_len`` beyond the model's positions (a fake trace would not notice).
 
-    Args:
-        spec: the resolved model (a callable's model is not checked).
-        seq_len: tokens per sequence.
-        allow_longer_seq: allow it for position encodings that extend (RoPE scaling).
-
-    Returns:
-        None (it only raises).
+    A callable's model is not checked; ``allow_longer_seq`` allows it for position encodings that
+    extend (RoPE scaling).
 
     Raises:
         ValueError: naming ``seq_len``, the model's position field and its size.
@@ -356,7 +305,8 @@ def check_positions(spec: ModelSpec, seq_len: int, allow_longer_seq: bool) -> No
                          f"allow_longer_seq=True (CLI --allow-longer-seq) if you extend its context (e.g. RoPE scaling)")
 
 
-def _vocab_size(model: nn.Module) -> int:
+def vocab_size(model: nn.Module) -> int:
+    """The vocabulary size of a built model: its config's ``vocab_size``, else its (first) embedding's rows."""
     cfg = getattr(model, "config", None)
     v = getattr(cfg, "vocab_size", None)
     if isinstance(v, int) and v > 0:
@@ -371,11 +321,15 @@ def _vocab_size(model: nn.Module) -> int:
     raise ValueError(f"cannot find the vocabulary size of {type(model).__name__}: give it a config.vocab_size or an nn.Embedding")
 
 
-def _enable_checkpointing(model: nn.Module, context_fn: Callable[[], tuple] | None = None) -> None:
+def enable_checkpointing(model: nn.Module, context_fn: Callable[[], tuple] | None = None) -> None:
     """Turn on the model's own checkpointing; with ``context_fn``, PyTorch's non-reentrant checkpoint
     gets it, so the recompute in backward runs under the contexts it returns (the CUDA rules of
     :mod:`memlab.estimate.cuda_rules`: without them the recompute keeps CPU's tensors and torch's checkpoint
-    refuses the mismatch with a CheckpointError)."""
+    refuses the mismatch with a CheckpointError).
+
+    Raises:
+        ValueError: a model without ``gradient_checkpointing_enable()``.
+    """
     from memlab.models import TinyGPT
 
     kwargs = None if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
@@ -425,18 +379,9 @@ def _build_in(builder: Callable[[], nn.Module], param_dtype: torch.dtype) -> nn.
     return model
 
 
-def _prepare(model: nn.Module, dtype: str, checkpointing: bool,
-             context_fn: Callable[[], tuple] | None = None) -> nn.Module:
-    model.train()
-    if checkpointing:
-        _enable_checkpointing(model, context_fn)
-    return model
-
-
-def _largest_layer_params(model: nn.Module) -> int:
+def largest_layer_params(model: nn.Module) -> int:
+    """The most parameters any one module holds itself (DeepSpeed's ZeRO-3 estimator's largest layer)."""
     best = 0
     for m in model.modules():
         best = max(best, sum(p.numel() for p in m.parameters(recurse=False)))
     return best
-
-

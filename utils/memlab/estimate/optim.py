@@ -4,16 +4,21 @@ AdamW8bit (or its documented state layout when it does not import), and the devi
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from memlab.core import vocab
 from memlab.core.validation import check_choice
-from memlab.estimate.recipes import (BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, OPTIMIZER_IMPLS, OPTIMIZERS,
-                                     canonical_optimizer)
+from memlab.core.vocab import Recipe
+from memlab.estimate.recipes import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, OPTIMIZER_IMPLS
+from memlab.estimate.step import StepSpec
 
-def _bnb():
+
+def import_bitsandbytes():
+    """bitsandbytes, imported without its warning about optional CPU kernels (ImportError and the like if absent)."""
     import io
 
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
@@ -30,28 +35,21 @@ def _resolve_impl(impl: str, device: str) -> str:
 def make_optimizer(
     name: str, params: Any, *, impl: str = "auto", device: str = "cpu", **kwargs: Any
 ) -> torch.optim.Optimizer:
-    """The optimizer ``name`` over ``params``.
+    """The optimizer ``name`` over ``params``, given its hyper-parameters ``kwargs``.
 
     Args:
-        name: one of :data:`OPTIMIZERS` (or an alias such as ``"adam8bit"``).
-        params: the parameters.
+        name: one of :data:`memlab.estimate.OPTIMIZERS`, any spelling (``"adam8bit"``).
         impl: torch's implementation: "auto" is what ``torch.optim.AdamW(params)`` picks on
             ``device`` (foreach on CUDA, the for-loop on CPU), or "for-loop" / "foreach" / "fused".
-        device: the target device (for "auto").
-        **kwargs: the optimizer's hyper-parameters.
-
-    Returns:
-        The optimizer.
 
     Raises:
         ValueError: an unknown ``name`` or ``impl``.
     """
-    name = canonical_optimizer(name)
-    check_choice("optimizer", name, tuple(OPTIMIZERS))
+    name = vocab.canonical_optimizer(name)
     check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
     params = list(params)
     if name == "adamw8bit":
-        return _bnb().optim.AdamW8bit(params, **kwargs)
+        return import_bitsandbytes().optim.AdamW8bit(params, **kwargs)
     if name == "offload-adamw":
         from memlab.offload import OffloadedAdamW
 
@@ -71,6 +69,7 @@ class _OffloadDeviceSide(torch.optim.Optimizer):
     a post-accumulate-grad hook frees each one once copied to the host); the step runs on the host
     and copies the updated weights back into the parameters in place. The host side is counted
     (:func:`_offload_host_breakdown`)."""
+
 
     def __init__(self, params: Any, offload_gradients: bool = False, **hparams: Any) -> None:
         super().__init__(list(params), {})
@@ -104,8 +103,8 @@ def _offload_host_breakdown(params: Sequence[torch.Tensor], target: torch.device
     return out
 
 
-def _bnb_state_bytes(model: nn.Module, dtype: str) -> int:
-    """Bytes of bitsandbytes AdamW8bit's state for ``model`` (its documented layout)."""
+def bnb_state_bytes(model: nn.Module) -> int:
+    """Bytes of bitsandbytes AdamW8bit's state for ``model``'s trainable parameters (its documented layout)."""
     total = 0
     for p in model.parameters():
         if not p.requires_grad:
@@ -119,3 +118,50 @@ def _bnb_state_bytes(model: nn.Module, dtype: str) -> int:
     return total
 
 
+def step_optimizer(params: list, step: StepSpec, name: str, target: torch.device, fake: bool,
+                   notes: list[str]) -> tuple[Any, str, dict[str, int]]:
+    """The optimizer a traced step runs: (the optimizer, its implementation as the estimate names it, host
+    bytes by kind).
+
+    ``name`` is the optimizer built (SGD stands in for an 8-bit AdamW whose state is modelled); with
+    ``optimizer="offload-adamw"`` a fake trace gets OffloadedAdamW's device side and its host buffers are
+    counted. What is counted rather than traced is appended to ``notes``.
+
+    Raises:
+        ValueError: ``optimizer_kwargs`` the optimizer does not take.
+    """
+    if step.optimizer == "offload-adamw":
+        return _offload_optimizer(params, step, name, target, fake, notes)
+    impl = _resolve_impl(step.optimizer_impl, str(target)) if step.optimizer != "adamw8bit" else "bitsandbytes"
+    opt = make_optimizer(name, params, impl=step.optimizer_impl, device=str(target),
+                         **dict(step.optimizer_kwargs or {}))
+    return opt, impl, {}
+
+
+def _offload_optimizer(params: list, step: StepSpec, name: str, target: torch.device, fake: bool,
+                       notes: list[str]) -> tuple[Any, str, dict[str, int]]:
+    from memlab.offload import OffloadedAdamW
+
+    okw = dict(step.optimizer_kwargs or {})
+    og = okw.get("offload_gradients", False)
+    if not isinstance(og, bool):
+        raise ValueError(f"optimizer_kwargs['offload_gradients']={og!r} is invalid; allowed: True, False")
+    impl = "memlab.offload, step on the CPU" + (", gradients offloaded during backward" if og else "")
+    host = _offload_host_breakdown(params, target)
+    try:
+        inspect.signature(OffloadedAdamW.__init__).bind(None, params, **okw)
+    except TypeError as exc:
+        raise ValueError(f"optimizer_kwargs={okw!r} is invalid for OffloadedAdamW ({exc}); allowed: lr, betas, eps, "
+                         f"weight_decay, pin_memory, overlap, offload_gradients, kernel") from None
+    if fake:
+        opt = _OffloadDeviceSide(params, **okw)
+    else:
+        opt = make_optimizer(name, params, device=str(target), **okw)
+        if target.type == "cpu":
+            notes.append("measured on the CPU, where host == device: OffloadedAdamW's host buffers (master weights, "
+                         "moments, step counters; the fp32 grad slots once written) are in the tracked bytes too")
+    notes.append("offload-adamw: host bytes counted from OffloadedAdamW's buffers, not traced; device bytes traced")
+    if step.dtype == Recipe.BF16_PURE:
+        notes.append("with offload-adamw the bf16 params have fp32 master weights on the host: "
+                     "the update is not rounded to bf16 as plain bf16-pure AdamW's is")
+    return opt, impl, host

@@ -53,15 +53,8 @@ def bytes_per_param_rule(n_params: int, dtype: str = "bf16-mixed", optimizer: st
     """Model states by the "Model training anatomy" rule: (weights + gradients + optimizer) bytes per parameter.
 
     Weights 4 (fp32) or 6 (mixed: fp32 + 16-bit copies; 2 for pure bf16), gradients 4 (2 for pure
-    bf16), AdamW 8 (2 for 8-bit AdamW, 0 for SGD without momentum; 4 for pure bf16 AdamW).
-
-    Args:
-        n_params: the model's parameters.
-        dtype: the recipe (``"bf16"`` = ``"bf16-mixed"``).
-        optimizer: the optimizer (``"adam8bit"`` = ``"adamw8bit"``).
-
-    Returns:
-        The bytes of weights, gradients and optimizer state.
+    bf16), AdamW 8 (2 for 8-bit AdamW, 0 for SGD without momentum; 4 for pure bf16 AdamW). ``dtype``
+    and ``optimizer`` in any spelling of :mod:`memlab.core.vocab`.
 
     Raises:
         ValueError: an unknown recipe or optimizer.
@@ -76,14 +69,8 @@ def bytes_per_param_rule(n_params: int, dtype: str = "bf16-mixed", optimizer: st
 
 
 def peer_answers(est: Any) -> list[PeerAnswer]:
-    """What each rule of thumb says for the question an estimate asks.
-
-    Args:
-        est: a :class:`memlab.estimate.MemoryEstimate`.
-
-    Returns:
-        accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers.
-    """
+    """accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers to the question a
+    :class:`memlab.estimate.MemoryEstimate` asks."""
     P = est.n_params
     G = max(int(getattr(est, "world_size", 1)), 1)
     stage = int(getattr(est, "zero_stage", 0))
@@ -105,14 +92,8 @@ def peer_answers(est: Any) -> list[PeerAnswer]:
 
 
 def compare(est: Any) -> list[dict]:
-    """memlab's allocated estimate beside each peer's answer.
-
-    Args:
-        est: a :class:`memlab.estimate.MemoryEstimate`.
-
-    Returns:
-        Rows (tool, bytes, ratio to memlab's, what it counts, source), memlab's first.
-    """
+    """memlab's allocated estimate beside each peer's answer: rows (tool, bytes, ratio to memlab's, what it
+    counts, source), memlab's first."""
     ours = est.allocated_bytes
     rows = [dict(tool="memlab estimate (traced)", bytes=ours, ratio=1.0,
                  what="every tensor of the step, traced" + (" + cuBLAS workspaces" if est.extras else ""),
@@ -124,14 +105,7 @@ def compare(est: Any) -> list[dict]:
 
 
 def format_compare(est: Any) -> str:
-    """:func:`compare` as the text ``memlab estimate --compare`` prints.
-
-    Args:
-        est: a :class:`memlab.estimate.MemoryEstimate`.
-
-    Returns:
-        The table and what the rules leave out.
-    """
+    """:func:`compare` as the text ``memlab estimate --compare`` prints: the table and what the rules leave out."""
     rows = compare(est)
     lines = ["the same question by the rules of thumb (their formulas, from their documentation):"]
     w = max(len(r["tool"]) for r in rows)
@@ -152,14 +126,8 @@ def accelerate_estimate(n_params: int, dtype: str = "bf16-mixed") -> int:
     model's fp32 size S = 4 bytes x n_params and reports the *largest* of its components:
     in fp32, model S, gradients S, Adam 2S and "step" 4S -> 4S = 16 bytes/param; in
     fp16/bf16, model S, gradients 1.5S, Adam 2S, step 2S -> 2S = 8 bytes/param. Activations
-    are not counted (the docs say so: batch size 1, no activations).
-
-    Args:
-        n_params: the model's parameters.
-        dtype: the recipe (any spelling of :mod:`memlab.core.vocab`).
-
-    Returns:
-        The bytes accelerate reports.
+    are not counted (the docs say so: batch size 1, no activations). ``dtype``: any spelling of
+    :mod:`memlab.core.vocab`.
 
     Raises:
         ValueError: an unknown recipe.

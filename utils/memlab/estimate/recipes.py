@@ -1,8 +1,9 @@
-"""The estimator's vocabulary and limits: recipes, optimizers, implementations, losses, input bounds.
+"""The estimator's tables and limits: recipes and optimizers described, implementations, losses,
+attention kernels, ZeRO stages, bitsandbytes' 8-bit state layout, cuBLAS workspaces, the
+fragmentation margin and the input bounds.
 
-Recipes and optimizers are :mod:`memlab.core.vocab`'s (one spelling across estimate, plan, train and
-adapters): ``fp32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-pure``; ``"bf16"`` / ``"fp16"`` are
-accepted as the mixed recipes, ``"adam8bit"`` as ``"adamw8bit"``.
+The spellings are :mod:`memlab.core.vocab`'s, the one canonicaliser (``"bf16"`` = ``"bf16-mixed"``,
+``"adam8bit"`` = ``"adamw8bit"``); :class:`memlab.estimate.StepSpec` stores them canonical.
 """
 from __future__ import annotations
 
@@ -10,26 +11,25 @@ import os
 import re
 from typing import Any, Mapping
 
-from memlab.core import vocab
-from memlab.core.units import KiB, MiB, parse_size  # noqa: F401  (parse_size: memlab.estimate.parse_size)
-from memlab.core.validation import check_choice, invalid
-from memlab.core.vocab import CATEGORIES, OPTIMIZER_ALIASES, RECIPE_ALIASES, Recipe  # noqa: F401
+from memlab.core.units import KiB, MiB
+from memlab.core.validation import invalid
+from memlab.core.vocab import RECIPE_ALIASES, Recipe
 
 # canonical recipe -> what it keeps in which dtype (printed by the CLI and MemoryEstimate.table)
 DTYPES: dict[str, str] = {
-    vocab.Recipe.FP32.value: "fp32 weights, gradients, optimizer state and compute",
-    vocab.Recipe.BF16_MIXED.value: "mixed precision: fp32 weights/gradients/optimizer state, forward under "
-                                   "autocast(bfloat16)",
-    vocab.Recipe.FP16_MIXED.value: "mixed precision: fp32 weights/gradients/optimizer state, forward under "
-                                   "autocast(float16)",
-    vocab.Recipe.BF16_PURE.value: "bf16 weights, gradients and optimizer state, no autocast, no fp32 master copy",
+    Recipe.FP32.value: "fp32 weights, gradients, optimizer state and compute",
+    Recipe.BF16_MIXED.value: "mixed precision: fp32 weights/gradients/optimizer state, forward under "
+                             "autocast(bfloat16)",
+    Recipe.FP16_MIXED.value: "mixed precision: fp32 weights/gradients/optimizer state, forward under "
+                             "autocast(float16)",
+    Recipe.BF16_PURE.value: "bf16 weights, gradients and optimizer state, no autocast, no fp32 master copy",
 }
-#: other spellings of a recipe (``"bf16"`` = ``"bf16-mixed"``), as memlab.core.vocab accepts them
+#: other spellings of a recipe (``"bf16"`` = ``"bf16-mixed"``): memlab.core.vocab's
 DTYPE_ALIASES: dict[str, str] = dict(RECIPE_ALIASES)
 #: the recipes that run the forward pass under autocast
-MIXED = (vocab.Recipe.BF16_MIXED.value, vocab.Recipe.FP16_MIXED.value)
+MIXED = (Recipe.BF16_MIXED.value, Recipe.FP16_MIXED.value)
 #: the recipes whose compute is 16-bit
-SIXTEEN_BIT = MIXED + (vocab.Recipe.BF16_PURE.value,)
+SIXTEEN_BIT = MIXED + (Recipe.BF16_PURE.value,)
 
 OPTIMIZERS: dict[str, str] = {
     "adamw": "torch.optim.AdamW (2 moments per parameter, in the parameter's dtype)",
@@ -42,57 +42,6 @@ OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash")
 LOSSES = ("auto", "hf", "memlab")
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-def canonical_optimizer(name: Any) -> Any:
-    """The canonical name of an optimizer spelling (``"adam8bit"`` -> ``"adamw8bit"``).
-
-    Args:
-        name: an optimizer name or alias; anything else is returned as is (checked later).
-
-    Returns:
-        The canonical name, or ``name`` unchanged when it is no known spelling.
-    """
-    if isinstance(name, str):
-        try:
-            return vocab.optimizer(name).value
-        except ValueError:
-            return name
-    return name
-
-
-def canonical_dtype(name: Any) -> str:
-    """The canonical recipe of a ``dtype`` spelling (``"bf16"`` -> ``"bf16-mixed"``).
-
-    Args:
-        name: a recipe of :data:`DTYPES` or an alias of :data:`DTYPE_ALIASES`.
-
-    Returns:
-        The canonical recipe name.
-
-    Raises:
-        ValueError: naming ``dtype``, the value and the recipes allowed.
-    """
-    if isinstance(name, vocab.Recipe) or isinstance(name, str) and name.strip().lower() in {
-            *DTYPES, *DTYPE_ALIASES}:
-        return vocab.recipe(name, argument="dtype").value
-    raise invalid("dtype", name, ", ".join(map(repr, DTYPES)) + " (aliases: "
-                  + ", ".join(f"{a!r}={b!r}" for a, b in DTYPE_ALIASES.items()) + ")")
-
-
-def check_dtype(dtype: Any) -> None:
-    """Raise unless ``dtype`` is a canonical recipe (what the traced step takes).
-
-    Args:
-        dtype: the recipe to check.
-
-    Returns:
-        None (it only raises).
-
-    Raises:
-        ValueError: naming ``dtype``, the value and the recipes allowed.
-    """
-    check_choice("dtype", dtype, tuple(DTYPES))
 
 
 # bitsandbytes' blockwise 8-bit optimizers (bitsandbytes/optim/optimizer.py, Optimizer8bit /
@@ -143,6 +92,8 @@ def cublas_workspace(gpu: str | None = None, env: Mapping[str, str] | None = Non
         return CUBLAS_WORKSPACE_BYTES, f"{cap.name}, compute capability {cap.sm[0]}.{cap.sm[1]}: 32 MiB"
     return CUBLAS_WORKSPACE_PRE_HOPPER_BYTES, (f"{cap.name}, compute capability {cap.sm[0]}.{cap.sm[1]}: "
                                                f"PyTorch's :4096:2:16:8 default, 8.125 MiB")
+
+
 # max_memory_reserved / max_memory_allocated at the peak of a steady training step, measured on
 # an H100 (TinyGPT and a Llama with a 32k vocabulary, 6 x 512, batch 8 x 512, fp32 and bf16 AMP):
 # 1.05, 1.10, 1.09, 1.14 (results/h100/estimator_probe.json). The largest is the stated margin.
@@ -158,17 +109,11 @@ MAX_WORLD_SIZE = 1024  # ranks: stage 3 traces a fake process group of this many
 def check_input_bounds(batch_size: Any, seq_len: Any, world_size: Any = 1) -> None:
     """Refuse, before any work, a batch, a sequence or a world size no trace can finish in seconds.
 
-    Args:
-        batch_size: sequences per step (per rank), 1 to :data:`MAX_BATCH`.
-        seq_len: tokens per sequence, 1 to :data:`MAX_SEQ_LEN`.
-        world_size: ranks, 1 to :data:`MAX_WORLD_SIZE`.
-
-    Returns:
-        None (it only raises).
+    ``batch_size`` (per rank) and ``seq_len`` are each 1 to :data:`MAX_BATCH` / :data:`MAX_SEQ_LEN`, their
+    product at most :data:`MAX_TOKENS`; ``world_size`` 1 to :data:`MAX_WORLD_SIZE`.
 
     Raises:
-        ValueError: naming the argument, its value and the allowed range; or the product
-            ``batch_size x seq_len`` over :data:`MAX_TOKENS`.
+        ValueError: naming the argument, its value and the allowed range (or the product).
     """
     for name, v, hi in (("batch_size", batch_size, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ_LEN),
                         ("world_size", world_size, MAX_WORLD_SIZE)):

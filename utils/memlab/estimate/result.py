@@ -10,7 +10,9 @@ from typing import Any
 import torch
 
 from memlab.core.units import GiB, format_bytes, parse_size
-from memlab.estimate.recipes import CATEGORIES, DTYPES, FRAGMENTATION_MARGIN
+from memlab.core.vocab import CATEGORIES
+from memlab.estimate.recipes import DTYPES, FRAGMENTATION_MARGIN
+
 
 @dataclass
 class MemoryEstimate:
@@ -87,31 +89,17 @@ class MemoryEstimate:
         Args:
             gpu: a card name (``"h100-80gb"``, :mod:`memlab.core.gpus`) or a memory (``"24GiB"``,
                 ``"24GB"``, an int of bytes).
-
-        Returns:
-            True when it fits.
         """
         need = self.reserved_bytes if torch.device(self.device).type == "cuda" else self.peak_bytes
         return need <= self._budget(gpu)
 
     def headroom(self, gpu: int | str) -> int:
-        """Budget minus what :meth:`fits` compares.
-
-        Args:
-            gpu: as for :meth:`fits`.
-
-        Returns:
-            The bytes to spare (negative when it does not fit).
-        """
+        """Budget minus what :meth:`fits` compares: the bytes to spare (negative when it does not fit)."""
         need = self.reserved_bytes if torch.device(self.device).type == "cuda" else self.peak_bytes
         return self._budget(gpu) - need
 
     def describe(self) -> str:
-        """One line: the model, the step's settings, and whether it is an estimate or a measurement.
-
-        Returns:
-            The line.
-        """
+        """One line: the model, the step's settings, and whether it is an estimate or a measurement."""
         kind = "estimate (fake tensors)" if self.fake else "measured"
         ck = ", gradient checkpointing" if self.checkpointing else ""
         impl = f" ({self.optimizer_impl})" if self.optimizer_impl and self.optimizer in ("adamw", "sgd", "offload-adamw") else ""
@@ -128,11 +116,7 @@ class MemoryEstimate:
         return f", ZeRO stage {self.zero_stage}, per rank of {self.world_size} (batch per rank)"
 
     def table(self) -> str:
-        """The peak and its breakdown (and the end-of-step state) as a plain-text table.
-
-        Returns:
-            The table with its notes, one string.
-        """
+        """The peak and its breakdown (and the end-of-step state) as a plain-text table, with the notes."""
         rows = [("category", "at peak", "share", "end of step")]
         for key in CATEGORIES:
             at = self.breakdown.get(key, 0)
@@ -183,13 +167,7 @@ class MemoryEstimate:
         return "\n".join(lines)
 
     def plot(self, **kwargs: Any):
-        """The tracker's timeline plot (see :meth:`memlab.profiler.MemoryTracker.plot`).
-
-        Args:
-            **kwargs: passed to the tracker's plot.
-
-        Returns:
-            What the tracker's plot returns (a matplotlib figure).
+        """The tracker's timeline plot (:meth:`memlab.profiler.MemoryTracker.plot`, given ``kwargs``).
 
         Raises:
             ValueError: for an extrapolated or modelled estimate (no timeline).
@@ -200,9 +178,9 @@ class MemoryEstimate:
         return self.tracker.plot(**kwargs)
 
 
-class _PhaseSummary:
-    """What an extrapolated estimate can say of its (unbuilt) timeline: the peak's phase and the
-    per-phase peaks (the attributes of MemoryTracker that a reader of an estimate uses)."""
+class PhaseSummary:
+    """``MemoryEstimate.tracker`` of an extrapolated or sharded estimate, which has no timeline: the peak,
+    its phase and the per-phase peaks (the attributes of MemoryTracker that a reader of an estimate uses)."""
 
     def __init__(self, peak_bytes: int, peak_phase: str, phase_peaks: dict[str, int]) -> None:
         self.peak_bytes = peak_bytes
@@ -213,7 +191,7 @@ class _PhaseSummary:
         return dict(self._phase_peaks)
 
     def __repr__(self) -> str:
-        return f"_PhaseSummary(peak={format_bytes(self.peak_bytes)}, phase={self.peak_phase})"
+        return f"PhaseSummary(peak={format_bytes(self.peak_bytes)}, phase={self.peak_phase})"
 
 
 def _params(n: int) -> str:
@@ -226,12 +204,6 @@ def resolve_gpu(gpu: Any) -> tuple[str, int]:
     A card: its total as the driver reports it, minus the stated CUDA context reserve. A size
     (``24GiB`` = 24 x 2**30; ``24GB`` = 24 x 10**9, shown in GiB): that memory minus the same
     reserve.
-
-    Args:
-        gpu: a card name or a size.
-
-    Returns:
-        ``(label, usable bytes)``.
 
     Raises:
         ValueError: a bare number under 1 GiB such as ``0.4`` or an unknown name, naming what is allowed.

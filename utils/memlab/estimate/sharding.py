@@ -9,14 +9,19 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from memlab.core import vocab
+from memlab.core.vocab import CATEGORIES, Recipe
 from memlab.estimate.model import ModelSpec, resolve_model
-from memlab.estimate.recipes import CATEGORIES, ZERO_STAGES, Recipe, canonical_dtype
-from memlab.estimate.result import MemoryEstimate, _PhaseSummary
+from memlab.estimate.recipes import ZERO_STAGES
+from memlab.estimate.result import MemoryEstimate, PhaseSummary
 from memlab.estimate.step import StepSpec
 from memlab.estimate.trace import NoFSDPUnits
 from memlab.estimate.extrapolate import estimate_one_rank
 
-def _check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
+
+def check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
+    """Refuse (ValueError, named) a world size, a ZeRO stage, or a stage with an optimizer, that the
+    estimator cannot model."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is invalid; allowed: an int >= 1")
     if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
@@ -53,13 +58,7 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
     run: a second default group cannot exist beside it), when the model has no decoder layers that
     ``fsdp2_shard`` finds, or when FSDP2 or the optimizer fails on fake DTensors (the reason is returned).
 
-    Args:
-        spec: the model (resolved, adapters attached).
-        step: one rank's step; ``step.world_size`` ranks.
-        extrapolate: as for :func:`memlab.estimate.estimate_training_memory`.
-
-    Returns:
-        ``(the estimate, "")`` or ``(None, why it cannot be traced)``.
+    ``spec`` is resolved with its adapters attached; ``step`` is one rank's, of ``step.world_size`` ranks.
     """
     world_size = step.world_size
     import torch.distributed as dist
@@ -88,20 +87,22 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
 def fsdp_units(model: Any, dtype: str = "bf16-mixed", config_overrides: Mapping[str, Any] | None = None) -> tuple[int, int]:
     """FSDP2's units of a preset / config: the ``units`` of :func:`shard_estimate` for ``zero_stage=3``.
 
+    ``fully_shard`` wraps every decoder layer and the root (memlab.distributed.fsdp2_shard): the model is
+    built twice on the meta device (nothing allocated), at one and two layers.
+
     Args:
         model: a preset, a config.json path, a Hub id or a transformers config.
-        dtype: the recipe (built on the meta device: nothing allocated).
+        dtype: the recipe, any spelling.
         config_overrides: config fields to change.
 
     Returns:
         (parameters of one decoder layer, parameters outside the layers).
+
+    Raises:
+        ValueError: a model without a decoder stack (a callable), an unknown recipe.
     """
-    return _fsdp_units(resolve_model(model, config_overrides), canonical_dtype(dtype))
-
-
-def _fsdp_units(spec: ModelSpec, dtype: str) -> tuple[int, int]:
-    """(parameters of one decoder layer, parameters outside the layers): FSDP2's units when
-    ``fully_shard`` wraps every decoder layer and the root (memlab.distributed.fsdp2_shard)."""
+    dtype = vocab.canonical_recipe(dtype, argument="dtype")
+    spec = resolve_model(model, config_overrides)
     if not spec.is_hf or spec.layers() is None:
         raise ValueError("zero_stage=3 needs a decoder stack (a preset, a config.json or a transformers config) "
                          "to know FSDP's units; allowed for a callable model: zero_stage 0, 1, 2")
@@ -198,18 +199,15 @@ def shard_estimate(est: MemoryEstimate, world_size: int, zero_stage: int, *,
     A full trace's timeline is sharded event by event; an extrapolated estimate has only its phase peaks.
 
     Args:
-        est: the single-rank estimate.
+        est: the single-rank estimate (not changed: a copy is returned).
         world_size: the ranks.
         zero_stage: 0, 1, 2 or 3.
         units: for stage 3, (parameters of one decoder layer, of the root): :func:`fsdp_units`.
 
-    Returns:
-        A copy of ``est`` with one rank's bytes.
-
     Raises:
         ValueError: a bad stage or world size, or stage 3 without ``units``.
     """
-    _check_zero(world_size, zero_stage, est.optimizer)
+    check_zero(world_size, zero_stage, est.optimizer)
     one = _sharder(est, world_size, zero_stage, units)
     phase_bd, phases, peak, peak_phase, at_peak = _shard_phases(est, one)
     notes = list(est.notes) + [
@@ -220,6 +218,6 @@ def shard_estimate(est: MemoryEstimate, world_size: int, zero_stage: int, *,
     out = copy.copy(est)
     out.peak_bytes, out.breakdown, out.breakdown_end = peak, at_peak, one(est.breakdown_end, "end", end=True)
     out.phase_breakdowns, out.phase_peaks, out.peak_phase = phase_bd, phases, peak_phase
-    out.tracker = _PhaseSummary(peak, peak_phase, phases)
+    out.tracker = PhaseSummary(peak, peak_phase, phases)
     out.notes, out.world_size, out.zero_stage = notes, world_size, zero_stage
     return out

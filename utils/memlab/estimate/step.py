@@ -11,18 +11,47 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from memlab.estimate.recipes import MIXED, Recipe, canonical_dtype
+from memlab.core import vocab
+from memlab.core.vocab import Recipe
+from memlab.estimate.adapters import AdapterSpec, adapter_spec
+from memlab.estimate.recipes import MIXED, cublas_workspace
 
 
 @dataclass(frozen=True)
 class StepSpec:
-    """Everything that describes one traced training step (the estimator's ~20 settings, once).
+    """One training step's settings: what :func:`memlab.estimate.estimate_training_memory` traces and
+    :func:`memlab.estimate.measure_training_memory` runs (their keywords are these fields).
 
-    ``estimate_training_memory(...)`` builds one from its keywords; the trace, the extrapolation by
-    depth, the ZeRO sharding and :func:`memlab.plan.estimate_stack` pass it along whole.
-    ``dtype`` and ``optimizer`` are canonical (:mod:`memlab.core.vocab`); ``adapter`` is a
-    :class:`memlab.estimate.adapters.AdapterSpec` or None; ``step`` a callable ``(model, batch) -> loss``,
-    a ``"module:function"`` or None; ``gpu`` a card name of :mod:`memlab.core.gpus` or None.
+    The trace, the extrapolation by depth, the ZeRO sharding and :func:`memlab.plan.estimate_stack`
+    pass it along whole. Spellings are stored canonical (:mod:`memlab.core.vocab`): ``dtype="bf16"``
+    is ``"bf16-mixed"``, ``optimizer="adam8bit"`` is ``"adamw8bit"``, ``adapter="lora"`` an
+    :class:`~memlab.estimate.adapters.AdapterSpec` of the defaults; an unknown recipe, optimizer,
+    adapter or card is refused here, named (ValueError).
+
+    Attributes:
+        batch_size, seq_len: the step's batch (of one rank) and tokens per sequence.
+        dtype: the recipe, one of :data:`memlab.estimate.DTYPES`; it alone sets the weights' dtype.
+        optimizer: one of :data:`memlab.estimate.OPTIMIZERS`; ``optimizer_impl``: "auto" (PyTorch's
+            default on ``device``: foreach on CUDA), "for-loop", "foreach", "fused"; ``optimizer_kwargs``:
+            its keywords (``{"offload_gradients": True}`` for offload-adamw).
+        checkpointing: recompute each block in backward.
+        warmup_steps: untracked steps first (1: the steady state, optimizer state alive).
+        device: the device you will train on (CUDA: its kernels, rules and allocator extras are modelled).
+        seed: the seed of the random batch.
+        loss, step: "auto" (transformers' own loss for transformers models, else
+            :func:`memlab.models.lm_loss`), "hf", "memlab"; or your ``step(model, batch) -> loss``
+            (a callable or ``"module:function"``), which overrides ``loss``.
+        attn_implementation: "auto", "eager", "sdpa" or "flash" (CUDA).
+        kernel_scratch: add the per-op rule for scratch CUDA kernels allocate inside (softmax backward).
+        world_size, zero_stage: one of ``world_size`` data-parallel ranks under ZeRO stage 0-3 (stage 3
+            traced with FSDP2 under a fake process group; chapter 08).
+        adapter: None, "lora", "qlora" or an AdapterSpec: LoRA / QLoRA on a frozen base
+            (:mod:`memlab.estimate.adapters`; the keywords ``lora_r``, ``lora_alpha``, ``target_modules``,
+            ``lora_dropout``, ``adapter_dtype`` of :func:`memlab.estimate.make_step` set the rest).
+        gpu: the target card (a name of :mod:`memlab.core.gpus`) or None: on a CUDA target its compute
+            capability sets the cuBLAS workspace (:func:`memlab.estimate.recipes.cublas_workspace`).
+        grad_accum: micro-batches of ``batch_size`` per optimizer step; the gradients of the first stay
+            allocated through the next (two are traced: later ones repeat the second).
     """
 
     batch_size: int
@@ -42,27 +71,21 @@ class StepSpec:
     world_size: int = 1
     zero_stage: int = 0
     adapter: Any = None
-    gpu: str | None = None  # the target card (memlab.core.gpus): its cuBLAS workspace
-    grad_accum: int = 1  # micro-batches per optimizer step (gradients kept between them)
+    gpu: str | None = None
+    grad_accum: int = 1
+
+    def __post_init__(self) -> None:
+        # one vocabulary (frozen: set through object)
+        object.__setattr__(self, "dtype", vocab.canonical_recipe(self.dtype, argument="dtype"))
+        object.__setattr__(self, "optimizer", vocab.canonical_optimizer(self.optimizer))
+        if not isinstance(self.adapter, AdapterSpec):
+            object.__setattr__(self, "adapter", adapter_spec(self.adapter, recipe=self.dtype))
+        if self.gpu is not None:
+            cublas_workspace(self.gpu, env={})  # an unknown card is refused here, named
 
     def replace(self, **changes: Any) -> "StepSpec":
-        """A copy with some fields changed.
-
-        Args:
-            **changes: field -> new value.
-
-        Returns:
-            The new StepSpec.
-        """
+        """A copy with some fields changed (checked as a new one is)."""
         return dataclasses.replace(self, **changes)
-
-
-def _is_hf_model(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except Exception:  # pragma: no cover
-        return False
-    return isinstance(model, PreTrainedModel)
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
@@ -98,11 +121,9 @@ def training_step(
     gradients of the first micro-batch stay allocated through the next ones.
 
     Args:
-        model: the model.
-        optimizer: its optimizer.
         x: the token ids, ``batch x seq_len``.
         y: the targets (for ``loss="memlab"``).
-        dtype: the recipe (``"bf16"`` = ``"bf16-mixed"``).
+        dtype: the recipe, any spelling.
         loss: ``"hf"``: transformers' own (``model(input_ids=x, labels=x).loss``, as the Trainer
             computes it: the logits upcast to fp32, shifted inside); ``"memlab"``:
             :func:`memlab.models.lm_loss` of ``x`` against ``y``.
@@ -115,7 +136,7 @@ def training_step(
     Raises:
         ValueError: an unknown recipe; TypeError: a ``step`` that returns no scalar tensor.
     """
-    dtype = canonical_dtype(dtype)
+    dtype = vocab.canonical_recipe(dtype, argument="dtype")
     optimizer.zero_grad(set_to_none=True)
     for _ in range(micro_batches):
         if dtype in MIXED:
@@ -132,13 +153,8 @@ def training_step(
 
 
 def load_step(spec: str) -> Callable[[nn.Module, dict], torch.Tensor]:
-    """The function a ``"module:function"`` names (the current directory is importable).
-
-    Args:
-        spec: ``"module:function"``.
-
-    Returns:
-        The function, ``(model, batch) -> loss``.
+    """The function ``(model, batch) -> loss`` that ``spec``, a ``"module:function"``, names (the current
+    directory is importable).
 
     Raises:
         ValueError: a malformed spec, a module that does not import, a missing function.

@@ -7,9 +7,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from memlab.core import vocab
+from memlab.core.vocab import Recipe
 from memlab.estimate.api import estimate_training_memory
-from memlab.estimate.recipes import FRAGMENTATION_MARGIN, MIXED, Recipe, canonical_dtype, canonical_optimizer
+from memlab.estimate.recipes import FRAGMENTATION_MARGIN, MIXED
 from memlab.estimate.result import MemoryEstimate
+
 
 @dataclass
 class Suggestion:
@@ -26,14 +29,7 @@ class Suggestion:
     command: str = ""  # the memlab estimate command that reproduces a traced row ("" for a formula)
 
     def saving(self, base: MemoryEstimate) -> int:
-        """Bytes saved against ``base``.
-
-        Args:
-            base: the estimate the suggestion improves on.
-
-        Returns:
-            ``base.peak_bytes - self.peak_bytes``.
-        """
+        """Bytes saved against ``base``: ``base.peak_bytes - self.peak_bytes``."""
         return base.peak_bytes - self.peak_bytes
 
     @property
@@ -49,15 +45,9 @@ QLORA_BITS_PER_PARAM = 4 + 0.127
 
 
 def estimate_command(model: Any, **kw: Any) -> str:
-    """The ``memlab estimate`` command line for keywords of :func:`estimate_training_memory`.
-
-    Args:
-        model: the model (a name or a path; anything else shows as ``MODEL``).
-        **kw: keywords of :func:`estimate_training_memory` (defaults are left out of the line).
-
-    Returns:
-        The shell-quoted command line, recipes and optimizers in their canonical spelling.
-    """
+    """The shell-quoted ``memlab estimate`` command line for keywords of :func:`estimate_training_memory`
+    (defaults left out, recipes and optimizers in their canonical spelling; a model that is no name or
+    path shows as ``MODEL``)."""
     import shlex
 
     from memlab.estimate import adapters
@@ -67,7 +57,7 @@ def estimate_command(model: Any, **kw: Any) -> str:
              ("optimizer", "--optimizer", "adamw"), ("optimizer_impl", "--optimizer-impl", "auto"),
              ("device", "--device", "cuda"), ("loss", "--loss", "auto"), ("attn_implementation", "--attn", "auto"),
              ("world_size", "--world-size", 1), ("zero_stage", "--zero-stage", 0), ("gpu", "--gpu", None))
-    canon = {"dtype": canonical_dtype, "optimizer": canonical_optimizer}
+    canon = {"dtype": lambda v: vocab.canonical_recipe(v, argument="dtype"), "optimizer": vocab.canonical_optimizer}
     for key, flag, default in flags:
         if key in kw and canon.get(key, lambda v: v)(kw[key]) != default:
             out += [flag, str(canon.get(key, lambda v: v)(kw[key]))]
@@ -83,7 +73,7 @@ def estimate_command(model: Any, **kw: Any) -> str:
         out.append("--offload-gradients")
     for k, v in (kw.get("config_overrides") or {}).items():
         out += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
-    ad = adapters.adapter_spec(kw.get("adapter"), recipe=canonical_dtype(kw.get("dtype", Recipe.BF16_MIXED.value)),
+    ad = adapters.adapter_spec(kw.get("adapter"), recipe=canon["dtype"](kw.get("dtype", Recipe.BF16_MIXED.value)),
                                 **{k: kw[k] for k in ("lora_r", "lora_alpha", "target_modules", "lora_dropout",
                                                       "adapter_dtype") if k in kw})
     if ad is not None:
@@ -108,14 +98,8 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     are traced where ``base`` is a full fine-tune; each traced row carries the ``memlab estimate``
     command that reproduces it (``Suggestion.command``).
 
-    Args:
-        base: the estimate to improve on.
-        model: its model (as given to :func:`estimate_training_memory`).
-        config_overrides: its config overrides.
-        **run_kwargs: its other keywords (device, loss, attention, adapter settings ...).
-
-    Returns:
-        The suggestions, in the order they were tried.
+    ``model``, ``config_overrides`` and ``run_kwargs`` (device, loss, attention, adapter settings ...) are
+    what ``base`` was estimated with. The suggestions come in the order they were tried.
     """
     common = dict(batch_size=base.batch_size, seq_len=base.seq_len, dtype=base.dtype,
                   optimizer=base.optimizer, checkpointing=base.checkpointing,

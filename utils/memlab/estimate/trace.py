@@ -5,7 +5,6 @@ step, read the peak, its breakdown and each phase's peak. Also runs the same ste
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -15,14 +14,14 @@ from torch import nn
 
 from memlab.core.units import format_bytes
 from memlab.core.validation import check_choice
-from memlab.estimate.attention import _attention_plan, _make_tracker, UnpackedPositions
-from memlab.estimate.model import ModelSpec, _largest_layer_params, _prepare, _vocab_size
-from memlab.estimate.optim import (_bnb, _bnb_state_bytes, _offload_host_breakdown, _OffloadDeviceSide,
-                                   _resolve_impl, make_optimizer)
-from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CATEGORIES, CUBLAS_THREADS, cublas_workspace,
-                                     LOSSES, MIXED, OPTIMIZER_IMPLS, OPTIMIZERS, Recipe, check_dtype)
+from memlab.core.vocab import CATEGORIES, Recipe
+from memlab.estimate.attention import UnpackedPositions, attention_plan, make_tracker
+from memlab.estimate.model import ModelSpec, enable_checkpointing, largest_layer_params, vocab_size
+from memlab.estimate.optim import bnb_state_bytes, import_bitsandbytes, step_optimizer
+from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CUBLAS_THREADS, LOSSES, MIXED, OPTIMIZER_IMPLS,
+                                     cublas_workspace)
 from memlab.estimate.result import MemoryEstimate
-from memlab.estimate.step import StepSpec, _is_hf_model, load_step, training_step
+from memlab.estimate.step import StepSpec, load_step, training_step
 
 # The untracked warm-up of a fake trace: an optimizer step on zero gradients (same state as a full
 # step; tests compare both ways). False runs a full step.
@@ -51,8 +50,6 @@ def _check_step(step: StepSpec) -> tuple[Callable | None, str]:
                           ("warmup_steps", step.warmup_steps, 0), ("grad_accum", step.grad_accum, 1)):
         if isinstance(val, bool) or not isinstance(val, int) or val < low:
             raise ValueError(f"{arg}={val!r} is invalid; allowed: an int >= {low}")
-    check_dtype(step.dtype)
-    check_choice("optimizer", step.optimizer, tuple(OPTIMIZERS))
     check_choice("optimizer_impl", step.optimizer_impl, OPTIMIZER_IMPLS)
     check_choice("loss", step.loss, LOSSES)
     attn = "auto" if step.attn_implementation is None else step.attn_implementation
@@ -86,7 +83,7 @@ def _setup(spec: ModelSpec, step: StepSpec, fake: bool) -> _Setup:
         s.notes.append(_adapter_note(spec, step.dtype))
     if step.optimizer == "adamw8bit":
         try:
-            _bnb()
+            import_bitsandbytes()
         except Exception as exc:  # pragma: no cover - depends on the install
             s.modelled_8bit, s.opt_name = True, "sgd"
             s.notes.append(f"bitsandbytes does not import ({type(exc).__name__}); 8-bit AdamW state modelled, not traced")
@@ -117,45 +114,6 @@ def _step_text(step_fn: Any, loss: str) -> str:
     return "memlab's loss: lm_loss(model, x, y) (cross entropy on the logits), backward, optimizer.step()"
 
 
-def _offload_optimizer(params: list, step: StepSpec, s: _Setup, fake: bool) -> tuple[Any, str, dict[str, int]]:
-    """OffloadedAdamW: the device side (fake) or the real optimizer, its description and host bytes."""
-    from memlab.offload import OffloadedAdamW
-
-    okw = dict(step.optimizer_kwargs or {})
-    og = okw.get("offload_gradients", False)
-    if not isinstance(og, bool):
-        raise ValueError(f"optimizer_kwargs['offload_gradients']={og!r} is invalid; allowed: True, False")
-    impl = "memlab.offload, step on the CPU" + (", gradients offloaded during backward" if og else "")
-    host = _offload_host_breakdown(params, s.target)
-    try:
-        inspect.signature(OffloadedAdamW.__init__).bind(None, params, **okw)
-    except TypeError as exc:
-        raise ValueError(f"optimizer_kwargs={okw!r} is invalid for OffloadedAdamW ({exc}); allowed: lr, betas, eps, "
-                         f"weight_decay, pin_memory, overlap, offload_gradients, kernel") from None
-    if fake:
-        opt = _OffloadDeviceSide(params, **okw)
-    else:
-        opt = make_optimizer(s.opt_name, params, device=str(s.target), **okw)
-        if s.target.type == "cpu":
-            s.notes.append("measured on the CPU, where host == device: OffloadedAdamW's host buffers (master weights, "
-                           "moments, step counters; the fp32 grad slots once written) are in the tracked bytes too")
-    s.notes.append("offload-adamw: host bytes counted from OffloadedAdamW's buffers, not traced; device bytes traced")
-    if step.dtype == Recipe.BF16_PURE:
-        s.notes.append("with offload-adamw the bf16 params have fp32 master weights on the host: "
-                       "the update is not rounded to bf16 as plain bf16-pure AdamW's is")
-    return opt, impl, host
-
-
-def _optimizer(params: list, step: StepSpec, s: _Setup, fake: bool) -> tuple[Any, str, dict[str, int]]:
-    """(the optimizer, its implementation as the estimate names it, host bytes by kind)."""
-    if step.optimizer == "offload-adamw":
-        return _offload_optimizer(params, step, s, fake)
-    impl = _resolve_impl(step.optimizer_impl, str(s.target)) if step.optimizer != "adamw8bit" else "bitsandbytes"
-    opt = make_optimizer(s.opt_name, params, impl=step.optimizer_impl, device=str(s.target),
-                         **dict(step.optimizer_kwargs or {}))
-    return opt, impl, {}
-
-
 def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec, s: _Setup, loss: str, mode: Any,
            attn_ctx: Any, softmax_rule: bool, fake: bool, per_rank: bool) -> Any:
     """Warm up (untracked), then track one step; returns the tracker."""
@@ -179,7 +137,7 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
                 opt.zero_grad(set_to_none=True)
             else:
                 one_step()
-        tracker = _make_tracker(model, opt, softmax_rule, per_rank=per_rank)
+        tracker = make_tracker(model, opt, softmax_rule, per_rank=per_rank)
         with tracker:
             one_step()
     if step.grad_accum > 1:
@@ -193,7 +151,7 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
     return tracker
 
 
-def _read(tracker: Any, model: nn.Module, dtype: str, modelled_8bit: bool) -> dict[str, Any]:
+def _read(tracker: Any, model: nn.Module, modelled_8bit: bool) -> dict[str, Any]:
     """Peak, breakdowns and phase peaks of a tracked step (8-bit AdamW's state added when modelled)."""
     peak = int(tracker.peak_bytes)
     at_peak = {k: int(v) for k, v in tracker.breakdown(at="peak").items()}
@@ -206,7 +164,7 @@ def _read(tracker: Any, model: nn.Module, dtype: str, modelled_8bit: bool) -> di
             phases[ev.phase] = ev.total
             phase_bd[ev.phase] = {k: int(v) for k, v in ev.bytes.items()}
     if modelled_8bit:
-        state = _bnb_state_bytes(model, dtype)
+        state = bnb_state_bytes(model)
         peak += state  # the state is alive during the whole second step
         at_peak["optimizer"] = at_peak.get("optimizer", 0) + state
         at_end["optimizer"] = at_end.get("optimizer", 0) + state
@@ -271,8 +229,10 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
             from memlab.estimate.cuda_rules import checkpoint_context_fn
 
             ctx_fn = checkpoint_context_fn(s.cuda_rules)
-        model = _prepare(spec.build(step.dtype, build_attn), step.dtype, step.checkpointing, ctx_fn)
-        vocab = _vocab_size(model)
+        model = spec.build(step.dtype, build_attn).train()
+        if step.checkpointing:
+            enable_checkpointing(model, ctx_fn)
+        vocab = vocab_size(model)
     n_params = None
     if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values
         from memlab.models import count_parameters
@@ -280,6 +240,14 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
         n_params = count_parameters(model)  # before sharding (then counted from the DTensors' storages)
         fully_shard_layers(model)
     return model, mode, n_params, vocab
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(model, PreTrainedModel)
 
 
 def _loss_kind(model: nn.Module, step: StepSpec, s: _Setup) -> str:
@@ -296,13 +264,10 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
 
     Args:
         spec: the model (:func:`memlab.estimate.model.resolve_model`).
-        step: the step's settings; ``dtype`` and ``optimizer`` canonical.
+        step: the step's settings.
         fake: trace on fake tensors (nothing allocated) or run for real.
         fsdp_world_size: when > 0, shard the model with FSDP2 under the fake process group of that
             many ranks (the caller creates it) and track rank 0.
-
-    Returns:
-        The :class:`MemoryEstimate` of the tracked step.
 
     Raises:
         ValueError, TypeError: a bad setting, named.
@@ -312,16 +277,16 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
     t0 = time.perf_counter()
     model, mode, n_params, vocab = _build_model(spec, step, s, fake, fsdp_world_size)
     loss = _loss_kind(model, step, s)
-    attention, attn_ctx, softmax_rule = _attention_plan(model, spec, s.attn, step.dtype, s.target, s.traced_on)
+    attention, attn_ctx, softmax_rule = attention_plan(model, spec, s.attn, step.dtype, s.target, s.traced_on)
     if softmax_rule and not step.kernel_scratch:
         softmax_rule = False
         attention = attention.replace(_SCRATCH_NOTE, "; kernel_scratch=False: CUDA softmax backward's scratch copy "
                                                      "not added")
     params = [p for p in model.parameters() if p.requires_grad]
-    opt, impl, host_breakdown = _optimizer(params, step, s, fake)
+    opt, impl, host_breakdown = step_optimizer(params, step, s.opt_name, s.target, fake, s.notes)
     tracker = _track(model, vocab, opt, params, step, s, loss, mode, attn_ctx, softmax_rule, fake, bool(fsdp_world_size))
     seconds = time.perf_counter() - t0
-    r = _read(tracker, model, step.dtype, s.modelled_8bit)
+    r = _read(tracker, model, s.modelled_8bit)
     attention = _after_notes(s, tracker, attention, softmax_rule)
     extras: dict[str, int] = {}
     if s.target.type == "cuda":
@@ -339,7 +304,7 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
         checkpointing=step.checkpointing, peak_bytes=r["peak"],
         breakdown={k: r["at_peak"].get(k, 0) for k in CATEGORIES},
         breakdown_end={k: r["at_end"].get(k, 0) for k in CATEGORIES},
-        max_activation_bytes=r["max_act"], largest_layer_params=_largest_layer_params(model),
+        max_activation_bytes=r["max_act"], largest_layer_params=largest_layer_params(model),
         device=str(s.target), traced_on=s.traced_on, fake=fake, seconds=seconds, notes=s.notes, tracker=tracker,
         peak_phase=tracker.peak_phase, phase_peaks=r["phases"], extras=extras, attention=attention,
         step=_step_text(s.step_fn, loss), optimizer_impl=impl, phase_breakdowns=r["phase_bd"],

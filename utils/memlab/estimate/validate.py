@@ -132,7 +132,7 @@ def _peft(name: str, file: str, measured: int, kind: str, note: str = "", **sett
 # The PEFT rows, checked against the source at the pinned commit (batch 4, max_seq_length 768, use_gc false, no
 # autocast, bf16 base; the figure is max_memory_reserved() minus init_accelerator()'s 2 MiB). Two things the
 # estimator's default step does not do and PEFT's loop does, both measured on CPU against real tensors
-# (tests/test_estimate.py::test_sdpa_mask_path_estimate_equals_real): a padded batch takes transformers' masked
+# (tests/ch01/test_estimate.py::test_sdpa_mask_path_estimate_equals_real): a padded batch takes transformers' masked
 # attention path (K/V repeated to 24 heads, an s x s mask kept per layer), and `outputs` keeps the bf16 logits and
 # the KV cache alive through backward. With both, the estimate at the 768 cap is above every LoRA figure (by 3.2% to
 # 4.6%) and below the full fine-tune's: the LoRA rows are undecided, and the lengths at which each meets its figure
@@ -276,7 +276,7 @@ FIGURES: tuple[Figure, ...] = (
 )
 
 # The doc's checkpointed runs (gradient_checkpointing=True). Traced with device="cuda" on a CPU-only torch, the
-# checkpoint's recompute runs under memlab.estimate.cuda_rules too (memlab.estimate.model._enable_checkpointing).
+# checkpoint's recompute runs under memlab.estimate.cuda_rules too (memlab.estimate.model.enable_checkpointing).
 FIGURES += (
     _gpu_one("fp32, batch 1 (x4 accumulation), checkpointing", 6775, f"{_ACC4}, gradient_checkpointing=True",
              checkpointing=True, batch_size=1),
@@ -377,7 +377,7 @@ def _verdict(fig: Figure, ours: int) -> tuple[float, bool | None, str]:
 
 
 def _estimate(fig: Figure, **changes: Any) -> Any:
-    from memlab.estimate import estimate_training_memory
+    from memlab.estimate.api import estimate_training_memory
 
     model, extra = _model(fig)
     return estimate_training_memory(model, device="cuda", gpu=fig.card, **{**fig.settings, **changes}, **extra)
@@ -411,10 +411,8 @@ def _longest_length_at_or_below(fig: Figure) -> tuple[int, int, int] | None:
 
 
 def validate(filter: str | None = None) -> list[dict]:
-    """Trace every figure (whose name contains ``filter``) and compare it with the published peak.
-
-    Args:
-        filter: keep only the figures whose name contains this text (case-insensitive); None: all.
+    """Trace every figure (whose name contains ``filter``, case-insensitive; None: all) and compare it with
+    the published peak.
 
     Returns:
         One dict per figure: ``figure`` (the :class:`Figure`), ``estimate`` (the MemoryEstimate),
@@ -449,10 +447,7 @@ _ROWS: dict[str, list[dict]] = {}
 
 
 def summary(rows: list[dict]) -> dict:
-    """The validation's figures of merit.
-
-    Args:
-        rows: what :func:`validate` returned.
+    """The validation's figures of merit, from the rows :func:`validate` returned.
 
     Returns:
         ``n`` (comparable rows: decided, met or missed), ``failed`` (names of the rows that miss their
@@ -523,15 +518,9 @@ def _print_table(rows: list[dict], shown: list[tuple[str, str, str, str]]) -> No
 
 
 def main(model_filter: str | None = None) -> int:
-    """``memlab estimate --validate [FILTER]``: print every row, the table and the summary.
-
-    Args:
-        model_filter: trace only the figures whose name contains this text; None: all.
-
-    Returns:
-        0 (a missed target is reported as MISSED in the output, an undecided one as undecided, not as an
-        exit status).
-    """
+    """``memlab estimate --validate [FILTER]``: print every row (of the figures whose name contains
+    ``model_filter``), the table and the summary. Returns 0: a missed target is reported as MISSED in the
+    output, an undecided one as undecided, not as an exit status."""
     rows = validate(model_filter)
     print("memlab estimate --validate: the estimate against published peaks of real fine-tunes (offline)\n")
     for i, r in enumerate(rows, 1):

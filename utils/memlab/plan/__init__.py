@@ -20,18 +20,14 @@ One concern per module: :mod:`~memlab.plan.stack` (the knobs and their vocabular
 """
 from __future__ import annotations
 
-# re-exports: every name memlab.plan had before it became a package, plus the shared pieces
-# ruff: noqa: F401
-from memlab.plan.stack import (ADAPTERS, ATTENTIONS, CHECKPOINTING, DEFAULT_ALLOW, OPTIMIZERS, PRECISIONS, Stack,
-                               fidelity_tier, stack_label)
-from memlab.plan.cost import GPU_SPECS, REFERENCE_GPU, CostModel, ModelShape, model_shape, stack_cost
-from memlab.plan.stacks import estimate_stack, resolve_config, trace_cache_dir
+from memlab.plan.stack import DEFAULT_ALLOW, Stack, fidelity_tier, stack_label
+from memlab.plan.cost import GPU_SPECS, CostModel, model_shape, stack_cost
+from memlab.plan.stacks import estimate_stack, trace_cache_dir
 from memlab.plan.search import enumerate_stacks
 from memlab.plan.result import PlanResult, PlanRow
 from memlab.plan.budget import DEFAULT_HOST_BUDGET, host_available_bytes, resolve_budget
 from memlab.plan.planner import plan
 
-__all__ = ["Stack", "PRECISIONS", "CHECKPOINTING", "OPTIMIZERS", "ADAPTERS", "ATTENTIONS",
-           "CostModel", "GPU_SPECS", "PlanRow", "PlanResult", "plan", "enumerate_stacks", "estimate_stack",
-           "stack_cost", "fidelity_tier", "DEFAULT_ALLOW", "ModelShape", "model_shape", "stack_label",
-           "resolve_budget"]
+__all__ = ["plan", "Stack", "PlanResult", "PlanRow", "CostModel", "GPU_SPECS", "DEFAULT_ALLOW", "estimate_stack",
+           "enumerate_stacks", "stack_cost", "fidelity_tier", "stack_label", "model_shape", "resolve_budget",
+           "host_available_bytes", "DEFAULT_HOST_BUDGET", "trace_cache_dir"]

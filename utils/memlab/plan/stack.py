@@ -14,38 +14,30 @@ from memlab.core import vocab
 from memlab.core.validation import check_choice, check_positive_int
 
 _R = vocab.Recipe
-PRECISIONS = (_R.FP32.value, _R.BF16_MIXED.value, _R.FP16_MIXED.value, _R.BF16_PURE.value)
+PRECISIONS = vocab.RECIPES
 CHECKPOINTING = ("none", "every-k", "selective", "full")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit", "offload-adamw")
 ADAPTERS = ("full", "lora", "qlora")
 ATTENTIONS = ("eager", "sdpa", "flash")
 
 
-def canonical_precision(value: Any) -> Any:
-    """The canonical recipe of a precision spelling (``"bf16"`` -> ``"bf16-mixed"``).
+def canonical_precision(value: Any, *, argument: str = "precision") -> str:
+    """The canonical recipe of a precision spelling (``"bf16"`` -> ``"bf16-mixed"``): :mod:`memlab.core.vocab`'s.
 
-    Args:
-        value: a precision of :data:`PRECISIONS` or an alias of :data:`memlab.core.vocab.RECIPE_ALIASES`.
-
-    Returns:
-        The canonical name, or ``value`` unchanged when it is no recipe (checked by the caller).
+    Raises:
+        ValueError: an unknown precision, naming ``argument``, the recipes and their aliases.
     """
-    try:
-        return vocab.recipe(value, argument="precision").value
-    except ValueError:
-        return value
+    return vocab.canonical_recipe(value, argument=argument)
 
 
-def canonical_stack_optimizer(value: Any) -> Any:
-    """The planner's name of an optimizer spelling (``"adam8bit"`` -> ``"adamw8bit"``).
+def canonical_stack_optimizer(value: Any, *, argument: str = "optimizer") -> str:
+    """The planner's name of an optimizer spelling (``"adam8bit"`` -> ``"adamw8bit"``): :mod:`memlab.core.vocab`'s
+    aliases over the planner's :data:`OPTIMIZERS`.
 
-    Args:
-        value: an optimizer of :data:`OPTIMIZERS` or an alias.
-
-    Returns:
-        The canonical name, or ``value`` unchanged.
+    Raises:
+        ValueError: an optimizer the planner does not enumerate, naming ``argument`` and :data:`OPTIMIZERS`.
     """
-    return vocab.OPTIMIZER_ALIASES.get(value, value) if isinstance(value, str) else value
+    return vocab.canonical_optimizer(value, argument=argument, allowed=OPTIMIZERS)
 
 
 @dataclass(frozen=True)
@@ -69,8 +61,7 @@ class Stack:
         # one vocabulary: other spellings are stored canonical (frozen: set through object)
         object.__setattr__(self, "precision", canonical_precision(self.precision))
         object.__setattr__(self, "optimizer", canonical_stack_optimizer(self.optimizer))
-        for name, allowed in (("precision", PRECISIONS), ("checkpointing", CHECKPOINTING),
-                              ("optimizer", OPTIMIZERS), ("adapter", ADAPTERS), ("attention", ATTENTIONS)):
+        for name, allowed in (("checkpointing", CHECKPOINTING), ("adapter", ADAPTERS), ("attention", ATTENTIONS)):
             check_choice(name, getattr(self, name), allowed)
         for name in ("ckpt_every", "micro_batch", "grad_accum"):
             check_positive_int(name, getattr(self, name))
@@ -79,10 +70,6 @@ class Stack:
     def effective_batch(self) -> int:
         """``micro_batch * grad_accum``: the sequences of one optimizer step."""
         return self.micro_batch * self.grad_accum
-
-
-# ======================================================================================
-# The planner
 
 
 # What the planner enumerates by default (``allow=`` narrows or widens it)
@@ -118,7 +105,6 @@ ESTIMATOR_OPTIMIZER = {
 OPTIMIZER_GE = {("adamw", "adamw-fused")} | {(o, "offload-adamw") for o in OPTIMIZERS}
 
 
-
 def fidelity_tier(stack: Stack) -> int:
     """How far the stack's update is from the fp32-master AdamW update of every weight.
 
@@ -127,12 +113,6 @@ def fidelity_tier(stack: Stack) -> int:
     does); 1: the same parameters, a rounded update (pure bf16 weights and AdamW state without a
     master copy; 8-bit AdamW moments, Dettmers et al. 2022); 2: LoRA (other parameters are trained:
     Hu et al. 2021); 3: QLoRA (LoRA on an NF4-quantized base: Dettmers et al. 2023).
-
-    Args:
-        stack: the stack.
-
-    Returns:
-        The tier, 0 to 3.
     """
     if stack.adapter == "qlora":
         return 3
@@ -146,20 +126,9 @@ def fidelity_tier(stack: Stack) -> int:
 TIER_TEXT = {0: "exact AdamW update", 1: "rounded update", 2: "LoRA", 3: "QLoRA"}
 
 
-
 def stack_label(s: Stack) -> str:
-    """A short name of a stack.
-
-    Args:
-        s: the stack.
-
-    Returns:
-        E.g. ``"qlora bf16-mixed adamw-fused ckpt all mb 4x4"`` (micro-batch x accumulation).
-    """
+    """A short name of a stack, e.g. ``"qlora bf16-mixed adamw-fused ckpt all mb 4x4"`` (micro-batch x accumulation)."""
     ck = {"none": "no ckpt", "full": "ckpt all"}.get(s.checkpointing, f"ckpt 1/{s.ckpt_every}")
     ad = "" if s.adapter == "full" else f"{s.adapter} "
     at = "" if s.attention == "sdpa" else f" {s.attention}"
     return f"{ad}{s.precision} {s.optimizer} {ck}{at} mb {s.micro_batch}x{s.grad_accum}"
-
-
-
