@@ -102,10 +102,12 @@ lab: setup
 	@$(BIN)/memlab labs start >/dev/null
 	@$(JUPYTER_ENV) $(BIN)/jupyter lab $(JUPYTER_OPTS) $(if $(filter 0,$(shell id -u)),--allow-root,) 2>&1 | ($(LAB_FILTER))
 
+# nbval runs the lectures; each solution runs once, through the grader
+# (tests/course/test_course.py: no cell fails, full marks, the NBVAL_CHECK_OUTPUT cells' stored outputs)
 test: setup
 	MEMLAB_SMALL=1 OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -n $(JOBS) --dist loadscope \
 		--nbval-lax --nbval-current-env --sanitize-with tests/nbval_sanitize.cfg \
-		tests notebooks solutions
+		tests notebooks
 
 labs: setup
 	$(BIN)/memlab labs build

@@ -1,32 +1,10 @@
-"""Chapter 03's checks pass on memlab's own answers; a stub is todo (wrong answers: tests/course/mutants/ch03.py)."""
+"""Chapter 03's checks: right answers written another way pass. memlab's own answers pass and the labs'
+stubs are todo: tests/course/test_course.py; wrong answers: tests/course/mutants/ch03.py."""
 from __future__ import annotations
 
-import pytest
 import torch
 
-from memlab.course.grading import check, get_exercise, load_chapter
-
-load_chapter("03")
-
-IDS = ["03.underflow_fraction", "03.update_scale", "03.unscale_grads", "03.loss_scaler", "03.master_step",
-       "03.predict_update_peak"]
-
-
-@pytest.mark.parametrize("exercise", IDS)
-def test_reference_passes(exercise):
-    r = check(exercise, get_exercise(exercise).reference(), quiet=True)
-    assert r.status == "pass", r.message
-
-
-# Plausible wrong answers live in tests/course/mutants/ch03.py (tests/course/test_mutants.py).
-
-
-@pytest.mark.parametrize("exercise", IDS)
-def test_stub_is_todo(exercise):
-    def stub(*a, **k):
-        raise NotImplementedError(f"exercise {exercise}: replace this line with your code")
-
-    assert check(exercise, stub, quiet=True).status == "todo"
+from memlab.course.grading import check
 
 
 def test_update_scale_with_python_floats_passes():

@@ -1,28 +1,10 @@
-"""Chapter 04's checks pass on memlab's own answers, report a stub as todo, and name what is wrong."""
+"""Chapter 04's checks: right answers written another way pass, and the messages name what is wrong.
+memlab's own answers pass and the labs' stubs are todo: tests/course/test_course.py."""
 from __future__ import annotations
-
-import pytest
-import torch
 
 from memlab import offload
 from memlab import offload as O
-from memlab.course.grading import check, get_exercise
-
-IDS = ["04.adamw_update", "04.pack_flat", "04.chunked_step", "04.grad_hook", "04.offload_optimizer", "04.predict_traffic"]
-
-
-@pytest.mark.parametrize("exercise", IDS)
-def test_reference_passes(exercise):
-    r = check(exercise, get_exercise(exercise).reference(), quiet=True)
-    assert r.status == "pass", r.message
-
-
-@pytest.mark.parametrize("exercise", IDS)
-def test_stub_is_todo(exercise):
-    def stub(*a, **k):
-        raise NotImplementedError(f"exercise {exercise}: replace this line with your code")
-
-    assert check(exercise, stub, quiet=True).status == "todo"
+from memlab.course.grading import check
 
 
 def test_not_callable_fails_with_a_message():

@@ -1,4 +1,6 @@
-"""Chapter 07's checks pass on memlab's own answers, report a stub as todo, and name what is wrong."""
+"""Chapter 07's checks: a learner's copy of the reference earns points, the messages name what is wrong,
+the prediction's formula is the measurement. memlab's own answers pass and the labs' stubs are todo:
+tests/course/test_course.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,16 +10,8 @@ import pytest
 
 from memlab import train
 from memlab.train import state as ckpt
-from memlab.course.grading import check, get_exercise
+from memlab.course.grading import check
 from memlab.plan import Stack
-
-IDS = ["07.cheapest_stack", "07.back_off", "07.atomic_write", "07.predict_peak"]
-
-
-@pytest.mark.parametrize("exercise", IDS)
-def test_reference_passes(exercise):
-    r = check(exercise, get_exercise(exercise).reference(), quiet=True)
-    assert r.status == "pass", r.message
 
 
 def test_a_copy_of_the_reference_passes_and_earns_points():
@@ -36,14 +30,6 @@ def test_a_copy_of_the_reference_passes_and_earns_points():
 
     r = check("07.atomic_write", atomic_write, quiet=True)
     assert r.status == "pass", r.message
-
-
-def test_stub_is_todo():
-    def stub(*a, **k):
-        raise NotImplementedError("exercise 07.x: replace this line with your code")
-
-    for e in IDS:
-        assert check(e, stub, quiet=True).status == "todo"
 
 
 def test_messages_name_the_problem():

@@ -1,5 +1,5 @@
-"""Chapter 08's checks pass on memlab's own answers, report a stub as todo (also when the stub raises
-on a rank of a launch), and name what is wrong."""
+"""Chapter 08's checks report a stub that raises on a rank of a launch as todo and leave no rank
+running, and name what is wrong. memlab's own answers pass: tests/course/test_course.py."""
 from __future__ import annotations
 
 import multiprocessing
@@ -8,18 +8,12 @@ import pytest
 import torch.distributed as dist
 
 from memlab import distributed as D
-from memlab.course.grading import check, get_exercise
+from memlab.course.grading import check
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
 IDS = ["08.shard_flat", "08.reduce_scatter", "08.zero1_step", "08.predict_rank_bytes"]
-
-
-@pytest.mark.parametrize("exercise", IDS)
-def test_reference_passes(exercise):
-    r = check(exercise, get_exercise(exercise).reference(), quiet=True)
-    assert r.status == "pass", r.message
 
 
 def test_stub_is_todo_even_inside_the_ranks():

@@ -1,16 +1,18 @@
-"""The course as a whole: every check passes on memlab's own answer, every solution scores full
-marks, every untouched lab scores todo on every exercise, labs/ is what solutions/ generates and
-leaks no solution."""
+"""The course as a whole: every check passes on memlab's own answer (the one place it is tested), every
+solution runs clean and scores full marks (its one execution in `make test`), every untouched lab
+scores todo on every exercise, labs/ is what solutions/ generates and leaks no solution."""
 from __future__ import annotations
 
+import copy
 import re
+from collections import defaultdict
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from memlab.course import labs
-from memlab.course.grading import check, exercises_in, grade_notebook, load_all
+from memlab.course.grading import check, check_calls, exercises_in, grade_notebook, load_all, run_and_grade
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -67,11 +69,61 @@ def test_lab_leaks_no_solution(sol):
     assert sorted(set(stubs)) == sorted(ids), "every exercise needs a stub naming it"
 
 
+# nbval's --nbval-lax comparison of a `# NBVAL_CHECK_OUTPUT` cell (nbval/plugin.py, IPyNbCell.compare_outputs):
+# streams merged per name, then each key but these (MIME types flattened) to its sanitized values, in order
+_NBVAL_SKIP = ("metadata", "traceback", "prompt_number", "output_type", "name", "execution_count",
+               "application/vnd.jupyter.widget-view+json", "image/png", "image/jpeg")
+
+
+def _as_nbval_compares(outputs: list, patterns: list[tuple[str, str]]) -> dict[str, list]:
+    from nbval.plugin import coalesce_streams, transform_streams_for_comparison
+
+    def clean(value):
+        for regex, replace in patterns if isinstance(value, str) else ():
+            value = re.sub(regex, replace, value)
+        return value
+
+    found = defaultdict(list)
+    for out in transform_streams_for_comparison(coalesce_streams(copy.deepcopy(outputs))):
+        for key, value in out.items():
+            if key == "data":
+                for mime, data in value.items():
+                    if mime not in _NBVAL_SKIP:
+                        found[mime].append(clean(data))
+            elif key not in _NBVAL_SKIP:
+                found[key].append(clean(value))
+    return dict(found)
+
+
+def test_make_test_leaves_solutions_to_the_grader():
+    """nbval executes the lectures; the solutions execute once, in the test below."""
+    recipe = re.search(r"^test:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1)
+    assert "--nbval-lax" in recipe and "notebooks" in recipe.split() and "solutions" not in recipe, recipe
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sol", SOLUTIONS, ids=lambda p: p.stem)
-def test_solution_scores_full_marks(sol):
-    results = grade_notebook(sol)
+def test_solution_runs_clean_and_scores_full_marks(sol):
+    """The grader's run of every cell: no cell fails, every exercise passes, and each `# NBVAL_CHECK_OUTPUT`
+    cell shows its stored output, sanitized with tests/nbval_sanitize.cfg and compared as nbval does.
+    In the grader's kernel check() only marks its cell: a check cell's output there is the grader's row."""
+    results, ran = run_and_grade(sol)
     assert results and all(r.status == "pass" for r in results), [(r.exercise, r.status, r.message) for r in results]
+    rows = {r.exercise: r.row() for r in results}
+    stored = nbformat.read(sol, as_version=4)
+    nbval = pytest.importorskip("nbval.plugin")
+    patterns = nbval.get_sanitize_patterns((ROOT / "tests" / "nbval_sanitize.cfg").read_text())
+    calls = check_calls(stored)
+    for i, (cell, out) in enumerate(zip(stored.cells, ran.cells)):
+        if cell.cell_type != "code" or not cell.source.strip():
+            continue
+        errors = [f"{o.ename}: {o.evalue}" for o in out.outputs if o.output_type == "error"]
+        assert out.execution_count is not None and not errors, f"{sol.name} cell {i}: {errors or 'did not run'}"
+        if {**dict(nbval.find_comment_markers(cell.source)), **dict(nbval.find_metadata_tags(cell.metadata))}.get("check"):
+            shown = out.outputs + [nbformat.v4.new_output("stream", name="stdout", text=rows[c.exercise] + "\n")
+                                   for c in calls if c.cell == i]
+            got, want = _as_nbval_compares(shown, patterns), _as_nbval_compares(cell.outputs, patterns)
+            assert got == want, f"{sol.name} cell {i}: the output differs from the stored one:\n{got}\n!=\n{want}"
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from memlab.course.workspace import (  # the workspace is part of memlab.course.labs' API
-    BACKUPS, WORK, LabFileError, _fix_for, _no_link, _os_errors, default_notebooks, is_complete_notebook, reset, start,
+    BACKUPS, WORK, LabFileError, default_notebooks, fix_for_os_error, is_complete_notebook, lab_file_errors, refuse_link,
+    reset, start,
 )
 from memlab.core.optional import needs
 
@@ -61,15 +62,7 @@ class LabBuildError(ValueError):
 
 
 def stub_line(indent: str, exercise_id: str) -> str:
-    """The line that replaces a solution block in the lab.
-
-    Args:
-        indent: the block's indentation.
-        exercise_id: ``"NN.name"``.
-
-    Returns:
-        The ``raise NotImplementedError(...)`` line.
-    """
+    """The ``raise NotImplementedError(...)`` line, indented by ``indent``, that replaces a solution block in the lab."""
     return f'{indent}raise NotImplementedError("exercise {exercise_id}: replace this line with your code")'
 
 
@@ -141,14 +134,7 @@ def _nbval_comment_to_tag(cell: Any) -> None:
 
 def build_lab(solution: Any, name: str = "notebook") -> Any:
     """Return the lab notebook (an nbformat node) made from a solution notebook; the solution is
-    not modified. Raises :class:`LabBuildError` naming ``name`` and the cell on a bad marker.
-
-    Args:
-        solution: the solution notebook.
-        name: the file's name, for errors.
-
-    Returns:
-        The lab.
+    not modified. Raises :class:`LabBuildError` naming ``name`` (the file's) and the cell on a bad marker.
     """
     nb = copy.deepcopy(solution)
     cells = []
@@ -180,14 +166,7 @@ def build_lab(solution: Any, name: str = "notebook") -> Any:
 
 
 def render(nb: Any) -> str:
-    """The bytes (as text) a notebook is stored with: nbformat's JSON plus a final newline.
-
-    Args:
-        nb: the notebook.
-
-    Returns:
-        The text.
-    """
+    """The bytes (as text) a notebook is stored with: nbformat's JSON plus a final newline."""
     with needs("memlab labs"):
         import nbformat
 
@@ -215,27 +194,13 @@ def _pairs(root: Path) -> list[tuple[Path, Path]]:
 
 
 def expected_lab(solution_path: Path) -> str:
-    """The text ``memlab labs build`` writes for ``solution_path``.
-
-    Args:
-        solution_path: ``solutions/NN_topic.ipynb``.
-
-    Returns:
-        The lab's text.
-    """
+    """The text ``memlab labs build`` writes for ``solution_path`` (``solutions/NN_topic.ipynb``)."""
     return render(build_lab(_read(Path(solution_path)), name=str(solution_path)))
 
 
 def find_markers(nb: Any, name: str = "notebook") -> list[str]:
-    """One line per cell of ``nb`` that holds a solution marker (any case, any number of ``#``).
-
-    Args:
-        nb: the notebook.
-        name: the file's name, for the lines.
-
-    Returns:
-        The lines ([] when there is none).
-    """
+    """One line, naming the file ``name``, per cell of ``nb`` that holds a solution marker (any case,
+    any number of ``#``); [] when there is none."""
     found = []
     for i, cell in enumerate(nb.cells):
         m = _MARKER_ANYWHERE.search(cell.source)
@@ -249,14 +214,7 @@ def learner_exercises(lab: Any, expected: Any | None = None) -> list[str]:
 
     An exercise is one checked by a ``check("NN.name", ...)`` cell of ``lab``; it holds learner code
     when ``lab`` has fewer stub lines for it than ``expected`` (the freshly generated lab; one stub
-    when ``expected`` is None or lacks the exercise).
-
-    Args:
-        lab: the notebook in labs/.
-        expected: what the build would write (default: read again from its solution).
-
-    Returns:
-        The ids, in notebook order.
+    when ``expected`` is None or lacks the exercise). The ids come in notebook order.
     """
 
     def stubs(nb: Any) -> dict[str, int]:
@@ -324,16 +282,6 @@ def build(root: str | Path = ".", *, force: bool = False) -> list[Path]:
     anything is written); then the changed ones are written atomically, all or nothing. A lab
     that holds a learner's code is never overwritten unless ``force`` is true: the build stops
     with a :class:`LabBuildError` naming it and writes nothing.
-
-    Args:
-        root: the course's folder.
-        force: overwrite labs that hold a learner's code.
-
-    Returns:
-        The labs written.
-
-    Raises:
-        LabBuildError: for a bad solution, or a lab with a learner's code without ``force``.
     """
     root = Path(root)
     pairs = _pairs(root)
@@ -358,8 +306,8 @@ def build(root: str | Path = ".", *, force: bool = False) -> list[Path]:
         changed[lab] = text
     if protected:
         raise LabBuildError("\n".join(protected))
-    with _os_errors("labs build"):
-        _no_link(root / "labs")
+    with lab_file_errors("labs build"):
+        refuse_link(root / "labs")
         (root / "labs").mkdir(exist_ok=True)
         _write_atomically(changed)
     return sorted(changed)
@@ -381,15 +329,8 @@ def _same_lab(actual: str, expected: str) -> bool:
 
 
 def drift(root: str | Path = ".") -> list[str]:
-    """Problems: labs that differ from what build() would write, labs with no solution, labs
-    holding a solution marker.
-
-    Args:
-        root: the course's folder.
-
-    Returns:
-        One line per problem ([] when labs/ is in sync).
-    """
+    """One line per problem ([] when labs/ is in sync): labs that differ from what build() would
+    write, labs with no solution, labs holding a solution marker."""
     root = Path(root)
     problems = []
     pairs = _pairs(root)
@@ -407,14 +348,7 @@ def drift(root: str | Path = ".") -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``memlab labs build [--force] | check | start | reset NN``.
-
-    Args:
-        argv: the arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit code.
-    """
+    """``memlab labs build [--force] | check | start | reset NN``; returns the exit code."""
     import argparse
 
     ap = argparse.ArgumentParser(
@@ -463,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = drift(args.root)
     except (LabBuildError, ValueError, OSError) as exc:
         if isinstance(exc, OSError) and not isinstance(exc, (LabFileError, FileNotFoundError)):
-            exc = LabFileError(exc.errno, f"{exc.filename or args.root}: {exc.strerror or exc}; {_fix_for(exc)}")
+            exc = LabFileError(exc.errno, f"{exc.filename or args.root}: {exc.strerror or exc}; {fix_for_os_error(exc)}")
         for line in str(exc).splitlines():
             print(f"memlab labs {args.action}: {line}", file=sys.stderr)
         return 1

@@ -22,7 +22,8 @@ class LabFileError(OSError):
         return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
 
-def _fix_for(exc: OSError) -> str:
+def fix_for_os_error(exc: OSError) -> str:
+    """What to do about an OSError on a course file, by its errno, in a few words."""
     import errno
 
     code = exc.errno
@@ -39,7 +40,7 @@ def _fix_for(exc: OSError) -> str:
 
 
 @contextlib.contextmanager
-def _os_errors(action: str) -> Any:
+def lab_file_errors(action: str) -> Any:
     """OSError -> LabFileError with one line: the path, the system's reason and the fix."""
     try:
         yield
@@ -49,11 +50,11 @@ def _os_errors(action: str) -> Any:
         if exc.errno is None:  # one of memlab's own messages (no labs/ here, ...)
             raise
         where = exc.filename if exc.filename is not None else "?"
-        raise LabFileError(exc.errno, f"{where}: {exc.strerror or exc} during {action}; {_fix_for(exc)}") from None
+        raise LabFileError(exc.errno, f"{where}: {exc.strerror or exc} during {action}; {fix_for_os_error(exc)}") from None
 
 
-def _no_link(path: Path) -> None:
-    """Refuse a symbolic link (dangling or not) where memlab labs writes or reads your work."""
+def refuse_link(path: Path) -> None:
+    """LabFileError for a symbolic link (dangling or not) where memlab labs writes or reads your work."""
     if path.is_symlink():
         raise LabFileError(40, f"{path}: is a symbolic link (to {os.readlink(path)!r}); memlab labs never follows "
                                "links out of work/: remove the link (or replace it with your notebook file)")
@@ -61,7 +62,7 @@ def _no_link(path: Path) -> None:
 
 def _work_dir(root: Path) -> Path:
     work = root / WORK
-    _no_link(work)
+    refuse_link(work)
     if work.exists() and not work.is_dir():
         raise LabFileError(20, f"{work}: is not a folder; it must be a folder (move the file of that name away)")
     work.mkdir(exist_ok=True)
@@ -96,14 +97,7 @@ def _copy_atomically(src: Path, target: Path) -> None:
 
 def is_complete_notebook(path: Path) -> bool:
     """Whether ``path`` is a whole notebook (JSON that nbformat reads, with cells): a copy cut
-    short by a full disk or a crash is not, and is not kept as the learner's.
-
-    Args:
-        path: the file.
-
-    Returns:
-        True for a whole notebook.
-    """
+    short by a full disk or a crash is not, and is not kept as the learner's."""
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read().decode("utf-8"))
@@ -114,7 +108,7 @@ def is_complete_notebook(path: Path) -> bool:
 
 def _backup_path(work: Path, stem: str, stamp: str, tag: str = "") -> Path:
     backups = work / BACKUPS
-    _no_link(backups)
+    refuse_link(backups)
     backups.mkdir(exist_ok=True)
     backup = backups / f"{stem}.{tag}{stamp}.ipynb"
     n = 1
@@ -125,24 +119,18 @@ def _backup_path(work: Path, stem: str, stamp: str, tag: str = "") -> Path:
 
 
 def start(root: str | Path = ".", *, notes: list[str] | None = None) -> tuple[list[Path], list[Path]]:
-    """Copy every ``labs/*.ipynb`` that ``work/`` lacks into ``work/``; never overwrite your work.
-    Returns (copied, kept): the new copies and the learner's notebooks left as they were.
+    """Copy every ``labs/*.ipynb`` of the course's folder ``root`` that ``work/`` lacks into ``work/``;
+    never overwrite your work. Returns (copied, kept): the new copies and the learner's notebooks
+    left as they were.
 
     A copy in ``work/`` that is not a complete notebook (cut short by a full disk or a crash) is
     not yours: it is moved to ``work/backups/NN_topic.incomplete-<time>.ipynb`` and replaced by a
-    fresh copy (``notes`` gets a line saying so). A symbolic link in ``work/`` is refused, never
-    followed; every write is a temp file in the same folder, fsynced, then renamed.
-
-    Args:
-        root: the course's folder.
-        notes: a list that collects one line per problem met (copies kept aside ...).
-
-    Returns:
-        (copied, kept).
+    fresh copy (``notes``, a list, gets a line saying so). A symbolic link in ``work/`` is refused,
+    never followed; every write is a temp file in the same folder, fsynced, then renamed.
     """
     root = Path(root)
     lab_dir = root / "labs"
-    with _os_errors("labs start"):
+    with lab_file_errors("labs start"):
         if lab_dir.exists() and not lab_dir.is_dir():
             raise LabFileError(20, f"{lab_dir}: is not a folder; it must be the course's labs/ folder")
         labs_found = sorted(lab_dir.glob("*.ipynb"))
@@ -152,7 +140,7 @@ def start(root: str | Path = ".", *, notes: list[str] | None = None) -> tuple[li
         copied, kept = [], []
         for lab in labs_found:
             target = work / lab.name
-            _no_link(target)
+            refuse_link(target)
             if target.exists():
                 if is_complete_notebook(target):
                     kept.append(target)
@@ -198,25 +186,15 @@ def _untouched(copy: Path, lab: Path) -> bool:
 def reset(chapter: str, root: str | Path = ".", *, now: _dt.datetime | None = None) -> tuple[Path, Path | None]:
     """Give a fresh copy of lab ``chapter`` in ``work/``, after moving the learner's copy to
     ``work/backups/NN_topic.YYYYmmdd-HHMMSS.ipynb`` (no backup of a copy whose cells are still the
-    lab's, see :func:`_untouched`). Returns (fresh copy, backup or None).
-
-    Args:
-        chapter: ``"03"`` or ``"3"``.
-        root: the course's folder.
-        now: the backup's time stamp (default: now).
-
-    Returns:
-        (the fresh copy, the backup or None).
-
-    Raises:
-        ValueError: for a chapter with no lab.
+    lab's, see :func:`_untouched`). ``chapter``: ``"03"`` or ``"3"``; ``now``: the backup's time
+    stamp (default: now). Returns (fresh copy, backup or None); ValueError for a chapter with no lab.
     """
     root = Path(root)
-    with _os_errors("labs reset"):
+    with lab_file_errors("labs reset"):
         lab = _lab_for(chapter, root)
         work = _work_dir(root)
         target = work / lab.name
-        _no_link(target)
+        refuse_link(target)
         backup = None
         if target.exists() and not _untouched(target, lab):
             stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
@@ -229,12 +207,6 @@ def reset(chapter: str, root: str | Path = ".", *, now: _dt.datetime | None = No
 def default_notebooks(root: str | Path = ".") -> tuple[Path, list[Path]]:
     """What ``memlab grade`` grades when given no path: ``work/*.ipynb`` when ``work/`` exists,
     else ``labs/*.ipynb``. Returns (folder, notebooks).
-
-    Args:
-        root: the course's folder.
-
-    Returns:
-        (folder, notebooks).
     """
     root = Path(root)
     folder = root / WORK if (root / WORK).is_dir() else root / "labs"

@@ -32,18 +32,7 @@ _DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Co
 
 
 def expect(condition: bool, message: str) -> None:
-    """Fail with ``message`` unless ``condition`` holds.
-
-    Args:
-        condition: what the check requires.
-        message: the failure message (what was expected, what came back).
-
-    Returns:
-        None.
-
-    Raises:
-        AssertionError: ``message``, when ``condition`` is false.
-    """
+    """AssertionError(``message``: what was expected, what came back) unless ``condition`` holds."""
     if not condition:
         raise AssertionError(message)
 
@@ -68,14 +57,8 @@ def _is_tensor_type(t: type) -> bool:
 
 def exact_type(got: Any, kind: type | tuple[type, ...]) -> bool:
     """Whether ``type(got)`` is exactly ``kind`` (or one of them): subclasses do not count, except
-    the standard library's dict subclasses for ``dict`` and ``nn.Parameter`` for ``torch.Tensor``.
-
-    Args:
-        got: the learner's value.
-        kind: the allowed type, or a tuple of them (an int also passes as a float).
-
-    Returns:
-        True when the type matches, else False.
+    the standard library's dict subclasses for ``dict`` and ``nn.Parameter`` for ``torch.Tensor``;
+    an int also passes as a float.
     """
     kinds = kind if isinstance(kind, tuple) else (kind,)
     t = type(got)
@@ -88,19 +71,8 @@ def exact_type(got: Any, kind: type | tuple[type, ...]) -> bool:
 
 
 def expect_type(name: str, got: Any, kind: type | tuple[type, ...]) -> None:
-    """Fail unless ``got``'s type is exactly ``kind`` (see :func:`exact_type`).
-
-    Args:
-        name: what the value is, for the message (an expression such as ``fn(3)``).
-        got: the learner's value.
-        kind: the allowed type, or a tuple of them.
-
-    Returns:
-        None.
-
-    Raises:
-        AssertionError: naming the expected type and the type (and value) that came back.
-    """
+    """Fail unless ``got``'s type is exactly ``kind`` (see :func:`exact_type`); the message names
+    ``name`` (an expression such as ``fn(3)``), the expected type and the type and value that came back."""
     names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
     expect(exact_type(got, kind), f"{name}: expected a {names}, got {_type_name(type(got))} ({_repr(got, 80)})")
 
@@ -180,15 +152,8 @@ def _compare(got: Any, want: Any, path: str) -> None:
 
 
 def same_value(got: Any, want: Any) -> bool:
-    """Whether ``got`` equals the reference answer ``want``, with exact types (see :func:`expect_equal`).
-
-    Args:
-        got: the learner's value.
-        want: the reference's value; its type decides how the two are compared.
-
-    Returns:
-        True when they are equal with exact types, else False.
-    """
+    """Whether ``got`` equals the reference answer ``want`` with exact types, compared through
+    ``want``'s type (see :func:`expect_equal`)."""
     try:
         _compare(got, want, "")
     except (_TypeMismatch, _ValueMismatch):
@@ -200,18 +165,8 @@ def expect_equal(name: str, got: Any, want: Any) -> None:
     """Fail unless ``got`` equals ``want`` with exact types, compared through ``want``'s type.
 
     Containers are compared element by element (dicts key by key), so the learner's own ``==``
-    is never the judge: an ``int`` subclass that says yes to everything fails here.
-
-    Args:
-        name: what the value is, for the message.
-        got: the learner's value.
-        want: the reference's value.
-
-    Returns:
-        None.
-
-    Raises:
-        AssertionError: naming the first element with the wrong type, or the value and the expected one.
+    is never the judge: an ``int`` subclass that says yes to everything fails here. The message
+    names the first element with the wrong type, or the value and the expected one.
     """
     try:
         _compare(got, want, "")
@@ -223,22 +178,9 @@ def expect_equal(name: str, got: Any, want: Any) -> None:
 
 
 def expect_close(name: str, got: Any, want: float, rtol: float = 1e-6, atol: float = 0.0) -> None:
-    """Fail unless ``got`` is a Python number (exactly float or int) within the tolerance of ``want``.
-
-    Args:
-        name: what the value is, for the message.
-        got: the learner's number.
-        want: the reference's number.
-        rtol: relative tolerance, as a fraction of ``abs(want)``.
-        atol: absolute tolerance.
-
-    Returns:
-        None.
-
-    Raises:
-        AssertionError: when ``got`` is not a Python number (a tensor gets a hint to call ``.item()``), is not
-            finite, or is outside ``atol + rtol * abs(want)``; the message gives both values and the tolerance.
-    """
+    """Fail unless ``got`` is a Python number (exactly float or int), finite and within
+    ``atol + rtol * abs(want)`` of ``want``; the message gives both values and the tolerance (a
+    tensor gets a hint to call ``.item()``)."""
     if type(got) not in (float, int):
         raise AssertionError(f"{name}: expected a number (a Python float), got {_type_name(type(got))} ({_repr(got, 80)})"
                              + ("; return .item() of the tensor" if _is_tensor_type(type(got)) else ""))
@@ -248,21 +190,9 @@ def expect_close(name: str, got: Any, want: float, rtol: float = 1e-6, atol: flo
 
 
 def expect_tensor_close(name: str, got: Any, want: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    """Shapes and dtypes must match; values within tolerance. Reports the max abs diff.
-
-    Args:
-        name: what the tensor is, for the message.
-        got: the learner's tensor.
-        want: the reference's tensor.
-        rtol: relative tolerance (as in :func:`torch.allclose`).
-        atol: absolute tolerance.
-
-    Returns:
-        None.
-
-    Raises:
-        AssertionError: naming a wrong type, shape or dtype, or the largest absolute difference.
-    """
+    """Fail unless ``got`` is a tensor of ``want``'s shape and dtype with values within ``rtol``/``atol``
+    (as in :func:`torch.allclose`); the message names a wrong type, shape or dtype, or the largest
+    absolute difference."""
     import torch
 
     expect_type(name, got, torch.Tensor)

@@ -191,16 +191,8 @@ PEAK_TOLERANCE = 0.04
 
 
 def measured_step_peak(config, batch_size: int, seq_len: int) -> tuple[int, str]:
-    """(peak bytes, phase) of the second fp32 AdamW step of TinyGPT(config), tracked on the CPU.
-
-    Args:
-        config: the TinyGPT config to build.
-        batch_size: sequences per step.
-        seq_len: tokens per sequence.
-
-    Returns:
-        ``(peak_bytes, peak_phase)`` from :class:`memlab.profiler.MemoryTracker`.
-    """
+    """(peak bytes, phase) of the second fp32 AdamW step of TinyGPT(config) on ``batch_size`` sequences
+    of ``seq_len`` tokens, tracked on the CPU by :class:`memlab.profiler.MemoryTracker`."""
     from memlab.models import TinyGPT
     from memlab.profiler import MemoryTracker
 

@@ -19,7 +19,6 @@ post-accumulate-grad hooks, and the copies counted (TorchDispatchMode) in a real
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch import nn

@@ -121,17 +121,11 @@ class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
 
 # ----------------------------------------------------------------------------- 05.chunked_forward
 def chunked_forward_reference(q, k, v, kv_chunk, causal=False):
-    """memlab's answer: all queries at once, keys kv_chunk at a time; (output, logsumexp in fp32 or fp64).
+    """memlab's answer: all queries at once, keys ``kv_chunk`` at a time.
 
-    Args:
-        q: queries ``(..., Lq, d)``.
-        k: keys ``(..., Lk, d)``.
-        v: values ``(..., Lk, dv)``.
-        kv_chunk: keys per chunk.
-        causal: whether query i sees only keys j <= i.
-
-    Returns:
-        ``(output, logsumexp)``, shaped ``(..., Lq, dv)`` and ``(..., Lq)``.
+    ``q`` ``(..., Lq, d)``, ``k`` ``(..., Lk, d)``, ``v`` ``(..., Lk, dv)``; ``causal``: query i sees
+    only keys j <= i. Returns ``(output, logsumexp)``, shaped ``(..., Lq, dv)`` and ``(..., Lq)``,
+    the logsumexp in fp32 or fp64.
     """
     q4, k4, v4 = (t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v))
     o, lse = ref.chunked_attention(q4, k4, v4, kv_chunk=kv_chunk, q_chunk=q.shape[-2], causal=_lab_causal(causal),
@@ -207,17 +201,9 @@ def check_chunked_forward(fn):
 
 # ----------------------------------------------------------------------------- 05.flash_backward
 def flash_backward_reference(q, k, v, o, lse, do, causal=False, block=16):
-    """memlab's answer: FA2's backward (Algorithm 2) in block x block tiles, skipping fully masked tiles.
-
-    Args:
-        q: queries. k: keys. v: values.
-        o: the forward's output. lse: the forward's logsumexp. do: the output's gradient.
-        causal: whether the forward was causal.
-        block: the tile size.
-
-    Returns:
-        ``(dq, dk, dv)``, shaped like ``q``, ``k`` and ``v``.
-    """
+    """memlab's answer: FA2's backward (Algorithm 2) in block x block tiles, skipping fully masked tiles,
+    from the forward's output ``o`` and logsumexp ``lse`` and the output's gradient ``do``;
+    ``(dq, dk, dv)``, shaped like ``q``, ``k`` and ``v``."""
     return ref.flash_attention_backward(do, q, k, v, o, lse, causal=_lab_causal(causal), block_q=block, block_k=block)
 
 
@@ -282,16 +268,8 @@ class FlashAttentionReference(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):  # type: ignore[override]
-        """Tiled forward; saves q, k, v, O and the logsumexp (O(L) beyond the inputs).
-
-        Args:
-            ctx: autograd's context.
-            q: queries. k: keys. v: values.
-            causal: whether query i sees only keys j <= i.
-
-        Returns:
-            The attention output, shaped like ``q`` with ``v``'s last dimension.
-        """
+        """Tiled forward; saves q, k, v, O and the logsumexp (O(L) beyond the inputs); the output is
+        shaped like ``q`` with ``v``'s last dimension."""
         o, lse = ref.flash_attention_forward(q, k, v, causal=_lab_causal(causal), block_q=16, block_k=16)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
@@ -299,15 +277,7 @@ class FlashAttentionReference(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):  # type: ignore[override]
-        """FA2's tiled backward from the saved tensors.
-
-        Args:
-            ctx: autograd's context, holding what forward saved.
-            do: the output's gradient.
-
-        Returns:
-            ``(dq, dk, dv, None)``: no gradient for ``causal``.
-        """
+        """FA2's tiled backward from the saved tensors: ``(dq, dk, dv, None)``, no gradient for ``causal``."""
         q, k, v, o, lse = ctx.saved_tensors
         return (*flash_backward_reference(q, k, v, o, lse, do, ctx.causal, 16), None)
 
@@ -390,11 +360,8 @@ def check_flash_function(cls):
 
 # ----------------------------------------------------------------------------- 05.triton_forward
 def triton_forward_reference():
-    """memlab's answer: memlab.attention.triton_kernels.flash_fwd_kernel (imported here: it imports triton).
-
-    Returns:
-        The ``triton.jit`` kernel ``flash_fwd_kernel``.
-    """
+    """memlab's answer: the ``triton.jit`` kernel memlab.attention.triton_kernels.flash_fwd_kernel
+    (imported here: it imports triton)."""
     from memlab.attention.triton_kernels import flash_fwd_kernel
 
     return flash_fwd_kernel
@@ -451,14 +418,8 @@ def check_triton_forward(kernel):
                             atol=1e-5 if interpreted else 5e-3)
 # ----------------------------------------------------------------------------- 05.predict_saved_bytes
 def predict_saved_bytes_reference(batch, heads, seq, head_dim):
-    """fp32, no mask: naive keeps the probabilities P; flash keeps the output O and the logsumexp.
-
-    Args:
-        batch: batch size. heads: attention heads. seq: sequence length. head_dim: per-head width.
-
-    Returns:
-        ``(naive_bytes, flash_bytes)`` saved for backward.
-    """
+    """``(naive_bytes, flash_bytes)`` saved for backward, fp32, no mask: naive keeps the probabilities P;
+    flash keeps the output O and the logsumexp."""
     return batch * heads * seq * seq * 4, batch * heads * seq * (head_dim + 1) * 4
 
 

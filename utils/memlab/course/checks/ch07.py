@@ -302,7 +302,7 @@ def _tiny(cfg: dict):
 #     (n_embd=64, the case whose peak is the optimizer step);
 #   SDPA's logsumexp: 1-6 KiB; LayerNorm's mean/rstd: 2-6 KiB; the labels' token ids (8 x effective_batch x
 #     seq_len): 64 B-2 KiB; the causal-mask buffers (bool block_size^2 per block): 2-12 KiB; the gradients that
-#     accumulation keeps alive (4 B x parameters): 189-463 KiB (tests/mutants/ch07.py: each of these FAILS).
+#     accumulation keeps alive (4 B x parameters): 189-463 KiB (tests/course/mutants/ch07.py: each of these FAILS).
 PREDICT_ALLOWED_BYTES = 0
 
 _PREDICT_CASES = [
@@ -316,15 +316,8 @@ _PREDICT_CASES = [
 
 def predict_peak_formula(model_fn, stack: Stack, seq_len: int) -> int:
     """The reference: chapter 07's peak of a TinyGPT step (fp32, AdamW foreach=False, SDPA, no checkpointing),
-    derived term by term from the config and the stack; nothing runs but the model's constructor.
-
-    Args:
-        model_fn: a zero-argument function returning the TinyGPT (only its config is read).
-        stack: the micro-batch and gradient-accumulation settings.
-        seq_len: tokens per sequence.
-
-    Returns:
-        The predicted peak in bytes, the larger of the backward and optimizer-step peaks.
+    derived term by term from the config and the stack; nothing runs but the model's constructor
+    (``model_fn()``: only its config is read). Bytes: the larger of the backward and optimizer-step peaks.
     """
     cfg = model_fn().config
     V, bs, L, a, h = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd

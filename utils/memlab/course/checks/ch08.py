@@ -245,13 +245,8 @@ def _predict_worker(rank: int, world_size: int, model_kwargs: dict) -> list[dict
 def measured_rank_bytes(model_kwargs: dict | None = None) -> list[dict[str, int]]:
     """Rank 0's :func:`memlab.distributed.rank_bytes` for stages 0-3 at the optimizer step (after
     ``optimizer.step()``, before ``zero_grad``) of a tiny Llama built with ``model_kwargs``
-    (default :data:`PREDICT_MODEL`), measured on 2 processes once per process, then reused.
-
-    Args:
-        model_kwargs: keyword arguments of the tiny Llama, or None for the default.
-
-    Returns:
-        One dict per ZeRO stage 0-3, category -> bytes on rank 0.
+    (default :data:`PREDICT_MODEL`), measured on 2 processes once per process, then reused: one
+    dict per stage, category -> bytes.
     """
     kw = dict(PREDICT_MODEL if model_kwargs is None else model_kwargs)
     key = tuple(sorted(kw.items()))

@@ -24,7 +24,7 @@ _GRADE = "pip install 'memlab[grade]'"
 #: other line means "memlab core only": the core works, the course does not
 CORE_CHECKS = ("python", "torch", "matplotlib", "memlab", "env")
 #: the lowest versions memlab supports: the lower bounds of utils/pyproject.toml
-#: (tests/test_doctor.py reads that file and checks that the two agree)
+#: (tests/course/test_doctor.py reads that file and checks that the two agree)
 MINIMUMS: dict[str, tuple[int, ...]] = {
     "torch": (2, 3),
     "numpy": (1, 24),
@@ -54,11 +54,7 @@ class CheckLine:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
 
     def to_dict(self) -> dict:
-        """This line as a JSON-ready dict.
-
-        Returns:
-            ``{field: value}`` for every field of the line.
-        """
+        """This line as a JSON-ready dict, ``{field: value}``."""
         return asdict(self)
 
 
@@ -541,10 +537,8 @@ _CHECKS: List[tuple] = [
 
 def run_checks() -> List[CheckLine]:
     """Run every check and return one :class:`CheckLine` per line of the report (two or more
-    ``gpu`` lines on multi-GPU machines). Never raises: a check that crashes becomes a WARN.
-
-    Returns:
-        The lines, in the report's order.
+    ``gpu`` lines on multi-GPU machines), in the report's order. Never raises: a check that crashes
+    becomes a WARN.
     """
     ctx = _Context()
     lines: List[CheckLine] = []

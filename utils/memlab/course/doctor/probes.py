@@ -14,41 +14,19 @@ from memlab.core.units import GiB, KiB
 
 
 def exc_text(e: BaseException) -> str:
-    """An exception as one short line: its type and the first line of its message.
-
-    Args:
-        e: the exception.
-
-    Returns:
-        ``"Type: message"``, at most 160 characters.
-    """
+    """An exception as one short line, ``"Type: first line of the message"``, at most 160 characters."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     text = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
     return text if len(text) <= 160 else text[:157] + "..."
 
 
 def gib(n: float) -> str:
-    """``n`` bytes in GiB, one decimal.
-
-    Args:
-        n: bytes.
-
-    Returns:
-        ``"1.5 GiB"``.
-    """
+    """``n`` bytes in GiB, one decimal: ``"1.5 GiB"``."""
     return f"{n / GiB:.1f} GiB"
 
 
 def plural(n: int, word: str) -> str:
-    """``"1 warning"``, ``"2 warnings"``.
-
-    Args:
-        n: the count.
-        word: the noun, singular.
-
-    Returns:
-        The count and the noun.
-    """
+    """``"1 warning"``, ``"2 warnings"``."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
@@ -60,10 +38,7 @@ class Captured:
 def capture_output() -> Iterator[Captured]:
     """Swallow everything written while the block runs: Python-level ``sys.stdout``/``stderr``,
     logging that falls back to stderr, ``warnings``, and (best effort) C-level writes to file
-    descriptors 1 and 2. What was written is available as ``.text`` after the block.
-
-    Returns:
-        A context manager yielding an object whose ``.text`` holds what was written, after the block.
+    descriptors 1 and 2. What was written is the yielded object's ``.text`` after the block.
     """
     result = Captured()
     buf = io.StringIO()
@@ -116,15 +91,7 @@ def capture_output() -> Iterator[Captured]:
 
 
 def first_line(text: str, limit: int = 120) -> str:
-    """The first non-blank line of ``text``, cut to ``limit`` characters.
-
-    Args:
-        text: any text.
-        limit: the longest line returned.
-
-    Returns:
-        The line, or ''.
-    """
+    """The first non-blank line of ``text``, cut to ``limit`` characters ('' if there is none)."""
     for line in text.splitlines():
         line = line.strip()
         if line:
@@ -133,14 +100,9 @@ def first_line(text: str, limit: int = 120) -> str:
 
 
 def ram_bytes(import_module: Callable[[str], Any] = importlib.import_module) -> tuple:
-    """The machine's memory, from psutil, /proc/meminfo or sysconf, whichever answers first.
-
-    Args:
-        import_module: how to import psutil (the doctor passes its own, which tests replace).
-
-    Returns:
-        (total bytes, available bytes, source); any element may be None.
-    """
+    """The machine's memory, from psutil, /proc/meminfo or sysconf, whichever answers first:
+    (total bytes, available bytes, source), any of them may be None. ``import_module`` imports
+    psutil (the doctor passes its own, which tests replace)."""
     try:
         psutil = import_module("psutil")
         vm = psutil.virtual_memory()
@@ -198,11 +160,7 @@ def ram_bytes(import_module: Callable[[str], Any] = importlib.import_module) -> 
 
 
 def cgroup_limit() -> Optional[int]:
-    """Memory limit of the container (cgroup v2 or v1), None when unlimited or unknown.
-
-    Returns:
-        The limit in bytes, or None.
-    """
+    """Memory limit of the container (cgroup v2 or v1) in bytes, None when unlimited or unknown."""
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             with open(path) as f:

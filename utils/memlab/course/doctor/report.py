@@ -20,14 +20,7 @@ def _core_fails(lines: Sequence[CheckLine]) -> List[str]:
 
 
 def core_summary(lines: Sequence[CheckLine]) -> str:
-    """``"memlab core can run"`` or ``"memlab core cannot run: fix the FAIL lines of torch"``.
-
-    Args:
-        lines: the report's lines (:func:`run_checks`).
-
-    Returns:
-        The verdict.
-    """
+    """``"memlab core can run"`` or ``"memlab core cannot run: fix the FAIL lines of torch"``."""
     bad = _core_fails(lines)
     if bad:
         return f"memlab core cannot run: fix the FAIL lines of {', '.join(bad)}"
@@ -36,14 +29,7 @@ def core_summary(lines: Sequence[CheckLine]) -> str:
 
 def summarize(lines: Sequence[CheckLine]) -> str:
     """``"the course can run (2 warnings)"`` or ``"the course cannot run: fix the FAIL lines ..."``
-    (with ``"memlab core only"`` when the failures are all outside memlab's core).
-
-    Args:
-        lines: the report's lines (:func:`run_checks`).
-
-    Returns:
-        The verdict.
-    """
+    (with ``"memlab core only"`` when the failures are all outside memlab's core)."""
     fails = sum(1 for line in lines if line.status == "FAIL")
     warns = sum(1 for line in lines if line.status == "WARN")
     if fails:
@@ -60,14 +46,7 @@ def summarize(lines: Sequence[CheckLine]) -> str:
 
 
 def format_report(lines: Sequence[CheckLine]) -> str:
-    """The text report: one aligned line per check, then the two verdicts.
-
-    Args:
-        lines: the report's lines (:func:`run_checks`).
-
-    Returns:
-        The report's text.
-    """
+    """The text report: one aligned line per check, then the two verdicts."""
     width = max([14] + [len(line.name) for line in lines]) + 1
     tags = {"OK": "[ OK ]", "WARN": "[WARN]", "FAIL": "[FAIL]"}
     out = ["memlab doctor"]
@@ -79,26 +58,13 @@ def format_report(lines: Sequence[CheckLine]) -> str:
 
 
 def exit_code(lines: Sequence[CheckLine]) -> int:
-    """1 when any line is FAIL (the course cannot run), else 0.
-
-    Args:
-        lines: the report's lines (:func:`run_checks`).
-
-    Returns:
-        The exit code.
-    """
+    """1 when any line is FAIL (the course cannot run), else 0."""
     return 1 if any(line.status == "FAIL" for line in lines) else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``memlab doctor``; returns 0 when the course can run (no line is FAIL), else 1.
-
-    Args:
-        argv: the arguments (default: ``sys.argv[1:]``; none in a notebook).
-
-    Returns:
-        The exit code.
-    """
+    ``argv`` defaults to ``sys.argv[1:]``, and to none in a notebook."""
     parser = argparse.ArgumentParser(
         prog="memlab doctor",
         description="Check that this environment can run LLM Memory Lab; paste the output into bug reports.",

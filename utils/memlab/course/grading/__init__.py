@@ -4,7 +4,8 @@
 object under a time limit and prints one row; whatever the learner's code does becomes a row,
 never a dead kernel. ``grade_notebook(path)`` (``memlab grade``) executes a lab headless and grades
 each exercise right after its check cell from a fresh import of the checks, with memlab's modules
-verified against their source before and after (:func:`verify_memlab_modules`).
+verified against their source before and after (:func:`verify_memlab_modules`); ``run_and_grade(path)``
+also runs the cells after the last check and returns the notebook as it ran.
 
 Threat model: tampering from the notebook (a redefined ``check``, forged rows or answers, IPython
 hooks, deleted check cells, an ``int`` whose ``==`` is always true, a patched or wrapped reference,
@@ -27,7 +28,7 @@ from memlab.course.grading.registry import (
 from memlab.course.grading.running import CheckTimeout, chapter_fingerprint, check, time_limit
 from memlab.course.grading.verify import is_grader_module, verify_memlab_modules
 from memlab.course.grading.kernel import stop_processes
-from memlab.course.grading.notebook import CheckCall, check_calls, exercises_in, grade_notebook
+from memlab.course.grading.notebook import CheckCall, check_calls, exercises_in, grade_notebook, run_and_grade
 from memlab.course.grading.command import chapter_path, grade_main
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "load_chapter",
     "get_exercise",
     "grade_notebook",
+    "run_and_grade",
     "grade_main",
     "parse_seconds",
     "stop_processes",

@@ -19,15 +19,7 @@ def _default_paths() -> tuple[Path, list[Path]]:
 def chapter_path(arg: str) -> Path:
     """A PATH argument of ``memlab grade``: a notebook's path, or a chapter number (``4``, ``04``)
     naming that chapter's notebook where ``memlab grade`` looks by default (work/, else labs/).
-
-    Args:
-        arg: the argument as typed.
-
-    Returns:
-        The notebook's path.
-
-    Raises:
-        ValueError: for a chapter number with no notebook (listing those there are).
+    ValueError for a chapter number with no notebook, listing those there are.
     """
     p = Path(arg)
     if p.exists() or not arg.strip().isdigit():
@@ -44,13 +36,8 @@ def chapter_path(arg: str) -> Path:
 def grade_main(argv: list[str] | None = None) -> int:
     """``memlab grade [PATH ...] [--full] [--timeout S] [--cell-timeout S] [--notebook-timeout S]``.
 
-    Exit code 0 on full marks, 1 otherwise, 2 when an argument, the environment or a file is unusable.
-
-    Args:
-        argv: the arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit code.
+    Returns the exit code: 0 on full marks, 1 otherwise, 2 when an argument, the environment or a
+    file is unusable.
     """
     import argparse
 

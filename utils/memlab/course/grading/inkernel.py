@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Any, Mapping
 
-from memlab.course.grading.registry import _safe_str, _short, get_exercise
+from memlab.course.grading.registry import get_exercise, safe_str, shorten
 from memlab.course.grading.running import chapter_fingerprint, run_checks_watched
 from memlab.course.grading.verify import is_grader_module, verify_memlab_modules
 
@@ -83,19 +83,16 @@ def _restore_modules(old: Mapping[str, Any]) -> None:
 def prepare(args: dict[str, Any], old_modules: dict[str, Any]) -> dict[str, Any]:
     """(In the kernel, in a freshly imported memlab.) Load the chapter's checks and compare fingerprints.
 
-    Args:
-        args: the request (memlab's folder, the chapter, the grader's fingerprint, a nonce).
-        old_modules: the grader's modules the fresh import replaced (put back on failure).
-
-    Returns:
-        ``{"ok": True, "fingerprint": ...}``, or ``{"ok": False, "message": ...}``.
+    ``args``: the request (memlab's folder, the chapter, the grader's fingerprint, a nonce);
+    ``old_modules``: the grader's modules the fresh import replaced (put back on failure).
+    Answers ``{"ok": True, "fingerprint": ...}`` or ``{"ok": False, "message": ...}``.
     """
     chapter = args["chapter"]
     try:
         fingerprint = chapter_fingerprint(chapter)
     except BaseException as exc:  # noqa: BLE001
         _restore_modules(old_modules)
-        return {"ok": False, "message": _short(f"the chapter's checks failed to import in the kernel: {type(exc).__name__}: {exc}")}
+        return {"ok": False, "message": shorten(f"the chapter's checks failed to import in the kernel: {type(exc).__name__}: {exc}")}
     root = os.path.realpath(args["dir"])
     foreign = sorted(k for k, m in list(sys.modules.items())
                      if (k == "memlab" or k.startswith("memlab.")) and getattr(m, "__file__", None)
@@ -131,14 +128,9 @@ def _resolve(name: str, user_ns: Mapping[str, Any]) -> Any:
 
 
 def run(args: dict[str, Any], user_ns: Mapping[str, Any]) -> dict[str, Any]:
-    """(In the kernel, in the fresh memlab.) Run one exercise's checks on the learner's object by name.
-
-    Args:
-        args: the request (the exercise, the object's name, the limit, the prepare request's nonce).
-        user_ns: the notebook's namespace.
-
-    Returns:
-        ``{"status", "message", "reference", "seconds"}`` for the grader.
+    """(In the kernel, in the fresh memlab.) Run one exercise's checks on the learner's object, named
+    in ``args`` (with the limit and the prepare request's nonce) and looked up in ``user_ns``.
+    Answers ``{"status", "message", "reference", "seconds"}``.
     """
     old = PREPARED.get("old", {})
     start = time.perf_counter()
@@ -147,7 +139,7 @@ def run(args: dict[str, Any], user_ns: Mapping[str, Any]) -> dict[str, Any]:
         try:
             obj = _resolve(args["name"], user_ns)
         except BaseException as exc:  # noqa: BLE001 - a hostile __getattr__ included
-            return {"status": "error", "message": _short(f"{type(exc).__name__}: {_safe_str(exc)}"), "seconds": 0.0}
+            return {"status": "error", "message": shorten(f"{type(exc).__name__}: {safe_str(exc)}"), "seconds": 0.0}
         changed = verify_memlab_modules(args["dir"])
         if not changed:
             status, message, note = run_checks_watched(ex, obj, args["limit"])
@@ -159,23 +151,15 @@ def run(args: dict[str, Any], user_ns: Mapping[str, Any]) -> dict[str, Any]:
         return {"status": status, "message": message, "reference": note,
                 "seconds": round(time.perf_counter() - start, 3)}
     except BaseException as exc:  # noqa: BLE001
-        return {"status": "error", "message": _short(f"the grader failed: {type(exc).__name__}: {_safe_str(exc)}")}
+        return {"status": "error", "message": shorten(f"the grader failed: {type(exc).__name__}: {safe_str(exc)}")}
     finally:
         PREPARED.clear()
         _restore_modules(old)
 
 
 def request(boot: str, args: dict[str, Any], with_namespace: bool = False) -> str:
-    """The code of one grader request: ``boot`` run in a private namespace with ``args``.
-
-    Args:
-        boot: :data:`BOOT_PREPARE` or :data:`BOOT_RUN`.
-        args: the request's arguments (plain data).
-        with_namespace: also pass the notebook's namespace.
-
-    Returns:
-        One line of code to execute in the kernel.
-    """
+    """One line of code for the kernel: ``boot`` (:data:`BOOT_PREPARE` or :data:`BOOT_RUN`) run in a
+    private namespace with ``args`` (plain data), and the notebook's namespace if ``with_namespace``."""
     ns = "{'__builtins__': __import__('builtins'), 'ARGS': %s%s}" % (
         repr(args), ", 'USER_NS': globals()" if with_namespace else "")
     return f"__import__('builtins').exec({boot!r}, {ns})"

@@ -10,11 +10,11 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memlab.course.grading.registry import KILL_GRACE, RUN_MARK_ENV, _short
+from memlab.course.grading.registry import KILL_GRACE, RUN_MARK_ENV, shorten
 from memlab.core.optional import needs, require_installed
 from memlab.core.procs import child_subreaper
 
@@ -91,16 +91,9 @@ def _marked_processes(mark: str, kernel_pid: int | None, adopted: set[int] | Non
 def stop_processes(mark: str, kernel_pid: int | None = None, before: set[int] | None = None) -> int:
     """SIGKILL every process of a grading run (see ``_marked_processes``); returns how many were stopped.
 
-    ``before``: this process's children before the run started; any other child now (but the
-    kernel) is an orphan of the run that the grader, as child subreaper, adopted: killed and reaped.
-
-    Args:
-        mark: the run's random mark (in its processes' environment).
-        kernel_pid: the kernel's pid, when known.
-        before: this process's children before the run, to tell the run's orphans apart.
-
-    Returns:
-        How many processes were killed.
+    ``mark``: the run's random mark (in its processes' environment); ``kernel_pid``: the kernel's pid,
+    when known; ``before``: this process's children before the run started: any other child now (but
+    the kernel) is an orphan of the run that the grader, as child subreaper, adopted: killed and reaped.
     """
     if not Path("/proc/self/stat").exists():  # not Linux: the kernel's process group is the best we can do
         if kernel_pid is not None:
@@ -139,8 +132,40 @@ class Outcome:
     state: str  # "ok" | "error" | "interrupted" | "killed" | "died"
     ename: str = ""
     evalue: str = ""
-    text: str = ""
     seconds: float = 0.0
+    outputs: list[Any] = field(default_factory=list)  # with keep_outputs: nbformat output nodes, as the kernel sent them
+    execution_count: int | None = None  # with keep_outputs: the kernel's number for this execution
+
+
+class _CellOutputs:
+    """A cell's outputs as nbclient stores them: a node per stream, display, result or error message,
+    ``clear_output`` honoured (with ``wait``: at the next output), and the execution count.
+    (``update_display_data`` is not applied: no notebook of the course updates a display.)"""
+
+    def __init__(self) -> None:
+        with needs("memlab grade"):
+            from nbformat.v4 import output_from_msg
+        self._from_msg = output_from_msg
+        self.outputs: list[Any] = []
+        self.count: int | None = None
+        self._clear_pending = False
+
+    def add(self, msg: dict[str, Any]) -> None:
+        kind, content = msg.get("msg_type"), msg.get("content", {})
+        if kind == "execute_input":
+            self.count = content.get("execution_count")
+        elif kind == "clear_output":
+            self._clear_pending = bool(content.get("wait"))
+            if not self._clear_pending:
+                self.outputs.clear()
+        elif kind in ("stream", "display_data", "execute_result", "error"):
+            if self._clear_pending:
+                self.outputs.clear()
+                self._clear_pending = False
+            self.outputs.append(self._from_msg(msg))
+
+    def result(self) -> tuple[list[Any], int | None]:
+        return self.outputs, self.count
 
 
 class Kernel:
@@ -163,14 +188,8 @@ class Kernel:
         self._was_subreaper: bool | None = None
 
     async def start(self) -> None:
-        """Start the kernel on this interpreter and wait (up to 120 s) until it answers.
-
-        Returns:
-            None; ``self.kc`` is then a connected client.
-
-        Raises:
-            MissingExtraError: jupyter_client or ipykernel is not installed.
-        """
+        """Start the kernel on this interpreter and wait (up to 120 s) until ``self.kc`` answers;
+        MissingExtraError when jupyter_client or ipykernel is not installed."""
         with needs("memlab grade"):
             from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
             from jupyter_client.manager import AsyncKernelManager
@@ -203,11 +222,8 @@ class Kernel:
         await self.kc.wait_for_ready(timeout=120)
 
     def exit_description(self) -> str:
-        """How the kernel ended: a signal's name, an exit code, and a fatal error line from its log.
-
-        Returns:
-            A phrase such as ``"was killed by signal SIGKILL (Killed)"``, to follow "the kernel".
-        """
+        """How the kernel ended, a phrase to follow "the kernel" (``"was killed by signal SIGKILL (Killed)"``):
+        a signal's name, an exit code, and a fatal error line from its log."""
         proc = getattr(getattr(self.km, "provisioner", None), "process", None)
         rc = proc.poll() if proc is not None else None
         if rc is None:
@@ -226,7 +242,7 @@ class Kernel:
             log = (self.tmp / "kernel.log").read_text(errors="replace")
             fatal = [ln.strip() for ln in log.splitlines() if "Fatal Python error" in ln or "MemoryError" in ln]
             if fatal:
-                what += f" ({_short(fatal[-1], 120)})"
+                what += f" ({shorten(fatal[-1], 120)})"
         except OSError:
             pass
         return what
@@ -238,28 +254,19 @@ class Kernel:
             return False
 
     def kill(self) -> None:
-        """Kill every process of this run now.
-
-        Returns:
-            None; the kernel is marked dead.
-        """
+        """Kill every process of this run now; the kernel is marked dead."""
         self.dead = True
         stop_processes(self.mark, self.pid, self.before)
 
-    async def execute(self, code: str, limit: float, *, keep_text: bool = False, store_history: bool = True,
+    async def execute(self, code: str, limit: float, *, keep_outputs: bool = False, store_history: bool = True,
                       silent: bool = False) -> Outcome:
         """Run ``code``; past ``limit`` seconds interrupt, ``KILL_GRACE`` later kill. Never raises.
 
-        Args:
-            code: the source to run.
-            limit: seconds before the kernel is interrupted.
-            keep_text: keep the stream output (its last 2,000,000 characters).
-            store_history: whether the kernel numbers this execution.
-            silent: run without broadcasting output.
-
-        Returns:
-            The :class:`Outcome`: ``"ok"``, ``"error"``, ``"interrupted"``, ``"killed"`` or ``"died"``, with the
-            error's name and value, the text kept and the seconds taken.
+        ``store_history``: the kernel numbers this execution; ``silent``: run without broadcasting
+        output; ``keep_outputs``: keep the outputs and the execution count, as nbclient stores them
+        in a cell (what a notebook's own cells print; never used for the grader's requests).
+        Returns the :class:`Outcome` (``"ok"``, ``"error"``, ``"interrupted"``, ``"killed"`` or
+        ``"died"``, the error's name and value, the seconds taken).
         """
         start = time.monotonic()
         if self.dead:
@@ -267,8 +274,12 @@ class Kernel:
         msg_id = self.kc.execute(code, silent=silent, store_history=store_history, allow_stdin=False, stop_on_error=False)
         deadline, interrupted_at = start + max(limit, 0.0), None
         ename = evalue = ""
-        text: list[str] = []
-        size = 0
+        kept = _CellOutputs() if keep_outputs else None
+
+        def outcome(state: str) -> Outcome:
+            outputs, count = kept.result() if kept is not None else ([], None)
+            return Outcome(state, ename, evalue, time.monotonic() - start, outputs, count)
+
         while True:
             now = time.monotonic()
             if interrupted_at is None and now >= deadline:
@@ -279,38 +290,31 @@ class Kernel:
                 interrupted_at = now
             elif interrupted_at is not None and now >= interrupted_at + KILL_GRACE:
                 self.kill()
-                return Outcome("killed", ename, evalue, "".join(text), now - start)
+                return outcome("killed")
             wake = (deadline if interrupted_at is None else interrupted_at + KILL_GRACE) - now
             try:
                 msg = await self.kc.get_iopub_msg(timeout=max(0.01, min(0.5, wake)))
             except queue.Empty:
                 if not await self._alive():
                     self.dead = True
-                    return Outcome("died", ename, evalue, "".join(text), time.monotonic() - start)
+                    return outcome("died")
                 continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             kind, content = msg.get("msg_type"), msg.get("content", {})
-            if kind == "stream" and keep_text:
-                chunk = content.get("text", "")
-                text.append(chunk)
-                size += len(chunk)
-                while size > 2_000_000 and len(text) > 1:  # keep the tail: the answer is printed last
-                    size -= len(text.pop(0))
-            elif kind == "error" and not ename:
+            if kept is not None:
+                kept.add(msg)
+            if kind == "error" and not ename:
                 ename, evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
             elif kind == "status" and content.get("execution_state") == "idle":
                 state = "interrupted" if interrupted_at is not None else ("error" if ename else "ok")
-                return Outcome(state, ename, evalue, "".join(text), time.monotonic() - start)
+                return outcome(state)
 
     async def close(self) -> None:
         """Stop every process this run started, then reap the kernel and remove its files.
 
         The processes are killed before the kernel is reaped, so that its pid cannot have been
         reused by an unrelated process when its session and descendants are looked up.
-
-        Returns:
-            None.
         """
         try:
             if self.kc is not None:

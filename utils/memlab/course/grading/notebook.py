@@ -3,6 +3,7 @@ exercise right after its check cell, from a fresh import of the checks."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import keyword
 import os
@@ -17,8 +18,8 @@ from typing import Any
 from memlab.course.grading.inkernel import BOOT_PREPARE, BOOT_RUN, request
 from memlab.course.grading.kernel import Kernel, Outcome
 from memlab.course.grading.registry import (
-    _ID_RE, CHECK_GRACE, DEFAULT_NOTEBOOK_TIMEOUT, GRADING_ENV, PREPARE_TIMEOUT, RUN_MARK_ENV, STATUSES,
-    CheckResult, Exercise, _short, chapter_exercises, get_exercise, parse_seconds, timeout_from_env,
+    CHECK_GRACE, DEFAULT_NOTEBOOK_TIMEOUT, EXERCISE_ID, GRADING_ENV, PREPARE_TIMEOUT, RUN_MARK_ENV, STATUSES,
+    CheckResult, Exercise, chapter_exercises, get_exercise, parse_seconds, shorten, timeout_from_env,
 )
 from memlab.course.grading.running import MEMLAB_DIR, chapter_fingerprint
 from memlab.course.grading.verify import GRADER_PACKAGES
@@ -39,14 +40,8 @@ class CheckCall:
 
 
 def check_calls(nb: Any) -> list[CheckCall]:
-    """Every ``check("...", name)`` call in the notebook's code cells, in order (unknown ids included).
-
-    Args:
-        nb: an nbformat notebook.
-
-    Returns:
-        One :class:`CheckCall` per call; a commented-out call does not count.
-    """
+    """Every ``check("...", name)`` call in the notebook's code cells, in order (unknown ids included);
+    a commented-out call does not count."""
     found = []
     for i, cell in enumerate(nb.cells):
         if cell.get("cell_type") != "code" or not isinstance(cell.get("source"), str):
@@ -59,17 +54,10 @@ def check_calls(nb: Any) -> list[CheckCall]:
 
 
 def exercises_in(nb: Any) -> list[tuple[str, int]]:
-    """(exercise id, index of the first cell that checks it), in notebook order, ids as written.
-
-    Args:
-        nb: an nbformat notebook.
-
-    Returns:
-        The (id, cell) pairs.
-    """
+    """(exercise id, index of the first cell that checks it), in notebook order, ids as written."""
     seen: dict[str, int] = {}
     for call in check_calls(nb):
-        if _ID_RE.match(call.exercise):
+        if EXERCISE_ID.match(call.exercise):
             seen.setdefault(call.exercise, call.cell)
     return list(seen.items())
 
@@ -100,23 +88,14 @@ def _chapters_of(path: Path, calls: list[CheckCall]) -> list[str]:
         return [m.group(1)]
     chapters: list[str] = []
     for c in calls:
-        if _ID_RE.match(c.exercise) and c.exercise[:2] not in chapters and chapter_exercises(c.exercise[:2]):
+        if EXERCISE_ID.match(c.exercise) and c.exercise[:2] not in chapters and chapter_exercises(c.exercise[:2]):
             chapters.append(c.exercise[:2])
     return chapters
 
 
 def file_error(path: Path, message: str, max_points: float = 0.0) -> list[CheckResult]:
-    """The rows of a notebook that cannot be graded at all.
-
-    Args:
-        path: the notebook.
-        message: what is wrong with it.
-        max_points: the points it could have scored.
-
-    Returns:
-        One ``error`` row named after the file.
-    """
-    return [CheckResult(path.name, "error", 0.0, max_points, _short(message))]
+    """The rows of a notebook that cannot be graded at all: one ``error`` row named after the file."""
+    return [CheckResult(path.name, "error", 0.0, max_points, shorten(message))]
 
 
 def _sort_calls(calls: list[CheckCall], expected: list[Exercise], chapters: list[str]
@@ -136,7 +115,7 @@ def _sort_calls(calls: list[CheckCall], expected: list[Exercise], chapters: list
             msg = f"cell {call.cell}: check({call.exercise!r}) is not an exercise of chapter {'/'.join(chapters)}; not graded"
         except ValueError as exc:
             msg = f"cell {call.cell}: {exc}"
-        extra.append(CheckResult(call.exercise[:34], "error", 0.0, 0.0, _short(msg)))
+        extra.append(CheckResult(call.exercise[:34], "error", 0.0, 0.0, shorten(msg)))
     for ex in expected:
         if ex.id not in where:
             rows[ex.id] = CheckResult(ex.id, "missing", 0.0, ex.points,
@@ -157,17 +136,11 @@ def grade_notebook(
 ) -> list[CheckResult]:
     """Execute a lab headless in the current interpreter and return one result per expected exercise.
 
-    ``timeout`` limits each check (default: ``MEMLAB_CHECK_TIMEOUT``, else the exercise's own);
-    ``cell_timeout`` each of the notebook's cells (default: max(300, 2 x the longest check limit));
-    ``notebook_timeout`` the whole run (default 1800 s). Never raises for what the notebook holds
-    or does: an unreadable notebook is one ``error`` row naming the file.
-
-    Args:
-        path: the notebook.
-        full: run at full scale (default: ``MEMLAB_SMALL=1`` in the kernel).
-        timeout: seconds per check.
-        cell_timeout: seconds per cell.
-        notebook_timeout: seconds for the whole notebook.
+    The cells run up to the last check cell. ``full``: full scale (default: ``MEMLAB_SMALL=1`` in
+    the kernel). ``timeout`` limits each check (default: ``MEMLAB_CHECK_TIMEOUT``, else the
+    exercise's own); ``cell_timeout`` each of the notebook's cells (default: max(300, 2 x the longest
+    check limit)); ``notebook_timeout`` the whole run (default 1800 s), all in seconds. Never raises
+    for what the notebook holds or does: an unreadable notebook is one ``error`` row naming the file.
 
     Returns:
         One :class:`CheckResult` per exercise of the chapter (registry order), then one ``error``
@@ -176,11 +149,28 @@ def grade_notebook(
     Raises:
         ValueError: for a malformed limit, ``MEMLAB_CHECK_TIMEOUT``, ``MEMLAB_DEVICE`` or ``MEMLAB_SMALL``.
     """
+    return _grade(Path(path), False, full=full, timeout=timeout, cell_timeout=cell_timeout,
+                  notebook_timeout=notebook_timeout)[0]
+
+
+def run_and_grade(path: str | os.PathLike, **limits: Any) -> tuple[list[CheckResult], Any]:
+    """:func:`grade_notebook` (same keywords) that runs every code cell, also those after the last
+    check cell, and returns with the rows the notebook as this run left it (None when it could not be
+    read): each code cell's outputs and execution count from the run, none for a cell that did not
+    run, an error output naming the cause for a cell in which the kernel died or was stopped.
+
+    In the grader's kernel ``check()`` only marks its cell: a check cell shows no row there, the
+    rows returned are its grade. The test suite executes each solution once, this way.
+    """
+    return _grade(Path(path), True, **limits)
+
+
+def _grade(path: Path, keep_outputs: bool, *, full: bool = False, timeout: float | None = None,
+           cell_timeout: float | None = None, notebook_timeout: float | None = None) -> tuple[list[CheckResult], Any]:
     with needs("memlab grade"):
         import jupyter_client  # noqa: F401 - the kernel is started with it
         import nbformat
     require_installed("ipykernel", "memlab grade")
-    path = Path(path)
     limits = {"timeout": timeout, "cell_timeout": cell_timeout, "notebook_timeout": notebook_timeout}
     for name, value in limits.items():
         if value is not None:
@@ -188,29 +178,41 @@ def grade_notebook(
     env_timeout = timeout_from_env()
     import memlab.config  # noqa: F401 - a bad MEMLAB_DEVICE or MEMLAB_SMALL is a ValueError naming it, before any kernel
     if not path.is_file():
-        return file_error(path, f"{path}: no such notebook file")
+        return file_error(path, f"{path}: no such notebook file"), None
     try:
         nb = nbformat.read(path, as_version=4)
         calls = check_calls(nb)
     except Exception as exc:  # noqa: BLE001 - one corrupt notebook must not stop a batch
-        return file_error(path, f"{path}: not a readable notebook ({type(exc).__name__}: {_short(str(exc), 160)})")
+        return file_error(path, f"{path}: not a readable notebook ({type(exc).__name__}: {shorten(str(exc), 160)})"), None
+    executed = _blank_copy(nb) if keep_outputs else None
     try:
         chapters = _chapters_of(path, calls)
         expected = [ex for ch in chapters for ex in chapter_exercises(ch)]
     except Exception as exc:  # noqa: BLE001 - a broken checks module is this notebook's error, not the batch's
-        return file_error(path, f"{path}: the chapter's checks failed to import ({type(exc).__name__}: {_short(str(exc), 160)})")
+        why = f"{path}: the chapter's checks failed to import ({type(exc).__name__}: {shorten(str(exc), 160)})"
+        return file_error(path, why), executed
     if not expected:
         return file_error(path, f"{path}: no exercises to grade: name the file NN_topic.ipynb after its chapter, "
-                                 "or keep its check(\"NN.name\", ...) cells")
+                                 "or keep its check(\"NN.name\", ...) cells"), executed
 
     rows, extra, where = _sort_calls(calls, expected, chapters)
     todo = [ex for ex in expected if ex.id not in rows]
     if todo:
         limit_of = {ex.id: (timeout or env_timeout or ex.timeout) for ex in todo}
         cell_limit = cell_timeout or max(300.0, 2 * max(limit_of.values()))
-        run = _NotebookRun(path, nb, todo, where, limit_of, cell_limit, notebook_timeout or DEFAULT_NOTEBOOK_TIMEOUT, full)
+        run = _NotebookRun(path, nb, todo, where, limit_of, cell_limit, notebook_timeout or DEFAULT_NOTEBOOK_TIMEOUT, full,
+                           executed)
         rows.update(_run_async(run.run()))
-    return [rows[ex.id] for ex in expected] + extra
+    return [rows[ex.id] for ex in expected] + extra, executed
+
+
+def _blank_copy(nb: Any) -> Any:
+    """``nb`` with no outputs and no execution counts: what a run fills in."""
+    blank = copy.deepcopy(nb)
+    for cell in blank.cells:
+        if cell.get("cell_type") == "code":
+            cell.outputs, cell.execution_count = [], None
+    return blank
 
 
 def _run_async(coro: Any) -> Any:
@@ -227,12 +229,15 @@ def _run_async(coro: Any) -> Any:
 
 
 class _NotebookRun:
-    """One notebook, run cell by cell in a fresh kernel, each exercise graded right after its check cell."""
+    """One notebook, run cell by cell in a fresh kernel, each exercise graded right after its check cell.
+    With ``executed`` (a blank copy of the notebook) every code cell runs and leaves its outputs there."""
 
     def __init__(self, path: Path, nb: Any, exercises: list[Exercise], where: dict[str, CheckCall],
-                 limit_of: dict[str, float], cell_limit: float, notebook_limit: float, full: bool) -> None:
+                 limit_of: dict[str, float], cell_limit: float, notebook_limit: float, full: bool,
+                 executed: Any | None = None) -> None:
         self.path, self.nb, self.exercises, self.where = path, nb, exercises, where
         self.limit_of, self.cell_limit, self.notebook_limit, self.full = limit_of, cell_limit, notebook_limit, full
+        self.executed = executed
         self.rows: dict[str, CheckResult] = {}
         self.cell_notes: dict[str, str] = {}  # exercise -> first trouble in its own cells
         self.timed_out: set[str] = set()
@@ -245,7 +250,7 @@ class _NotebookRun:
         return self.exercises[-1]
 
     def _row(self, ex: Exercise, status: str, message: str, seconds: float = 0.0, points: float = 0.0) -> CheckResult:
-        return CheckResult(ex.id, status, min(points, ex.points), ex.points, _short(message), round(seconds, 3))
+        return CheckResult(ex.id, status, min(points, ex.points), ex.points, shorten(message), round(seconds, 3))
 
     async def run(self) -> dict[str, CheckResult]:
         mark = secrets.token_hex(16)
@@ -261,12 +266,12 @@ class _NotebookRun:
             try:
                 await asyncio.wait_for(kernel.start(), timeout=180)
             except BaseException as exc:  # noqa: BLE001
-                why = f"the kernel did not start: {type(exc).__name__}: {_short(str(exc), 200)}"
+                why = f"the kernel did not start: {type(exc).__name__}: {shorten(str(exc), 200)}"
                 return {ex.id: self._row(ex, "error", why) for ex in self.exercises}
             grade_after: dict[int, list[Exercise]] = {}
             for ex in self.exercises:
                 grade_after.setdefault(self.where[ex.id].cell, []).append(ex)
-            last = max(grade_after)
+            last = len(self.nb.cells) - 1 if self.executed is not None else max(grade_after)
             current = self._owner(0)
             try:
                 for i, cell in enumerate(self.nb.cells[: last + 1]):
@@ -283,7 +288,7 @@ class _NotebookRun:
                     if stop:
                         break
             except Exception as exc:  # noqa: BLE001 - a bug of the grader is a row, and the batch goes on
-                stop = current, "error", f"the grader failed: {type(exc).__name__}: {_short(str(exc), 200)}"
+                stop = current, "error", f"the grader failed: {type(exc).__name__}: {shorten(str(exc), 200)}"
         finally:
             await kernel.close()
         rows = dict(self.rows)
@@ -309,19 +314,31 @@ class _NotebookRun:
     async def _run_cell(self, kernel: Kernel, i: int, source: str) -> tuple[Exercise, str, str] | None:
         ex = self._owner(i)
         budget = min(self.cell_limit, self._remaining())
-        out = await kernel.execute(source, budget)
+        out = await kernel.execute(source, budget, keep_outputs=self.executed is not None)
         over = f"the notebook ran past its {self.notebook_limit:g} s limit" if budget < self.cell_limit else f"ran past {budget:g} s"
+        stop: tuple[Exercise, str, str] | None = None
         if out.state == "died":
-            return ex, "error", f"the kernel died: it {kernel.exit_description()} while cell {i} (of {ex.id}) was running"
-        if out.state == "killed":
+            stop = ex, "error", f"the kernel died: it {kernel.exit_description()} while cell {i} (of {ex.id}) was running"
+        elif out.state == "killed":
             self.timed_out.add(ex.id)
-            return ex, "timeout", f"timeout: cell {i} {over} and ignored the interrupt: the grader stopped the kernel"
-        if out.state == "interrupted":
+            stop = ex, "timeout", f"timeout: cell {i} {over} and ignored the interrupt: the grader stopped the kernel"
+        elif out.state == "interrupted":
             self.timed_out.add(ex.id)
             self.cell_notes.setdefault(ex.id, f"cell {i} {over} and was interrupted")
         elif out.state == "error":
-            self.cell_notes.setdefault(ex.id, f"cell {i} failed: {out.ename}: {_short(out.evalue, 160)}")
-        return None
+            self.cell_notes.setdefault(ex.id, f"cell {i} failed: {out.ename}: {shorten(out.evalue, 160)}")
+        if self.executed is not None:
+            self._keep(i, out, stop)
+        return stop
+
+    def _keep(self, i: int, out: Outcome, stop: tuple[Exercise, str, str] | None) -> None:
+        import nbformat
+
+        cell = self.executed.cells[i]
+        cell.outputs, cell.execution_count = out.outputs, out.execution_count
+        if stop is not None:  # nbclient would raise here: say why in the cell
+            cell.outputs.append(nbformat.v4.new_output("error", ename=f"Kernel{out.state.capitalize()}",
+                                                       evalue=stop[2], traceback=[]))
 
     async def _grade(self, kernel: Kernel, ex: Exercise) -> tuple[Exercise, str, str] | None:
         chapter = ex.id[:2]

@@ -21,7 +21,8 @@ CHECK_GRACE = 5.0  # seconds past a check's own limit before the grader interrup
 KILL_GRACE = 3.0  # seconds after an interrupt before the grader kills the kernel's processes
 PREPARE_TIMEOUT = 120.0  # seconds for the fresh import of the checks inside the kernel
 MAX_SECONDS = 7 * 86400.0  # the longest time limit any option or variable accepts (a week)
-_ID_RE = re.compile(r"^\d{2}\.[A-Za-z_][\w]*$")
+#: an exercise id: two digits, a dot, an identifier (``"03.loss_scaler"``)
+EXERCISE_ID = re.compile(r"^\d{2}\.[A-Za-z_][\w]*$")
 
 
 @dataclass
@@ -40,11 +41,7 @@ class CheckResult:
         return self.status == "pass"
 
     def row(self) -> str:
-        """This result as one row of the report (see :func:`format_row`).
-
-        Returns:
-            The row's text.
-        """
+        """This result as one row of the report (see :func:`format_row`)."""
         return format_row(self)
 
     def __str__(self) -> str:
@@ -80,7 +77,8 @@ def register(
     reference: Callable[[], Any] | None = None,
     title: str = "",
 ) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
-    """Decorator for a check function ``fn(obj)`` that raises AssertionError when ``obj`` is wrong.
+    """Decorator for a check function ``fn(obj)`` that raises AssertionError when ``obj`` is wrong;
+    it returns the check unchanged.
 
     ``reference`` returns memlab's own implementation of the exercise; the test suite runs every check
     against it so the package and the grader cannot drift apart. Several checks may be
@@ -90,16 +88,12 @@ def register(
         exercise_id: ``"NN.name"``.
         points: the exercise's points (> 0).
         timeout: seconds for all of its checks (> 0).
-        reference: returns memlab's own answer.
         title: a short title (default: the check function's name).
-
-    Returns:
-        The decorator; it returns the check unchanged.
 
     Raises:
         ValueError: naming the argument, for a malformed id, points or timeout.
     """
-    if not _ID_RE.match(exercise_id):
+    if not EXERCISE_ID.match(exercise_id):
         raise ValueError(f"exercise_id={exercise_id!r} must look like 'NN.name' (two digits, a dot, an identifier)")
     if not (isinstance(points, (int, float)) and math.isfinite(points) and points > 0):
         raise ValueError(f"points={points!r} must be a finite number > 0")
@@ -119,23 +113,12 @@ def register(
 
 
 def load_chapter(chapter: str) -> None:
-    """Import ``memlab.course.checks.chNN`` so that its exercises are registered.
-
-    Args:
-        chapter: the two-digit chapter number, ``"03"``.
-
-    Returns:
-        None.
-    """
+    """Import ``memlab.course.checks.chNN`` (``chapter``: two digits, ``"03"``) so that its exercises are registered."""
     importlib.import_module(f"{CHECKS_PACKAGE}.ch{chapter}")
 
 
 def load_all() -> dict[str, Exercise]:
-    """Import every chapter's checks.
-
-    Returns:
-        The registry: exercise id -> :class:`Exercise`.
-    """
+    """Import every chapter's checks; returns the registry (exercise id -> :class:`Exercise`)."""
     pkg = importlib.import_module(CHECKS_PACKAGE)
     for info in pkgutil.iter_modules(pkg.__path__):
         if re.fullmatch(r"ch\d{2}", info.name):
@@ -144,14 +127,7 @@ def load_all() -> dict[str, Exercise]:
 
 
 def chapter_exercises(chapter: str) -> list[Exercise]:
-    """The exercises of one chapter.
-
-    Args:
-        chapter: the two-digit chapter number.
-
-    Returns:
-        Its exercises in the order its module registers them ([] if the chapter has no checks).
-    """
+    """The exercises of one chapter (two digits), in the order its module registers them ([] if it has no checks)."""
     try:
         load_chapter(chapter)
     except ModuleNotFoundError as exc:
@@ -161,18 +137,9 @@ def chapter_exercises(chapter: str) -> list[Exercise]:
 
 
 def get_exercise(exercise_id: str) -> Exercise:
-    """The registered exercise ``exercise_id``; ValueError (listing the known ids) if there is none.
-
-    Args:
-        exercise_id: ``"NN.name"``.
-
-    Returns:
-        Its :class:`Exercise`.
-
-    Raises:
-        ValueError: for a malformed or unknown id (listing the known ones).
-    """
-    if not isinstance(exercise_id, str) or not _ID_RE.match(exercise_id):
+    """The registered exercise ``exercise_id`` (``"NN.name"``); ValueError for a malformed or unknown id,
+    listing the known ones."""
+    if not isinstance(exercise_id, str) or not EXERCISE_ID.match(exercise_id):
         raise ValueError(f"exercise_id={exercise_id!r} must look like 'NN.name', e.g. '00.activation_bytes'")
     if exercise_id not in REGISTRY:
         chapter_exercises(exercise_id[:2])
@@ -183,18 +150,8 @@ def get_exercise(exercise_id: str) -> Exercise:
 
 
 def parse_seconds(name: str, raw: Any) -> float:
-    """``raw`` as a positive, finite number of seconds; ValueError naming ``name`` and the value otherwise.
-
-    Args:
-        name: what the value is called in the error (``--timeout``, ``MEMLAB_CHECK_TIMEOUT``).
-        raw: a number or a string.
-
-    Returns:
-        The seconds, as a float.
-
-    Raises:
-        ValueError: for anything but a number in (0, a week].
-    """
+    """``raw`` (a number or a string) as seconds in (0, a week]; otherwise ValueError naming ``name``
+    (what the value is called: ``--timeout``, ``MEMLAB_CHECK_TIMEOUT``) and the value."""
     try:
         value = float(raw)
     except (TypeError, ValueError):
@@ -206,23 +163,20 @@ def parse_seconds(name: str, raw: Any) -> float:
 
 
 def timeout_from_env() -> float | None:
-    """``MEMLAB_CHECK_TIMEOUT`` in seconds (None when unset); ValueError naming the variable when malformed.
-
-    Returns:
-        The seconds, or None.
-    """
+    """``MEMLAB_CHECK_TIMEOUT`` in seconds (None when unset); ValueError naming the variable when malformed."""
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or not raw.strip():
         return None
     return parse_seconds(TIMEOUT_ENV, raw.strip())
 
 
-def _short(msg: str, limit: int = 400) -> str:
+def shorten(msg: str, limit: int = 400) -> str:
+    """``msg`` on one line (whitespace collapsed), cut to ``limit`` characters ending in ``...``."""
     msg = " ".join(str(msg).split())
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
-def _safe_str(exc: BaseException) -> str:
+def safe_str(exc: BaseException) -> str:
     """``str(exc)``, even when the learner's exception has a broken ``__str__``."""
     try:
         return str(exc)
@@ -235,29 +189,14 @@ _MARK = {"pass": "PASS", "fail": "FAIL", "todo": "TODO", "error": "ERROR", "time
 
 
 def format_row(r: CheckResult) -> str:
-    """One row: status, exercise, points and the message.
-
-    Args:
-        r: the result.
-
-    Returns:
-        The row's text.
-    """
+    """One row: status, exercise, points and the message."""
     pts = f"{r.points:g}/{r.max_points:g}"
     msg = f"  {r.message}" if r.message else ""
     return f"{_MARK.get(r.status, r.status.upper()):<8}{r.exercise:<34}{pts:>6}{msg}"
 
 
 def format_table(title: str, results: list[CheckResult]) -> str:
-    """The rows of one notebook and its total.
-
-    Args:
-        title: the first line (the notebook's path).
-        results: its rows.
-
-    Returns:
-        The table's text.
-    """
+    """The rows of one notebook under ``title`` (its path), and its total."""
     got = sum(r.points for r in results)
     total = sum(r.max_points for r in results)
     lines = [title, "-" * max(len(title), 48)]

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from memlab.course.grading.registry import (
-    CHECKS_PACKAGE, GRADING_ENV, CheckResult, Exercise, _safe_str, _short, chapter_exercises, get_exercise, parse_seconds,
-    timeout_from_env, RESULTS,
+    CHECKS_PACKAGE, GRADING_ENV, RESULTS, CheckResult, Exercise, chapter_exercises, get_exercise, parse_seconds,
+    safe_str, shorten, timeout_from_env,
 )
 
 
@@ -38,12 +38,7 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     injects the exception with PyThreadState_SetAsyncExc. Both interrupt Python code; a single
     long C call (one huge matmul) is interrupted when it returns. A bare ``except:`` can still
     swallow it: ``memlab grade`` therefore also keeps a deadline of its own, outside the kernel.
-
-    Args:
-        seconds: the limit; None or <= 0 for none.
-
-    Yields:
-        None, while the limit runs.
+    ``seconds`` None or <= 0: no limit.
     """
     if not seconds or seconds <= 0:
         yield
@@ -119,21 +114,21 @@ def _run_checks(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str]:
         except CheckTimeout:
             status, message = "timeout", f"ran longer than the {limit:g} s limit: look for a loop that never ends"
         except NotImplementedError as exc:
-            text = _safe_str(exc)
+            text = safe_str(exc)
             if any(marker in text for marker in _TORCH_NOT_IMPLEMENTED):
                 # torch itself said "not implemented" (an op for a dtype/device): a bug, not a stub
-                status, message = "error", _short(f"NotImplementedError: {text}") + _where(_learner_frame(exc))
+                status, message = "error", shorten(f"NotImplementedError: {text}") + _where(_learner_frame(exc))
             else:
-                status, message = "todo", _short(text or "not implemented yet")
+                status, message = "todo", shorten(text or "not implemented yet")
         except AssertionError as exc:
-            text = _safe_str(exc)
-            status, message = "fail", _short(text or "a check did not hold") + _where(_learner_frame(exc) if not text else None)
+            text = safe_str(exc)
+            status, message = "fail", shorten(text or "a check did not hold") + _where(_learner_frame(exc) if not text else None)
         except KeyboardInterrupt as exc:
             status, message = "error", "KeyboardInterrupt: your code was interrupted (or raised KeyboardInterrupt)" + _where(_learner_frame(exc))
         except SystemExit as exc:
-            status, message = "error", _short(f"SystemExit({exc.code!r}): your code called sys.exit()") + _where(_learner_frame(exc))
+            status, message = "error", shorten(f"SystemExit({exc.code!r}): your code called sys.exit()") + _where(_learner_frame(exc))
         except BaseException as exc:  # noqa: BLE001 - the learner's code raised
-            status, message = "error", _short(f"{type(exc).__name__}: {_safe_str(exc)}") + _where(_learner_frame(exc))
+            status, message = "error", shorten(f"{type(exc).__name__}: {safe_str(exc)}") + _where(_learner_frame(exc))
     except CheckTimeout:  # the alarm fired between the end of the check and disarming the timer
         status, message = "timeout", f"ran longer than the {limit:g} s limit"
     return status, message
@@ -174,14 +169,8 @@ def _reference_note(obj: Any, ex: Exercise, modules: Mapping[str, Any] | None = 
 
 
 def is_learner_file(filename: str) -> bool:
-    """Code the learner wrote (a notebook cell, a script): neither memlab's nor a library's.
-
-    Args:
-        filename: a code object's file name.
-
-    Returns:
-        True for the learner's code.
-    """
+    """Whether a code object's file name is code the learner wrote (a notebook cell, a script):
+    neither memlab's nor a library's."""
     f = filename.replace("\\", "/")
     return not (f.startswith("<frozen") or _is_library_frame(filename) or os.path.realpath(filename).startswith(MEMLAB_DIR + os.sep))
 
@@ -261,16 +250,8 @@ def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
 
 
 def run_checks_watched(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str, str]:
-    """:func:`_run_checks`, and a note when the answer is (or calls) memlab's reference.
-
-    Args:
-        ex: the exercise.
-        obj: the learner's answer.
-        limit: seconds for all of the checks.
-
-    Returns:
-        (status, message, note); the note is '' unless the answer is memlab's own.
-    """
+    """:func:`_run_checks` under ``limit`` seconds: (status, message, note); the note is '' unless the
+    answer is (or calls) memlab's reference."""
     found: list[str] = []
     with _watch_reference(ex, found):
         status, message = _run_checks(ex, obj, limit)
@@ -312,7 +293,7 @@ def check(exercise_id: str, obj: Any, *, timeout: float | None = None, quiet: bo
         if timeout is not None:
             parse_seconds("timeout", timeout)
     except Exception as exc:  # noqa: BLE001 - a typo in the id or the environment is a row, not a crash
-        result = CheckResult(str(exercise_id)[:60], "error", 0.0, 0.0, _short(_safe_str(exc)))
+        result = CheckResult(str(exercise_id)[:60], "error", 0.0, 0.0, shorten(safe_str(exc)))
     else:
         status, message, note = run_checks_watched(ex, obj, limit)
         points = ex.points if status == "pass" else 0.0
@@ -335,16 +316,10 @@ def _source(obj: Any) -> str:
 
 
 def chapter_fingerprint(chapter: str) -> str:
-    """sha256 of what grades chapter ``NN``: its exercises, points, limits and the source of its checks.
+    """sha256 (hex) of what grades chapter ``NN``: its exercises, points, limits and the source of its checks.
 
     The grader computes it in its own process and again inside the kernel after a fresh import;
     the two must agree, or the kernel is not running memlab's checks.
-
-    Args:
-        chapter: the two-digit chapter number.
-
-    Returns:
-        The hex digest.
     """
     helpers = importlib.import_module(CHECKS_PACKAGE)
     h = hashlib.sha256()

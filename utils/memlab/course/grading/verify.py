@@ -18,14 +18,8 @@ _COMPILED: dict[tuple[str, float], dict[str, Any]] = {}
 
 
 def is_grader_module(name: str) -> bool:
-    """Whether ``name`` is one of the modules the grader imports afresh in the kernel.
-
-    Args:
-        name: a dotted module name.
-
-    Returns:
-        True for the grading package, the checks and their submodules.
-    """
+    """Whether the dotted module ``name`` is one the grader imports afresh in the kernel (the grading
+    package, the checks and their submodules)."""
     return any(name == p or name.startswith(p + ".") for p in GRADER_PACKAGES)
 
 

@@ -34,14 +34,8 @@ class LiveBytes:
         self._refs: dict[int, weakref.ref] = {}
 
     def track(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage until it dies (a storage already counted is not counted again).
-
-        Args:
-            t: any tensor; its views share its storage.
-
-        Returns:
-            None; ``current`` and ``peak`` are updated.
-        """
+        """Count ``t``'s storage in ``current`` and ``peak`` until it dies (a storage already counted,
+        a view's included, is not counted again)."""
         st = t.untyped_storage()
         key = st._cdata
         if key in self._refs:
@@ -85,15 +79,6 @@ def categorize(t: torch.Tensor, model: torch.nn.Module | None = None,
     statistics LayerNorm saves and activation gradients as ``other`` (lecture 01 shows it on a real
     step); pass the birth phase to get the tracker's label.
 
-    Args:
-        t: the live tensor.
-        model: the model whose parameters, buffers and gradients are owners, or None.
-        optimizer: the optimizer whose parameters and state are owners, or None.
-        phase: the phase ``t``'s storage was born in (one of ``PHASES``), or None.
-
-    Returns:
-        One of ``CATEGORIES``.
-
     Raises:
         ValueError: ``phase`` is not one of ``PHASES`` or None.
     """
@@ -128,16 +113,8 @@ def fake_activation_bytes(config: Any, batch_size: int, seq_len: int) -> int:
     object, since ``data_ptr()`` means nothing on a fake tensor); parameters and buffers are not
     activations.
 
-    Args:
-        config: a ``TinyGPTConfig``.
-        batch_size: sequences per batch, >= 1.
-        seq_len: tokens per sequence, 1 to ``config.block_size``.
-
-    Returns:
-        The saved bytes.
-
     Raises:
-        ValueError: naming a bad ``batch_size`` or ``seq_len``.
+        ValueError: naming a ``batch_size`` below 1 or a ``seq_len`` outside 1 to ``config.block_size``.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -172,14 +149,7 @@ def train_losses(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     The leak-free loop: ``loss.item()`` goes into the history, never the tensor (a kept tensor
     keeps its autograd graph, and with ``retain_graph=True`` every saved activation, alive).
 
-    Args:
-        model: a language model ``memlab.models.lm_loss`` can call.
-        optimizer: its optimizer.
-        batches: an iterable of ``(x, y)`` token batches, at least ``steps`` long.
-        steps: how many steps to run.
-
-    Returns:
-        The ``steps`` losses, as Python floats.
+    ``model`` is a language model ``memlab.models.lm_loss`` can call; ``batches`` holds at least ``steps`` batches.
     """
     from memlab.models import lm_loss
 
