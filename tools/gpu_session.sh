@@ -38,8 +38,8 @@ for step in $STEPS; do
           --ExecutePreprocessor.timeout=1800 "$nb" 2>&1 | tail -1
       done
       tar czf "$OUT/debug.tgz" -C /tmp/dbg . ;;
-    diag)
-      timeout 240 python3 tools/gpu_diag.py 2>&1 | tee "$OUT/diag.log" ;;
+    diag)  # the H100 session's probe of the tracker's and the estimator's gaps (results/h100/diag.log)
+      timeout 240 python3 results/h100/probes/gpu_diag.py 2>&1 | tee "$OUT/diag.log" ;;
     bench)
       for b in $(python3 -c "import memlab.bench as b; print(' '.join(b.available()))"); do
         timeout "${BENCH_TIMEOUT:-240}" python3 -m memlab bench "$b" 2>&1 | tee "$OUT/bench_$b.txt"

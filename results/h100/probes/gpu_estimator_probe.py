@@ -1,4 +1,6 @@
-"""Measurements the estimator states as facts on CUDA (run on a GPU: python3 tools/gpu_estimator_probe.py).
+"""Measurements the estimator states as facts on CUDA: a one-off probe of the H100 session of
+2026-11-23, whose output is ../estimator_probe.json (nvidia-smi's view: ../estimator_probe_smi.txt).
+Run from the repository root on a GPU: python3 results/h100/probes/gpu_estimator_probe.py.
 
 1. the CUDA context: what the driver reports as total, and what is gone before PyTorch allocates
    anything (total - free - reserved after init, after the first matmul);

@@ -1,4 +1,6 @@
-"""Where the tracker and the allocator differ on CUDA: requested vs allocated peaks, and a snapshot."""
+"""Where the tracker and the allocator differ on CUDA: requested vs allocated peaks, and a snapshot.
+A one-off probe of the H100 session of 2026-11-23, whose report is ../diag2.log
+(python3 results/h100/probes/gpu_diag2.py on a GPU machine; writes $OUT/snap.pickle)."""
 import gc, os, pickle, sys
 import torch
 from memlab.models import TinyGPT, TinyGPTConfig

@@ -1,7 +1,9 @@
-"""CUDA diagnostics for the estimator and tracker gaps (run on a GPU machine; prints a report)."""
+"""CUDA diagnostics for the estimator and tracker gaps: a one-off probe of the H100 session of
+2026-11-23, whose report is ../diag.log (run from the repository root on a GPU machine:
+python3 results/h100/probes/gpu_diag.py; it borrows chapter 01's test models)."""
 import gc, os, sys
 import torch
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/ch01")
 from memlab import estimate as E
 from memlab.profiler import MemoryTracker
 
@@ -32,9 +34,9 @@ for build in (cuda_gpt, cuda_llama):
         gc.collect(); torch.cuda.empty_cache(); torch.manual_seed(0)
         base = torch.cuda.memory_allocated()
         with torch.device("cuda"):
-            model = E.model._prepare(E.model._build(build, dtype), dtype, False)
-        opt = E.make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad], device="cuda")
-        vocab = E.model._vocab_size(model)
+            model = E.ModelSpec(build.__name__, fn=build).build(dtype, None).train()
+        opt = E.optim.make_optimizer("adamw", [p for p in model.parameters() if p.requires_grad], device="cuda")
+        vocab = E.model.vocab_size(model)
         def step():
             x = torch.randint(0, vocab, (8, 512), device="cuda"); y = torch.randint(0, vocab, (8, 512), device="cuda")
             E.training_step(model, opt, x, y, dtype=dtype)
@@ -57,7 +59,7 @@ for impl in ("foreach", "fused", "for-loop"):
     gc.collect(); torch.cuda.empty_cache(); torch.manual_seed(0)
     with torch.device(dev):
         model = gpt(n_layer=4, n_embd=256, block_size=128)
-    opt = E.make_optimizer("adamw", model.parameters(), impl=impl, device="cuda", lr=1e-3)
+    opt = E.optim.make_optimizer("adamw", model.parameters(), impl=impl, device="cuda", lr=1e-3)
     x, y = (t.to(dev) for t in batch(model, b=8, t=128))
     train_step(model, opt, x, y); torch.cuda.synchronize(); gc.collect()
     torch.cuda.reset_peak_memory_stats(); before = torch.cuda.memory_allocated()

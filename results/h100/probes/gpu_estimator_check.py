@@ -1,6 +1,8 @@
 """Estimates traced on CUDA fake tensors, to compare with the same estimates traced on CPU (kernel modelled).
+A one-off probe of the H100 session of 2026-11-23, whose output is ../estimator_cuda_trace.json
+(the same cases traced on CPU: ../estimator_cpu_trace_same_cases.json).
 
-python3 tools/gpu_estimator_check.py > out.json   (on a GPU machine; prints JSON)
+python3 results/h100/probes/gpu_estimator_check.py > out.json   (from the repository root, on a GPU machine)
 """
 import json
 import sys
