@@ -19,7 +19,7 @@ from memlab.estimate import validate as PP
 from memlab.core.units import GiB
 
 # The rows whose source records only an upper bound on the padded length and whose estimate is above the reserved
-# figure at that bound (published_peaks: PEFT's four LoRA runs, which share one unrecorded longest batch). A row that
+# figure at that bound (validate: PEFT's four LoRA runs, which share one unrecorded longest batch). A row that
 # joins or leaves this set is a change of the estimator's numbers: look at why before updating it.
 KNOWN_UNDECIDED = {"PEFT MetaMathQA: LoRA r32 q,v, Llama-3.2-3B", "PEFT MetaMathQA: LoRA r64 q,v, Llama-3.2-3B",
                    "PEFT MetaMathQA: rsLoRA r64 q,v, Llama-3.2-3B", "PEFT MetaMathQA: LoRA r10 MLP, Llama-3.2-3B"}

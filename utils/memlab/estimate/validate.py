@@ -49,7 +49,7 @@ _PEFT_DIFFERS = ("accelerator_memory_max is max_memory_reserved() minus the rese
                  "(method_comparison/MetaMathQA/utils.py), over the whole run, evaluation included; the run empties "
                  "the allocator cache every 10 steps; batches are right-padded to their longest sample, at most "
                  "max_seq_length=768, a length the run does not record (the estimate is traced at the 768 cap); the "
-                 "step is PEFT's loop (published_peaks._peft_step: a padding mask, so transformers builds the s x s "
+                 "step is PEFT's loop (validate._peft_step: a padding mask, so transformers builds the s x s "
                  "mask and repeats K/V to every head; `outputs` keeps the bf16 logits and the KV cache through "
                  "backward and the optimizer step); gradient clipping (max norm 1.0) adds foreach norm temporaries; "
                  "bf16 base loaded in bfloat16, no autocast, fp32 adapters (autocast_adapter_dtype)")
