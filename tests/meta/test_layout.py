@@ -43,7 +43,7 @@ LAYERS: list[set[str]] = [
     {"config"},
     {"models"},
     {"accounting", "profiler", "quant", "offload"},
-    {"amp", "attention", "checkpoint", "distributed"},
+    {"amp", "attention", "checkpoint", "distributed", "loss"},
     {"estimate"},
     {"plan"},
     {"train"},
