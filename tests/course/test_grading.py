@@ -149,6 +149,59 @@ def test_time_limit_passes_through_fast_code():
                 pass
 
 
+def _burn(seconds: float) -> None:
+    """Spin until this thread has used ``seconds`` of CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.fixture
+def loaded_machine():
+    """Three busy processes on top of whatever else runs: a check gets at most half a core of 2."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    time.sleep(0.3)
+    yield
+    for h in hogs:
+        h.kill()
+        h.wait()
+
+
+def test_time_limit_counts_the_checks_cpu_time_not_the_wall_clock(loaded_machine):
+    # 0.6 s of CPU under a 1 s limit takes well over 1 s of wall-clock time on this loaded machine: it passes
+    t0, c0 = time.monotonic(), time.thread_time()
+    with time_limit(1.0):
+        _burn(0.6)
+        time.sleep(0.5)  # waiting is not CPU time either
+    wall, cpu = time.monotonic() - t0, time.thread_time() - c0
+    assert wall > 1.0 > cpu, (wall, cpu)
+    # a correct answer that is slow to compute passes under load, off the main thread too
+    def slow_mine(*args, **kwargs):
+        _burn(0.02)
+        return mine(*args, **kwargs)
+
+    r = check(EX, slow_mine, timeout=5, quiet=True)
+    assert r.status == "pass", r
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("r", check(EX, slow_mine, timeout=5, quiet=True)))
+    th.start()
+    th.join(60)
+    assert box["r"].status == "pass", box["r"]
+    # an infinite loop still ends as a timeout, within a few seconds of wall clock even under load
+    t0 = time.monotonic()
+    r = check(EX, lambda *a, **k: [None for _ in iter(int, 1)], timeout=0.5, quiet=True)
+    assert r.status == "timeout" and "CPU time" in r.message and time.monotonic() - t0 < 5 + 0.5 * 10, r
+
+
+def test_time_limit_has_a_wall_clock_backstop():
+    # a check that sleeps uses no CPU: the backstop (wall_factor x the limit) ends it
+    t0 = time.monotonic()
+    with pytest.raises(CheckTimeout, match="wall-clock"):
+        with time_limit(0.2, wall_factor=5):
+            time.sleep(30)
+    assert time.monotonic() - t0 < 3
+
+
 def test_unknown_exercise_is_an_error_row_listing_known():
     r = check("00.no_such_thing", print, quiet=True)
     assert r.status == "error" and r.max_points == 0 and "00.activation_bytes" in r.message

@@ -22,10 +22,10 @@ Modules: :mod:`.registry` (exercises, rows), :mod:`.running` (``check``), :mod:`
 """
 from memlab.course.grading.registry import (
     CHECK_GRACE, DEFAULT_NOTEBOOK_TIMEOUT, DEFAULT_TIMEOUT, GRADING_ENV, KILL_GRACE, MAX_SECONDS, PREPARE_TIMEOUT,
-    REGISTRY, RESULTS, RUN_MARK_ENV, STATUSES, TIMEOUT_ENV, CheckResult, Exercise, chapter_exercises, format_row,
+    REGISTRY, RESULTS, RUN_MARK_ENV, STATUSES, TIMEOUT_ENV, WALL_FACTOR, CheckResult, Exercise, chapter_exercises, format_row,
     format_table, get_exercise, load_all, load_chapter, parse_seconds, register, timeout_from_env,
 )
-from memlab.course.grading.running import CheckTimeout, chapter_fingerprint, check, time_limit
+from memlab.course.grading.running import CheckTimeout, chapter_fingerprint, check, thread_cpu_clock, time_limit
 from memlab.course.grading.verify import is_grader_module, verify_memlab_modules
 from memlab.course.grading.kernel import stop_processes
 from memlab.course.grading.notebook import CheckCall, check_calls, exercises_in, grade_notebook, run_and_grade
@@ -55,6 +55,7 @@ __all__ = [
     "verify_memlab_modules",
     "is_grader_module",
     "time_limit",
+    "thread_cpu_clock",
     "timeout_from_env",
     "CheckTimeout",
     "format_row",
@@ -66,6 +67,7 @@ __all__ = [
     "GRADING_ENV",
     "RUN_MARK_ENV",
     "CHECK_GRACE",
+    "WALL_FACTOR",
     "KILL_GRACE",
     "PREPARE_TIMEOUT",
     "MAX_SECONDS",

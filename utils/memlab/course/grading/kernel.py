@@ -258,9 +258,22 @@ class Kernel:
         self.dead = True
         stop_processes(self.mark, self.pid, self.before)
 
+    def main_thread_cpu(self) -> float | None:
+        """CPU seconds the kernel's main thread (where cells and checks run) has used, from /proc; None
+        where that is not readable."""
+        if self.pid is None:
+            return None
+        try:
+            raw = Path(f"/proc/{self.pid}/task/{self.pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = raw[raw.rfind(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in clock ticks
+
     async def execute(self, code: str, limit: float, *, keep_outputs: bool = False, store_history: bool = True,
-                      silent: bool = False) -> Outcome:
-        """Run ``code``; past ``limit`` seconds interrupt, ``KILL_GRACE`` later kill. Never raises.
+                      silent: bool = False, cpu_limit: float | None = None) -> Outcome:
+        """Run ``code``; past ``limit`` seconds (wall clock), or once the kernel's main thread has used
+        ``cpu_limit`` seconds of CPU time, interrupt, ``KILL_GRACE`` later kill. Never raises.
 
         ``store_history``: the kernel numbers this execution; ``silent``: run without broadcasting
         output; ``keep_outputs``: keep the outputs and the execution count, as nbclient stores them
@@ -273,6 +286,7 @@ class Kernel:
             return Outcome("died")
         msg_id = self.kc.execute(code, silent=silent, store_history=store_history, allow_stdin=False, stop_on_error=False)
         deadline, interrupted_at = start + max(limit, 0.0), None
+        cpu0 = self.main_thread_cpu() if cpu_limit is not None else None
         ename = evalue = ""
         kept = _CellOutputs() if keep_outputs else None
 
@@ -282,7 +296,9 @@ class Kernel:
 
         while True:
             now = time.monotonic()
-            if interrupted_at is None and now >= deadline:
+            cpu = self.main_thread_cpu() if cpu0 is not None else None
+            over_cpu = cpu is not None and cpu0 is not None and min(cpu - cpu0, now - start) >= cpu_limit
+            if interrupted_at is None and (now >= deadline or over_cpu):
                 try:
                     await self.km.interrupt_kernel()
                 except Exception:  # noqa: BLE001 - a dead or stuck kernel is killed below

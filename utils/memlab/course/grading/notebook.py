@@ -18,7 +18,7 @@ from typing import Any
 from memlab.course.grading.inkernel import BOOT_PREPARE, BOOT_RUN, request
 from memlab.course.grading.kernel import Kernel, Outcome
 from memlab.course.grading.registry import (
-    CHECK_GRACE, DEFAULT_NOTEBOOK_TIMEOUT, EXERCISE_ID, GRADING_ENV, PREPARE_TIMEOUT, RUN_MARK_ENV, STATUSES,
+    CHECK_GRACE, DEFAULT_NOTEBOOK_TIMEOUT, EXERCISE_ID, WALL_FACTOR, GRADING_ENV, PREPARE_TIMEOUT, RUN_MARK_ENV, STATUSES,
     CheckResult, Exercise, chapter_exercises, get_exercise, parse_seconds, shorten, timeout_from_env,
 )
 from memlab.course.grading.running import MEMLAB_DIR, chapter_fingerprint
@@ -362,10 +362,13 @@ class _NotebookRun:
         answer = kernel.tmp / f"answer-{run_nonce}.json"
         run_args = {"exercise": ex.id, "name": self.where[ex.id].name, "limit": limit, "prepared": nonce, "nonce": run_nonce,
                     "answer": str(answer), "dir": memlab_dir}
-        budget = min(limit + CHECK_GRACE, self._remaining())
+        # the check's limit counts CPU time (of the kernel's main thread, where it runs); wall-clock time only
+        # as a backstop, WALL_FACTOR x the limit: a loaded machine does not make a right answer time out
+        backstop = limit * WALL_FACTOR + CHECK_GRACE
+        budget = min(backstop, self._remaining())
         out = await kernel.execute(request(BOOT_RUN, run_args, with_namespace=True), budget, store_history=False,
-                                   silent=True)
-        over = (f"the notebook ran past its {self.notebook_limit:g} s limit" if budget < limit + CHECK_GRACE
+                                   silent=True, cpu_limit=limit + CHECK_GRACE)
+        over = (f"the notebook ran past its {self.notebook_limit:g} s limit" if budget < backstop
                 else f"ran longer than the {limit:g} s limit")
         if out.state == "killed":
             return ex, "timeout", f"timeout: the check {over} and ignored the interrupt: the grader stopped the kernel"

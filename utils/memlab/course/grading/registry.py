@@ -18,6 +18,9 @@ TIMEOUT_ENV = "MEMLAB_CHECK_TIMEOUT"
 GRADING_ENV = "MEMLAB_GRADING"  # set in the kernel that `memlab grade` starts: check() there only marks the cell
 RUN_MARK_ENV = "MEMLAB_GRADE_RUN"  # a random mark in that kernel's environment: every process carrying it is stopped
 CHECK_GRACE = 5.0  # seconds past a check's own limit before the grader interrupts the kernel
+# A check's limit counts its own CPU time (a loaded machine does not make a right answer time out); a check
+# that sleeps or blocks is stopped after WALL_FACTOR x its limit of wall-clock time
+WALL_FACTOR = 10.0
 KILL_GRACE = 3.0  # seconds after an interrupt before the grader kills the kernel's processes
 PREPARE_TIMEOUT = 120.0  # seconds for the fresh import of the checks inside the kernel
 MAX_SECONDS = 7 * 86400.0  # the longest time limit any option or variable accepts (a week)

@@ -17,10 +17,10 @@ import traceback
 import types
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from memlab.course.grading.registry import (
-    CHECKS_PACKAGE, GRADING_ENV, RESULTS, CheckResult, Exercise, chapter_exercises, get_exercise, parse_seconds,
+    CHECKS_PACKAGE, GRADING_ENV, RESULTS, WALL_FACTOR, CheckResult, Exercise, chapter_exercises, get_exercise, parse_seconds,
     safe_str, shorten, timeout_from_env,
 )
 
@@ -30,46 +30,74 @@ class CheckTimeout(BaseException):
     """Raised inside a check that ran past its limit (a BaseException so `except Exception` can't eat it)."""
 
 
-@contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise CheckTimeout in the current thread after ``seconds``.
+def thread_cpu_clock(ident: int | None = None) -> Callable[[], float]:
+    """A function returning the CPU seconds thread ``ident`` (default: this one) has used.
 
-    On the main thread of a POSIX process this is a SIGALRM timer; elsewhere a watchdog thread
-    injects the exception with PyThreadState_SetAsyncExc. Both interrupt Python code; a single
-    long C call (one huge matmul) is interrupted when it returns. A bare ``except:`` can still
-    swallow it: ``memlab grade`` therefore also keeps a deadline of its own, outside the kernel.
-    ``seconds`` None or <= 0: no limit.
+    POSIX's per-thread CPU clock (``time.pthread_getcpuclockid``); where there is none, the process's
+    CPU time (all threads: generous when torch runs several). Time the thread waits for a core on a
+    loaded machine, sleeps or blocks is not counted."""
+    ident = threading.get_ident() if ident is None else ident
+    try:
+        clock = time.pthread_getcpuclockid(ident)
+        time.clock_gettime(clock)
+    except (AttributeError, OSError):
+        return time.process_time
+    return lambda: time.clock_gettime(clock)
+
+
+def _fire(target: int, on_main: bool) -> None:
+    if on_main:
+        signal.pthread_kill(target, signal.SIGALRM)
+    else:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), ctypes.py_object(CheckTimeout))
+
+
+@contextmanager
+def time_limit(seconds: float | None, *, wall_factor: float = WALL_FACTOR) -> Iterator[None]:
+    """Raise CheckTimeout in the current thread once it has used ``seconds`` of CPU time, or after
+    ``wall_factor`` x ``seconds`` of wall-clock time, whichever comes first.
+
+    The limit counts this thread's own CPU time (:func:`thread_cpu_clock`), so a correct answer never
+    fails for time on a slow or loaded machine; the wall-clock backstop still ends code that sleeps or
+    blocks. A watchdog thread polls both clocks and, past a limit, interrupts: on the main thread of a
+    POSIX process with SIGALRM (which also breaks a ``time.sleep``), elsewhere by injecting the exception
+    with PyThreadState_SetAsyncExc. Both interrupt Python code; a single long C call (one huge matmul)
+    is interrupted when it returns. A bare ``except:`` can still swallow it: ``memlab grade`` therefore
+    also keeps a deadline of its own, outside the kernel. ``seconds`` None or <= 0: no limit.
     """
     if not seconds or seconds <= 0:
         yield
         return
-    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
-
-        def _alarm(signum: int, frame: Any) -> None:
-            raise CheckTimeout(f"ran longer than the {seconds:g} s limit")
-
-        previous = signal.signal(signal.SIGALRM, _alarm)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-        return
-
     target = threading.get_ident()
-    done = threading.Event()
+    cpu = thread_cpu_clock(target)
+    on_main = hasattr(signal, "pthread_kill") and threading.current_thread() is threading.main_thread()
+    wall0, cpu0 = time.monotonic(), cpu()
+    done, fired = threading.Event(), []
+    poll = min(0.1, max(0.01, seconds / 20))
+
+    def _alarm(signum: int, frame: Any) -> None:
+        raise CheckTimeout(fired[0] if fired else f"ran longer than the {seconds:g} s limit")
 
     def _watchdog() -> None:
-        if not done.wait(seconds):
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), ctypes.py_object(CheckTimeout))
+        while not done.wait(poll):
+            wall = time.monotonic() - wall0
+            used = min(cpu() - cpu0, wall)
+            if used >= seconds or wall >= seconds * wall_factor:
+                fired.append(f"ran longer than the {seconds:g} s limit" if used >= seconds else
+                             f"ran {wall:.0f} s of wall-clock time, {wall_factor:g} x its {seconds:g} s limit")
+                _fire(target, on_main)
+                return
 
-    watchdog = threading.Thread(target=_watchdog, daemon=True)
+    previous = signal.signal(signal.SIGALRM, _alarm) if on_main else None
+    watchdog = threading.Thread(target=_watchdog, daemon=True, name="memlab-check-watchdog")
     watchdog.start()
     try:
         yield
     finally:
         done.set()
+        watchdog.join()
+        if on_main:
+            signal.signal(signal.SIGALRM, previous)
 
 
 # ----------------------------------------------------------------------------- running the checks
@@ -111,8 +139,9 @@ def _run_checks(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str]:
             with time_limit(limit):
                 for fn in ex.checks:
                     fn(obj)
-        except CheckTimeout:
-            status, message = "timeout", f"ran longer than the {limit:g} s limit: look for a loop that never ends"
+        except CheckTimeout as exc:
+            why = safe_str(exc) or f"ran longer than the {limit:g} s limit"
+            status, message = "timeout", f"{why} (CPU time of the check): look for a loop that never ends"
         except NotImplementedError as exc:
             text = safe_str(exc)
             if any(marker in text for marker in _TORCH_NOT_IMPLEMENTED):
