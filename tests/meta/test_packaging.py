@@ -25,6 +25,6 @@ def test_a_wheel_build_leaves_the_source_folder_as_it_was(tmp_path):
     assert after == [p for p in before if "__pycache__" not in p.parts], set(after) ^ set(before)
     (wheel,) = (tmp_path / "dist").glob("memlab-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "memlab/timeline.py" in names and not any(n.startswith("_build") for n in names)
+    assert "memlab/profiler/timeline.py" in names and not any(n.startswith("_build") for n in names)
     # package data: the C++ source memlab.offload.kernel compiles on first use
     assert "memlab/offload/adamw.cpp" in names, sorted(n for n in names if n.startswith("memlab/offload/"))
