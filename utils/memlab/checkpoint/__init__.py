@@ -22,12 +22,14 @@ Modules:
   its LoRA pitfall), :class:`RNGState`;
 * :mod:`~memlab.checkpoint.segments` -- :func:`checkpoint_sequential`, :func:`sqrt_segments`,
   :func:`activation_memory_model`, :func:`segments_for_budget`, and the peak predicted and measured;
-* :mod:`~memlab.checkpoint.offload` -- :func:`offload_activations` (saved tensors to host memory)
-  and :func:`count_saved_tensors`;
+* :mod:`~memlab.checkpoint.offload` -- :func:`offload_activations` (saved tensors to host memory),
+  :func:`offload_checkpoints` (every decoder layer checkpointed, its input kept in host memory:
+  chapter 09) and :func:`count_saved_tensors`;
 * :mod:`~memlab.checkpoint.layers` -- :func:`enable` / :func:`disable` on a model's decoder layers.
 """
 from memlab.checkpoint.layers import disable, enable
-from memlab.checkpoint.offload import OffloadStats, count_saved_tensors, offload_activations, saved_activation_bytes
+from memlab.checkpoint.offload import (CheckpointOffloadStats, OffloadedCheckpoints, OffloadStats, count_saved_tensors,
+                                      offload_activations, offload_checkpoints, saved_activation_bytes)
 from memlab.checkpoint.recompute import MATMUL_OPS, RNGState, checkpoint, checkpoint_reentrant, selective_checkpoint
 from memlab.checkpoint.segments import (activation_memory_model, checkpoint_sequential,
                                         measure_sequential_activation_peak, segments_for_budget,
@@ -52,4 +54,8 @@ __all__ = [
     "measure_sequential_activation_peak",
     "enable",
     "disable",
+    # chapter 09: the inputs of checkpointed layers in host memory
+    "offload_checkpoints",
+    "OffloadedCheckpoints",
+    "CheckpointOffloadStats",
 ]

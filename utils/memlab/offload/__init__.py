@@ -25,8 +25,11 @@ The modules, in the order the chapter builds them:
 * :mod:`~memlab.offload.optimizer`: :class:`OffloadedAdamW`, a ``torch.optim.Optimizer``
   (its copies between device and host made by a
   :class:`~memlab.offload.transfer.HostTransfer` it holds);
-* :mod:`~memlab.offload.memory`: :func:`device_host_bytes`, :func:`predict_device_bytes`.
+* :mod:`~memlab.offload.memory`: :func:`device_host_bytes`, :func:`predict_device_bytes`;
+* :mod:`~memlab.offload.in_backward`: :func:`optimizer_in_backward` (chapter 09), each parameter's
+  optimizer stepped by a post-accumulate-grad hook in backward and its gradient freed at once.
 """
+from memlab.offload.in_backward import OptimizerInBackward, optimizer_in_backward
 from memlab.offload.kernel import (DEFAULT_CHUNK, KERNEL_PATH, KERNEL_SOURCE, adamw_step_eager_chunked_,
                                    adamw_step_flat_, kernel_name, load_kernel)
 from memlab.offload.memory import DEVICE_RECIPES, OFFLOAD_RECIPES, device_host_bytes, predict_device_bytes
@@ -55,4 +58,7 @@ __all__ = [
     "KERNEL_PATH",
     "OFFLOAD_RECIPES",
     "DEVICE_RECIPES",
+    # chapter 09: the optimizer step in backward
+    "optimizer_in_backward",
+    "OptimizerInBackward",
 ]
