@@ -107,15 +107,17 @@ def test_cli_bad_adapter_value(capsys):
 
 
 def test_suggestion_commands_reproduce_their_rows(capsys):
-    # a base with nothing else to try (checkpointing, 8-bit AdamW, pure bf16, batch 1, one token): the
-    # traced rows are LoRA and QLoRA only (kept fast)
+    # a base with nothing else to try (checkpointing with offloaded inputs, the fused loss, the optimizer in
+    # backward, 8-bit AdamW, pure bf16, batch 1, one token): the traced rows are LoRA and QLoRA only (kept fast)
+    chapter09 = dict(loss="fused", offload_checkpoints=True, optimizer_in_backward=True)
     kw = dict(config_overrides=SMALL3, batch_size=1, seq_len=1, dtype="bf16-pure", optimizer="adamw8bit",
-              checkpointing=True)
+              checkpointing=True, **chapter09)
     base = E.estimate_training_memory("llama-2-7b", **kw)
-    rows = E.suggestions(base, "llama-2-7b", config_overrides=SMALL3)
+    rows = E.suggestions(base, "llama-2-7b", config_overrides=SMALL3, **chapter09)
     traced = [s for s in rows if s.how == "traced"]
     assert [s.technique.split()[0] for s in traced] == ["LoRA", "QLoRA"]
     assert "--adapter lora" in traced[0].command and "--adapter qlora" in traced[1].command
+    assert all(f in traced[1].command for f in ("--loss fused", "--offload-checkpoints", "--optimizer-in-backward"))
     assert _cli_peak(shlex.split(traced[1].command)[2:], capsys) == traced[1].peak_bytes
 
 

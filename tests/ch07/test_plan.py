@@ -13,7 +13,7 @@ from memlab.plan import Stack
 SEQ = 32
 BATCH = 4
 ALLOW = {"precision": ["bf16-mixed", "bf16-pure"], "checkpointing": ["none", "full"], "optimizer": ["adamw", "adamw-fused"],
-         "adapter": ["full", "lora"], "micro_batch": [1, 4]}
+         "adapter": ["full", "lora"], "micro_batch": [1, 4], "loss": ["default"], "optimizer_in_backward": [False]}
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +127,7 @@ def test_cost_model_orders_the_knobs():
 def test_infeasible_budget_says_so():
     res = P.plan(tiny_cfg(), "64KiB", batch_size=2, seq_len=SEQ, device="cpu", lora_r=4,
                  allow={"precision": ["bf16-pure"], "optimizer": ["adamw-fused"], "adapter": ["full"],
-                        "checkpointing": ["full"]})
+                        "checkpointing": ["full"], "loss": ["default"], "optimizer_in_backward": [False]})
     assert res.pick is None and res.feasible == []
     assert res.verdict.startswith("nothing fits 64.00 KiB")
     # the floor of the accumulating stacks (mb 1 x 2) does not fit, which rules nothing else out: the stack

@@ -26,7 +26,7 @@ from memlab.core.vocab import OPTIMIZER_ALIASES, RECIPE_ALIASES, Optimizer, Reci
 DTYPE_CHOICES = tuple(r.value for r in Recipe) + tuple(RECIPE_ALIASES)
 OPTIMIZER_CHOICES = tuple(o.value for o in Optimizer) + tuple(OPTIMIZER_ALIASES)
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
-LOSSES = ("auto", "hf", "memlab")
+LOSSES = ("auto", "hf", "memlab", "chunked", "fused")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash")
 ZERO_STAGES = (0, 1, 2, 3)
 ADAPTERS = ("lora", "qlora")
@@ -162,7 +162,15 @@ def estimate_parser() -> argparse.ArgumentParser:
                         help="with --optimizer offload-adamw: free each gradient on the device once copied to the host")
     parser.add_argument("--loss", choices=list(LOSSES), default="auto",
                         help="auto: transformers' own loss (model(input_ids=x, labels=x), as the Trainer) for "
-                             "transformers models; memlab: cross entropy on the logits (memlab.models.lm_loss)")
+                             "transformers models; memlab: cross entropy on the logits (memlab.models.lm_loss); "
+                             "chunked: memlab.loss.chunked_cross_entropy (logits a chunk at a time); fused: "
+                             "memlab.loss.enable (head and loss fused, the logits never materialised)")
+    parser.add_argument("--offload-checkpoints", action="store_true",
+                        help="with --checkpointing: keep each checkpointed layer's input in host memory "
+                             "(memlab.checkpoint.offload_checkpoints)")
+    parser.add_argument("--optimizer-in-backward", action="store_true",
+                        help="step each parameter's optimizer in backward and free its gradient at once "
+                             "(memlab.offload.optimizer_in_backward; no gradient accumulation)")
     parser.add_argument("--step", default=None, metavar="MODULE:FUNCTION",
                         help="trace your own step: FUNCTION(model, batch) -> loss, batch = {'input_ids': x, 'labels': x}")
     parser.add_argument("--attn", choices=list(ATTN_IMPLEMENTATIONS), default="auto",

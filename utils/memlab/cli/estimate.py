@@ -14,7 +14,8 @@ from memlab.estimate.step import load_step
 from memlab.estimate.suggest import Suggestion, suggestions
 
 # The order in which to try techniques: least change to the training run first.
-_TRY_ORDER = ("fused AdamW", "gradient checkpointing", "8-bit AdamW", "gradient checkpointing + 8-bit AdamW",
+_TRY_ORDER = ("fused AdamW", "fused linear cross-entropy", "gradient checkpointing", "offloaded checkpoint inputs",
+              "optimizer step in backward", "8-bit AdamW", "gradient checkpointing + 8-bit AdamW",
               "CPU-offloaded AdamW", "pure bf16", "LoRA", "QLoRA", "batch size", "sequence length")
 
 
@@ -31,6 +32,7 @@ def _error(msg: Any) -> int:
 def _keywords(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
     """(run keywords, adapter keywords, config overrides) of the parsed arguments."""
     run_kwargs = dict(optimizer_impl=args.optimizer_impl, device=args.device, loss=args.loss, step=args.step,
+                      offload_checkpoints=args.offload_checkpoints, optimizer_in_backward=args.optimizer_in_backward,
                       attn_implementation=args.attn, allow_longer_seq=args.allow_longer_seq,
                       extrapolate=not args.no_extrapolate,
                       gpu=getattr(args.gpu, "card", None))  # a card (not a size) sets the cuBLAS workspace

@@ -57,7 +57,8 @@ def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: i
         tracker=PhaseSummary(peak, peak_phase, phases), peak_phase=peak_phase, phase_peaks=phases,
         extras=dict(b.extras), attention=b.attention, step=b.step, optimizer_impl=b.optimizer_impl,
         extrapolated_from=(d1, d2), phase_breakdowns=phase_bd,
-        host_bytes=sum(host_bd.values()), host_breakdown=host_bd, adapter=b.adapter,
+        host_bytes=sum(host_bd.values()), host_breakdown=host_bd, adapter=b.adapter, loss=b.loss,
+        offload_checkpoints=b.offload_checkpoints, optimizer_in_backward=b.optimizer_in_backward,
     )
 
 

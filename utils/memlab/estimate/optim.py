@@ -133,8 +133,18 @@ def step_optimizer(params: list, step: StepSpec, name: str, target: torch.device
     if step.optimizer == "offload-adamw":
         return _offload_optimizer(params, step, name, target, fake, notes)
     impl = _resolve_impl(step.optimizer_impl, str(target)) if step.optimizer != "adamw8bit" else "bitsandbytes"
-    opt = make_optimizer(name, params, impl=step.optimizer_impl, device=str(target),
-                         **dict(step.optimizer_kwargs or {}))
+    kwargs = dict(step.optimizer_kwargs or {})
+    if step.optimizer_in_backward:
+        from memlab.offload import optimizer_in_backward
+
+        def one(ps: list) -> torch.optim.Optimizer:
+            return make_optimizer(name, ps, impl=step.optimizer_impl, device=str(target), **kwargs)
+
+        notes.append("optimizer in backward (memlab.offload.optimizer_in_backward): one optimizer per parameter, "
+                     "stepped by a post-accumulate-grad hook and its gradient freed at once (a gradient lives in the "
+                     "backward phase, counted with the activations); warmed up by a full step")
+        return optimizer_in_backward(params, one), f"{impl}, per parameter in backward", {}
+    opt = make_optimizer(name, params, impl=step.optimizer_impl, device=str(target), **kwargs)
     return opt, impl, {}
 
 

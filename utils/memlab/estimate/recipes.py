@@ -40,7 +40,11 @@ OPTIMIZERS: dict[str, str] = {
 }
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash")
-LOSSES = ("auto", "hf", "memlab")
+#: the loss a traced step runs (StepSpec.loss): auto, transformers' own (hf), memlab.models.lm_loss (memlab),
+#: memlab.loss.chunked_cross_entropy (chunked) or memlab.loss.enable's fused linear cross-entropy (fused)
+LOSSES = ("auto", "hf", "memlab", "chunked", "fused")
+#: other spellings of a loss: "default" is "auto"
+LOSS_ALIASES = {"default": "auto"}
 ZERO_STAGES = (0, 1, 2, 3)
 
 

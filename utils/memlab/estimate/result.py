@@ -27,8 +27,9 @@ class MemoryEstimate:
     sum(extras)`` is the estimate of ``torch.cuda.max_memory_allocated``; ``reserved_bytes`` adds
     the stated fragmentation margin. ``fake`` says whether the step ran on fake tensors (an
     estimate) or real ones (a measurement); ``notes`` lists anything modelled rather than traced.
-    ``host_bytes`` (with ``optimizer="offload-adamw"``) is host memory the optimizer keeps, split in
-    ``host_breakdown``; it is counted, not traced, and is not part of ``peak_bytes`` (the device's).
+    ``host_bytes`` (with ``optimizer="offload-adamw"``, or ``offload_checkpoints`` on a CUDA target) is host
+    memory the optimizer or the offloaded layer inputs keep, split in ``host_breakdown``; it is counted, not
+    traced as device memory, and is not part of ``peak_bytes`` (the device's).
     """
 
     model: str
@@ -62,6 +63,9 @@ class MemoryEstimate:
     world_size: int = 1
     zero_stage: int = 0
     adapter: str = ""  # memlab.estimate.adapters.AdapterSpec.describe() of a LoRA/QLoRA estimate, "" for a full fine-tune
+    loss: str = ""  # the loss traced: "hf", "memlab", "chunked", "fused" ("step": your step function)
+    offload_checkpoints: bool = False  # the inputs of the checkpointed layers kept on the host
+    optimizer_in_backward: bool = False  # each parameter stepped in backward, its gradient freed at once
 
     @property
     def allocated_bytes(self) -> int:
@@ -102,6 +106,9 @@ class MemoryEstimate:
         """One line: the model, the step's settings, and whether it is an estimate or a measurement."""
         kind = "estimate (fake tensors)" if self.fake else "measured"
         ck = ", gradient checkpointing" if self.checkpointing else ""
+        ck += " (inputs offloaded)" if self.offload_checkpoints else ""
+        ck += ", optimizer in backward" if self.optimizer_in_backward else ""
+        ck += f", {self.loss} loss" if self.loss in ("chunked", "fused") else ""
         impl = f" ({self.optimizer_impl})" if self.optimizer_impl and self.optimizer in ("adamw", "sgd", "offload-adamw") else ""
         return (
             f"{self.model} ({_params(self.n_params)} params): batch {self.batch_size} x seq "
@@ -145,9 +152,10 @@ class MemoryEstimate:
             fb = max(self.phase_peaks.get("forward", 0), self.phase_peaks.get("backward", 0))
             lines.append(f"the optimizer step holds the peak: the activations are freed by then, so checkpointing "
                          f"or a shorter sequence lowers only the forward/backward peak ({format_bytes(fb)})")
-        if self.host_breakdown:
+        if self.host_breakdown and self.optimizer == "offload-adamw":
             lines.append("device: traced (params in their dtype, grads, activations; the CPU step writes the params "
                          "in place and allocates nothing on the device)")
+        if self.host_breakdown:
             parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_breakdown.items())
             lines.append(f"host: {format_bytes(self.host_bytes)} counted, not traced ({parts}); "
                          f"not in the device peak")

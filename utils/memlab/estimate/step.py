@@ -13,8 +13,9 @@ from torch import nn
 
 from memlab.core import vocab
 from memlab.core.vocab import Recipe
+from memlab.core.validation import check_bool
 from memlab.estimate.adapters import AdapterSpec, adapter_spec
-from memlab.estimate.recipes import MIXED, cublas_workspace
+from memlab.estimate.recipes import LOSS_ALIASES, MIXED, cublas_workspace
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,19 @@ class StepSpec:
             default on ``device``: foreach on CUDA), "for-loop", "foreach", "fused"; ``optimizer_kwargs``:
             its keywords (``{"offload_gradients": True}`` for offload-adamw).
         checkpointing: recompute each block in backward.
+        offload_checkpoints: with ``checkpointing``, keep each checkpointed layer's input in host memory
+            (:func:`memlab.checkpoint.offload_checkpoints`: memlab's checkpoint on every decoder layer, the
+            inputs copied to the host in forward and fetched one layer ahead in backward).
+        optimizer_in_backward: step each parameter's own optimizer in backward and free its gradient at once
+            (:func:`memlab.offload.optimizer_in_backward`); no gradient accumulation, no ZeRO, not with
+            offload-adamw (which frees gradients its own way).
         warmup_steps: untracked steps first (1: the steady state, optimizer state alive).
         device: the device you will train on (CUDA: its kernels, rules and allocator extras are modelled).
         seed: the seed of the random batch.
-        loss, step: "auto" (transformers' own loss for transformers models, else
-            :func:`memlab.models.lm_loss`), "hf", "memlab"; or your ``step(model, batch) -> loss``
+        loss, step: "auto" (also spelled "default": transformers' own loss for transformers models, else
+            :func:`memlab.models.lm_loss`), "hf", "memlab", "chunked" (:func:`memlab.loss.chunked_cross_entropy`
+            on the final hidden states and the head's weight) or "fused" (:func:`memlab.loss.enable`: the
+            head and the loss fused, the logits never materialised); or your ``step(model, batch) -> loss``
             (a callable or ``"module:function"``), which overrides ``loss``.
         attn_implementation: "auto", "eager", "sdpa" or "flash" (CUDA).
         kernel_scratch: add the per-op rule for scratch CUDA kernels allocate inside (softmax backward).
@@ -73,15 +82,40 @@ class StepSpec:
     adapter: Any = None
     gpu: str | None = None
     grad_accum: int = 1
+    offload_checkpoints: bool = False
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         # one vocabulary (frozen: set through object)
         object.__setattr__(self, "dtype", vocab.canonical_recipe(self.dtype, argument="dtype"))
         object.__setattr__(self, "optimizer", vocab.canonical_optimizer(self.optimizer))
+        if isinstance(self.loss, str) and self.loss in LOSS_ALIASES:
+            object.__setattr__(self, "loss", LOSS_ALIASES[self.loss])
         if not isinstance(self.adapter, AdapterSpec):
             object.__setattr__(self, "adapter", adapter_spec(self.adapter, recipe=self.dtype))
         if self.gpu is not None:
             cublas_workspace(self.gpu, env={})  # an unknown card is refused here, named
+        check_bool("offload_checkpoints", self.offload_checkpoints)
+        check_bool("optimizer_in_backward", self.optimizer_in_backward)
+        if self.offload_checkpoints and not self.checkpointing:
+            raise ValueError("offload_checkpoints=True is invalid with checkpointing=False: it keeps the inputs of "
+                             "checkpointed layers on the host; allowed: checkpointing=True (CLI --checkpointing)")
+        if self.optimizer_in_backward:
+            self._check_in_backward()
+
+    def _check_in_backward(self) -> None:
+        # what the optimizer step in backward rules out, named
+        if self.grad_accum != 1:
+            raise ValueError(f"optimizer_in_backward=True is invalid with grad_accum={self.grad_accum}: each parameter "
+                             f"is stepped and its gradient freed in every backward, so gradients cannot accumulate; "
+                             f"allowed: grad_accum=1 (a larger batch_size instead)")
+        if self.optimizer == "offload-adamw":
+            raise ValueError("optimizer_in_backward=True is invalid with optimizer='offload-adamw' (it frees each "
+                             "gradient in backward its own way: optimizer_kwargs={'offload_gradients': True}); "
+                             "allowed: adamw, sgd, adamw8bit")
+        if self.world_size != 1 or self.zero_stage:
+            raise ValueError(f"optimizer_in_backward=True is invalid with world_size={self.world_size}, "
+                             f"zero_stage={self.zero_stage}: not modelled under ZeRO; allowed: world_size=1, zero_stage=0")
 
     def replace(self, **changes: Any) -> "StepSpec":
         """A copy with some fields changed (checked as a new one is)."""
@@ -98,9 +132,32 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
             raise TypeError(f"step={getattr(step, '__name__', step)!r} returned {type(out).__name__}"
                             f"{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}; allowed: a scalar loss tensor")
         return out
-    if loss == "hf":
+    if loss in ("hf", "fused"):  # "fused": memlab.loss.enable(model) made the model's own loss the fused one
         return model(input_ids=x, labels=x, use_cache=False).loss
+    if loss == "chunked":
+        return chunked_lm_loss(model, x)
     return lm_loss(model, x, y)
+
+
+def chunked_lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss of ``model`` on ``x`` (labels = ``x``, shifted by one inside), computed by
+    :func:`memlab.loss.chunked_cross_entropy` on the final hidden states and the head's weight: the logits
+    are made a chunk of tokens at a time (each chunk's kept by autograd for backward).
+
+    Raises:
+        ValueError: a model without a decoder (``get_decoder``) and output embeddings (``get_output_embeddings``).
+    """
+    from memlab.loss import chunked_cross_entropy
+
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if decoder is None or head is None:
+        raise ValueError(f"loss='chunked' needs a transformers causal LM (get_decoder, get_output_embeddings); "
+                         f"{type(model).__name__} is not one: use loss='memlab' or step=")
+    hidden = decoder(input_ids=x, use_cache=False).last_hidden_state
+    targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)  # shifted, as transformers' loss
+    return chunked_cross_entropy(hidden.reshape(-1, hidden.size(-1)), head.weight, targets.reshape(-1),
+                                 bias=getattr(head, "bias", None))
 
 
 def training_step(
@@ -125,8 +182,9 @@ def training_step(
         y: the targets (for ``loss="memlab"``).
         dtype: the recipe, any spelling.
         loss: ``"hf"``: transformers' own (``model(input_ids=x, labels=x).loss``, as the Trainer
-            computes it: the logits upcast to fp32, shifted inside); ``"memlab"``:
-            :func:`memlab.models.lm_loss` of ``x`` against ``y``.
+            computes it: the logits upcast to fp32, shifted inside), also ``"fused"`` (the same call on a
+            model :func:`memlab.loss.enable` fused); ``"memlab"``: :func:`memlab.models.lm_loss` of ``x``
+            against ``y``; ``"chunked"``: :func:`chunked_lm_loss`.
         step: your ``step(model, {"input_ids": x, "labels": x}) -> loss``; overrides ``loss``.
         micro_batches: forward/backward passes before the optimizer step (gradient accumulation).
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from memlab.core import vocab
 from memlab.core.vocab import Recipe
 from memlab.estimate.api import estimate_training_memory
-from memlab.estimate.recipes import FRAGMENTATION_MARGIN, MIXED
+from memlab.estimate.recipes import FRAGMENTATION_MARGIN, LOSS_ALIASES, MIXED
 from memlab.estimate.result import MemoryEstimate
 
 
@@ -57,12 +57,14 @@ def estimate_command(model: Any, **kw: Any) -> str:
              ("optimizer", "--optimizer", "adamw"), ("optimizer_impl", "--optimizer-impl", "auto"),
              ("device", "--device", "cuda"), ("loss", "--loss", "auto"), ("attn_implementation", "--attn", "auto"),
              ("world_size", "--world-size", 1), ("zero_stage", "--zero-stage", 0), ("gpu", "--gpu", None))
-    canon = {"dtype": lambda v: vocab.canonical_recipe(v, argument="dtype"), "optimizer": vocab.canonical_optimizer}
+    canon = {"dtype": lambda v: vocab.canonical_recipe(v, argument="dtype"), "optimizer": vocab.canonical_optimizer,
+             "loss": lambda v: LOSS_ALIASES.get(v, v)}
     for key, flag, default in flags:
         if key in kw and canon.get(key, lambda v: v)(kw[key]) != default:
             out += [flag, str(canon.get(key, lambda v: v)(kw[key]))]
-    if kw.get("checkpointing"):
-        out.append("--checkpointing")
+    for key in ("checkpointing", "offload_checkpoints", "optimizer_in_backward"):
+        if kw.get(key):
+            out.append("--" + key.replace("_", "-"))
     if isinstance(kw.get("step"), str):
         out += ["--step", kw["step"]]
     if kw.get("allow_longer_seq"):
@@ -89,9 +91,9 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
                 **run_kwargs: Any) -> list[Suggestion]:
     """Techniques that lower ``base``'s peak, each with its estimated peak.
 
-    Options the estimator has (checkpointing, 8-bit AdamW, the fused AdamW where the foreach
-    one's temporaries set the peak, pure bf16, a smaller batch or sequence) are re-estimated
-    ("traced"); the others use a byte formula ("formula"): CPU-offloaded AdamW (chapter 04)
+    Options the estimator has (checkpointing, the fused linear cross-entropy, offloaded checkpoint
+    inputs, the optimizer step in backward, 8-bit AdamW, the fused AdamW where the foreach one's
+    temporaries set the peak, pure bf16, a smaller batch or sequence) are re-estimated ("traced"); the others use a byte formula ("formula"): CPU-offloaded AdamW (chapter 04)
     removes the optimizer state and the fp32 master copy from the GPU; LoRA (chapter 06) keeps
     the frozen weights in 16 bits with no gradients or optimizer state for them; QLoRA stores
     them in NF4. LoRA and QLoRA (rank 16, every linear layer but the head, :mod:`memlab.estimate.adapters`)
@@ -117,6 +119,13 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
 
     if not base.checkpointing:
         traced("gradient checkpointing", "02", checkpointing=True)
+    if base.loss in ("hf", "chunked"):  # a transformers model's loss: the logits and their fp32 copies go
+        traced("fused linear cross-entropy (logits never materialised)", "09", loss="fused")
+    if base.checkpointing and not base.offload_checkpoints and base.device.startswith("cuda"):
+        traced("offloaded checkpoint inputs (host memory)", "09", offload_checkpoints=True)
+    if not base.optimizer_in_backward and base.optimizer != "offload-adamw" and run_kwargs.get("grad_accum", 1) == 1 \
+            and base.world_size == 1 and base.zero_stage == 0:
+        traced("optimizer step in backward (no whole gradient; no accumulation)", "09", optimizer_in_backward=True)
     if base.optimizer == "adamw" and base.optimizer_impl == "foreach" and base.peak_phase == "optimizer":
         traced("fused AdamW (no foreach temporaries)", "01", optimizer_impl="fused")
     if base.optimizer == "adamw":

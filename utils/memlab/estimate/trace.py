@@ -42,6 +42,23 @@ class _Setup:
     modelled_8bit: bool = False
     cuda_rules: Any = None
     notes: list[str] = field(default_factory=list)
+    offload: Any = None  # the OffloadedCheckpoints handle of offload_checkpoints=True
+
+
+def offload_inputs(model: nn.Module, step: StepSpec, s: _Setup, fake: bool) -> Any:
+    """Put :func:`memlab.checkpoint.offload_checkpoints` on ``model``: memlab's checkpoint on every decoder
+    layer, each one's input kept on the host. On a CUDA target traced on fake tensors the host copies are
+    shapes only (host_device "meta": not device memory; their bytes go to the estimate's host bytes); on
+    a CPU target the host is the device, so the copies are traced with the rest."""
+    from memlab.checkpoint import offload_checkpoints
+
+    on_host = s.target.type == "cuda"
+    handle = offload_checkpoints(model, pin_memory=True, prefetch=True, host_device="meta" if (fake and on_host) else "cpu")
+    s.notes.append("checkpointing: memlab.checkpoint on every decoder layer with each layer's input offloaded to host "
+                   "memory (memlab.checkpoint.offload_checkpoints), the input of the layer before fetched while one is "
+                   "recomputed in backward" + ("" if on_host else "; on a CPU the host is the device: the copies are "
+                                               "in the traced bytes (nothing saved)"))
+    return handle
 
 
 def _check_step(step: StepSpec) -> tuple[Callable | None, str]:
@@ -111,6 +128,12 @@ def _step_text(step_fn: Any, loss: str) -> str:
     if loss == "hf":
         return ("transformers' loss: model(input_ids=x, labels=x).loss (logits upcast to fp32, as the Trainer runs "
                 "it), backward, optimizer.step()")
+    if loss == "fused":
+        return ("the fused linear cross-entropy: memlab.loss.enable(model), then model(input_ids=x, labels=x).loss "
+                "(the logits never materialised; recomputed chunk by chunk in backward), backward, optimizer.step()")
+    if loss == "chunked":
+        return ("the chunked cross-entropy: memlab.loss.chunked_cross_entropy(final hidden states, head weight, x "
+                "shifted) (the logits made a chunk at a time, each kept for backward), backward, optimizer.step()")
     return "memlab's loss: lm_loss(model, x, y) (cross entropy on the logits), backward, optimizer.step()"
 
 
@@ -126,9 +149,12 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
                           micro_batches=min(step.grad_accum, 2))
 
     unpacked = UnpackedPositions()
+    # a step that keeps its own state (the optimizer in backward, a step function of yours) is warmed up by a
+    # full step: zero gradients and opt.step() would leave it without the state a real step leaves
+    full = step.optimizer_in_backward or s.step_fn is not None
     with mode, attn_ctx, unpacked:
         for _ in range(step.warmup_steps):  # untracked: afterwards the optimizer state exists
-            if _FAST_WARMUP and fake:
+            if _FAST_WARMUP and fake and not full:
                 # what a first step leaves behind is the optimizer's state (created lazily in its
                 # first step()); zero gradients give it at a fraction of a forward/backward's cost
                 for p in params:
@@ -230,8 +256,14 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
 
             ctx_fn = checkpoint_context_fn(s.cuda_rules)
         model = spec.build(step.dtype, build_attn).train()
-        if step.checkpointing:
+        if step.offload_checkpoints:
+            s.offload = offload_inputs(model, step, s, fake)
+        elif step.checkpointing:
             enable_checkpointing(model, ctx_fn)
+        if step.loss == "fused" and s.step_fn is None and _is_hf_model(model):
+            from memlab.loss import enable
+
+            enable(model)  # the head and the loss fused: model(input_ids, labels=...).loss never makes the logits
         vocab = vocab_size(model)
     n_params = None
     if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values
@@ -254,8 +286,11 @@ def _loss_kind(model: nn.Module, step: StepSpec, s: _Setup) -> str:
     loss = step.loss
     if loss == "auto":
         loss = "hf" if _is_hf_model(model) else "memlab"
-    if loss == "hf" and s.step_fn is None and not _is_hf_model(model):
-        raise ValueError(f"loss='hf' needs a transformers model; {type(model).__name__} is not one: use loss='memlab' or step=")
+    if s.step_fn is not None:
+        return loss
+    if loss in ("hf", "chunked", "fused") and not _is_hf_model(model):
+        raise ValueError(f"loss={loss!r} needs a transformers model; {type(model).__name__} is not one: use "
+                         f"loss='memlab' or step=")
     return loss
 
 
@@ -286,6 +321,8 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
     opt, impl, host_breakdown = step_optimizer(params, step, s.opt_name, s.target, fake, s.notes)
     tracker = _track(model, vocab, opt, params, step, s, loss, mode, attn_ctx, softmax_rule, fake, bool(fsdp_world_size))
     seconds = time.perf_counter() - t0
+    if s.offload is not None and s.target.type == "cuda":
+        host_breakdown["offloaded checkpoint inputs (pinned, at most)"] = s.offload.stats.peak_host_bytes
     r = _read(tracker, model, s.modelled_8bit)
     attention = _after_notes(s, tracker, attention, softmax_rule)
     extras: dict[str, int] = {}
@@ -310,6 +347,8 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
         step=_step_text(s.step_fn, loss), optimizer_impl=impl, phase_breakdowns=r["phase_bd"],
         host_bytes=sum(host_breakdown.values()), host_breakdown=host_breakdown,
         adapter=spec.adapter.describe() if spec.adapter is not None else "",
+        loss=loss if s.step_fn is None else "step", offload_checkpoints=step.offload_checkpoints,
+        optimizer_in_backward=step.optimizer_in_backward,
     )
 
 

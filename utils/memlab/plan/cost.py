@@ -4,7 +4,7 @@ FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B); recomputation C
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memlab.core.vocab import Recipe
@@ -57,6 +57,8 @@ GPU_SPECS: dict[str, CostModel] = {
                            "(989 dense), 67 TFLOPS FP32, 3.35 TB/s; PCIe 5.0 x16 (64 GB/s raw per direction)"),
 }
 REFERENCE_GPU = "h100-80gb"
+#: kernel launches of one parameter's optimizer step run alone (a for-loop AdamW's elementwise ops: an assumption)
+STEP_KERNELS = 10
 
 
 def cost_model_for(gpu: Any) -> tuple[CostModel, str | None]:
@@ -87,6 +89,7 @@ class ModelShape:
     all_params: int
     trainable: dict[str, int]  # adapter -> trainable parameters
     quantized: int             # weights stored in NF4 under QLoRA
+    param_tensors: dict[str, int] = field(default_factory=dict)  # adapter -> trainable parameter tensors
 
 
 def stack_cost(stack: Stack, shape: ModelShape, seq_len: int, cost: CostModel) -> tuple[float, dict[str, float]]:
@@ -113,6 +116,10 @@ def stack_cost(stack: Stack, shape: ModelShape, seq_len: int, cost: CostModel) -
     * CPU-offloaded AdamW (gradients offloaded in backward): every micro-batch's gradients go to the host
       and the updated weights come back over PCIe, and the host runs a 28-byte-per-parameter
       fp32 AdamW step (chapter 04) at ``host`` bandwidth; no overlap is assumed (an upper bound).
+    * The fused loss (chapter 09) recomputes the head's logits in backward: 2 FLOP per head weight and token
+      more. The optimizer step in backward runs one optimizer per parameter tensor: ``STEP_KERNELS``
+      launches each (an assumption: a for-loop AdamW's elementwise kernels) instead of multi-tensor ones; its
+      bytes are the normal step's.
     * Eager attention writes and reads the b x h x T x T probabilities (forward, backward) at HBM
       bandwidth.
     """
@@ -131,6 +138,8 @@ def stack_cost(stack: Stack, shape: ModelShape, seq_len: int, cost: CostModel) -
     else:
         frac = 0.0
     recompute = frac * (2 * shape.block_matmul_params + att)
+    if stack.loss == "fused":  # the head's logits computed again, chunk by chunk, in backward
+        recompute += 2 * (N - shape.block_matmul_params)
     tokens = stack.micro_batch * T
     compute = tokens * (fwd + bwd + recompute) / (peak * cost.mfu)
     wbytes = 2 if (sixteen or stack.adapter != "full") else 4
@@ -154,6 +163,8 @@ def stack_cost(stack: Stack, shape: ModelShape, seq_len: int, cost: CostModel) -
         if stack.grad_accum > 1:
             per += 2 * pb * (stack.grad_accum - 1)   # accumulating into .grad: read + write per extra micro-batch
         terms["optimizer"] = per * trainable / cost.hbm
+    if stack.optimizer_in_backward:  # one optimizer per parameter tensor: no multi-tensor kernels
+        terms["per-parameter steps"] = cost.launch * STEP_KERNELS * shape.param_tensors[stack.adapter]
     ideal = stack.effective_batch * T * (6 * N + 3 * att) / (cost.flops_16bit * cost.mfu)
     return sum(terms.values()) / ideal, terms
 
@@ -173,12 +184,13 @@ def model_shape(cfg: Any, lora_r: int = 16) -> ModelShape:
             with torch.device("meta"):
                 m = model_builder(config_at_depth(cfg, depth), Stack(precision="bf16-mixed", adapter=adapter), lora_r)()
             c[adapter] = sum(p.numel() for p in m.parameters() if p.requires_grad)
+            c[f"{adapter} tensors"] = sum(1 for p in m.parameters() if p.requires_grad)
             if adapter == "full":
                 c["all"] = sum(p.numel() for p in m.parameters())
                 lin = [(n, mod) for n, mod in m.named_modules() if isinstance(mod, nn.Linear)]
                 c["matmul"] = sum(mod.weight.numel() for _, mod in lin)
                 c["head"] = sum(mod.weight.numel() for n, mod in lin if n.rsplit(".", 1)[-1] == "lm_head")
-        c["qlora"] = c["lora"]
+        c["qlora"], c["qlora tensors"] = c["lora"], c["lora tensors"]
         c["quantized"] = c["matmul"] - c["head"]  # memlab.quant.lora.qlora_model: every nn.Linear but lm_head
         counts[depth] = c
     ext = {k: counts[1][k] + (counts[2][k] - counts[1][k]) * (L - 1) for k in counts[1]}
@@ -186,6 +198,7 @@ def model_shape(cfg: Any, lora_r: int = 16) -> ModelShape:
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
     return ModelShape(n_layers=L, d_model=int(d), n_heads=int(heads), matmul_params=ext["matmul"],
                   block_matmul_params=ext["matmul"] - ext["head"], all_params=ext["all"],
-                  trainable={a: ext[a] for a in ADAPTERS}, quantized=ext["quantized"])
+                  trainable={a: ext[a] for a in ADAPTERS}, quantized=ext["quantized"],
+                  param_tensors={a: ext[f"{a} tensors"] for a in ADAPTERS})
 
 

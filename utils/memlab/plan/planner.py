@@ -58,6 +58,15 @@ def _stacks(cfg: Any, L: int, batch_size: int, gpu: Any, allow: Mapping[str, Any
             stacks = [s for s in stacks if s not in dropped]
             notes.append(f"fp32 with every-k left out ({len(dropped)} stacks): with grouped KV heads CUDA runs the math "
                          f"attention kernel, which the estimator models only for a full fine-tune traced from the config")
+    model_type = getattr(cfg, "model_type", None)
+    from memlab.loss import SUPPORTED
+
+    if model_type not in SUPPORTED:
+        other = [s for s in stacks if s.loss != "default"]
+        if other:
+            stacks = [s for s in stacks if s.loss == "default"]
+            notes.append(f"chunked and fused losses left out ({len(other)} stacks): memlab.loss.enable supports "
+                         f"{', '.join(SUPPORTED)}, not {model_type!r}")
     if not stacks:
         raise ValueError(f"allow={dict(allow or {})!r} leaves no stack to try (LoRA/QLoRA need bf16-mixed or "
                          f"fp16-mixed and adamw or adamw-fused; flash needs device='cuda' and 16-bit)")

@@ -7,8 +7,8 @@ from typing import Any, Mapping
 
 from memlab.core.units import format_bytes
 from memlab.plan.result import PlanRow
-from memlab.plan.stack import (ALLOWED_VALUES, OPTIMIZER_GE, DEFAULT_ALLOW, Stack, canonical_precision,
-                               canonical_stack_optimizer)
+from memlab.plan.stack import (ALLOWED_VALUES, OPTIMIZER_GE, DEFAULT_ALLOW, Stack, canonical_in_backward,
+                               canonical_precision, canonical_stack_optimizer)
 from memlab.plan.stacks import cached_estimate
 
 
@@ -28,6 +28,10 @@ def _divisors(n: int) -> list[int]:
 
 def _canonical(key: str, value: Any) -> Any:
     # an unknown spelling stays as it is: the check of _check_allow names it with the values allowed here
+    if key == "optimizer_in_backward":
+        return canonical_in_backward(value)
+    if key == "loss":
+        return "default" if value == "auto" else value
     try:
         return canonical_precision(value) if key == "precision" else canonical_stack_optimizer(value)
     except ValueError:
@@ -46,13 +50,14 @@ def _check_allow(allow: Mapping[str, Any] | None, batch_size: int) -> dict[str, 
         if key not in DEFAULT_ALLOW:
             raise ValueError(f"allow key {key!r} is invalid; allowed: {', '.join(map(repr, DEFAULT_ALLOW))}")
         values = (values,) if isinstance(values, (str, int)) else tuple(values)
-        if key in ("precision", "optimizer"):  # one vocabulary: "bf16" is bf16-mixed, "adam8bit" adamw8bit
+        if key in ("precision", "optimizer", "loss", "optimizer_in_backward"):
+            # one vocabulary: "bf16" is bf16-mixed, "adam8bit" adamw8bit, "auto" the default loss, "true" True
             values = tuple(_canonical(key, v) for v in values)
         if not values:
             raise ValueError(f"allow[{key!r}] is empty; allowed: at least one value")
         if key in ALLOWED_VALUES:
             for v in values:
-                if v not in ALLOWED_VALUES[key]:
+                if v not in ALLOWED_VALUES[key] or (key == "optimizer_in_backward" and not isinstance(v, bool)):
                     extra = (" ('selective' is not enumerated: the estimator cannot express it, and with flash "
                              "attention there is no T x T tensor for it to drop)" if v == "selective" else "")
                     raise ValueError(f"allow[{key!r}] value {v!r} is invalid; allowed: "
@@ -79,7 +84,8 @@ def enumerate_stacks(batch_size: int, n_layers: int, allow: Mapping[str, Any] | 
     parameter (0.3 GiB for Llama-3-8B at r=16, 41.9M adapter parameters counted by peft; 1.5 GiB for
     Llama-2-70B), small next to the base, so 8-bit or offloaded states are not searched. "every-k" takes each k
     of ``allow['ckpt_every']`` that divides the layer count (nested sets: every-4 checkpoints a subset of
-    every-2's layers).
+    every-2's layers). The optimizer step in backward is searched without accumulation (micro-batch = the
+    batch) and without offload-adamw, the two it rules out.
 
     Args:
         batch_size: the effective batch (micro-batches are its divisors).
@@ -118,9 +124,14 @@ def enumerate_stacks(batch_size: int, n_layers: int, allow: Mapping[str, Any] | 
                         if adapter != "full" and opt not in ("adamw", "adamw-fused"):
                             continue
                         for mb in a["micro_batch"]:
-                            out.append(Stack(precision=precision, checkpointing=ck, ckpt_every=k, optimizer=opt,
-                                             adapter=adapter, attention=attention, micro_batch=mb,
-                                             grad_accum=batch_size // mb))
+                            for loss in a["loss"]:
+                                for inb in a["optimizer_in_backward"]:
+                                    if inb and (mb != batch_size or opt == "offload-adamw"):
+                                        continue  # the gradient is consumed in backward: no accumulation
+                                    out.append(Stack(precision=precision, checkpointing=ck, ckpt_every=k,
+                                                     optimizer=opt, adapter=adapter, attention=attention,
+                                                     micro_batch=mb, grad_accum=batch_size // mb, loss=loss,
+                                                     optimizer_in_backward=inb))
     if any(ad != "full" for ad in a["adapter"]):
         notes.append("LoRA/QLoRA: bf16 base under bf16 autocast, fp32 adapters on every linear layer but lm_head, "
                      "AdamW / fused AdamW only (their AdamW state is 8 B per adapter parameter: 0.3 GiB for an 8B model at "
@@ -144,7 +155,9 @@ def _ckpt_set(s: Stack, n_layers: int) -> frozenset:
 
 
 def _family(s: Stack) -> tuple:
-    return (s.adapter, s.precision, s.attention)
+    # the loss and the optimizer step in backward hold no memory order against their alternatives (the fused
+    # loss keeps an fp32 head gradient and chunk tiles; a step in backward its temporaries while activations live)
+    return (s.adapter, s.precision, s.attention, s.loss, s.optimizer_in_backward)
 
 
 def needs_at_least(c: Stack, d: Stack, n_layers: int) -> bool:

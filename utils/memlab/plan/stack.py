@@ -3,7 +3,8 @@ and how far a stack's update is from the exact one (:func:`fidelity_tier`).
 
 Precisions are :mod:`memlab.core.vocab`'s recipes (``"bf16"`` = ``"bf16-mixed"``; pure bf16 is
 ``"bf16-pure"``); optimizers ``adamw``, ``adamw-fused``, ``adamw8bit`` (``"adam8bit"`` accepted),
-``offload-adamw``.
+``offload-adamw``; losses ``default`` (the plan's ``loss``), ``chunked``, ``fused`` (chapter 09); the
+optimizer step in backward on or off (chapter 09).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memlab.core import vocab
-from memlab.core.validation import check_choice, check_positive_int
+from memlab.core.validation import check_bool, check_choice, check_positive_int
 
 _R = vocab.Recipe
 PRECISIONS = vocab.RECIPES
@@ -19,6 +20,22 @@ CHECKPOINTING = ("none", "every-k", "selective", "full")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw8bit", "offload-adamw")
 ADAPTERS = ("full", "lora", "qlora")
 ATTENTIONS = ("eager", "sdpa", "flash")
+#: the loss of a stack: "default" is the plan's ``loss`` (transformers' own unless told), "chunked" memlab.loss's
+#: chunked cross-entropy, "fused" the fused linear cross-entropy (memlab.loss.enable: the logits never materialised)
+LOSSES = ("default", "chunked", "fused")
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def canonical_in_backward(value: Any, *, argument: str = "optimizer_in_backward") -> Any:
+    """A bool of a spelling of one (True, False, 1, 0, "true", "false", "yes", "no", "on", "off"); anything
+    else as it is (the caller's check names it)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    return value
 
 
 def canonical_precision(value: Any, *, argument: str = "precision") -> str:
@@ -45,7 +62,9 @@ class Stack:
     """One choice of every memory knob for a training run.
 
     ``micro_batch * grad_accum`` is the effective batch; ``ckpt_every`` is k for
-    ``checkpointing="every-k"`` (checkpoint every k-th block).
+    ``checkpointing="every-k"`` (checkpoint every k-th block). ``loss`` is one of :data:`LOSSES`;
+    ``optimizer_in_backward`` steps each parameter in backward and frees its gradient at once
+    (:func:`memlab.offload.optimizer_in_backward`): it rules out accumulation and offload-adamw.
     """
 
     precision: str = "fp32"
@@ -56,15 +75,25 @@ class Stack:
     attention: str = "sdpa"
     micro_batch: int = 1
     grad_accum: int = 1
+    loss: str = "default"
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         # one vocabulary: other spellings are stored canonical (frozen: set through object)
         object.__setattr__(self, "precision", canonical_precision(self.precision))
         object.__setattr__(self, "optimizer", canonical_stack_optimizer(self.optimizer))
-        for name, allowed in (("checkpointing", CHECKPOINTING), ("adapter", ADAPTERS), ("attention", ATTENTIONS)):
+        object.__setattr__(self, "loss", "default" if self.loss == "auto" else self.loss)
+        object.__setattr__(self, "optimizer_in_backward", canonical_in_backward(self.optimizer_in_backward))
+        for name, allowed in (("checkpointing", CHECKPOINTING), ("adapter", ADAPTERS), ("attention", ATTENTIONS),
+                              ("loss", LOSSES)):
             check_choice(name, getattr(self, name), allowed)
         for name in ("ckpt_every", "micro_batch", "grad_accum"):
             check_positive_int(name, getattr(self, name))
+        check_bool("optimizer_in_backward", self.optimizer_in_backward)
+        if self.optimizer_in_backward and (self.grad_accum > 1 or self.optimizer == "offload-adamw"):
+            raise ValueError(f"optimizer_in_backward=True is invalid with grad_accum={self.grad_accum}, optimizer="
+                             f"{self.optimizer!r}: the gradient is consumed in backward; allowed: grad_accum=1 and an "
+                             f"optimizer other than offload-adamw")
 
     @property
     def effective_batch(self) -> int:
@@ -81,11 +110,13 @@ DEFAULT_ALLOW: dict[str, tuple] = {
     "adapter": ("full", "lora", "qlora"),
     "attention": ("sdpa",),
     "micro_batch": None,  # every divisor of batch_size
+    "loss": ("default", "fused"),  # chunked saves nothing in training (autograd keeps every chunk's logits)
+    "optimizer_in_backward": (False, True),
 }
 # the values allow= may name for each enumerated knob
 ALLOWED_VALUES: dict[str, tuple] = {
     "precision": PRECISIONS, "checkpointing": ("none", "every-k", "full"), "optimizer": OPTIMIZERS,
-    "adapter": ADAPTERS, "attention": ATTENTIONS,
+    "adapter": ADAPTERS, "attention": ATTENTIONS, "loss": LOSSES, "optimizer_in_backward": (False, True),
 }
 
 # Stack.optimizer -> (memlab.estimate optimizer, optimizer_impl, optimizer_kwargs)
@@ -110,7 +141,8 @@ def fidelity_tier(stack: Stack) -> int:
 
     0: the same update (fp32, mixed precision, checkpointing, accumulation, CPU-offloaded AdamW --
     which keeps fp32 master weights on the host even for bf16 weights on the device, as ZeRO-Offload
-    does); 1: the same parameters, a rounded update (pure bf16 weights and AdamW state without a
+    does; the chunked or fused loss, accumulated in fp32 -- the same loss up to the order of its sums;
+    the optimizer step in backward, the same update per parameter); 1: the same parameters, a rounded update (pure bf16 weights and AdamW state without a
     master copy; 8-bit AdamW moments, Dettmers et al. 2022); 2: LoRA (other parameters are trained:
     Hu et al. 2021); 3: QLoRA (LoRA on an NF4-quantized base: Dettmers et al. 2023).
     """
@@ -127,8 +159,10 @@ TIER_TEXT = {0: "exact AdamW update", 1: "rounded update", 2: "LoRA", 3: "QLoRA"
 
 
 def stack_label(s: Stack) -> str:
-    """A short name of a stack, e.g. ``"qlora bf16-mixed adamw-fused ckpt all mb 4x4"`` (micro-batch x accumulation)."""
+    """A short name of a stack, e.g. ``"qlora bf16-mixed adamw-fused ckpt all mb 4x4"`` (micro-batch x accumulation;
+    ``fused loss`` and ``opt-in-bwd`` where chapter 09's loss or optimizer step in backward is on)."""
     ck = {"none": "no ckpt", "full": "ckpt all"}.get(s.checkpointing, f"ckpt 1/{s.ckpt_every}")
     ad = "" if s.adapter == "full" else f"{s.adapter} "
     at = "" if s.attention == "sdpa" else f" {s.attention}"
-    return f"{ad}{s.precision} {s.optimizer} {ck}{at} mb {s.micro_batch}x{s.grad_accum}"
+    ch9 = ("" if s.loss == "default" else f" {s.loss} loss") + (" opt-in-bwd" if s.optimizer_in_backward else "")
+    return f"{ad}{s.precision} {s.optimizer} {ck}{at}{ch9} mb {s.micro_batch}x{s.grad_accum}"

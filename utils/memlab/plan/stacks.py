@@ -216,6 +216,17 @@ def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: 
     return est
 
 
+def step_keywords(stack: Stack, *, seq_len: int, device: str, loss: str = "auto") -> dict[str, Any]:
+    """The keywords of :func:`memlab.estimate.make_step` that ``stack``'s micro-batch step has (checkpointing and
+    adapters apart): its batch, precision, optimizer, loss (``stack.loss`` "default" is ``loss``) and the optimizer
+    step in backward; what ``memlab estimate`` takes for the same step."""
+    opt, impl, okw = ESTIMATOR_OPTIMIZER[stack.optimizer]
+    return dict(batch_size=stack.micro_batch, seq_len=seq_len, dtype=stack.precision, optimizer=opt,
+                optimizer_impl=impl, optimizer_kwargs=okw, device=device,
+                loss=loss if stack.loss == "default" else stack.loss, grad_accum=stack.grad_accum,
+                optimizer_in_backward=stack.optimizer_in_backward)
+
+
 def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, extrapolate: bool,
            loss: str = "auto") -> Any:
     from memlab.estimate import adapters
@@ -223,9 +234,7 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
 
     if stack.adapter == "qlora":
         adapters.warm_quant()
-    opt, impl, okw = ESTIMATOR_OPTIMIZER[stack.optimizer]
-    kw = dict(batch_size=stack.micro_batch, seq_len=seq_len, dtype=stack.precision, optimizer=opt,
-              optimizer_impl=impl, optimizer_kwargs=okw, device=device, loss=loss, grad_accum=stack.grad_accum)
+    kw = step_keywords(stack, seq_len=seq_len, device=device, loss=loss)
     if stack.checkpointing in ("none", "full"):  # the estimator's own route, adapters included (memlab.estimate.adapters)
         step = make_step(checkpointing=stack.checkpointing == "full", attn_implementation=stack.attention,
                          adapter=_adapter_spec(stack, lora_r), **kw)
