@@ -44,10 +44,35 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
         return False, torch.float32
 
 
-def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
-    """One chunk's logits ``h W^T + b`` in the inputs' dtype, upcast to ``acc`` (one new tensor)."""
-    z = torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()
-    return z if z.dtype == acc else z.to(acc)
+class ChunkScratch:
+    """One chunk's logits buffer (in the accumulation dtype, plus one in the inputs' dtype when that is
+    lower), reused by every chunk: a fresh ``chunk x V`` tensor per chunk would cost the CPU allocator
+    its page faults each time; the peak is the same."""
+
+    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, acc: torch.dtype, device: torch.device) -> None:
+        self.z = torch.empty(rows, vocab, dtype=acc, device=device)
+        self.low = torch.empty(rows, vocab, dtype=dtype, device=device) if dtype != acc else None
+        self.aux: torch.Tensor | None = None
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``h W^T + b`` in the inputs' dtype (as the model's head computes it), upcast into the buffer."""
+        n = h.shape[0]
+        z = self.z[:n]
+        if _autocast_state(h.device.type)[0]:  # autocast picks the matmul's dtype: no out= under it
+            return z.copy_(torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t())
+        dst = z if self.low is None else self.low[:n]
+        torch.addmm(bias, h, weight.t(), out=dst) if bias is not None else torch.mm(h, weight.t(), out=dst)
+        return z if self.low is None else z.copy_(dst)
+
+    def lowered(self, g: torch.Tensor) -> torch.Tensor:
+        """``g`` in the inputs' dtype (itself when that is the accumulation dtype)."""
+        return g if self.low is None else self.low[:g.shape[0]].copy_(g)
+
+    def second(self, n: int) -> torch.Tensor:
+        """A second ``n x V`` buffer in the accumulation dtype (the soft-cap's backward needs two)."""
+        if self.aux is None:
+            self.aux = torch.empty_like(self.z)
+        return self.aux[:n]
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -70,9 +95,10 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         target_logit = torch.zeros(n, dtype=acc, device=hidden.device)
         valid = targets != ignore_index
         safe = torch.where(valid, targets, 0)
+        scratch = ChunkScratch(min(chunk_size, n), weight.shape[0], hidden.dtype, acc, hidden.device)
         with torch.no_grad():
             for s in range(0, n, chunk_size):
-                z = chunk_logits(hidden[s:s + chunk_size], weight, bias, acc)
+                z = scratch.logits(hidden[s:s + chunk_size], weight, bias)
                 if softcap is not None:
                     z.div_(softcap).tanh_().mul_(softcap)
                 target_logit[s:s + chunk_size] = z.gather(1, safe[s:s + chunk_size, None]).squeeze(1)
@@ -84,6 +110,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             total = torch.where(valid, per_token, 0).sum()
             denom = valid.sum().clamp(min=1) if divisor is None else divisor
             loss = total / denom
+        del scratch
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.opts = (ignore_index, chunk_size, softcap, z_loss, denom, _autocast_state(hidden.device.type))
         return loss
@@ -102,15 +129,16 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b and bias is not None else None
+        scratch = ChunkScratch(min(chunk_size, hidden.shape[0]), weight.shape[0], hidden.dtype, acc, hidden.device)
         with torch.no_grad():
             for s in range(0, hidden.shape[0], chunk_size):
                 h = hidden[s:s + chunk_size]
                 sl = slice(s, s + chunk_size)
                 with torch.autocast(hidden.device.type, dtype=autocast_dtype, enabled=autocast_on):
-                    z = chunk_logits(h, weight, bias, acc)  # the forward's logits again, under its autocast
+                    z = scratch.logits(h, weight, bias)  # the forward's logits again, under its autocast
                 g = chunk_grad_logits(z, lse[sl], safe[sl], row_scale[sl], None if factor is None else factor[sl],
-                                      softcap)
-                gl = g if g.dtype == hidden.dtype else g.to(hidden.dtype)
+                                      softcap, None if softcap is None else scratch.second(h.shape[0]))
+                gl = scratch.lowered(g)
                 if grad_h is not None:
                     torch.mm(gl, weight, out=grad_h[sl])
                 if grad_w is not None:
@@ -121,19 +149,21 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 if grad_b is not None:
                     grad_b += g.sum(0)
                 del z, g, gl
+        del scratch
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None,
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
 
 
 def chunk_grad_logits(z: torch.Tensor, lse: torch.Tensor, safe: torch.Tensor, row_scale: torch.Tensor,
-                      factor: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+                      factor: torch.Tensor | None, softcap: float | None,
+                      capped: torch.Tensor | None = None) -> torch.Tensor:
     """dL/dz of one chunk from its logits ``z`` (overwritten) and the saved logsumexp:
-    ``(softmax * factor - onehot(safe)) * row_scale``, times the soft-cap's ``1 - tanh^2``; at most two
-    chunk x V tensors alive (one without a soft-cap)."""
+    ``(softmax * factor - onehot(safe)) * row_scale``, times the soft-cap's ``1 - tanh^2``. With a
+    soft-cap the result is written into ``capped`` (a second buffer like ``z``, or None for a new one)."""
     y = None
     if softcap is not None:
         y = z.div_(softcap).tanh_()  # tanh(z / c), kept for the derivative
-        z = y * softcap
+        z = torch.mul(y, softcap, out=capped) if capped is not None else y * softcap
     g = z.sub_(lse[:, None]).exp_()  # softmax, from the forward's logsumexp
     if factor is not None:
         g.mul_(factor[:, None])

@@ -7,7 +7,9 @@
   from its file in an installed torchtune (``pip install --no-deps torchtune``), without the package.
 * Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger_kernel.transformers``, checked with
   0.8.5): chunked head matmuls in PyTorch and a Triton cross-entropy kernel; it runs on CPU tensors
-  under Triton's interpreter (``TRITON_INTERPRET=1`` before triton's import).
+  under Triton's interpreter (``TRITON_INTERPRET=1`` before triton's import), except with ``softcap``
+  (its soft-cap branch stops in Triton 3.9's interpreter with ``AttributeError: 'float' object has no
+  attribute 'to'``): the GPU run checks that one.
 * Cut Cross-Entropy's ``linear_cross_entropy`` (``cut_cross_entropy``, checked with 25.1.1):
   ``impl="torch_compile"`` (``torch.compile`` of the plain loss) runs on a CPU; ``impl="cce"``, its
   Triton kernels, does not run in Triton 3.9's interpreter (``tl_logaddexp`` stops with
