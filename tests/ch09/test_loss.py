@@ -397,6 +397,57 @@ def test_enable_num_items_in_batch_shift_labels_return_dict_and_eval():
 
 
 @needs_hf
+def test_enabled_model_never_makes_a_tokens_by_vocabulary_tensor():
+    """Every tensor any op makes in forward + backward, seen by a dispatch mode: with the fused loss none
+    with a vocabulary dimension is larger than one chunk's logits (the model's own makes all 26 x V)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    v = SMALL["vocab_size"]
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == v \
+                        and tuple(t.shape) != (SMALL["hidden_size"], v):  # not the head's transpose
+                    self.rows = max(self.rows, t.numel() // v)
+            return out
+
+    ids, labels = _batch(5)
+    model = _model("llama")
+    rows = {}
+    for name in ("own", "fused"):
+        if name == "fused":
+            ml.enable(model, chunk_size=4)
+        with Largest() as mode:
+            model(input_ids=ids, labels=labels).loss.backward()
+        rows[name] = mode.rows
+    assert rows["own"] >= 26 and rows["fused"] <= 4, rows
+
+
+@needs_hf
+def test_enable_survives_deepcopy_and_keeps_the_signature():
+    import copy
+    import inspect
+
+    model = ml.enable(_model("llama"), chunk_size=3)
+    assert list(inspect.signature(model.forward).parameters)[:2] == ["input_ids", "attention_mask"]
+    twin = copy.deepcopy(model)
+    ids, labels = _batch(4)
+    assert ml.is_enabled(twin) == dict(chunk_size=3, impl="torch")
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2)  # the copy computes with its own head, not the original's
+    a, b = model(input_ids=ids, labels=labels), twin(input_ids=ids, labels=labels)
+    assert a.logits is None and b.logits is None and abs(a.loss.item() - b.loss.item()) > 1e-3
+    ml.disable(twin)
+    assert ml.is_enabled(twin) is None and ml.is_enabled(model) is not None
+
+
+@needs_hf
 @needs_triton
 def test_enable_triton_impl_on_gemma2():
     model = _model("gemma2")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import types
 from typing import Any
 
 import torch
@@ -74,23 +75,29 @@ def enable(model: Any, *, chunk_size: int = 1024, impl: str = "torch") -> Any:
     check_choice("impl", impl, IMPLS)
     _check_model(model)
     disable(model)
-    own = model.forward
-    sig = inspect.signature(own)
+    own = type(model).forward
 
-    @functools.wraps(own)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return _fused_forward(model, own, sig, chunk_size, IMPLS[impl], args, kwargs)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return _fused_forward(self, args, kwargs)
 
-    setattr(forward, _MARK, dict(chunk_size=chunk_size, impl=impl, previous=model.__dict__.get("forward")))
-    model.forward = forward
+    functools.update_wrapper(forward, own)  # the model's signature (transformers' Trainer reads it)
+    setattr(forward, _MARK, True)
+    # the settings live on the model and the method is bound to it, so a deep copy of the model is enabled
+    # for itself (a closure over the model would keep calling the original)
+    setattr(model, _MARK, dict(chunk_size=chunk_size, impl=impl, previous=model.__dict__.get("forward")))
+    model.forward = types.MethodType(forward, model)
     return model
+
+
+def _ours(model: Any) -> bool:
+    mine = model.__dict__.get("forward") if isinstance(model, torch.nn.Module) else None
+    return getattr(mine, _MARK, False) is True and isinstance(getattr(model, _MARK, None), dict)
 
 
 def disable(model: Any) -> Any:
     """Give ``model`` its own forward back (a model :func:`enable` never touched is returned as it is)."""
-    mine = model.__dict__.get("forward") if isinstance(model, torch.nn.Module) else None
-    if mine is not None and hasattr(mine, _MARK):
-        previous = getattr(mine, _MARK)["previous"]
+    if _ours(model):
+        previous = model.__dict__.pop(_MARK)["previous"]
         if previous is None:
             del model.forward
         else:
@@ -100,10 +107,9 @@ def disable(model: Any) -> Any:
 
 def is_enabled(model: Any) -> dict[str, Any] | None:
     """The settings :func:`enable` gave ``model`` (``chunk_size``, ``impl``), or None."""
-    mine = model.__dict__.get("forward") if isinstance(model, torch.nn.Module) else None
-    if mine is None or not hasattr(mine, _MARK):
+    if not _ours(model):
         return None
-    return {k: v for k, v in getattr(mine, _MARK).items() if k != "previous"}
+    return {k: v for k, v in getattr(model, _MARK).items() if k != "previous"}
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -111,9 +117,11 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def _fused_forward(model: Any, own: Any, sig: inspect.Signature, chunk_size: int, fn: Any,
-                   args: tuple, kwargs: dict) -> Any:
+def _fused_forward(model: Any, args: tuple, kwargs: dict) -> Any:
     # the model's forward with the fused loss, or its own forward where that is not training with labels
+    settings = getattr(model, _MARK)
+    own = settings["previous"] or types.MethodType(type(model).forward, model)
+    sig = inspect.signature(own)
     bound = sig.bind(*args, **kwargs)
     arguments = dict(bound.arguments)
     var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
@@ -131,10 +139,11 @@ def _fused_forward(model: Any, own: Any, sig: inspect.Signature, chunk_size: int
     if targets is None:
         targets = shift_labels(labels, ignore_index)
     h, t = check_loss_args("memlab.loss.enable", hidden, head.weight, targets.to(hidden.device), head.bias,
-                           chunk_size=chunk_size, ignore_index=ignore_index)
+                           chunk_size=settings["chunk_size"], ignore_index=ignore_index)
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    loss = fn.apply(h, head.weight, t, head.bias, ignore_index, chunk_size, None if softcap is None else float(softcap), 0.0,
-                    extra.get("num_items_in_batch"))
+    loss = IMPLS[settings["impl"]].apply(h, head.weight, t, head.bias, ignore_index, settings["chunk_size"],
+                                         None if softcap is None else float(softcap), 0.0,
+                                         extra.get("num_items_in_batch"))
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     names = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} - {"loss", "logits"}
