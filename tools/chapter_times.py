@@ -30,7 +30,7 @@ BEGIN, END = "<!-- chapter-times:begin -->", "<!-- chapter-times:end -->"
 TOPICS = {
     "00": "where the memory goes", "01": "memory profiler", "02": "gradient checkpointing",
     "03": "mixed precision", "04": "CPU-offload Adam", "05": "chunked attention", "06": "QLoRA stack",
-    "07": "capstone: fit a budget", "08": "beyond one GPU",
+    "07": "capstone: fit a budget", "08": "beyond one GPU", "09": "long sequences",
 }
 CHECK = re.compile(r"""check\(\s*["'](\d\d\.\w+)["']""")
 
@@ -101,7 +101,7 @@ def table(rows: list[dict], prefix: str = "") -> str:
             f"| {r['lecture_run_s']:.0f} s | [{Path(r['lab']).name}]({prefix}{r['lab']}) "
             f"| {r['exercises']} | ~{_hm(r['lecture_study_min'])} + ~{_hm(r['lab_study_min'])} |"
         )
-    out.append(f"| | all nine | | | | | ~{_hm(total)} |")
+    out.append(f"| | all {len(rows)} | | | | | ~{_hm(total)} |")
     return "\n".join(out)
 
 
