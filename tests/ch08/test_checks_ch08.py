@@ -43,9 +43,10 @@ def test_zero1_step_that_all_reduces_fails_on_the_bytes_it_sends():
     # the same parameters as a reduce-scatter, bit for bit: only CommCounter's count tells them apart
     def all_reduce_step(flat_param, flat_grad, optimizer):
         ws, rank = dist.get_world_size(), dist.get_rank()
-        dist.all_reduce(flat_grad)
+        total = flat_grad.clone()  # the caller's gradient is left as it was (the hygiene probe checks it)
+        dist.all_reduce(total)
         a, b = D.shard_range(flat_param.numel(), rank, ws)
-        optimizer.param_groups[0]["params"][0].grad = flat_grad[a:b] / ws
+        optimizer.param_groups[0]["params"][0].grad = total[a:b] / ws
         optimizer.step()
         D.all_gather_flat(flat_param[a:b].clone(), out=flat_param)
 

@@ -24,9 +24,13 @@ import sys
 from typing import Any
 
 from memlab.course.grading import register
+from memlab.course.grading.cases import (
+    LAYOUTS, Case, Space, current_pass, differential, flags, floats, ints, layouts, make_tensor, one_of,
+)
 
 __all__ = ["register", "expect", "expect_equal", "expect_close", "expect_tensor_close", "expect_type",
-           "exact_type", "same_value"]
+           "exact_type", "same_value", "Space", "Case", "differential", "ints", "floats", "one_of", "flags",
+           "layouts", "LAYOUTS", "make_tensor", "current_pass"]
 
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
 

@@ -334,7 +334,7 @@ def _probe_graphs(model):
     return refs, stale, model.ln_f.register_forward_hook(hook)
 
 
-@register("01.fix_the_leak", timeout=90, reference=lambda: ref.train_losses, title="find and fix the leak")
+@register("01.fix_the_leak", timeout=90, mutates=("model", "optimizer", "batches"), reference=lambda: ref.train_losses, title="find and fix the leak")
 def check_fix_the_leak(train):
     """Grade exercise ``01.fix_the_leak``: find and fix the leak."""
     currents, result = {}, {}

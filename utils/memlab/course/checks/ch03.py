@@ -48,7 +48,7 @@ def check_underflow_fraction(fn) -> None:
 
 
 # ----------------------------------------------------------------------------- 03.update_scale
-@register("03.update_scale", reference=lambda: amp.update_scale_, title="scale update rule")
+@register("03.update_scale", reference=lambda: amp.update_scale_, mutates=("scale", "growth_tracker"), title="scale update rule")
 def check_update_scale(fn) -> None:
     """Grade exercise ``03.update_scale``: scale update rule."""
     expect(callable(fn), f"update_scale_: expected a function, got {type(fn).__name__}")
@@ -81,7 +81,7 @@ def check_update_scale(fn) -> None:
 
 
 # ----------------------------------------------------------------------------- 03.unscale_grads
-@register("03.unscale_grads", reference=lambda: amp.unscale_grads_, title="unscale with inf/NaN detection")
+@register("03.unscale_grads", reference=lambda: amp.unscale_grads_, mutates=("grads", "found_inf"), title="unscale with inf/NaN detection")
 def check_unscale_grads(fn) -> None:
     """Grade exercise ``03.unscale_grads``: unscale with inf/NaN detection."""
     expect(callable(fn), f"unscale_grads_: expected a function, got {type(fn).__name__}")
@@ -185,7 +185,7 @@ def check_loss_scaler(cls) -> None:
 
 
 # ----------------------------------------------------------------------------- 03.master_step
-@register("03.master_step", reference=lambda: amp.master_step, title="fp32 master-weights step")
+@register("03.master_step", reference=lambda: amp.master_step, mutates=("model_params", "master_params", "optimizer"), title="fp32 master-weights step")
 def check_master_step(fn) -> None:
     """Grade exercise ``03.master_step``: fp32 master-weights step."""
     expect(callable(fn), f"master_step: expected a function, got {type(fn).__name__}")

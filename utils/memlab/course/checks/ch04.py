@@ -55,7 +55,7 @@ LAYOUTS = ("odd", "matrix", "transposed", "channels_last")
 
 
 # ----------------------------------------------------------------------------- 04.adamw_update
-@register("04.adamw_update", reference=lambda: offload.adamw_step_, title="AdamW update, bitwise vs torch")
+@register("04.adamw_update", reference=lambda: offload.adamw_step_, mutates=("param", "exp_avg", "exp_avg_sq"), title="AdamW update, bitwise vs torch")
 def check_adamw_update(fn) -> None:
     """Grade exercise ``04.adamw_update``: AdamW update, bitwise vs torch."""
     expect(callable(fn), f"adamw_step_: expected a function, got {type(fn).__name__}")
@@ -180,7 +180,8 @@ def _one_update_each(before, hp, step):
     return outs
 
 
-@register("04.chunked_step", reference=lambda: offload.adamw_step_eager_chunked_, title="chunked step on flat buffers")
+@register("04.chunked_step", reference=lambda: offload.adamw_step_eager_chunked_,
+          mutates=("param", "exp_avg", "exp_avg_sq"), title="chunked step on flat buffers")
 def check_chunked_step(fn) -> None:
     """Grade exercise ``04.chunked_step``: chunked step on flat buffers."""
     expect(callable(fn), f"adamw_step_chunked_: expected a function, got {type(fn).__name__}")

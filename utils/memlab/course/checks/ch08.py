@@ -38,6 +38,8 @@ def _launch(worker, *args: Any) -> list[Any]:
         last = [line for line in tb.strip().splitlines() if line.strip()][-1:]
         if "NotImplementedError" in tb and last and last[0].startswith("NotImplementedError"):
             raise NotImplementedError(last[0].partition(":")[2].strip() or "not implemented yet") from None
+        if last and ("AssertionError" in last[0] or "HygieneError" in last[0]):  # a check or probe that failed on the rank
+            raise AssertionError(f"on rank {exc.rank}: {last[0].partition(':')[2].strip()}") from None
         raise RuntimeError(f"on rank {exc.rank}: {' '.join(last) if last else exc}") from None
 
 
@@ -184,7 +186,7 @@ def _zero1_reference():
     return zero1_step
 
 
-@register("08.zero1_step", reference=_zero1_reference, title="the ZeRO-1 step")
+@register("08.zero1_step", reference=_zero1_reference, mutates=("flat_param", "optimizer"), title="the ZeRO-1 step")
 def check_zero1_step(fn) -> None:
     """Grade exercise ``08.zero1_step``: the ZeRO-1 step."""
     expect(callable(fn), f"zero1_step: expected a function, got {type(fn).__name__}")

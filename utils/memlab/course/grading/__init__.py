@@ -16,7 +16,9 @@ Statuses: ``pass``, ``fail`` (a check's assertion did not hold), ``todo`` (the s
 NotImplementedError), ``error``, ``timeout``; ``memlab grade`` adds ``missing`` (no check cell) and
 ``not run`` (the kernel died or was stopped earlier).
 
-Modules: :mod:`.registry` (exercises, rows), :mod:`.running` (``check``), :mod:`.verify`,
+Modules: :mod:`.registry` (exercises, rows), :mod:`.running` (``check``), :mod:`.harness` (the hygiene probes
+and the second run every check goes through), :mod:`.cases` (differential cases from a declared input space),
+:mod:`.verify`,
 :mod:`.inkernel` (the requests run in the kernel), :mod:`.kernel` (the kernel from outside),
 :mod:`.notebook` (``grade_notebook``), :mod:`.command` (``memlab grade``).
 """

@@ -6,10 +6,13 @@ import math
 import os
 import pkgutil
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 CHECKS_PACKAGE = "memlab.course.checks"
+# memlab's own folder (two levels above this package): frames in it are memlab's, not the learner's
+MEMLAB_DIR = str(Path(__file__).resolve().parents[2])
 
 STATUSES = ("pass", "fail", "todo", "error", "timeout", "missing", "not run")
 DEFAULT_TIMEOUT = 60.0
@@ -66,6 +69,9 @@ class Exercise:
     timeout: float = DEFAULT_TIMEOUT
     reference: Callable[[], Any] | None = None
     title: str = ""
+    mutates: tuple[str, ...] = ()
+    keeps: tuple[str, ...] = ()
+    rerun: bool = True
 
 
 REGISTRY: dict[str, Exercise] = {}
@@ -79,6 +85,9 @@ def register(
     timeout: float = DEFAULT_TIMEOUT,
     reference: Callable[[], Any] | None = None,
     title: str = "",
+    mutates: tuple[str, ...] = (),
+    keeps: tuple[str, ...] = (),
+    rerun: bool = True,
 ) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
     """Decorator for a check function ``fn(obj)`` that raises AssertionError when ``obj`` is wrong;
     it returns the check unchanged.
@@ -92,6 +101,11 @@ def register(
         points: the exercise's points (> 0).
         timeout: seconds for all of its checks (> 0).
         title: a short title (default: the check function's name).
+        mutates: the reference's parameter names whose values the answer changes on purpose (an in-place
+            update); every other argument must be unchanged after each call (:mod:`.harness`).
+        keeps: the parameter names whose tensors or modules the answer may keep alive after the check.
+        rerun: run the check a second time (fresh instances, the second pass's cases); False only where
+            the check's own cases already build fresh instances in two call sequences.
 
     Raises:
         ValueError: naming the argument, for a malformed id, points or timeout.
@@ -106,10 +120,13 @@ def register(
     def deco(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         ex = REGISTRY.get(exercise_id)
         if ex is None:
-            ex = REGISTRY[exercise_id] = Exercise(exercise_id, [], points, timeout, reference, title or fn.__name__)
+            ex = REGISTRY[exercise_id] = Exercise(exercise_id, [], points, timeout, reference, title or fn.__name__,
+                                                  tuple(mutates), tuple(keeps), rerun)
         ex.checks.append(fn)
         if reference is not None:
             ex.reference = reference
+        if mutates or keeps:
+            ex.mutates, ex.keeps = tuple(mutates), tuple(keeps)
         return fn
 
     return deco
@@ -207,3 +224,16 @@ def format_table(title: str, results: list[CheckResult]) -> str:
     lines.append(f"{'total':<42}{f'{got:g}/{total:g}':>6}")
     return "\n".join(lines)
 
+
+
+def is_library_file(filename: str) -> bool:
+    """Whether a code object's file is an installed library's (site-packages, the standard library), not memlab's."""
+    f = filename.replace("\\", "/")
+    return ("site-packages/" in f or "dist-packages/" in f or "/lib/python3" in f) and MEMLAB_DIR not in filename
+
+
+def is_learner_file(filename: str) -> bool:
+    """Whether a code object's file name is code the learner wrote (a notebook cell, a script):
+    neither memlab's nor a library's."""
+    f = filename.replace("\\", "/")
+    return not (f.startswith("<frozen") or is_library_file(filename) or os.path.realpath(filename).startswith(MEMLAB_DIR + os.sep))

@@ -19,7 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from memlab.course.grading.harness import run_exercise
 from memlab.course.grading.registry import (
+    MEMLAB_DIR, is_learner_file, is_library_file,
     CHECKS_PACKAGE, GRADING_ENV, RESULTS, WALL_FACTOR, CheckResult, Exercise, chapter_exercises, get_exercise, parse_seconds,
     safe_str, shorten, timeout_from_env,
 )
@@ -101,21 +103,14 @@ def time_limit(seconds: float | None, *, wall_factor: float = WALL_FACTOR) -> It
 
 
 # ----------------------------------------------------------------------------- running the checks
-# memlab's own folder (two levels above this package): frames in it are memlab's, not the learner's
-MEMLAB_DIR = str(Path(__file__).resolve().parents[2])
 _TORCH_NOT_IMPLEMENTED = ("Could not run 'aten::", "not implemented for '", "NYI")
-
-
-def _is_library_frame(filename: str) -> bool:
-    f = filename.replace("\\", "/")
-    return ("site-packages/" in f or "dist-packages/" in f or "/lib/python3" in f) and MEMLAB_DIR not in filename
 
 
 def _learner_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The deepest frame that is neither the grader, a check, nor a library: the learner's line."""
     frames = traceback.extract_tb(exc.__traceback__)
     for fr in reversed(frames):
-        if not fr.filename.startswith(MEMLAB_DIR) and not _is_library_frame(fr.filename):
+        if not fr.filename.startswith(MEMLAB_DIR) and not is_library_file(fr.filename):
             return fr
     return frames[-1] if frames else None
 
@@ -137,8 +132,7 @@ def _run_checks(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str]:
     try:
         try:
             with time_limit(limit):
-                for fn in ex.checks:
-                    fn(obj)
+                run_exercise(ex, obj)  # every check, with the hygiene probes and a second run
         except CheckTimeout as exc:
             why = safe_str(exc) or f"ran longer than the {limit:g} s limit"
             status, message = "timeout", f"{why} (CPU time of the check): look for a loop that never ends"
@@ -197,13 +191,6 @@ def _reference_note(obj: Any, ex: Exercise, modules: Mapping[str, Any] | None = 
         return ""
 
 
-def is_learner_file(filename: str) -> bool:
-    """Whether a code object's file name is code the learner wrote (a notebook cell, a script):
-    neither memlab's nor a library's."""
-    f = filename.replace("\\", "/")
-    return not (f.startswith("<frozen") or _is_library_frame(filename) or os.path.realpath(filename).startswith(MEMLAB_DIR + os.sep))
-
-
 def _reference_codes(ex: Exercise) -> dict[types.CodeType, str]:
     """The code objects of the exercise's reference: the function, or the methods its class defines."""
     if ex.reference is None:
@@ -259,7 +246,7 @@ def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
             if is_learner_file(filename):
                 found.append(codes[frame.f_code])
                 return
-            if not (_is_library_frame(filename) or filename.startswith("<frozen")):
+            if not (is_library_file(filename) or filename.startswith("<frozen")):
                 return  # memlab's own code (a check, or a helper) made the call
             f = f.f_back
 
@@ -354,8 +341,10 @@ def chapter_fingerprint(chapter: str) -> str:
     h = hashlib.sha256()
     h.update(_source(helpers).encode())
     h.update(_source(_run_checks).encode())
+    for module in ("memlab.course.grading.harness", "memlab.course.grading.cases"):  # the probes and the cases
+        h.update(_source(importlib.import_module(module)).encode())
     for ex in chapter_exercises(chapter):
-        h.update(json.dumps([ex.id, ex.points, ex.timeout]).encode())
+        h.update(json.dumps([ex.id, ex.points, ex.timeout, list(ex.mutates), list(ex.keeps), ex.rerun]).encode())
         for fn in ex.checks:
             h.update(_source(fn).encode())
     return h.hexdigest()

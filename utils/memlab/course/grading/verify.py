@@ -8,7 +8,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from memlab.course.grading.running import MEMLAB_DIR, is_learner_file
+from memlab.course.grading.registry import MEMLAB_DIR, is_learner_file
 
 
 # The modules the grader imports afresh inside the kernel.

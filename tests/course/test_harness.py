@@ -1,0 +1,222 @@
+"""The grading harness (memlab.course.grading.harness): its snapshots, each hygiene probe on real exercises, the
+differential cases, and, for each kind of mistake the probes exist for, that the probe catches it on every exercise
+it applies to (wrong answers derived from memlab's own reference, so no exercise is left out)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from memlab.course.grading import check, harness, load_all
+
+REGISTRY = load_all()
+
+
+# ----------------------------------------------------------------------------- snapshots
+def _changed(x, edit) -> str | None:
+    before = harness.snapshot(x)
+    edit(x)
+    return harness.difference(before, harness.snapshot(x), "x")
+
+
+def test_snapshot_sees_values_layout_and_the_storage_outside_a_view():
+    base = torch.arange(12.0)
+    view = base[4:8]
+    assert _changed(view, lambda t: None) is None
+    assert "values changed" in _changed(view, lambda t: base[0].add_(1))  # outside the view, inside its storage
+    assert "values changed" in _changed(torch.ones(3), lambda t: t.data.mul_(2))  # .data bypasses the version counter
+    assert "stride" in _changed(torch.ones(2, 3), lambda t: t.as_strided_((2, 3), (1, 2)))
+    assert "requires_grad" in _changed(torch.ones(2), lambda t: t.requires_grad_(True))
+    leaf = torch.ones(2, requires_grad=True)
+    assert "gained a .grad" in _changed(leaf, lambda t: t.sum().backward())
+    nan = torch.tensor([float("nan"), 1.0])
+    assert _changed(nan, lambda t: None) is None  # bytes, not ==: a NaN is equal to itself
+    assert _changed(torch.empty(2, 2, device="meta"), lambda t: None) is None
+
+
+def test_snapshot_sees_containers_modules_and_optimizers():
+    assert "length changed from 3 to 2" in _changed([nn.Linear(2, 2) for _ in range(3)], lambda xs: xs.pop(0))
+    assert "keys changed" in _changed({"a": torch.ones(1)}, lambda d: d.update(b=1))
+    lin = nn.Linear(3, 3)
+    assert "hook(s) left installed" in _changed(lin, lambda m: m.register_forward_hook(lambda *a: None))
+    assert "weight" in _changed(nn.Linear(3, 3), lambda m: m.weight.data.zero_())
+    assert "training flag" in _changed(nn.Linear(3, 3), lambda m: m.eval())
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(3)
+
+    def step(o):
+        o.step()
+
+    assert _changed(opt, step) is not None
+
+
+# ----------------------------------------------------------------------------- each probe on a real exercise
+def test_inputs_unchanged_names_the_probe_the_argument_and_the_call():
+    ref = REGISTRY["05.merge_partials"].reference()
+
+    def merge_into_o1(o1, lse1, o2, lse2):
+        o, lse = ref(o1, lse1, o2, lse2)
+        o1.copy_(o)  # "merging the partials into o1": the caller's tensor overwritten
+        return o1.clone(), lse
+
+    r = check("05.merge_partials", merge_into_o1, quiet=True)
+    assert r.status == "fail" and "hygiene (inputs unchanged)" in r.message, r
+    assert "call #1" in r.message and "argument o1" in r.message, r
+
+
+def test_declared_mutations_are_allowed_and_the_others_are_not():
+    ref = REGISTRY["04.adamw_update"].reference()
+
+    def scratch_grad(param, grad, exp_avg, exp_avg_sq, step, **hp):
+        ref(param, grad, exp_avg, exp_avg_sq, step, **hp)
+        grad.zero_()  # "reusing the gradient as scratch": grad is not declared mutated
+
+    r = check("04.adamw_update", scratch_grad, quiet=True)
+    assert r.status == "fail" and "argument grad" in r.message and "inputs unchanged" in r.message, r
+
+
+BUFFER = torch.empty(4096, dtype=torch.uint8)
+
+
+def test_a_buffer_returned_by_every_call_is_a_shared_result():
+    ref = REGISTRY["06.pack_nibbles"].reference()
+
+    def pack_into_a_kept_buffer(codes):  # "a buffer cached by size": each call's answer overwrites the last one
+        packed = ref(codes)
+        out = BUFFER[: packed.numel()]
+        out.copy_(packed)
+        return out
+
+    r = check("06.pack_nibbles", pack_into_a_kept_buffer, quiet=True)
+    assert r.status == "fail" and "hygiene (no shared result)" in r.message and "call #2" in r.message, r
+
+
+def test_an_lru_cache_of_tensors_is_found():
+    ref = REGISTRY["06.nf4_codebook"].reference()
+
+    @functools.lru_cache(maxsize=None)
+    def nf4_codebook(offset=None):
+        return ref(offset)
+
+    r = check("06.nf4_codebook", nf4_codebook, quiet=True)
+    assert r.status == "fail" and "hygiene (nothing kept alive)" in r.message and "returned by call #1" in r.message, r
+
+
+KEPT: list = []
+
+
+def test_a_reference_kept_in_a_global_is_found():
+    ref = REGISTRY["02.checkpoint_function"].reference()
+
+    def keeps_inputs(fn, *args):
+        KEPT.append(args)
+        return ref(fn, *args)
+
+    try:
+        r = check("02.checkpoint_function", keeps_inputs, quiet=True)
+    finally:
+        KEPT.clear()
+    assert r.status == "fail" and "hygiene (nothing kept alive)" in r.message and "held by a" in r.message, r
+
+
+class CountedRNG:
+    """A right RNG snapshot, except that every instance is also counted on the class."""
+
+    made: list = []
+
+    def __init__(self):
+        self.state = torch.get_rng_state()
+        CountedRNG.made.append(len(CountedRNG.made))
+
+    @contextlib.contextmanager
+    def replay(self):
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(outer)
+
+
+def test_class_attributes_that_change_are_state():
+    r = check("02.rng_replay", CountedRNG, quiet=True)
+    assert r.status == "fail" and "hygiene (no class or global state)" in r.message, r
+    assert "CountedRNG.made" in r.message, r
+
+
+CALLS: dict = {}
+
+
+def test_globals_that_change_are_state():
+    ref = REGISTRY["00.activation_bytes"].reference()
+
+    def counted(*args, **kwargs):
+        CALLS[args] = CALLS.get(args, 0) + 1
+        return ref(*args, **kwargs)
+
+    r = check("00.activation_bytes", counted, quiet=True)
+    assert r.status == "fail" and "global CALLS" in r.message, r
+
+
+# ----------------------------------------------------------------------------- differential cases
+from memlab.course.grading import cases as C  # noqa: E402
+
+SPACE = C.Space(n=C.ints(1, 64), dtype=C.one_of(torch.float32, torch.float16, torch.bfloat16), layout=C.layouts(),
+                k=lambda c: C.ints(1, c.n))
+
+
+def _drawn(p: int = 0, examples: int = 25) -> list:
+    seen: list = []
+    with C.running("99.example", p):
+        C.differential(SPACE, seen.append, edges=[dict(n=3, dtype=torch.float32, layout="contiguous", k=1)],
+                       examples=examples)
+    return seen
+
+
+def test_cases_are_the_same_on_every_run_and_other_ones_on_the_second_pass():
+    first, again, second = _drawn(0), _drawn(0), _drawn(1)
+    assert first == again and first[0] == C.Case(n=3, dtype=torch.float32, layout="contiguous", k=1, seed=0)
+    assert first[1:] != second[1:]
+    assert all(1 <= c.k <= c.n for c in first) and len({c.layout for c in first}) > 2
+    assert C.cases_run()["99.example"] >= 2 * len(first)
+
+
+def test_a_failure_is_shrunk_to_a_small_case_within_a_budget():
+    runs = []
+
+    def run(c):
+        runs.append(c)
+        assert not (c.n >= 9 and c.dtype == torch.float16), f"differs on {c}"
+
+    with pytest.raises(AssertionError) as err:
+        C.differential(SPACE, run, examples=40)
+    assert "n=9, dtype=torch.float16, layout='contiguous', k=1, seed=0" in str(err.value)
+    assert len(runs) <= 40 + C.SHRINK_BUDGET + 5
+
+
+def test_an_answer_that_depends_on_earlier_calls_is_named():
+    calls = []
+
+    def run(c):
+        calls.append(c)
+        assert len(calls) % 2 or c.n < 20, f"differs on {c}"  # fails every other time on large n
+
+    with pytest.raises(AssertionError, match="depends on earlier calls|differs on"):
+        C.differential(SPACE, run, examples=40)
+
+
+@pytest.mark.parametrize("layout", C.LAYOUTS)
+def test_make_tensor_layouts(layout):
+    t = C.make_tensor((2, 3, 4, 5), torch.float16, layout, seed=1)
+    assert t.shape == (2, 3, 4, 5) and t.dtype == torch.float16
+    assert torch.equal(t, C.make_tensor((2, 3, 4, 5), torch.float16, layout, seed=1))
+    contiguous = layout in ("contiguous", "offset")
+    assert t.is_contiguous() == contiguous
+    assert (t.storage_offset() == 3) == (layout == "offset")
+    ints = C.make_tensor((3, 4), torch.int64, layout, seed=2, low=-5, high=5)
+    assert ints.min() >= -5 and ints.max() < 5
+    assert C.make_tensor((3, 4), torch.bfloat16, layout, device="meta").device.type == "meta"

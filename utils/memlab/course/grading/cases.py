@@ -1,0 +1,258 @@
+"""Differential cases: an exercise's input space, drawn with hypothesis, compared by the check's own relation.
+
+The API (the whole harness's is in :mod:`memlab.course.grading.harness`'s docstring):
+
+- ``Space(field=strategy, ..., where=predicate)``: the input space; a field is a strategy (:func:`ints`,
+  :func:`floats`, :func:`one_of`, :func:`flags`, :func:`layouts`, or any hypothesis strategy), a constant,
+  or a function of the fields before it (``lq=lambda c: ints(1, c.lk)``). Each case is a :class:`Case`
+  with ``case.seed`` added for its values.
+- ``differential(space, run, edges=[...], examples=N, seed=0)``: ``run(case)`` on every edge (the check's
+  hand-picked cases), then on N cases hypothesis draws (fixed seed, no database: the same cases on every
+  machine; other ones on the harness's second pass). ``run`` raises AssertionError naming the case; a
+  failure is shrunk (within :data:`SHRINK_BUDGET` runs) and the smallest case's error is raised.
+- ``make_tensor(shape, dtype, layout, seed)``: values from a seed, in a memory layout of :data:`LAYOUTS`.
+- ``current_pass()`` (0, or 1 on the second run), ``cases_run()`` (cases per exercise, for the report).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+__all__ = ["Space", "Case", "differential", "ints", "floats", "one_of", "flags", "layouts", "LAYOUTS",
+           "make_tensor", "current_pass", "cases_run", "running", "SHRINK_BUDGET"]
+
+# the run in progress: which pass, which exercise, and how many cases each exercise drew
+_STATE: dict[str, Any] = {"pass": 0, "cases": {}, "exercise": None}
+
+
+def current_pass() -> int:
+    """0 on the check's first run, 1 on the harness's second run (other seeds, fresh instances)."""
+    return int(_STATE["pass"])
+
+
+def cases_run() -> dict[str, int]:
+    """Exercise id -> number of cases :func:`differential` ran for it (edges included) in this process."""
+    return dict(_STATE["cases"])
+
+
+@contextlib.contextmanager
+def running(exercise_id: str, pass_index: int) -> Iterator[None]:
+    """Mark the checks run inside as ``exercise_id``'s pass ``pass_index`` (the harness's)."""
+    _STATE["pass"], _STATE["exercise"] = pass_index, exercise_id
+    try:
+        yield
+    finally:
+        _STATE["pass"], _STATE["exercise"] = 0, None
+
+
+SHRINK_BUDGET = 60  # runs of the property while shrinking a failure (each runs the answer and the reference)
+LAYOUTS = ("contiguous", "transposed", "strided", "offset", "channels_last")
+
+
+class Case:
+    """One drawn input: the space's fields as attributes (``case.n``, ``case.dtype``), ``case.seed`` for values.
+
+    ``repr(case)`` is ``"n=7, dtype=torch.float16, seed=3"``: what a failure message shows."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def __repr__(self) -> str:
+        return ", ".join(f"{k}={_show(v)}" for k, v in self.__dict__.items())
+
+    def replace(self, **changes: Any) -> "Case":
+        """A copy with some fields changed."""
+        return Case(**{**self.__dict__, **changes})
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Case) and self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(repr(self).split(", "))))
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, tuple) and v and all(isinstance(x, (int, float)) for x in v):
+        return "(" + ", ".join(_show(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+    return repr(v)
+
+
+def _hypothesis() -> Any:
+    from memlab.core.optional import needs
+
+    with needs("the grader's differential cases (memlab grade)"):
+        import hypothesis
+        from hypothesis import strategies
+    return hypothesis, strategies
+
+
+def ints(lo: int, hi: int) -> Any:
+    """Integers ``lo..hi`` (both included); shrinks toward ``lo``."""
+    return _hypothesis()[1].integers(lo, hi)
+
+
+def floats(lo: float, hi: float, *, log: bool = False) -> Any:
+    """Finite floats in ``[lo, hi]``; ``log=True`` draws the exponent uniformly (``lo > 0``: scales, rates)."""
+    st = _hypothesis()[1]
+    if log:
+        import math
+
+        return st.floats(math.log(lo), math.log(hi)).map(lambda e: float(min(max(math.exp(e), lo), hi)))
+    return st.floats(lo, hi, allow_nan=False, allow_infinity=False)
+
+
+def one_of(*values: Any) -> Any:
+    """One of ``values`` (dtypes, names, configurations); shrinks toward the first."""
+    return _hypothesis()[1].sampled_from(list(values))
+
+
+def flags() -> Any:
+    """False or True; shrinks toward False."""
+    return _hypothesis()[1].booleans()
+
+
+def layouts(*names: str) -> Any:
+    """Memory layouts for :func:`make_tensor` (default: all of :data:`LAYOUTS`); shrinks toward the first."""
+    return one_of(*(names or LAYOUTS))
+
+
+class Space:
+    """An exercise's input space: named fields, each a hypothesis strategy (:func:`ints`, :func:`one_of`, ...),
+    a constant, or a function of the fields before it returning one (``lq=lambda c: ints(1, c.lk)``).
+
+    ``where`` keeps only the cases it accepts (use it for mild constraints). Every case also gets ``seed``
+    (0..65535) for its values, unless the space declares one."""
+
+    def __init__(self, *, where: Callable[[Case], bool] | None = None, **fields: Any) -> None:
+        self.fields, self.where = fields, where
+
+    def strategy(self) -> Any:
+        hyp, st = _hypothesis()
+        fields, where = self.fields, self.where
+
+        @st.composite
+        def cases(draw: Any) -> Case:
+            values: dict[str, Any] = {}
+            for name, spec in fields.items():
+                if callable(spec) and not isinstance(spec, st.SearchStrategy) and not isinstance(spec, type):
+                    spec = spec(Case(**values))
+                values[name] = draw(spec) if isinstance(spec, st.SearchStrategy) else spec
+            if "seed" not in values:
+                values["seed"] = draw(st.integers(0, 2**16 - 1))
+            return Case(**values)
+
+        s = cases()
+        return s.filter(where) if where is not None else s
+
+
+def _as_case(edge: Any) -> Case:
+    if isinstance(edge, Case):
+        return edge if "seed" in edge.__dict__ else edge.replace(seed=0)
+    fields = dict(edge)
+    fields.setdefault("seed", 0)
+    return Case(**fields)
+
+
+def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[Any] = (), examples: int = 20,
+                 seed: int = 0) -> int:
+    """Call ``run(case)`` on every declared edge (dicts or :class:`Case`, first, in order; reversed on the
+    second pass), then on ``examples`` cases hypothesis draws from ``space`` with a fixed seed (``seed`` on
+    the first pass, another on the second: :func:`current_pass`). ``run`` raises AssertionError naming the
+    case when the answer differs from the reference; a failure found by drawing is shrunk (within
+    :data:`SHRINK_BUDGET` runs) and the smallest failing case's error is raised. Returns the number of cases run.
+    """
+    edges = [_as_case(e) for e in edges]
+    count = 0
+    for case in (edges if current_pass() == 0 else edges[::-1]):
+        run(case)
+        count += 1
+    if examples > 0:
+        count += _drawn(space, run, examples, seed + 7919 * current_pass())
+    ex = _STATE["exercise"]
+    if ex is not None and current_pass() == 0:
+        _STATE["cases"][ex] = _STATE["cases"].get(ex, 0) + count
+    return count
+
+
+def _drawn(space: Space, run: Callable[[Case], Any], examples: int, seed: int) -> int:
+    hyp, st = _hypothesis()
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+    from hypothesis import seed as fixed_seed
+    from hypothesis.errors import Flaky
+    from hypothesis.reporting import with_reporter
+
+    failing: dict[str, BaseException] = {}
+    runs = {"all": 0, "after_failure": 0}
+
+    def prop(case: Case) -> None:
+        key = repr(case)
+        if failing and key not in failing:
+            runs["after_failure"] += 1
+            if runs["after_failure"] > SHRINK_BUDGET:
+                return  # out of budget: a case not seen failing is taken as passing; shrinking ends
+        runs["all"] += 1
+        try:
+            run(case)
+        except Exception as exc:
+            failing.setdefault(key, exc)
+            raise
+
+    test = settings(max_examples=examples, database=None, deadline=None, derandomize=False,
+                    suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink],
+                    report_multiple_bugs=False, print_blob=False, verbosity=Verbosity.quiet)(
+        fixed_seed(seed)(given(space.strategy())(prop)))
+    try:
+        with with_reporter(lambda *a, **k: None):
+            test()
+    except Flaky:
+        first = next(iter(failing.values()))
+        raise AssertionError(f"{first} (and on the same input again it did not fail: the answer depends on "
+                             f"earlier calls)") from None
+    except BaseException as exc:
+        if hasattr(exc, "__notes__"):
+            exc.__notes__ = [n for n in exc.__notes__ if "Falsifying" not in n and "hypothesis" not in n.lower()]
+        raise
+    return runs["all"]
+
+
+def make_tensor(shape: Sequence[int], dtype: Any = None, layout: str = "contiguous", seed: int = 0, *,
+                scale: float = 1.0, low: int = 0, high: int = 16, device: Any = "cpu") -> Any:
+    """A tensor of ``shape`` and ``dtype`` (default float32) in memory ``layout`` (:data:`LAYOUTS`), its
+    values from ``seed``: normal x ``scale`` for floating dtypes, uniform integers in ``[low, high)`` for
+    integer ones (bool: coin flips). ``"transposed"`` stores the last two dimensions swapped,
+    ``"strided"`` every other element of a twice-as-long last dimension, ``"offset"`` starts 3 elements
+    into its storage, ``"channels_last"`` is a 4-D tensor in NHWC order (other ranks: contiguous);
+    on ``device="meta"`` only the shape and dtype are real."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
+    shape = tuple(int(s) for s in shape)
+    if torch.device(device).type == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
+    gen = torch.Generator().manual_seed(int(seed))
+
+    def values(sh: tuple[int, ...]) -> Any:
+        if dtype == torch.bool:
+            return torch.randint(0, 2, sh, generator=gen).bool()
+        if dtype.is_floating_point or dtype.is_complex:
+            return (torch.randn(sh, generator=gen, dtype=torch.float64) * scale).to(dtype)
+        return torch.randint(low, high, sh, generator=gen).to(dtype)
+
+    if layout == "transposed" and len(shape) >= 2:
+        t = values(shape[:-2] + (shape[-1], shape[-2])).transpose(-1, -2)
+    elif layout == "strided" and len(shape) >= 1:
+        t = values(shape[:-1] + (2 * shape[-1],))[..., ::2]
+    elif layout == "offset":
+        n = 1
+        for s in shape:
+            n *= s
+        t = values((n + 3,))[3:].view(shape)
+    elif layout == "channels_last" and len(shape) == 4:
+        t = values(shape).contiguous(memory_format=torch.channels_last)
+    elif layout in LAYOUTS:
+        t = values(shape)
+    else:
+        raise ValueError(f"layout={layout!r} is not a memory layout; allowed: {', '.join(LAYOUTS)}")
+    return t.to(device)

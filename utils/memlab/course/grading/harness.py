@@ -1,0 +1,566 @@
+"""The grading harness: hygiene probes that run on every exercise, and (in :mod:`.cases`) differential cases
+drawn from an exercise's declared input space (DESIGN.md, "What a check must try").
+
+A check (:mod:`memlab.course.checks`, one module per chapter) is plain code that calls the learner's answer and
+compares it with memlab's reference. :func:`memlab.course.grading.check` runs it through :func:`run_exercise`,
+which adds, for every exercise and with no per-exercise code:
+
+Hygiene probes (a failing probe is a ``fail`` row: ``hygiene (<probe>): call #<n> of your function changed its
+argument <name>...``):
+
+- **inputs unchanged**: a function answer is wrapped; for every call the check makes (all of the first 64, then
+  one in 16), each argument is pictured (:func:`snapshot`) before and compared after: a tensor's dtype, shape,
+  strides, storage offset, ``requires_grad``, the bytes of its whole storage (read without a torch op, so a
+  check's dispatch modes, trackers and allocator profiles see nothing) and its ``.grad``; a list's, tuple's or
+  dict's contents; a module's parameters, buffers, gradients, training flag and hooks; an optimizer's groups,
+  parameters and state; a dataclass's fields. Arguments the exercise changes on purpose are declared by the
+  reference's parameter names: ``@register("04.adamw_update", ..., mutates=("param", "exp_avg", "exp_avg_sq"))``.
+- **no shared result**: a tensor a call returns must not share memory with one an earlier call returned, unless
+  it is a view of this call's own arguments (a buffer kept between calls that the caller then overwrites).
+- **nothing kept alive**: after the check, no argument tensor or module and no returned tensor may still be held
+  by a Python object (weak references, ``gc.collect()``): a global or class-level list or cache, a hook left
+  installed. ``register(..., keeps=("name", ...))`` declares exceptions. (An object only torch's C++ side holds,
+  an autograd graph torch keeps itself, is not counted.)
+- **no class or global state**: the attributes of the learner's classes (the answer, and classes its code names),
+  the globals its code names and its closure cells are pictured before the check and compared after it.
+- **a second run**: where state could hide (a class answer, or calls that took tensors or modules) the whole check
+  runs again, fresh instances, :func:`current_pass` 1 (so :func:`differential` draws other cases and runs the
+  edges in reverse order), probes off, and must pass again: a cache keyed by shape or the first call's dtype
+  shows there. ``register(..., rerun=False)`` skips it.
+
+A class answer (or an ``autograd.Function``, a Triton kernel) is passed to the check as it is; the class and
+global probes and the second run still apply. While an exercise runs, the objects that existed before are frozen
+out of the garbage collector (``gc.freeze``), so a check's ``gc.collect()`` costs milliseconds.
+
+Differential cases, for a check author (from ``memlab.course.checks``, defined in :mod:`.cases`)::
+
+    SPACE = Space(n=ints(1, 300), chunk=lambda c: ints(1, c.n + 8),
+                  dtype=one_of(torch.float32, torch.float16, torch.bfloat16, torch.float64),
+                  layout=layouts(), decay=flags())
+
+    def check_x(fn):
+        def run(case):                      # one case: build inputs, call fn and the reference, compare
+            x = make_tensor((case.n,), case.dtype, case.layout, case.seed)
+            expect_equal(f"fn({case})", fn(x.clone(), case.chunk), reference(x, case.chunk))
+        differential(SPACE, run, edges=[dict(n=9, chunk=1, dtype=torch.float32, layout="contiguous",
+                                             decay=False)], examples=20)
+
+- ``Space(**fields, where=None)``: a field is :func:`~.cases.ints`, :func:`~.cases.floats` (``log=True`` for
+  scales), :func:`~.cases.one_of` (dtypes, names, configs; shrinks toward the first), :func:`~.cases.flags`,
+  :func:`~.cases.layouts` (contiguous, transposed, strided, offset, channels_last), any hypothesis strategy, a
+  constant, or a function of the fields before it. Every :class:`~.cases.Case` also gets ``seed``.
+- ``differential(space, run, *, edges=(), examples=20, seed=0)`` runs ``run`` on each edge (dicts: keep the
+  check's hand-picked cases here), then on ``examples`` cases hypothesis draws with a fixed seed and no database
+  (the same on every machine); the first failure is shrunk within ``SHRINK_BUDGET`` runs and the smallest
+  case's AssertionError is raised (so name ``case`` in every message). Returns the number of cases run.
+- ``make_tensor(shape, dtype, layout, seed, scale=1.0, low=0, high=16, device="cpu")``: reproducible values.
+- Relations stay the check's: ``expect_equal`` (exact, exact types), ``expect_tensor_close`` (a tolerance no
+  wider than the smallest plausible mistake), ``torch.equal`` for bitwise.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import gc
+import hashlib
+import inspect
+import sys
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from memlab.course.grading.cases import running
+from memlab.course.grading.registry import is_learner_file
+
+__all__ = ["run_exercise", "HygieneError", "snapshot", "difference"]
+
+class HygieneError(AssertionError):
+    """A hygiene probe failed (an AssertionError: the row is ``fail``)."""
+
+
+# ----------------------------------------------------------------------------- snapshots
+_BYTES_KEPT = 1 << 20  # storages up to 1 MiB are kept as bytes (to say which element changed), larger hashed
+
+
+def _is_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _storage_bytes(t: Any) -> tuple[int, bytes | str | None]:
+    """(nbytes, the storage's bytes or their hash) without a torch op or allocation: a check's dispatch
+    modes, trackers and allocator profiles see nothing of the probe."""
+    try:
+        st = t.untyped_storage()
+        n, ptr = st.nbytes(), st.data_ptr()
+    except Exception:  # noqa: BLE001 - a tensor subclass without a storage
+        return -1, None
+    if t.device.type == "meta" or n == 0 or ptr == 0 or type(t).__name__ == "FakeTensor":
+        return n, None
+    if t.device.type != "cpu":
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            import torch
+
+            data = bytes(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st).cpu().numpy().tobytes())
+    else:
+        data = ctypes.string_at(ptr, n)
+    return n, data if n <= _BYTES_KEPT else hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _tensor_snap(t: Any, depth: int) -> tuple:
+    n, data = _storage_bytes(t)
+    grad = t.grad if (t.is_leaf and t.requires_grad) else None
+    return ("tensor", t.dtype, tuple(t.shape), tuple(t.stride()) if t.layout == _strided() else None,
+            t.storage_offset() if t.layout == _strided() else None, t.requires_grad, n, data,
+            None if grad is None else _tensor_snap(grad, depth + 1))
+
+
+def _strided() -> Any:
+    import torch
+
+    return torch.strided
+
+
+def _hooks(module: Any) -> int:
+    return sum(len(getattr(m, name, {}) or {}) for m in module.modules()
+               for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+
+
+def snapshot(x: Any, depth: int = 0) -> Any:
+    """A comparable picture of ``x``'s state (see the module docstring); objects the harness does not
+    look into are pictured by identity."""
+    if depth > 6:
+        return ("deep", id(x))
+    if x is None or type(x) in (bool, int, float, complex, str, bytes):
+        return ("value", type(x), x if x == x else "nan")
+    if _is_tensor(x):
+        return _tensor_snap(x, depth)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if isinstance(x, (torch.dtype, torch.device, torch.Size)):
+            return ("value", type(x), x)
+        if isinstance(x, torch.nn.Module):
+            return ("module", type(x), x.training, _hooks(x),
+                    tuple((n, snapshot(p, depth + 1)) for n, p in x.named_parameters(remove_duplicate=False)),
+                    tuple((n, snapshot(b, depth + 1)) for n, b in x.named_buffers(remove_duplicate=False)))
+        if isinstance(x, torch.optim.Optimizer):
+            groups = tuple(tuple(sorted((k, snapshot(v, depth + 1) if k != "params" else tuple(map(id, v)))
+                                        for k, v in g.items())) for g in x.param_groups)
+            params = tuple(snapshot(p, depth + 1) for g in x.param_groups for p in g["params"])
+            state = tuple((id(p), snapshot(dict(s), depth + 1)) for p, s in x.state.items())
+            return ("optimizer", type(x), groups, params, state)
+    if type(x) in (list, tuple) or (isinstance(x, tuple) and hasattr(x, "_fields")):
+        if len(x) > 4096:
+            return ("seq", type(x), len(x), tuple(map(id, x)))
+        return ("seq", type(x), tuple(snapshot(v, depth + 1) for v in x))
+    if isinstance(x, dict) and type(x).__module__ in ("builtins", "collections"):
+        if len(x) > 4096:
+            return ("dict", type(x), len(x), tuple(map(id, x.values())))
+        return ("dict", type(x), tuple((k if isinstance(k, (str, int, float, bool, tuple)) else ("id", id(k)),
+                                         snapshot(v, depth + 1)) for k, v in x.items()))
+    if isinstance(x, (set, frozenset)):
+        return ("set", type(x), len(x), frozenset(id(v) for v in x))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return ("dataclass", type(x), tuple((f.name, snapshot(getattr(x, f.name, None), depth + 1))
+                                            for f in dataclasses.fields(x)))
+    return ("object", type(x), id(x))
+
+
+def _tensor_change(before: tuple, after: tuple) -> str:
+    names = ("", "dtype", "shape", "stride", "storage offset", "requires_grad", "storage size (bytes)")
+    for i in range(1, 7):
+        if before[i] != after[i]:
+            return f"its {names[i]} changed from {before[i]} to {after[i]}"
+    if before[7] != after[7]:
+        if isinstance(before[7], bytes) and isinstance(after[7], bytes) and len(before[7]) == len(after[7]):
+            diff = sum(a != b for a, b in zip(before[7], after[7]))
+            return f"its values changed ({diff} of {len(before[7])} bytes of its storage differ)"
+        return "its values changed"
+    if before[8] != after[8]:
+        return "its .grad changed" if before[8] is not None and after[8] is not None else (
+            "it gained a .grad" if before[8] is None else "its .grad was removed")
+    return "it changed"
+
+
+def difference(before: Any, after: Any, path: str = "") -> str | None:
+    """Where two :func:`snapshot` pictures differ, in words (``"[1]: its values changed"``), or None."""
+    if _same(before, after):
+        return None
+    kind = before[0] if isinstance(before, tuple) and before else None
+    if not (isinstance(after, tuple) and after and after[0] == kind):
+        return f"{path}: it was replaced"
+    if kind == "tensor":
+        return f"{path}: {_tensor_change(before, after)}"
+    if kind == "seq":
+        if len(before) != 3 or len(after) != 3:
+            return f"{path}: its contents changed"
+        if len(before[2]) != len(after[2]):
+            return f"{path}: its length changed from {len(before[2])} to {len(after[2])}"
+        for i, (b, a) in enumerate(zip(before[2], after[2])):
+            d = difference(b, a, f"{path}[{i}]")
+            if d:
+                return d
+    if kind == "dict":
+        if len(before) == 3 and len(after) == 3:
+            bk, ak = [k for k, _ in before[2]], [k for k, _ in after[2]]
+            if bk != ak:
+                return f"{path}: its keys changed from {_short(bk)} to {_short(ak)}"
+            for (k, b), (_, a) in zip(before[2], after[2]):
+                d = difference(b, a, f"{path}[{k!r}]")
+                if d:
+                    return d
+        return f"{path}: its contents changed"
+    if kind == "module":
+        if before[2] != after[2]:
+            return f"{path}: its training flag changed"
+        if before[3] != after[3]:
+            return f"{path}: {after[3] - before[3]:+d} hook(s) left installed on it"
+        for (n, b), (_, a) in zip(before[4] + before[5], after[4] + after[5]):
+            d = difference(b, a, f"{path}.{n}")
+            if d:
+                return d
+        return f"{path}: its parameters or buffers changed"
+    if kind == "optimizer":
+        if before[2] != after[2]:
+            return f"{path}: its param_groups changed"
+        for i, (b, a) in enumerate(zip(before[3], after[3])):
+            d = difference(b, a, f"{path} parameter {i}")
+            if d:
+                return d
+        return f"{path}: its state changed"
+    if kind == "dataclass":
+        for (n, b), (_, a) in zip(before[2], after[2]):
+            d = difference(b, a, f"{path}.{n}")
+            if d:
+                return d
+    return f"{path}: it changed"
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value whose == is odd (a learner's type): compare identities
+        return a is b
+
+
+def _short(x: Any, limit: int = 60) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------- the learner's state
+def _learner_file(filename: str) -> bool:
+    return is_learner_file(filename)
+
+
+def _codes(obj: Any) -> list[types.CodeType]:
+    """The code objects of a function (unwrapped), or of the methods a class defines (nested ones included)."""
+    out: list[types.CodeType] = []
+
+    def add(f: Any) -> None:
+        for g in (f, getattr(f, "__func__", None), getattr(f, "fget", None), getattr(f, "__wrapped__", None)):
+            code = getattr(g, "__code__", None)
+            if isinstance(code, types.CodeType) and code not in out and _learner_file(code.co_filename):
+                stack = [code]
+                while stack:
+                    c = stack.pop()
+                    out.append(c)
+                    stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+
+    if isinstance(obj, type):
+        for klass in _learner_classes(obj):
+            for v in vars(klass).values():
+                add(v)
+    else:
+        while isinstance(obj, functools.partial):
+            obj = obj.func
+        add(obj)
+        add(getattr(type(obj), "__call__", None))
+    return out
+
+
+def _learner_classes(cls: type) -> list[type]:
+    out = []
+    for klass in cls.__mro__:
+        fns = [getattr(v, "__func__", v) for v in vars(klass).values()]
+        if any(isinstance(f, types.FunctionType) and _learner_file(f.__code__.co_filename) for f in fns):
+            out.append(klass)
+    return out
+
+
+def _class_snap(cls: type) -> dict[str, Any]:
+    skip = {"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__annotations__", "_abc_impl",
+            "__parameters__", "__orig_bases__"}
+    return {k: snapshot(v, 4) for k, v in vars(cls).items() if k not in skip}
+
+
+def _state_snapshot(obj: Any) -> dict[str, Any]:
+    """The class attributes of the learner's classes and the globals (and closure cells) the learner's code
+    names, each pictured by :func:`snapshot`."""
+    out: dict[str, Any] = {}
+    classes: list[type] = list(_learner_classes(obj)) if isinstance(obj, type) else []
+    fn = obj
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fns = [fn] if not isinstance(obj, type) else [getattr(v, "__func__", v) for c in classes for v in vars(c).values()]
+    for f in fns:
+        f = getattr(f, "__wrapped__", f)
+        g = getattr(f, "__globals__", None)
+        code = getattr(f, "__code__", None)
+        if not isinstance(g, dict) or not isinstance(code, types.CodeType) or not _learner_file(code.co_filename):
+            continue
+        for c in _codes(f):
+            for name in c.co_names:
+                if name in g:
+                    value = g[name]
+                    if isinstance(value, type) and value not in classes and _learner_classes(value):
+                        classes += _learner_classes(value)
+                    out[f"global {name}"] = snapshot(value, 4) if not isinstance(value, type) else ("type", id(value))
+        for i, cell in enumerate(getattr(f, "__closure__", None) or ()):
+            try:
+                out[f"closure variable {code.co_freevars[i]} of {f.__qualname__}"] = snapshot(cell.cell_contents, 4)
+            except ValueError:  # an empty cell
+                pass
+    for klass in classes:
+        for k, v in _class_snap(klass).items():
+            out[f"class attribute {klass.__qualname__}.{k}"] = v
+    return out
+
+
+def _state_changed(before: dict[str, Any], after: dict[str, Any]) -> str | None:
+    for key, b in before.items():
+        if key not in after:
+            return f"{key} was deleted"
+        d = difference(b, after[key], "")
+        if d:
+            return f"{key}{d}"
+    for key in after:
+        if key not in before and key.startswith("class attribute"):
+            return f"{key} was added"
+    return None
+
+
+# ----------------------------------------------------------------------------- the wrapped answer
+def _signature_names(ex: Any) -> inspect.Signature | None:
+    try:
+        ref = ex.reference() if ex.reference is not None else None
+        return inspect.signature(ref) if callable(ref) and not isinstance(ref, type) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _flat(x: Any, depth: int = 0) -> Iterator[Any]:
+    """Tensors and modules in ``x`` (lists, tuples, dicts, two levels deep)."""
+    if _is_tensor(x):
+        yield x
+    elif type(x).__module__.startswith("torch.nn") or _is_module(x):
+        yield x
+    elif depth < 2 and isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _flat(v, depth + 1)
+    elif depth < 2 and isinstance(x, dict):
+        for v in x.values():
+            yield from _flat(v, depth + 1)
+
+
+def _is_module(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.nn.Module)
+
+
+def _data_ptr(t: Any) -> int:
+    try:
+        if t.device.type == "meta" or type(t).__name__ == "FakeTensor":
+            return 0
+        st = t.untyped_storage()
+        return st.data_ptr() if st.nbytes() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+@dataclass
+class _Session:
+    """One run of an exercise's checks on a wrapped answer: the calls, what they returned, weak references."""
+
+    ex: Any
+    mutates: frozenset[str]
+    keeps: frozenset[str]
+    signature: inspect.Signature | None
+    probes: bool = True
+    calls: int = 0
+    tensors_seen: bool = False  # an argument held tensors or modules (state a second run could expose)
+    results: list[tuple[int, int, Any]] = field(default_factory=list)  # (call, data_ptr, weakref to the storage)
+    alive: list[tuple[str, Any]] = field(default_factory=list)  # (what, weakref)
+
+    def _bind(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+        if self.signature is not None:
+            try:
+                bound = self.signature.bind(*args, **kwargs)
+                return list(bound.arguments.items())
+            except TypeError:
+                pass
+        return [(f"argument {i + 1}", a) for i, a in enumerate(args)] + list(kwargs.items())
+
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.calls += 1
+        n = self.calls
+        named = self._bind(args, kwargs)
+        self.tensors_seen = self.tensors_seen or any(True for _, v in named for _ in _flat(v))
+        # every call while a check's first 64 calls last, then one in 16 (a check that asks thousands of times)
+        if not self.probes or not (n <= 64 or n % 16 == 0):
+            return fn(*args, **kwargs)
+        before = {name: snapshot(value) for name, value in named if name not in self.mutates}
+        result = fn(*args, **kwargs)
+        where = f"call #{n} of your {self._what()}"
+        for name, value in named:
+            if name in before:
+                d = difference(before[name], snapshot(value), name)
+                if d:
+                    raise HygieneError(
+                        f"hygiene (inputs unchanged): {where} changed its argument {d}; leave the caller's inputs as "
+                        f"they were (work on a copy: .clone(), list(...), copy.deepcopy)")
+        self._results(n, named, result, where)
+        for name, value in named:
+            if name not in self.keeps:
+                for i, obj in enumerate(_flat(value)):
+                    self._watch(f"the {'tensor' if _is_tensor(obj) else type(obj).__name__} passed as {name}"
+                                f"{f' (item {i})' if not (_is_tensor(value) or _is_module(value)) else ''} in call #{n}", obj)
+        return result
+
+    def _what(self) -> str:
+        return "function"
+
+    def _watch(self, what: str, obj: Any) -> None:
+        if type(obj).__name__ == "FakeTensor" or (_is_tensor(obj) and obj.device.type == "meta"):
+            return
+        try:
+            self.alive.append((what, weakref.ref(obj)))
+        except TypeError:
+            pass
+
+    def _results(self, n: int, named: list[tuple[str, Any]], result: Any, where: str) -> None:
+        own = {_data_ptr(t) for _, v in named for t in _flat(v) if _is_tensor(t)}
+        own |= {_data_ptr(p) for _, v in named for m in _flat(v) if _is_module(m) for p in list(m.parameters()) + list(m.buffers())}
+        for i, t in enumerate(x for x in _flat(result) if _is_tensor(x)):
+            ptr = _data_ptr(t)
+            self._watch(f"the tensor returned by call #{n}" + (f" (item {i})" if not _is_tensor(result) else ""), t)
+            if not ptr or ptr in own:
+                continue
+            for m, p, ref in self.results:
+                st = ref()
+                if p == ptr and st is not None and m != n:
+                    raise HygieneError(
+                        f"hygiene (no shared result): {where} returned a tensor in the same memory as the one call "
+                        f"#{m} returned: a cached tensor (functools.lru_cache, a buffer kept between calls) that the "
+                        f"caller may overwrite; return a new tensor from each call")
+            try:
+                self.results.append((n, ptr, weakref.ref(t.untyped_storage())))
+            except TypeError:
+                pass
+
+    def leaks(self) -> str | None:
+        if all(ref() is None for _, ref in self.alive):
+            return None  # freed by reference counting: no full collection needed
+        gc.collect()
+        here = sys._getframe()
+        for what, ref in self.alive:
+            obj = ref()
+            if obj is None:
+                continue
+            # held by a Python object (a list, a dict, a closure cell, an instance): the answer's doing; an
+            # object only C++ holds (an autograd graph torch itself keeps) is not counted
+            holders = [r for r in gc.get_referrers(obj) if r is not here and r is not self.alive]
+            del obj
+            if holders:
+                kind = type(holders[0]).__name__
+                return (f"hygiene (nothing kept alive): after the check, {what} is still alive, held by a {kind}: "
+                        f"your code keeps a reference to it (a global or class-level list or cache, a hook left "
+                        f"installed, a tensor stored on an object that outlives the call)")
+        return None
+
+
+def _wrap(obj: Any, session: _Session) -> Any:
+    """``obj`` with every call going through ``session`` (plain functions and callable objects); a class,
+    a Triton kernel or anything else is returned as it is."""
+    if isinstance(obj, type) or not callable(obj):
+        return obj
+    mod = str(getattr(type(obj), "__module__", ""))
+    if not isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)) \
+            and (mod.startswith("triton") or mod.startswith("torch")):
+        return obj
+
+    def answer(*args: Any, **kwargs: Any) -> Any:
+        return session.call(obj, args, kwargs)
+
+    try:
+        functools.update_wrapper(answer, obj)
+    except (AttributeError, TypeError):
+        pass
+    return answer
+
+
+# ----------------------------------------------------------------------------- running an exercise
+def _names_declared(ex: Any, signature: inspect.Signature | None) -> None:
+    declared = set(getattr(ex, "mutates", ())) | set(getattr(ex, "keeps", ()))
+    if declared and signature is not None:
+        unknown = declared - set(signature.parameters)
+        if unknown:
+            raise ValueError(f"{ex.id}: mutates/keeps name {sorted(unknown)}, not parameters of the reference "
+                             f"({', '.join(signature.parameters)})")
+
+
+def _one_pass(ex: Any, obj: Any, p: int) -> _Session:
+    signature = _signature_names(ex)
+    _names_declared(ex, signature)
+    session = _Session(ex, frozenset(getattr(ex, "mutates", ())), frozenset(getattr(ex, "keeps", ())), signature,
+                       probes=p == 0)
+    answer = _wrap(obj, session)
+    with running(ex.id, p):
+        for check_fn in ex.checks:
+            check_fn(answer)
+    return session
+
+
+def run_exercise(ex: Any, obj: Any) -> None:
+    """Run every check of exercise ``ex`` on the learner's ``obj`` with the hygiene probes (module
+    docstring); raises what a check raises, or :class:`HygieneError`.
+
+    While it runs, every object that existed before is frozen out of the garbage collector
+    (``gc.freeze``): a ``gc.collect()`` in a check (or a probe) then scans only what the check made,
+    milliseconds instead of a scan of the whole heap of torch and the notebook."""
+    frozen = not gc.isenabled() or gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    try:
+        _run_exercise(ex, obj)
+    finally:
+        if frozen:
+            gc.unfreeze()
+
+
+def _run_exercise(ex: Any, obj: Any) -> None:
+    state = _state_snapshot(obj)
+    session = _one_pass(ex, obj, 0)
+    leak = session.leaks()
+    # a second run where state could hide: a class (instances), or calls that took tensors or modules; an
+    # answer called on plain values only (a config, numbers) was already called on several in one run
+    again = getattr(ex, "rerun", True) and (isinstance(obj, type) or session.tensors_seen or not callable(obj))
+    del session
+    if leak:
+        raise HygieneError(leak)
+    changed = _state_changed(state, _state_snapshot(obj))
+    if changed:
+        raise HygieneError(f"hygiene (no class or global state): during the check, {changed}: keep state on the "
+                           f"instance (self) or return it; an answer must give the same result however many times "
+                           f"and in whichever order it is called")
+    if again:
+        try:
+            _one_pass(ex, obj, 1)
+        except AssertionError as exc:
+            raise HygieneError(f"hygiene (a second run): the check passed once, then failed when run again on fresh "
+                               f"instances with other random cases (state kept across calls or instances?): "
+                               f"{exc}") from None
