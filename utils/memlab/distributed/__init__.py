@@ -10,7 +10,8 @@ One module per concern:
 * :mod:`memlab.distributed.fsdp`: :func:`fsdp2_shard`, stage 3 on PyTorch's FSDP2;
 * :mod:`memlab.distributed.ranks`: :func:`rank_bytes` and :func:`rank_tracker`, one rank's bytes;
 * :mod:`memlab.distributed.comm`: :class:`CommCounter` and the paper's communication volume;
-* :mod:`memlab.distributed.training`: :func:`train_rank`, one run per rank, and its single-process twin.
+* :mod:`memlab.distributed.training`: :func:`train_rank`, one run per rank, and its single-process twin;
+  :func:`rank_peaks`, one rank's peak by the allocator's events and by the tracker.
 """
 from memlab.distributed.collectives import (all_gather_flat, gather_flat, padded_size, reduce_scatter_flat,
                                             shard_flat, shard_range)
@@ -18,7 +19,7 @@ from memlab.distributed.comm import CommCounter, comm_volume_bytes
 from memlab.distributed.fsdp import fsdp2_shard
 from memlab.distributed.launcher import MAX_LAUNCH_TIMEOUT, RankError, free_port, in_torchrun, launch
 from memlab.distributed.ranks import rank_bytes, rank_tracker
-from memlab.distributed.training import global_batches, single_process_losses, train_rank
+from memlab.distributed.training import global_batches, rank_peaks, single_process_losses, train_rank
 from memlab.distributed.zero import STAGES, ZeroOptimizer, zero_model_state_bytes
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "global_batches",
     "single_process_losses",
     "train_rank",
+    "rank_peaks",
 ]

@@ -17,6 +17,8 @@ optimizer (any ``torch.optim`` class) sees that slice as its only parameter, so 
 """
 from __future__ import annotations
 
+import time
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memlab.core.validation import check_choice, check_positive_int, invalid
-from memlab.distributed.collectives import all_gather_flat, padded_size, shard_range
+from memlab.distributed.collectives import all_gather_flat, padded_size, reduce_scatter_flat, shard_range
 
 __all__ = ["STAGES", "ZeroOptimizer", "zero_model_state_bytes"]
 
@@ -163,22 +165,29 @@ class ZeroOptimizer:
                 # one parameter at a time), keep our piece, free the full gradient. dist.reduce, because a
                 # parameter's range does not split into the equal per-rank pieces reduce_scatter_tensor needs
                 flat = g.reshape(-1)
+                sent = []
                 for r, lo, hi in pieces:
                     piece = flat[lo - o:hi - o].contiguous()
                     dst = dist.get_global_rank(self.group, r) if self.group is not None else r
                     dist.reduce(piece, dst=dst, op=dist.ReduceOp.SUM, group=self.group)
                     if r == self.rank:
                         self.shard_grad[lo - self.shard_start:hi - self.shard_start].add_(piece)
-            p.grad = None
+                    sent.append(weakref.ref(piece))
+                    del piece
+                if g.device.type == "cpu":
+                    _until_released(sent)
+            p.grad = None  # the full gradient is freed here, on this thread
         return hook
 
     @torch.no_grad()
     def step(self) -> None:
         """Average the gradients over the ranks into this rank's slice, step on it, all-gather the slices.
 
-        Stage 1: a reduce-scatter of the flat gradient, as one in-place ``dist.reduce`` of each
-        ``S``-element piece to the rank that owns it (no buffer allocated), then / N.
+        Stage 1: a reduce-scatter of the flat gradient, in place (:func:`reduce_scatter_flat`: one
+        ``dist.reduce`` of each ``S``-element piece to the rank that owns it), then / N.
         Stage 2: the slice already holds the sum (reduced during backward), / N.
+        Then the all-gather, in place (:func:`all_gather_flat`: each owner's slice broadcast into
+        its view of the flat buffer). Neither allocates: the step's peak is the inner optimizer's.
 
         Raises:
             RuntimeError: stage 2 and a parameter got no gradient on this rank. Each gradient is
@@ -196,18 +205,17 @@ class ZeroOptimizer:
                     f"in the loss on every rank, or freeze it (requires_grad=False) before building the optimizer")
         self._arrived.clear()
         if self.stage == 1:
-            # a reduce-scatter of the flat gradient: piece r summed on rank r, in place. Not gloo's
-            # reduce_scatter_tensor: it clones the whole input and all-reduces the clone, which
-            # lifted ZeRO-1's peak on CPU by P + S elements, above plain data parallelism's.
-            # Each rank sends each piece it does not own once, (N - 1) S elements, as a ring does.
-            S = self.shard_stop - self.shard_start
-            for r in range(self.world_size):
-                dst = dist.get_global_rank(self.group, r) if self.group is not None else r
-                dist.reduce(self.flat_grad[r * S:(r + 1) * S], dst=dst, op=dist.ReduceOp.SUM, group=self.group)
-        self.shard_grad.div_(self.world_size)  # gloo has no AVG: SUM, then / N
+            # the reduce-scatter of the flat gradient, in place: piece r summed on rank r by one dist.reduce
+            # into its view (nothing allocated), then / N (gloo has no AVG). Not gloo's reduce_scatter_tensor:
+            # it clones the whole input and all-reduces the clone
+            reduce_scatter_flat(self.flat_grad, self.group, average=True, in_place=True)  # shard_grad is that view
+        else:
+            self.shard_grad.div_(self.world_size)
         self.optim.step()
-        a, b = self.shard_start, self.shard_stop
-        all_gather_flat(self.flat_param[a:b].clone(), self.group, out=self.flat_param)
+        # the all-gather, in place: each owner's slice broadcast into its view of the flat buffer. Not gloo's
+        # all_gather_into_tensor: it allocates a whole flat copy inside the op, which lifted ZeRO-1's peak
+        # above plain data parallelism's by the allocator's count
+        all_gather_flat(self.flat_param[self.shard_start:self.shard_stop], self.group, out=self.flat_param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers in place and set the parameters' ``.grad`` to None.
@@ -234,6 +242,17 @@ class ZeroOptimizer:
         return (f"ZeroOptimizer(stage={self.stage}, rank {self.rank}/{self.world_size}, {self.numel:,} params in a flat "
                 f"buffer of {self.padded_numel:,}, this rank's slice [{self.shard_start}, {self.shard_stop}), "
                 f"inner {type(self.optim).__name__})")
+
+
+def _until_released(refs: list, timeout: float = 1.0) -> None:
+    # gloo's worker thread drops its reference to a collective's tensors just after the collective
+    # completes, which may be a moment after dist.reduce has returned here. A gradient whose last
+    # reference goes on that thread is freed there, where torch.profiler records no event (it records
+    # only the threads it profiles): wait (microseconds) until gloo let go of the pieces, so that the
+    # gradient is freed on this thread, now, as the allocator's events then show
+    deadline = time.monotonic() + timeout
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(0)
 
 
 def zero_model_state_bytes(n_params: int, world_size: int, stage: int, *, param_bytes: int = 2,
