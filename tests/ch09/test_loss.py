@@ -200,6 +200,10 @@ def test_fused_saves_no_tokens_by_vocabulary_tensor_chunked_saves_them_all():
 
     kept = saved_activation_bytes(lambda hh: ml.fused_linear_cross_entropy(hh, w, t, chunk_size=32), h, exclude=[h, w])
     assert kept <= n * (8 + 4) + 64, kept  # targets (int64) and the fp32 logsumexp: per token, nothing per class
+    kept_plain = saved_activation_bytes(lambda hh: reference(hh, w, t), h, exclude=[h, w])
+    kept_chunked = saved_activation_bytes(lambda hh: ml.chunked_cross_entropy(hh, w, t, chunk_size=32), h,
+                                          exclude=[h, w])
+    assert kept_plain >= n * v * 4 and abs(kept_chunked - kept_plain) <= n * 64, (kept_chunked, kept_plain)
 
 
 def test_allocator_peak_fused_far_below_materialised():
@@ -222,9 +226,11 @@ def test_allocator_peak_fused_far_below_materialised():
         return allocator_peak(step)[0]
 
     plain = run(lambda: F.cross_entropy(h @ w.T, t))
+    chunked = run(lambda: ml.chunked_cross_entropy(h, w, t, chunk_size=256))
     fused = run(lambda: ml.fused_linear_cross_entropy(h, w, t, chunk_size=256))
     logits = n * v * 4
     assert plain >= 2 * logits, (plain, logits)
+    assert logits <= chunked <= plain, (chunked, logits, plain)  # it keeps all (N, V) log-probabilities
     assert fused <= 0.25 * plain, (fused, plain)
     assert fused <= 2 * v * hdim * 4 + 3 * 256 * v * 4 + n * hdim * 8, fused  # dW (+ its fp32 copy), chunks, dh
 

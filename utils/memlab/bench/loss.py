@@ -15,7 +15,8 @@ hidden size ``H`` and a vocabulary ``V`` (gradients of the hidden states and of 
 Time: median over ``--repeat`` interleaved rounds after a warm-up, CUDA synchronised before
 reading the clock. Memory: the allocator's peak over one step above what was live before it (the
 inputs): on CPU rebuilt from its events (``memlab.profiler.allocator_peak``), on CUDA
-``torch.cuda.max_memory_allocated``. Ratios against ``materialized`` in the same run: ``speed`` =
+``torch.cuda.max_memory_allocated``; ``saved for backward``: the bytes autograd keeps beyond h and W
+(``saved_tensors_hooks``, :func:`memlab.accounting.saved_activation_bytes`). Ratios against ``materialized`` in the same run: ``speed`` =
 its time / ours, ``mem`` = our peak / its peak. A size whose ``N x V`` fp32 logits pass
 ``--max-logits-gib`` is left out (the materialised loss keeps several such tensors at once).
 
@@ -130,8 +131,8 @@ def _peak(fn: Callable[[], None], on_gpu: bool) -> int:
 
 
 def _measure(n: int, v: int, impls: dict[str, Callable], cfg: dict[str, Any], on_gpu: bool
-             ) -> tuple[dict[str, float], dict[str, int]]:
-    # median fwd+bwd time and peak bytes of each implementation at N = n, V = v
+             ) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+    # median fwd+bwd time, peak bytes and bytes saved for backward (beyond h and W) of each implementation
     from memlab.config import DEVICE
 
     g = torch.Generator(device=DEVICE).manual_seed(n + v)
@@ -147,11 +148,14 @@ def _measure(n: int, v: int, impls: dict[str, Callable], cfg: dict[str, Any], on
             del dh, dw
         return run
 
+    from memlab.accounting import saved_activation_bytes
+
     fns = {name: step(fn) for name, fn in impls.items()}
-    peaks = {}
+    peaks, saved = {}, {}
     for name, fn in fns.items():
         fn()  # warm-up (and Triton compilation)
         peaks[name] = _peak(fn, on_gpu)
+        saved[name] = saved_activation_bytes(lambda hh, ww, f=impls[name]: f(hh, ww, t), h, w, exclude=[h, w])
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(cfg["repeat"]):  # interleaved: a busy moment slows every implementation alike
         for name, fn in fns.items():
@@ -160,7 +164,7 @@ def _measure(n: int, v: int, impls: dict[str, Callable], cfg: dict[str, Any], on
             fn()
             sync(DEVICE)
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}, peaks
+    return {name: statistics.median(ts) for name, ts in times.items()}, peaks, saved
 
 
 def _targets(results: dict[tuple[str, int, int], tuple[float, int]]) -> list[tuple[str, float, bool]]:
@@ -190,13 +194,15 @@ def main(argv: list[str] | None = None) -> int:
             if n * v * 4 > cfg["max_logits"]:
                 skipped.append(f"N={n} x V={v}")
                 continue
-            med, peaks = _measure(n, v, impls, cfg, on_gpu)
+            med, peaks, saved = _measure(n, v, impls, cfg, on_gpu)
             for name in med:
                 rows.append([name, n, v, f"{med[name] * 1e3:.1f}", f"{med[REFERENCE] / med[name]:.2f}",
-                             format_bytes(peaks[name]), f"{peaks[name] / peaks[REFERENCE]:.3f}"])
+                             format_bytes(peaks[name]), f"{peaks[name] / peaks[REFERENCE]:.3f}",
+                             format_bytes(saved[name])])
                 results[(name, n, v)] = (med[name], peaks[name])
     header = ["impl", "tokens", "vocab", "fwd+bwd ms", "speed vs materialized",
-              "peak (max_memory_allocated)" if on_gpu else "peak (allocator events)", "mem vs materialized"]
+              "peak (max_memory_allocated)" if on_gpu else "peak (allocator events)", "mem vs materialized",
+              "saved for backward"]
     print(table(f"memlab bench loss: head matmul + cross-entropy, forward + backward (dh, dW); hidden {cfg['hidden']}, "
                 f"{cfg['dtype']}, chunk {cfg['chunk']} tokens; median of {cfg['repeat']} interleaved rounds; peak: one "
                 f"step above its inputs" + ("" if on_gpu else f", {torch.get_num_threads()} threads"),

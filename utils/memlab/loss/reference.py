@@ -6,11 +6,12 @@ vocabulary. For ``N`` tokens, hidden size ``H``, vocabulary ``V``, head ``W`` ``
     z = h W^T (+ b)                       the logits, (N, V)
     loss = mean over tokens i with t_i != ignore_index of  logsumexp(z_i) - z_i[t_i]
 
-Written this way the ``(N, V)`` logits exist, and autograd keeps the log-softmax output
-(another ``(N, V)`` in fp32) for backward. :func:`chunked_cross_entropy` computes the same loss a
-chunk of tokens at a time: the forward's peak shrinks, but autograd still keeps every chunk's
-log-probabilities, so in training it saves nothing (the lesson of chapter 05's chunked
-attention). :mod:`memlab.loss.fused` is the version that does save.
+Written this way the ``(N, V)`` logits exist, autograd keeps the log-softmax output (another
+``(N, V)`` in fp32) for backward, and backward makes ``(N, V)`` gradients. :func:`chunked_cross_entropy`
+computes the same loss a chunk of tokens at a time: the transient copies shrink to a chunk, but
+autograd still keeps every chunk's log-probabilities, a whole ``(N, V)`` fp32 tensor, exactly what
+the plain loss keeps (chapter 05's chunked attention, again): the training peak never falls below
+it. :mod:`memlab.loss.fused` keeps nothing of that size.
 """
 from __future__ import annotations
 
@@ -104,8 +105,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     Same value as :func:`materialized_cross_entropy`: ``hidden`` ``(..., H)``, ``weight``
     ``(V, H)``, ``targets`` ``(...)``; the mean over tokens whose target is not ``ignore_index``
     (0, not NaN, when every target is ignored), accumulated in fp32 (fp64 for fp64 inputs) whatever
-    the inputs' dtype. Each chunk's logits are kept by autograd for backward, so a training step's
-    peak is the plain loss's: only a forward without gradients gains.
+    the inputs' dtype. Autograd keeps each chunk's log-probabilities for backward: the chunks
+    together save the plain loss's whole ``(N, V)`` fp32 tensor, so only the transient copies (the
+    logits, the gradients in backward) shrink to a chunk.
 
     Raises:
         ValueError: a bad tensor (shape, dtype, device, a target outside ``[0, V)``), ``chunk_size`` < 1.

@@ -85,6 +85,9 @@ class TritonFusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
                 bias: torch.Tensor | None, ignore_index: int, chunk_size: int, softcap: float | None,
                 z_loss: float, divisor: Any) -> torch.Tensor:
+        if hidden.dtype == torch.float64:  # tl.dot has no fp64 products on every GPU
+            raise invalid("triton_fused_linear_cross_entropy: hidden.dtype", hidden.dtype,
+                          "float16, bfloat16, float32 (fused_linear_cross_entropy for float64)")
         kern = _setup(hidden)
         dtype = hidden.dtype
         h, w, b = _kernel_operands(hidden, weight, bias)
