@@ -32,6 +32,65 @@ def test_a_copy_of_the_reference_passes_and_earns_points():
     assert r.status == "pass", r.message
 
 
+def _fsync_dir(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_right_answers_written_another_way_pass():
+    """The writer is judged by the file a crash leaves, not by the names of the calls it makes (issue 35)."""
+    from os import replace  # noqa: PLC0415 - imported by name: the check must see this name too
+    from pathlib import Path
+
+    def with_fdatasync(path, chunks):  # fdatasync makes the data durable as well as fsync does
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.part")
+        try:
+            with open(tmp, "wb") as f:
+                for c in chunks:
+                    f.write(c)
+                f.flush()
+                os.fdatasync(f.fileno())
+            replace(tmp, path)  # `from os import replace`
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+
+    def with_tempfile_and_pathlib(path, chunks):  # tempfile in the target's folder, Path.replace, os.sync
+        import tempfile
+
+        path = Path(path)
+        f = tempfile.NamedTemporaryFile(dir=path.parent, delete=False)
+        try:
+            with f:
+                for c in chunks:
+                    f.write(c)
+                f.flush()
+                os.fsync(f.fileno())
+            Path(f.name).replace(path)
+        except BaseException:
+            Path(f.name).unlink(missing_ok=True)
+            raise
+        os.sync()
+
+    for answer in (with_fdatasync, with_tempfile_and_pathlib):
+        r = check("07.atomic_write", answer, quiet=True)
+        assert r.status == "pass" and r.points == 1.0, (answer.__name__, r.message)
+
+    def back_off(stack):  # under full checkpointing ckpt_every means nothing: reset to 1, the trainer runs the same
+        nxt = train.back_off(stack)
+        if nxt is not None and nxt.checkpointing == "full":
+            nxt = dataclasses.replace(nxt, ckpt_every=1)
+        return nxt
+
+    r = check("07.back_off", back_off, quiet=True)
+    assert r.status == "pass", r.message
+
+
 def test_messages_name_the_problem():
     r = check("07.back_off", lambda s: dataclasses.replace(s, micro_batch=max(1, s.micro_batch // 2)), quiet=True)
     assert r.status == "fail" and "effective batch" in r.message
@@ -52,7 +111,7 @@ def test_messages_name_the_problem():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_only_the_kill_catches_a_writer_that_moves_the_good_file_away():
+def test_a_writer_that_moves_the_good_file_away_fails():
     import importlib.util
     from pathlib import Path
 
@@ -60,8 +119,8 @@ def test_only_the_kill_catches_a_writer_that_moves_the_good_file_away():
     spec = importlib.util.spec_from_file_location("memlab_mutants_ch07_t", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    r = check("07.atomic_write", mod.write_move_old_away, quiet=True)
-    assert r.status == "fail" and "SIGKILL" in r.message and "gone" in r.message, r.message
+    r = check("07.atomic_write", mod.write_move_old_away, quiet=True)  # between its two renames, no file at all
+    assert r.status == "fail" and "no file at all" in r.message and "moving the old file away" in r.message, r.message
 
 
 def test_predict_peak_reference_is_exact():

@@ -1,13 +1,16 @@
 """Checks for chapter 07, fitting a training run into a memory budget.
 
 07.cheapest_stack   a planner over a small search space: every divisor micro-batch x checkpointing none/full,
-                    the cheapest stack whose estimated peak fits (ties: smaller peak, then earlier), None if none
+                    the cheapest stack whose estimated peak fits (ties: smaller peak, then earlier), None if none;
+                    the hand-picked cases, then 60 drawn (any effective batch, budget, estimate and cost)
 07.back_off         the OOM back-off rule: halve the micro-batch to a divisor of the effective batch (same
-                    effective batch), then full checkpointing, then None; every other knob kept
-07.atomic_write     an atomic file writer, graded by killing it (SIGKILL in a forked child) in the middle of a
-                    write: the good file must survive every torn write; temp file in the same directory,
-                    that file fsync'ed with every byte on disk (after the last write and a flush) before the
-                    rename, the target's directory fsync'ed after it, no temp file left after an error
+                    effective batch), then full checkpointing, then None; every knob the trainer uses kept
+                    (ckpt_every only counts under "every-k"); 80 drawn stacks beside the hand-picked ones
+07.atomic_write     an atomic file writer, graded by what a crash leaves: killed (SIGKILL in a forked child) in
+                    the middle of a write, the good file survives; a power cut simulated before every fsync,
+                    fdatasync, sync and rename the writer makes (whichever name it calls them by) leaves the old
+                    file or the new one, never a torn one, and only the new one once the write returned; the
+                    temp file in the target's directory, none left after an error
 07.predict_peak     derive the tracked peak of a BudgetTrainer step (TinyGPT, fp32, AdamW, SDPA, no
                     checkpointing) as a formula over the config and the stack: a function that runs the model
                     (forward, backward or optimizer step, fake tensors included) fails; graded exactly against
@@ -18,6 +21,7 @@ predict_peak_formula here (a formula; memlab.train.estimate_stack_peak traces th
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -29,27 +33,31 @@ from pathlib import Path
 
 from memlab import train
 from memlab.train import state as training_state
-from memlab.course.checks import expect, expect_equal, register
+from memlab.course.checks import Space, differential, expect, expect_equal, flags, floats, ints, one_of, register
 from memlab.plan import Stack
 
 
 # ----------------------------------------------------------------------------- 07.cheapest_stack
+def _estimate(params: int, act: int, ckpt_factor: float = 0.25):
+    """A stack's estimated peak: weights and state, a quarter more with accumulation, activations by micro-batch."""
+    def estimate(s: Stack) -> int:
+        a = act * s.micro_batch
+        if s.checkpointing == "full":
+            a = int(a * ckpt_factor)
+        return params + (params // 4 if s.grad_accum > 1 else 0) + a
+    return estimate
+
+
+def _cost(per_micro: float = 0.05, recompute: float = 0.33):
+    """A stack's relative step time: each extra micro-batch costs ``per_micro``, recomputation ``recompute``."""
+    def c(s: Stack) -> float:
+        return round((1.0 + per_micro * (s.grad_accum - 1)) * (1 + (recompute if s.checkpointing == "full" else 0)), 9)
+    return c
+
+
 def _planner_cases() -> list[tuple[str, int, int, object, object]]:
-    """(name, effective_batch, budget, estimate, cost). Peaks in bytes, costs in relative step time."""
-
-    def est(params: int, act: int, ckpt_factor: float = 0.25):
-        def estimate(s: Stack) -> int:
-            a = act * s.micro_batch
-            if s.checkpointing == "full":
-                a = int(a * ckpt_factor)
-            return params + (params // 4 if s.grad_accum > 1 else 0) + a
-        return estimate
-
-    def cost(per_micro: float = 0.05, recompute: float = 0.33):
-        def c(s: Stack) -> float:
-            return round((1.0 + per_micro * (s.grad_accum - 1)) * (1 + (recompute if s.checkpointing == "full" else 0)), 9)
-        return c
-
+    """(name, effective_batch, budget, estimate, cost): the hand-picked edges. Peaks in bytes, costs in relative step time."""
+    est, cost = _estimate, _cost
     return [
         ("everything fits: the cheapest is the whole batch at once", 8, 10**9, est(1000, 100), cost()),
         ("budget 1000 + 250 + 100*2 = 1450 exactly: micro-batch 2 fits (<= budget)", 8, 1450, est(1000, 100), cost()),
@@ -71,11 +79,42 @@ def _planner_cases() -> list[tuple[str, int, int, object, object]]:
     ]
 
 
+# the planner's input space: any effective batch (primes, odd, powers of two); a budget exactly at one
+# candidate's estimate (each divisor's turn to be the answer), between two, below all or above all; costs where
+# accumulation or checkpointing wins, and flat costs (ties decided by the peak, then by the candidate order)
+PLANNER_SPACE = Space(
+    effective_batch=ints(1, 40), params=ints(0, 5000), act=ints(1, 600), ckpt_factor=one_of(0.25, 0.5, 0.1, 1.0),
+    per_micro=one_of(0.05, 0.2, 0.01, 0.0), recompute=one_of(0.33, 0.1, 0.5, 0.9, 0.0),
+    budget=one_of("at a candidate", "between two", "at a candidate", "below all", "above all"), pick=ints(0, 1000),
+)
+
+
+def _drawn_planner_case(case) -> tuple[str, int, int, object, object]:
+    estimate, cost = _estimate(case.params, case.act, case.ckpt_factor), _cost(case.per_micro, case.recompute)
+    eb = case.effective_batch
+    divisors = [m for m in range(1, eb + 1) if eb % m == 0]
+    peaks = sorted({estimate(Stack(micro_batch=m, grad_accum=eb // m, checkpointing=c))
+                    for m in divisors for c in ("none", "full")})
+    # "at a candidate": exactly the estimate of micro-batch m without checkpointing, m any divisor in turn
+    m = divisors[case.pick % len(divisors)]
+    budget = {"at a candidate": estimate(Stack(micro_batch=m, grad_accum=eb // m)), "below all": peaks[0] - 1 - case.pick,
+              "above all": peaks[-1] + case.pick,
+              "between two": (peaks[case.pick % len(peaks)] + peaks[min(case.pick % len(peaks) + 1, len(peaks) - 1)]) // 2,
+              }[case.budget]
+    return f"drawn case ({case}): effective batch {eb}, budget {budget}", eb, budget, estimate, cost
+
+
+def _short_stack(s):
+    return s if s is None else f"micro_batch={s.micro_batch}, grad_accum={s.grad_accum}, checkpointing={s.checkpointing!r}"
+
+
 @register("07.cheapest_stack", reference=lambda: train.cheapest_stack, title="planner: the cheapest stack that fits")
 def check_cheapest_stack(fn) -> None:
     """Grade exercise ``07.cheapest_stack``: planner: the cheapest stack that fits."""
     expect(callable(fn), f"cheapest_stack: expected a function, got {type(fn).__name__}")
-    for name, eb, budget, estimate, cost in _planner_cases():
+
+    def run(case) -> None:
+        name, eb, budget, estimate, cost = case.planner if hasattr(case, "planner") else _drawn_planner_case(case)
         got = fn(eb, budget, estimate, cost)
         want = train.cheapest_stack(eb, budget, estimate, cost)
         if got != want or type(got) is not type(want):
@@ -83,10 +122,10 @@ def check_cheapest_stack(fn) -> None:
             if isinstance(got, Stack) and want is not None:
                 detail = (f" (yours: estimate {estimate(got)}, cost {cost(got)}; expected: estimate {estimate(want)}, "
                           f"cost {cost(want)}; budget {budget})")
-            short = (lambda s: s if s is None else f"micro_batch={s.micro_batch}, grad_accum={s.grad_accum}, "
-                     f"checkpointing={s.checkpointing!r}")
-            shown = short(got) if isinstance(got, Stack) or got is None else repr(got)
-            raise AssertionError(f"cheapest_stack({name}): got {shown}, expected {short(want)}{detail}")
+            shown = _short_stack(got) if isinstance(got, Stack) or got is None else repr(got)
+            raise AssertionError(f"cheapest_stack({name}): got {shown}, expected {_short_stack(want)}{detail}")
+
+    differential(PLANNER_SPACE, run, edges=[{"planner": c} for c in _planner_cases()], examples=200)
 
 
 # ----------------------------------------------------------------------------- 07.back_off
@@ -103,104 +142,237 @@ _BACK_OFF_CASES = [
     Stack(micro_batch=1, grad_accum=8, checkpointing="full"),
 ]
 
+# every knob of a Stack varied: micro-batches with many divisors, primes, 1; every checkpointing mode
+BACK_OFF_SPACE = Space(
+    small=flags(), micro_batch=lambda c: ints(1, 3) if c.small else ints(1, 64), grad_accum=ints(1, 12), checkpointing=one_of("none", "every-k", "full", "selective"),
+    ckpt_every=ints(1, 6), precision=one_of("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"),
+    optimizer=one_of("adamw", "adamw-fused", "adamw8bit", "offload-adamw"), adapter=one_of("full", "lora", "qlora"),
+    attention=one_of("sdpa", "eager", "flash"),
+)
+
+
+def _what_trains(s: Stack) -> dict:
+    """The knobs the trainer acts on: ``ckpt_every`` only matters under "every-k" (a stack that resets it to
+    1 when it moves to full checkpointing trains the same way)."""
+    fields = dataclasses.asdict(s)
+    if s.checkpointing != "every-k":
+        fields.pop("ckpt_every")
+    return fields
+
 
 @register("07.back_off", reference=lambda: train.back_off, title="the OOM back-off rule")
 def check_back_off(fn) -> None:
     """Grade exercise ``07.back_off``: the OOM back-off rule."""
     expect(callable(fn), f"back_off: expected a function, got {type(fn).__name__}")
-    for s in _BACK_OFF_CASES:
+
+    def run(case) -> None:
+        s = case.stack if hasattr(case, "stack") else Stack(**{k: v for k, v in vars(case).items()
+                                                              if k not in ("seed", "small")})
         got = fn(s)
         want = train.back_off(s)
-        expect(got is None or isinstance(got, Stack),
+        expect(got is None or type(got) is Stack,
                f"back_off({s}): expected a memlab.plan.Stack or None, got {type(got).__name__}")
         if want is None:
             expect(got is None, f"back_off({s}): nothing is left to give up, expected None, got {got}")
-            continue
+            return
         expect(got is not None, f"back_off({s}): returned None, expected {want}")
         expect(got.effective_batch == s.effective_batch,
                f"back_off({s}): effective batch {got.micro_batch} x {got.grad_accum} = {got.effective_batch}, "
                f"expected {s.effective_batch} (the trainer must see the same data per optimizer step)")
-        expect_equal(f"back_off({s})", got, want)
+        expect_equal(f"back_off({s}): the knobs the trainer uses", _what_trains(got), _what_trains(want))
+
+    differential(BACK_OFF_SPACE, run, edges=[{"stack": s} for s in _BACK_OFF_CASES], examples=80)
 
 
 # ----------------------------------------------------------------------------- 07.atomic_write
-def _fd_path(n: int) -> str | None:
-    """The path an open descriptor names (Linux's /proc/self/fd), or None where that is not available."""
+_OBSERVED = ("fsync", "fdatasync", "sync", "replace", "rename")
+
+
+def _content_of_fd(fd: int) -> bytes:
+    """The bytes of the file open as ``fd`` (a write-only descriptor too: reopened through /proc on Linux)."""
     try:
-        return str(Path(os.readlink(f"/proc/self/fd/{n}")).resolve())
+        rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
     except OSError:
-        return None
+        size = os.fstat(fd).st_size
+        return os.pread(fd, size, 0)
+    try:
+        with os.fdopen(rfd, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
-class _Spy:
-    """Records os.fsync / os.replace / os.rename while a writer runs (patched on the os module): for an
-    fsync, whether it is a directory, its path and the file's size on disk at that moment (what a power
-    cut would keep); for a rename, the source's directory and path."""
+class _PowerCut:
+    """What a power cut could leave under ``target``'s name at every step of one write.
 
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str]] = []
-        self.details: list[dict] = []
-        self._orig = {n: getattr(os, n) for n in ("fsync", "replace", "rename")}
+    os.fsync, os.fdatasync, os.sync, os.replace and os.rename are observed, in the os module and wherever the
+    answer's own globals bound them (``from os import replace``), then done for real: the answer may use any of
+    them, the check judges the file. The model is a journaling file system's (Linux ext4, data=ordered): a file's
+    bytes are durable as they were at its last fsync or fdatasync, or anything in between when it changed since;
+    the directory's entries change in order and are durable from the directory's last fsync (or os.sync). Before
+    each observed call, and after the write returns, every state a crash could leave is recorded."""
 
-    def __enter__(self) -> "_Spy":
-        orig = self._orig
+    def __init__(self, target: Path, answer: tuple[dict | None, list]) -> None:
+        self.target, self.dir = target, target.parent
+        answer_globals, self.cells = answer
+        self.dir_ino = os.stat(self.dir).st_ino
+        self.globals = answer_globals
+        st = os.stat(target) if target.exists() else None
+        self.bound = st.st_ino if st else None  # the inode under the name now
+        self.durable_bound = self.bound  # ... and after a power cut, once the directory is synced
+        self.pending: list[int | None] = []  # the name's bindings since the directory's last sync, in order
+        self.durable: dict[int, bytes] = {st.st_ino: target.read_bytes()} if st else {}
+        self.crashes: list[tuple[str, list]] = []  # (when, the states a power cut then could leave)
+        self.renamed_from: list[str] = []
 
-        def fsync(fd):
+    def _now(self, ino: int | None) -> bytes | None:
+        """The bytes of inode ``ino`` now, when it is the one under the name (else what is durable)."""
+        if ino is not None and ino == self.bound and self.target.exists():
+            return self.target.read_bytes()
+        return self.durable.get(ino) if ino is not None else None
+
+    def crash(self, when: str) -> None:
+        states = []
+        for ino in dict.fromkeys([self.durable_bound, *self.pending]):
+            if ino is None:
+                states.append(("gone", None))
+            elif ino not in self.durable:
+                states.append(("never synced", self._now(ino)))
+            elif self._now(ino) != self.durable[ino]:
+                states.append(("changed since its last sync", self._now(ino)))
+            else:
+                states.append(("durable", self.durable[ino]))
+        self.crashes.append((when, states))
+
+    def _observed(self, name: str, real):
+        def fsync_like(fd):
             n = fd if isinstance(fd, int) else fd.fileno()
             st = os.fstat(n)
-            kind = "dir" if stat.S_ISDIR(st.st_mode) else "file"
-            self.events.append(("fsync", kind))
-            self.details.append({"path": _fd_path(n), "size": st.st_size})
-            return orig["fsync"](fd)
+            if stat.S_ISDIR(st.st_mode):
+                self.crash(f"just before the {name} of a directory")
+                real(fd)
+                if st.st_ino == self.dir_ino:
+                    self.durable_bound, self.pending = self.bound, []
+                return None
+            self.crash(f"just before os.{name} of a file ({st.st_size:,} bytes)")
+            real(fd)
+            self.durable[st.st_ino] = _content_of_fd(n)
+            return None
 
-        def replace(src, dst, *a, **k):
-            src_path = Path(os.fspath(src)).resolve()
-            self.events.append(("replace", str(src_path.parent)))
-            self.details.append({"path": str(src_path), "size": None})
-            return orig["replace"](src, dst, *a, **k)
+        def sync():
+            self.crash("just before os.sync()")
+            real()
+            if self.bound is not None:
+                self.durable[self.bound] = self.target.read_bytes()
+            self.durable_bound, self.pending = self.bound, []
 
-        def rename(src, dst, *a, **k):
-            src_path = Path(os.fspath(src)).resolve()
-            self.events.append(("replace", str(src_path.parent)))
-            self.details.append({"path": str(src_path), "size": None})
-            return orig["rename"](src, dst, *a, **k)
+        def rename_like(src, dst, *a, **k):
+            src_p, dst_p = Path(os.fspath(src)).resolve(), Path(os.fspath(dst)).resolve()
+            self.crash(f"just before os.{name}({src_p.name!r} -> {dst_p.name!r})")
+            src_ino = os.stat(src_p).st_ino if src_p.exists() else None
+            out = real(src, dst, *a, **k)
+            target = self.target.resolve()
+            if dst_p == target:
+                self.renamed_from.append(str(src_p.parent))
+                self.bound = src_ino
+                self.pending.append(self.bound)
+            elif src_p == target:
+                self.bound = None
+                self.pending.append(None)
+            return out
 
-        os.fsync, os.replace, os.rename = fsync, replace, rename
+        return {"sync": sync, "replace": rename_like, "rename": rename_like}.get(name, fsync_like)
+
+    def __enter__(self) -> "_PowerCut":
+        self.real = {n: getattr(os, n) for n in _OBSERVED if hasattr(os, n)}
+        spies = {n: self._observed(n, f) for n, f in self.real.items()}
+        for n, f in spies.items():
+            setattr(os, n, f)
+        self.rebound, self.recelled = [], []
+        for key, value in list((self.globals or {}).items()):
+            for n, f in self.real.items():
+                if value is f:  # the answer imported it by name: observe that name too
+                    self.globals[key] = spies[n]
+                    self.rebound.append((key, value))
+        for cell in self.cells:  # ... or holds it in a closure
+            for n, f in self.real.items():
+                if cell.cell_contents is f:
+                    cell.cell_contents = spies[n]
+                    self.recelled.append((cell, f))
         return self
 
     def __exit__(self, *exc) -> None:
-        os.fsync, os.replace, os.rename = self._orig["fsync"], self._orig["replace"], self._orig["rename"]
+        for n, f in self.real.items():
+            setattr(os, n, f)
+        for key, value in self.rebound:
+            self.globals[key] = value
+        for cell, value in self.recelled:
+            cell.cell_contents = value
+        if exc[0] is None:
+            self.crash("after atomic_write returned")
 
 
-def _check_durability(spy: _Spy, d: Path, nbytes: int, what: str) -> None:
-    """The temp file (the renamed one) fsync'ed with all ``nbytes`` on disk before the rename, and the
-    target's directory fsync'ed after it."""
-    ev, det = spy.events, spy.details
-    replaces = [i for i, e in enumerate(ev) if e[0] == "replace"]
-    expect(len(replaces) >= 1, f"atomic_write ({what}): no os.replace / os.rename seen: write a temp file and rename "
-           "it onto the path (a copy or a direct write can be torn)")
-    r = replaces[-1]
-    expect(ev[r][1] == str(d.resolve()),
-           f"atomic_write ({what}): the temp file was in {ev[r][1]}, not in the target's directory {d}: a rename is "
-           "only atomic within one file system, so create the temp file next to the target")
-    expect(("fsync", "file") in ev[:r], f"atomic_write ({what}): the temp file was not os.fsync'ed before the rename: "
-           "after a power cut the rename can survive while the data does not")
-    tmp = det[r]["path"]
-    syncs = [det[i] for i in range(r) if ev[i] == ("fsync", "file") and det[i]["path"] in (None, tmp)]
-    expect(bool(syncs), f"atomic_write ({what}): the file fsync'ed before the rename is not the temp file that was "
-           "renamed")
-    sizes = [x["size"] for x in syncs]
-    expect(max(sizes) == nbytes,
-           f"atomic_write ({what}): when the temp file was fsync'ed it held {max(sizes):,} of the {nbytes:,} bytes on "
-           "disk: fsync after the last write, and flush Python's buffer first (f.flush(), then os.fsync(f.fileno())): "
-           "fsync only makes durable what the OS already has")
-    after = [i for i in range(r + 1, len(ev)) if ev[i] == ("fsync", "dir")]
-    expect(bool(after), f"atomic_write ({what}): the directory was not fsync'ed after the rename "
-           "(os.open(dir, os.O_RDONLY), os.fsync, os.close): the new name itself may not be durable")
-    paths = {det[i]["path"] for i in after}
-    expect(None in paths or str(d.resolve()) in paths,
-           f"atomic_write ({what}): the directory fsync'ed after the rename was {sorted(p for p in paths if p)}, not the "
-           f"target's directory {d}: the new name is an entry of the target's directory")
+def _answer_names(fn) -> tuple[dict | None, list]:
+    """The globals of the answer's code and the closure cells of its functions (their nested ones too)."""
+    import inspect
+
+    f = inspect.unwrap(fn)
+    while isinstance(f, functools.partial):
+        f = inspect.unwrap(f.func)
+    cells, seen, todo = [], set(), [f]
+    while todo:
+        g = todo.pop()
+        if id(g) in seen:
+            continue
+        seen.add(id(g))
+        for cell in getattr(g, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            cells.append(cell)
+            if callable(value) and hasattr(value, "__code__"):
+                todo.append(value)
+    return getattr(f, "__globals__", None), cells
+
+
+def _judge_power_cuts(cut: _PowerCut, old: bytes | None, new: bytes, what: str) -> None:
+    """Every state a power cut could leave is the old file or the new one, and once the write returned only
+    the new one; the renamed file came from the target's directory."""
+    expect(bool(cut.renamed_from), f"atomic_write ({what}): the file under the name was never replaced by a rename: write "
+           "a temp file and rename it onto the path (os.replace): a copy or a direct write can be torn")
+    expect(all(d == str(cut.dir.resolve()) for d in cut.renamed_from),
+           f"atomic_write ({what}): the temp file was in {cut.renamed_from[-1]}, not in the target's directory "
+           f"{cut.dir}: a rename is only atomic within one file system, so create the temp file next to the target")
+    ok = {new} if old is None else {old, new}
+    for when, states in cut.crashes:
+        final = when.startswith("after")
+        for kind, data in states:
+            if kind == "durable" and data in ({new} if final else ok):
+                continue
+            if kind == "gone" and old is None and not final:
+                continue  # a new file: before it is durable, no file is the old state
+            if kind == "durable" and final and data == old:
+                raise AssertionError(
+                    f"atomic_write ({what}): after it returned, a power cut could still bring back the old file: the "
+                    "rename is not durable until the directory is fsync'ed (os.open(dir, os.O_RDONLY), os.fsync, "
+                    "os.close) after it")
+            shown = ("no file at all" if kind == "gone" else
+                     f"a file whose bytes were {kind} ({'unknown' if data is None else f'{len(data):,} bytes now'})"
+                     if kind != "durable" else f"{len(data):,} bytes that are neither the old file nor the new one")
+            if final and kind == "gone":
+                raise AssertionError(
+                    f"atomic_write ({what}): after it returned, a power cut could leave no file under the name: the "
+                    "rename is not durable until the directory is fsync'ed (os.open(dir, os.O_RDONLY), os.fsync, "
+                    "os.close) after it")
+            hint = {"never synced": "fsync (or fdatasync) the temp file after its last write, and flush Python's "
+                                    "buffer first, before the rename: a rename can reach the disk before the data",
+                    "changed since its last sync": "fsync after the last write and flush (f.flush(), then "
+                                                   "os.fsync(f.fileno())): fsync only makes durable what the OS has",
+                    "gone": "never leave the name without a complete file (no moving the old file away)",
+                    "durable": "write the temp file completely before it replaces the old one"}[kind]
+            raise AssertionError(f"atomic_write ({what}): a power cut {when} could leave {cut.target.name} as "
+                                 f"{shown}: {hint}")
 
 
 def _killed_in_child(fn, path: Path, chunks: list[bytes], kill_after: int) -> int:
@@ -228,28 +400,51 @@ def _killed_in_child(fn, path: Path, chunks: list[bytes], kill_after: int) -> in
     return status
 
 
+# sizes and chunkings of the written file: empty chunks, one byte, many chunks, a large one
+WRITE_SPACE = Space(chunks=ints(1, 6), size=one_of(1, 100, 4096, 70_000, 0), existing=flags(), empty=flags())
+
+
 @register("07.atomic_write", reference=lambda: training_state.atomic_write, title="atomic checkpoint writer", timeout=120)
 def check_atomic_write(fn) -> None:
     """Grade exercise ``07.atomic_write``: atomic checkpoint writer."""
     expect(callable(fn), f"atomic_write: expected a function, got {type(fn).__name__}")
     d = Path(tempfile.mkdtemp(prefix="memlab-07-"))
+    answer_names = _answer_names(fn)
     try:
         target = d / "model.ckpt"
         old = b"OLD complete checkpoint " * 1000
         new = [b"NEW header|", b"x" * 50_000, b"y" * 50_000, b"|NEW end"]
-        # 1. a plain write, then an overwrite, with the durability calls in the right order
-        with _Spy() as spy:
-            fn(target, [old])
-        expect(target.exists() and target.read_bytes() == old,
-               "atomic_write(path, [data]): the file does not hold exactly the bytes written")
-        _check_durability(spy, d, len(old), "a new file")
-        with _Spy() as spy:
-            fn(target, iter(new))
-        expect(target.read_bytes() == b"".join(new),
-               "atomic_write(path, chunks): overwriting an existing file did not leave exactly the new bytes")
-        _check_durability(spy, d, len(b"".join(new)), "overwriting a file, 4 chunks")
-        leftovers = sorted(p.name for p in d.iterdir() if p != target)
-        expect(not leftovers, f"atomic_write: files left next to the target after a successful write: {leftovers}")
+
+        def write(chunks: list[bytes], what: str) -> None:
+            before = target.read_bytes() if target.exists() else None
+            with _PowerCut(target, answer_names) as cut:
+                fn(target, iter(chunks))
+            expect(target.read_bytes() == b"".join(chunks),
+                   f"atomic_write ({what}): the file does not hold exactly the bytes written")
+            _judge_power_cuts(cut, before, b"".join(chunks), what)
+            leftovers = sorted(p.name for p in d.iterdir() if p != target)
+            expect(not leftovers, f"atomic_write ({what}): files left next to the target after a successful write: "
+                                  f"{leftovers}")
+
+        # 1. a new file, then an overwrite: a power cut at every step leaves the old file or the new one
+        write([old], "a new file")
+        write(new, "overwriting a file, 4 chunks")
+
+        def run(case) -> None:
+            if not case.existing:
+                target.unlink(missing_ok=True)
+            else:
+                target.write_bytes(old)
+            body = bytes(range(256)) * (case.size // 256 + 1)
+            body = body[: case.size]
+            cut = [len(body) * i // case.chunks for i in range(case.chunks + 1)]
+            chunks = [body[a:b] for a, b in zip(cut, cut[1:])]
+            if case.empty:  # empty chunks (a zero-length tensor's bytes) first and in the middle
+                chunks = [b"", *chunks[: len(chunks) // 2], b"", *chunks[len(chunks) // 2:]]
+            write(chunks, f"{len(chunks)} chunk(s){' (some empty)' if case.empty else ''}, {case.size:,} bytes, "
+                          f"{'over a file' if case.existing else 'a new file'}")
+
+        differential(WRITE_SPACE, run, edges=[dict(chunks=2, size=100, existing=True, empty=True)], examples=6)
         # 2. an error while writing: the old file stays, the temp file goes
         target.write_bytes(old)
 

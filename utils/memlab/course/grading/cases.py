@@ -89,8 +89,11 @@ def _hypothesis() -> Any:
 
 
 def ints(lo: int, hi: int) -> Any:
-    """Integers ``lo..hi`` (both included); shrinks toward ``lo``."""
-    return _hypothesis()[1].integers(lo, hi)
+    """Integers ``lo..hi`` (both included), about evenly spread over the range; shrinks toward ``lo``.
+
+    (hypothesis's own ``integers`` favours the ends: with the few dozen cases a check draws, half were ``lo``.)"""
+    st = _hypothesis()[1]
+    return st.sampled_from(range(lo, hi + 1)) if hi - lo <= 1 << 16 else st.integers(lo, hi)
 
 
 def floats(lo: float, hi: float, *, log: bool = False) -> Any:
