@@ -137,6 +137,16 @@ def test_incoming_gradient_scales_and_frozen_inputs_get_none():
     assert _rel(dh2, torch.autograd.grad(reference(h, w_frozen, t), (h,))[0]) <= 1e-12
 
 
+def test_negative_and_zero_incoming_gradients():
+    h, w, b, t = _inputs(bias=True, seed=8)
+    for scale in (-2.0, 0.0):
+        got = torch.autograd.grad(scale * ml.fused_linear_cross_entropy(h, w, t, bias=b, chunk_size=6, softcap=4.0,
+                                                                        z_loss=1e-2), (h, w, b))
+        want = torch.autograd.grad(scale * reference(h, w, t, bias=b, softcap=4.0, z_loss=1e-2), (h, w, b))
+        for g_, w_ in zip(got, want):
+            assert not g_.isnan().any() and (g_ - w_).abs().max() <= 1e-12 * max(1.0, w_.abs().max().item())
+
+
 def test_tied_embedding_gradients_accumulate():
     g = torch.Generator().manual_seed(3)
     emb = torch.nn.Embedding(50, 8).double()
@@ -559,3 +569,4 @@ def test_bench_rejects_bad_arguments():
         bench.main(["--tokens", "0"])
     with pytest.raises(SystemExit):
         bench.main(["--only", "nope"])
+

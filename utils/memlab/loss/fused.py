@@ -124,7 +124,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         acc = lse.dtype
         valid = targets != ignore_index
         safe = torch.where(valid, targets, 0)
-        row_scale = torch.where(valid, grad_loss.to(acc) / denom, 0).to(acc)  # g / n, 0 for ignored tokens
+        # |g| / n per token (0 for ignored ones), folded into the exponent: exp(z - lse + log(|g| / n)); the sign of
+        # g multiplies the (N, H) and (V, H) results instead of every chunk
+        row_scale = torch.where(valid, grad_loss.to(acc).abs() / denom, 0).to(acc)
+        shift = lse - row_scale.log()  # +inf for an ignored token: its softmax row comes out 0
+        sign = torch.sign(grad_loss.to(acc))
         factor = 1 + 2 * z_loss * lse if z_loss else None  # z-loss: softmax scaled by 1 + 2 z_loss lse
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
@@ -136,7 +140,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 sl = slice(s, s + chunk_size)
                 with torch.autocast(hidden.device.type, dtype=autocast_dtype, enabled=autocast_on):
                     z = scratch.logits(h, weight, bias)  # the forward's logits again, under its autocast
-                g = chunk_grad_logits(z, lse[sl], safe[sl], row_scale[sl], None if factor is None else factor[sl],
+                g = chunk_grad_logits(z, shift[sl], safe[sl], row_scale[sl], None if factor is None else factor[sl],
                                       softcap, None if softcap is None else scratch.second(h.shape[0]))
                 gl = scratch.lowered(g)
                 if grad_h is not None:
@@ -150,25 +154,26 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                     grad_b += g.sum(0)
                 del z, g, gl
         del scratch
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None,
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+        grads = [None if x is None else x.mul_(sign) for x in (grad_h, grad_w, grad_b)]
+        return (grads[0], None if grads[1] is None else grads[1].to(weight.dtype), None,
+                None if grads[2] is None else grads[2].to(bias.dtype), None, None, None, None, None)
 
 
-def chunk_grad_logits(z: torch.Tensor, lse: torch.Tensor, safe: torch.Tensor, row_scale: torch.Tensor,
+def chunk_grad_logits(z: torch.Tensor, shift: torch.Tensor, safe: torch.Tensor, row_scale: torch.Tensor,
                       factor: torch.Tensor | None, softcap: float | None,
                       capped: torch.Tensor | None = None) -> torch.Tensor:
-    """dL/dz of one chunk from its logits ``z`` (overwritten) and the saved logsumexp:
-    ``(softmax * factor - onehot(safe)) * row_scale``, times the soft-cap's ``1 - tanh^2``. With a
+    """dL/dz of one chunk (for a positive incoming gradient) from its logits ``z`` (overwritten):
+    ``(softmax * factor - onehot(safe)) * row_scale``, times the soft-cap's ``1 - tanh^2``, with the
+    softmax times ``row_scale`` computed as ``exp(z - shift)``, ``shift = lse - log(row_scale)``. With a
     soft-cap the result is written into ``capped`` (a second buffer like ``z``, or None for a new one)."""
     y = None
     if softcap is not None:
         y = z.div_(softcap).tanh_()  # tanh(z / c), kept for the derivative
         z = torch.mul(y, softcap, out=capped) if capped is not None else y * softcap
-    g = z.sub_(lse[:, None]).exp_()  # softmax, from the forward's logsumexp
+    g = z.sub_(shift[:, None]).exp_()  # softmax * row_scale, from the forward's logsumexp
     if factor is not None:
         g.mul_(factor[:, None])
-    g.scatter_add_(1, safe[:, None], torch.full_like(lse, -1.0)[:, None])
-    g.mul_(row_scale[:, None])
+    g.scatter_add_(1, safe[:, None], row_scale.neg()[:, None])
     if y is not None:
         g.mul_(y.mul_(y).neg_().add_(1.0))  # d(c tanh(z / c))/dz = 1 - tanh^2
     return g
