@@ -245,6 +245,25 @@ def test_allocator_peak_fused_far_below_materialised():
     assert fused <= 2 * v * hdim * 4 + 3 * 256 * v * 4 + n * hdim * 8, fused  # dW (+ its fp32 copy), chunks, dh
 
 
+def test_bf16_head_gradient_accumulates_in_fp32_without_a_parameter_sized_temporary():
+    """bf16: the fp32 (V, H) accumulator and, at the end, its bf16 cast are the only head-sized tensors; a
+    per-chunk (V, H) product cast to fp32 would add 1.5x the accumulator on top."""
+    from memlab.profiler import allocator_peak
+
+    n, v, hdim, chunk = 512, 32_000, 256, 64
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(n, hdim, generator=g).bfloat16().requires_grad_(True)
+    w = (torch.randn(v, hdim, generator=g) * 0.05).bfloat16().requires_grad_(True)
+    t = torch.randint(0, v, (n,), generator=g)
+
+    def step():
+        dh, dw = torch.autograd.grad(ml.fused_linear_cross_entropy(h, w, t, chunk_size=chunk), (h, w))
+        assert dw.dtype == torch.bfloat16
+        del dh, dw
+
+    peak = allocator_peak(step)[0]
+    assert peak <= v * hdim * (4 + 2) + chunk * v * (4 + 2) + n * hdim * 8, peak
+
 # ----------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("fn", [ml.fused_linear_cross_entropy, ml.chunked_cross_entropy,
                                 ml.triton_fused_linear_cross_entropy], ids=lambda f: f.__name__)

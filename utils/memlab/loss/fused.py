@@ -146,10 +146,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 if grad_h is not None:
                     torch.mm(gl, weight, out=grad_h[sl])
                 if grad_w is not None:
-                    if gl.dtype == acc:
-                        grad_w.addmm_(gl.t(), h)
-                    else:
-                        grad_w += (gl.t() @ h).to(acc)
+                    accumulate_weight_grad(grad_w, g, gl, h)
                 if grad_b is not None:
                     grad_b += g.sum(0)
                 del z, g, gl
@@ -157,6 +154,23 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grads = [None if x is None else x.mul_(sign) for x in (grad_h, grad_w, grad_b)]
         return (grads[0], None if grads[1] is None else grads[1].to(weight.dtype), None,
                 None if grads[2] is None else grads[2].to(bias.dtype), None, None, None, None, None)
+
+
+def accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, gl: torch.Tensor, h: torch.Tensor) -> None:
+    """``grad_w += g^T h`` in ``grad_w``'s (accumulation) dtype, with no ``(V, H)`` temporary: ``g`` is the
+    chunk's gradient in that dtype, ``gl`` the same in the inputs' dtype. On CUDA a low-precision matmul
+    writes fp32 itself (``addmm(out_dtype=)``, as Liger-Kernel does); elsewhere the matmul runs in fp32
+    (a ``(V, H)`` product cast afterwards would cost a parameter-sized temporary per chunk)."""
+    if gl.dtype == grad_w.dtype:
+        grad_w.addmm_(gl.t(), h)
+        return
+    if grad_w.is_cuda:
+        try:
+            torch.addmm(grad_w, gl.t(), h, out_dtype=grad_w.dtype, out=grad_w)
+            return
+        except (RuntimeError, TypeError):  # a torch or GPU without the fp32-output low-precision matmul
+            pass
+    grad_w.addmm_(g.t(), h.to(grad_w.dtype))
 
 
 def chunk_grad_logits(z: torch.Tensor, shift: torch.Tensor, safe: torch.Tensor, row_scale: torch.Tensor,
