@@ -434,9 +434,8 @@ def test_rank_peaks_counts_the_allocator_beside_the_tracker():
     for rank, runs in enumerate(D.launch(_peaks_small, 2, timeout=240)):
         for s, r in enumerate(runs):
             assert r["closed"] and 1 <= r["tries"] <= 16 and r["allocator_peak"] == r["held"] + r["allocator_rise"]
-            if s < 3:  # nothing hidden from the tracker. On this model DP peaks in backward, where a dispatch mode
-                # changes a few small allocations (976 B measured; see tests/ground_truth): within 2 KiB
-                assert abs(r["tracker_peak"] - r["allocator_peak"]) <= 2048, (s, r)
+            if s < 3:  # nothing hidden from the tracker; its run makes a few scalars more (48 B measured)
+                assert 0 <= r["tracker_peak"] - r["allocator_peak"] <= 256, (s, r)
         peaks = [r["allocator_peak"] for r in runs]
         assert peaks[0] > peaks[1] > peaks[2], peaks
     with pytest.raises(ValueError, match="tries=0"):

@@ -234,8 +234,8 @@ def rank_peaks(rank: int, world_size: int, stage: int, *, tries: int = 16, batch
     closed = False
     for k in range(1, tries + 1):
         held = sum(rank_bytes(model, opt).values())
-        # the batch is made inside the counted window, as the step's own allocation
-        rise, end = allocator_peak(lambda: _step(model, opt, stage, world_size, xs.clone(), ys.clone()))
+        # the same batch tensors, made before, in every counted step and in the tracked one: neither counts them
+        rise, end = allocator_peak(lambda: _step(model, opt, stage, world_size, xs, ys))
         if not closed and (end == 0 or best is None or held + rise < sum(best)):
             best, closed = (held, rise), end == 0
         # every rank runs as many steps as the others (their collectives pair up): go on until all have one closed
