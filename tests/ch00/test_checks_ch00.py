@@ -122,3 +122,28 @@ def test_saved_storages_are_told_apart_by_identity():
     assert accounting.saved_activation_bytes(reused, w) == 3 * 4096
     assert accounting.saved_activation_bytes(lambda t: (t[8:].exp() * t[8:]).sum() + (t * t).sum(), w) == 4096 + 24 * 32 * 4
     assert accounting.saved_activation_bytes(lambda t: (t[28:] * t[28:]).sum(), w) == 4096
+
+
+def test_saved_bytes_keyed_by_address_with_the_tensors_held_passes():
+    """A right answer written another way (issue 35): storages keyed by their address, each saved tensor held
+    until the count is done, so no freed block can lend its address to another storage."""
+    from torch import nn
+
+    def saved_bytes(fn, *args):
+        params = {p.untyped_storage().data_ptr() for p in (list(fn.parameters()) + list(fn.buffers())
+                                                           if isinstance(fn, nn.Module) else [])}
+        held, sizes = [], {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                held.append(t)
+                sizes[(t.device, st.data_ptr())] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(*args)
+        return sum(sizes.values())
+
+    r = check("00.saved_bytes", saved_bytes, quiet=True)
+    assert r.status == "pass" and r.points == 1.0, r.message

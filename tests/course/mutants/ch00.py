@@ -363,3 +363,100 @@ MUTANTS["00.predict_peak"] += [
     ("foreach AdamW temporaries", peak_foreach_temporaries),
     ("a numpy float", peak_numpy),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds that passed unseen
+def states_in_floats(n_params, recipe):
+    """Bytes per parameter as floats, then int(): exact below 2**53 / 16 parameters, off above it."""
+    per = {"fp32-adamw": (4.0, 4.0, 8.0), "fp32-sgd": (4.0, 4.0, 0.0), "mixed-adamw": (2.0, 2.0, 12.0)}[recipe]
+    out = {k: int(v * n_params) for k, v in zip(("weights", "gradients", "optimizer"), per)}
+    out["total"] = int(sum(per) * n_params)
+    return out
+
+
+def states_default_recipe(n_params, recipe):
+    """An unknown recipe falls back to fp32-adamw (a guess instead of an error)."""
+    table = {"fp32-adamw": (4, 4, 8), "fp32-sgd": (4, 4, 0), "mixed-adamw": (2, 2, 12)}
+    return _states(table)(n_params, recipe if recipe in table else "fp32-adamw")
+
+
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "step")
+
+
+def state_bytes_known_keys(optimizer):
+    """Counts only the keys of Adam and SGD (every graded optimizer's): RMSprop's square_avg, Adagrad's sum missed."""
+    seen = {}
+    for st in optimizer.state.values():
+        for k, v in st.items():
+            if k in _ADAM_KEYS and isinstance(v, torch.Tensor):
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def state_bytes_ignores_frozen_groups(optimizer):
+    """Counts the state of the first parameter group only (one group in most graded optimizers)."""
+    seen = {}
+    for p in optimizer.param_groups[0]["params"]:
+        for v in optimizer.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor):
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def activation_bytes_table(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):
+    """Element sizes from a table of the graded ones (2 and 4 bytes): 1-byte (fp8) and 8-byte (fp64) activations fail."""
+    e = {2: 2, 4: 4}[act_bytes]
+    m = {0: 0, 1: 1, 2: 2, 4: 4}[mask_bytes]
+    s, b, h, a = seq_len, batch_size, hidden, n_heads
+    return s * b * h * (16 * e + 2 * m) + a * s * s * b * ((2 * e + m) if m else e)
+
+
+def activation_bytes_one_byte_masks(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1):
+    """Any dropout costs 1-byte masks (the paper's): mask_bytes=2 or 4 counted as 1."""
+    s, b, h, a, e = seq_len, batch_size, hidden, n_heads, act_bytes
+    m = 1 if mask_bytes else 0
+    return s * b * h * (16 * e + 2 * m) + a * s * s * b * ((2 * e + m) if m else e)
+
+
+def saved_bytes_fp32_elements(fn, *args):
+    """4 bytes per element of each saved storage (every graded tensor is float32): bf16, fp16, fp64 miscounted."""
+    seen = {}
+    skip = {id(p) for p in (list(fn.parameters()) + list(fn.buffers()) if isinstance(fn, nn.Module) else [])}
+
+    def pack(t):
+        if id(t) not in skip:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = (st, 4 * st.nbytes() // t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(n for _, n in seen.values())
+
+
+def saved_bytes_hooks_left(fn, *args):
+    """Finds the saved tensors with forward hooks on every submodule, and never removes them."""
+    from memlab.accounting import saved_activation_bytes
+
+    if isinstance(fn, nn.Module):
+        for m in fn.modules():
+            m.register_forward_hook(lambda mod, inp, out: None)
+    return saved_activation_bytes(fn, *args)
+
+
+MUTANTS["00.model_state_bytes"] += [
+    ("bytes computed in floats", states_in_floats),
+    ("an unknown recipe taken as fp32-adamw", states_default_recipe),
+]
+MUTANTS["00.optimizer_state_bytes"] += [
+    ("only Adam's and SGD's state keys", state_bytes_known_keys),
+    ("first parameter group only", state_bytes_ignores_frozen_groups),
+]
+MUTANTS["00.activation_bytes"] += [
+    ("element sizes from a table of 2 and 4", activation_bytes_table),
+    ("1-byte masks for any dropout", activation_bytes_one_byte_masks),
+]
+MUTANTS["00.saved_bytes"] += [
+    ("4 bytes per element", saved_bytes_fp32_elements),
+    ("forward hooks left on the module", saved_bytes_hooks_left),
+]

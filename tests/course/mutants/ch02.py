@@ -709,3 +709,178 @@ MUTANTS["02.predict_ckpt_peak"] += [
     ("k - 2 boundaries", peak_k_minus_2_boundaries),
     ("no MLP-hidden gradient in the working set", peak_no_hidden_grad),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds that passed unseen
+# hygiene (inputs changed, references kept, state on the class), constants tuned to the graded inputs, the input
+# space not covered (dtypes, layouts, depths)
+_KEPT: list = []
+
+
+def count_keeps_saved_tensors(fn, *args):
+    """Right count, but every saved tensor goes into a module-level list "to inspect later": kept alive."""
+    def pack(t):
+        _KEPT.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    from memlab.checkpoint import count_saved_tensors
+
+    return count_saved_tensors(fn, *args)
+
+
+def _count_elements(fn, args):
+    seen: dict = {}
+    skip = {p.untyped_storage().data_ptr() for p in list(fn.parameters()) + list(fn.buffers())} if isinstance(fn, nn.Module) else set()
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = 4 * (st.nbytes() // t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return len(seen), sum(seen.values())
+
+
+def count_numel_bytes(fn, *args):
+    """A storage's bytes as numel() x element_size() of the first tensor seen on it: right for a contiguous
+    tensor, half the storage for every other element of a longer one."""
+    seen: dict = {}
+    skip = {p.untyped_storage().data_ptr() for p in list(fn.parameters()) + list(fn.buffers())} if isinstance(fn, nn.Module) else set()
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in skip and key not in seen:
+            seen[key] = t.numel() * t.element_size() if t.storage_offset() == 0 else t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return len(seen), sum(seen.values())
+
+
+class _Float32Recompute(torch.autograd.Function):
+    """Recomputes on x.float() (every graded block is float32): a float64 block gets float32 gradients."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.rng = torch.get_rng_state()
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        outer = torch.get_rng_state()
+        torch.set_rng_state(ctx.rng)
+        try:
+            with torch.enable_grad():
+                xd = x.detach().float().requires_grad_(True)
+                out = ctx.fn.float()(xd) if isinstance(ctx.fn, nn.Module) else ctx.fn(xd)
+                torch.autograd.backward(out, g.float())
+        finally:
+            torch.set_rng_state(outer)
+        return None, xd.grad.to(x.dtype)
+
+
+def ckpt_float32_recompute(fn, x):
+    return _Float32Recompute.apply(fn, x)
+
+
+_OUTPUTS: list = []
+
+
+def ckpt_keeps_outputs(fn, x):
+    """memlab's checkpoint, and each output kept in a list for a plot later: the graphs live on."""
+    from memlab.checkpoint import checkpoint_reentrant
+
+    out = checkpoint_reentrant(fn, x)
+    _OUTPUTS.append(out)
+    return out
+
+
+class SnapshotOnTheClass:
+    """The state saved on the class (one slot for every snapshot): a second snapshot overwrites the first's."""
+
+    state = None
+
+    def __init__(self):
+        type(self).state = torch.get_rng_state()
+
+    @contextmanager
+    def replay(self):
+        outer = torch.get_rng_state()
+        torch.set_rng_state(type(self).state)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(outer)
+
+
+def seq_pops_the_callers_list(modules, segments, x):
+    """Takes each segment off the caller's list with pop(0): right numbers, the caller's model emptied."""
+    from memlab.checkpoint import split_segments
+
+    bounds = split_segments(len(modules), segments)
+    for j, (a, b) in enumerate(bounds):
+        chunk = [modules.pop(0) for _ in range(b - a)]
+        run = _run(chunk)
+        x = run(x) if j == len(bounds) - 1 else checkpoint(run, x)
+    return x
+
+
+def seq_at_most_4_segments(modules, segments, x):
+    """Caps k at 4 ("more segments never help": every graded k is at most 4)."""
+    from memlab.checkpoint import checkpoint_sequential
+
+    return checkpoint_sequential(modules, min(segments, 4), x)
+
+
+def seq_float32_boundaries(modules, segments, x):
+    """Keeps the segment inputs as float32 to save memory (every graded input is float32)."""
+    from memlab.checkpoint import split_segments
+
+    bounds = split_segments(len(modules), segments)
+    dtype = x.dtype
+    for j, (a, b) in enumerate(bounds):
+        run = _run(modules[a:b])
+        x = run(x) if j == len(bounds) - 1 else checkpoint(lambda h, run=run: run(h.to(dtype)), x.float())
+    return x
+
+
+def choose_k_up_to_32(n, b, l, bd):
+    """Tries k = 1..32 only (the graded depths are at most 32)."""
+    return _choose(n, b, l, bd, ks=range(1, min(n, 32) + 1))
+
+
+def choose_int_budget(n, b, l, bd):
+    """Truncates the budget to whole bytes first: a fractional modelled peak exactly at the budget no longer fits."""
+    return _choose(n, int(b), l, bd)
+
+
+MUTANTS["02.count_saved"] += [
+    ("saved tensors kept in a module-level list", count_keeps_saved_tensors),
+    ("4 bytes per element (float32 assumed)", lambda fn, *args: _count_elements(fn, args)),
+    ("numel x element_size of the first view seen", count_numel_bytes),
+]
+MUTANTS["02.checkpoint_function"] += [
+    ("recomputes in float32", ckpt_float32_recompute),
+    ("outputs kept in a module-level list", ckpt_keeps_outputs),
+]
+MUTANTS["02.rng_replay"] += [
+    ("the state on the class, shared by every snapshot", SnapshotOnTheClass),
+]
+MUTANTS["02.checkpoint_sequential"] += [
+    ("segments popped off the caller's list", seq_pops_the_callers_list),
+    ("at most 4 segments", seq_at_most_4_segments),
+    ("float32 segment inputs", seq_float32_boundaries),
+]
+MUTANTS["02.choose_segments"] += [
+    ("k tried up to 32 only", choose_k_up_to_32),
+    ("budget truncated to an int", choose_int_budget),
+]

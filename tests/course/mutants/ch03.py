@@ -653,3 +653,131 @@ class ScalerTensorScale(_Base):
 
 
 MUTANTS["03.loss_scaler"].append(("get_scale() returns a tensor", ScalerTensorScale))
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds that passed unseen
+def uf_view_flat(t, dtype=torch.float16):
+    """Flattens with t.view(-1) (every graded tensor is contiguous): a strided or transposed tensor raises."""
+    from memlab import amp
+
+    return amp.underflow_fraction(t.view(-1), dtype)
+
+
+def uf_half_subnormal_threshold(t, dtype=torch.float16):
+    """Lost when |x| < smallest subnormal / 2, without casting: wrong exactly at the tie (round half to even gives 0)."""
+    tie = torch.finfo(dtype).tiny * torch.finfo(dtype).eps / 2
+    nz = (t != 0) & torch.isfinite(t)
+    n = int(nz.sum())
+    return 0.0 if n == 0 else int((nz & (t.double().abs() < tie)).sum()) / n
+
+
+def us_resets_found_inf(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """Right update, then clears the caller's found_inf "for the next step" (it belongs to the caller)."""
+    from memlab import amp
+
+    amp.update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    found_inf.zero_()
+
+
+def us_capped_at_2_24(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """Never grows the scale past 2**24 (the graded scales stay far below)."""
+    from memlab import amp
+
+    amp.update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    scale.clamp_(max=2.0**24)
+
+
+def ug_via_float32(grads, found_inf, inv_scale):
+    """Multiplies in float32 and copies back (every graded gradient is 16-bit or fp32): fp64 gradients lose bits."""
+    for g in grads:
+        if not torch.isfinite(g).all():
+            found_inf.fill_(1.0)
+        g.copy_(g.float() * inv_scale)
+
+
+def ug_flat_views(grads, found_inf, inv_scale):
+    """Works on g.view(-1) (every graded gradient is contiguous): a transposed or strided gradient raises."""
+    from memlab import amp
+
+    amp.unscale_grads_([g.view(-1) for g in grads], found_inf, inv_scale)
+
+
+class ScalerClassScale(_Base):
+    """The scale lives on the class ("one scaler per run"): a second scaler starts from the first one's scale."""
+
+    s = None
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval)
+        if ScalerClassScale.s is None:
+            ScalerClassScale.s = self.s
+        self.s = ScalerClassScale.s
+
+    def step(self, opt):
+        from memlab import amp
+
+        self.found = torch.zeros(())
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        amp.unscale_grads_(grads, self.found, self.s.double().reciprocal().float())
+        if self.found.item():
+            return False
+        opt.step()
+        return True
+
+
+class ScalerTwoGroups(_Base):
+    """Unscales the first two parameter groups only (the graded optimizer has two)."""
+
+    def step(self, opt):
+        from memlab import amp
+
+        self.found = torch.zeros(())
+        grads = [p.grad for g in opt.param_groups[:2] for p in g["params"] if p.grad is not None]
+        amp.unscale_grads_(grads, self.found, self.s.double().reciprocal().float())
+        if self.found.item():
+            return False
+        opt.step()
+        return True
+
+
+def ms_half_copies(model_params, master_params, optimizer):
+    """Makes the 16-bit copies with .half() (fp16 assumed): a bf16 model becomes fp16."""
+    for p, m in zip(model_params, master_params):
+        m.grad = None if p.grad is None else p.grad.float()
+    optimizer.step()
+    with torch.no_grad():
+        for i, (p, m) in enumerate(zip(model_params, master_params)):
+            p.data = m.detach().half()
+
+
+_LAST_GRADS: list = []
+
+
+def ms_keeps_grads(model_params, master_params, optimizer):
+    """Right step, and the 16-bit gradients kept in a module-level list "for logging": they stay alive."""
+    from memlab import amp
+
+    _LAST_GRADS.append([p.grad for p in model_params])
+    amp.master_step(model_params, master_params, optimizer)
+
+
+MUTANTS["03.underflow_fraction"] += [
+    ("flattened with view(-1)", uf_view_flat),
+    ("the smallest subnormal / 2 as a threshold (no cast)", uf_half_subnormal_threshold),
+]
+MUTANTS["03.update_scale"] += [
+    ("clears the caller's found_inf", us_resets_found_inf),
+    ("scale capped at 2**24", us_capped_at_2_24),
+]
+MUTANTS["03.unscale_grads"] += [
+    ("multiplies in float32 and copies back", ug_via_float32),
+    ("works on view(-1)", ug_flat_views),
+]
+MUTANTS["03.loss_scaler"] += [
+    ("the scale on the class", ScalerClassScale),
+    ("unscales two parameter groups only", ScalerTwoGroups),
+]
+MUTANTS["03.master_step"] += [
+    ("16-bit copies made with .half()", ms_half_copies),
+    ("16-bit gradients kept in a module-level list", ms_keeps_grads),
+]

@@ -21,16 +21,17 @@ from __future__ import annotations
 import collections
 import math
 import sys
+import weakref
 from typing import Any
 
 from memlab.course.grading import register
 from memlab.course.grading.cases import (
-    LAYOUTS, Case, Space, current_pass, differential, flags, floats, ints, layouts, make_tensor, one_of,
+    LAYOUTS, Case, Space, current_pass, differential, flags, floats, ints, layouts, lists_of, make_tensor, one_of,
 )
 
 __all__ = ["register", "expect", "expect_equal", "expect_close", "expect_tensor_close", "expect_type",
            "exact_type", "same_value", "Space", "Case", "differential", "ints", "floats", "one_of", "flags",
-           "layouts", "LAYOUTS", "make_tensor", "current_pass"]
+           "lists_of", "layouts", "LAYOUTS", "make_tensor", "current_pass", "BlockReuse"]
 
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
 
@@ -208,3 +209,27 @@ def expect_tensor_close(name: str, got: Any, want: Any, rtol: float = 1e-5, atol
     diff = (g - w).abs()
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
     raise AssertionError(f"{name}: values differ, max abs diff {diff.max().item():.3g} (rtol={rtol}, atol={atol})")
+
+
+class BlockReuse:
+    """New CPU tensors the way an allocator hands out memory: the next one reuses the last one's bytes (the
+    same address) once that tensor's storage has died, and gets fresh memory while it is still alive.
+
+    A count keyed by storage identity sees each tensor once; one keyed by address sees one block, unless
+    it holds what it counts (then no block is reused). Checks use it for "storages made in turn at one
+    address", so that both right answers pass and only an address-keyed count that lets go fails."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._mem = bytearray(nbytes)
+        self._last: Any = None
+
+    def tensor(self, *shape: int, dtype: Any = None) -> Any:
+        """A float32 (or ``dtype``) tensor of ``shape`` on the pool's block, or on a new one if the last is held."""
+        import torch
+
+        if self._last is not None and self._last() is not None:
+            self._mem = bytearray(self.nbytes)  # the block is still in use: the allocator gives another
+        t = torch.frombuffer(self._mem, dtype=dtype or torch.float32).view(*shape)
+        self._last = weakref.ref(t.untyped_storage())
+        return t

@@ -5,22 +5,41 @@ import torch
 from torch import nn
 
 from memlab import accounting as ref
-from memlab.course.checks import expect, expect_equal, expect_type, register
+from memlab.course.checks import (
+    BlockReuse, Space, differential, expect, expect_equal, expect_type, flags, ints, layouts, lists_of, make_tensor,
+    one_of, register,
+)
+
+
+RECIPES = ("fp32-adamw", "fp32-sgd", "mixed-adamw")
+# any parameter count (0, odd, beyond 2**31, beyond 2**53 where a float is no longer exact), every recipe of the lab
+STATE_SPACE = Space(n=one_of("small", "large", "huge"), m=ints(0, 10**6), recipe=one_of(*RECIPES))
 
 
 @register("00.model_state_bytes", reference=lambda: ref.model_state_bytes, title="bytes of weights, grads, optimizer")
 def check_model_state_bytes(fn):
     """Grade exercise ``00.model_state_bytes``: bytes of weights, grads, optimizer."""
-    for n in (0, 1, 1000, 7_000_000_000):
-        for recipe in ("fp32-adamw", "fp32-sgd", "mixed-adamw"):
-            got = fn(n, recipe)
-            want = ref.model_state_bytes(n, recipe)
-            expect_type(f"model_state_bytes({n}, {recipe!r})", got, dict)
-            for key in ("weights", "gradients", "optimizer", "total"):
-                expect(key in got, f"model_state_bytes({n}, {recipe!r}): the dict has no key {key!r} (keys: {sorted(got)})")
-                expect_equal(f"model_state_bytes({n}, {recipe!r})[{key!r}]", got[key], want[key])
+    def run(case) -> None:
+        n = case.n if isinstance(case.n, int) else {"small": case.m, "large": 7 * case.m + 2**31,
+                                                     "huge": case.m * 10**12 + 2**53 + 1}[case.n]
+        got = fn(n, case.recipe)
+        want = ref.model_state_bytes(n, case.recipe)
+        expect_type(f"model_state_bytes({n}, {case.recipe!r})", got, dict)
+        for key in ("weights", "gradients", "optimizer", "total"):
+            expect(key in got, f"model_state_bytes({n}, {case.recipe!r}): the dict has no key {key!r} (keys: {sorted(got)})")
+            expect_equal(f"model_state_bytes({n}, {case.recipe!r})[{key!r}]", got[key], want[key])
+
+    differential(STATE_SPACE, run, edges=[dict(n=n, m=0, recipe=r) for n in (0, 1, 1000, 7_000_000_000) for r in RECIPES],
+                 examples=40)
     got = fn(7_000_000_000, "fp32-adamw")["total"]
     expect(got == 112_000_000_000, f"7B parameters in fp32 with AdamW: got {got:,} bytes, expected 112,000,000,000 (112 GB)")
+    for bad in ("fp16-adamw", "adamw", ""):
+        try:
+            got = fn(1000, bad)
+        except (KeyError, ValueError):
+            continue
+        raise AssertionError(f"model_state_bytes(1000, {bad!r}): an unknown recipe returned {got!r:.80}; expected an error "
+                             f"(KeyError or ValueError), not a guess")
 
 
 def _model() -> nn.Module:
@@ -72,31 +91,76 @@ def check_optimizer_state_bytes(fn):
         model(torch.randn(4, 16)).square().mean().backward()
         two.step()
     cases["AdamW with two parameter groups after two steps"] = two
-    for name, opt in cases.items():
+    def run(case) -> None:
+        if hasattr(case, "edge"):
+            name, opt = case.edge, cases[case.edge]
+        else:
+            opt = _drawn_optimizer(case)
+            name = f"a drawn optimizer ({case})"
         want = ref.optimizer_state_bytes(opt)
         got = fn(opt)
         expect(type(got) is int, f"{name}: expected an int number of bytes, got {type(got).__name__}")
         expect_equal(f"{name}: state bytes", got, want)
+
+    differential(OPTIMIZER_SPACE, run, edges=[{"edge": k} for k in cases], examples=12)
+
+
+_OPTIMIZERS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3), "Adam amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True),
+    "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3), "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    "Adam capturable": lambda ps: torch.optim.Adam(ps, lr=1e-3, capturable=True),
+}
+# every torch optimizer kind, any dtype of the model, 0-3 steps, one or two parameter groups, a frozen layer
+OPTIMIZER_SPACE = Space(kind=one_of(*_OPTIMIZERS), dtype=one_of(torch.float32, torch.float64, torch.bfloat16),
+                        steps=ints(0, 3), groups=flags(), frozen=flags())
+
+
+def _drawn_optimizer(case) -> torch.optim.Optimizer:
+    model = _model().to(case.dtype)
+    if case.frozen:
+        model[0].requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = ([{"params": [p for p in params if p.dim() > 1]}, {"params": [p for p in params if p.dim() == 1], "lr": 1e-2}]
+              if case.groups else params)
+    opt = _OPTIMIZERS[case.kind](groups)
+    gen = torch.Generator().manual_seed(case.seed)
+    for _ in range(case.steps):
+        model(torch.randn(4, 16, generator=gen).to(case.dtype)).float().square().mean().backward()
+        opt.step()
+    return opt
 
 
 def _model_opt_fresh() -> torch.optim.Optimizer:
     return torch.optim.AdamW(_model().parameters(), lr=1e-3)
 
 
+# any sequence, batch, width and head count (h need not divide a*s), any element and mask sizes (1-byte fp8
+# activations, fp64, no dropout)
+ACTIVATION_SPACE = Space(s=ints(1, 8192), b=ints(1, 64), h=ints(1, 16384), a=ints(1, 128), e=one_of(2, 4, 1, 8, None),
+                         m=one_of(1, 0, 2, 4))
+
+
 @register("00.activation_bytes", reference=lambda: ref.activation_bytes_per_layer, title="activation bytes per layer")
 def check_activation_bytes(fn):
     # the last two: h does not divide a*s (5*a*s/h is not an integer: no integer division)
     """Grade exercise ``00.activation_bytes``: activation bytes per layer."""
-    for s, b, h, a in ((2048, 1, 4096, 32), (4096, 4, 8192, 64), (128, 8, 768, 12), (64, 2, 128, 4),
-                       (100, 3, 96, 7), (33, 1, 40, 5)):
-        got = fn(s, b, h, a)
-        want = ref.korthikanti_bytes_per_layer(s, b, h, a)
-        expect_equal(f"activation_bytes_per_layer({s}, {b}, {h}, {a}) with 16-bit activations and 1-byte masks", got, want)
-        for e, m in ((4, 4), (4, 1), (2, 2), (2, 0), (4, 0)):
-            got = fn(s, b, h, a, act_bytes=e, mask_bytes=m)
-            want = ref.activation_bytes_per_layer(s, b, h, a, act_bytes=e, mask_bytes=m)
-            expect_equal(f"activation_bytes_per_layer({s}, {b}, {h}, {a}, act_bytes={e}, mask_bytes={m})"
-                         + (" (no dropout: the softmax output is saved once)" if m == 0 else ""), got, want)
+    def run(case) -> None:
+        s, b, h, a = case.s, case.b, case.h, case.a
+        if case.e is None:
+            got = fn(s, b, h, a)
+            want = ref.korthikanti_bytes_per_layer(s, b, h, a)
+            expect_equal(f"activation_bytes_per_layer({s}, {b}, {h}, {a}) with 16-bit activations and 1-byte masks", got, want)
+            return
+        got = fn(s, b, h, a, act_bytes=case.e, mask_bytes=case.m)
+        want = ref.activation_bytes_per_layer(s, b, h, a, act_bytes=case.e, mask_bytes=case.m)
+        expect_equal(f"activation_bytes_per_layer({s}, {b}, {h}, {a}, act_bytes={case.e}, mask_bytes={case.m})"
+                     + (" (no dropout: the softmax output is saved once)" if case.m == 0 else ""), got, want)
+
+    sizes = ((2048, 1, 4096, 32), (4096, 4, 8192, 64), (128, 8, 768, 12), (64, 2, 128, 4), (100, 3, 96, 7), (33, 1, 40, 5))
+    edges = [dict(s=s, b=b, h=h, a=a, e=e, m=m) for s, b, h, a in sizes
+             for e, m in ((None, None), (4, 4), (4, 1), (2, 2), (2, 0), (4, 0))]
+    differential(ACTIVATION_SPACE, run, edges=edges, examples=60)
     # no dropout, measured: a TinyGPT block in fp32 with dropout 0 saves the formula's bytes plus
     # its two LayerNorms' fp32 mean and 1/std (2 * 2 * s * b * 4 bytes)
     from memlab.models import TinyGPT, TinyGPTConfig
@@ -121,6 +185,27 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.out(torch.nn.functional.gelu(self.fc(self.ln(x))))
+
+
+# ops a drawn function chains (each saves something for backward; slices, transposes and copies among them)
+_OPS = {
+    "square": lambda t: t * t, "exp": lambda t: t.exp(), "t @ t.T": lambda t: t @ t.transpose(-1, -2),
+    "rows 1: squared": lambda t: t[1:] * t[1:] if t.shape[0] > 1 else t * t, "tanh": lambda t: torch.tanh(t),
+    "times a new tensor": lambda t: t * torch.full_like(t, 0.5).requires_grad_(True), "flip, times itself": lambda t: t.flip(0) * t,
+}
+SAVED_SPACE = Space(ops=lists_of(one_of(*_OPS), 1, 4), rows=ints(1, 9), cols=ints(1, 7),
+                    dtype=one_of(torch.float32, torch.float64, torch.bfloat16, torch.float16),
+                    layout=layouts("contiguous", "transposed", "strided", "offset"))
+
+
+def _chain(ops):
+    def f(t):
+        total = None
+        for op in ops:
+            t = _OPS[op](t)
+            total = t.float().sum() if total is None else total + t.float().sum()
+        return total
+    return f
 
 
 @register("00.saved_bytes", reference=lambda: ref.saved_activation_bytes, title="measure saved activations")
@@ -156,20 +241,28 @@ def check_saved_bytes(fn):
     expect_equal("saved bytes when a view at row 8 is saved before the whole tensor (one storage; key storages, "
                  "not a tensor's data_ptr(), which includes the view's offset)", got, want)
 
-    mem = bytearray(32 * 32 * 4)
+    pool = BlockReuse(32 * 32 * 4)
 
     def reused(t: torch.Tensor) -> torch.Tensor:
-        # three storages saved one after the other, each freed before the next is made at the same
-        # address (an allocator reuses a freed block at once): three storages, not one address
+        # three storages saved one after the other, each freed before the next is made: an allocator reuses
+        # the freed block at once, at the same address (unless the count holds the storage it counted)
         for _ in range(3):
-            u = torch.frombuffer(mem, dtype=torch.float32).view(32, 32)  # a new storage on the same memory
-            (t * u).sum()  # saves u; this graph, and u's storage with it, dies at once
+            (t * pool.tensor(32, 32)).sum()  # saves the new tensor; this graph, and its storage, dies at once
         return (t * 2).sum()
 
     got, want = fn(reused, w), ref.saved_activation_bytes(reused, w)
-    expect_equal("saved bytes of three storages saved in turn at one reused address (each saved storage counts "
-                 "once, told apart by the storage itself, not by its address: hold the storages you count)",
-                 got, want)
+    expect_equal("saved bytes of three storages saved in turn, each freed before the next is made (an allocator "
+                 "reuses a freed block at once: each saved storage counts once, told apart by the storage itself, "
+                 "or by its address while you hold what you counted)", got, want)
+
+    def run(case) -> None:
+        x = make_tensor((case.rows, case.cols), case.dtype, case.layout, case.seed).requires_grad_(True)
+        f = _chain(case.ops)
+        got, want = fn(f, x), ref.saved_activation_bytes(f, x)
+        expect_equal(f"saved bytes of {' -> '.join(case.ops)} on a {case.rows} x {case.cols} {case.dtype} tensor "
+                     f"({case.layout} in memory)", got, want)
+
+    differential(SAVED_SPACE, run, examples=15)
 
     with torch.no_grad():
         got = fn(block, x)

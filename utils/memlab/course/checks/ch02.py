@@ -10,7 +10,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab import checkpoint as ref
 from memlab.accounting import saved_activation_bytes
-from memlab.course.checks import expect, expect_equal, expect_type, register
+from memlab.course.checks import (
+    BlockReuse, Space, differential, expect, expect_equal, expect_type, floats, flags, ints, layouts, lists_of,
+    make_tensor, one_of, register,
+)
 from memlab.models import TinyGPT, TinyGPTConfig
 
 
@@ -32,9 +35,8 @@ def _same_grads(name: str, got: list, want: list) -> None:
 
 
 # ----------------------------------------------------------------------------- 02.count_saved
-@register("02.count_saved", reference=lambda: ref.count_saved_tensors, title="count the tensors a block saves")
-def check_count_saved(fn):
-    """Grade exercise ``02.count_saved``: count the tensors a block saves."""
+def _count_saved_edges() -> dict:
+    """The hand-picked cases: (function, arguments) by name."""
     torch.manual_seed(0)
     h = torch.randn(2, 16, 32, requires_grad=True)
     cases = {
@@ -54,15 +56,55 @@ def check_count_saved(fn):
         lambda t: (t[6:].exp() * t[6:]).sum() + (t * t).sum(), (torch.randn(8, 4, requires_grad=True),))
     cases["t[6:] * t[6:] (only a view at row 6 of an 8-row tensor)"] = (
         lambda t: t[6:] * t[6:], (torch.randn(8, 4, requires_grad=True),))
-    mem = bytearray(8 * 4 * 4)
+    pool = BlockReuse(8 * 4 * 4)
 
-    def reused(t):  # three storages saved in turn at one address, each freed before the next is made
+    def reused(t):  # three storages saved in turn, each freed before the next: an allocator reuses its block
         for _ in range(3):
-            (t * torch.frombuffer(mem, dtype=torch.float32).view(8, 4)).sum()
+            (t * pool.tensor(8, 4)).sum()
         return t * 2
 
-    cases["three storages saved in turn at one reused address"] = (reused, (torch.randn(8, 4, requires_grad=True),))
-    for name, (f, args) in cases.items():
+    cases["three storages saved in turn, each freed before the next is made (at its address, unless held)"] = (
+        reused, (torch.randn(8, 4, requires_grad=True),))
+    return cases
+
+
+# ops a drawn function chains (each saves something for backward, views and transposes among them)
+_SAVING_OPS = {
+    "square": lambda t: t * t,
+    "exp": lambda t: t.exp(),
+    "matmul t.T": lambda t: t @ t.transpose(-1, -2),
+    "rows 1:": lambda t: t[1:] * t[1:] if t.shape[0] > 1 else t * t,
+    "sigmoid": lambda t: torch.sigmoid(t),
+    "scale by a new tensor": lambda t: t * torch.full_like(t, 0.5).requires_grad_(True),
+    "flip (a copy)": lambda t: t.flip(0) * t,
+}
+COUNT_SAVED_SPACE = Space(ops=lists_of(one_of(*_SAVING_OPS), 1, 4), rows=ints(1, 9), cols=ints(1, 6),
+                          dtype=one_of(torch.float32, torch.float64, torch.bfloat16, torch.float16),
+                          layout=layouts("contiguous", "transposed", "strided", "offset"))
+
+
+def _chain(ops):
+    def f(t):
+        outs = []
+        for op in ops:
+            t = _SAVING_OPS[op](t)
+            outs.append(t.float().sum())
+        return sum(outs)
+    return f
+
+
+@register("02.count_saved", reference=lambda: ref.count_saved_tensors, title="count the tensors a block saves")
+def check_count_saved(fn):
+    """Grade exercise ``02.count_saved``: count the tensors a block saves."""
+    edges = _count_saved_edges()
+
+    def run(case) -> None:
+        if hasattr(case, "edge"):
+            name, (f, args) = case.edge, edges[case.edge]
+        else:
+            f = _chain(case.ops)
+            args = (make_tensor((case.rows, case.cols), case.dtype, case.layout, case.seed).requires_grad_(True),)
+            name = f"a chain of {' -> '.join(case.ops)} on a {case.rows} x {case.cols} {case.dtype} tensor ({case.layout})"
         torch.manual_seed(1)
         got = fn(f, *args)
         torch.manual_seed(1)
@@ -72,53 +114,73 @@ def check_count_saved(fn):
         expect_equal(f"{name}: number of distinct storages saved", got[0], want[0])
         expect_equal(f"{name}: bytes saved", got[1], want[1])
 
+    differential(COUNT_SAVED_SPACE, run, edges=[{"edge": k} for k in edges], examples=25)
+
 
 # ----------------------------------------------------------------------------- 02.checkpoint_function
+# a TinyGPT block of any width and head count, with or without dropout, inputs of any batch, length, dtype
+# and memory layout
+CHECKPOINT_SPACE = Space(width=one_of((32, 4), (16, 2), (24, 3), (48, 6)), dropout=one_of(0.0, 0.3, 0.1),
+                         batch=ints(1, 3), seq=ints(1, 16), dtype=one_of(torch.float32, torch.float64),
+                         layout=layouts("contiguous", "transposed", "offset"))
+
+
+def _block(width: tuple[int, int], dropout: float, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    h, a = width
+    return TinyGPT(TinyGPTConfig(n_layer=1, n_embd=h, n_head=a, block_size=16, dropout=dropout)).blocks[0].to(dtype)
+
+
 @register("02.checkpoint_function", reference=lambda: ref.checkpoint_reentrant,
           title="checkpoint as an autograd.Function")
 def check_checkpoint_function(fn):
     """Grade exercise ``02.checkpoint_function``: checkpoint as an autograd.Function."""
-    block = _blocks(1)[0]
-    torch.manual_seed(0)
-    x = torch.randn(2, 16, 32, requires_grad=True)
-    out = fn(block, x)
-    expect_type("fn(block, x)", out, torch.Tensor)
-    expect(isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction),
-           f"fn(block, x).grad_fn is {type(out.grad_fn).__name__}; expected the backward of your "
-           f"torch.autograd.Function subclass (call YourFunction.apply(...))")
-    expect(torch.equal(out, block(x)), "fn(block, x) is not equal to block(x)")
-    kept = saved_activation_bytes(lambda t: fn(block, t), x)
-    expect(kept <= x.numel() * x.element_size(),
-           f"fn(block, x) keeps {kept:,} bytes for backward; a checkpoint keeps only its input "
-           f"({x.numel() * x.element_size():,} bytes): run fn under torch.no_grad() in forward")
-    block.zero_grad(set_to_none=True)
-    block(x).square().sum().backward()
-    want = _grads(block.parameters(), x)
-    block.zero_grad(set_to_none=True)
-    x.grad = None
-    fn(block, x).square().sum().backward()
-    _same_grads("gradients of the block's parameters and of x", _grads(block.parameters(), x), want)
-    # with dropout the recomputation must draw the same masks as the forward: replay the RNG state
-    block = _blocks(1, dropout=0.3)[0].train()
-    x.grad = None
-    torch.manual_seed(7)
-    out = block(x)
-    torch.rand(100)
-    out.square().sum().backward()
-    after_plain = torch.rand(8)  # where the RNG stream is after a step without checkpointing
-    want = _grads(block.parameters(), x)
-    block.zero_grad(set_to_none=True)
-    x.grad = None
-    torch.manual_seed(7)
-    out = fn(block, x)
-    torch.rand(100)  # other random draws between forward and backward, as a real training step makes
-    out.square().sum().backward()
-    _same_grads("with dropout 0.3 (save the RNG state in forward, restore it for the recomputation)",
-                _grads(block.parameters(), x), want)
-    expect(torch.equal(torch.rand(8), after_plain),
-           "after backward the RNG stream is not where it would be without checkpointing: the recomputation "
-           "must leave the outer RNG state as it found it (save torch.get_rng_state() before replaying, put it "
-           "back after); otherwise the next step's dropout masks repeat or shift")
+
+    def run(case) -> None:
+        block = _block(case.width, case.dropout, case.dtype, case.seed % 7).train()
+        x = make_tensor((case.batch, case.seq, case.width[0]), case.dtype, case.layout, case.seed).requires_grad_(True)
+        where = f"fn(block, x) ({case})"
+        torch.manual_seed(7)
+        plain = block(x)
+        torch.manual_seed(7)
+        out = fn(block, x)
+        expect_type(where, out, torch.Tensor)
+        expect(isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction),
+               f"{where}: .grad_fn is {type(out.grad_fn).__name__}; expected the backward of your "
+               f"torch.autograd.Function subclass (call YourFunction.apply(...))")
+        expect(torch.equal(out, plain), f"{where}: not equal to block(x) (the same seed, so the same dropout masks)")
+        del out, plain
+        if case.dropout == 0.0:
+            kept = saved_activation_bytes(lambda t: fn(block, t), x)
+            nbytes = x.untyped_storage().nbytes()
+            expect(kept <= nbytes, f"{where}: keeps {kept:,} bytes for backward; a checkpoint keeps only its input "
+                                   f"({nbytes:,} bytes): run fn under torch.no_grad() in forward")
+        # with dropout the recomputation must draw the same masks as the forward, and leave the outer RNG alone
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(7)
+        out = block(x)
+        torch.rand(100)
+        out.square().sum().backward()
+        after_plain = torch.rand(8)  # where the RNG stream is after a step without checkpointing
+        want = _grads(block.parameters(), x)
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(7)
+        out = fn(block, x)
+        torch.rand(100)  # other random draws between forward and backward, as a real training step makes
+        out.square().sum().backward()
+        _same_grads(f"{where}: gradients of the block's parameters and of x"
+                    + (" (save the RNG state in forward, restore it for the recomputation)" if case.dropout else ""),
+                    _grads(block.parameters(), x), want)
+        expect(torch.equal(torch.rand(8), after_plain),
+               f"{where}: after backward the RNG stream is not where it would be without checkpointing: the "
+               "recomputation must leave the outer RNG state as it found it (save torch.get_rng_state() before "
+               "replaying, put it back after); otherwise the next step's dropout masks repeat or shift")
+
+    edges = [dict(width=(32, 4), dropout=0.0, batch=2, seq=16, dtype=torch.float32, layout="contiguous"),
+             dict(width=(32, 4), dropout=0.3, batch=2, seq=16, dtype=torch.float32, layout="contiguous")]
+    differential(CHECKPOINT_SPACE, run, edges=edges, examples=8)
 
 
 # ----------------------------------------------------------------------------- 02.rng_replay
@@ -182,15 +244,26 @@ def check_rng_replay(cls):
 
 
 # ----------------------------------------------------------------------------- 02.checkpoint_sequential
-def _counting_layers(n: int) -> tuple[list[nn.Module], list[int]]:
+class _Counted(nn.Module):
+    """Linear + Tanh + Dropout that counts, in its own forward, each time its computation starts: what a
+    recomputation does, however it is run (a forward hook misses ``layer.forward(x)``, and torch's checkpoint
+    with early stop ends a recomputation inside the last layer, after it started, before its hooks run)."""
+
+    def __init__(self, i: int, calls: list[int], width: int, dropout: float) -> None:
+        super().__init__()
+        self.i, self.calls = i, calls
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls[self.i] += 1
+        return self.body(x)
+
+
+def _counting_layers(n: int, width: int = 8, dropout: float = 0.2,
+                     dtype: torch.dtype = torch.float32) -> tuple[list[nn.Module], list[int]]:
     torch.manual_seed(0)
     calls = [0] * n
-    layers = []
-    for i in range(n):
-        layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.2))
-        layer.register_forward_hook(lambda m, a, o, i=i: calls.__setitem__(i, calls[i] + 1))
-        layers.append(layer)
-    return layers, calls
+    return [_Counted(i, calls, width, dropout).to(dtype) for i in range(n)], calls
 
 
 class _Born(TorchDispatchMode):
@@ -228,18 +301,33 @@ def _wide_layers(n: int) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Dropout(0.2)) for _ in range(n)]
 
 
+# any depth and segment count, inputs with or without grad, of any batch, dtype and layout, dropout on or off
+SEQUENTIAL_SPACE = Space(n=ints(1, 12), k=lambda c: ints(1, c.n), input_grad=flags(), dropout=one_of(0.2, 0.0, 0.5),
+                         dtype=one_of(torch.float32, torch.float64), batch=one_of((3,), (2, 3), (1,)), width=one_of(8, 5),
+                         layout=layouts("contiguous", "transposed", "offset"))
+_SEQUENTIAL_EDGES = [dict(n=n, k=k, input_grad=True, dropout=0.2, dtype=torch.float32, batch=(3,), width=8,
+                          layout="contiguous")
+                     for n, k in ((6, 3), (6, 2), (6, 1), (4, 4), (8, 4), (7, 3), (5, 2), (10, 4))]
+# an input that does not require grad (the embeddings of a frozen base, as in LoRA): the layers' parameters
+# still need their gradients (use_reentrant=True loses them)
+_SEQUENTIAL_EDGES.append(dict(_SEQUENTIAL_EDGES[0], input_grad=False))
+
+
 @register("02.checkpoint_sequential", reference=lambda: ref.checkpoint_sequential,
           title="checkpoint_sequential with k segments")
 def check_checkpoint_sequential(fn):
     """Grade exercise ``02.checkpoint_sequential``: checkpoint_sequential with k segments."""
-    for n, k in ((6, 3), (6, 2), (6, 1), (4, 4), (8, 4), (7, 3), (5, 2), (10, 4)):
-        layers, calls = _counting_layers(n)
+
+    def run(case) -> None:
+        n, k = case.n, case.k
+        layers, calls = _counting_layers(n, case.width, case.dropout, case.dtype)
         params = [p for m in layers for p in m.parameters()]
-        x = torch.randn(3, 8, requires_grad=True)
+        x = make_tensor((*case.batch, case.width), case.dtype, case.layout, case.seed).requires_grad_(case.input_grad)
+        where = f"n={n}, k={k} ({case})"
         torch.manual_seed(5)
         want_out = nn.Sequential(*layers)(x)
         want_out.square().sum().backward()
-        want = _grads(params, x)
+        want = _grads(params, x) if case.input_grad else _grads(params)
         for p in params:
             p.grad = None
         x.grad = None
@@ -247,11 +335,14 @@ def check_checkpoint_sequential(fn):
         torch.manual_seed(5)
         out = fn(layers, k, x)
         expect_type(f"fn(layers, {k}, x)", out, torch.Tensor)
-        expect(torch.equal(out, want_out), f"n={n}, k={k}: the output differs from running the layers in order")
+        expect(out.requires_grad, f"{where}: the output does not require grad, so backward never reaches the layers' "
+                                  f"parameters (a reentrant checkpoint, use_reentrant=True, has this pitfall when the "
+                                  f"input does not require grad; use a non-reentrant one)")
+        expect(torch.equal(out, want_out), f"{where}: the output differs from running the layers in order")
         forward_calls = list(calls)
         out.square().sum().backward()
-        _same_grads(f"n={n}, k={k}: gradients", _grads(params, x), want)
-        expect_equal(f"n={n}, k={k}: calls of each layer in forward", forward_calls, [1] * n)
+        _same_grads(f"{where}: gradients", _grads(params, x) if case.input_grad else _grads(params), want)
+        expect_equal(f"{where}: times each layer's computation started in forward", forward_calls, [1] * n)
         # k segments whose sizes differ by at most one, the longer ones first (the split the memory
         # model n/k + k assumes: no segment longer than ceil(n/k)); every segment but the last is
         # recomputed once in backward, the last runs plainly
@@ -259,25 +350,10 @@ def check_checkpoint_sequential(fn):
         last = bounds[-1][1] - bounds[-1][0]
         expected = [2] * (n - last) + [1] * last
         sizes = [b - a for a, b in bounds]
-        expect_equal(f"n={n}, k={k}: calls of each layer in forward + backward (segments of {sizes} layers; "
-                     f"all but the last recomputed once)", calls, expected)
-    # an input that does not require grad (the embeddings of a frozen base, as in LoRA): the layers'
-    # parameters still need their gradients (use_reentrant=True loses them)
-    layers, _ = _counting_layers(6)
-    params = [p for m in layers for p in m.parameters()]
-    x = torch.randn(3, 8)
-    torch.manual_seed(5)
-    nn.Sequential(*layers)(x).square().sum().backward()
-    want = _grads(params)
-    for p in params:
-        p.grad = None
-    torch.manual_seed(5)
-    out = fn(layers, 3, x)
-    expect(out.requires_grad, "n=6, k=3, an input that does not require grad: the output does not require grad, so "
-                              "backward never reaches the layers' parameters (a reentrant checkpoint, "
-                              "use_reentrant=True, has this pitfall; use a non-reentrant one)")
-    out.square().sum().backward()
-    _same_grads("n=6, k=3, an input that does not require grad: the parameters' gradients", _grads(params), want)
+        expect_equal(f"{where}: times each layer's computation started in forward + backward (segments of {sizes} "
+                     f"layers; all but the last recomputed once)", calls, expected)
+
+    differential(SEQUENTIAL_SPACE, run, edges=_SEQUENTIAL_EDGES, examples=12)
     # what the technique is for: bytes kept from forward for backward
     for n, k in ((8, 4), (6, 2), (9, 3)):
         layers = _wide_layers(n)
@@ -295,30 +371,52 @@ def check_checkpoint_sequential(fn):
 
 
 # ----------------------------------------------------------------------------- 02.choose_segments
+_CHOOSE_EDGES = [(16, 2000.0, 100.0, 10.0), (16, 900.0, 100.0, 10.0), (16, 500.0, 100.0, 10.0),
+                 (16, 440.0, 100.0, 10.0), (12, 350.0, 50.0, 20.0), (32, 1e9, 2.2e6, 1.3e5),
+                 (32, 2.0e7, 2.2e6, 1.3e5), (1, 5.0, 4.0, 1.0),
+                 (10, 350.0, 100.0, 1.0),  # k = 3 would need ceil(10/3) = 4 layers per segment: 403 > 350
+                 (4, 15.0, 10.0, 1.0),     # only k = n fits
+                 # the modelled peak is not monotone in k (it falls, then rises with the boundaries):
+                 # only k = 4 fits, so a search that assumes "if k fits, every larger k fits" misses it
+                 (16, 85.0, 10.0, 10.0), (24, 130.0, 10.0, 10.0),
+                 # no k fits: a ValueError
+                 (16, 50.0, 100.0, 10.0), (4, 1.0, 4.0, 1.0)]
+# any depth, layer and boundary sizes over six orders of magnitude (integer and fractional), and a budget
+# exactly at some k's modelled peak or at the smallest one, a little under or over it, or under every k's
+CHOOSE_SPACE = Space(n=ints(1, 64), layer=floats(1.0, 1e7, log=True), boundary=floats(0.5, 1e6, log=True),
+                     integral=flags(), at=lambda c: ints(1, c.n),
+                     budget=one_of("at k", "at the smallest peak", "just under", "just over", "below every k"))
+
+
 @register("02.choose_segments", reference=lambda: ref.segments_for_budget,
           title="fewest segments that fit a budget")
 def check_choose_segments(fn):
     """Grade exercise ``02.choose_segments``: fewest segments that fit a budget."""
-    cases = [(16, 2000.0, 100.0, 10.0), (16, 900.0, 100.0, 10.0), (16, 500.0, 100.0, 10.0),
-             (16, 440.0, 100.0, 10.0), (12, 350.0, 50.0, 20.0), (32, 1e9, 2.2e6, 1.3e5),
-             (32, 2.0e7, 2.2e6, 1.3e5), (1, 5.0, 4.0, 1.0),
-             (10, 350.0, 100.0, 1.0),  # k = 3 would need ceil(10/3) = 4 layers per segment: 403 > 350
-             (4, 15.0, 10.0, 1.0),     # only k = n fits
-             # the modelled peak is not monotone in k (it falls, then rises with the boundaries):
-             # only k = 4 fits, so a search that assumes "if k fits, every larger k fits" misses it
-             (16, 85.0, 10.0, 10.0), (24, 130.0, 10.0, 10.0)]
-    for n, budget, layer, boundary in cases:
-        got = fn(n, budget, layer, boundary)
-        want = ref.segments_for_budget(n, budget, layer, boundary)
-        expect_equal(f"fn(n_layers={n}, budget_bytes={budget:g}, layer_bytes={layer:g}, boundary_bytes={boundary:g})",
-                     got, want)
-    for n, budget, layer, boundary in [(16, 50.0, 100.0, 10.0), (4, 1.0, 4.0, 1.0)]:
+
+    def run(case) -> None:
+        if hasattr(case, "edge"):
+            n, budget, layer, boundary = case.edge
+        else:
+            n = case.n
+            layer, boundary = (float(round(case.layer)), float(round(case.boundary))) if case.integral else (case.layer, case.boundary)
+            at = ref.activation_memory_model(n, case.at, layer, boundary)
+            low = min(ref.activation_memory_model(n, k, layer, boundary) for k in range(1, n + 1))
+            budget = {"at k": at, "at the smallest peak": low, "just under": at * (1 - 1e-9), "just over": at * (1 + 1e-9),
+                      "below every k": low * 0.999}[case.budget]
+        where = f"fn(n_layers={n}, budget_bytes={budget!r}, layer_bytes={layer!r}, boundary_bytes={boundary!r})"
+        try:
+            want = ref.segments_for_budget(n, budget, layer, boundary)
+        except ValueError:
+            want = None
         try:
             got = fn(n, budget, layer, boundary)
         except ValueError:
-            continue
-        raise AssertionError(f"fn(n_layers={n}, budget_bytes={budget:g}, layer_bytes={layer:g}, "
-                             f"boundary_bytes={boundary:g}) returned {got!r}; no k fits, expected a ValueError")
+            expect(want is None, f"{where} raised ValueError, expected {want}")
+            return
+        expect(want is not None, f"{where} returned {got!r}; no k fits, expected a ValueError")
+        expect_equal(where, got, want)
+
+    differential(CHOOSE_SPACE, run, edges=[{"edge": e} for e in _CHOOSE_EDGES], examples=80)
 
 
 # ----------------------------------------------------------------------------- 02.predict_ckpt_peak

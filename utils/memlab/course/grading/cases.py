@@ -3,7 +3,7 @@
 The API (the whole harness's is in :mod:`memlab.course.grading.harness`'s docstring):
 
 - ``Space(field=strategy, ..., where=predicate)``: the input space; a field is a strategy (:func:`ints`,
-  :func:`floats`, :func:`one_of`, :func:`flags`, :func:`layouts`, or any hypothesis strategy), a constant,
+  :func:`floats`, :func:`one_of`, :func:`flags`, :func:`lists_of`, :func:`layouts`, or any hypothesis strategy), a constant,
   or a function of the fields before it (``lq=lambda c: ints(1, c.lk)``). Each case is a :class:`Case`
   with ``case.seed`` added for its values.
 - ``differential(space, run, edges=[...], examples=N, seed=0)``: ``run(case)`` on every edge (the check's
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-__all__ = ["Space", "Case", "differential", "ints", "floats", "one_of", "flags", "layouts", "LAYOUTS",
+__all__ = ["Space", "Case", "differential", "ints", "floats", "one_of", "flags", "lists_of", "layouts", "LAYOUTS",
            "make_tensor", "current_pass", "cases_run", "running", "SHRINK_BUDGET"]
 
 # the run in progress: which pass, which exercise, and how many cases each exercise drew
@@ -109,6 +109,11 @@ def floats(lo: float, hi: float, *, log: bool = False) -> Any:
 def one_of(*values: Any) -> Any:
     """One of ``values`` (dtypes, names, configurations); shrinks toward the first."""
     return _hypothesis()[1].sampled_from(list(values))
+
+
+def lists_of(element: Any, min_size: int = 0, max_size: int = 4) -> Any:
+    """Lists (as tuples) of ``min_size`` to ``max_size`` elements drawn from ``element``; shrinks toward shorter."""
+    return _hypothesis()[1].lists(element, min_size=min_size, max_size=max_size).map(tuple)
 
 
 def flags() -> Any:

@@ -391,6 +391,7 @@ class _Session:
     keeps: frozenset[str]
     signature: inspect.Signature | None
     probes: bool = True
+    roots: dict[int, str] = field(default_factory=dict)  # id of the answer's globals -> a name for it
     calls: int = 0
     tensors_seen: bool = False  # an argument held tensors or modules (state a second run could expose)
     results: list[tuple[int, int, Any]] = field(default_factory=list)  # (call, data_ptr, weakref to the storage)
@@ -465,22 +466,51 @@ class _Session:
     def leaks(self) -> str | None:
         if all(ref() is None for _, ref in self.alive):
             return None  # freed by reference counting: no full collection needed
-        gc.collect()
-        here = sys._getframe()
-        for what, ref in self.alive:
-            obj = ref()
-            if obj is None:
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()  # frozen objects are invisible to gc.get_referrers: look at the whole heap
+        try:
+            gc.collect()
+            for what, ref in self.alive:
+                obj = ref()
+                if obj is None:
+                    continue
+                anchor = _anchor(obj, skip={id(self.alive), id(sys._getframe())}, roots=self.roots)
+                del obj
+                if anchor:
+                    return (f"hygiene (nothing kept alive): after the check, {what} is still alive, held from "
+                            f"{anchor}: your code keeps a reference to it (a global or class-level list or cache, a "
+                            f"hook left installed, a tensor stored on an object that outlives the call)")
+            return None
+        finally:
+            if frozen:
+                gc.freeze()
+
+
+def _anchor(obj: Any, skip: set[int], roots: dict[int, str], depth: int = 6) -> str | None:
+    """What keeps ``obj`` alive from Python, walking its referrers up to ``depth`` levels: a module's globals
+    (``"global x"``), a class (``"class C"``); None when no such root is found (an object only torch's C++ side
+    holds, such as an autograd graph torch keeps itself, is not the answer's doing)."""
+    modules = {id(vars(m)): name for name, m in list(sys.modules.items())
+               if isinstance(m, types.ModuleType) and hasattr(m, "__dict__")}
+    modules.update(roots)
+    here = sys._getframe()
+    level, seen, path = [obj], {id(obj)} | skip, {id(obj): ""}
+    for _ in range(depth):
+        nxt = []
+        for r in gc.get_referrers(*level):
+            if id(r) in seen or r is level or r is here or isinstance(r, types.FrameType):
                 continue
-            # held by a Python object (a list, a dict, a closure cell, an instance): the answer's doing; an
-            # object only C++ holds (an autograd graph torch itself keeps) is not counted
-            holders = [r for r in gc.get_referrers(obj) if r is not here and r is not self.alive]
-            del obj
-            if holders:
-                kind = type(holders[0]).__name__
-                return (f"hygiene (nothing kept alive): after the check, {what} is still alive, held by a {kind}: "
-                        f"your code keeps a reference to it (a global or class-level list or cache, a hook left "
-                        f"installed, a tensor stored on an object that outlives the call)")
-        return None
+            seen.add(id(r))
+            if id(r) in modules:
+                name = next((k for k, v in r.items() if any(v is x for x in level)), "?")
+                return f"the global {name!r} of {modules[id(r)]}"
+            if isinstance(r, type):
+                return f"the class {r.__qualname__}"
+            nxt.append(r)
+        if not nxt:
+            return None
+        level = nxt
+    return None
 
 
 def _wrap(obj: Any, session: _Session) -> Any:
@@ -504,6 +534,19 @@ def _wrap(obj: Any, session: _Session) -> Any:
 
 
 # ----------------------------------------------------------------------------- running an exercise
+def _answer_roots(obj: Any) -> dict[int, str]:
+    """The globals dicts of the answer's code (a notebook's namespace, a script's module), by id."""
+    fns = [getattr(v, "__func__", v) for c in _learner_classes(obj) for v in vars(c).values()] if isinstance(obj, type) else [obj]
+    out = {}
+    for f in fns:
+        while isinstance(f, functools.partial):
+            f = f.func
+        g = getattr(getattr(f, "__wrapped__", f), "__globals__", None)
+        if isinstance(g, dict):
+            out[id(g)] = "your notebook" if g.get("__name__") == "__main__" else str(g.get("__name__", "your module"))
+    return out
+
+
 def _names_declared(ex: Any, signature: inspect.Signature | None) -> None:
     declared = set(getattr(ex, "mutates", ())) | set(getattr(ex, "keeps", ()))
     if declared and signature is not None:
@@ -517,7 +560,7 @@ def _one_pass(ex: Any, obj: Any, p: int) -> _Session:
     signature = _signature_names(ex)
     _names_declared(ex, signature)
     session = _Session(ex, frozenset(getattr(ex, "mutates", ())), frozenset(getattr(ex, "keeps", ())), signature,
-                       probes=p == 0)
+                       probes=p == 0, roots=_answer_roots(obj))
     answer = _wrap(obj, session)
     with running(ex.id, p):
         for check_fn in ex.checks:
