@@ -1,9 +1,12 @@
 """memlab.attention against F.scaled_dot_product_attention: forward, gradients, options, memory, errors."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,7 +292,7 @@ def test_triton_kernels_live_at_module_level():
 @needs_triton
 @pytest.mark.skipif(not _interpreter_ok(), reason="triton was imported without TRITON_INTERPRET=1 in this process")
 @pytest.mark.parametrize("lq,lk,causal", [(37, 53, True), (37, 53, False), (53, 37, False), (1, 40, True),
-                                          (40, 40, True), (16, 17, True)])
+                                          (40, 40, True), (16, 17, True), (53, 37, True), (40, 24, True)])
 def test_lab_kernel_bottom_right_odd_sizes_any_strides(lq, lk, causal):
     """memlab.attention.triton_kernels.flash_fwd_kernel (lab 05's answer): bottom-right causal, tails, strided q and k."""
     from memlab.attention.triton_kernels import flash_fwd_kernel, launch_flash_fwd
@@ -302,7 +305,49 @@ def test_lab_kernel_bottom_right_odd_sizes_any_strides(lq, lk, causal):
     mode = "bottom_right" if causal else False
     assert (o - att.sdpa_reference(q, k, v, causal=mode)).abs().max().item() <= 1e-5
     _, lse_ref = att.chunked_attention(q, k, v, causal=mode, return_lse=True)
-    assert lse.dtype == torch.float32 and (lse - lse_ref).abs().max().item() <= 1e-5
+    seen = torch.isfinite(lse_ref)  # bottom-right with Lq > Lk: the first Lq - Lk queries see no key, LSE -inf
+    assert lse.dtype == torch.float32 and torch.equal(torch.isfinite(lse), seen) and not o.isnan().any()
+    assert (lse[seen] - lse_ref[seen]).abs().max().item() <= 1e-5
+
+
+LECTURE_05 = Path(__file__).resolve().parents[2] / "notebooks" / "05_chunked_attention.ipynb"
+
+
+def _lecture_triton_forward(tmp_path, notebook=LECTURE_05):
+    """The lecture's on-page Triton forward: the one code cell that defines ``flash_fwd_kernel``, imported
+    from a file (Triton's jit reads a kernel's source with ``inspect``)."""
+    cells = json.loads(Path(notebook).read_text())["cells"]
+    found = ["".join(c["source"]) for c in cells
+             if c["cell_type"] == "code" and "def flash_fwd_kernel" in "".join(c["source"])]
+    assert len(found) == 1, f"{len(found)} cells of {notebook} define flash_fwd_kernel"
+    path = tmp_path / "lecture05_triton_forward.py"
+    path.write_text(found[0])
+    spec = importlib.util.spec_from_file_location(f"lecture05_triton_forward_{tmp_path.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.flash_fwd_kernel
+
+
+@needs_triton
+@pytest.mark.skipif(not _interpreter_ok(), reason="triton was imported without TRITON_INTERPRET=1 in this process")
+@pytest.mark.parametrize("lq,lk", [(53, 37), (40, 24), (17, 1)])
+def test_lecture_triton_forward_more_queries_than_keys_bottom_right(tmp_path, lq, lk):
+    """Bottom-right with Lq > Lk: the first Lq - Lk queries see no key. SDPA gives them 0; the lecture's
+    kernel gave NaN (a running max of -inf: exp(-inf + inf), then 0 / 0) until it kept a safe max and sum."""
+    from memlab.attention.triton_kernels import launch_flash_fwd
+
+    g = torch.Generator().manual_seed(lq * lk)
+    q = torch.randn(1, lq, 2, 16, generator=g).transpose(1, 2)  # strided, as in the lecture
+    k = torch.randn(1, 2, 16, lk, generator=g).transpose(-1, -2)
+    v = torch.randn(1, 2, lk, 16, generator=g)
+    o, lse = launch_flash_fwd(_lecture_triton_forward(tmp_path), q, k, v, True)
+    ref = att.sdpa_reference(q, k, v, causal="bottom_right")
+    nan_rows = int(o.isnan().any(-1).sum())
+    assert nan_rows == 0, f"Lq={lq} Lk={lk}: {nan_rows} NaN rows (the {lq - lk} x 2 heads that see no key)"
+    assert (o - ref).abs().max().item() <= 1e-5 and torch.all(o[:, :, :lq - lk] == 0)
+    _, lse_ref = att.chunked_attention(q, k, v, causal="bottom_right", return_lse=True)
+    assert torch.all(lse[:, :, :lq - lk] == float("-inf"))
+    assert (lse[:, :, lq - lk:] - lse_ref[:, :, lq - lk:]).abs().max().item() <= 1e-5
 
 
 @needs_triton

@@ -69,14 +69,16 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
             ok = ok & (cols[None, :] <= rows[:, None] + offset)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no -inf - -inf
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
         vv = tl.load(V + b * svb + h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=cols[:, None] < Lk,
                      other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
         m = m_new
-    tl.store(O + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod, acc / l[:, None],
+    l_safe = tl.where(l == 0.0, 1.0, l)  # a row that saw no key (bottom-right, Lq > Lk): O = 0, LSE = -inf
+    tl.store(O + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod, acc / l_safe[:, None],
              mask=rows[:, None] < Lq)
     tl.store(LSE + bh * Lq + rows, m + tl.log(l), mask=rows < Lq)
 
