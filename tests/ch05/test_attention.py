@@ -330,10 +330,11 @@ def _lecture_triton_forward(tmp_path, notebook=LECTURE_05):
 
 @needs_triton
 @pytest.mark.skipif(not _interpreter_ok(), reason="triton was imported without TRITON_INTERPRET=1 in this process")
-@pytest.mark.parametrize("lq,lk", [(53, 37), (40, 24), (17, 1)])
+@pytest.mark.parametrize("lq,lk", [(53, 37), (40, 24), (45, 37), (17, 1)])  # whole query blocks or part of one blind
 def test_lecture_triton_forward_more_queries_than_keys_bottom_right(tmp_path, lq, lk):
     """Bottom-right with Lq > Lk: the first Lq - Lk queries see no key. SDPA gives them 0; the lecture's
-    kernel gave NaN (a running max of -inf: exp(-inf + inf), then 0 / 0) until it kept a safe max and sum."""
+    kernel gave NaN (a running max of -inf: exp(-inf + inf), then 0 / 0) until it kept a safe max and sum
+    (45/37: a query block whose first 8 rows see no key also gave a NaN logsumexp)."""
     from memlab.attention.triton_kernels import launch_flash_fwd
 
     g = torch.Generator().manual_seed(lq * lk)
