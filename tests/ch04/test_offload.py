@@ -646,3 +646,108 @@ def test_delay_update_is_adamw_on_one_step_old_weights(kernel, offload_gradients
         assert torch.equal(p, q)
     with pytest.raises(ValueError, match="pick one"):
         O.OffloadedAdamW(mine.parameters(), step_in_backward=True, delay_update=True)
+
+
+# ----------------------------------------------------------------------------- the lecture's on-page Streamed
+LECTURE_04 = pathlib.Path(__file__).resolve().parents[2] / "notebooks" / "04_cpu_offload_adam.ipynb"
+
+
+def _lecture_streamed(notebook=LECTURE_04):
+    """The lecture's on-page ``Streamed``: the one code cell that defines it, run in a namespace with torch."""
+    import json
+
+    cells = json.loads(pathlib.Path(notebook).read_text())["cells"]
+    found = ["".join(c["source"]) for c in cells if c["cell_type"] == "code" and "class Streamed(" in "".join(c["source"])]
+    assert len(found) == 1, f"{len(found)} cells of {notebook} define Streamed"
+    namespace = {"torch": torch, "nn": nn}
+    exec(compile(found[0], f"{notebook.name}:Streamed", "exec"), namespace)
+    return namespace["Streamed"]
+
+
+class _FakeStream:
+    def __init__(self, name):
+        self.name = name
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def test_lecture_streamed_records_the_compute_stream_on_each_prefetched_weight(monkeypatch):
+    """CPU, fake CUDA streams: the lecture's ``Streamed`` runs its CUDA branch, with ``.to(device)`` inside the
+    side stream's context making a new tensor (the device copy) and ``record_stream`` recorded. Every tensor
+    made on the side stream and read by a layer on the compute stream must get ``record_stream(compute)``
+    while it is alive: without it the caching allocator may give its memory to the next prefetch while the
+    compute stream still reads it (memlab's StreamedSequential does it; the lecture's copy did not)."""
+    import contextlib
+
+    compute, active, made, recorded = _FakeStream("compute"), [], {}, {}
+
+    @contextlib.contextmanager
+    def stream(s):
+        active.append(s)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if active:  # a host -> device copy issued on the side stream: a new tensor, as on CUDA
+            copy_ = self.clone()
+            made[id(copy_)] = copy_
+            return copy_
+        return real_to(self, *args, **kwargs)
+
+    def record_stream(self, s):
+        recorded.setdefault(id(self), []).append(s.name)
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _FakeStream("side"))
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: active[-1] if active else compute)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)]
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        want = nn.Sequential(*copy.deepcopy(layers))(x)
+    got = _lecture_streamed()(layers, "cuda")(x)  # "cuda": the streamed branch (the fakes stand in for CUDA)
+    assert torch.equal(got, want)
+    assert len(made) == 2 * len(layers)  # a weight and a bias per layer, each copied once on the side stream
+    missing = [tuple(t.shape) for i, t in made.items() if "compute" not in recorded.get(i, [])]
+    assert not missing, (f"{len(missing)} of {len(made)} weights copied on the side stream and read on the compute "
+                         f"stream without record_stream(compute): {missing}")
+
+
+@pytest.mark.cuda
+def test_cuda_lecture_streamed_equals_resident_while_the_compute_stream_lags():
+    """The lecture's ``Streamed`` on CUDA, each layer's kernels queued behind a sleep on the compute stream so
+    that the side stream's prefetches run ahead: a weight block freed without record_stream can be reused by a
+    later prefetch before the layer that reads it has run. The output must equal the resident model's."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(6)]
+    x = torch.randn(64, 256, device="cuda")
+    with torch.no_grad():
+        want = nn.Sequential(*copy.deepcopy(layers)).cuda()(x)
+    streamed = _lecture_streamed()(copy.deepcopy(layers), "cuda")
+    for layer in streamed.layers:  # the compute stream falls behind the copies
+        layer.register_forward_pre_hook(lambda m, a: torch.cuda._sleep(20_000_000))
+    for _ in range(3):
+        got = streamed(x)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
