@@ -186,7 +186,7 @@ def _zero1_reference():
     return zero1_step
 
 
-@register("08.zero1_step", reference=_zero1_reference, mutates=("flat_param", "optimizer"), title="the ZeRO-1 step")
+@register("08.zero1_step", reference=_zero1_reference, mutates=("flat_param", "flat_grad", "optimizer"), title="the ZeRO-1 step")
 def check_zero1_step(fn) -> None:
     """Grade exercise ``08.zero1_step``: the ZeRO-1 step."""
     expect(callable(fn), f"zero1_step: expected a function, got {type(fn).__name__}")
