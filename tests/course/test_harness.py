@@ -220,3 +220,181 @@ def test_make_tensor_layouts(layout):
     ints = C.make_tensor((3, 4), torch.int64, layout, seed=2, low=-5, high=5)
     assert ints.min() >= -5 and ints.max() < 5
     assert C.make_tensor((3, 4), torch.bfloat16, layout, device="meta").device.type == "meta"
+
+
+# ----------------------------------------------------------------------------- each kind, on every exercise
+# Wrong answers derived from memlab's own reference for every exercise at once: the reference with one mistake of
+# a kind added. Each must fail, and by the probe that exists for that kind, wherever the kind applies.
+import inspect  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+DISTRIBUTED = {"08.reduce_scatter", "08.zero1_step"}  # called inside forked ranks: the parent's probes see the failure
+MINE = {e: x for e, x in REGISTRY.items() if e[:2] <= "08"}  # chapter 09 ports to the harness on its own
+FUNCTIONS = sorted(e for e, x in MINE.items() if not isinstance(x.reference(), type)
+                   and isinstance(x.reference(), (types.FunctionType, functools.partial)))
+CLASSES = sorted(e for e, x in MINE.items() if isinstance(x.reference(), type))
+HELD: list = []
+COUNTS: dict = {}
+
+
+def _bound(ex, args, kwargs):
+    try:
+        return list(inspect.signature(ex.reference()).bind(*args, **kwargs).arguments.items())
+    except TypeError:
+        return [(str(i), a) for i, a in enumerate(args)]
+
+
+def _scribble(value) -> bool:
+    """Change ``value`` (a tensor, a list, a module) in place; whether there was something to change."""
+    if isinstance(value, torch.Tensor) and value.dtype != torch.bool and value.numel() and value.device.type != "meta" \
+            and type(value).__name__ != "FakeTensor":
+        with torch.no_grad():
+            value[(0,) * value.dim()] += 1  # one element, in the caller's memory
+        return True
+    if type(value) is list and value:
+        value.pop()
+        return True
+    if isinstance(value, nn.Module) and any(True for _ in value.parameters()):
+        with torch.no_grad():
+            next(value.parameters()).add_(1)
+        return True
+    return False
+
+
+def _mutating(ex):
+    ref, done = ex.reference(), []
+
+    def answer(*args, **kwargs):
+        out = ref(*args, **kwargs)
+        if not done:
+            for name, value in _bound(ex, args, kwargs):
+                if name not in ex.mutates and _scribble(value):
+                    done.append(name)
+                    break
+        return out
+
+    return answer, done
+
+
+def _keeping(ex):
+    ref = ex.reference()
+
+    def answer(*args, **kwargs):
+        out = ref(*args, **kwargs)
+        HELD.append(args)  # "kept for a plot later": a module-level list
+        HELD.append(out)
+        return out
+
+    return answer
+
+
+def _counting(ex):
+    ref = ex.reference()
+
+    def answer(*args, **kwargs):
+        COUNTS[ex.id] = COUNTS.get(ex.id, 0) + 1  # a module-level counter of the calls
+        return ref(*args, **kwargs)
+
+    return answer
+
+
+@pytest.mark.parametrize("exercise", FUNCTIONS)
+def test_inputs_changed_in_place_fail_on_every_exercise(exercise):
+    ex = REGISTRY[exercise]
+    answer, done = _mutating(ex)
+    r = check(exercise, answer, quiet=True)
+    if exercise in DISTRIBUTED:  # in the ranks: ``done`` is the child's; the tensor arguments are the ones not declared
+        tensors = set(inspect.signature(ex.reference()).parameters) - set(ex.mutates) - {"group"}
+        assert (r.status == "fail" and "hygiene (inputs unchanged)" in r.message) if tensors else r.status == "pass", r
+    elif done:
+        assert r.status == "fail" and "hygiene (inputs unchanged)" in r.message and f"argument {done[0]}" in r.message, r
+    else:  # nothing to change in place (numbers, a config, a callable): the kind does not apply
+        assert r.status == "pass", r
+
+
+# where keeping a reference changes what the check itself measures, the check fails first (the probe is not reached)
+SEEN_BY_THE_CHECK = {"01.categorize": "the tracker sees the kept storages alive"}
+
+
+@pytest.mark.parametrize("exercise", sorted(set(FUNCTIONS) - DISTRIBUTED))
+def test_references_kept_alive_fail_on_every_exercise(exercise):
+    note = types.SimpleNamespace(applies=False)  # the test's own record: an object the probes picture by identity
+    ex = REGISTRY[exercise]
+    ref = ex.reference()
+
+    def answer(*args, **kwargs):
+        out = ref(*args, **kwargs)
+        kept = [a for a in (*args, *kwargs.values(), out) if isinstance(a, (torch.Tensor, nn.Module)) or
+                (isinstance(a, (list, tuple)) and any(isinstance(x, (torch.Tensor, nn.Module)) for x in a))]
+        if any(isinstance(a, torch.Tensor) and (a.device.type == "meta" or type(a).__name__ == "FakeTensor")
+               for a in kept):
+            kept = []
+        if kept:
+            HELD.append(kept)
+            note.applies = True
+        return out
+
+    try:
+        r = check(exercise, answer, quiet=True)
+    finally:
+        HELD.clear()
+    if exercise in SEEN_BY_THE_CHECK:
+        assert r.status == "fail", r
+    elif note.applies:
+        assert r.status == "fail" and "hygiene (nothing kept alive)" in r.message and "HELD" in r.message, r
+    else:  # only numbers, configs or callables pass through: the kind does not apply
+        assert r.status == "pass", r
+
+
+@pytest.mark.parametrize("exercise", sorted(set(FUNCTIONS) - DISTRIBUTED))
+def test_global_state_fails_on_every_exercise(exercise):
+    r = check(exercise, _counting(REGISTRY[exercise]), quiet=True)
+    assert r.status == "fail" and "hygiene (no class or global state)" in r.message and "COUNTS" in r.message, r
+
+
+def _class_with_a_registry(ref: type) -> type:
+    """The reference class, except that every call of one of its methods is also appended to a class-level list."""
+    ns: dict = {"log": []}
+    for name, value in vars(ref).items():
+        fn = value.__func__ if isinstance(value, staticmethod) else value
+        if name.startswith("__") and name not in ("__init__", "__call__") or not isinstance(fn, types.FunctionType):
+            continue
+
+        def logged(*args, _fn=fn, _name=name, **kwargs):
+            ns_cls.log.append(_name)
+            return _fn(*args, **kwargs)
+
+        ns[name] = staticmethod(logged) if isinstance(value, staticmethod) else logged
+    ns_cls = type(f"Logged{ref.__name__}", (ref,), ns)
+    return ns_cls
+
+
+@pytest.mark.parametrize("exercise", CLASSES)
+def test_class_state_fails_on_every_class_exercise(exercise):
+    r = check(exercise, _class_with_a_registry(REGISTRY[exercise].reference()), quiet=True)
+    assert r.status == "fail" and "hygiene (no class or global state)" in r.message and ".log" in r.message, r
+
+
+# ----------------------------------------------------------------------------- the input space, reached
+def test_each_ported_exercise_draws_every_corner_of_its_declared_space():
+    """Constants tuned to the graded inputs and an input space not covered are caught by the declared space: every
+    option of each small field (a dtype, a layout, a mode, a flag) is drawn, and every other field takes several
+    values, in one run of the reference's check."""
+    ported = []
+    for exercise, ex in MINE.items():
+        if any("differential(" in inspect.getsource(fn) for fn in ex.checks):
+            check(exercise, ex.reference(), quiet=True)
+    missed = []
+    for exercise, fields in C.coverage().items():
+        if exercise not in MINE:
+            continue
+        ported.append(exercise)
+        for field, (seen, options) in fields.items():
+            if options is not None and len(options) <= 8:
+                if not seen >= options:
+                    missed.append(f"{exercise}: field {field!r} never drew {sorted(options - seen)}")
+            elif field != "seed" and len(seen) < 2:
+                missed.append(f"{exercise}: field {field!r} drew only {seen}")
+    assert not missed, missed
+    assert len(ported) >= 14, ported

@@ -7,7 +7,8 @@ The API (the whole harness's is in :mod:`memlab.course.grading.harness`'s docstr
   or a function of the fields before it (``lq=lambda c: ints(1, c.lk)``). Each case is a :class:`Case`
   with ``case.seed`` added for its values.
 - ``differential(space, run, edges=[...], examples=N, seed=0)``: ``run(case)`` on every edge (the check's
-  hand-picked cases), then on N cases hypothesis draws (fixed seed, no database: the same cases on every
+  hand-picked cases), on a sweep that takes every option of each small field once, then on N cases hypothesis
+  draws (fixed seed, no database: the same cases on every
   machine; other ones on the harness's second pass). ``run`` raises AssertionError naming the case; a
   failure is shrunk (within :data:`SHRINK_BUDGET` runs) and the smallest case's error is raised.
 - ``make_tensor(shape, dtype, layout, seed)``: values from a seed, in a memory layout of :data:`LAYOUTS`.
@@ -19,10 +20,10 @@ import contextlib
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["Space", "Case", "differential", "ints", "floats", "one_of", "flags", "lists_of", "layouts", "LAYOUTS",
-           "make_tensor", "current_pass", "cases_run", "running", "SHRINK_BUDGET"]
+           "make_tensor", "current_pass", "cases_run", "coverage", "running", "SHRINK_BUDGET"]
 
 # the run in progress: which pass, which exercise, and how many cases each exercise drew
-_STATE: dict[str, Any] = {"pass": 0, "cases": {}, "exercise": None}
+_STATE: dict[str, Any] = {"pass": 0, "cases": {}, "exercise": None, "seen": {}}
 
 
 def current_pass() -> int:
@@ -33,6 +34,12 @@ def current_pass() -> int:
 def cases_run() -> dict[str, int]:
     """Exercise id -> number of cases :func:`differential` ran for it (edges included) in this process."""
     return dict(_STATE["cases"])
+
+
+def coverage() -> dict[str, dict[str, tuple[set[str], set[str] | None]]]:
+    """Exercise id -> field -> (the values its drawn cases took, the values the space offers when they are a
+    finite set, else None), as ``repr`` strings: which corners of the declared space the draws reached."""
+    return {ex: {k: (set(v[0]), v[1]) for k, v in fields.items()} for ex, fields in _STATE["seen"].items()}
 
 
 @contextlib.contextmanager
@@ -136,14 +143,19 @@ class Space:
     def __init__(self, *, where: Callable[[Case], bool] | None = None, **fields: Any) -> None:
         self.fields, self.where = fields, where
 
-    def strategy(self) -> Any:
+    def strategy(self, forced: dict[str, Any] | None = None) -> Any:
+        """The hypothesis strategy of this space's cases (``forced``: fields held at a value)."""
         hyp, st = _hypothesis()
         fields, where = self.fields, self.where
+        forced = forced or {}
 
         @st.composite
         def cases(draw: Any) -> Case:
             values: dict[str, Any] = {}
             for name, spec in fields.items():
+                if name in forced:
+                    values[name] = forced[name]
+                    continue
                 if callable(spec) and not isinstance(spec, st.SearchStrategy) and not isinstance(spec, type):
                     spec = spec(Case(**values))
                 values[name] = draw(spec) if isinstance(spec, st.SearchStrategy) else spec
@@ -166,7 +178,8 @@ def _as_case(edge: Any) -> Case:
 def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[Any] = (), examples: int = 20,
                  seed: int = 0) -> int:
     """Call ``run(case)`` on every declared edge (dicts or :class:`Case`, first, in order; reversed on the
-    second pass), then on ``examples`` cases hypothesis draws from ``space`` with a fixed seed (``seed`` on
+    second pass), on a sweep of cases that between them take every option of each small field (the other
+    fields at their simplest), then on ``examples`` cases hypothesis draws from ``space`` with a fixed seed (``seed`` on
     the first pass, another on the second: :func:`current_pass`). ``run`` raises AssertionError naming the
     case when the answer differs from the reference; a failure found by drawing is shrunk (within
     :data:`SHRINK_BUDGET` runs) and the smallest failing case's error is raised. Returns the number of cases run.
@@ -177,11 +190,65 @@ def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[An
         run(case)
         count += 1
     if examples > 0:
-        count += _drawn(space, run, examples, seed + 7919 * current_pass())
+        for case in _sweep(space, current_pass()):  # every option of every small field, at least once
+            _recorded(space, run)(case)
+            count += 1
+        count += _drawn(space, _recorded(space, run), examples, seed + 7919 * current_pass())
     ex = _STATE["exercise"]
     if ex is not None and current_pass() == 0:
         _STATE["cases"][ex] = _STATE["cases"].get(ex, 0) + count
     return count
+
+
+def _options(spec: Any) -> set[str] | None:
+    """The values a field's strategy can take, when they are a finite set (one_of, flags), as reprs."""
+    elements = getattr(spec, "elements", None)
+    if elements is not None and len(elements) <= 64:
+        return {repr(e) for e in elements}
+    return {"False", "True"} if "booleans" in repr(spec) else None
+
+
+SWEEP_OPTIONS = 8  # a field with at most this many options gets each of them in the sweep
+
+
+def _sweep(space: Space, pass_index: int) -> list[Case]:
+    """Cases that between them take every option of each small field (a dtype, a layout, a mode, a flag), the
+    other fields at their simplest: hypothesis's random draws alone may miss a rare option in a few dozen cases."""
+    hyp, st = _hypothesis()
+    from hypothesis import HealthCheck, Phase, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    small = {name: list(spec.elements) if hasattr(spec, "elements") else [False, True]
+             for name, spec in space.fields.items()
+             if isinstance(spec, st.SearchStrategy) and (_options(spec) or set()) and len(_options(spec)) <= SWEEP_OPTIONS}
+    if not small:
+        return []
+    out = []
+    config = settings(database=None, max_examples=50, deadline=None, derandomize=True, phases=[Phase.generate, Phase.shrink],
+                      suppress_health_check=list(HealthCheck))
+    for i in range(max(len(v) for v in small.values())):
+        forced = {name: opts[(i + pass_index) % len(opts)] for name, opts in small.items()}
+        try:
+            out.append(find(space.strategy(forced), lambda c: True, settings=config))
+        except (NoSuchExample, hyp.errors.Unsatisfiable):
+            continue  # the space's `where` refuses this combination
+    return out
+
+
+def _recorded(space: Space, run: Callable[[Case], Any]) -> Callable[[Case], Any]:
+    ex = _STATE["exercise"]
+    if ex is None or current_pass() != 0:
+        return run
+    seen = _STATE["seen"].setdefault(ex, {})
+
+    def recording(case: Case) -> Any:
+        for name, value in vars(case).items():
+            spec = space.fields.get(name)
+            entry = seen.setdefault(name, (set(), _options(spec) if spec is not None and not callable(spec) else None))
+            entry[0].add(repr(value))
+        return run(case)
+
+    return recording
 
 
 def _drawn(space: Space, run: Callable[[Case], Any], examples: int, seed: int) -> int:

@@ -167,6 +167,9 @@ def snapshot(x: Any, depth: int = 0) -> Any:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return ("dataclass", type(x), tuple((f.name, snapshot(getattr(x, f.name, None), depth + 1))
                                             for f in dataclasses.fields(x)))
+    if _learner_classes(type(x)) and isinstance(getattr(x, "__dict__", None), dict):
+        # an instance of a class the learner wrote (a cache object, a counter): its attributes
+        return ("instance", type(x), id(x), tuple((k, snapshot(v, depth + 1)) for k, v in vars(x).items()))
     return ("object", type(x), id(x))
 
 
@@ -232,6 +235,13 @@ def difference(before: Any, after: Any, path: str = "") -> str | None:
             if d:
                 return d
         return f"{path}: its state changed"
+    if kind == "instance":
+        if [k for k, _ in before[3]] != [k for k, _ in after[3]]:
+            return f"{path}: its attributes changed"
+        for (n, b), (_, a) in zip(before[3], after[3]):
+            d = difference(b, a, f"{path}.{n}")
+            if d:
+                return d
     if kind == "dataclass":
         for (n, b), (_, a) in zip(before[2], after[2]):
             d = difference(b, a, f"{path}.{n}")
