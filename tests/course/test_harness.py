@@ -102,8 +102,9 @@ def cached_codebook(offset=None):  # a notebook's global, as a learner writes it
 
 def test_an_lru_cache_of_tensors_is_found():
     r = check("06.nf4_codebook", cached_codebook, quiet=True)
-    assert r.status == "fail" and "hygiene (nothing kept alive)" in r.message and "returned by call #1" in r.message, r
-    assert "cached_codebook" in r.message, r
+    # the same offset asked twice gets the same tensor back, or (asked once each) the cache keeps them alive
+    assert r.status == "fail" and ("hygiene (no shared result)" in r.message or
+                                   "hygiene (nothing kept alive)" in r.message and "cached_codebook" in r.message), r
 
 
 KEPT: list = []

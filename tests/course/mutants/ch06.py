@@ -527,3 +527,60 @@ MUTANTS = {
         ("n // 2 code bytes", predict_floor_half),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds that passed unseen
+import functools  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def codebook_cached(offset=None):
+    """lru_cache around the right derivation: every caller gets the one tensor (and may overwrite it)."""
+    return quant.nf4_codebook(offset)
+
+
+def codes_scale_in_place(w, blocksize=64):
+    """Divides the caller's weight by its absmax in place to save a copy."""
+    q, absmax = quant.nf4_codes(w, blocksize)
+    with torch.no_grad():
+        w.div_(w.abs().max().clamp_min(1e-12))
+    return q, absmax
+
+
+def codes_flat_view(w, blocksize=64):
+    """w.view(-1) (every graded weight is contiguous): a transposed or strided weight raises."""
+    return quant.nf4_codes(w.view(-1), blocksize)
+
+
+def pack_pads_in_place(q, pad=7):
+    """Pads the caller's codes in place (resize_ + fill) instead of a new tensor."""
+    n = q.numel()
+    if n % 2:
+        q.resize_(n + 1)
+        q[n] = pad
+    return quant.pack_nibbles(q[:n], pad)
+
+
+def deq_scales_absmax_in_place(packed, absmax, shape, dtype=torch.float32, blocksize=64):
+    """Reuses the caller's absmax as scratch (absmax.mul_ then div_): float rounding leaves it changed."""
+    out = quant.dequantize_nf4(packed, absmax, shape, dtype, blocksize)
+    with torch.no_grad():
+        absmax.mul_(3.0).div_(3.0001)
+    return out
+
+
+class LoRACountedInstances(_LoRABase):
+    """Counts its instances on the class (for unique adapter names): class state that grows with every layer."""
+
+    made = 0
+
+    def __init__(self, base, r=8, alpha=16, dropout=0.0):
+        super().__init__(base, r, alpha, dropout)
+        LoRACountedInstances.made += 1
+
+
+MUTANTS["06.nf4_codebook"] += [("one cached tensor for every call (lru_cache)", codebook_cached)]
+MUTANTS["06.nf4_codes"] += [("weight scaled in place", codes_scale_in_place), ("view(-1) of the weight", codes_flat_view)]
+MUTANTS["06.pack_nibbles"] += [("pads the caller's codes in place", pack_pads_in_place)]
+MUTANTS["06.dequantize_nf4"] += [("absmax used as scratch", deq_scales_absmax_in_place)]
+MUTANTS["06.lora_linear"] += [("instances counted on the class", LoRACountedInstances)]

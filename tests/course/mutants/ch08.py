@@ -353,3 +353,39 @@ MUTANTS = {
         ("FSDP2 as an even n / N split", predict_fsdp_even_split),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds that passed unseen
+def shard_pads_in_place(flat, rank, world_size):
+    """Pads the caller's buffer in place (resize_) so that it divides evenly."""
+    pad = D.padded_size(flat.numel(), world_size)
+    n = flat.numel()
+    if pad != n:
+        flat.resize_(pad)
+        flat[n:] = 0
+    return flat.chunk(world_size)[rank].clone()
+
+
+_PADDED: dict = {}
+
+
+def shard_cached_padding(flat, rank, world_size):
+    """Keeps the padded copy by (numel, world size) to pad once: a new buffer of the same size gets the old values."""
+    key = (flat.numel(), world_size)
+    if key not in _PADDED:
+        _PADDED[key] = torch.cat([flat, flat.new_zeros(D.padded_size(flat.numel(), world_size) - flat.numel())])
+    return _PADDED[key].chunk(world_size)[rank].clone()
+
+
+def shard_float_padding(flat, rank, world_size):
+    """Pads with torch.zeros (float32): an int64 or float64 buffer comes back float32 or promoted."""
+    pad = torch.zeros(D.padded_size(flat.numel(), world_size) - flat.numel())
+    return torch.cat([flat.float(), pad]).to(flat.dtype if flat.is_floating_point() and flat.dtype != torch.float64
+                                             else torch.float32).chunk(world_size)[rank].clone()
+
+
+MUTANTS["08.shard_flat"] += [
+    ("pads the caller's buffer in place", shard_pads_in_place),
+    ("padded copy cached by size", shard_cached_padding),
+    ("float32 padding", shard_float_padding),
+]

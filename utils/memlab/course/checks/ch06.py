@@ -20,7 +20,9 @@ from torch import nn
 
 from memlab import quant
 from memlab.quant import lora
-from memlab.course.checks import expect, expect_type, register
+from memlab.course.checks import (
+    Space, differential, expect, expect_type, flags, floats, ints, layouts, make_tensor, one_of, register,
+)
 
 
 def _tensor_equal(name: str, got, want) -> None:
@@ -45,9 +47,13 @@ def check_nf4_codebook(fn) -> None:
     """Grade exercise ``06.nf4_codebook``: NF4 codebook from normal quantiles."""
     expect(callable(fn), f"nf4_codebook: expected a function, got {type(fn).__name__}")
     _tensor_equal("nf4_codebook()", fn(), quant.nf4_codebook())
-    for offset in (0.99, 0.95, 0.9):
-        _tensor_equal(f"nf4_codebook(offset={offset}) (derive the levels from the quantiles; do not paste them)",
-                      fn(offset), quant.nf4_codebook(offset))
+
+    def run(case) -> None:
+        _tensor_equal(f"nf4_codebook(offset={case.offset!r}) (derive the levels from the quantiles; do not paste them)",
+                      fn(case.offset), quant.nf4_codebook(case.offset))
+
+    # any outer quantile in (0.5, 1): the codebook is derived, not pasted
+    differential(Space(offset=floats(0.51, 0.999)), run, edges=[dict(offset=o) for o in (0.99, 0.95, 0.9)], examples=12)
 
 
 # ----------------------------------------------------------------------------- 06.nf4_codes
@@ -69,16 +75,37 @@ def _code_cases() -> list[tuple[str, torch.Tensor, int]]:
     ]
 
 
+# any shape (partial last blocks, fewer elements than one block), every block size bitsandbytes offers, the three
+# float formats, any layout and scale, an all-zero block
+CODES_SPACE = Space(shape=one_of((256,), (8, 96), (300,), (5, 77), (3, 1000), (1,), (63,), (2, 3, 40)),
+                    blocksize=one_of(64, 32, 128, 256, 4096), dtype=one_of(torch.float32, torch.bfloat16, torch.float16),
+                    layout=layouts("contiguous", "transposed", "strided", "offset"), scale=floats(1e-3, 1e3, log=True),
+                    zero_block=flags())
+
+
 @register("06.nf4_codes", reference=lambda: quant.nf4_codes, title="blockwise NF4 codes (unpacked)")
 def check_nf4_codes(fn) -> None:
     """Grade exercise ``06.nf4_codes``: blockwise NF4 codes (unpacked)."""
     expect(callable(fn), f"nf4_codes: expected a function, got {type(fn).__name__}")
-    for name, w, bs in _code_cases():
-        got = fn(w.clone(), bs)
+    edges = {name: (w, bs) for name, w, bs in _code_cases()}
+
+    def run(case) -> None:
+        if hasattr(case, "edge"):
+            name, (w, bs) = case.edge, edges[case.edge]
+        else:
+            w = make_tensor(case.shape, case.dtype, case.layout, case.seed, scale=case.scale)
+            if case.zero_block and w.numel() > case.blocksize:  # the first block all zeros (its absmax is 0)
+                values = w.reshape(-1).clone()
+                values[: case.blocksize] = 0
+                w.copy_(values.view(w.shape))
+            bs, name = case.blocksize, f"drawn ({case})"
+        got = fn(w, bs)
         expect(isinstance(got, tuple) and len(got) == 2, f"nf4_codes({name}): return a tuple (codes, absmax), got {type(got).__name__}")
         want_q, want_a = quant.nf4_codes(w, bs)
         _tensor_equal(f"nf4_codes({name}) absmax", got[1], want_a)
         _tensor_equal(f"nf4_codes({name}) codes", got[0], want_q)
+
+    differential(CODES_SPACE, run, edges=[{"edge": k} for k in edges], examples=20)
 
 
 # ----------------------------------------------------------------------------- 06.pack_nibbles
@@ -94,6 +121,13 @@ def check_pack_nibbles(fn) -> None:
              ("333 random codes (odd)", torch.randint(0, 16, (333,), generator=gen, dtype=torch.uint8))]
     for name, q in cases:
         _tensor_equal(f"pack_nibbles({name})", fn(q.clone()), quant.pack_nibbles(q))
+
+    def run(case) -> None:
+        q = make_tensor((case.n,), torch.uint8, case.layout, case.seed, low=0, high=16)
+        _tensor_equal(f"pack_nibbles({case.n} codes, {case.layout} in memory)", fn(q), quant.pack_nibbles(q))
+
+    # any count (odd, one, none), any layout
+    differential(Space(n=ints(0, 2049), layout=layouts("contiguous", "strided", "offset")), run, examples=15)
     w = torch.randn(7, 13, generator=gen)
     packed = fn(quant.nf4_codes(w)[0])
     _tensor_equal("pack_nibbles(nf4_codes(w)) for w of shape (7, 13), vs bitsandbytes' packed bytes",
@@ -106,13 +140,21 @@ def check_dequantize_nf4(fn) -> None:
     """Grade exercise ``06.dequantize_nf4``: dequantize NF4, bit-exact."""
     expect(callable(fn), f"dequantize_nf4: expected a function, got {type(fn).__name__}")
     gen = torch.Generator().manual_seed(8)
-    for shape, dtype, bs in [((256,), torch.float32, 64), ((16, 64), torch.bfloat16, 64), ((7, 13), torch.float16, 64),
-                             ((3, 100), torch.float32, 32), ((2, 300), torch.bfloat16, 128)]:
-        w = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    def run(case) -> None:
+        shape, dtype, bs = case.shape, case.dtype, case.blocksize
+        w = (torch.randn(shape, generator=torch.Generator().manual_seed(case.seed)) * case.scale).to(dtype)
         packed, absmax = quant.quantize_nf4(w, bs)
-        got = fn(packed.clone(), absmax.clone(), shape, dtype, bs)
+        got = fn(packed, absmax, shape, dtype, bs)
         _tensor_equal(f"dequantize_nf4(shape={shape}, dtype={dtype}, blocksize={bs})", got,
                       quant.dequantize_nf4(packed, absmax, shape, dtype, bs))
+
+    edges = [dict(shape=sh, dtype=dt, blocksize=bs, scale=3.0)
+             for sh, dt, bs in [((256,), torch.float32, 64), ((16, 64), torch.bfloat16, 64), ((7, 13), torch.float16, 64),
+                                ((3, 100), torch.float32, 32), ((2, 300), torch.bfloat16, 128)]]
+    # any shape (an odd count of codes, partial blocks), every block size, the three float formats, any scale
+    space = Space(shape=one_of((256,), (7, 13), (1,), (3, 1000), (2, 3, 41), (5,)), dtype=one_of(torch.float32, torch.bfloat16, torch.float16),
+                  blocksize=one_of(64, 32, 128, 256, 4096), scale=floats(1e-2, 1e3, log=True))
+    differential(space, run, edges=edges, examples=15)
 
 
 # ----------------------------------------------------------------------------- 06.lora_linear

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from memlab import distributed as D
-from memlab.course.checks import expect, expect_type, register
+from memlab.course.checks import Space, differential, expect, expect_type, ints, layouts, make_tensor, one_of, register
 
 WORLD_SIZE = 2
 
@@ -59,18 +59,28 @@ def _tensor_equal(name: str, got: Any, want: torch.Tensor) -> None:
 def check_shard_flat(fn) -> None:
     """Grade exercise ``08.shard_flat``: shard a flat buffer."""
     expect(callable(fn), f"shard_flat: expected a function, got {type(fn).__name__}")
-    for numel, ws in ((12, 2), (12, 4), (10, 4), (7, 3), (1, 2), (5, 8)):
-        flat = torch.arange(1, numel + 1, dtype=torch.float32)
+    def run(case) -> None:
+        numel, ws = case.numel, case.ws
+        flat = (torch.arange(1, numel + 1, dtype=torch.float32) if case.values == "arange" else
+                make_tensor((numel,), case.dtype, case.layout, case.seed, low=-100, high=100)).to(case.dtype)
+        if case.layout == "offset" and case.values == "arange":  # a view into a larger buffer, as a flat parameter often is
+            flat = torch.cat([torch.zeros(3, dtype=case.dtype), flat])[3:]
         shards = []
         for r in range(ws):
-            got = fn(flat.clone(), r, ws)
-            _tensor_equal(f"shard_flat(arange({numel}), rank={r}, world_size={ws})", got, D.shard_flat(flat, r, ws))
+            got = fn(flat, r, ws)
+            _tensor_equal(f"shard_flat({case.values} of {numel} {case.dtype} ({case.layout}), rank={r}, world_size={ws})",
+                          got, D.shard_flat(flat, r, ws))
             shards.append(got)
         expect(torch.equal(torch.cat(shards)[:numel], flat),
-               f"world_size={ws}: the shards in rank order, padding dropped, must give the buffer back")
-    half = torch.arange(6, dtype=torch.bfloat16)
-    _tensor_equal("shard_flat(bfloat16 buffer of 6, rank=1, world_size=4) (keep the dtype)", fn(half, 1, 4),
-                  D.shard_flat(half, 1, 4))
+               f"world_size={ws}, {numel} elements: the shards in rank order, padding dropped, must give the buffer back")
+
+    edges = [dict(numel=n, ws=w, dtype=torch.float32, values="arange", layout="contiguous") for n, w in
+             ((12, 2), (12, 4), (10, 4), (7, 3), (1, 2), (5, 8))]
+    edges.append(dict(numel=6, ws=4, dtype=torch.bfloat16, values="arange", layout="contiguous"))  # keep the dtype
+    # any size (smaller than the world too), world sizes 1-9, every dtype a flat buffer has, a view at an offset
+    space = Space(numel=ints(1, 300), ws=ints(1, 9), dtype=one_of(torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64),
+                  values=one_of("arange", "random"), layout=layouts("contiguous", "offset"))
+    differential(space, run, edges=edges, examples=30)
 
 
 # ----------------------------------------------------------------------------- 08.reduce_scatter
