@@ -412,3 +412,69 @@ MUTANTS = {
         ("naive with an extra row", predict_naive_with_mask_row),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds that passed unseen
+def merge_into_o1(o1, lse1, o2, lse2):
+    """Merges the partials into o1 in place (saves a buffer): the caller's partial is overwritten."""
+    from memlab.attention import merge_partials
+
+    o, lse = merge_partials(o1, lse1, o2, lse2)
+    o1.copy_(o)
+    return o1, lse
+
+
+def merge_4d_only(o1, lse1, o2, lse2):
+    """Unpacks (B, H, L, d) from the shapes (every graded partial has a batch dimension before L)."""
+    from memlab.attention import merge_partials
+
+    b, l, d = o1.shape
+    return merge_partials(o1, lse1, o2, lse2)
+
+
+def chunked_scales_q_in_place(q, k, v, kv_chunk, causal=False):
+    """Scales q by 1/sqrt(d) in place before the loop (saves a copy): the caller's q changes."""
+    scale = q.shape[-1] ** -0.5
+    with torch.no_grad():
+        q.mul_(scale)
+    from memlab.attention import chunked_attention
+
+    q4, k4, v4 = (t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v))
+    o, lse = chunked_attention(q4, k4, v4, kv_chunk=kv_chunk, q_chunk=q.shape[-2], causal="bottom_right" if causal else False,
+                               return_lse=True, scale=1.0)
+    return o.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(q.shape[:-1])
+
+
+def chunked_4d_only(q, k, v, kv_chunk, causal=False):
+    """Unpacks b, h, L, d from q.shape (every graded input is 4-D): 3-D and 5-D inputs raise."""
+    from memlab.attention import chunked_attention
+
+    b, h, lq, d = q.shape
+    o, lse = chunked_attention(q, k, v, kv_chunk=kv_chunk, q_chunk=lq, causal="bottom_right" if causal else False,
+                               return_lse=True)
+    return o, lse
+
+
+def flash_bwd_scales_do_in_place(q, k, v, o, lse, do, causal=False, block=16):
+    """Folds a factor into the output gradient in place and takes it out again: rounding leaves do changed."""
+    from memlab.attention import flash_attention_backward
+
+    with torch.no_grad():
+        do.mul_(3.0)
+    grads = flash_attention_backward(do / 3.0, q, k, v, o, lse, causal="bottom_right" if causal else False,
+                                     block_q=block, block_k=block)
+    with torch.no_grad():
+        do.div_(3.0)
+    return grads
+
+
+def saved_bytes_blocks_of_64(batch, heads, seq, head_dim):
+    """Rounds the sequence up to whole 64-query blocks for flash (every graded length is a multiple of 64)."""
+    padded = -(-seq // 64) * 64
+    return batch * heads * seq * seq * 4, batch * heads * padded * (head_dim + 1) * 4
+
+
+MUTANTS["05.merge_partials"] += [("merged into o1 in place", merge_into_o1), ("3 dims unpacked", merge_4d_only)]
+MUTANTS["05.chunked_forward"] += [("q scaled in place", chunked_scales_q_in_place), ("4-D inputs only", chunked_4d_only)]
+MUTANTS["05.flash_backward"] += [("do scaled in place and back", flash_bwd_scales_do_in_place)]
+MUTANTS["05.predict_saved_bytes"] += [("length rounded up to blocks of 64", saved_bytes_blocks_of_64)]

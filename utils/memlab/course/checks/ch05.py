@@ -16,7 +16,10 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 import torch.utils._python_dispatch
 
 from memlab import attention as ref
-from memlab.course.checks import expect, expect_close, expect_equal, expect_tensor_close, expect_type, register
+from memlab.course.checks import (
+    Space, differential, expect, expect_close, expect_equal, expect_tensor_close, expect_type, flags, ints, layouts,
+    one_of, register,
+)
 
 
 def _randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -40,16 +43,30 @@ def _attn_lse(q, k, v, scale=None):
 @register("05.merge_partials", reference=lambda: ref.merge_partials, title="merge two partial softmax results")
 def check_merge_partials(fn):
     """Grade exercise ``05.merge_partials``: merge two partial softmax results."""
-    q, k, v = _randn(2, 5, 8, seed=1), _randn(2, 9, 8, seed=2), _randn(2, 9, 4, seed=3)
-    for cut, mult in ((4, 1.0), (1, 1.0), (8, 1.0), (3, 1000.0)):
-        qq = q * mult  # scores in the thousands: exp() of them overflows even in fp64 unless you subtract a max
+    def run(case) -> None:
+        q = _randn(*case.batch, case.lq, case.d, seed=case.seed)
+        k, v = _randn(*case.batch, case.lk, case.d, seed=case.seed + 1), _randn(*case.batch, case.lk, case.dv, seed=case.seed + 2)
+        qq, cut = q * case.mult, min(case.cut, case.lk - 1)
         o, lse = _attn_lse(qq, k, v)
-        o1, l1 = _attn_lse(qq, k[:, :cut], v[:, :cut])
-        o2, l2 = _attn_lse(qq, k[:, cut:], v[:, cut:])
-        got = _pair(f"fn(o1, lse1, o2, lse2) with keys split at {cut}", fn(o1, l1, o2, l2))
-        expect_tensor_close(f"merged output (keys split at {cut}, scores up to {float((qq @ k.mT).abs().max()):.0f})",
-                            got[0], o, rtol=1e-10, atol=1e-10)
-        expect_tensor_close(f"merged logsumexp (keys split at {cut})", got[1], lse, rtol=1e-10, atol=1e-10)
+        o1, l1 = _attn_lse(qq, k[..., :cut, :], v[..., :cut, :])
+        o2, l2 = _attn_lse(qq, k[..., cut:, :], v[..., cut:, :])
+        if case.order == "second first":
+            o1, l1, o2, l2 = o2, l2, o1, l1
+        if case.layout == "transposed":  # partials as a kernel may leave them: (..., L, d) seen through a transpose
+            o1, o2 = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (o1, o2))
+        got = _pair(f"fn(o1, lse1, o2, lse2) with keys split at {cut} ({case})", fn(o1, l1, o2, l2))
+        what = f"keys split at {cut} of {case.lk}, scores up to {float((qq @ k.mT).abs().max()):.0f} ({case})"
+        expect_tensor_close(f"merged output ({what})", got[0], o, rtol=1e-10, atol=1e-10)
+        expect_tensor_close(f"merged logsumexp ({what})", got[1], lse, rtol=1e-10, atol=1e-10)
+
+    edges = [dict(batch=(2,), lq=5, lk=9, d=8, dv=4, cut=c, mult=m, order="first first", layout="contiguous", seed=1)
+             for c, m in ((4, 1.0), (1, 1.0), (8, 1.0), (3, 1000.0))]
+    # any leading dims, lengths, head dims, cut and score scale (exp overflows without a max), either order
+    space = Space(batch=one_of((2,), (1,), (2, 3), ()), lq=ints(1, 9), lk=ints(2, 17), d=ints(1, 16), dv=ints(1, 9),
+                  cut=ints(1, 16), mult=one_of(1.0, 1000.0, 1e-3, 30.0), order=one_of("first first", "second first"),
+                  layout=layouts("contiguous", "transposed"))
+    differential(space, run, edges=edges, examples=25)
+    q, k, v = _randn(2, 5, 8, seed=1), _randn(2, 9, 8, seed=2), _randn(2, 9, 4, seed=3)
     o1, l1 = _attn_lse(q, k, v)
     empty_o, empty_l = torch.zeros_like(o1), torch.full_like(l1, float("-inf"))
     got = _pair("fn(o1, lse1, zeros, -inf)", fn(o1, l1, empty_o, empty_l))
@@ -165,6 +182,25 @@ def check_chunked_forward(fn):
                 f"q and k non-contiguous)")
         expect_tensor_close(f"output, {what}", got[0], want_o, rtol=1e-9, atol=1e-9)
         expect_tensor_close(f"logsumexp, {what}", got[1], want_l, rtol=1e-9, atol=1e-9)
+    def run(case) -> None:
+        lq = min(case.lq, case.lk) if case.causal else case.lq
+        q, k, v = _layouts(case.b, case.h, lq, case.lk, case.d, case.dv, seed=case.seed)
+        if case.contiguous:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if case.dims != 4:  # (B*H, L, d) or (B, H, 1, L, d): any leading dims
+            shape = (lambda t: (-1, *t.shape[-2:])) if case.dims == 3 else (lambda t: (t.shape[0], t.shape[1], 1, *t.shape[-2:]))
+            q, k, v = (t.reshape(shape(t)) for t in (q, k, v))
+        want_o, want_l = _exact(q, k, v, causal=case.causal)
+        got = _pair(f"fn(q, k, v, kv_chunk={case.chunk}, causal={case.causal})", fn(q, k, v, case.chunk, causal=case.causal))
+        what = f"Lq={lq}, Lk={case.lk}, kv_chunk={case.chunk}, causal={case.causal} ({case})"
+        expect_tensor_close(f"output, {what}", got[0], want_o, rtol=1e-9, atol=1e-9)
+        expect_tensor_close(f"logsumexp, {what}", got[1], want_l, rtol=1e-9, atol=1e-9)
+
+    # any lengths (Lq <= Lk when causal: every row sees a key), chunk (1, uneven, past the end), head dims, batch and
+    # heads, q and k non-contiguous or not
+    space = Space(b=ints(1, 2), h=ints(1, 3), lq=ints(1, 20), lk=ints(1, 40), d=ints(1, 12), dv=ints(1, 9),
+                  chunk=ints(1, 45), causal=flags(), contiguous=flags(), dims=one_of(4, 3, 5))
+    differential(space, run, examples=12)
     # bf16 inputs: accumulate in fp32, return the output in bf16 and the logsumexp in fp32
     q, k, v = _layouts(1, 2, 16, 512, 16, 16, seed=40, dtype=torch.bfloat16)
     want_o, want_l = _exact(q, k, v, causal=True)
@@ -240,6 +276,20 @@ def check_flash_backward(fn):
                f"{what}: the largest tensor made inside fn has {big.numel} elements ({big.op}); the inputs have at "
                f"most {inputs} and one block x block tile of the 2 heads {tile}: work in tiles of block x block "
                f"(recompute P = exp(S - lse) per tile), never a whole row of blocks or the Lq x Lk matrix")
+    def run(case) -> None:
+        lq = min(case.lq, case.lk) if case.causal else case.lq
+        q, k, v, o, lse, do = _backward_inputs(1, 2, lq, case.lk, case.d, case.dv, seed=case.seed, causal=case.causal)
+        want = _grads(q, k, v, do, case.causal)
+        got = _pair(f"fn(q, k, v, o, lse, do, causal={case.causal}, block={case.block})",
+                    fn(q, k, v, o, lse, do, case.causal, case.block), 3)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            expect_tensor_close(f"{name} (Lq={lq}, Lk={case.lk}, block={case.block}, causal={case.causal}; {case})", g, w,
+                                rtol=1e-9, atol=1e-9)
+
+    # any lengths (odd, shorter than a block), block sizes (1, uneven), head dims, causal or not
+    space = Space(lq=ints(1, 40), lk=ints(1, 40), d=ints(1, 12), dv=ints(1, 9), block=one_of(16, 1, 5, 8, 64),
+                  causal=flags())
+    differential(space, run, examples=8)
     # causal: tiles right of the diagonal are skipped, not computed and masked
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -427,7 +477,8 @@ def predict_saved_bytes_reference(batch, heads, seq, head_dim):
           title="predict, then measure, the bytes saved for backward")
 def check_predict_saved_bytes(fn):
     """Grade exercise ``05.predict_saved_bytes``: predict, then measure, the bytes saved for backward."""
-    for b, h, s, d in ((1, 2, 64, 16), (2, 4, 128, 32), (1, 2, 256, 8)):
+    def run(case) -> None:
+        b, h, s, d = case.b, case.h, case.s, case.d
         got = fn(b, h, s, d)
         expect(isinstance(got, tuple) and len(got) == 2,
                f"fn({b}, {h}, {s}, {d}): expected a tuple (naive_bytes, flash_bytes), got {str(got)[:60]}")
@@ -437,5 +488,9 @@ def check_predict_saved_bytes(fn):
         for name, pred, meas in (("naive_attention", got[0], naive), ("flash_attention", got[1], flash)):
             expect_close(f"batch={b}, heads={h}, seq={s}, head_dim={d}, fp32: predicted bytes {name} saves "
                          f"(measured with saved_tensors_hooks; the count is exact)", pred, float(meas), rtol=0)
+
+    edges = [dict(b=b, h=h, s=s, d=d) for b, h, s, d in ((1, 2, 64, 16), (2, 4, 128, 32), (1, 2, 256, 8))]
+    # any batch, heads, length (odd, shorter than a block) and head dim
+    differential(Space(b=ints(1, 3), h=ints(1, 4), s=ints(1, 130), d=ints(1, 40)), run, edges=edges, examples=6)
     expect_equal("the prediction's ratio naive/flash grows with seq: fn(1,1,2048,64) naive > 30x flash",
                  fn(1, 1, 2048, 64)[0] > 30 * fn(1, 1, 2048, 64)[1], True)
