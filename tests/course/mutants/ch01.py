@@ -617,3 +617,58 @@ MUTANTS["01.fake_activations"] += [
     ("a float", fake_float),
     ("forward under no_grad", fake_no_grad),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds that passed unseen
+def peaks_every_phase(timeline):
+    """Reports all four phases, 0 for a phase the timeline never enters (every graded timeline has all four)."""
+    from memlab.course.reference.ch01 import PHASES, phase_peaks
+
+    return {p: phase_peaks(timeline).get(p, 0) for p in PHASES} if timeline else {}
+
+
+def peaks_sorts_the_timeline(timeline):
+    """Sorts the caller's timeline by phase in place to group the events."""
+    from memlab.course.reference.ch01 import phase_peaks
+
+    out = phase_peaks(timeline)
+    timeline.sort(key=lambda e: e.phase)
+    return out
+
+
+MUTANTS["01.phase_peaks"] += [
+    ("every phase reported, 0 when absent", peaks_every_phase),
+    ("sorts the caller's timeline in place", peaks_sorts_the_timeline),
+]
+
+
+class LiveBytesClassRegistry:
+    """A right counter, except that the weak references live in one registry on the class ("every counter sees
+    every storage"): a second counter finds the first one's storages already counted."""
+
+    registry: dict = {}
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+
+    def track(self, t):
+        import weakref
+
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in LiveBytesClassRegistry.registry and LiveBytesClassRegistry.registry[key]() is st:
+            return
+        n = st.nbytes()
+
+        def free(ref, key=key, n=n):
+            if LiveBytesClassRegistry.registry.get(key) is ref:
+                del LiveBytesClassRegistry.registry[key]
+                self.current -= n
+
+        LiveBytesClassRegistry.registry[key] = weakref.ref(st, free)
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+
+MUTANTS["01.live_bytes"] += [("weak references in a registry on the class", LiveBytesClassRegistry)]

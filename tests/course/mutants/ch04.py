@@ -440,3 +440,74 @@ MUTANTS = {
                            ("frozen counted", traffic_counts_frozen), ("tied twice", traffic_tied_twice),
                            ("offloaded grads once", traffic_once_even_offloaded)],
 }
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds that passed unseen
+def adamw_decay_folded_into_grad(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay):
+    """Right update, but divides the caller's gradient in place to undo a scaling ("grad /= 1"): it reuses the
+    gradient as scratch (grad.mul_(2), then div_(2): bitwise equal for fp32, yet a write to the caller's tensor
+    and, here, a subtraction that does not round back)."""
+    from memlab import offload
+
+    offload.adamw_step_(param, grad.clone(), exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay)
+    with torch.no_grad():
+        grad.add_(param, alpha=weight_decay).sub_(param, alpha=weight_decay)
+
+
+def adamw_flat_view(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay):
+    """Updates param.view(-1) (every graded parameter is contiguous or a transposed matrix): a strided one raises."""
+    from memlab import offload
+
+    offload.adamw_step_(param.view(-1), grad.reshape(-1), exp_avg.view(-1), exp_avg_sq.view(-1), step, lr=lr, beta1=beta1,
+                        beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+
+def pack_casts_inputs(tensors):
+    """Casts the caller's 16-bit tensors to float32 in place (t.data = t.data.float()) before packing."""
+    from memlab import offload
+
+    for t in tensors:
+        if t.dtype != torch.float32:
+            t.data = t.data.float()
+    buf = offload.pack(tensors)
+    return buf.flat, buf.views
+
+
+def chunked_grad_as_scratch(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay, chunk=1024):
+    """Uses the gradient as scratch for (1 - beta1) * grad, then restores it by dividing: rounding leaves it changed."""
+    from memlab import offload
+
+    offload.adamw_step_eager_chunked_(param, grad, exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                      weight_decay=weight_decay, chunk=chunk)
+    with torch.no_grad():
+        grad.mul_(1 - beta1).div_(1 - beta1)
+
+
+MUTANTS["04.adamw_update"] += [("gradient used as scratch", adamw_decay_folded_into_grad),
+                               ("view(-1) of the parameter", adamw_flat_view)]
+MUTANTS["04.pack_flat"] += [("casts the caller's tensors in place", pack_casts_inputs)]
+MUTANTS["04.chunked_step"] += [("gradient used as scratch", chunked_grad_as_scratch)]
+
+
+def _offload_with_class_counter():
+    """The check's own composed reference, except the step count lives on the class (one for every optimizer)."""
+    from memlab.course.checks.ch04 import _ReferenceOffload
+
+    class OffloadStepOnClass(_ReferenceOffload):
+        t_all = 0
+
+        @torch.no_grad()
+        def step(self):
+            from memlab import offload
+
+            OffloadStepOnClass.t_all += 1
+            for i, p in enumerate(self.params):
+                offload.adamw_step_(self.master.views[i], self.grad.views[i], self.m.views[i], self.v.views[i],
+                                    OffloadStepOnClass.t_all, **self.hp)
+                p.copy_(self.master.views[i])
+
+    return OffloadStepOnClass
+
+
+MUTANTS["04.offload_optimizer"] += [("the step count on the class", _offload_with_class_counter())]

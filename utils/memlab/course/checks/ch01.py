@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import random
 
 import weakref
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memlab.course.reference import ch01 as ref
-from memlab.course.checks import expect, expect_equal, expect_type, register
+from memlab.course.checks import Space, differential, expect, expect_equal, expect_type, ints, lists_of, one_of, register
 
 
 # ---------------------------------------------------------------------------- 01.live_bytes
@@ -85,6 +86,19 @@ def check_live_bytes(cls):
         gc.collect()
         expect_equal(f"after storage #{i + 1} died: current", lb.current, 0)
     expect_equal("peak of this counter", lb.peak, 1024)
+
+    # two counters at once are independent: each counts what it tracks (state on the class would be shared)
+    a, b = cls(), cls()
+    x = torch.zeros(32)
+    a.track(x)
+    b.track(x)
+    b.track(torch.zeros(8)[:4])
+    expect_equal("two counters alive at once, both tracking x = torch.zeros(32): (a.current, b.current)",
+                 (a.current, b.current), (128, 128))
+    del x
+    gc.collect()
+    expect_equal("two counters after x died: (a.current, a.peak, b.current, b.peak)",
+                 (a.current, a.peak, b.current, b.peak), (0, 128, 0, 160))
 
 
 # ---------------------------------------------------------------------------- 01.categorize
@@ -239,6 +253,20 @@ def check_phase_peaks(fn):
     expect_equal("the phases in the answer", sorted(got), sorted(want))
     for phase in want:
         expect_equal(f"peak total bytes of phase {phase!r}", got[phase], want[phase])
+
+    def run(case) -> None:
+        rng = random.Random(case.seed)
+        phases = [p for p in ref.PHASES if p in case.phases] or ["other"]
+        timeline = [_ev(3 * i + rng.randint(0, 2), rng.choice(phases),
+                        **{c: rng.choice([0, rng.randint(1, case.scale)]) for c in ref.CATEGORIES})
+                    for i in range(case.events)]
+        got, want = fn(timeline), ref.phase_peaks(timeline)
+        expect_equal(f"phase_peaks of a timeline of {case.events} events in phases {phases} ({case})", got, want)
+
+    # any length (one event, none), any subset of the phases (a phase that never occurs is not in the answer),
+    # bytes from a few to beyond 2**31, categories that are zero
+    space = Space(events=ints(0, 40), phases=lists_of(one_of(*ref.PHASES), 1, 4), scale=one_of(1000, 10, 2**40))
+    differential(space, run, examples=25)
     # a real timeline
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))

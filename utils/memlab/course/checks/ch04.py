@@ -25,7 +25,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab import offload
-from memlab.course.checks import expect, expect_type, register
+from memlab.course.checks import (
+    Space, differential, expect, expect_type, ints, layouts, lists_of, make_tensor, one_of, register,
+)
 
 HPARAMS = [
     dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2),
@@ -59,37 +61,50 @@ LAYOUTS = ("odd", "matrix", "transposed", "channels_last")
 def check_adamw_update(fn) -> None:
     """Grade exercise ``04.adamw_update``: AdamW update, bitwise vs torch."""
     expect(callable(fn), f"adamw_step_: expected a function, got {type(fn).__name__}")
-    for hp in HPARAMS:
-        for kind in LAYOUTS:
-            gen = torch.Generator().manual_seed(4)
-            p = _layouts(kind, gen)
-            shape = tuple(p.shape)
-            ref = nn.Parameter(p.detach().clone())
-            opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-                                    weight_decay=hp["weight_decay"], foreach=False)
-            m, v = torch.zeros(shape), torch.zeros(shape)
-            ptr, strides = p.data_ptr(), p.stride()
-            for step in range(1, 9):
-                g = torch.randn(shape, generator=gen) * (10.0 if step == 4 else 1.0)
-                ref.grad = g.clone()
-                opt.step()
-                out = fn(p, g.clone(), m, v, step, **hp)
-                expect(out is None or out is p, "adamw_step_: update param, exp_avg and exp_avg_sq in place (return None)")
-                where = f"({_hp_str(hp)}, {kind} param of shape {shape}, step {step})"
-                expect(p.data_ptr() == ptr and p.stride() == strides,
-                       f"adamw_step_ {where}: param must be updated in place in its own memory and layout")
-                for name, got, want in (("exp_avg", m, opt.state[ref]["exp_avg"]), ("exp_avg_sq", v, opt.state[ref]["exp_avg_sq"]),
-                                        ("param", p, ref.data)):
-                    if not torch.equal(got, want):
-                        d = (got - want).abs().max().item()
-                        hint = {
-                            "exp_avg": "exp_avg.lerp_(grad, 1 - beta1)",
-                            "exp_avg_sq": "exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)",
-                            "param": "param.mul_(1 - lr*weight_decay) first; then denom = (exp_avg_sq.sqrt() / sqrt(bc2)).add_(eps) "
-                                     "and param.addcdiv_(exp_avg, denom, value=-lr/bc1)",
-                        }[name]
-                        expect(False, f"adamw_step_ {where}: {name} differs from torch AdamW by {d:.3g}; "
-                               f"torch's op order is {hint}")
+    def run(case) -> None:
+        hp = case.hp
+        gen = torch.Generator().manual_seed(4 + case.seed)
+        p = _layouts(case.kind, gen) if case.kind in LAYOUTS else \
+            make_tensor(case.shape, torch.float32, case.kind, case.seed)
+        shape = tuple(p.shape)
+        ref = nn.Parameter(p.detach().clone())
+        opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                                weight_decay=hp["weight_decay"], foreach=False)
+        m, v = torch.zeros(shape), torch.zeros(shape)
+        ptr, strides = p.data_ptr(), p.stride()
+        for step in range(1, case.steps + 1):
+            g = torch.randn(shape, generator=gen) * (10.0 if step == case.spike else 1.0)
+            ref.grad = g.clone()
+            opt.step()
+            out = fn(p, g.clone(), m, v, step, **hp)
+            expect(out is None or out is p, "adamw_step_: update param, exp_avg and exp_avg_sq in place (return None)")
+            where = f"({_hp_str(hp)}, {case.kind} param of shape {shape}, step {step})"
+            expect(p.data_ptr() == ptr and p.stride() == strides,
+                   f"adamw_step_ {where}: param must be updated in place in its own memory and layout")
+            for name, got, want in (("exp_avg", m, opt.state[ref]["exp_avg"]), ("exp_avg_sq", v, opt.state[ref]["exp_avg_sq"]),
+                                    ("param", p, ref.data)):
+                if not torch.equal(got, want):
+                    d = (got - want).abs().max().item()
+                    hint = {
+                        "exp_avg": "exp_avg.lerp_(grad, 1 - beta1)",
+                        "exp_avg_sq": "exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)",
+                        "param": "param.mul_(1 - lr*weight_decay) first; then denom = (exp_avg_sq.sqrt() / sqrt(bc2)).add_(eps) "
+                                 "and param.addcdiv_(exp_avg, denom, value=-lr/bc1)",
+                    }[name]
+                    expect(False, f"adamw_step_ {where}: {name} differs from torch AdamW by {d:.3g}; "
+                           f"torch's op order is {hint}")
+
+    edges = [dict(hp=hp, kind=kind, shape=(), steps=8, spike=4) for hp in HPARAMS for kind in LAYOUTS]
+    differential(ADAMW_SPACE, run, edges=edges, examples=12)
+
+
+# any hyper-parameters (beta1 at or above 0.5 and below: lerp's two branches; no decay; tiny and large eps), a
+# parameter in any layout (a view into a larger buffer, every other element, transposed), any shape, 1-8 steps
+ADAMW_SPACE = Space(
+    hp=one_of(*HPARAMS, dict(lr=1e-1, beta1=0.0, beta2=0.5, eps=1e-12, weight_decay=0.5),
+              dict(lr=2e-5, beta1=0.99, beta2=0.9999, eps=1e-3, weight_decay=1e-4)),
+    kind=one_of("strided", "offset", "transposed", "contiguous", "odd", "channels_last"),
+    shape=one_of((7,), (33, 5), (1,), (4, 3, 3, 3), (2, 17)), steps=ints(1, 8), spike=ints(1, 8))
 
 
 # ----------------------------------------------------------------------------- 04.pack_flat
@@ -112,7 +127,14 @@ def check_pack_flat(fn) -> None:
         ("a channels_last conv weight", [torch.randn(4, 3, 3, 3, generator=gen).contiguous(memory_format=torch.channels_last),
                                          torch.randn(4, generator=gen)]),
     ]
-    for name, ts in cases:
+
+    def run(case) -> None:
+        if hasattr(case, "edge"):
+            name, ts = case.edge, dict(cases)[case.edge]
+        else:
+            ts = [make_tensor(shape, dtype, layout, case.seed + i)
+                  for i, (shape, dtype, layout) in enumerate(zip(case.shapes, case.dtypes, case.layouts_))]
+            name = f"drawn ({case})"
         originals = [t.clone() for t in ts]
         got = fn(ts)
         expect(isinstance(got, (tuple, list)) and len(got) == 2, f"pack ({name}): expected (flat, views), got {got!r:.80}")
@@ -144,6 +166,12 @@ def check_pack_flat(fn) -> None:
         for i, (t, o) in enumerate(zip(ts, originals)):
             expect(torch.equal(t, o), f"pack ({name}): writing flat changed input tensor {i}: flat aliases it. The master "
                    "copy must be a copy (the parameter keeps its own memory on the device)")
+
+    # any number of tensors of any shape (0-d, empty), fp32/bf16/fp16/fp64, in any layout
+    space = Space(shapes=lists_of(one_of((3, 4), (5,), (), (0,), (2, 2, 2), (4, 3, 3, 3), (1, 7)), 1, 5),
+                  dtypes=lists_of(one_of(torch.float32, torch.bfloat16, torch.float16, torch.float64), 5, 5),
+                  layouts_=lists_of(layouts("contiguous", "transposed", "strided", "offset", "channels_last"), 5, 5))
+    differential(space, run, edges=[{"edge": name} for name, _ in cases], examples=15)
 
 
 # ----------------------------------------------------------------------------- 04.chunked_step
@@ -185,33 +213,39 @@ def _one_update_each(before, hp, step):
 def check_chunked_step(fn) -> None:
     """Grade exercise ``04.chunked_step``: chunked step on flat buffers."""
     expect(callable(fn), f"adamw_step_chunked_: expected a function, got {type(fn).__name__}")
-    for n, chunk in ((1000, 128), (1003, 100), (64, 64), (50, 1000), (9, 1)):
-        for hp in HPARAMS:
-            gen = torch.Generator().manual_seed(n)
-            got = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
-            log = _AllocLog()
-            for step in range(1, 5):
-                got[1] = torch.randn(n, generator=gen) * (100.0 if step == 2 else 1.0)
-                before = [t.clone() for t in got]
-                allowed = _one_update_each(before, hp, step)
-                with log:
-                    fn(got[0], got[1], got[2], got[3], step, chunk=chunk, **hp)
-                where = f"(n={n}, chunk={chunk}, {_hp_str(hp)}, step {step})"
-                expect(torch.equal(got[1], before[1]), f"adamw_step_chunked_ {where}: the gradient must not change")
-                for k, name in ((2, "exp_avg"), (3, "exp_avg_sq"), (0, "param")):
-                    ok = torch.zeros(n, dtype=torch.bool)
-                    for a in allowed:
-                        ok |= got[k] == a[k]
-                    if not bool(ok.all()):
-                        bad = (~ok).nonzero().flatten()
-                        d = (got[k] - allowed[0][k]).abs().max().item()
-                        expect(False, f"adamw_step_chunked_ {where}: {name} differs from one AdamW update at {bad.numel()} "
-                               f"element(s), first at index {bad[0].item()} (max diff {d:.3g}); every element must get "
-                               "exactly one update with this step number, bitwise: torch's op order, bias corrections "
-                               "as Python floats (double)")
-            expect(log.largest <= chunk,
-                   f"adamw_step_chunked_ (n={n}, chunk={chunk}): an op allocated a temporary of {log.largest} elements; "
-                   f"work on slices of at most chunk={chunk} elements so temporaries stay in cache")
+    def run(case) -> None:
+        n, chunk, hp = case.n, case.chunk, case.hp
+        gen = torch.Generator().manual_seed(n + case.seed)
+        got = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+        log = _AllocLog()
+        for step in range(1, case.steps + 1):
+            got[1] = torch.randn(n, generator=gen) * (100.0 if step == 2 else 1.0)
+            before = [t.clone() for t in got]
+            allowed = _one_update_each(before, hp, step)
+            with log:
+                fn(got[0], got[1], got[2], got[3], step, chunk=chunk, **hp)
+            where = f"(n={n}, chunk={chunk}, {_hp_str(hp)}, step {step})"
+            expect(torch.equal(got[1], before[1]), f"adamw_step_chunked_ {where}: the gradient must not change")
+            for k, name in ((2, "exp_avg"), (3, "exp_avg_sq"), (0, "param")):
+                ok = torch.zeros(n, dtype=torch.bool)
+                for a in allowed:
+                    ok |= got[k] == a[k]
+                if not bool(ok.all()):
+                    bad = (~ok).nonzero().flatten()
+                    d = (got[k] - allowed[0][k]).abs().max().item()
+                    expect(False, f"adamw_step_chunked_ {where}: {name} differs from one AdamW update at {bad.numel()} "
+                           f"element(s), first at index {bad[0].item()} (max diff {d:.3g}); every element must get "
+                           "exactly one update with this step number, bitwise: torch's op order, bias corrections "
+                           "as Python floats (double)")
+        expect(log.largest <= chunk,
+               f"adamw_step_chunked_ (n={n}, chunk={chunk}): an op allocated a temporary of {log.largest} elements; "
+               f"work on slices of at most chunk={chunk} elements so temporaries stay in cache")
+
+    edges = [dict(n=n, chunk=c, hp=hp, steps=4) for n, c in ((1000, 128), (1003, 100), (64, 64), (50, 1000), (9, 1))
+             for hp in HPARAMS]
+    # any length and chunk (1, a divisor, uneven tails, larger than the buffer), any hyper-parameters, 1-4 steps
+    space = Space(n=ints(1, 2500), chunk=lambda c: ints(1, c.n + 64), hp=one_of(*HPARAMS), steps=ints(1, 4))
+    differential(space, run, edges=edges, examples=10)
 
 
 # ----------------------------------------------------------------------------- 04.grad_hook
