@@ -86,8 +86,11 @@ def check_live_bytes(cls):
         gc.collect()
         expect_equal(f"after storage #{i + 1} died: current", lb.current, 0)
     expect_equal("peak of this counter", lb.peak, 1024)
+    _two_counters(cls)
 
-    # two counters at once are independent: each counts what it tracks (state on the class would be shared)
+
+def _two_counters(cls) -> None:
+    """Two counters at once are independent: each counts what it tracks (state on the class would be shared)."""
     a, b = cls(), cls()
     x = torch.zeros(32)
     a.track(x)

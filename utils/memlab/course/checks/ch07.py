@@ -270,8 +270,7 @@ class _PowerCut:
             src_p, dst_p = Path(os.fspath(src)).resolve(), Path(os.fspath(dst)).resolve()
             self.crash(f"just before os.{name}({src_p.name!r} -> {dst_p.name!r})")
             src_ino = os.stat(src_p).st_ino if src_p.exists() else None
-            out = real(src, dst, *a, **k)
-            target = self.target.resolve()
+            out, target = real(src, dst, *a, **k), self.target.resolve()
             if dst_p == target:
                 self.renamed_from.append(str(src_p.parent))
                 self.bound = src_ino

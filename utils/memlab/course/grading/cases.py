@@ -95,12 +95,19 @@ def _hypothesis() -> Any:
     return hypothesis, strategies
 
 
+def _simplest(strategy: Any, value: Any) -> Any:
+    """``strategy``, remembering its simplest value (what the sweep gives a field it does not vary)."""
+    if value is not None:
+        strategy._memlab_simplest = value
+    return strategy
+
+
 def ints(lo: int, hi: int) -> Any:
     """Integers ``lo..hi`` (both included), about evenly spread over the range; shrinks toward ``lo``.
 
     (hypothesis's own ``integers`` favours the ends: with the few dozen cases a check draws, half were ``lo``.)"""
     st = _hypothesis()[1]
-    return st.sampled_from(range(lo, hi + 1)) if hi - lo <= 1 << 16 else st.integers(lo, hi)
+    return _simplest(st.sampled_from(range(lo, hi + 1)) if hi - lo <= 1 << 16 else st.integers(lo, hi), lo)
 
 
 def floats(lo: float, hi: float, *, log: bool = False) -> Any:
@@ -109,23 +116,25 @@ def floats(lo: float, hi: float, *, log: bool = False) -> Any:
     if log:
         import math
 
-        return st.floats(math.log(lo), math.log(hi)).map(lambda e: float(min(max(math.exp(e), lo), hi)))
-    return st.floats(lo, hi, allow_nan=False, allow_infinity=False)
+        return _simplest(st.floats(math.log(lo), math.log(hi)).map(lambda e: float(min(max(math.exp(e), lo), hi))), float(lo))
+    return _simplest(st.floats(lo, hi, allow_nan=False, allow_infinity=False), float(lo))
 
 
 def one_of(*values: Any) -> Any:
     """One of ``values`` (dtypes, names, configurations); shrinks toward the first."""
-    return _hypothesis()[1].sampled_from(list(values))
+    return _simplest(_hypothesis()[1].sampled_from(list(values)), values[0])
 
 
 def lists_of(element: Any, min_size: int = 0, max_size: int = 4) -> Any:
     """Lists (as tuples) of ``min_size`` to ``max_size`` elements drawn from ``element``; shrinks toward shorter."""
-    return _hypothesis()[1].lists(element, min_size=min_size, max_size=max_size).map(tuple)
+    first = getattr(element, "_memlab_simplest", None)
+    return _simplest(_hypothesis()[1].lists(element, min_size=min_size, max_size=max_size).map(tuple),
+                     (first,) * min_size if first is not None or min_size == 0 else None)
 
 
 def flags() -> Any:
     """False or True; shrinks toward False."""
-    return _hypothesis()[1].booleans()
+    return _simplest(_hypothesis()[1].booleans(), False)
 
 
 def layouts(*names: str) -> Any:
@@ -179,8 +188,9 @@ def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[An
                  seed: int = 0) -> int:
     """Call ``run(case)`` on every declared edge (dicts or :class:`Case`, first, in order; reversed on the
     second pass), on a sweep of cases that between them take every option of each small field (the other
-    fields at their simplest), then on ``examples`` cases hypothesis draws from ``space`` with a fixed seed (``seed`` on
-    the first pass, another on the second: :func:`current_pass`). ``run`` raises AssertionError naming the
+    fields at their simplest; first pass only), then on ``examples`` cases hypothesis draws from ``space`` with a
+    fixed seed (``seed`` on the first pass; on the second, :func:`current_pass`, a third as many from another
+    seed). ``run`` raises AssertionError naming the
     case when the answer differs from the reference; a failure found by drawing is shrunk (within
     :data:`SHRINK_BUDGET` runs) and the smallest failing case's error is raised. Returns the number of cases run.
     """
@@ -189,10 +199,13 @@ def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[An
     for case in (edges if current_pass() == 0 else edges[::-1]):
         run(case)
         count += 1
-    if examples > 0:
-        for case in _sweep(space, current_pass()):  # every option of every small field, at least once
+    if examples > 0 and current_pass() == 0:
+        for case in _sweep(space):  # every option of every small field, at least once
             _recorded(space, run)(case)
             count += 1
+    if current_pass() == 1 and examples > 0:  # the second run looks for state kept across calls: fewer, other cases
+        examples = max(3, examples // 3)
+    if examples > 0:
         count += _drawn(space, _recorded(space, run), examples, seed + 7919 * current_pass())
     ex = _STATE["exercise"]
     if ex is not None and current_pass() == 0:
@@ -211,23 +224,48 @@ def _options(spec: Any) -> set[str] | None:
 SWEEP_OPTIONS = 8  # a field with at most this many options gets each of them in the sweep
 
 
-def _sweep(space: Space, pass_index: int) -> list[Case]:
+def _sweep(space: Space) -> list[Case]:
     """Cases that between them take every option of each small field (a dtype, a layout, a mode, a flag), the
     other fields at their simplest: hypothesis's random draws alone may miss a rare option in a few dozen cases."""
     hyp, st = _hypothesis()
-    from hypothesis import HealthCheck, Phase, find, settings
-    from hypothesis.errors import NoSuchExample
-
     small = {name: list(spec.elements) if hasattr(spec, "elements") else [False, True]
              for name, spec in space.fields.items()
              if isinstance(spec, st.SearchStrategy) and (_options(spec) or set()) and len(_options(spec)) <= SWEEP_OPTIONS}
     if not small:
         return []
     out = []
+    for i in range(max(len(v) for v in small.values())):
+        values: dict[str, Any] = {}
+        for name, spec in space.fields.items():
+            if name in small:
+                values[name] = small[name][i % len(small[name])]
+                continue
+            if callable(spec) and not isinstance(spec, st.SearchStrategy):
+                spec = spec(Case(**values))
+            if isinstance(spec, st.SearchStrategy):
+                simplest = getattr(spec, "_memlab_simplest", None)
+                if simplest is None:
+                    return _sweep_by_search(space, small)  # a field of hypothesis's own: let it find simple values
+                values[name] = simplest
+            else:
+                values[name] = spec
+        values.setdefault("seed", i)
+        case = Case(**values)
+        if space.where is None or space.where(case):
+            out.append(case)
+    return out
+
+
+def _sweep_by_search(space: Space, small: dict[str, list]) -> list[Case]:
+    hyp, st = _hypothesis()
+    from hypothesis import HealthCheck, Phase, find, settings
+    from hypothesis.errors import NoSuchExample
+
     config = settings(database=None, max_examples=50, deadline=None, derandomize=True, phases=[Phase.generate, Phase.shrink],
                       suppress_health_check=list(HealthCheck))
+    out = []
     for i in range(max(len(v) for v in small.values())):
-        forced = {name: opts[(i + pass_index) % len(opts)] for name, opts in small.items()}
+        forced = {name: opts[i % len(opts)] for name, opts in small.items()}
         try:
             out.append(find(space.strategy(forced), lambda c: True, settings=config))
         except (NoSuchExample, hyp.errors.Unsatisfiable):

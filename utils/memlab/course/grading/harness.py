@@ -59,11 +59,8 @@ Differential cases, for a check author (from ``memlab.course.checks``, defined i
 """
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import functools
 import gc
-import hashlib
 import inspect
 import sys
 import types
@@ -73,200 +70,15 @@ from typing import Any, Callable, Iterator
 
 from memlab.course.grading.cases import running
 from memlab.course.grading.registry import is_learner_file
+from memlab.course.grading.snapshots import difference, learner_classes, snapshot
 
-__all__ = ["run_exercise", "HygieneError", "snapshot", "difference"]
+__all__ = ["run_exercise", "HygieneError", "snapshot", "difference"]  # the pictures come from .snapshots
 
 class HygieneError(AssertionError):
     """A hygiene probe failed (an AssertionError: the row is ``fail``)."""
 
 
-# ----------------------------------------------------------------------------- snapshots
-_BYTES_KEPT = 1 << 20  # storages up to 1 MiB are kept as bytes (to say which element changed), larger hashed
-
-
-def _is_tensor(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _storage_bytes(t: Any) -> tuple[int, bytes | str | None]:
-    """(nbytes, the storage's bytes or their hash) without a torch op or allocation: a check's dispatch
-    modes, trackers and allocator profiles see nothing of the probe."""
-    try:
-        st = t.untyped_storage()
-        n, ptr = st.nbytes(), st.data_ptr()
-    except Exception:  # noqa: BLE001 - a tensor subclass without a storage
-        return -1, None
-    if t.device.type == "meta" or n == 0 or ptr == 0 or type(t).__name__ == "FakeTensor":
-        return n, None
-    if t.device.type != "cpu":
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():
-            import torch
-
-            data = bytes(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st).cpu().numpy().tobytes())
-    else:
-        data = ctypes.string_at(ptr, n)
-    return n, data if n <= _BYTES_KEPT else hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def _tensor_snap(t: Any, depth: int) -> tuple:
-    n, data = _storage_bytes(t)
-    grad = t.grad if (t.is_leaf and t.requires_grad) else None
-    return ("tensor", t.dtype, tuple(t.shape), tuple(t.stride()) if t.layout == _strided() else None,
-            t.storage_offset() if t.layout == _strided() else None, t.requires_grad, n, data,
-            None if grad is None else _tensor_snap(grad, depth + 1))
-
-
-def _strided() -> Any:
-    import torch
-
-    return torch.strided
-
-
-def _hooks(module: Any) -> int:
-    return sum(len(getattr(m, name, {}) or {}) for m in module.modules()
-               for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
-
-
-def snapshot(x: Any, depth: int = 0) -> Any:
-    """A comparable picture of ``x``'s state (see the module docstring); objects the harness does not
-    look into are pictured by identity."""
-    if depth > 6:
-        return ("deep", id(x))
-    if x is None or type(x) in (bool, int, float, complex, str, bytes):
-        return ("value", type(x), x if x == x else "nan")
-    if _is_tensor(x):
-        return _tensor_snap(x, depth)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        if isinstance(x, (torch.dtype, torch.device, torch.Size)):
-            return ("value", type(x), x)
-        if isinstance(x, torch.nn.Module):
-            return ("module", type(x), x.training, _hooks(x),
-                    tuple((n, snapshot(p, depth + 1)) for n, p in x.named_parameters(remove_duplicate=False)),
-                    tuple((n, snapshot(b, depth + 1)) for n, b in x.named_buffers(remove_duplicate=False)))
-        if isinstance(x, torch.optim.Optimizer):
-            groups = tuple(tuple(sorted((k, snapshot(v, depth + 1) if k != "params" else tuple(map(id, v)))
-                                        for k, v in g.items())) for g in x.param_groups)
-            params = tuple(snapshot(p, depth + 1) for g in x.param_groups for p in g["params"])
-            state = tuple((id(p), snapshot(dict(s), depth + 1)) for p, s in x.state.items())
-            return ("optimizer", type(x), groups, params, state)
-    if type(x) in (list, tuple) or (isinstance(x, tuple) and hasattr(x, "_fields")):
-        if len(x) > 4096:
-            return ("seq", type(x), len(x), tuple(map(id, x)))
-        return ("seq", type(x), tuple(snapshot(v, depth + 1) for v in x))
-    if isinstance(x, dict) and type(x).__module__ in ("builtins", "collections"):
-        if len(x) > 4096:
-            return ("dict", type(x), len(x), tuple(map(id, x.values())))
-        return ("dict", type(x), tuple((k if isinstance(k, (str, int, float, bool, tuple)) else ("id", id(k)),
-                                         snapshot(v, depth + 1)) for k, v in x.items()))
-    if isinstance(x, (set, frozenset)):
-        return ("set", type(x), len(x), frozenset(id(v) for v in x))
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return ("dataclass", type(x), tuple((f.name, snapshot(getattr(x, f.name, None), depth + 1))
-                                            for f in dataclasses.fields(x)))
-    if _learner_classes(type(x)) and isinstance(getattr(x, "__dict__", None), dict):
-        # an instance of a class the learner wrote (a cache object, a counter): its attributes
-        return ("instance", type(x), id(x), tuple((k, snapshot(v, depth + 1)) for k, v in vars(x).items()))
-    return ("object", type(x), id(x))
-
-
-def _tensor_change(before: tuple, after: tuple) -> str:
-    names = ("", "dtype", "shape", "stride", "storage offset", "requires_grad", "storage size (bytes)")
-    for i in range(1, 7):
-        if before[i] != after[i]:
-            return f"its {names[i]} changed from {before[i]} to {after[i]}"
-    if before[7] != after[7]:
-        if isinstance(before[7], bytes) and isinstance(after[7], bytes) and len(before[7]) == len(after[7]):
-            diff = sum(a != b for a, b in zip(before[7], after[7]))
-            return f"its values changed ({diff} of {len(before[7])} bytes of its storage differ)"
-        return "its values changed"
-    if before[8] != after[8]:
-        return "its .grad changed" if before[8] is not None and after[8] is not None else (
-            "it gained a .grad" if before[8] is None else "its .grad was removed")
-    return "it changed"
-
-
-def difference(before: Any, after: Any, path: str = "") -> str | None:
-    """Where two :func:`snapshot` pictures differ, in words (``"[1]: its values changed"``), or None."""
-    if _same(before, after):
-        return None
-    kind = before[0] if isinstance(before, tuple) and before else None
-    if not (isinstance(after, tuple) and after and after[0] == kind):
-        return f"{path}: it was replaced"
-    if kind == "tensor":
-        return f"{path}: {_tensor_change(before, after)}"
-    if kind == "seq":
-        if len(before) != 3 or len(after) != 3:
-            return f"{path}: its contents changed"
-        if len(before[2]) != len(after[2]):
-            return f"{path}: its length changed from {len(before[2])} to {len(after[2])}"
-        for i, (b, a) in enumerate(zip(before[2], after[2])):
-            d = difference(b, a, f"{path}[{i}]")
-            if d:
-                return d
-    if kind == "dict":
-        if len(before) == 3 and len(after) == 3:
-            bk, ak = [k for k, _ in before[2]], [k for k, _ in after[2]]
-            if bk != ak:
-                return f"{path}: its keys changed from {_short(bk)} to {_short(ak)}"
-            for (k, b), (_, a) in zip(before[2], after[2]):
-                d = difference(b, a, f"{path}[{k!r}]")
-                if d:
-                    return d
-        return f"{path}: its contents changed"
-    if kind == "module":
-        if before[2] != after[2]:
-            return f"{path}: its training flag changed"
-        if before[3] != after[3]:
-            return f"{path}: {after[3] - before[3]:+d} hook(s) left installed on it"
-        for (n, b), (_, a) in zip(before[4] + before[5], after[4] + after[5]):
-            d = difference(b, a, f"{path}.{n}")
-            if d:
-                return d
-        return f"{path}: its parameters or buffers changed"
-    if kind == "optimizer":
-        if before[2] != after[2]:
-            return f"{path}: its param_groups changed"
-        for i, (b, a) in enumerate(zip(before[3], after[3])):
-            d = difference(b, a, f"{path} parameter {i}")
-            if d:
-                return d
-        return f"{path}: its state changed"
-    if kind == "instance":
-        if [k for k, _ in before[3]] != [k for k, _ in after[3]]:
-            return f"{path}: its attributes changed"
-        for (n, b), (_, a) in zip(before[3], after[3]):
-            d = difference(b, a, f"{path}.{n}")
-            if d:
-                return d
-    if kind == "dataclass":
-        for (n, b), (_, a) in zip(before[2], after[2]):
-            d = difference(b, a, f"{path}.{n}")
-            if d:
-                return d
-    return f"{path}: it changed"
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a value whose == is odd (a learner's type): compare identities
-        return a is b
-
-
-def _short(x: Any, limit: int = 60) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 # ----------------------------------------------------------------------------- the learner's state
-def _learner_file(filename: str) -> bool:
-    return is_learner_file(filename)
-
-
 def _codes(obj: Any) -> list[types.CodeType]:
     """The code objects of a function (unwrapped), or of the methods a class defines (nested ones included)."""
     out: list[types.CodeType] = []
@@ -274,7 +86,7 @@ def _codes(obj: Any) -> list[types.CodeType]:
     def add(f: Any) -> None:
         for g in (f, getattr(f, "__func__", None), getattr(f, "fget", None), getattr(f, "__wrapped__", None)):
             code = getattr(g, "__code__", None)
-            if isinstance(code, types.CodeType) and code not in out and _learner_file(code.co_filename):
+            if isinstance(code, types.CodeType) and code not in out and is_learner_file(code.co_filename):
                 stack = [code]
                 while stack:
                     c = stack.pop()
@@ -282,7 +94,7 @@ def _codes(obj: Any) -> list[types.CodeType]:
                     stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
 
     if isinstance(obj, type):
-        for klass in _learner_classes(obj):
+        for klass in learner_classes(obj):
             for v in vars(klass).values():
                 add(v)
     else:
@@ -293,29 +105,29 @@ def _codes(obj: Any) -> list[types.CodeType]:
     return out
 
 
-def _learner_classes(cls: type) -> list[type]:
-    out = []
-    for klass in cls.__mro__:
-        fns = [getattr(v, "__func__", v) for v in vars(klass).values()]
-        if any(isinstance(f, types.FunctionType) and _learner_file(f.__code__.co_filename) for f in fns):
-            out.append(klass)
-    return out
-
-
 def _class_snap(cls: type) -> dict[str, Any]:
     skip = {"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__annotations__", "_abc_impl",
             "__parameters__", "__orig_bases__"}
     # a function a library put on the class is the library's (torch.optim.Optimizer wraps a subclass's step() in
     # a profiling hook the first time one is made): not the learner's state
     return {k: snapshot(v, 4) for k, v in vars(cls).items() if k not in skip and not
-            (isinstance(v, types.FunctionType) and not _learner_file(v.__code__.co_filename))}
+            (isinstance(v, types.FunctionType) and not is_learner_file(v.__code__.co_filename))}
+
+
+_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial, type)
+
+
+def _state_picture(value: Any) -> Any:
+    """A global's or a closure cell's picture: data by value; a function or class is not data (a check may
+    instrument a name the answer calls, as 07.atomic_write observes os.replace imported by name)."""
+    return ("callable",) if isinstance(value, _CALLABLES) else snapshot(value, 4)
 
 
 def _state_snapshot(obj: Any) -> dict[str, Any]:
     """The class attributes of the learner's classes and the globals (and closure cells) the learner's code
     names, each pictured by :func:`snapshot`."""
     out: dict[str, Any] = {}
-    classes: list[type] = list(_learner_classes(obj)) if isinstance(obj, type) else []
+    classes: list[type] = list(learner_classes(obj)) if isinstance(obj, type) else []
     fn = obj
     while isinstance(fn, functools.partial):
         fn = fn.func
@@ -324,18 +136,18 @@ def _state_snapshot(obj: Any) -> dict[str, Any]:
         f = getattr(f, "__wrapped__", f)
         g = getattr(f, "__globals__", None)
         code = getattr(f, "__code__", None)
-        if not isinstance(g, dict) or not isinstance(code, types.CodeType) or not _learner_file(code.co_filename):
+        if not isinstance(g, dict) or not isinstance(code, types.CodeType) or not is_learner_file(code.co_filename):
             continue
         for c in _codes(f):
             for name in c.co_names:
                 if name in g:
                     value = g[name]
-                    if isinstance(value, type) and value not in classes and _learner_classes(value):
-                        classes += _learner_classes(value)
-                    out[f"global {name}"] = snapshot(value, 4) if not isinstance(value, type) else ("type", id(value))
+                    if isinstance(value, type) and value not in classes and learner_classes(value):
+                        classes += learner_classes(value)
+                    out[f"global {name}"] = _state_picture(value)
         for i, cell in enumerate(getattr(f, "__closure__", None) or ()):
             try:
-                out[f"closure variable {code.co_freevars[i]} of {f.__qualname__}"] = snapshot(cell.cell_contents, 4)
+                out[f"closure variable {code.co_freevars[i]} of {f.__qualname__}"] = _state_picture(cell.cell_contents)
             except ValueError:  # an empty cell
                 pass
     for klass in classes:
@@ -364,6 +176,11 @@ def _signature_names(ex: Any) -> inspect.Signature | None:
         return inspect.signature(ref) if callable(ref) and not isinstance(ref, type) else None
     except (TypeError, ValueError):
         return None
+
+
+def _is_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _flat(x: Any, depth: int = 0) -> Iterator[Any]:
@@ -409,6 +226,8 @@ class _Session:
     tensors_seen: bool = False  # an argument held tensors or modules (state a second run could expose)
     results: list[tuple[int, int, Any]] = field(default_factory=list)  # (call, data_ptr, weakref to the storage)
     alive: list[tuple[str, Any]] = field(default_factory=list)  # (what, weakref)
+    answer: Any = None  # the learner's object, for the state it names
+    state: dict[str, Any] | None = None  # its class and global state before the check
 
     def _bind(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
         if self.signature is not None:
@@ -438,6 +257,12 @@ class _Session:
                         f"hygiene (inputs unchanged): {where} changed its argument {d}; leave the caller's inputs as "
                         f"they were (work on a copy: .clone(), list(...), copy.deepcopy)")
         self._results(n, named, result, where)
+        if self.state is not None:  # state that changes across calls shows at the call that changed it
+            changed = _state_changed(self.state, _state_snapshot(self.answer))
+            if changed:
+                raise HygieneError(f"hygiene (no class or global state): {where} changed {changed}: keep state on the "
+                                   f"instance (self) or return it; an answer must give the same result however many "
+                                   f"times and in whichever order it is called")
         for name, value in named:
             if name not in self.keeps:
                 for i, obj in enumerate(_flat(value)):
@@ -478,52 +303,56 @@ class _Session:
 
     def leaks(self) -> str | None:
         if all(ref() is None for _, ref in self.alive):
-            return None  # freed by reference counting: no full collection needed
-        frozen = gc.get_freeze_count()
-        gc.unfreeze()  # frozen objects are invisible to gc.get_referrers: look at the whole heap
-        try:
-            gc.collect()
-            for what, ref in self.alive:
-                obj = ref()
-                if obj is None:
-                    continue
-                anchor = _anchor(obj, skip={id(self.alive), id(sys._getframe())}, roots=self.roots)
-                del obj
-                if anchor:
-                    return (f"hygiene (nothing kept alive): after the check, {what} is still alive, held from "
-                            f"{anchor}: your code keeps a reference to it (a global or class-level list or cache, a "
-                            f"hook left installed, a tensor stored on an object that outlives the call)")
+            return None  # freed by reference counting: no collection needed
+        gc.collect()  # the young objects only: what existed before the check is frozen
+        alive = [(what, ref()) for what, ref in self.alive]
+        alive = [(what, obj) for what, obj in alive if obj is not None]
+        if not alive:
             return None
-        finally:
-            if frozen:
-                gc.freeze()
+        found = _held_from(dict(self.roots), {id(obj): what for what, obj in alive})
+        del alive
+        if found:
+            what, anchor = found
+            return (f"hygiene (nothing kept alive): after the check, {what} is still alive, held from {anchor}: your "
+                    f"code keeps a reference to it (a global or class-level list or cache, a hook left installed, a "
+                    f"tensor stored on an object that outlives the call)")
+        return None
 
 
-def _anchor(obj: Any, skip: set[int], roots: dict[int, str], depth: int = 6) -> str | None:
-    """What keeps ``obj`` alive from Python, walking its referrers up to ``depth`` levels: a module's globals
-    (``"global x"``), a class (``"class C"``); None when no such root is found (an object only torch's C++ side
-    holds, such as an autograd graph torch keeps itself, is not the answer's doing)."""
-    modules = {id(vars(m)): name for name, m in list(sys.modules.items())
-               if isinstance(m, types.ModuleType) and hasattr(m, "__dict__")}
-    modules.update(roots)
-    here = sys._getframe()
-    level, seen, path = [obj], {id(obj)} | skip, {id(obj): ""}
-    for _ in range(depth):
-        nxt = []
-        for r in gc.get_referrers(*level):
-            if id(r) in seen or r is level or r is here or isinstance(r, types.FrameType):
-                continue
-            seen.add(id(r))
-            if id(r) in modules:
-                name = next((k for k, v in r.items() if any(v is x for x in level)), "?")
-                return f"the global {name!r} of {modules[id(r)]}"
-            if isinstance(r, type):
-                return f"the class {r.__qualname__}"
-            nxt.append(r)
-        if not nxt:
-            return None
-        level = nxt
+def _held_from(roots: dict[int, str], targets: dict[int, str], depth: int = 6, budget: int = 200_000) -> tuple[str, str] | None:
+    """(what, where) for the first of ``targets`` (ids) reachable from the answer's globals (``roots``: ids of
+    namespaces) or the learner's classes, following references down ``depth`` levels (at most ``budget`` objects);
+    None when none is: an object only torch's C++ side holds (an autograd graph torch keeps itself) is not the
+    answer's doing."""
+    namespaces = [(ns, name) for ns, name in ((_by_id(i), n) for i, n in roots.items()) if ns is not None]
+    seen: set[int] = {id(ns) for ns, _ in namespaces}
+    for ns, name in namespaces:
+        for key, value in list(ns.items()):
+            if isinstance(value, (types.ModuleType, types.BuiltinFunctionType)) or (
+                    isinstance(value, types.FunctionType) and not is_learner_file(value.__code__.co_filename)):
+                continue  # a module or a library's function: not where the learner keeps data
+            where = (f"the class {value.__qualname__}" if isinstance(value, type) else f"the global {key!r} of {name}")
+            level, steps = [value], 0
+            while level and steps < depth and len(seen) < budget:
+                nxt = []
+                for obj in level:
+                    if id(obj) in targets:
+                        return targets[id(obj)], where
+                    if id(obj) in seen or isinstance(obj, (types.ModuleType, type(sys))):
+                        continue
+                    seen.add(id(obj))
+                    if isinstance(obj, type) and not learner_classes(obj):
+                        continue  # a library class: its attributes are not the learner's state
+                    nxt.extend(gc.get_referents(obj))
+                level, steps = nxt, steps + 1
     return None
+
+
+_NAMESPACES: dict[int, Any] = {}
+
+
+def _by_id(i: int) -> Any:
+    return _NAMESPACES.get(i)
 
 
 def _wrap(obj: Any, session: _Session) -> Any:
@@ -549,7 +378,7 @@ def _wrap(obj: Any, session: _Session) -> Any:
 # ----------------------------------------------------------------------------- running an exercise
 def _answer_roots(obj: Any) -> dict[int, str]:
     """The globals dicts of the answer's code (a notebook's namespace, a script's module), by id."""
-    fns = [getattr(v, "__func__", v) for c in _learner_classes(obj) for v in vars(c).values()] if isinstance(obj, type) else [obj]
+    fns = [getattr(v, "__func__", v) for c in learner_classes(obj) for v in vars(c).values()] if isinstance(obj, type) else [obj]
     out = {}
     for f in fns:
         while isinstance(f, functools.partial):
@@ -557,6 +386,7 @@ def _answer_roots(obj: Any) -> dict[int, str]:
         g = getattr(getattr(f, "__wrapped__", f), "__globals__", None)
         if isinstance(g, dict):
             out[id(g)] = "your notebook" if g.get("__name__") == "__main__" else str(g.get("__name__", "your module"))
+            _NAMESPACES[id(g)] = g
     return out
 
 
@@ -573,7 +403,8 @@ def _one_pass(ex: Any, obj: Any, p: int) -> _Session:
     signature = _signature_names(ex)
     _names_declared(ex, signature)
     session = _Session(ex, frozenset(getattr(ex, "mutates", ())), frozenset(getattr(ex, "keeps", ())), signature,
-                       probes=p == 0, roots=_answer_roots(obj))
+                       probes=p == 0, roots=_answer_roots(obj), answer=obj,
+                       state=_state_snapshot(obj) if p == 0 and not isinstance(obj, type) else None)
     answer = _wrap(obj, session)
     with running(ex.id, p):
         for check_fn in ex.checks:

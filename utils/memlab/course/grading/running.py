@@ -341,7 +341,7 @@ def chapter_fingerprint(chapter: str) -> str:
     h = hashlib.sha256()
     h.update(_source(helpers).encode())
     h.update(_source(_run_checks).encode())
-    for module in ("memlab.course.grading.harness", "memlab.course.grading.cases"):  # the probes and the cases
+    for module in ("memlab.course.grading.harness", "memlab.course.grading.cases", "memlab.course.grading.snapshots"):
         h.update(_source(importlib.import_module(module)).encode())
     for ex in chapter_exercises(chapter):
         h.update(json.dumps([ex.id, ex.points, ex.timeout, list(ex.mutates), list(ex.keeps), ex.rerun]).encode())
