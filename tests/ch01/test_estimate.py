@@ -642,7 +642,7 @@ def test_offload_table_extrapolation_cli_and_errors(capsys):
     off = estimate_training_memory("llama-2-7b", optimizer="offload-adamw", **kw)
     assert off.extrapolated_from and off.host_bytes == 16 * off.n_params + off.host_breakdown["step counters"] + 2 * off.n_params
     assert off.peak_bytes < plain.peak_bytes and off.breakdown_end["optimizer"] == 0
-    four = dict(kw, optimizer="offload-adamw", config_overrides={"num_hidden_layers": 4})
+    four = dict(kw, optimizer="offload-adamw", config_overrides={"num_hidden_layers": 6})
     ex, full = (estimate_training_memory("llama-2-7b", extrapolate=x, **four) for x in ("auto", False))
     assert ex.extrapolated_from and not full.extrapolated_from
     assert (ex.host_bytes, ex.host_breakdown, ex.peak_bytes) == (full.host_bytes, full.host_breakdown, full.peak_bytes)

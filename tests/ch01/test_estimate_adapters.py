@@ -46,10 +46,11 @@ def test_api_cli_and_plan_agree_to_the_byte(adapter, capsys):
 
 
 def test_adapter_extrapolation_equals_the_full_trace():
-    api = E.estimate_training_memory("llama-2-7b", config_overrides=SMALL, batch_size=2, seq_len=32, dtype="bf16",
+    seven = {**SMALL, "num_hidden_layers": 7}
+    api = E.estimate_training_memory("llama-2-7b", config_overrides=seven, batch_size=2, seq_len=32, dtype="bf16",
                                      adapter="qlora", lora_r=8)
-    assert api.extrapolated_from == (2, 3)  # a frozen embedding: extrapolated from the second layer on
-    full = E.estimate_training_memory("llama-2-7b", config_overrides=SMALL, batch_size=2, seq_len=32, dtype="bf16",
+    assert api.extrapolated_from == (3, 4)  # a frozen embedding: the first layer differs; traced at 3, 4 and 5
+    full = E.estimate_training_memory("llama-2-7b", config_overrides=seven, batch_size=2, seq_len=32, dtype="bf16",
                                       adapter="qlora", lora_r=8, extrapolate=False)
     assert full.peak_bytes == api.peak_bytes and full.breakdown == api.breakdown
 

@@ -90,8 +90,8 @@ def test_pick_is_the_cheapest_stack_that_fits(brute, quantile, prefer):
 
 
 @pytest.mark.parametrize("layers,stack", [
-    (5, Stack(precision="bf16-mixed", adapter="qlora", checkpointing="full", micro_batch=2)),
-    (8, Stack(precision="bf16-mixed", checkpointing="every-k", ckpt_every=2, optimizer="adamw-fused", micro_batch=1)),
+    (7, Stack(precision="bf16-mixed", adapter="qlora", checkpointing="full", micro_batch=2)),
+    (12, Stack(precision="bf16-mixed", checkpointing="every-k", ckpt_every=2, optimizer="adamw-fused", micro_batch=1)),
 ])
 def test_extrapolated_traces_equal_full_traces(layers, stack):
     cfg = tiny_cfg(layers=layers)

@@ -114,8 +114,8 @@ def estimate_training_memory(model: Any, spec: StepSpec | None = None, *,
         spec: the step; None: built from ``overrides``.
         config_overrides: config fields to change (unknown keys are errors).
         allow_longer_seq: allow ``seq_len`` beyond the model's positions (RoPE scaling).
-        extrapolate: "auto" traces a homogeneous stack of 4+ layers at two depths and extrapolates exactly
-            by layer count; True does so from 3 layers; False traces every layer.
+        extrapolate: "auto" and True trace a homogeneous stack of 4+ layers (5+ with adapters) at three depths
+            and extrapolate exactly by layer count (:mod:`memlab.estimate.extrapolate`); False traces every layer.
 
     Raises:
         ValueError, TypeError, FileNotFoundError: a bad setting, named with what is allowed.

@@ -1,6 +1,7 @@
-"""The one extrapolation by depth (estimate and plan): a homogeneous decoder stack traced at two depths,
-every number affine in the layer count, extended exactly to the full depth; and its FSDP2 variant
-(each run of one phase extrapolated, checked against a third depth)."""
+"""The one extrapolation by depth (estimate and plan): a homogeneous decoder stack traced at three evenly
+spaced depths, every moment's bytes affine in the layer count, each phase's candidate peaks (its start and
+its end, :func:`aligned_peaks`) extended exactly to the full depth; and its FSDP2 variant (each run of one
+phase extrapolated, checked against a third depth)."""
 from __future__ import annotations
 
 import time
@@ -12,9 +13,12 @@ from memlab.estimate.result import MemoryEstimate, PhaseSummary
 from memlab.estimate.step import StepSpec
 from memlab.estimate.trace import trace_step
 
-# Extrapolation by depth: traced at these two depths (decoder layers).
-EXTRAPOLATION_DEPTHS = (1, 2)
-EXTRAPOLATE_MIN_LAYERS = 4
+# Extrapolation by depth: traced at these two depths (decoder layers) and a third, 2 d2 - d1. From 3 layers on,
+# the first two and the last two layers of the traced stacks are distinct layers (the first can differ: a frozen
+# embedding's output needs no gradient; HF Llama keeps inputs_embeds alive through the forward; the last feeds
+# the head), so every candidate moment of aligned_peaks lines up over the three depths.
+EXTRAPOLATION_DEPTHS = (3, 4)
+EXTRAPOLATE_MIN_LAYERS = 6
 
 
 def _affine(a: int, b: int, d1: int, d2: int, n: int) -> int:
@@ -24,8 +28,87 @@ def _affine(a: int, b: int, d1: int, d2: int, n: int) -> int:
     return a + slope * (n - d1)
 
 
-def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: int) -> MemoryEstimate | None:
+def _phase_events(est: MemoryEstimate) -> dict[str, list[dict[str, int]]] | None:
+    # each phase's breakdowns in time order (all its runs), or None without a timeline
+    timeline = getattr(est.tracker, "timeline", None)
+    if not isinstance(timeline, list):
+        return None
+    out: dict[str, list[dict[str, int]]] = {}
+    for ev in timeline:
+        out.setdefault(ev.phase, []).append({k: int(ev.bytes.get(k, 0)) for k in CATEGORIES})
+    return out
+
+
+def _collinear(x: dict[str, int], y: dict[str, int], z: dict[str, int]) -> bool:
+    return all(y[k] - x[k] == z[k] - y[k] for k in CATEGORIES)
+
+
+def _phase_candidates(x1: list, x2: list, x3: list) -> list[tuple[int, int]] | None:
+    # the positions (in the smallest trace, in the larger ones) of the moments lined up from the phase's start and
+    # from its end whose bytes are collinear over the three depths, in time order; None where the three traces do
+    # not show the shape of a head, blocks and a tail
+    k = len(x2) - len(x1)
+    if k < 0 or len(x3) - len(x2) != k:
+        return None
+    n = len(x1)
+    if k == 0:  # nothing repeats per block: every moment lines up, or the shape is another
+        return [(i, i) for i in range(n)] if all(_collinear(x1[i], x2[i], x3[i]) for i in range(n)) else None
+    start = [(i, i) for i in range(n) if _collinear(x1[i], x2[i], x3[i])]
+    end = [(n - 1 - j, len(x2) - 1 - j) for j in reversed(range(n))
+           if _collinear(x1[n - 1 - j], x2[len(x2) - 1 - j], x3[len(x3) - 1 - j])]
+    return start + end
+
+
+def aligned_peaks(a: MemoryEstimate, b: MemoryEstimate, c: MemoryEstimate, d1: int, d2: int,
+                  n: int) -> tuple[dict[str, dict[str, int]], int] | None:
+    """Each phase's peak breakdown at depth ``n`` and the most activation bytes, from traces at depths
+    ``d1 < d2 < d3`` evenly spaced (``c`` at ``d3 = 2 d2 - d1``).
+
+    A phase's peak is the largest of its moments, each affine in the layer count, and the moment that holds it
+    at a few layers can be overtaken at many by one that grows faster (with the fused loss, the end of backward,
+    where every gradient is alive, overtakes the loss's backward after a few layers): the peak at the traced
+    depths, extrapolated, is then too low. The moments of a homogeneous stack repeat block by block (a block:
+    ``d2 - d1`` layers): a phase is a head, then as many blocks as the depth holds, then a tail. A moment of the
+    head or of the first block keeps its position from the phase's start at every depth, one of the last block
+    or the tail its position from the end; a moment of block ``m`` is affine in ``m``, so the largest of any run
+    of blocks is in the first or the last. The candidates are the moments lined up from the start and from the
+    end whose bytes are collinear over the three depths: they include those four parts, and any other is a
+    moment of a block at ``d2`` and ``d3`` (true when the head and the tail are each at most a block long), whose
+    line is that block's moment at ``n``. Each is extrapolated to ``n`` and the first largest taken, as the
+    tracker takes its peak. None where the traces do not show that shape.
+    """
+    if d2 <= d1:
+        return None
+    events = [_phase_events(e) for e in (a, b, c)]
+    if any(e is None for e in events) or not (list(events[0]) == list(events[1]) == list(events[2])):
+        return None
+    out: dict[str, dict[str, int]] = {}
+    max_act = 0
+    for ph in events[0]:
+        x1, x2, x3 = (e[ph] for e in events)
+        cands = _phase_candidates(x1, x2, x3)
+        if cands is None:
+            return None
+        best, total = None, -1
+        for i, j in cands:
+            try:
+                bd = {k: _affine(x1[i][k], x2[j][k], d1, d2, n) for k in CATEGORIES}
+            except ArithmeticError:
+                return None
+            max_act = max(max_act, bd["activations"])
+            if sum(bd.values()) > total:
+                best, total = bd, sum(bd.values())
+        out[ph] = best
+    return out, max_act
+
+
+def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: int,
+                    c: MemoryEstimate | None = None) -> MemoryEstimate | None:
     """The estimate at depth ``n`` from estimates ``a`` and ``b`` of the same step at depths ``d1 < d2``.
+
+    With ``c``, the same step traced at ``2 d2 - d1``, each phase's peak is the largest of its candidate moments
+    (:func:`aligned_peaks`) and the numbers are checked against ``c``; without it, each phase's peak is its
+    first maximum at the traced depths, extrapolated.
 
     Returns:
         The extrapolated estimate (its timeline reduced to the phase peaks), or None where the two do
@@ -44,6 +127,14 @@ def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: i
         host_bd = {k: lin(a.host_breakdown[k], b.host_breakdown[k]) for k in b.host_breakdown}
     except ArithmeticError:
         return None
+    if c is not None:
+        d3 = 2 * d2 - d1
+        check = affine_estimate(a, b, d1, d2, d3)
+        peaks = aligned_peaks(a, b, c, d1, d2, n)
+        if check is None or peaks is None or (check.breakdown_end, check.n_params, check.host_breakdown) != (
+                c.breakdown_end, c.n_params, c.host_breakdown):
+            return None
+        phase_bd, max_act = peaks
     phases = {ph: sum(bd.values()) for ph, bd in phase_bd.items()}
     if not phases or any(v < 0 for v in phases.values()):
         return None
@@ -71,7 +162,8 @@ def extrapolate_by_depth(trace_at: Callable[[int], MemoryEstimate], n_layers: in
         trace_at: depth -> the traced estimate of the same step at that many layers.
         n_layers: the full depth.
         depth_pairs: ``(d1, d2)`` pairs to try in order (a first layer that differs from the others
-            makes the first pair fail: the next one starts deeper); a pair with ``d2 >= n_layers`` stops.
+            makes the first pair fail: the next one starts deeper); each is traced with a third depth
+            ``2 d2 - d1`` (:func:`aligned_peaks`); a pair whose third depth is not below ``n_layers`` stops.
         traced: traces already made, by depth (filled in).
 
     Returns:
@@ -80,12 +172,13 @@ def extrapolate_by_depth(trace_at: Callable[[int], MemoryEstimate], n_layers: in
     t0 = time.perf_counter()
     traced = {} if traced is None else traced
     for d1, d2 in depth_pairs:
-        if d2 >= n_layers:
+        d3 = 2 * d2 - d1
+        if d3 >= n_layers:
             break
-        for d in (d1, d2):
+        for d in (d1, d2, d3):
             if d not in traced:
                 traced[d] = trace_at(d)
-        est = affine_estimate(traced[d1], traced[d2], d1, d2, n_layers)
+        est = affine_estimate(traced[d1], traced[d2], d1, d2, n_layers, traced[d3])
         if est is not None:
             est.seconds = time.perf_counter() - t0
             return est
@@ -96,17 +189,15 @@ def extrapolated(spec: ModelSpec, step: StepSpec, extrapolate: bool | str) -> Me
     """The estimator's extrapolation of a single-rank step where it applies (a homogeneous transformers
     stack), else None (trace every layer).
 
-    ``extrapolate``: "auto" (stacks of at least :data:`EXTRAPOLATE_MIN_LAYERS` layers), True (any stack
-    deeper than the traced depths) or False (never).
+    ``extrapolate``: "auto" and True (stacks of at least :data:`EXTRAPOLATE_MIN_LAYERS` layers: deeper than the
+    traced depths, 3, 4 and 5) or False (never).
     """
     if not (extrapolate and spec.is_hf and spec.homogeneous()):
         return None
     n = spec.layers()[1]
-    if n < (EXTRAPOLATE_MIN_LAYERS if extrapolate == "auto" else max(EXTRAPOLATION_DEPTHS) + 1):
+    if n < EXTRAPOLATE_MIN_LAYERS:
         return None
     d1, d2 = EXTRAPOLATION_DEPTHS
-    if spec.adapter is not None:  # a frozen embedding: the first layer's input needs no gradient, so the
-        d1, d2 = d1 + 1, d2 + 1  # first layer differs from the others (an affine fit from 1 layer is wrong)
     # the first layer can differ in shape: then one deeper
     return extrapolate_by_depth(lambda d: trace_step(spec.at_depth(d), step), n, ((d1, d2), (d2, d2 + 1)))
 

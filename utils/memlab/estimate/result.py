@@ -168,7 +168,7 @@ class MemoryEstimate:
                          f"{format_bytes(self.reserved_bytes)}")
         if self.extrapolated_from:
             a, b = self.extrapolated_from
-            lines.append(f"traced at {a} and {b} decoder layers, extrapolated exactly by layer count "
+            lines.append(f"traced at {a}, {b} and {2 * b - a} decoder layers, extrapolated exactly by layer count "
                          f"(extrapolate=False traces all of them)")
         for note in self.notes:
             lines.append(f"note: {note}")

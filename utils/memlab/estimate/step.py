@@ -132,32 +132,38 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
             raise TypeError(f"step={getattr(step, '__name__', step)!r} returned {type(out).__name__}"
                             f"{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}; allowed: a scalar loss tensor")
         return out
-    if loss in ("hf", "fused"):  # "fused": memlab.loss.enable(model) made the model's own loss the fused one
-        return model(input_ids=x, labels=x, use_cache=False).loss
-    if loss == "chunked":
-        return chunked_lm_loss(model, x)
+    if loss in ("hf", "chunked", "fused"):  # chunked, fused: the model's own loss replaced (enable_chunked_loss,
+        return model(input_ids=x, labels=x, use_cache=False).loss  # memlab.loss.enable)
     return lm_loss(model, x, y)
 
 
-def chunked_lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' causal-LM loss of ``model`` on ``x`` (labels = ``x``, shifted by one inside), computed by
-    :func:`memlab.loss.chunked_cross_entropy` on the final hidden states and the head's weight: the logits
-    are made a chunk of tokens at a time (each chunk's kept by autograd for backward).
+def enable_chunked_loss(model: nn.Module) -> nn.Module:
+    """Make a transformers causal LM's training loss :func:`memlab.loss.chunked_cross_entropy` of its final
+    hidden states and head weight: ``model(input_ids=x, labels=x).loss`` is transformers' loss (labels shifted by
+    one inside), with the logits made a chunk of tokens at a time (autograd keeps each chunk's log-probabilities).
+    It replaces ``forward`` on the instance, as :func:`memlab.loss.enable` does for the fused loss, so the step
+    runs inside the model's own call (its hooks, the tracker's forward phase).
 
     Raises:
         ValueError: a model without a decoder (``get_decoder``) and output embeddings (``get_output_embeddings``).
     """
-    from memlab.loss import chunked_cross_entropy
+    from types import SimpleNamespace
+
+    from memlab.loss import chunked_cross_entropy, shift_labels
 
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if decoder is None or head is None:
         raise ValueError(f"loss='chunked' needs a transformers causal LM (get_decoder, get_output_embeddings); "
                          f"{type(model).__name__} is not one: use loss='memlab' or step=")
-    hidden = decoder(input_ids=x, use_cache=False).last_hidden_state
-    targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)  # shifted, as transformers' loss
-    return chunked_cross_entropy(hidden.reshape(-1, hidden.size(-1)), head.weight, targets.reshape(-1),
-                                 bias=getattr(head, "bias", None))
+
+    def forward(input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
+        hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state
+        loss = chunked_cross_entropy(hidden, head.weight, shift_labels(labels), bias=getattr(head, "bias", None))
+        return SimpleNamespace(loss=loss, logits=None)
+
+    model.forward = forward
+    return model
 
 
 def training_step(
@@ -184,7 +190,7 @@ def training_step(
         loss: ``"hf"``: transformers' own (``model(input_ids=x, labels=x).loss``, as the Trainer
             computes it: the logits upcast to fp32, shifted inside), also ``"fused"`` (the same call on a
             model :func:`memlab.loss.enable` fused); ``"memlab"``: :func:`memlab.models.lm_loss` of ``x``
-            against ``y``; ``"chunked"``: :func:`chunked_lm_loss`.
+            against ``y``; ``"chunked"``: the same call on a model :func:`enable_chunked_loss` changed.
         step: your ``step(model, {"input_ids": x, "labels": x}) -> loss``; overrides ``loss``.
         micro_batches: forward/backward passes before the optimizer step (gradient accumulation).
 

@@ -21,7 +21,7 @@ from memlab.estimate.optim import bnb_state_bytes, import_bitsandbytes, step_opt
 from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CUBLAS_THREADS, LOSSES, MIXED, OPTIMIZER_IMPLS,
                                      cublas_workspace)
 from memlab.estimate.result import MemoryEstimate
-from memlab.estimate.step import StepSpec, load_step, training_step
+from memlab.estimate.step import StepSpec, enable_chunked_loss, load_step, training_step
 
 # The untracked warm-up of a fake trace: an optimizer step on zero gradients (same state as a full
 # step; tests compare both ways). False runs a full step.
@@ -264,6 +264,8 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
             from memlab.loss import enable
 
             enable(model)  # the head and the loss fused: model(input_ids, labels=...).loss never makes the logits
+        elif step.loss == "chunked" and s.step_fn is None and _is_hf_model(model):
+            enable_chunked_loss(model)
         vocab = vocab_size(model)
     n_params = None
     if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values

@@ -124,7 +124,7 @@ _CACHE_MAX = 512
 _SOURCES_HASH: list[str] = []
 # memlab's modules a trace runs: edited code re-traces
 _TRACED_SOURCES = ("estimate/*.py", "plan/*.py", "profiler/*.py", "core/*.py", "quant/*.py", "models/*.py",
-                   "checkpoint/*.py", "attention/*.py", "offload/*.py", "accounting.py")
+                   "checkpoint/*.py", "attention/*.py", "offload/*.py", "loss/*.py", "accounting.py")
 
 
 def trace_cache_dir() -> Path | None:
@@ -247,9 +247,9 @@ def _trace(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, ex
         return estimate_step(model_builder(config_at_depth(cfg, depth), stack, lora_r), step, extrapolate=False)
 
     if extrapolate and L % unit == 0:
-        # from the second unit on: with a frozen embedding the first layer's input needs no
-        # gradient, so the first layer differs from the others (measured: QLoRA on a tiny Llama)
-        est = extrapolate_by_depth(at, L, ((2 * unit, 3 * unit), (3 * unit, 4 * unit)))
+        # from the third unit on, checked at the fifth (memlab.estimate.extrapolate.aligned_peaks): the first and
+        # the last units can differ from the others (a frozen embedding's output needs no gradient)
+        est = extrapolate_by_depth(at, L, ((3 * unit, 4 * unit), (4 * unit, 5 * unit)))
         if est is not None:
             return est
     return at(L)
