@@ -157,8 +157,9 @@ def test_offloaded_checkpoints_on_cuda_lower_max_memory_allocated():
         out[kind] = (torch.cuda.max_memory_allocated() - base, loss, grads, handle)
     one = 4 * 1024 * 64 * 4
     assert out["plain"][0] - out["offload"][0] >= 3 * one, (out["plain"][0], out["offload"][0])
-    assert torch.equal(out["plain"][1], out["offload"][1])
-    assert all(torch.equal(a, b) for a, b in zip(out["plain"][2], out["offload"][2]))
+    torch.testing.assert_close(out["plain"][1], out["offload"][1])  # CUDA's embedding backward may sum in any order
+    for a, b in zip(out["plain"][2], out["offload"][2]):
+        torch.testing.assert_close(a, b)
     assert out["offload"][3].stats.prefetched == 5 and not out["offload"][3].stats.same_memory
 
 

@@ -20,8 +20,8 @@ longest batch, and the validation prints the longest batch at which the estimate
 figure (a bisection over the length), a prediction anyone holding the data set can check.
 
 ``differs`` lists what the estimate cannot reproduce of the source's run. Runs the estimator cannot
-express (paged optimizers, an optimizer step fused into backward, torch.compile, DoRA, LoRA-FA,
-Adafactor, activation-bound runs whose sequence lengths were not recorded) are rows of
+express (paged optimizers, torch.compile, DoRA, LoRA-FA, Adafactor, activation-bound runs whose
+sequence lengths were not recorded) are rows of
 :data:`NOT_EXPRESSIBLE`: listed in the table with the reason, never dropped.
 """
 from __future__ import annotations
@@ -314,9 +314,10 @@ NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
      "activation-bound with unrecorded sequence lengths (the peak moves with the batch: 15.19 GB at batch 8)"),
     ("torchtune README: Llama 3.1 8B full fine-tune on 1x RTX 4090, batch 2 x 2048, 18.9 GiB",
      "https://github.com/pytorch/torchtune/blob/main/README.md", "18.9 GiB (peak memory, unstated metric)",
-     "recipes/configs/llama3_1/8B_full_single_device.yaml steps the optimizer inside backward (optimizer_in_bwd), "
-     "keeps bitsandbytes PagedAdamW8bit state in paged (unified) memory and uses a chunked cross-entropy; the README "
-     "adds torch.compile: none of these is a setting of the estimator"),
+     "recipes/configs/llama3_1/8B_full_single_device.yaml steps the optimizer inside backward (optimizer_in_bwd) "
+     "and uses a chunked cross-entropy, both settings of the estimator (optimizer_in_backward=True, loss='chunked'), "
+     "but it keeps bitsandbytes PagedAdamW8bit state in paged (unified) memory, which the driver moves off the card "
+     "under pressure, and the README adds torch.compile: neither is a setting of the estimator"),
     ("Answer.AI FSDP-QLoRA benchmarks: QLoRA Llama-2-7B, FSDP over 2 RTX 3090s, batch 1 x 2048, 5.21 GiB",
      "https://github.com/AnswerDotAI/fsdp_qlora/blob/05ed9f2a60f96a0795cb082bceab70a9b19fd213/benchmarks_03_2024.md",
      "5.21 GiB (peak memory per GPU: the text calls the tables' figures peak reserved, train.py logs "
