@@ -37,6 +37,7 @@ MINIMUMS: dict[str, tuple[int, ...]] = {
     "nbformat": (5, 9),
     "nbclient": (0, 8),
     "ipykernel": (6, 0),
+    "hypothesis": (6, 100),
 }
 
 
