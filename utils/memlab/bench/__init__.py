@@ -70,6 +70,19 @@ def time_median(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, devi
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeat: int, device: Any = None) -> dict[str, float]:
+    """The median seconds of each function, timed in turns (a busy moment slows every implementation alike)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], device: Any = None) -> str:
     """A plain-text table, ``title`` on the first line and the device named on the second; floats and
     large ints in ``rows`` are formatted, anything else is ``str()``-ed.

@@ -30,14 +30,12 @@ GPU, triton >= 0.7x SDPA's flash backend at seq 4096, bf16.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from memlab.bench import report_targets, sync, table
+from memlab.bench import interleaved_medians, report_targets, sync, table
 from memlab.core.validation import check_positive_int
 
 IMPLS = ("naive", "chunked", "flash", "triton", "sdpa-math", "sdpa-flash")
@@ -160,15 +158,7 @@ def _measure_seq(s: int, impls: dict[str, Callable], cfg: dict[str, Any], on_gpu
         fn()  # warm-up (and Triton compilation)
         q.grad = k.grad = v.grad = None
         peaks[name] = _peak(impls[name], q, do, on_gpu)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(cfg["repeat"]):  # interleaved: a busy moment slows every implementation alike
-        for name, fn in fns.items():
-            sync(DEVICE)
-            t0 = time.perf_counter()
-            fn()
-            sync(DEVICE)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}, peaks
+    return interleaved_medians(fns, cfg["repeat"], DEVICE), peaks
 
 
 def _targets(seqs: list[int], results: dict[tuple[str, int], tuple[float, int, float]], on_gpu: bool,

@@ -26,14 +26,12 @@ peak <= 0.1x the materialised loss's and its time <= 1.5x.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from memlab.bench import report_targets, sync, table
+from memlab.bench import interleaved_medians, report_targets, sync, table
 from memlab.core.validation import check_positive_int
 
 IMPLS = ("materialized", "chunked", "torchtune", "fused", "triton", "liger")
@@ -156,15 +154,7 @@ def _measure(n: int, v: int, impls: dict[str, Callable], cfg: dict[str, Any], on
         fn()  # warm-up (and Triton compilation)
         peaks[name] = _peak(fn, on_gpu)
         saved[name] = saved_activation_bytes(lambda hh, ww, f=impls[name]: f(hh, ww, t), h, w, exclude=[h, w])
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(cfg["repeat"]):  # interleaved: a busy moment slows every implementation alike
-        for name, fn in fns.items():
-            sync(DEVICE)
-            t0 = time.perf_counter()
-            fn()
-            sync(DEVICE)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}, peaks, saved
+    return interleaved_medians(fns, cfg["repeat"], DEVICE), peaks, saved
 
 
 def _targets(results: dict[tuple[str, int, int], tuple[float, int]]) -> list[tuple[str, float, bool]]:

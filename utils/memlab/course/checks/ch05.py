@@ -1,10 +1,8 @@
 """Checks for chapter 05, "chunked and flash attention"."""
 from __future__ import annotations
 
-import inspect
 import math
 import os
-import re
 import sys
 
 import torch
@@ -18,7 +16,7 @@ import torch.utils._python_dispatch
 from memlab import attention as ref
 from memlab.course.checks import (
     Space, differential, expect, expect_close, expect_equal, expect_tensor_close, expect_type, flags, ints, layouts,
-    one_of, register,
+    one_of, raise_if_triton_stub, register,
 )
 
 
@@ -439,13 +437,7 @@ def check_triton_forward(kernel):
            + ("" if ref.triton_available() else " (triton is not installed here: pip install triton, on Linux x86_64)"))
     from memlab.attention.triton_kernels import launch_flash_fwd
 
-    try:  # the lab's stub: a `raise` line is not Triton (compiled, it would be a compile error): say "todo"
-        src = inspect.getsource(kernel.fn)
-    except (AttributeError, OSError, TypeError):
-        src = ""
-    stub = re.search(r"""raise NotImplementedError\((["'])(.*?)\1\)""", src)
-    if stub:
-        raise NotImplementedError(stub.group(2))
+    raise_if_triton_stub(kernel)
     device, interpreted = _triton_device()
     for lq, lk, d, causal, dtype in ((37, 53, 16, False, torch.float32), (37, 53, 16, True, torch.float32),
                                      (53, 37, 16, False, torch.float32), (32, 32, 32, True, torch.float32),

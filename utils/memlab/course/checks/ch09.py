@@ -10,9 +10,7 @@ second call equal to the first, two instances independent.
 """
 from __future__ import annotations
 
-import inspect
 import os
-import re
 import sys
 
 import torch
@@ -26,7 +24,7 @@ from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from memlab.accounting import saved_storages  # noqa: E402
-from memlab.course.checks import expect, expect_type, register  # noqa: E402
+from memlab.course.checks import expect, expect_type, raise_if_triton_stub, register  # noqa: E402
 from memlab.profiler.allocator import allocator_peak  # noqa: E402
 
 
@@ -327,13 +325,7 @@ def check_triton_lce_forward(kernel):
     """Grade exercise ``09.triton_lce_forward``: the fused loss's forward as a Triton kernel (interpreter on CPU)."""
     expect(type(kernel).__module__.startswith("triton") and hasattr(kernel, "__getitem__"),
            f"expected a @triton.jit kernel, got {type(kernel).__name__}")
-    try:  # the lab's stub: a `raise` line is not Triton (compiled, it would be a compile error): say "todo"
-        src = inspect.getsource(kernel.fn)
-    except (AttributeError, OSError, TypeError):
-        src = ""
-    stub = re.search(r"""raise NotImplementedError\((["'])(.*?)\1\)""", src)
-    if stub:
-        raise NotImplementedError(stub.group(2))
+    raise_if_triton_stub(kernel)
     device = _triton_device()
     for i, (n, d, v, has_bias, cap, every) in enumerate(TRITON_CASES):
         g = _gen(400 + i)
