@@ -115,11 +115,13 @@ class UnpackedPositions:
             self._module = None
 
 
-def make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool, per_rank: bool = False):
+def make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool, per_rank: bool = False,
+                 device: str | None = None):
     """A MemoryTracker that also notes which attention ops ran, with the per-op rule for CUDA
     softmax backward's scratch when asked. ``per_rank`` (a model sharded by FSDP2): the tracker of
     :func:`memlab.distributed.rank_tracker`, which counts a DTensor's local shard and FSDP2's storage
-    resizes."""
+    resizes. ``device``: count only storages on that device type (a real CUDA step whose host copies
+    are not device memory); None counts all."""
     from memlab.profiler import MemoryTracker
 
     base: type = MemoryTracker
@@ -161,6 +163,6 @@ def make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: boo
                 self.scratch_bytes = max(self.scratch_bytes, extra)
             return out
 
-    return _Tracker(model=model, optimizer=opt, resizes=per_rank)
+    return _Tracker(model=model, optimizer=opt, resizes=per_rank, device=device)
 
 

@@ -45,7 +45,7 @@ class _Setup:
     offload: Any = None  # the OffloadedCheckpoints handle of offload_checkpoints=True
 
 
-def offload_inputs(model: nn.Module, step: StepSpec, s: _Setup, fake: bool) -> Any:
+def offload_inputs(model: nn.Module, s: _Setup, fake: bool) -> Any:
     """Put :func:`memlab.checkpoint.offload_checkpoints` on ``model``: memlab's checkpoint on every decoder
     layer, each one's input kept on the host. On a CUDA target traced on fake tensors the host copies are
     shapes only (host_device "meta": not device memory; their bytes go to the estimate's host bytes); on
@@ -163,7 +163,9 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
                 opt.zero_grad(set_to_none=True)
             else:
                 one_step()
-        tracker = make_tracker(model, opt, softmax_rule, per_rank=per_rank)
+        # a real CUDA step with offloaded inputs: the pinned host copies are not device memory
+        only = "cuda" if (s.offload is not None and s.target.type == "cuda" and not fake) else None
+        tracker = make_tracker(model, opt, softmax_rule, per_rank=per_rank, device=only)
         with tracker:
             one_step()
     if step.grad_accum > 1:
@@ -257,7 +259,7 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
             ctx_fn = checkpoint_context_fn(s.cuda_rules)
         model = spec.build(step.dtype, build_attn).train()
         if step.offload_checkpoints:
-            s.offload = offload_inputs(model, step, s, fake)
+            s.offload = offload_inputs(model, s, fake)
         elif step.checkpointing:
             enable_checkpointing(model, ctx_fn)
         if step.loss == "fused" and s.step_fn is None and _is_hf_model(model):
