@@ -16,6 +16,8 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "optimizer": ("adamw", "adamw-fused"),
     "adapter": ("full",),
     "attention": ("eager", "sdpa"),
+    "loss": ("default",),  # chapter 09's chunked and fused losses and its step in backward: not run here
+    "optimizer_in_backward": (False,),
 }
 
 
