@@ -28,33 +28,55 @@ def _affine(a: int, b: int, d1: int, d2: int, n: int) -> int:
     return a + slope * (n - d1)
 
 
-def _phase_events(est: MemoryEstimate) -> dict[str, list[dict[str, int]]] | None:
-    # each phase's breakdowns in time order (all its runs), or None without a timeline
+def _step_segments(est: MemoryEstimate) -> list[tuple[str, list[tuple[str, dict[str, int]]]]] | None:
+    # the traced timeline cut where the step moves between forward, backward, the optimizer step and the rest
+    # (each micro-batch's forward and backward a segment of its own); an optimizer step or an "other" moment inside
+    # backward (the optimizer in backward) stays in the backward's segment. Each event: (its phase, its breakdown).
     timeline = getattr(est.tracker, "timeline", None)
     if not isinstance(timeline, list):
         return None
-    out: dict[str, list[dict[str, int]]] = {}
+    segs: list[tuple[str, list]] = []
+    held: list[tuple[str, dict[str, int]]] = []  # optimizer/other moments after a backward one, not placed yet
+
+    def place(ph: str, bd: dict[str, int]) -> None:
+        if segs and segs[-1][0] == ph:
+            segs[-1][1].append((ph, bd))
+        else:
+            segs.append((ph, [(ph, bd)]))
+
     for ev in timeline:
-        out.setdefault(ev.phase, []).append({k: int(ev.bytes.get(k, 0)) for k in CATEGORIES})
-    return out
+        bd = {k: int(ev.bytes.get(k, 0)) for k in CATEGORIES}
+        if segs and segs[-1][0] == "backward" and ev.phase in ("optimizer", "other"):
+            held.append((ev.phase, bd))
+            continue
+        if held and ev.phase == "backward":
+            segs[-1][1].extend(held)
+        else:
+            for h in held:
+                place(*h)
+        held = []
+        place(ev.phase, bd)
+    for h in held:
+        place(*h)
+    return segs
 
 
 def _collinear(x: dict[str, int], y: dict[str, int], z: dict[str, int]) -> bool:
     return all(y[k] - x[k] == z[k] - y[k] for k in CATEGORIES)
 
 
-def _phase_candidates(x1: list, x2: list, x3: list) -> list[tuple[int, int]] | None:
-    # the positions (in the smallest trace, in the larger ones) of the moments lined up from the phase's start and
-    # from its end whose bytes are collinear over the three depths, in time order; None where the three traces do
-    # not show the shape of a head, blocks and a tail
+def _phase_candidates(x1: list, x2: list, x3: list) -> list[tuple[int, int, int]] | None:
+    # the positions (in each of the three traces) of the moments lined up from the segment's start and from its end
+    # whose bytes are collinear over the three depths, in time order; None where the three traces do not show the
+    # shape of a head, blocks and a tail
     k = len(x2) - len(x1)
     if k < 0 or len(x3) - len(x2) != k:
         return None
     n = len(x1)
     if k == 0:  # nothing repeats per block: every moment lines up, or the shape is another
-        return [(i, i) for i in range(n)] if all(_collinear(x1[i], x2[i], x3[i]) for i in range(n)) else None
-    start = [(i, i) for i in range(n) if _collinear(x1[i], x2[i], x3[i])]
-    end = [(n - 1 - j, len(x2) - 1 - j) for j in reversed(range(n))
+        return [(i, i, i) for i in range(n)] if all(_collinear(x1[i], x2[i], x3[i]) for i in range(n)) else None
+    start = [(i, i, i) for i in range(n) if _collinear(x1[i], x2[i], x3[i])]
+    end = [(n - 1 - j, len(x2) - 1 - j, len(x3) - 1 - j) for j in reversed(range(n))
            if _collinear(x1[n - 1 - j], x2[len(x2) - 1 - j], x3[len(x3) - 1 - j])]
     return start + end
 
@@ -67,39 +89,45 @@ def aligned_peaks(a: MemoryEstimate, b: MemoryEstimate, c: MemoryEstimate, d1: i
     A phase's peak is the largest of its moments, each affine in the layer count, and the moment that holds it
     at a few layers can be overtaken at many by one that grows faster (with the fused loss, the end of backward,
     where every gradient is alive, overtakes the loss's backward after a few layers): the peak at the traced
-    depths, extrapolated, is then too low. The moments of a homogeneous stack repeat block by block (a block:
-    ``d2 - d1`` layers): a phase is a head, then as many blocks as the depth holds, then a tail. A moment of the
-    head or of the first block keeps its position from the phase's start at every depth, one of the last block
-    or the tail its position from the end; a moment of block ``m`` is affine in ``m``, so the largest of any run
-    of blocks is in the first or the last. The candidates are the moments lined up from the start and from the
-    end whose bytes are collinear over the three depths: they include those four parts, and any other is a
-    moment of a block at ``d2`` and ``d3`` (true when the head and the tail are each at most a block long), whose
-    line is that block's moment at ``n``. Each is extrapolated to ``n`` and the first largest taken, as the
-    tracker takes its peak. None where the traces do not show that shape.
+    depths, extrapolated, is then too low. The step is cut into segments (each micro-batch's forward, its
+    backward with any optimizer step run inside it, the optimizer step, the moments between), and the moments
+    of a segment of a homogeneous stack repeat block by block (a block: ``d2 - d1`` layers): a head, as many
+    blocks as the depth holds, a tail. A moment of the head or of the first two blocks keeps its position from
+    the segment's start at every traced depth (each holds three blocks at least), one of the last two blocks or
+    the tail its position from the end; a moment of block ``m`` between the first and the last (which can
+    differ: a frozen embedding, HF's ``inputs_embeds`` kept through the forward, the head after the last) is
+    affine in ``m``, so the largest of that run is in its first or its last block. The candidates are the
+    moments lined up from the start and from the end whose bytes are collinear over the three depths: they
+    include those parts, and any other is a moment of one block at ``d2`` and ``d3`` (true when the head and the
+    tail are each at most a block long), whose line is that block's moment at ``n``. Each is extrapolated to
+    ``n`` and, per phase, the first largest taken, as the tracker takes its peak. None where the traces do not
+    show that shape.
     """
     if d2 <= d1:
         return None
-    events = [_phase_events(e) for e in (a, b, c)]
-    if any(e is None for e in events) or not (list(events[0]) == list(events[1]) == list(events[2])):
+    segs = [_step_segments(e) for e in (a, b, c)]
+    if any(sg is None for sg in segs) or not ([m for m, _ in segs[0]] == [m for m, _ in segs[1]] == [m for m, _ in segs[2]]):
         return None
-    out: dict[str, dict[str, int]] = {}
+    best: dict[str, tuple[int, dict[str, int]]] = {}
     max_act = 0
-    for ph in events[0]:
-        x1, x2, x3 = (e[ph] for e in events)
-        cands = _phase_candidates(x1, x2, x3)
+    for (_, e1), (_, e2), (_, e3) in zip(*segs):
+        cands = _phase_candidates(*([bd for _, bd in e] for e in (e1, e2, e3)))
         if cands is None:
             return None
-        best, total = None, -1
-        for i, j in cands:
+        for i, j, l in cands:
+            if not e1[i][0] == e2[j][0] == e3[l][0]:  # lined up by chance across phases: not one moment
+                continue
             try:
-                bd = {k: _affine(x1[i][k], x2[j][k], d1, d2, n) for k in CATEGORIES}
+                bd = {k: _affine(e1[i][1][k], e2[j][1][k], d1, d2, n) for k in CATEGORIES}
             except ArithmeticError:
                 return None
             max_act = max(max_act, bd["activations"])
-            if sum(bd.values()) > total:
-                best, total = bd, sum(bd.values())
-        out[ph] = best
-    return out, max_act
+            ph, total = e1[i][0], sum(bd.values())
+            if ph not in best or total > best[ph][0]:  # the first largest in time, as the tracker's peak
+                best[ph] = (total, bd)
+    if set(best) != set(a.phase_breakdowns):
+        return None
+    return {ph: best[ph][1] for ph in a.phase_breakdowns}, max_act
 
 
 def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: int,

@@ -97,6 +97,9 @@ def enumerate_stacks(batch_size: int, n_layers: int, allow: Mapping[str, Any] | 
     """
     a = _check_allow(allow, batch_size)
     notes: list[str] = []
+    # LoRA/QLoRA's gradients are the adapters' (4 B per adapter parameter: 160 MiB for an 8B model at r=16): the
+    # step in backward is searched for them only when allow names it
+    inb_adapters = allow is not None and "optimizer_in_backward" in allow
     ks = [k for k in a["ckpt_every"] if n_layers % k == 0 and k < n_layers]
     ks = [k for k in ks if all(max(k, j) % min(k, j) == 0 for j in ks)]
     if "every-k" in a["checkpointing"] and len(ks) < len(a["ckpt_every"]):
@@ -126,7 +129,8 @@ def enumerate_stacks(batch_size: int, n_layers: int, allow: Mapping[str, Any] | 
                         for mb in a["micro_batch"]:
                             for loss in a["loss"]:
                                 for inb in a["optimizer_in_backward"]:
-                                    if inb and (mb != batch_size or opt == "offload-adamw"):
+                                    if inb and (mb != batch_size or opt == "offload-adamw"
+                                                or (adapter != "full" and not inb_adapters)):
                                         continue  # the gradient is consumed in backward: no accumulation
                                     out.append(Stack(precision=precision, checkpointing=ck, ckpt_every=k,
                                                      optimizer=opt, adapter=adapter, attention=attention,
@@ -135,7 +139,9 @@ def enumerate_stacks(batch_size: int, n_layers: int, allow: Mapping[str, Any] | 
     if any(ad != "full" for ad in a["adapter"]):
         notes.append("LoRA/QLoRA: bf16 base under bf16 autocast, fp32 adapters on every linear layer but lm_head, "
                      "AdamW / fused AdamW only (their AdamW state is 8 B per adapter parameter: 0.3 GiB for an 8B model at "
-                     "r=16, small next to the base)")
+                     "r=16, small next to the base)" + ("" if inb_adapters or True not in a["optimizer_in_backward"] else
+                                                        "; no optimizer step in backward (their gradients are as small: "
+                                                        "allow={'optimizer_in_backward': [True]} searches it)"))
     if "flash" in a["attention"] and device != "cuda":
         notes.append("flash attention left out: a CUDA kernel")
     return out, notes
