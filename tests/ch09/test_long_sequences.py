@@ -419,7 +419,8 @@ def _cfg(vocab: int = 4096):
                              num_key_value_heads=2, max_position_embeddings=256, vocab_size=vocab)
 
 
-ALLOW = {"precision": ["bf16-mixed"], "checkpointing": ["full"], "optimizer": ["adamw-fused"], "adapter": ["full"]}
+ALLOW = {"precision": ["bf16-mixed"], "checkpointing": ["full"], "optimizer": ["adamw-fused"], "adapter": ["full"],
+         "loss": ["default", "fused"], "optimizer_in_backward": [False, True]}
 
 
 def test_the_planner_picks_the_fused_loss_where_only_it_fits():
@@ -434,10 +435,15 @@ def test_the_planner_picks_the_fused_loss_where_only_it_fits():
     assert roomy.pick.stack.loss == "default"  # cheaper: the fused loss recomputes the head in backward
     assert P.fidelity_tier(tight.pick.stack) == P.fidelity_tier(roomy.pick.stack) == 0
     assert "fused loss" in P.stack_label(tight.pick.stack)
+    # by default (allow naming neither knob) the planner searches transformers' loss only: BudgetTrainer runs that
+    default = P.plan(cfg, peak["fused"], batch_size=2, seq_len=128, device="cpu", top=1,
+                     allow={k: v for k, v in ALLOW.items() if k not in ("loss", "optimizer_in_backward")})
+    assert all(r.stack.loss == "default" and not r.stack.optimizer_in_backward for r in default.rows)
 
 
 def test_the_planner_searches_the_step_in_backward_without_accumulation():
     stacks, _ = P.enumerate_stacks(4, 2, {**ALLOW, "optimizer": ["adamw", "offload-adamw"]}, device="cuda")
+    assert not any(s.optimizer_in_backward or s.loss != "default" for s in P.enumerate_stacks(4, 2, None)[0])
     inb = [s for s in stacks if s.optimizer_in_backward]
     assert inb and all(s.grad_accum == 1 and s.optimizer != "offload-adamw" for s in inb)
     assert {s.loss for s in stacks} == {"default", "fused"}
@@ -457,6 +463,7 @@ def test_the_planner_leaves_out_losses_memlab_loss_does_not_support():
     cfg = GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                         max_position_embeddings=64, vocab_size=256)
     res = P.plan(cfg, "1GiB", batch_size=1, seq_len=16, device="cpu", top=1,
-                 allow={"precision": ["fp32"], "checkpointing": ["none"], "optimizer": ["adamw"], "adapter": ["full"]})
+                 allow={"precision": ["fp32"], "checkpointing": ["none"], "optimizer": ["adamw"], "adapter": ["full"],
+                        "loss": ["default", "fused"]})
     assert all(r.stack.loss == "default" for r in res.rows)
     assert any("chunked and fused losses left out" in n for n in res.notes)

@@ -3,7 +3,8 @@
 A training run has knobs that trade memory for time: the precision, activation checkpointing
 (none, every k-th block, every block), the optimizer (AdamW, fused AdamW, 8-bit AdamW, AdamW
 offloaded to the CPU), LoRA or QLoRA adapters, the attention kernel, and the micro-batch (with
-gradient accumulation keeping the effective batch). :class:`Stack` is one choice of all of them.
+gradient accumulation keeping the effective batch); and, where ``allow`` names them, chapter 09's fused
+(or chunked) loss and optimizer step in backward. :class:`Stack` is one choice of all of them.
 
 :func:`plan` enumerates the stacks, estimates each one's peak by *tracing* its training step on
 fake tensors with :mod:`memlab.estimate` (the same resolver, step description and extrapolation),
