@@ -726,3 +726,28 @@ def test_the_lab_references_live_in_the_course_and_the_profiler_does_not_import_
     code = "import sys, memlab.profiler; print('memlab.course.reference.ch01' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_peak_beside_allocator_counts_both_in_one_run_and_refuses_bad_input():
+    """The chapters' habit: the tracker's rise and the allocator's, same run, plus an untracked run."""
+    from memlab.profiler import peak_beside_allocator
+
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(m.parameters())
+    x = torch.randn(32, 64)
+
+    def step():
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state exists before the measured steps
+    c = peak_beside_allocator(step, m, opt)
+    grads = sum(p.numel() * 4 for p in m.parameters())
+    assert c.tracker >= grads + 32 * 256 * 4  # the gradients and at least one hidden activation
+    assert abs(c.gap) <= 64 and c.untracked is not None and abs(c.untracked - c.allocator) <= 64
+    assert "tracker" in str(c) and "allocator" in str(c)
+    with pytest.raises(ValueError, match="device='meta'"):
+        peak_beside_allocator(step, device="meta")
+    with pytest.raises(ValueError, match="step="):
+        peak_beside_allocator(3)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from memlab.core.units import format_bytes
 from memlab.profiler.allocator import (CUDA_BLOCK_BYTES, DEFAULT_BLOCK_BYTES, KERNEL_SCRATCH_FRAMES,
-                                       allocator_bytes, allocator_peak, kernel_scratch_at_peak)
+                                       PeakComparison, allocator_bytes, allocator_peak,
+                                       kernel_scratch_at_peak, peak_beside_allocator)
 from memlab.profiler.report import format_report, plot_timeline
 from memlab.profiler.storage import (BREAKDOWN_AT, CATEGORIES, FRESH_ALIAS_OPS, PHASES, Event, LiveStorage,
                                      optimizer_tensors, phase_peaks, tensors_in)
@@ -29,6 +30,8 @@ __all__ = [
     "CUDA_BLOCK_BYTES",
     "allocator_bytes",
     "allocator_peak",
+    "peak_beside_allocator",
+    "PeakComparison",
     "phase_peaks",
     "kernel_scratch_at_peak",
     "format_bytes",
