@@ -16,10 +16,17 @@ Phases: ``forward`` while the model's forward runs (a pre/post hook on the root 
 Categories: see :class:`MemoryTracker`.
 
 Limits: ops that bypass the dispatcher (``no_dispatch``, C++ extensions calling the allocator,
-cuBLAS workspaces, scratch a kernel allocates inside itself) are invisible; and under any Python
-dispatch mode autograd adds the gradients of a tensor used several times out of place, so a step
-that slices one tensor many times peaks a little higher tracked than untracked. The tracker is
-exact for the run it watches.
+cuBLAS workspaces, scratch a kernel allocates inside itself) are invisible. And the run it watches
+is not quite the run without it: autograd sums the gradients of a tensor used several times in
+place (``aten::add_`` into the first gradient) only when no tensor is "subclass-like", and
+``at::isTensorSubclassLike`` answers yes for every tensor while any Python dispatch mode is active
+(``c10::impl::dispatch_mode_enabled()``). Under this tracker, as under a dispatch mode that does
+nothing, each such sum runs out of place (``aten::add``) and holds one more gradient-sized buffer
+for an instant: a step that feeds one tensor to several branches (chunked attention's key and value
+chunks, each used by every later query chunk) can peak higher tracked than untracked, by one such
+gradient (lecture 05 measures it with :func:`memlab.profiler.peak_beside_allocator`; tests in
+``tests/ch05/test_tracker_accumulation.py``). A dispatch mode cannot avoid it, since the engine's
+choice is made in C++ before the op reaches the mode. The tracker is exact for the run it watches.
 """
 from __future__ import annotations
 
