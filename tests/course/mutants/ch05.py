@@ -478,3 +478,128 @@ MUTANTS["05.merge_partials"] += [("merged into o1 in place", merge_into_o1), ("3
 MUTANTS["05.chunked_forward"] += [("q scaled in place", chunked_scales_q_in_place), ("4-D inputs only", chunked_4d_only)]
 MUTANTS["05.flash_backward"] += [("do scaled in place and back", flash_bwd_scales_do_in_place)]
 MUTANTS["05.predict_saved_bytes"] += [("length rounded up to blocks of 64", saved_bytes_blocks_of_64)]
+
+
+# ----------------------------------------------------------------------------- 05.triton_forward after issue 36
+# _fwd_body above is the lab's kernel as it was: a query row that sees no key (bottom-right, Lq > Lk) subtracts a
+# max of -inf from -inf and divides by a sum of 0, NaN. _fwd_safe is that kernel fixed; each BUG is one mistake.
+@triton.jit
+def _fwd_safe(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BUG: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols0 = tl.arange(0, BLOCK_N)
+    if BUG == 13:  # one block size for both loops (every graded launch had BLOCK_M == BLOCK_N)
+        cols0 = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    if BUG == 12:  # head_dim 16 written in (the lab's first examples)
+        dims = tl.arange(0, 16)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd, mask=rows[:, None] < Lq, other=0.0)
+    if BUG == 14:  # folds the scale into q and stores it back into Q (saves a multiply per key block)
+        q = q * scale
+        tl.store(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd, q, mask=rows[:, None] < Lq)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if BUG == 12:
+        acc = tl.zeros([BLOCK_M, 16], tl.float32)
+    offset = Lk - Lq
+    if BUG == 10:  # Lq <= Lk taken for granted: a negative offset clamped to 0 (top-left when Lq > Lk)
+        offset = tl.maximum(Lk - Lq, 0)
+    end = Lk
+    if CAUSAL:
+        end = tl.minimum(Lk, (pid_m + 1) * BLOCK_M + offset)
+    for start in range(0, end, BLOCK_N):
+        cols = start + cols0
+        kt = tl.load(K + b * skb + h * skh + cols[None, :] * skn + dims[:, None] * skd, mask=cols[None, :] < Lk, other=0.0)
+        s = tl.dot(q, kt)
+        if BUG != 14:
+            s = s * scale
+        ok = cols[None, :] < Lk
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= rows[:, None] + offset)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        vv = tl.load(V + b * svb + h * svh + cols[:, None] * svn + dims[None, :] * svd, mask=cols[:, None] < Lk, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        m = m_new
+    l_safe = tl.where(l == 0.0, 1.0, l)
+    tl.store(O + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod, acc / l_safe[:, None], mask=rows[:, None] < Lq)
+    if BUG == 11:  # a row that sees no key gets logsumexp 0 (log 1 of the guarded sum), not -inf
+        tl.store(LSE + bh * Lq + rows, tl.where(m == float("-inf"), 0.0, m) + tl.log(l_safe), mask=rows < Lq)
+    else:
+        tl.store(LSE + bh * Lq + rows, m + tl.log(l), mask=rows < Lq)
+
+
+@triton.jit
+def triton_lq_le_lk_assumed(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+        H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """a negative offset clamped to 0: Lq <= Lk taken for granted."""
+    _fwd_safe(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 10)
+
+
+@triton.jit
+def triton_empty_lse_zero(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+        H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """a row that sees no key gets logsumexp 0, not -inf."""
+    _fwd_safe(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 11)
+
+
+@triton.jit
+def triton_head_dim_16(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+        H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """head_dim 16 written in."""
+    _fwd_safe(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 12)
+
+
+@triton.jit
+def triton_one_block_size(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+        H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_M used for the key block too."""
+    _fwd_safe(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 13)
+
+
+@triton.jit
+def triton_scales_q_in_place(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+        H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """stores q * scale back into Q."""
+    _fwd_safe(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 14)
+
+
+@triton.jit
+def triton_fixed(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                 H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """No mistake (tests/ch05 shows it passes: the mutants above fail for their own mistake)."""
+    _fwd_safe(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 0)
+
+
+@triton.jit
+def triton_nan_rows(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                    H, Lq, Lk, scale, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The lab's kernel before issue 36: NaN rows where a query sees no key (bottom-right, Lq > Lk)."""
+    _fwd_body(Q, K, V, O, LSE, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              H, Lq, Lk, scale, CAUSAL, D, BLOCK_M, BLOCK_N, 0)
+
+
+MUTANTS["05.triton_forward"] += [
+    ("NaN rows where a query sees no key (the lab's kernel before issue 36)", triton_nan_rows),
+    ("Lq <= Lk assumed: offset clamped at 0", triton_lq_le_lk_assumed),
+    ("logsumexp 0 for a row that sees no key", triton_empty_lse_zero),
+    ("head_dim 16 written in", triton_head_dim_16),
+    ("BLOCK_M used as the key block", triton_one_block_size),
+    ("q scaled in place in Q", triton_scales_q_in_place),
+]

@@ -5,6 +5,7 @@ import math
 import os
 import sys
 
+import numpy
 import torch
 
 if "triton" not in sys.modules and not torch.cuda.is_available():
@@ -80,7 +81,8 @@ def check_merge_partials(fn):
 # ----------------------------------------------------------------------------- shared by the exercises below
 # The lab's causal is bottom-right aligned: query i of Lq sees key j of Lk when j <= i + Lk - Lq (FlashAttention
 # >= 2.1, torch.nn.attention.bias.causal_lower_right). SDPA's is_causal=True is top-left aligned (j <= i); the two
-# agree only when Lq == Lk. The checks use Lq <= Lk with causal, so every query row sees at least one key.
+# agree only when Lq == Lk. The checks of exercises 2-4 use Lq <= Lk with causal, so every query row sees at least one
+# key; 05.triton_forward also tries Lq > Lk (the first Lq - Lk rows see none: output 0, logsumexp -inf).
 def _lab_causal(causal):
     return "bottom_right" if causal else False
 
@@ -428,6 +430,36 @@ def _triton_device():
     return torch.device("cpu"), True
 
 
+def _exact_masked(q, k, v, align):
+    """fp64 attention (output, logsumexp) under ``align`` ("none", "bottom_right" or "top_left"); a query row
+    that sees no key (bottom-right with Lq > Lk: rows i < Lq - Lk) has output 0 and logsumexp -inf."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    lq, lk = q.shape[-2], k.shape[-2]
+    if align != "none":
+        seen = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq if align == "bottom_right" else 0)
+        s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # empty rows: exp(-inf) = 0
+    return p @ v, lse
+
+
+def _launch_top_left(kernel, q, k, v, block_m, block_n):
+    """SDPA's is_causal (top-left: query i sees keys j <= i) from a bottom-right kernel, the way a caller gets it:
+    with Lq <= Lk no query sees past key Lq - 1, so it is bottom-right causal on the first Lq keys; with Lq > Lk
+    the first Lk queries are bottom-right causal on all keys and the rest see every key (written into views of
+    one output)."""
+    from memlab.attention.triton_kernels import launch_flash_fwd
+
+    lq, lk = q.shape[2], k.shape[2]
+    if lq <= lk:
+        return launch_flash_fwd(kernel, q, k[:, :, :lq], v[:, :, :lq], True, block_m, block_n)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _, l1 = launch_flash_fwd(kernel, q[:, :, :lk], k, v, True, block_m, block_n, out=o[:, :, :lk])
+    _, l2 = launch_flash_fwd(kernel, q[:, :, lk:], k, v, False, block_m, block_n, out=o[:, :, lk:])
+    return o, torch.cat([l1, l2], dim=2)
+
+
 @register("05.triton_forward", reference=triton_forward_reference, title="FA2 forward in Triton (interpreter on CPU)",
           timeout=300)
 def check_triton_forward(kernel):
@@ -439,25 +471,65 @@ def check_triton_forward(kernel):
 
     raise_if_triton_stub(kernel)
     device, interpreted = _triton_device()
-    for lq, lk, d, causal, dtype in ((37, 53, 16, False, torch.float32), (37, 53, 16, True, torch.float32),
-                                     (53, 37, 16, False, torch.float32), (32, 32, 32, True, torch.float32),
-                                     (21, 40, 16, True, torch.float16)):
-        q, k, v = (t.to(device) for t in _layouts(1, 2, lq, lk, d, d, seed=lq + lk, dtype=dtype))
-        what = f"Lq={lq}, Lk={lk}, D={d}, causal={causal}, {dtype}, blocks 16 x 16, q and k non-contiguous"
+
+    def run(case) -> None:
+        q, k, v = (t.to(device) for t in _layouts(case.b, case.h, case.lq, case.lk, case.d, case.d, seed=case.seed,
+                                                   dtype=case.dtype))
+        before = [t.clone() for t in (q, k, v)]
+        causal = case.align != "none"
+        what = (f"Lq={case.lq}, Lk={case.lk}, D={case.d}, causal={case.align if causal else False}, {case.dtype}, "
+                f"BLOCK_M={case.bm}, BLOCK_N={case.bn}, q and k non-contiguous ({case})")
         try:
-            o, lse = launch_flash_fwd(kernel, q, k, v, causal)
+            with numpy.errstate(all="ignore"):  # the interpreter's numpy warns on log(0) = -inf, a right answer
+                if case.align == "top_left":
+                    o, lse = _launch_top_left(kernel, q, k, v, case.bm, case.bn)
+                else:
+                    o, lse = launch_flash_fwd(kernel, q, k, v, causal, case.bm, case.bn)
         except NotImplementedError:
             raise
         except Exception as e:  # noqa: BLE001 - a kernel that does not compile or run is a failure, said plainly
             raise AssertionError(f"launching the kernel ({what}) raised {type(e).__name__}: {str(e)[:300]}") from None
-        want_o, want_l = _exact(q.cpu(), k.cpu(), v.cpu(), causal)
-        if dtype == torch.float32:
+        for name, t, b in zip("qkv", (q, k, v), before):
+            expect(torch.equal(t, b), f"{what}: the kernel wrote into {name} (tl.store to {name.upper()}): leave the "
+                                      f"inputs as they are")
+        want_o, want_l = _exact_masked(q.cpu(), k.cpu(), v.cpu(), case.align)
+        if case.align == "top_left":  # the reference of SDPA's is_causal, from torch itself (any empty row is not)
+            sdpa = torch.nn.functional.scaled_dot_product_attention(q.cpu().double(), k.cpu().double(),
+                                                                    v.cpu().double(), is_causal=True)
+            expect(torch.allclose(sdpa, want_o, atol=1e-9), "internal: the top-left reference differs from SDPA")
+        empty = torch.isinf(want_l)
+        if bool(empty.any()):
+            rows = int(empty[0, 0].sum())
+            expect(not bool(torch.isnan(o.cpu()).any()),
+                   f"{what}: the output has NaN; the first {rows} query rows see no key (bottom-right with Lq > Lk): "
+                   f"their output is 0 and their logsumexp -inf (a max of -inf must not be subtracted: "
+                   f"-inf - -inf is NaN; divide by a sum of 0 as by 1)")
+        if case.dtype == torch.float32:
             tol = 1e-5 if interpreted else 5e-3  # compiled fp32 tl.dot uses TF32 on CUDA
             expect_tensor_close(f"O ({what})", o.cpu(), want_o.float(), rtol=0, atol=tol)
         else:
-            expect_tensor_close(f"O ({what})", o.cpu(), want_o.to(dtype), rtol=0, atol=2e-3)
-        expect_tensor_close(f"LSE ({what}; fp32, natural log)", lse.cpu(), want_l.float(), rtol=0,
-                            atol=1e-5 if interpreted else 5e-3)
+            expect_tensor_close(f"O ({what})", o.cpu(), want_o.to(case.dtype), rtol=0, atol=2e-3)
+        expect_tensor_close(f"LSE ({what}; fp32, natural log; -inf for a row that sees no key)", lse.cpu(),
+                            want_l.float(), rtol=0, atol=1e-5 if interpreted else 5e-3)
+
+    f32, f16 = torch.float32, torch.float16
+    edges = [dict(b=1, h=2, lq=lq, lk=lk, d=d, align=a, dtype=t, bm=16, bn=16, seed=lq + lk)
+             for lq, lk, d, a, t in ((37, 53, 16, "none", f32), (37, 53, 16, "bottom_right", f32),
+                                     (53, 37, 16, "none", f32), (32, 32, 32, "bottom_right", f32),
+                                     (21, 40, 16, "bottom_right", f16),
+                                     # Lq > Lk: bottom-right leaves the first Lq - Lk rows without a key
+                                     (53, 37, 16, "bottom_right", f32), (45, 37, 16, "bottom_right", f32),
+                                     (64, 8, 16, "bottom_right", f32), (17, 1, 16, "bottom_right", f32),
+                                     (40, 24, 16, "bottom_right", f16),
+                                     (53, 37, 16, "top_left", f32), (21, 40, 16, "top_left", f32))]
+    # any lengths (Lq > Lk too, one key, one query), head dims 16-64, blocks 16 or 32 (not always equal), fp32 and
+    # fp16, no mask or causal under either alignment; a batch and heads past one (the interpreter is slow: small)
+    space = Space(b=ints(1, 2), h=ints(1, 2), lq=ints(1, 70), lk=ints(1, 70), d=one_of(16, 32, 64),
+                  align=one_of("bottom_right", "none", "top_left"), dtype=one_of(f32, f16), bm=one_of(16, 32),
+                  bn=one_of(16, 32))
+    differential(space, run, edges=edges, examples=12)
+
+
 # ----------------------------------------------------------------------------- 05.predict_saved_bytes
 def predict_saved_bytes_reference(batch, heads, seq, head_dim):
     """``(naive_bytes, flash_bytes)`` saved for backward, fp32, no mask: naive keeps the probabilities P;
