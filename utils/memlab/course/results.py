@@ -1,0 +1,519 @@
+"""docs/results.md rendered from where its figures are written, so that no row can go stale.
+
+Each row of the results table is a :class:`Row`: six cells (chapter, measurement, from scratch,
+reference, ratio / verdict, device) written as templates whose ``{name}`` fields are figures read
+from a notebook's stored outputs (or a stored log under ``results/``) by a :class:`Found`: the text
+of the line the notebook prints, with ``{name}`` where the figure stands. Lines are matched by their
+words, not by cell index (lectures gain and lose cells), and runs of spaces match any run of spaces
+(column widths change). A figure that is not found, or found twice with different values, stops the
+render with a message naming the notebook and the line it looked for. A :class:`Derived` figure is
+computed from figures read (a ratio, a difference of two lists), so it cannot disagree with them.
+
+Rows that no notebook prints (benches run by hand, the GPU logs, tests, published figures) are
+kept whole in ``results/recorded.json``, each with the ``source`` it was copied from; the table
+names that source in its measurement cell. ``tools/render_results.py`` writes docs/results.md's
+table and README.md's results paragraph; ``--check`` fails on any row that differs
+(tests/meta/test_results.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+__all__ = ["Found", "Counted", "Derived", "Row", "Recorded", "FigureError", "ROWS", "RECORDED", "TABLE_BEGIN", "TABLE_END",
+           "README_BEGIN", "README_END", "outputs_text", "read_figures", "render_table", "render_readme_block",
+           "replace_block", "render_files", "stale"]
+
+TABLE_BEGIN, TABLE_END = "<!-- results:table:begin -->", "<!-- results:table:end -->"
+README_BEGIN, README_END = "<!-- results:summary:begin -->", "<!-- results:summary:end -->"
+RECORDED = "results/recorded.json"
+HEADER = ("| ch | measurement | from scratch | reference | ratio / verdict | device |\n"
+          "|---|---|---|---|---|---|")
+CPU = "CPU x86_64, 2 cores"
+NUMBER = r"[-+]?(?:\d[\d,]*)?\.?\d+(?:e[-+]?\d+)?"
+FIELD = re.compile(r"\{(\w+)(?::(num|text))?\}")
+
+
+class FigureError(ValueError):
+    """A figure a row needs is missing from its source, ambiguous there, or its source is missing."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """Figures read from one printed line of ``source`` (a notebook's stored outputs or a text log).
+
+    ``line`` is the line's text with ``{name}`` for a number (``{name:text}`` for words, matched as
+    few characters as possible up to the next literal text); runs of spaces match any run of spaces.
+    """
+    source: str
+    line: str
+
+    def regex(self) -> re.Pattern:
+        line = self.line[1:] if self.line.startswith("^") else self.line
+        parts, at = ["^[ \t]*" if self.line.startswith("^") else ""], 0
+        for m in FIELD.finditer(line):
+            parts.append(_literal(line[at:m.start()]))
+            last = not line[m.end():].strip()
+            text = ".+?[ \t]*$" if last else ".+?"
+            parts.append(f"(?P<{m.group(1)}>{text if m.group(2) == 'text' else NUMBER})")
+            at = m.end()
+        parts.append(_literal(line[at:]))
+        return re.compile("".join(parts))
+
+    def names(self) -> list[str]:
+        return [m.group(1) for m in FIELD.finditer(self.line)]
+
+
+@dataclass(frozen=True)
+class Counted:
+    """``name``: how many stored output lines of ``source`` match ``line`` (a :class:`Found` line)."""
+    source: str
+    line: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A figure computed from others of the same row: ``fn(figures) -> str``, ``uses`` naming them."""
+    uses: tuple[str, ...]
+    fn: Callable[[dict], str]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: ``cells`` (measurement, from scratch, reference, verdict) are templates over ``found``."""
+    ch: str
+    cells: tuple[str, str, str, str]
+    found: tuple[Found | Counted, ...]
+    derived: dict[str, Derived] = field(default_factory=dict)
+    device: str = CPU
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A row kept whole in results/recorded.json under ``key`` (not printed by any notebook)."""
+    key: str
+
+
+def _literal(text: str) -> str:
+    return "[ \t]+".join(re.escape(w) for w in re.split(r"[ \t]+", text)) if text.strip() else (
+        "[ \t]*" if text else "")
+
+
+def num(s: str) -> float:
+    return float(s.replace(",", ""))
+
+
+def outputs_text(path: Path) -> list[str]:
+    """The lines a reader sees under the code cells of a notebook (streams, text/plain), or a log's lines."""
+    if path.suffix != ".ipynb":
+        return path.read_text(encoding="utf-8").splitlines()
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    lines: list[str] = []
+    for cell in nb.get("cells", []):
+        for o in cell.get("outputs", []) if cell.get("cell_type") == "code" else []:
+            if o.get("output_type") == "stream":
+                lines += "".join(o.get("text", "")).splitlines()
+            elif "data" in o:
+                lines += "".join(o["data"].get("text/plain", "")).splitlines()
+    return lines
+
+
+def _read_one(found: Found, lines: list[str]) -> dict[str, str]:
+    rx = found.regex()
+    hits = {}
+    for ln in lines:
+        m = rx.search(ln)
+        if m:
+            hits.setdefault(tuple(m.group(n).strip() for n in found.names()), ln.strip())
+    if not hits:
+        raise FigureError(f"{found.source}: no stored output line matches {found.line!r}; the notebook must print "
+                          f"it (re-run it, or change the row in memlab/course/results.py with the notebook's new words)")
+    if len(hits) > 1:
+        shown = "; ".join(repr(v) for v in list(hits.values())[:3])
+        raise FigureError(f"{found.source}: {len(hits)} stored output lines match {found.line!r} with different "
+                          f"figures ({shown}): make the line's text longer so that one line matches")
+    return dict(zip(found.names(), next(iter(hits))))
+
+
+def read_figures(row: Row, root: Path, cache: dict | None = None) -> dict[str, str]:
+    """Every ``{name}`` of ``row``: read from its sources under ``root``, then the derived ones."""
+    cache = {} if cache is None else cache
+    figs: dict[str, str] = {}
+    for found in row.found:
+        path = root / found.source
+        if found.source not in cache:
+            if not path.is_file():
+                raise FigureError(f"{found.source}: no such file under {root} (a row of chapter {row.ch} reads it)")
+            cache[found.source] = outputs_text(path)
+        if isinstance(found, Counted):
+            rx = Found(found.source, found.line).regex()
+            figs[found.name] = str(sum(bool(rx.search(ln)) for ln in cache[found.source]))
+        else:
+            figs.update(_read_one(found, cache[found.source]))
+    for name, d in row.derived.items():
+        figs[name] = d.fn({k: figs[k] for k in d.uses})
+    return figs
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _render_row(row: Row, root: Path, cache: dict) -> str:
+    figs = read_figures(row, root, cache)
+    cells = []
+    for template in row.cells:
+        try:
+            cells.append(template.format_map(figs))
+        except KeyError as exc:
+            raise FigureError(f"a row of chapter {row.ch} uses {{{exc.args[0]}}}, which none of its lines reads") from None
+    sources = sorted({f.source for f in row.found})
+    cells[0] += " (" + ", ".join(f"`{s}`" for s in sources) + ")"
+    return "| " + " | ".join([row.ch] + [c.replace("\n", " ") for c in cells] + [row.device]) + " |"
+
+
+def _recorded(root: Path) -> dict[str, dict]:
+    path = root / RECORDED
+    if not path.is_file():
+        raise FigureError(f"{RECORDED}: no such file under {root}")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    for key, r in data.items():
+        missing = {"ch", "measurement", "from_scratch", "reference", "verdict", "device", "source"} - set(r)
+        if missing or not str(r.get("source", "")).strip():
+            raise FigureError(f"{RECORDED}: row {key!r} lacks {sorted(missing) or ['a source']}")
+    return data
+
+
+def _render_recorded(r: dict) -> str:
+    cells = [r["ch"], f"{r['measurement']} [source: {r['source']}]", r["from_scratch"], r["reference"],
+             r["verdict"], r["device"]]
+    return "| " + " | ".join(_cell(str(c)) for c in cells) + " |"
+
+
+def render_rows(root: Path, rows: Iterable[Row | Recorded] | None = None) -> list[str]:
+    """The table's rows, in order, as markdown lines."""
+    rows = ROWS if rows is None else list(rows)
+    cache: dict = {}
+    recorded = _recorded(root) if any(isinstance(r, Recorded) for r in rows) else {}
+    out = []
+    for r in rows:
+        if isinstance(r, Recorded):
+            if r.key not in recorded:
+                raise FigureError(f"{RECORDED}: no row {r.key!r} (memlab/course/results.py's ROWS names it)")
+            out.append(_render_recorded(recorded[r.key]))
+        else:
+            out.append(_render_row(r, root, cache))
+    return out
+
+
+def render_table(root: Path, rows: Iterable[Row | Recorded] | None = None) -> str:
+    return HEADER + "\n" + "\n".join(render_rows(root, rows))
+
+
+def render_readme_block(root: Path, rows: Iterable[Row | Recorded] | None = None) -> str:
+    rows = ROWS if rows is None else list(rows)
+    n_read = sum(isinstance(r, Row) for r in rows)
+    return (f"Every measurement in one table, {len(rows)} rows, each naming its device: the from-scratch version "
+            f"against the production reference, as ratios of time and peak memory, on the 2-core CPU and on an "
+            f"H100: [docs/results.md](docs/results.md). {n_read} rows are read from the notebooks' stored outputs "
+            f"by `python tools/render_results.py` (`--check` in `tests/meta/test_results.py`), the other "
+            f"{len(rows) - n_read} (benches, GPU logs, tests) are kept in `{RECORDED}` with their source.")
+
+
+def replace_block(text: str, begin: str, end: str, block: str, name: str) -> str:
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise FigureError(f"{name}: needs one {begin} line before one {end} line")
+    head, rest = text.split(begin, 1)
+    return head + begin + "\n" + block + "\n" + end + rest.split(end, 1)[1]
+
+
+def render_files(root: Path, rows: Iterable[Row | Recorded] | None = None) -> dict[str, str]:
+    """{relative path: its new text} for docs/results.md and README.md."""
+    rows = ROWS if rows is None else list(rows)
+    out = {}
+    for rel, begin, end, block in (("docs/results.md", TABLE_BEGIN, TABLE_END, render_table(root, rows)),
+                                   ("README.md", README_BEGIN, README_END, render_readme_block(root, rows))):
+        out[rel] = replace_block((root / rel).read_text(encoding="utf-8"), begin, end, block, rel)
+    return out
+
+
+def stale(root: Path, rows: Iterable[Row | Recorded] | None = None) -> list[str]:
+    """One line per stored row or paragraph that differs from a fresh render (empty: up to date)."""
+    problems = []
+    for rel, new in render_files(root, rows).items():
+        old = (root / rel).read_text(encoding="utf-8")
+        if old == new:
+            continue
+        old_lines, new_lines = old.splitlines(), new.splitlines()
+        gone = [ln for ln in old_lines if ln not in new_lines]
+        added = [ln for ln in new_lines if ln not in old_lines]
+        for a in added:
+            problems.append(f"{rel}: stale, should read: {a[:300]}")
+        for g in gone:
+            problems.append(f"{rel}: stale, reads now:    {g[:300]}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------- the rows
+N = {k: f"notebooks/{v}.ipynb" for k, v in {
+    "00": "00_where_the_memory_goes", "01": "01_memory_profiler", "02": "02_gradient_checkpointing",
+    "03": "03_mixed_precision", "05": "05_chunked_attention", "06": "06_qlora", "07": "07_fit_a_budget",
+    "08": "08_beyond_one_gpu", "09": "09_long_sequences"}.items()}
+
+
+def ratio(a: str, b: str, fmt: str = "{:.3f}x") -> Derived:
+    return Derived((a, b), lambda f: fmt.format(num(f[a]) / num(f[b])))
+
+
+def _same(names: tuple[str, ...], yes: str, no: str) -> Derived:
+    return Derived(names, lambda f: yes if len({num(f[n]) for n in names}) == 1 else no.format(**f))
+
+
+def _max_list_diff(a: str, b: str) -> Derived:
+    def fn(f):
+        xs, ys = ([num(v) for v in f[k].split(",")] for k in (a, b))
+        return f"{max(abs(x - y) for x, y in zip(xs, ys)):.3f}"
+    return Derived((a, b), fn)
+
+
+def _all_true(names: tuple[str, ...], yes: str, no: str) -> Derived:
+    return Derived(names, lambda f: yes if all(f[n] == "True" for n in names) else no)
+
+def _fits(peak: str, usable: str) -> Derived:
+    return Derived((peak, usable, "eager"), lambda f: (
+        f"SDPA fits an H100's {f[usable]} GiB usable, eager does not"
+        if num(f[peak]) <= num(f[usable]) < num(f["eager"]) else
+        f"SDPA {f[peak]} GiB, eager {f['eager']} GiB against an H100's {f[usable]} GiB usable"))
+
+
+
+_BLOCK = [Found(N["00"], f"{{s{i}}} {{b{i}}} {{t{i}}} {{f{i}}} {{m{i}}} {{same{i}:text}} {{share{i}}}%".replace(
+    f"{{s{i}}} {{b{i}}}", sb)) for i, sb in enumerate(("32 2", "64 4", "128 8"))]
+_STAGES = ("data parallel", "ZeRO-1", "ZeRO-2", "FSDP2 (fully_shard)")
+_Q = (("ft", "full fine-tune (fp32, AdamW)", "full fine-tune"), ("lo", "LoRA r=8 (fp32 base)", "LoRA r=8"),
+      ("ql", "QLoRA r=8 (NF4 base, bf16 compute)", "QLoRA r=8"))
+_EST = (("e0", "0: data parallel"), ("e1", "1: ZeRO-1 (memlab)"), ("e2", "2: ZeRO-2 (memlab)"), ("e3", "3: FSDP2"))
+_SENT = (("c0", "0: data parallel"), ("c1", "1: ZeRO-1 (memlab)"), ("c2", "2: ZeRO-2 (memlab)"), ("c3", "3: FSDP2"))
+_LOSS9 = (("d", "transformers' loss"), ("c", "chunked (autograd)"), ("f", "fused"), ("o", "fused + offload + opt. in bwd"))
+
+ROWS: list[Row | Recorded] = [
+    Row("00", ("bytes one TinyGPT block saves for backward (s=64, b=4, h=128, fp32, dropout on)",
+               "formula: {f1} B", "`saved_tensors_hooks` tape: {t1} B; memlab: {m1} B", "{v}"),
+        (_BLOCK[1],), {"v": _same(("t1", "f1", "m1"), "exact", "differ: tape {t1}, formula {f1}, memlab {m1} B")}),
+    Row("00", ("lecture 00's on-page `MyBlock` vs memlab's TinyGPT `Block` (same weights); on-page saved-tensor tape "
+               "vs `memlab.accounting` at s x b = 32 x 2, 64 x 4, 128 x 8", "outputs, gradients; saved bytes "
+               "{t0} / {t1} / {t2} B", "same; formula {f0} / {f1} / {f2} B", "{ident}; {bytes}"),
+        (Found(N["00"], "MyBlock output vs memlab's Block exact: {out:text} close: {oc:text} max diff: {od}"),
+         Found(N["00"], "gradients (input and all parameters) exact: {gr:text} close: {gc:text} max diff: {gd}"),
+         *_BLOCK),
+        {"ident": _all_true(("out", "gr"), "outputs and gradients bit-identical", "outputs or gradients differ"),
+         "bytes": _all_true(("same0", "same1", "same2"), "bytes exact at the three sizes", "bytes differ")}),
+    Row("00", ("Llama-2-7B, s={s}, b={b}, {recipe}, traced on fake tensors with the attention transformers picks "
+               "(SDPA) vs eager", "SDPA: {sdpa} GiB peak", "eager: {eager} GiB ({extra} GiB more activations; the "
+               "s x s formula says {formula})", "{fit}"),
+        (Found(N["00"], "formula, s={s}, b={b}, 16-bit: activations"),
+         Found(N["00"], "with the scores kept (eager): +{formula} GiB"),
+         Found(N["00"], "traced, attention sdpa: peak {sdpa} GiB in backward"),
+         Found(N["00"], "traced, attention eager: peak {eager} GiB in backward"),
+         Found(N["00"], "traced, eager over the default: +{extra} GiB of activations"),
+         Found(N["00"], "usable: RTX 4090 {u4090} GiB, H100 {uh100} GiB"),
+         Found(N["00"], "traced: {recipe:text}, SDPA {sdpa2} GiB")),
+        {"fit": _fits("sdpa", "uh100")}),
+    Recorded("01-memtracker"),
+    Recorded("01-allocator-tests"),
+    Recorded("01-bench-overhead"),
+    Recorded("01-bench-70b"),
+    Recorded("01-bench-7b-suggestions"),
+    Recorded("01-validate"),
+    Recorded("01-h100-cpu-trace"),
+    Recorded("01-estimate-real-step"),
+    Recorded("01-h100-diag2"),
+    Recorded("01-h100-cuda-tests"),
+    Row("01", ("lecture 01's on-page tracker (ledger, phases, categories, modules) vs `MemoryTracker`, two TinyGPT "
+               "steps", "timeline, breakdowns, phase peaks ({e1} and {e2} events)", "same", "{v}"),
+        (Found(N["01"], "^step 1: {e1} events, peak in"), Found(N["01"], "^step 2: {e2} events, peak in"),
+         Found(N["01"], "whole timeline (every event: op index, phase, 5 categories) identical: {same:text}")),
+        {"v": _all_true(("same",), "identical", "differ")}),
+    Row("01", ("tracker peak vs the allocator's own events (`torch.profiler`, `profile_memory=True`), TinyGPT step",
+               "tracker: {tpeak} B above the start", "allocator: {apeak} B ({allocs} allocations, {frees} frees)",
+               "equal at the end ({aend} / {tend} B); at the peak the allocator holds {extra} B more: {nblk} "
+               "wrapped-number scalars of {blk} B made without an op"),
+        (Found(N["01"], "allocator: {allocs} allocations, {frees} frees; peak above the start {apeak} B"),
+         Found(N["01"], "tracker: peak above the start {tpeak} B"),
+         Found(N["01"], "at the end of the window: allocator {aend} B, tracker {tend} B"),
+         Found(N["01"], "allocated outside any op: {nblk} x [{blk}] B = {extra} B"))),
+    Recorded("02-bench-cpu-peak"),
+    Recorded("02-bench-cpu-time"),
+    Recorded("02-h100-peak"),
+    Recorded("02-h100-time"),
+    Row("02", ("selective recomputation (matmul outputs kept), one TinyGPT block: lecture's dispatch-mode policy / "
+               "memlab / torch `create_selective_checkpoint_contexts`", "{mine} / {lib} / {torch} MiB kept",
+               "no checkpoint {none} MiB, full {full} KiB", "{v}; input gradient exact vs none: {g}"),
+        (Found(N["02"], "selective: mine {mine} MiB"), Found(N["02"], "selective: memlab {lib} MiB"),
+         Found(N["02"], "selective: torch (MUST_SAVE matmuls) {torch} MiB"),
+         Found(N["02"], "^no checkpoint {none} MiB"), Found(N["02"], "full: my_checkpoint_amp {full} KiB"),
+         Found(N["02"], "selective, mine vs none: input gradient exact: {g:text} close")),
+        {"v": _same(("mine", "lib", "torch"), "the three equal", "differ")}),
+    Row("02", ("activation offload hooks: lecture's `MyOffload` / `memlab.checkpoint.offload_activations` vs torch "
+               "`save_on_cpu`", "{mine} / {lib} MiB moved ({n_mine} / {n_lib} tensors: activations only)",
+               "`save_on_cpu` {torch} MiB, {n_torch} tensors (it also copies {views} KiB of weight views)",
+               "gradients bit-equal: {g1} / {g2} / {g3}"),
+        (Found(N["02"], "^MyOffload {n_mine} tensors {mine} MiB to host gradients bit-equal: {g1:text}"),
+         Found(N["02"], "^memlab offload_activations {n_lib} tensors {lib} MiB to host gradients bit-equal: {g2:text}"),
+         Found(N["02"], "^torch save_on_cpu {n_torch} tensors {torch} MiB to host gradients bit-equal: {g3:text}"),
+         Found(N["02"], "'view of a parameter': '{views} KiB'"))),
+    Row("03", ("`DynamicLossScaler` (the page's and memlab's) vs `torch.amp.GradScaler`, {steps} steps with random "
+               "inf/NaN gradients", "{nskip} skipped steps ({ninj} with an injected inf/NaN)",
+               "same skipped steps: {skip} (page), {skip2} (memlab)",
+               "same scale after every update: {scale}; max parameter diff {diff}"),
+        (Found(N["03"], "ours vs GradScaler over {steps} steps: same scale after every update: {scale:text}; same "
+                        "skipped steps: {skip:text}; max parameter difference ever: {diff}"),
+         Found(N["03"], "memlab vs GradScaler over {s2} steps: same scale after every update: {sc2:text}; same "
+                        "skipped steps: {skip2:text}; max parameter difference ever: {d2}"),
+         Found(N["03"], "skipped {nskip} steps, {ninj} of them with an injected inf/NaN"))),
+    Recorded("03-bench-cpu"),
+    Recorded("03-h100-peak"),
+    Recorded("03-h100-scaler-time"),
+    Recorded("03-h100-step-time"),
+    Row("03", ("fp16 autocast without loss scaling, TinyGPT, micro-batch loss divided by nanoGPT's 491,520 tokens per "
+               "step (lecture 03 section 7)", "no scaling: {z1}% of gradient elements exactly 0 at the first step, "
+               "up to {zmax}%; final loss {noscale}", "fp32 {fp32}; fp16 + our scaler {scaled} (<= {szmax}% zeros)",
+               "unscaled fp16 visibly fails; scaling fixes it"),
+        (Found(N["03"], "^fp32 loss {l0} -> {fp32} (mean of the last 10)"),
+         Found(N["03"], "^fp16, no scaling loss {l1} -> {noscale} (mean of the last 10); gradient elements exactly 0: "
+                        "{z1}% at the first step, {zmax}% at most"),
+         Found(N["03"], "^fp16 + our LossScaler loss {l2} -> {scaled} (mean of the last 10); gradient elements "
+                        "exactly 0: {sz1}% at the first step, {szmax}% at most"))),
+    Recorded("04-adamw-exact"),
+    Recorded("04-cpp-fused"),
+    Recorded("04-bench-cpu"),
+    Recorded("04-bench-h100-cpu"),
+    Recorded("04-h100-step"),
+    Row("05", ("bytes saved for backward, 4 heads x 32, fp32, seq 512 (lecture 05)",
+               "flash: O + logsumexp = b*h*s*(d+1)*4 B ({flash} KiB at 512)",
+               "naive b*h*s^2*4 ({naive} MiB at 512); chunked through autograd {chunked} MiB (causal {cc} MiB)",
+               "flash linear (formula exact), naive and chunked quadratic"),
+        (Found(N["05"], "seq 512: naive saves {naive} MiB flash saves {flash} KiB"),
+         Found(N["05"], "seq 512: naive {n2} MiB chunked {chunked} MiB chunked causal {cc} MiB"))),
+    Recorded("05-bench-attention"),
+    Row("05", ("tiny_llama, 3 AdamW steps: memlab attention vs sdpa vs eager (lecture 05)",
+               "losses {ml}; activation peak {mp} MiB", "sdpa {sp} MiB; eager {ep} MiB", "{v}"),
+        (Found(N["05"], "^memlab losses [{ml:text}] activation peak {mp} MiB"),
+         Found(N["05"], "^sdpa losses [{sl:text}] activation peak {sp} MiB"),
+         Found(N["05"], "^eager losses [{el:text}] activation peak {ep} MiB")),
+        {"v": Derived(("ml", "sl", "el"), lambda f: "losses equal as printed" if f["ml"] == f["sl"] == f["el"]
+                      else f"losses differ: sdpa [{f['sl']}], eager [{f['el']}]")}),
+    Recorded("05-triton"),
+    Recorded("06-nf4-bitsandbytes"),
+    Row("06", ("mean abs error, randn(1024x1024), blocksize 64 (lecture 06)", "NF4 {nf4}", "int4 (k/7) {int4}; FP4 "
+               "(e2m1) {fp4}", "{v}"),
+        (Found(N["06"], "^NF4 mean |error| {nf4}"), Found(N["06"], "^int4 (k/7) mean |error| {int4}"),
+         Found(N["06"], "^FP4 (e2m1) mean |error| {fp4}")),
+        {"v": Derived(("nf4", "int4", "fp4"), lambda f: "NF4 lowest" if num(f["nf4"]) < min(num(f["int4"]), num(
+            f["fp4"])) else "NF4 not the lowest")}),
+    Recorded("06-bench-quantize"),
+    Recorded("06-bench-dequantize"),
+    Recorded("06-bench-linear4bit"),
+    Row("06", ("tiny_llama step, `MemoryTracker` peak: full fine-tune (fp32, AdamW) / LoRA r=8 (fp32 base) / QLoRA r=8 "
+               "(NF4 base, bf16 compute)", "{ft_pk} / {lo_pk} / {ql_pk} MiB (stored model {ft_st} / {lo_st} / {ql_st} "
+               "MiB; optimizer {ft_o} / {lo_o} / {ql_o} MiB)", "estimate on fake tensors {ft_est} / {lo_est} / "
+               "{ql_est} MiB; real step {ft_real} / {lo_real} / {ql_real} MiB", "{v}"),
+        tuple(Found(N["06"], f"^{label} trainable {{{k}_tr}} stored {{{k}_st}} MiB peak {{{k}_pk}} MiB (params "
+                              f"{{{k}_p}}, optimizer {{{k}_o}}, activations {{{k}_a}})") for k, label, _ in _Q)
+        + tuple(Found(N["06"], f"^{short} estimate (fake tensors) {{{k}_est}} MiB | real step {{{k}_real}} MiB | "
+                               f"diff {{{k}_diff}} B") for k, _, short in _Q),
+        {"v": Derived(("ft_diff", "lo_diff", "ql_diff"), lambda f: "estimate equal to the real step to the byte"
+                      if all(num(v) == 0 for v in f.values()) else "estimate off by {ft_diff} / {lo_diff} / "
+                      "{ql_diff} B".format(**f))}),
+    Row("06", ("tiny Llama QLoRA r=8, one step, peak above the step's start by allocator events (lecture 06): "
+               "memlab.quant + memlab.quant.lora vs transformers BitsAndBytesConfig + bitsandbytes + peft",
+               "{mine} MiB", "production {prod} MiB", "{r}x"),
+        (Found(N["06"], "^transformers + bitsandbytes + peft one QLoRA step: allocator peak {prod} MiB"),
+         Found(N["06"], "^memlab.quant + memlab.lora one QLoRA step: allocator peak {mine} MiB"),
+         Found(N["06"], "^memlab / production: {r}"))),
+    Recorded("06-ground-truth-qlora"),
+    Row("06", ("QLoRA fine-tune of tiny_llama, {steps} AdamW steps: memlab.quant + memlab.quant.lora vs transformers "
+               "BitsAndBytesConfig(nf4, double quant, bf16) + bitsandbytes + peft", "losses (first {first})",
+               "losses", "max diff {diff} (test: < 1e-3 over 10 steps)"),
+        (Found(N["06"], "max |loss difference| over {steps} steps: {diff} (first loss {first})"),)),
+    Row("06", ("8-bit Adam state and 5 steps at lr 1e-3 vs torch AdamW (lecture 06)",
+               "`memlab.quant.Adam8bit`: state {m} B = {mb} B/param", "bitsandbytes Adam8bit {b} B; torch AdamW {t} B "
+               "= {tb} B/param", "state bytes {same}; max abs parameter diff vs torch: memlab {d1}, bitsandbytes {d2}"),
+        (Found(N["06"], "^memlab.quant.Adam8bit state {m} bytes = {mb} B/param"),
+         Found(N["06"], "^bitsandbytes Adam8bit state {b} bytes"),
+         Found(N["06"], "^torch AdamW (fp32 state) state {t} bytes = {tb} B/param"),
+         Found(N["06"], "max |dp|: memlab vs torch {d1}, bitsandbytes vs torch {d2},")),
+        {"same": _same(("m", "b"), "equal", "differ ({m} vs {b})")}),
+    Recorded("06-adam8bit-test"),
+    Recorded("06-predict-qlora-bytes"),
+    Row("07", ("`memlab.plan` of Llama-3-8B on an RTX 4090, seq 2048, batch 16, lecture 07's search space",
+               "{traces} stacks traced (the page's own search: {page})", "pick: {pick}: {peak} GiB of {usable} GiB "
+               "usable (host {host} GiB)", "the page's search picks the same stack (asserted in the cell)"),
+        (Found(N["07"], "^pick: {pick:text}: {peak} GiB estimated of {usable} GiB, needs {host} GiB of host memory"),
+         Found(N["07"], "^memlab.plan: {traces} traces; on the page: {page}"))),
+    Row("07", ("tiny Llama under a {budget} MiB budget with `BudgetTrainer` (lecture 07)",
+               "{ooms} out-of-memory back-offs, settles on {settled} (the planner's pick: {ppick}); {steps} steps, "
+               "loss {l0} -> {l1}", "planned {plan} MiB", "measured {meas} MiB ({r}x planned); every committed step "
+               "<= {maxstep} MiB"),
+        (Found(N["07"], "measured peak of every committed step: {maxstep} MiB <= budget {budget} MiB"),
+         Found(N["07"], "the pick, steps {s0}..{s1}: measured {meas} MiB, planned {plan} MiB (measured / planned = "
+                        "{r})"),
+         Found(N["07"], "settled on: {settled:text} (the planner's pick: {ppick:text})"),
+         Found(N["07"], "^{steps} optimizer steps in {secs} s; loss {l0} -> {l1}"),
+         Counted(N["07"], "^step {i}: OOM with {what:text} -> ", "ooms"))),
+    Recorded("07-kill9"),
+    Recorded("07-padding"),
+    Row("08", ("tiny Llama, fp32 AdamW, 2 gloo ranks: the page's data parallel, ZeRO-1, ZeRO-2, FSDP2 and memlab's "
+               "ZeroOptimizer vs one process accumulating both half-batches (lecture 08)", "losses and weights",
+               "one process", "{n_exact} of {n_all} comparisons exact (bit for bit); FSDP2 bf16 mixed precision within "
+               "{bf16} of fp32's losses"),
+        (Counted(N["08"], "^rank {r}: {what:text} exact: True", "n_exact"),
+         Counted(N["08"], "^rank {r}: {what:text} exact: ", "n_all"),
+         Found(N["08"], "^0: data parallel 0 {x:text} [{fp32:text}]"),
+         Found(N["08"], "^3: FSDP2 bf16 mixed 0 {y:text} [{b16:text}]")),
+        {"bf16": _max_list_diff("fp32", "b16")}),
+    Row("08", ("per-rank bytes held after a step, stages 0 / 1 / 2 / 3 (params + grads + optimizer; lecture 08)",
+               "{t0} / {t1} / {t2} / {t3} MiB", "Rajbhandari et al. 2020's formula: {f0} / {f1} / {f2} / {f3} MiB",
+               "as the formula but for AdamW's step counters"),
+        tuple(Found(N["08"], f"^stage {i}: parameters {{p{i}}} MiB, gradients {{g{i}:text}}, optimizer {{o{i}}} MiB = "
+                             f"{{t{i}}} MiB (the paper's formula: {{f{i}}} MiB") for i in range(4))),
+    Row("08", ("peak per rank over one step, the page's data parallel / ZeRO-1 / ZeRO-2 / FSDP2 (lecture 08): "
+               "`MemoryTracker` and the CPU allocator's events, same runs", "tracker {t0} / {t1} / {t2} / {t3} MiB",
+               "allocator {a0} / {a1} / {a2} / {a3} MiB", "allocator / data parallel: {r1} / {r2} / {r3}; the "
+               "one-call collectives allocate: `reduce_scatter_tensor` {rs}x, `all_gather_into_tensor` {ag}x the "
+               "flat buffer, a broadcast per slice in place {bc} B"),
+        tuple(Found(N["08"], f"rank 0: {name} {{t{i}}} MiB {{a{i}}} MiB {{r{i}}}") for i, name in enumerate(_STAGES))
+        + (Found(N["08"], "^rank 1: reduce_scatter_tensor(out, flat) allocates {rsm} MiB = {rs} x the flat buffer"),
+           Found(N["08"], "^rank 1: all_gather_into_tensor(flat, slice.clone()) allocates {agm} MiB = {ag} x"),
+           Found(N["08"], "^rank 1: a broadcast per slice, in place allocates {bc} B"))),
+    Row("08", ("`memlab estimate --world-size 2 --zero-stage N` vs the measured ranks, stages 0-3 (lecture 08)",
+               "estimate {e0} / {e1} / {e2} / {e3} MiB", "tracker {e0t} / {e1t} / {e2t} / {e3t} MiB; allocator {e0a} "
+               "/ {e1a} / {e2a} / {e3a} MiB", "error vs the tracker {e0e}% / {e1e}% / {e2e}% / {e3e}%; FSDP2's "
+               "allocator figure is above by gloo's copies inside its collectives"),
+        tuple(Found(N["08"], f"^{label} {{{k}}} MiB {{{k}t}} MiB {{{k}e}}% {{{k}a}} MiB") for k, label in _EST)),
+    Row("08", ("bytes sent per step in ring passes over the gradient: data parallel / ZeRO-1 / ZeRO-2 / FSDP2 "
+               "(`CommCounter`, lecture 08)", "{c0p} / {c1p} / {c2p} / {c3p}", "paper: 2 / 2 / 2 / 3",
+               "sent {c0} / {c1} / {c2} / {c3} MiB against the formula's {c0f} / {c1f} / {c2f} / {c3f} MiB"),
+        tuple(Found(N["08"], f"^{label} sent {{{k}}} MiB ({{{k}p}} ring passes) formula {{{k}f}} MiB")
+              for k, label in _SENT)),
+    Row("09", ("training-step peak above the step's start, small Llama (vocabulary 32,768, 512 tokens; lecture 09): "
+               "transformers' loss / chunked through autograd / fused linear cross-entropy / fused + offloaded "
+               "checkpoint inputs + optimizer step in backward", "allocator events: {da} / {ca} / {fa} / {oa} MiB",
+               "`MemoryTracker`, same runs: {dt} / {ct} / {ft} / {ot} MiB", "fused {rf}, fused + both {ro} of "
+               "transformers' loss (allocator)"),
+        tuple(Found(N["09"], f"^{label} peak above the step's start: allocator {{{k}a}} MiB, tracker {{{k}t}} MiB")
+              for k, label in _LOSS9),
+        {"rf": ratio("fa", "da"), "ro": ratio("oa", "da")}),
+    Row("09", ("the loss alone, forward + backward, 512 tokens x 32,768 vocabulary (lecture 09)",
+               "fused (chunk {C}): {fu} MiB ({fub} bytes per logit); chunked through autograd: {ch} MiB ({chb} bytes "
+               "per logit)", "`F.cross_entropy` on materialised logits: {ce} MiB ({ceb} bytes per logit)", "fused {r}"),
+        (Found(N["09"], "^F.cross_entropy forward + backward peak {ce} MiB ({ceb} bytes per logit)"),
+         Found(N["09"], "^chunked (autograd) forward + backward peak {ch} MiB ({chb} bytes per logit)"),
+         Found(N["09"], "^fused, C = {C} forward + backward peak {fu} MiB ({fub} bytes per logit)")),
+        {"r": ratio("fu", "ce")}),
+    Recorded("09-bench-loss"),
+]
