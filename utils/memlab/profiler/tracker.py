@@ -23,7 +23,7 @@ place (``aten::add_`` into the first gradient) only when no tensor is "subclass-
 (``c10::impl::dispatch_mode_enabled()``). Under this tracker, as under a dispatch mode that does
 nothing, each such sum runs out of place (``aten::add``) and holds one more gradient-sized buffer
 for an instant: a step that feeds one tensor to several branches (chunked attention's key and value
-chunks, each used by every later query chunk) can peak higher tracked than untracked, by one such
+chunks, each used by every later query chunk) can peak higher tracked than untracked, by up to one such
 gradient (lecture 05 measures it with :func:`memlab.profiler.peak_beside_allocator`; tests in
 ``tests/ch05/test_tracker_accumulation.py``). A dispatch mode cannot avoid it, since the engine's
 choice is made in C++ before the op reaches the mode. The tracker is exact for the run it watches.
