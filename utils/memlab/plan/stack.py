@@ -111,8 +111,8 @@ DEFAULT_ALLOW: dict[str, tuple] = {
     "attention": ("sdpa",),
     "micro_batch": None,  # every divisor of batch_size
     # chapter 09's knobs are searched where allow names them (e.g. allow={"loss": ["default", "fused"],
-    # "optimizer_in_backward": [False, True]}, CLI --allow loss=default,fused): memlab.train's BudgetTrainer
-    # runs neither, so the default plan stays one it can run
+    # "optimizer_in_backward": [False, True]}, CLI --allow loss=default,fused); memlab.train's BudgetTrainer runs
+    # them too (on transformers causal LMs), but the default plan stays the course's stacks of chapters 02-08
     "loss": ("default",),
     "optimizer_in_backward": (False,),
 }

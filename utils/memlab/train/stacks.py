@@ -16,8 +16,9 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "optimizer": ("adamw", "adamw-fused"),
     "adapter": ("full",),
     "attention": ("eager", "sdpa"),
-    "loss": ("default",),  # chapter 09's chunked and fused losses and its step in backward: not run here
-    "optimizer_in_backward": (False,),
+    # chapter 09: the loss without its logits (transformers causal LMs: memlab.loss) and the step in backward
+    "loss": ("default", "chunked", "fused"),
+    "optimizer_in_backward": (False, True),
 }
 
 

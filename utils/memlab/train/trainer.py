@@ -39,7 +39,15 @@ Stacks this trainer runs (other values are errors that say so): precision ``fp32
 ``bf16-mixed`` (autocast; ``"bf16"`` is its alias, as everywhere in memlab); checkpointing
 ``none``, ``every-k`` or ``full`` (each chosen block's forward is recomputed in backward, torch's
 non-reentrant ``checkpoint``); optimizer ``adamw`` or ``adamw-fused``; adapter ``full``; attention
-``eager`` or ``sdpa`` (applied to TinyGPT and to ``transformers`` models).
+``eager`` or ``sdpa`` (applied to TinyGPT and to ``transformers`` models); and chapter 09's knobs on a
+``transformers`` causal LM: loss ``default`` (:func:`memlab.models.lm_loss`: the logits made whole),
+``chunked`` (:func:`memlab.loss.chunked_cross_entropy` of the decoder's last hidden states and the head's
+weight) or ``fused`` (:func:`memlab.loss.enable`: the logits never materialised), each the mean cross-entropy
+of the same targets; the optimizer step in backward (``optimizer_in_backward=True``:
+:func:`memlab.offload.optimizer_in_backward`, one AdamW per parameter stepped by its post-accumulate-grad
+hook, the gradient freed at once; the same update, so a run's losses do not change). Checkpoints hold the
+optimizer state in one format (a whole-model AdamW ``state_dict``) whichever way the step runs, so a
+back-off may switch it on or off.
 """
 from __future__ import annotations
 
@@ -61,6 +69,7 @@ from memlab.train import state as training_state
 from memlab.core.units import MiB, format_bytes, parse_size
 from memlab.core.validation import check_bool, check_int, check_number, check_positive_int, invalid
 from memlab.models import decoder_layers
+from memlab.offload.in_backward import OptimizerInBackward, optimizer_in_backward
 from memlab.plan import Stack
 from memlab.profiler import MemoryTracker
 from memlab.train.budget import BudgetTracker
@@ -187,6 +196,7 @@ class BudgetTrainer:
         self.model.train()
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
+        self._check_model_runs(self.model, self.stacks)
         self._batch = self._make_data(data)
 
         self._tmp = None
@@ -248,6 +258,26 @@ class BudgetTrainer:
                                      f"{', '.join(map(repr, allowed))}")
         return out
 
+    @staticmethod
+    def _check_model_runs(model: nn.Module, stacks: Sequence[Stack]) -> None:
+        # chapter 09's losses replace a transformers causal LM's head + loss (memlab.loss): refuse other models
+        for i, s in enumerate(stacks):
+            if s.loss == "default":
+                continue
+            if s.loss == "fused":
+                from memlab.loss.hf import _check_model
+
+                try:
+                    _check_model(model)
+                except ValueError as exc:
+                    raise ValueError(f"stacks[{i}].loss='fused' needs a transformers *ForCausalLM memlab.loss.enable "
+                                     f"supports ({exc}); allowed for this model: loss='default'") from None
+            elif not (callable(getattr(model, "get_decoder", None))
+                      and callable(getattr(model, "get_output_embeddings", None))):
+                raise ValueError(f"stacks[{i}].loss={s.loss!r} needs a transformers causal LM (get_decoder, "
+                                 f"get_output_embeddings); {type(model).__name__} is not one; allowed for this model: "
+                                 f"loss='default'")
+
     def _make_data(self, data: Any) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
         if data is None:
             from memlab.config import pick
@@ -283,18 +313,66 @@ class BudgetTrainer:
                                                           use_reentrant=False)
         if old is None or old.attention != stack.attention:
             _set_attention(self.model, stack.attention)
-        if self.optimizer is None or old is None or old.optimizer != stack.optimizer:
+        if old is None or old.loss != stack.loss:
+            from memlab.loss import disable, enable
+
+            disable(self.model)  # a model memlab.loss.enable never touched is left as it is
+            if stack.loss == "fused":
+                enable(self.model)
+        if self.optimizer is None or old is None or (old.optimizer, old.optimizer_in_backward) != \
+                (stack.optimizer, stack.optimizer_in_backward):
+            sd = self._optimizer_state() if self.optimizer is not None else None
+            if isinstance(self.optimizer, OptimizerInBackward):
+                self.optimizer.remove()  # its hooks would step the parameters in every later backward
             params = [p for p in self.model.parameters() if p.requires_grad]
             fused = stack.optimizer == "adamw-fused"
-            new = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay,
-                                    **({"fused": True} if fused else {"foreach": False}))
-            if self.optimizer is not None:
-                sd = self.optimizer.state_dict()
-                for g in sd["param_groups"]:
-                    g["fused"], g["foreach"] = (True, None) if fused else (None, False)
-                new.load_state_dict(sd)
-            self.optimizer = new
+            kw = {"fused": True} if fused else {"foreach": False}
+
+            def make(ps: list) -> torch.optim.Optimizer:
+                return torch.optim.AdamW(ps, lr=self.lr, weight_decay=self.weight_decay, **kw)
+
+            self.optimizer = optimizer_in_backward(params, make) if stack.optimizer_in_backward else make(params)
+            self._applied = stack
+            if sd is not None:
+                self._load_optimizer_state(sd)
         self._applied = stack
+
+    # -------------------------------------------------------------- the optimizer state, one format
+    def _optimizer_state(self) -> dict[str, Any]:
+        # A whole-model AdamW state_dict (parameters numbered in model.parameters() order), whichever way the
+        # step runs: one optimizer, or one per parameter in backward.
+        opt = self.optimizer
+        assert opt is not None
+        if not isinstance(opt, OptimizerInBackward):
+            return opt.state_dict()
+        params = list(opt.optimizers)
+        state, group = {}, None
+        for i, p in enumerate(params):
+            sd = opt.optimizers[p].state_dict()
+            if sd["state"]:
+                state[i] = sd["state"][0]
+            group = sd["param_groups"][0]
+        assert group is not None
+        return {"state": state, "param_groups": [dict(group, params=list(range(len(params))))]}
+
+    def _load_optimizer_state(self, sd: dict[str, Any]) -> None:
+        # Load a state _optimizer_state wrote into the optimizer of the current stack (with its fused flag).
+        opt = self.optimizer
+        assert opt is not None
+        fused = self._applied is not None and self._applied.optimizer == "adamw-fused"
+        groups = [dict(g, **({"fused": True, "foreach": None} if fused else {"fused": None, "foreach": False}))
+                  for g in sd["param_groups"]]
+        if not isinstance(opt, OptimizerInBackward):
+            opt.load_state_dict({"state": sd["state"], "param_groups": groups})
+            return
+        if len(groups) != 1 or len(groups[0]["params"]) != len(opt.optimizers):
+            raise ValueError(f"optimizer state of {sum(len(g['params']) for g in groups)} parameters in "
+                             f"{len(groups)} groups; the step in backward needs one group of {len(opt.optimizers)}")
+        for i, p in enumerate(opt.optimizers):
+            one = {"state": {0: sd["state"][i]} if i in sd["state"] else {},
+                   "param_groups": [dict(groups[0], params=[0])]}
+            opt.optimizers[p].load_state_dict(one)
+        opt.param_groups = [g for o in opt.optimizers.values() for g in o.param_groups]
 
     # -------------------------------------------------------------- checkpoints
     def _ckpt_path(self, step: int) -> Path:
@@ -316,7 +394,7 @@ class BudgetTrainer:
             "data": {"position": self.step, "seed": self.seed, "effective_batch": self.effective_batch,
                      "seq_len": self.seq_len},
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
             "rng": training_state.rng_state(),
         }
 
@@ -441,11 +519,7 @@ class BudgetTrainer:
             self._apply(self.stack)
         self.model.load_state_dict({k: v.to(self.device) for k, v in state["model"].items()})
         assert self.optimizer is not None
-        opt_state = state["optimizer"]
-        fused = self.stack.optimizer == "adamw-fused"
-        for g in opt_state["param_groups"]:
-            g["fused"], g["foreach"] = (True, None) if fused else (None, False)
-        self.optimizer.load_state_dict(opt_state)
+        self._load_optimizer_state(state["optimizer"])
         training_state.set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.losses = [float(x) for x in state["losses"]]
@@ -462,8 +536,6 @@ class BudgetTrainer:
     def _optimizer_step(self, step: int, stack: Stack) -> torch.Tensor:
         # One optimizer step of ``stack`` on the batch of ``step``; the mean loss (a 0-d tensor).
         assert self.optimizer is not None
-        from memlab.models import lm_loss
-
         x_all, y_all = self._batch(step)
         if tuple(x_all.shape) != (self.effective_batch, self.seq_len) or x_all.shape != y_all.shape:
             raise ValueError(f"data({step}) returned x {tuple(x_all.shape)}, y {tuple(y_all.shape)}; expected both "
@@ -476,9 +548,9 @@ class BudgetTrainer:
             x, y = x_all[j * mb:(j + 1) * mb], y_all[j * mb:(j + 1) * mb]
             if stack.precision == "bf16-mixed":
                 with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
-                    loss = lm_loss(self.model, x, y)
+                    loss = self._loss(stack, x, y)
             else:
-                loss = lm_loss(self.model, x, y)
+                loss = self._loss(stack, x, y)
             (loss / k if k > 1 else loss).backward()
             d = loss.detach().float()
             total = d if total is None else total + d
@@ -486,6 +558,20 @@ class BudgetTrainer:
         self.optimizer.step()
         assert total is not None
         return total / k if k > 1 else total
+
+    def _loss(self, stack: Stack, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # The mean cross-entropy of the targets y (every position), by the stack's loss.
+        from memlab.models import lm_loss
+
+        if stack.loss == "fused":  # memlab.loss.enable'd in _apply: the targets given as they are (no shift)
+            return self.model(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss
+        if stack.loss == "chunked":
+            from memlab.loss import chunked_cross_entropy
+
+            hidden = self.model.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
+            head = self.model.get_output_embeddings()
+            return chunked_cross_entropy(hidden, head.weight, y, bias=getattr(head, "bias", None))
+        return lm_loss(self.model, x, y)
 
     def _free(self) -> None:
         if self.optimizer is not None:
