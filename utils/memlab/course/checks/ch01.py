@@ -1,6 +1,7 @@
 """Checks for chapter 01, "a memory profiler from scratch"."""
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import math
@@ -13,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memlab.course.reference import ch01 as ref
-from memlab.course.checks import Space, differential, expect, expect_equal, expect_type, ints, lists_of, one_of, register
+from memlab.course.checks import Space, differential, expect, expect_equal, expect_type, flags, ints, lists_of, one_of, register
 
 
 # ---------------------------------------------------------------------------- 01.live_bytes
@@ -125,6 +126,7 @@ class _Births(TorchDispatchMode):
         super().__init__()
         self.fn, self.tracker, self.model, self.opt = fn, tracker, model, opt
         self.phase, self.born, self.bad, self.asked = "other", {}, None, 0
+        self.answered: dict = {}  # storage key -> (its weakref, the phase now, the tracker's label) last asked
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -144,6 +146,10 @@ class _Births(TorchDispatchMode):
             b = self.born.get(key)
             if b is None or b[0]() is not st:  # held by the model or the optimizer before the step
                 b = (None, "other", "the model or the optimizer before the step")
+            last = self.answered.get(key)
+            if last is not None and last[0]() is st and last[1:] == (self.phase, cat):
+                continue  # asked already in this phase with this label: asked again when either changes
+            self.answered[key] = (weakref.ref(st), self.phase, cat)
             t = torch.empty(0, dtype=torch.uint8).set_(st)  # a tensor on that storage, nothing more
             got = self.fn(t, self.model, self.opt, b[1])
             self.asked += 1
@@ -228,7 +234,64 @@ def check_categorize(fn):
         opt.zero_grad()
         del loss
     expect(probe.bad is None, probe.bad or "")
-    expect(probe.asked > 100, f"internal: only {probe.asked} storages compared with the tracker")
+    expect(probe.asked > 40, f"internal: only {probe.asked} storages compared with the tracker")
+
+    # the same comparison on drawn steps: any stack of layers (buffers, saved statistics, masks), width and batch,
+    # fp32/fp64/bf16, six optimizers (other state keys: momentum_buffer, max_exp_avg_sq, square_avg, sum), one or
+    # two parameter groups, a frozen layer, a weight tied between two layers, optimizer state made before the step
+    # or during it
+    def run(case) -> None:
+        model, opt = _drawn_step(case)
+        gen = torch.Generator().manual_seed(case.seed)
+        if case.warm:
+            model(torch.randn(case.batch, 5, generator=gen).to(case.dtype)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        tracker = ref.MemoryTracker(model, opt)
+        probe = _Births(fn, tracker, model, opt)
+        with tracker, probe:
+            xb = torch.randn(case.batch, 5, generator=gen).to(case.dtype)
+            probe.phase = "forward"
+            loss = model(xb).float().square().mean()
+            probe.phase = "backward"
+            loss.backward()
+            probe.phase = "optimizer"
+            opt.step()
+            probe.phase = "other"
+            opt.zero_grad()
+            del loss
+        expect(probe.bad is None, f"{probe.bad} ({case})")
+
+    differential(CATEGORIZE_SPACE, run, edges=[dict(layers=("batchnorm", "layernorm", "dropout"), width=16, batch=5,
+                                                    dtype=torch.float32, optimizer="adamw", groups=1, frozen=False,
+                                                    tied=False, warm=True)], examples=8)
+
+
+_LAYERS = {"linear": lambda w: nn.Linear(w, w), "batchnorm": lambda w: nn.BatchNorm1d(w), "layernorm": lambda w: nn.LayerNorm(w),
+           "dropout": lambda w: nn.Dropout(0.5), "gelu": lambda w: nn.GELU()}
+_OPTIMIZERS = {"adamw": lambda g: torch.optim.AdamW(g, lr=1e-3), "sgd": lambda g: torch.optim.SGD(g, lr=1e-3),
+               "sgd momentum": lambda g: torch.optim.SGD(g, lr=1e-3, momentum=0.9),
+               "adam amsgrad": lambda g: torch.optim.Adam(g, lr=1e-3, amsgrad=True),
+               "rmsprop": lambda g: torch.optim.RMSprop(g, lr=1e-3), "adagrad": lambda g: torch.optim.Adagrad(g, lr=1e-3)}
+CATEGORIZE_SPACE = Space(layers=lists_of(one_of(*_LAYERS), 0, 3), width=ints(2, 12), batch=ints(2, 5),
+                         dtype=one_of(torch.float32, torch.float64, torch.bfloat16), optimizer=one_of(*_OPTIMIZERS),
+                         groups=one_of(1, 2), frozen=flags(), tied=flags(), warm=flags())
+
+
+def _drawn_step(case):
+    """The model and optimizer of a drawn case of 01.categorize: Linear(5, width), the drawn layers, two
+    Linear(width, width) (the second's weight tied to the first's when ``case.tied``), Linear(width, 3)."""
+    torch.manual_seed(case.seed)
+    w = case.width
+    model = nn.Sequential(nn.Linear(5, w), *(_LAYERS[n](w) for n in case.layers), nn.Linear(w, w), nn.Linear(w, w),
+                          nn.Linear(w, 3)).to(case.dtype)
+    if case.tied:
+        model[-2].weight = model[-3].weight
+    if case.frozen:
+        model[0].requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": params}] if case.groups == 1 else [{"params": params[::2]}, {"params": params[1::2], "lr": 1e-2}]
+    return model, _OPTIMIZERS[case.optimizer](groups)
 
 
 # ---------------------------------------------------------------------------- 01.phase_peaks
@@ -291,44 +354,60 @@ def check_phase_peaks(fn):
           title="activation bytes of a too-large model, on fake tensors")
 def check_fake_activations(fn):
     """Grade exercise ``01.fake_activations``: activation bytes of a too-large model, on fake tensors."""
-    from memlab.accounting import saved_activation_bytes
-    from memlab.models import TinyGPT, TinyGPTConfig
+    from memlab.models import TinyGPTConfig
 
-    # 1. small enough to run for real: the fake count must equal the real one
-    cfg = TinyGPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64)
+    def run(case) -> None:
+        cfg = TinyGPTConfig(vocab_size=case.vocab, block_size=case.block, n_layer=case.layers, n_head=case.heads,
+                            n_embd=case.heads * case.head_dim, dropout=case.dropout, bias=case.bias,
+                            mlp_ratio=case.mlp_ratio, attention=case.attention, tie_weights=case.tied)
+        where = f"fake_activation_bytes({cfg}, batch_size={case.batch}, seq_len={case.seq})"
+        got = fn(cfg, case.batch, case.seq)
+        expect(type(got) is int, f"{where}: expected an int number of bytes, got {type(got).__name__} ({got!r:.60})")
+        if case.size == "runs for real":  # small enough to run: the fake count must equal the real one
+            expect_equal(f"{where} (fake count vs the same forward run for real)", got, _real_saved(cfg, case.batch, case.seq))
+        else:  # too large to run here (the edges: 32 layers 4096 wide, 26 GB of fp32 weights): memlab's count on fake tensors
+            expect_equal(where, got, _fake_reference(repr(cfg), case.batch, case.seq))
+
+    # small models run for real (any vocabulary, context, depth, heads, head size, MLP ratio, dropout, bias, attention
+    # kernel, tied or not, and a sequence shorter than the context); models of billions of parameters on fake tensors
+    small = dict(size="runs for real", vocab=256, block=32, layers=2, heads=4, head_dim=16, batch=3, seq=32, dropout=0.0,
+                 bias=True, mlp_ratio=4, attention="manual", tied=True)
+    big = dict(small, size="fake tensors only", vocab=32000, block=2048, layers=32, heads=32, head_dim=128, batch=1,
+               seq=2048)
+    differential(FAKE_SPACE, run, edges=[small, big, dict(big, batch=2, seq=1024)], examples=12)
+
+
+FAKE_SPACE = Space(size=one_of("runs for real", "fake tensors only"),
+                   vocab=lambda c: ints(2, 600) if c.size == "runs for real" else ints(1000, 50000),
+                   block=lambda c: ints(1, 40) if c.size == "runs for real" else ints(512, 4096),
+                   layers=lambda c: ints(1, 3) if c.size == "runs for real" else ints(2, 12),
+                   heads=one_of(4, 1, 2, 3, 8), head_dim=lambda c: ints(1, 12) if c.size == "runs for real" else one_of(64, 80, 128),
+                   batch=ints(1, 4), seq=lambda c: ints(1, c.block), dropout=one_of(0.0, 0.1), bias=flags(),
+                   mlp_ratio=one_of(4, 1, 2, 3), attention=one_of("manual", "sdpa"), tied=flags())
+
+
+@functools.lru_cache(maxsize=64)
+def _fake_reference(config: str, batch: int, seq: int) -> int:
+    """memlab's count for ``eval(config)`` (a TinyGPTConfig's repr; an int comes back, nothing shared): a 32-layer
+    model costs a second on fake tensors, and the edges run on each pass."""
+    from memlab.models import TinyGPTConfig
+
+    return ref.fake_activation_bytes(eval(config, {"TinyGPTConfig": TinyGPTConfig}), batch, seq)
+
+
+def _real_saved(cfg, batch: int, seq: int) -> int:
+    """Bytes one real training forward of TinyGPT(cfg) (logits and loss) saves for backward."""
+    from memlab.accounting import saved_activation_bytes
+    from memlab.models import TinyGPT
+
     torch.manual_seed(0)
     model = TinyGPT(cfg)
-    x = torch.randint(0, cfg.vocab_size, (3, 32))
-    y = torch.randint(0, cfg.vocab_size, (3, 32))
-    real = saved_activation_bytes(lambda: model(x, y)[1], exclude=list(model.parameters()) + list(model.buffers()))
-    got = fn(cfg, 3, 32)
-    expect(type(got) is int,
-           f"fake_activation_bytes: expected an int number of bytes, got {type(got).__name__}")
-    expect_equal("a 2-layer TinyGPT, batch 3 x 32 tokens: fake count vs the same forward run for real", got, real)
-    # 2. far too large for this machine: 32 layers of width 4096 (about 6.5e9 parameters, 26 GB in fp32)
-    big = TinyGPTConfig(vocab_size=32000, block_size=2048, n_layer=32, n_head=32, n_embd=4096)
-    got = fn(big, 1, 2048)
-    want = ref.fake_activation_bytes(big, 1, 2048)
-    expect_equal("32 layers x 4096 wide, batch 1 x 2048 tokens (saved bytes)", got, want)
-    got2 = fn(big, 2, 1024)
-    want2 = ref.fake_activation_bytes(big, 2, 1024)
-    expect_equal("the same model, batch 2 x 1024 tokens", got2, want2)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq))
+    y = torch.randint(0, cfg.vocab_size, (batch, seq))
+    return saved_activation_bytes(lambda: model(x, y)[1], exclude=list(model.parameters()) + list(model.buffers()))
 
 
 # ---------------------------------------------------------------------------- 01.fix_the_leak
-def _setup(seed=0):
-    from memlab.models import TinyGPT, TinyGPTConfig
-
-    cfg = TinyGPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
-    torch.manual_seed(seed)
-    model = TinyGPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randint(0, cfg.vocab_size, (4, 16), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (4, 16), generator=g)
-    return model, opt, x, y
-
-
 class _Sentinel:
     """Stands for one step's autograd graph: it lives exactly as long as the graph node holding it."""
 
@@ -368,41 +447,79 @@ def _probe_graphs(model):
 @register("01.fix_the_leak", timeout=90, mutates=("model", "optimizer", "batches"), reference=lambda: ref.train_losses, title="find and fix the leak")
 def check_fix_the_leak(train):
     """Grade exercise ``01.fix_the_leak``: find and fix the leak."""
-    currents, result = {}, {}
-    for steps in (1, 3):
-        model, opt, x, y = _setup()
-        batches = itertools.repeat((x, y))  # one batch again and again: its storage counts once
-        tracker = ref.MemoryTracker(model, opt)
-        graphs, stale, handle = _probe_graphs(model)
-        with tracker:
-            history = train(model, opt, batches, steps)
-        handle.remove()
-        gc.collect()
-        currents[steps] = tracker.current_bytes  # the history is still alive here
-        result[steps] = history
-        alive = sum(r() is not None for r in graphs)
-        expect(len(graphs) == steps, f"train(model, opt, batches, {steps}) ran {len(graphs)} forward passes, "
-                                     f"expected {steps}")
-        expect(max(stale) == 0, f"train(model, opt, batches, {steps}): at the forward of step {stale.index(max(stale)) + 1}, "
-                                f"{max(stale)} graph(s) of steps before the previous one were still alive: something "
-                                f"refers to old losses with their grad_fn (a running `total = total + loss`, a list "
-                                f"of loss tensors); backward frees the saved tensors but not the graph's nodes")
-        expect(alive == 0, f"after train(model, opt, batches, {steps}) returned, {alive} of its {steps} autograd "
-                           f"graphs are still alive (the history returned is held): something still refers to a "
-                           f"loss with a grad_fn (a tensor kept, `total = total + loss`, a retained graph); "
-                           f"backward frees the saved tensors but not the graph's nodes. Keep loss.item()")
-    history = result[3]
-    expect_type("train(...) return value", history, list)
-    expect_equal("len(history) after 3 steps", len(history), 3)
-    for i, h in enumerate(history):
-        expect(type(h) is float,
-               f"history[{i}]: expected a Python float (loss.item()), got {type(h).__name__}; a tensor keeps its graph alive")
-    model, opt, x, y = _setup()
-    want = ref.train_losses(model, opt, itertools.repeat((x, y)), 3)
-    for i, (g, w) in enumerate(zip(history, want)):
-        expect(math.isclose(g, w, rel_tol=1e-5, abs_tol=1e-6),
-               f"loss at step {i}: got {g:.6f}, expected {w:.6f} (forward, backward, optimizer.step, zero_grad each step)")
-    growth = currents[3] - currents[1]
-    expect(growth == 0,
-           f"live bytes after 3 steps minus after 1 step: {growth:,} bytes; memory must stay flat "
-           f"(something from each step is still alive: a loss tensor, its graph, a retained graph?)")
+
+    def run(case) -> None:
+        where = f"train(model, optimizer, batches, {case.steps}) ({case})"
+        model, opt, batches = _leak_setup(case)
+        current_one = _train_tracked(train, model, opt, batches, 1, where)[1]
+        model, opt, batches = _leak_setup(case)
+        history, current = _train_tracked(train, model, opt, batches, case.steps, where)
+        expect_type(f"{where}: return value", history, list)
+        expect_equal(f"{where}: len(history)", len(history), case.steps)
+        for i, h in enumerate(history):
+            expect(type(h) is float, f"{where}: history[{i}]: expected a Python float (loss.item()), got "
+                                     f"{type(h).__name__}; a tensor keeps its graph alive")
+        model, opt, batches = _leak_setup(case)
+        want = ref.train_losses(model, opt, batches, case.steps)
+        for i, (g, w) in enumerate(zip(history, want)):
+            expect(math.isclose(g, w, rel_tol=1e-5, abs_tol=1e-6),
+                   f"{where}: loss at step {i}: got {g:.6f}, expected {w:.6f} (forward, backward, optimizer.step, "
+                   f"zero_grad each step)")
+        growth = current - current_one
+        expect(growth == 0, f"{where}: live bytes after {case.steps} steps minus after 1 step: {growth:,} bytes; memory "
+                            f"must stay flat (something from each step is still alive: a loss tensor, its graph, a "
+                            f"retained graph?)")
+
+    # any number of steps, batches as a list, a generator or one batch repeated (its storage counts once), any batch
+    # and sequence length, three optimizers, one or two layers
+    differential(LEAK_SPACE, run, edges=[dict(steps=3, batches="one batch repeated", batch=4, seq=16, layers=1,
+                                              optimizer="adamw")], examples=6)
+
+
+LEAK_SPACE = Space(steps=ints(1, 5), batches=one_of("one batch repeated", "a list", "a generator"), batch=ints(1, 4),
+                   seq=ints(1, 16), layers=ints(1, 2), optimizer=one_of("adamw", "sgd momentum", "adam"))
+
+
+def _leak_setup(case):
+    """A TinyGPT, its optimizer and the batches of a case of 01.fix_the_leak (the same ones for the same case)."""
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    cfg = TinyGPTConfig(block_size=16, n_layer=case.layers, n_head=2, n_embd=32)
+    torch.manual_seed(case.seed)
+    model = TinyGPT(cfg)
+    opt = {"adamw": lambda: torch.optim.AdamW(model.parameters(), lr=1e-2),
+           "sgd momentum": lambda: torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9),
+           "adam": lambda: torch.optim.Adam(model.parameters(), lr=1e-2)}[case.optimizer]()
+    g = torch.Generator().manual_seed(case.seed + 1)
+    pairs = [(torch.randint(0, cfg.vocab_size, (case.batch, case.seq), generator=g),
+              torch.randint(0, cfg.vocab_size, (case.batch, case.seq), generator=g)) for _ in range(case.steps)]
+    if case.batches == "one batch repeated":
+        batches = itertools.repeat(pairs[0])
+    elif case.batches == "a list":
+        batches = pairs
+    else:
+        batches = (p for p in pairs)
+    return model, opt, batches
+
+
+def _train_tracked(train, model, opt, batches, steps: int, where: str) -> tuple:
+    """(what ``train`` returned, live bytes after it returned): every step's autograd graph watched by a sentinel."""
+    tracker = ref.MemoryTracker(model, opt)
+    graphs, stale, handle = _probe_graphs(model)
+    with tracker:
+        history = train(model, opt, batches, steps)
+    handle.remove()
+    gc.collect()
+    current = tracker.current_bytes  # the history is still alive here
+    alive = sum(r() is not None for r in graphs)
+    expect(len(graphs) == steps, f"{where}: ran {len(graphs)} forward passes for {steps} step(s)")
+    expect(max(stale, default=0) == 0,
+           f"{where}: at the forward of step {stale.index(max(stale)) + 1 if stale else 0}, {max(stale, default=0)} "
+           f"graph(s) of steps before the previous one were still alive: something refers to old losses with their "
+           f"grad_fn (a running `total = total + loss`, a list of loss tensors); backward frees the saved tensors but "
+           f"not the graph's nodes")
+    expect(alive == 0, f"{where}: after it returned, {alive} of its {steps} autograd graphs are still alive (the history "
+                       f"returned is held): something still refers to a loss with a grad_fn (a tensor kept, `total = "
+                       f"total + loss`, a retained graph); backward frees the saved tensors but not the graph's nodes. "
+                       f"Keep loss.item()")
+    return history, current

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab import offload
 from memlab.course.checks import (
-    Space, differential, expect, expect_type, ints, layouts, lists_of, make_tensor, one_of, register,
+    Space, differential, expect, expect_type, flags, floats, ints, layouts, lists_of, make_tensor, one_of, register,
 )
 
 HPARAMS = [
@@ -249,12 +249,18 @@ def check_chunked_step(fn) -> None:
 
 
 # ----------------------------------------------------------------------------- 04.grad_hook
-def _net(dtype: torch.dtype) -> nn.Module:
-    """Linear layers with a frozen 16x16 layer between trainable ones of the same shape."""
+def _net(dtype: torch.dtype, depth: int = 2, width: int = 16, frozen: bool = True, tied: bool = False) -> nn.Module:
+    """Linear(6, width), ``depth`` Linear(width, width) (the first frozen when ``frozen``: a frozen layer beside
+    trainable ones of its shape; the last sharing the first's weight when ``tied``), Linear(width, 3); Tanh between."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                        nn.Linear(16, 3)).to(dtype)
-    net[2].requires_grad_(False)
+    layers: list[nn.Module] = [nn.Linear(6, width), nn.Tanh()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    net = nn.Sequential(*layers, nn.Linear(width, 3)).to(dtype)
+    if tied and depth >= 2:
+        net[2 * depth].weight = net[2].weight
+    if frozen and depth >= 1:
+        net[2].requires_grad_(False)
     return net
 
 
@@ -274,67 +280,87 @@ def _micro_grads(ref: nn.Module, batches, conv: bool) -> list[list[torch.Tensor 
     return out
 
 
+# MLPs of any depth and width (a frozen layer or not, a weight tied between two layers or not) and a channels_last
+# conv net, in four dtypes, 1-4 micro-batches, a trainable parameter that gets no gradient or not, the parameters
+# handed over in the model's order, reversed or shuffled (slot i belongs to params[i], whatever its shape)
+GRAD_HOOK_SPACE = Space(net=one_of("mlp", "conv"), dtype=one_of(torch.float32, torch.bfloat16, torch.float16, torch.float64),
+                        depth=ints(0, 3), width=ints(1, 16), frozen=flags(), tied=flags(), micro=ints(1, 4),
+                        unused=flags(), order=one_of("model order", "reversed", "shuffled"))
+
+
 @register("04.grad_hook", reference=lambda: offload.install_grad_hooks, title="gradient-staging hooks")
 def check_grad_hook(fn) -> None:
     """Grade exercise ``04.grad_hook``: gradient-staging hooks."""
     expect(callable(fn), f"install_grad_hooks: expected a function, got {type(fn).__name__}")
-    for dtype in (torch.float32, torch.bfloat16):
-        for conv in (False, True):
-            make = _conv_net if conv else _net
-            ref, mine = make(dtype), make(dtype)
-            what = f"{dtype}, {'channels_last conv' if conv else 'MLP with a frozen layer beside trainable ones of its shape'}"
-            unused = nn.Parameter(torch.ones(4, dtype=dtype))  # trainable, but gets no gradient: its slot must stay zero
-            params = list(mine.parameters()) + [unused]
-            slots = [torch.zeros(p.shape) for p in params]
-            trainable = [p for p in mine.parameters() if p.requires_grad]
-            seen_during_backward: list[int] = []
-            first = mine[0]
 
-            def spy(grad):  # runs when the first layer's output grad is computed: late in backward
-                seen_during_backward.append(sum(p.grad is not None for p in trainable if p is not first.weight
-                                                and p is not first.bias))
-                return grad
+    def run(case) -> None:
+        dtype, conv = case.dtype, case.net == "conv"
+        make = (lambda: _conv_net(dtype)) if conv else (lambda: _net(dtype, case.depth, case.width, case.frozen, case.tied))
+        ref, mine = make(), make()
+        what = f"{case}: {'a channels_last conv net' if conv else 'an MLP'}"
+        model_params = list(mine.parameters())
+        # trainable, but gets no gradient: its slot must stay zero
+        extra = [nn.Parameter(torch.ones(4, dtype=dtype))] if case.unused else []
+        order = list(range(len(model_params) + len(extra)))
+        if case.order == "reversed":
+            order.reverse()
+        elif case.order == "shuffled":
+            order = torch.randperm(len(order), generator=torch.Generator().manual_seed(case.seed)).tolist()
+        everything = model_params + extra
+        params = [everything[i] for i in order]
+        slots = [torch.zeros(p.shape) for p in params]
+        trainable = [p for p in model_params if p.requires_grad]
+        seen_during_backward: list[int] = []
+        first = mine[0]
 
-            handles = fn(params, slots)
-            expect(isinstance(handles, (list, tuple)) and len(handles) >= len(trainable),
-                   f"install_grad_hooks ({what}): return the list of hook handles (one per trainable parameter), "
-                   f"got {handles!r:.80}")
-            gen = torch.Generator().manual_seed(1)
-            shape_in = (8, 3, 6, 6) if conv else (8, 6)
-            batches = [(torch.randn(*shape_in, generator=gen).to(dtype), torch.randn(8, 3, generator=gen).to(dtype))
-                       for _ in range(3)]
-            if conv:
-                batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
-            per_micro = _micro_grads(ref, batches, conv)
-            want = [torch.zeros(p.shape) for p in params]
-            for micro, (x, y) in enumerate(batches):
-                h = first.register_forward_hook(lambda mod, inp, out: out.register_hook(spy) and None)
-                (mine(x).float() - y.float()).pow(2).mean().backward()
-                h.remove()
-                for i, p in enumerate(mine.parameters()):
-                    expect(p.grad is None, f"install_grad_hooks ({what}, micro-batch {micro}): parameter {i} still holds "
-                           ".grad after backward; set param.grad = None in the hook so the device memory is freed")
-                expect(seen_during_backward[-1] == 0, f"install_grad_hooks ({what}): the later layers' grads were still "
-                       "on the model while backward went on; stage and free each one as soon as it is final "
-                       "(post-accumulate-grad hook)")
-                for i, g in enumerate(per_micro[micro]):
-                    if g is not None:
-                        want[i].add_(g)  # fp32 slot += this micro-batch's grad, in order
-                for i, (s, w) in enumerate(zip(slots, want)):
-                    expect(s.dtype == torch.float32, f"install_grad_hooks ({what}): slot {i} became {s.dtype}; keep slots float32")
-                    if not torch.equal(s, w):
-                        frozen = "" if params[i].requires_grad else " (a frozen parameter: it gets no gradient, its slot stays 0)"
-                        expect(False, f"install_grad_hooks ({what}, after {micro + 1} micro-batch(es)): slot {i}{frozen} is "
-                               f"off from the fp32 sum of the micro-batch gradients by {(s - w).abs().max().item():.3g}; "
-                               "add each micro-batch's grad into its own parameter's slot in float32 (slot.add_(grad)), "
-                               "never overwrite it or sum in the gradient's dtype")
-            expect(torch.count_nonzero(slots[-1]).item() == 0, f"install_grad_hooks ({what}): a parameter without a gradient changed its slot")
-            for hnd in handles:
-                hnd.remove()
-            before = [s.clone() for s in slots]
-            (mine(batches[0][0]).float().sum()).backward()
-            expect(all(torch.equal(a, b) for a, b in zip(slots, before)),
-                   f"install_grad_hooks ({what}): removing the returned handles must stop the staging")
+        def spy(grad):  # runs when the first layer's output grad is computed: late in backward
+            seen_during_backward.append(sum(p.grad is not None for p in trainable if p is not first.weight
+                                            and p is not first.bias))
+            return grad
+
+        handles = fn(params, slots)
+        expect(isinstance(handles, (list, tuple)) and len(handles) >= len(trainable),
+               f"install_grad_hooks ({what}): return the list of hook handles (one per trainable parameter), "
+               f"got {handles!r:.80}")
+        gen = torch.Generator().manual_seed(case.seed + 1)
+        shape_in = (8, 3, 6, 6) if conv else (8, 6)
+        batches = [(torch.randn(*shape_in, generator=gen).to(dtype), torch.randn(8, 3, generator=gen).to(dtype))
+                   for _ in range(case.micro)]
+        if conv:
+            batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
+        per_micro = _micro_grads(ref, batches, conv)
+        sums = [torch.zeros(p.shape) for p in everything]
+        for micro, (x, y) in enumerate(batches):
+            h = first.register_forward_hook(lambda mod, inp, out: out.register_hook(spy) and None)
+            (mine(x).float() - y.float()).pow(2).mean().backward()
+            h.remove()
+            for i, p in enumerate(mine.parameters()):
+                expect(p.grad is None, f"install_grad_hooks ({what}, micro-batch {micro}): parameter {i} still holds "
+                       ".grad after backward; set param.grad = None in the hook so the device memory is freed")
+            expect(seen_during_backward[-1] == 0, f"install_grad_hooks ({what}): the later layers' grads were still "
+                   "on the model while backward went on; stage and free each one as soon as it is final "
+                   "(post-accumulate-grad hook)")
+            for i, g in enumerate(per_micro[micro]):
+                if g is not None:
+                    sums[i].add_(g)  # fp32 slot += this micro-batch's grad, in order
+            for j, (s, i) in enumerate(zip(slots, order)):
+                expect(s.dtype == torch.float32, f"install_grad_hooks ({what}): slot {j} became {s.dtype}; keep slots float32")
+                if not torch.equal(s, sums[i]):
+                    frozen = "" if params[j].requires_grad else " (a frozen parameter: it gets no gradient, its slot stays 0)"
+                    expect(False, f"install_grad_hooks ({what}, after {micro + 1} micro-batch(es)): slot {j}{frozen} is "
+                           f"off from the fp32 sum of the micro-batch gradients of params[{j}] by "
+                           f"{(s - sums[i]).abs().max().item():.3g}; add each micro-batch's grad into its own parameter's "
+                           "slot in float32 (slot.add_(grad)), never overwrite it or sum in the gradient's dtype")
+        for hnd in handles:
+            hnd.remove()
+        before = [s.clone() for s in slots]
+        (mine(batches[0][0]).float().sum()).backward()
+        expect(all(torch.equal(a, b) for a, b in zip(slots, before)),
+               f"install_grad_hooks ({what}): removing the returned handles must stop the staging")
+
+    edges = [dict(net=net, dtype=dtype, depth=2, width=16, frozen=True, tied=False, micro=3, unused=True, order="model order")
+             for dtype in (torch.float32, torch.bfloat16) for net in ("mlp", "conv")]
+    differential(GRAD_HOOK_SPACE, run, edges=edges, examples=12)
 
 
 # ----------------------------------------------------------------------------- 04.offload_optimizer
@@ -350,56 +376,71 @@ def _loss(model, x, y, k):
 def check_offload_optimizer(cls) -> None:
     """Grade exercise ``04.offload_optimizer``: your offload optimizer, bitwise."""
     expect(callable(cls), f"OffloadAdamW: expected a class, got {type(cls).__name__}")
-    k, steps = 3, 3
-    for dtype in (torch.float32, torch.bfloat16):
-        for hp in (HPARAMS[0], HPARAMS[2]):
-            ref, mine = _net(dtype), _net(dtype)
-            what = f"{dtype} MLP with a frozen layer, {k} micro-batches per step, {_hp_str(hp)}"
-            frozen_before = [p.detach().clone() for p in mine[2].parameters()]
-            trainable_ref = [p for p in ref.parameters() if p.requires_grad]
-            if dtype == torch.float32:
-                masters = trainable_ref
-            else:  # the reference for 16-bit weights: AdamW on fp32 masters, gradients summed in fp32
-                masters = [nn.Parameter(p.detach().float()) for p in trainable_ref]
-            ref_opt = torch.optim.AdamW(masters, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-                                        weight_decay=hp["weight_decay"], foreach=False)
-            opt = cls(list(mine.parameters()), lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-                      weight_decay=hp["weight_decay"])
-            for name in ("step", "zero_grad"):
-                expect(callable(getattr(opt, name, None)), f"OffloadAdamW: the optimizer needs a {name}() method")
-            gen = torch.Generator().manual_seed(2)
-            for step in range(steps):
-                batches = _opt_batches(dtype, k, gen)
-                sums = [torch.zeros(p.shape) for p in trainable_ref]
-                for x, y in batches:
-                    ref.zero_grad(set_to_none=True)
-                    _loss(ref, x, y, k).backward()
-                    for s, p in zip(sums, trainable_ref):
-                        s.add_(p.grad)
-                    _loss(mine, x, y, k).backward()
-                    expect(all(p.grad is None for p in mine.parameters()),
-                           f"OffloadAdamW ({what}): a parameter still holds .grad after backward; the gradients must "
-                           "leave for the host slots as backward produces them (your install_grad_hooks)")
-                for mp, s in zip(masters, sums):
-                    mp.grad = s if dtype == torch.float32 else s.clone()
-                ref_opt.step()
-                if dtype != torch.float32:
-                    with torch.no_grad():
-                        for mp, p in zip(masters, trainable_ref):
-                            p.copy_(mp)
-                opt.step()
-                opt.zero_grad()
-                for i, (p, q) in enumerate(zip(ref.parameters(), mine.parameters())):
-                    expect(q.dtype == dtype, f"OffloadAdamW ({what}): parameter {i} became {q.dtype}; keep the model's dtype")
-                    if not torch.equal(p, q):
-                        expect(False, f"OffloadAdamW ({what}, step {step + 1}): parameter {i} differs from torch AdamW "
-                               f"{'on fp32 master weights ' if dtype != torch.float32 else ''}by "
-                               f"{(p.float() - q.float()).abs().max().item():.3g}; step every trainable parameter once per "
-                               "optimizer step on its fp32 master with the gradient summed over the micro-batches, then "
-                               "copy the master into the parameter, and clear the slots in zero_grad()")
-            for p, b in zip(mine[2].parameters(), frozen_before):
-                expect(torch.equal(p, b), f"OffloadAdamW ({what}): the frozen layer changed; a parameter with "
-                       "requires_grad=False gets no update (and no weight decay)")
+
+    def run(case) -> None:
+        dtype, k, steps = case.dtype, case.micro, case.steps
+        hp = dict(lr=case.lr, beta1=case.beta1, beta2=case.beta2, eps=case.eps, weight_decay=case.weight_decay)
+        ref, mine = (_net(dtype, case.depth, case.width, case.frozen) for _ in range(2))
+        what = f"{dtype} MLP ({case}), {k} micro-batches per step"
+        frozen_layer = [p for p in mine.parameters() if not p.requires_grad]
+        frozen_before = [p.detach().clone() for p in frozen_layer]
+        trainable_ref = [p for p in ref.parameters() if p.requires_grad]
+        if dtype == torch.float32:
+            masters = trainable_ref
+        else:  # the reference for 16-bit weights: AdamW on fp32 masters, gradients summed in fp32
+            masters = [nn.Parameter(p.detach().float()) for p in trainable_ref]
+        ref_opt = torch.optim.AdamW(masters, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                                    weight_decay=hp["weight_decay"], foreach=False)
+        opt = cls(list(mine.parameters()), lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                  weight_decay=hp["weight_decay"])
+        for name in ("step", "zero_grad"):
+            expect(callable(getattr(opt, name, None)), f"OffloadAdamW: the optimizer needs a {name}() method")
+        gen = torch.Generator().manual_seed(2 + case.seed)
+        for step in range(steps):
+            batches = _opt_batches(dtype, k, gen)
+            sums = [torch.zeros(p.shape) for p in trainable_ref]
+            for x, y in batches:
+                ref.zero_grad(set_to_none=True)
+                _loss(ref, x, y, k).backward()
+                for s, p in zip(sums, trainable_ref):
+                    s.add_(p.grad)
+                _loss(mine, x, y, k).backward()
+                expect(all(p.grad is None for p in mine.parameters()),
+                       f"OffloadAdamW ({what}): a parameter still holds .grad after backward; the gradients must "
+                       "leave for the host slots as backward produces them (your install_grad_hooks)")
+            for mp, s in zip(masters, sums):
+                mp.grad = s if dtype == torch.float32 else s.clone()
+            ref_opt.step()
+            if dtype != torch.float32:
+                with torch.no_grad():
+                    for mp, p in zip(masters, trainable_ref):
+                        p.copy_(mp)
+            opt.step()
+            opt.zero_grad()
+            for i, (p, q) in enumerate(zip(ref.parameters(), mine.parameters())):
+                expect(q.dtype == dtype, f"OffloadAdamW ({what}): parameter {i} became {q.dtype}; keep the model's dtype")
+                if not torch.equal(p, q):
+                    expect(False, f"OffloadAdamW ({what}, step {step + 1}): parameter {i} differs from torch AdamW "
+                           f"{'on fp32 master weights ' if dtype != torch.float32 else ''}by "
+                           f"{(p.float() - q.float()).abs().max().item():.3g}; step every trainable parameter once per "
+                           "optimizer step on its fp32 master with the gradient summed over the micro-batches, then "
+                           "copy the master into the parameter, and clear the slots in zero_grad()")
+        for p, b in zip(frozen_layer, frozen_before):
+            expect(torch.equal(p, b), f"OffloadAdamW ({what}): the frozen layer changed; a parameter with "
+                   "requires_grad=False gets no update (and no weight decay)")
+
+    # the constructor's hyper-parameters drawn (beta1 0 to 0.99, eps 1e-12 to 1e-3, decay or none), fp32 and 16-bit
+    # weights, MLPs of any depth and width with a frozen layer or not, 1-4 micro-batches, 1-3 steps
+    edges = [dict(dtype=dtype, micro=3, steps=3, depth=2, width=16, frozen=True, lr=hp["lr"], beta1=hp["beta1"],
+                  beta2=hp["beta2"], eps=hp["eps"], weight_decay=hp["weight_decay"])
+             for dtype in (torch.float32, torch.bfloat16) for hp in (HPARAMS[0], HPARAMS[2])]
+    differential(OFFLOAD_SPACE, run, edges=edges, examples=8)
+
+
+OFFLOAD_SPACE = Space(dtype=one_of(torch.float32, torch.bfloat16, torch.float16), micro=ints(1, 4), steps=ints(1, 3),
+                      depth=ints(0, 3), width=ints(1, 16), frozen=flags(), lr=floats(1e-4, 1e-1, log=True),
+                      beta1=one_of(0.9, 0.0, 0.3, 0.8, 0.99), beta2=one_of(0.999, 0.9, 0.95), eps=one_of(1e-8, 1e-12, 1e-6, 1e-3),
+                      weight_decay=one_of(1e-2, 0.0, 0.1))
 
 
 class _ReferenceOffload:

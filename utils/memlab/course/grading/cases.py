@@ -20,10 +20,10 @@ import contextlib
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["Space", "Case", "differential", "ints", "floats", "one_of", "flags", "lists_of", "layouts", "LAYOUTS",
-           "make_tensor", "current_pass", "cases_run", "coverage", "running", "SHRINK_BUDGET"]
+           "make_tensor", "current_pass", "cases_run", "coverage", "running", "SHRINK_BUDGET", "failures", "drawn_only"]
 
-# the run in progress: which pass, which exercise, and how many cases each exercise drew
-_STATE: dict[str, Any] = {"pass": 0, "cases": {}, "exercise": None, "seen": {}}
+# the run in progress: which pass, which exercise, how many cases each exercise drew, which case failed where
+_STATE: dict[str, Any] = {"pass": 0, "cases": {}, "exercise": None, "seen": {}, "failures": {}, "drawn_only": False}
 
 
 def current_pass() -> int:
@@ -42,10 +42,31 @@ def coverage() -> dict[str, dict[str, tuple[set[str], set[str] | None]]]:
     return {ex: {k: (set(v[0]), v[1]) for k, v in fields.items()} for ex, fields in _STATE["seen"].items()}
 
 
+def failures() -> dict[str, tuple[str, str]]:
+    """Exercise id -> (where the failing case came from: ``"edge"``, ``"sweep"`` or ``"drawn"``, ``repr`` of the
+    case) for the last failure :func:`differential` saw in each exercise's first pass in this process: which part
+    of the declared space caught an answer (tests/course/test_harness.py shows the drawn space catches each kind)."""
+    return dict(_STATE["failures"])
+
+
+@contextlib.contextmanager
+def drawn_only() -> Iterator[None]:
+    """Inside, :func:`differential` skips the declared edges (the hand-picked cases): only the sweep and the
+    drawn cases run, to show that the space itself, not a case someone thought of, catches a wrong answer."""
+    before = _STATE["drawn_only"]
+    _STATE["drawn_only"] = True
+    try:
+        yield
+    finally:
+        _STATE["drawn_only"] = before
+
+
 @contextlib.contextmanager
 def running(exercise_id: str, pass_index: int) -> Iterator[None]:
     """Mark the checks run inside as ``exercise_id``'s pass ``pass_index`` (the harness's)."""
     _STATE["pass"], _STATE["exercise"] = pass_index, exercise_id
+    if pass_index == 0:
+        _STATE["failures"].pop(exercise_id, None)
     try:
         yield
     finally:
@@ -194,14 +215,14 @@ def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[An
     case when the answer differs from the reference; a failure found by drawing is shrunk (within
     :data:`SHRINK_BUDGET` runs) and the smallest failing case's error is raised. Returns the number of cases run.
     """
-    edges = [_as_case(e) for e in edges]
+    edges = [] if _STATE["drawn_only"] else [_as_case(e) for e in edges]
     count = 0
     for case in (edges if current_pass() == 0 else edges[::-1]):
-        run(case)
+        _noted("edge", run)(case)
         count += 1
     if examples > 0 and current_pass() == 0:
         for case in _sweep(space):  # every option of every small field, at least once
-            _recorded(space, run)(case)
+            _noted("sweep", _recorded(space, run))(case)
             count += 1
     if current_pass() == 1 and examples > 0:  # the second run looks for state kept across calls: fewer, other cases
         examples = max(3, examples // 3)
@@ -211,6 +232,25 @@ def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[An
     if ex is not None and current_pass() == 0:
         _STATE["cases"][ex] = _STATE["cases"].get(ex, 0) + count
     return count
+
+
+def _noted(origin: str, run: Callable[[Case], Any]) -> Callable[[Case], Any]:
+    """``run``, recording in :func:`failures` the case on which it raises (first pass only)."""
+
+    def noted(case: Case) -> Any:
+        try:
+            return run(case)
+        except BaseException:
+            _failed(origin, case)
+            raise
+
+    return noted
+
+
+def _failed(origin: str, case: Any) -> None:
+    ex = _STATE["exercise"]
+    if ex is not None and current_pass() == 0:
+        _STATE["failures"][ex] = (origin, repr(case))
 
 
 def _options(spec: Any) -> set[str] | None:
@@ -320,10 +360,13 @@ def _drawn(space: Space, run: Callable[[Case], Any], examples: int, seed: int) -
         with with_reporter(lambda *a, **k: None):
             test()
     except Flaky:
+        _failed("drawn", next(iter(failing)))
         first = next(iter(failing.values()))
         raise AssertionError(f"{first} (and on the same input again it did not fail: the answer depends on "
                              f"earlier calls)") from None
     except BaseException as exc:
+        if failing:
+            _failed("drawn", min(failing, key=len))  # the smallest failing case hypothesis found
         if hasattr(exc, "__notes__"):
             exc.__notes__ = [n for n in exc.__notes__ if "Falsifying" not in n and "hypothesis" not in n.lower()]
         raise
