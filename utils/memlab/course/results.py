@@ -51,6 +51,10 @@ class Found:
     source: str
     line: str
 
+    def regexes(self) -> list[re.Pattern]:
+        """One pattern per line: a ``line`` holding ``\\n`` matches that many consecutive lines."""
+        return [Found(self.source, part).regex() for part in self.line.split("\n")]
+
     def regex(self) -> re.Pattern:
         line = self.line[1:] if self.line.startswith("^") else self.line
         parts, at = ["^[ \t]*" if self.line.startswith("^") else ""], 0
@@ -123,12 +127,13 @@ def outputs_text(path: Path) -> list[str]:
 
 
 def _read_one(found: Found, lines: list[str]) -> dict[str, str]:
-    rx = found.regex()
+    rxs = found.regexes()
     hits = {}
-    for ln in lines:
-        m = rx.search(ln)
-        if m:
-            hits.setdefault(tuple(m.group(n).strip() for n in found.names()), ln.strip())
+    for i in range(len(lines) - len(rxs) + 1):
+        ms = [rx.search(lines[i + k]) for k, rx in enumerate(rxs)]
+        if all(ms):
+            groups = {k: v for m in ms for k, v in m.groupdict().items()}
+            hits.setdefault(tuple(groups[n].strip() for n in found.names()), lines[i].strip())
     if not hits:
         raise FigureError(f"{found.source}: no stored output line matches {found.line!r}; the notebook must print "
                           f"it (re-run it, or change the row in memlab/course/results.py with the notebook's new words)")
@@ -199,14 +204,20 @@ def render_rows(root: Path, rows: Iterable[Row | Recorded] | None = None) -> lis
     rows = ROWS if rows is None else list(rows)
     cache: dict = {}
     recorded = _recorded(root) if any(isinstance(r, Recorded) for r in rows) else {}
-    out = []
+    out, errors = [], []
     for r in rows:
         if isinstance(r, Recorded):
             if r.key not in recorded:
-                raise FigureError(f"{RECORDED}: no row {r.key!r} (memlab/course/results.py's ROWS names it)")
-            out.append(_render_recorded(recorded[r.key]))
-        else:
+                errors.append(f"{RECORDED}: no row {r.key!r} (memlab/course/results.py's ROWS names it)")
+            else:
+                out.append(_render_recorded(recorded[r.key]))
+            continue
+        try:
             out.append(_render_row(r, root, cache))
+        except FigureError as exc:  # every row's problem at once, each with the row it belongs to
+            errors.append(f"{exc} [row of chapter {r.ch}: {r.cells[0][:60]!r}]")
+    if errors:
+        raise FigureError("\n".join(errors))
     return out
 
 
@@ -399,12 +410,26 @@ ROWS: list[Row | Recorded] = [
                "flash linear (formula exact), naive and chunked quadratic"),
         (Found(N["05"], "seq 512: naive saves {naive} MiB flash saves {flash} KiB"),
          Found(N["05"], "seq 512: naive {n2} MiB chunked {chunked} MiB chunked causal {cc} MiB"))),
+    Row("05", ("fwd+bwd peak of attention at seq 256, one step counted three ways (lecture 05): `MemoryTracker`, "
+               "the allocator's events in the same run, the allocator in a run without the tracker; naive / chunked "
+               "through autograd / flash (PyTorch) / SDPA", "tracker {nt} / {ct} / {ft} / {st} B",
+               "allocator same run {na} / {ca} / {fa} / {sa} B; without the tracker {nu} / {cu} / {fu} / {su} B",
+               "same-run gaps {ng} / {cg} / {fg} / {sg} B (SDPA's per-thread CPU scratch); without the tracker "
+               "{nd} / {cd} / {fd} / {sd} B (chunked: under a dispatch mode autograd sums {n_sum} reused gradients out "
+               "of place)"),
+        tuple(Found(N["05"], f"^{name} seq 256: tracker {{{k}t}} B | allocator (cpu) {{{k}a}} B, same run (gap {{{k}g}} "
+                             f"B) | allocator without the tracker {{{k}u}} B ({{{k}d}} B)")
+              for k, name in (("n", "naive"), ("c", "chunked (autograd)"), ("f", "flash (PyTorch)"), ("s", "SDPA")))
+        + (Found(N["05"], "under a do-nothing mode 0 in place, {n_sum} out of place"),)),
     Recorded("05-bench-attention"),
-    Row("05", ("tiny_llama, 3 AdamW steps: memlab attention vs sdpa vs eager (lecture 05)",
-               "losses {ml}; activation peak {mp} MiB", "sdpa {sp} MiB; eager {ep} MiB", "{v}"),
-        (Found(N["05"], "^memlab losses [{ml:text}] activation peak {mp} MiB"),
-         Found(N["05"], "^sdpa losses [{sl:text}] activation peak {sp} MiB"),
-         Found(N["05"], "^eager losses [{el:text}] activation peak {ep} MiB")),
+    Row("05", ("tiny_llama, 3 AdamW steps and a 4th measured beside the allocator: memlab attention vs sdpa vs "
+               "eager (lecture 05)", "losses {ml}; activation peak (tracker) {mp} MiB; 4th step: tracker {mt} B, "
+               "allocator same run {ma} B, allocator without the tracker {mu} B", "sdpa {sp} MiB, 4th step "
+               "tracker / allocator / untracked {st} / {sa} / {su} B; eager {ep} MiB, {et} / {ea} / {eu} B", "{v}"),
+        tuple(Found(N["05"], f"^{name} losses [{{{k}l:text}}] activation peak (tracker) {{{k}p}} MiB\n"
+                             f"4th step: tracker {{{k}t}} B | allocator (cpu) {{{k}a}} B, same run (gap {{{k}g}} B) | "
+                             f"allocator without the tracker {{{k}u}} B") for k, name in (("m", "memlab"), ("s", "sdpa"),
+                                                                                          ("e", "eager"))),
         {"v": Derived(("ml", "sl", "el"), lambda f: "losses equal as printed" if f["ml"] == f["sl"] == f["el"]
                       else f"losses differ: sdpa [{f['sl']}], eager [{f['el']}]")}),
     Recorded("05-triton"),
