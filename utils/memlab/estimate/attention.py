@@ -116,12 +116,15 @@ class UnpackedPositions:
 
 
 def make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: bool, per_rank: bool = False,
-                 device: str | None = None):
+                 device: str | None = None, log_allocations: bool = False):
     """A MemoryTracker that also notes which attention ops ran, with the per-op rule for CUDA
     softmax backward's scratch when asked. ``per_rank`` (a model sharded by FSDP2): the tracker of
     :func:`memlab.distributed.rank_tracker`, which counts a DTensor's local shard and FSDP2's storage
     resizes. ``device``: count only storages on that device type (a real CUDA step whose host copies
-    are not device memory); None counts all."""
+    are not device memory); None counts all. ``log_allocations``: the tracker's ``allocation_log`` (a
+    :class:`memlab.estimate.allocator_replay.AllocationLog`) notes every storage allocated and freed, for the
+    caching allocator's replay; otherwise it is None."""
+    from memlab.estimate.allocator_replay import AllocationLog
     from memlab.profiler import MemoryTracker
 
     base: type = MemoryTracker
@@ -144,9 +147,12 @@ def make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: boo
         fused_attention_calls = 0
         masked_attention_calls = 0  # fused calls given a mask (a padded batch): see the estimate's attention
         softmax_calls = 0
+        allocation_log: AllocationLog | None = None
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.allocation_log is not None:
+                self.allocation_log.see(out, args, kwargs)
             if func in flash_ops:
                 self.fused_attention_calls += 1
                 mask = (kwargs or {}).get("attn_mask")  # the CPU flash kernel; CUDA's efficient one: attn_bias
@@ -163,6 +169,14 @@ def make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: boo
                 self.scratch_bytes = max(self.scratch_bytes, extra)
             return out
 
-    return _Tracker(model=model, optimizer=opt, resizes=per_rank, device=device)
+        def add_transient(self, nbytes: int, category: str = "activations") -> None:
+            super().add_transient(nbytes, category)
+            if self.allocation_log is not None and nbytes:
+                self.allocation_log.transient(nbytes)
+
+    tracker = _Tracker(model=model, optimizer=opt, resizes=per_rank, device=device)
+    if log_allocations:
+        tracker.allocation_log = AllocationLog()
+    return tracker
 
 

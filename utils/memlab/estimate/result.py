@@ -66,6 +66,10 @@ class MemoryEstimate:
     loss: str = ""  # the loss traced: "hf", "memlab", "chunked", "fused" ("step": your step function)
     offload_checkpoints: bool = False  # the inputs of the checkpointed layers kept on the host
     optimizer_in_backward: bool = False  # each parameter stepped in backward, its gradient freed at once
+    # a CUDA target's max_memory_reserved from the traced allocations replayed through the caching allocator's model
+    # (memlab.estimate.allocator_replay), and reserved minus allocated at the allocated peak there; 0: no replay
+    reserved_replay_bytes: int = 0
+    fragmentation_bytes: int = 0
 
     @property
     def allocated_bytes(self) -> int:
@@ -74,11 +78,22 @@ class MemoryEstimate:
 
     @property
     def reserved_bytes(self) -> int:
-        """``allocated_bytes`` times the fragmentation margin on CUDA targets (what
-        ``max_memory_reserved`` reached in the measured steps); ``allocated_bytes`` elsewhere."""
+        """The estimate of ``max_memory_reserved`` on CUDA targets: the caching allocator's replay of the traced
+        allocations (``reserved_replay_bytes``) where there is one, else ``allocated_bytes`` times the stated
+        fragmentation margin; ``allocated_bytes`` elsewhere."""
         if torch.device(self.device).type != "cuda":
             return self.allocated_bytes
+        if self.reserved_replay_bytes:
+            return max(self.reserved_replay_bytes, self.allocated_bytes)
         return int(math.ceil(self.allocated_bytes * FRAGMENTATION_MARGIN))
+
+    @property
+    def nvidia_smi_bytes(self) -> int:
+        """What nvidia-smi would show on a CUDA target: ``reserved_bytes`` plus the CUDA context
+        (:data:`memlab.core.gpus.CONTEXT_RESERVE_BYTES`, :data:`memlab.core.gpus.CONTEXT_RESERVE_SOURCE`)."""
+        from memlab.core.gpus import CONTEXT_RESERVE_BYTES
+
+        return self.reserved_bytes + (CONTEXT_RESERVE_BYTES if torch.device(self.device).type == "cuda" else 0)
 
     def _budget(self, gpu: Any) -> int:
         return resolve_gpu(gpu)[1] if torch.device(self.device).type == "cuda" else parse_size(gpu)
@@ -164,8 +179,14 @@ class MemoryEstimate:
         if self.extras:
             lines.append(f"allocated (max_memory_allocated): {format_bytes(self.allocated_bytes)}")
         if torch.device(self.device).type == "cuda":
-            lines.append(f"reserved (allocated x {FRAGMENTATION_MARGIN}, allocator fragmentation measured on an H100): "
-                         f"{format_bytes(self.reserved_bytes)}")
+            from memlab.core.gpus import CONTEXT_RESERVE_BYTES
+
+            how = (f"the caching allocator's model, {format_bytes(self.fragmentation_bytes)} cached at the allocated peak"
+                   if self.reserved_replay_bytes else
+                   f"allocated x {FRAGMENTATION_MARGIN}, allocator fragmentation measured on an H100")
+            lines.append(f"reserved (max_memory_reserved; {how}): {format_bytes(self.reserved_bytes)}")
+            lines.append(f"nvidia-smi (reserved + {format_bytes(CONTEXT_RESERVE_BYTES)} CUDA context): "
+                         f"{format_bytes(self.nvidia_smi_bytes)}")
         if self.extrapolated_from:
             a, b = self.extrapolated_from
             lines.append(f"traced at {a}, {b} and {2 * b - a} decoder layers, extrapolated exactly by layer count "

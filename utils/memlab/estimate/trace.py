@@ -165,9 +165,15 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
                 one_step()
         # a real CUDA step with offloaded inputs: the pinned host copies are not device memory
         only = "cuda" if (s.offload is not None and s.target.type == "cuda" and not fake) else None
-        tracker = make_tracker(model, opt, softmax_rule, per_rank=per_rank, device=only)
+        log = s.target.type == "cuda" and not per_rank  # the caching allocator's replay (allocator_replay)
+        tracker = make_tracker(model, opt, softmax_rule, per_rank=per_rank, device=only, log_allocations=log)
+        hook = opt.register_step_pre_hook(lambda *_: tracker.allocation_log.mark("optimizer")) if log else None
         with tracker:
+            if log:
+                tracker.allocation_log.start((st.storage, st.category) for st in tracker.live_storages())
             one_step()
+        if hook is not None:
+            hook.remove()
     if step.grad_accum > 1:
         s.notes.append(f"gradient accumulation over {step.grad_accum} micro-batches of {step.batch_size}: "
                        f"{min(step.grad_accum, 2)} traced (the first one's gradients stay allocated through the next "
@@ -339,6 +345,9 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
                            "default before compute capability 9.0 is 8.125 MiB)")
     from memlab.models import count_parameters
 
+    reserved = _replay_reserved(tracker, extras)
+    if reserved is not None:
+        s.notes.append(reserved.note)
     return MemoryEstimate(
         model=spec.name, n_params=count_parameters(model) if n_params is None else n_params,
         batch_size=step.batch_size, seq_len=step.seq_len, dtype=step.dtype, optimizer=step.optimizer,
@@ -353,7 +362,21 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
         adapter=spec.adapter.describe() if spec.adapter is not None else "",
         loss=loss if s.step_fn is None else "step", offload_checkpoints=step.offload_checkpoints,
         optimizer_in_backward=step.optimizer_in_backward,
+        reserved_replay_bytes=reserved.reserved_bytes if reserved else 0,
+        fragmentation_bytes=reserved.fragmentation_bytes if reserved else 0,
     )
+
+
+def _replay_reserved(tracker: Any, extras: dict[str, int]) -> Any:
+    """The caching allocator's replay of the traced step (memlab.estimate.allocator_replay), or None where the
+    tracker kept no allocation log (a CPU target, an FSDP2 rank)."""
+    log = getattr(tracker, "allocation_log", None)
+    if log is None or not log.events:
+        return None
+    from memlab.estimate.allocator_replay import estimate_reserved, training_events
+
+    events = training_events(log, workspaces=[n // CUBLAS_THREADS for n in extras.values() for _ in range(CUBLAS_THREADS)])
+    return estimate_reserved(events)
 
 
 def _max_category(tracker: Any, key: str) -> int:
