@@ -21,6 +21,11 @@ from memlab.core.units import GiB
 # The rows whose source records only an upper bound on the padded length and whose estimate is above the reserved
 # figure at that bound (validate: PEFT's four LoRA runs, which share one unrecorded longest batch). A row that
 # joins or leaves this set is a change of the estimator's numbers: look at why before updating it.
+# The rows that miss their target for the reason their `off` states (torchtune's compiled runs, and its own Llama
+# against transformers'): printed with how far off they are, counted apart, never as met.
+KNOWN_OFF = {"torchtune optimization flags: + Packed Dataset, Llama 3.2 3B, batch 2 x 4096",
+             "torchtune optimization flags: + Chunked Cross Entropy, Llama 3.2 3B, batch 2 x 4096",
+             "torchtune optimization flags: + Fuse optimizer step into backward, Llama 3.2 3B, batch 2 x 4096"}
 KNOWN_UNDECIDED = {"PEFT MetaMathQA: LoRA r32 q,v, Llama-3.2-3B", "PEFT MetaMathQA: LoRA r64 q,v, Llama-3.2-3B",
                    "PEFT MetaMathQA: rsLoRA r64 q,v, Llama-3.2-3B", "PEFT MetaMathQA: LoRA r10 MLP, Llama-3.2-3B"}
 
@@ -46,6 +51,32 @@ def test_figures_are_documented():
     assert any("FSDP1" in why for why in whys) and any("Adafactor" in why for why in whys)
     assert any("paged" in why.lower() and "optimizer_in_bwd" in why for why in whys)
     assert KNOWN_UNDECIDED <= {f.name for f in PP.FIGURES if f.length_cap}
+    # chapter 09's loss: published rows with the chunked loss, beside the plain loss's row of the same run
+    chunked = [f for f in PP.FIGURES if f.settings.get("loss") in ("chunked", "fused")]
+    assert len(chunked) >= 2 and all(
+        any(g.source == f.source and g.settings.get("loss", "auto") in ("auto", "hf") for g in PP.FIGURES) for f in chunked)
+    assert KNOWN_OFF <= {f.name for f in PP.FIGURES if f.off}
+
+
+def test_the_chunked_loss_rows_meet_their_target_or_say_how_far_off_and_why(capsys):
+    rows = {r["figure"].name: r for r in PP.validate("torchtune optimization flags")}
+    assert len(rows) == 4 and set(rows) > KNOWN_OFF
+    (met,) = [r for name, r in rows.items() if name not in KNOWN_OFF]
+    assert met["ok"] is True and met["figure"].settings["loss"] == "chunked" and abs(met["error"]) <= 0.03
+    for name in KNOWN_OFF:
+        r = rows[name]
+        assert r["explained"] and r["ok"] is False and abs(r["error"]) > 0.03
+    # the compiled run with the chunked loss is over the figure (compile shrinks what eager PyTorch keeps), the eager
+    # plain loss under it; and the chunked loss lowers the estimate of the same run
+    plain = rows["torchtune optimization flags: + Packed Dataset, Llama 3.2 3B, batch 2 x 4096"]
+    ce = rows["torchtune optimization flags: + Chunked Cross Entropy, Llama 3.2 3B, batch 2 x 4096"]
+    assert plain["error"] < 0 < ce["error"] and ce["compared_bytes"] < plain["compared_bytes"]
+    sm = PP.summary(list(rows.values()))
+    assert sm["failed"] == [] and set(sm["explained"]) == KNOWN_OFF and sm["allocated_n"] == 1
+    PP.main("torchtune optimization flags")
+    out = capsys.readouterr().out
+    assert "1 of 4 comparable figures meet their target; 3 off for a stated reason" in out
+    assert out.count("explained: torch.compile") == 2 and "chunked loss" in out and "MISSED" not in out
 
 
 @pytest.mark.parametrize("metric,ours,ok", [("allocated", 103, True), ("allocated", 96, False),
@@ -123,15 +154,17 @@ def all_rows():
 def test_validation_meets_the_targets(all_rows, capsys):
     rows = all_rows
     assert len(rows) == len(PP.FIGURES) >= 15
-    alloc = [r for r in rows if r["figure"].metric == "allocated"]
+    alloc = [r for r in rows if r["figure"].metric == "allocated" and r["figure"].name not in KNOWN_OFF]
     errors = {r["figure"].name: r["error"] for r in alloc}
+    off = {r["figure"].name for r in rows if r["explained"]}
+    assert off == KNOWN_OFF and all(r["ok"] is False and r["figure"].off for r in rows if r["explained"])
     assert len(alloc) >= 4 and all(abs(e) <= 0.03 for e in errors.values()), errors
     assert statistics.median(abs(e) for e in errors.values()) <= 0.02, errors
     above = {r["figure"].name: r["error"] for r in rows if r["figure"].metric != "allocated"
              and r["compared_bytes"] > r["figure"].measured_bytes}
     undecided = {r["figure"].name for r in rows if r["ok"] is None}
     assert set(above) == undecided == KNOWN_UNDECIDED, above  # no reserved figure is missed at any length
-    assert sum(r["ok"] is True for r in rows) >= 15 and not any(r["ok"] is False for r in rows)
+    assert sum(r["ok"] is True for r in rows) >= 15 and not any(r["ok"] is False and not r["explained"] for r in rows)
     for r in rows:
         if r["ok"] is None:  # the longest length whose estimate is at or below the figure, and one token more above
             n, below, over = r["longest"]
@@ -141,9 +174,12 @@ def test_validation_meets_the_targets(all_rows, capsys):
         assert r["compared_bytes"] == r["estimate"].allocated_bytes + (f.context_bytes if f.metric == "nvidia-smi" else 0)
     sm = PP.summary(rows)
     assert not sm["failed"] and set(sm["undecided"]) == KNOWN_UNDECIDED and sm["n"] == len(rows) - len(KNOWN_UNDECIDED)
+    assert set(sm["explained"]) == KNOWN_OFF
     PP.main()  # the cached rows: prints without tracing again
     out = capsys.readouterr().out
-    assert f"{sm['n']} of {sm['n']} comparable figures meet their target\n" in out and "MISSED" not in out
+    met = sm["n"] - len(KNOWN_OFF)
+    assert f"{met} of {sm['n']} comparable figures meet their target; {len(KNOWN_OFF)} off for a stated reason" in out
+    assert "MISSED" not in out and out.count("explained: ") == len(KNOWN_OFF)
     assert f"{len(KNOWN_UNDECIDED)} undecided (the source records only an upper bound" in out
     assert out.count("undecided: at or below it for a longest batch of at most") == len(KNOWN_UNDECIDED)
     assert out.count("undecided (met for a longest batch of <= ") == len(KNOWN_UNDECIDED)
