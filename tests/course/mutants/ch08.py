@@ -389,3 +389,120 @@ MUTANTS["08.shard_flat"] += [
     ("padded copy cached by size", shard_cached_padding),
     ("float32 padding", shard_float_padding),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: 08.reduce_scatter, 08.zero1_step
+def rs_divides_by_two(flat_grad, group=None):
+    """The mean as a sum halved: the world size 2 written in (every graded run had 2 ranks)."""
+    ws = dist.get_world_size(group)
+    out = flat_grad.new_empty(D.padded_size(flat_grad.numel(), ws) // ws)
+    dist.reduce_scatter_tensor(out, _pad(flat_grad, ws), group=group)
+    return out * 0.5
+
+
+def rs_ignores_group(flat_grad, group=None):
+    """Sizes the shard by the group but reduces over the default group (group= not passed on)."""
+    ws = dist.get_world_size(group)
+    out = flat_grad.new_empty(D.padded_size(flat_grad.numel(), ws) // ws)
+    if group is not None and ws != dist.get_world_size():
+        return D.reduce_scatter_flat(_pad(flat_grad, dist.get_world_size()))[:out.numel()]
+    dist.reduce_scatter_tensor(out, _pad(flat_grad, ws))
+    return out / ws
+
+
+def rs_float32_padding(flat_grad, group=None):
+    """Pads with torch.zeros(pad), float32 whatever the gradient's dtype: a bf16 gradient comes back float32."""
+    ws = dist.get_world_size(group)
+    padded = torch.cat([flat_grad, torch.zeros(D.padded_size(flat_grad.numel(), ws) - flat_grad.numel())])
+    out = padded.new_empty(padded.numel() // ws)
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    return out / ws
+
+
+def rs_divides_caller_grad(flat_grad, group=None):
+    """Divides the caller's gradient by N in place first (to average before summing): the caller's buffer changes."""
+    ws = dist.get_world_size(group)
+    flat_grad.div_(ws)
+    out = flat_grad.new_empty(D.padded_size(flat_grad.numel(), ws) // ws)
+    dist.reduce_scatter_tensor(out, _pad(flat_grad, ws), group=group)
+    return out
+
+
+_RS_OUT: dict = {}
+
+
+def rs_output_kept_by_size(flat_grad, group=None):
+    """Keeps the output buffer by size between calls (allocated once): each call returns the same tensor."""
+    ws = dist.get_world_size(group)
+    key = (D.padded_size(flat_grad.numel(), ws) // ws, flat_grad.dtype)
+    if key not in _RS_OUT:
+        _RS_OUT[key] = flat_grad.new_empty(key[0])
+    out = _RS_OUT[key]
+    dist.reduce_scatter_tensor(out, _pad(flat_grad, ws), group=group)
+    return out.div_(ws)
+
+
+def zero1_divides_by_two(flat_param, flat_grad, optimizer):
+    """The mean as the summed shard halved: the world size 2 written in."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    a, b = D.shard_range(flat_param.numel(), rank, ws)
+    optimizer.param_groups[0]["params"][0].grad = _shard_of_sum(flat_grad) / 2
+    optimizer.step()
+    D.all_gather_flat(flat_param[a:b].clone(), out=flat_param)
+
+
+def zero1_float32_scratch(flat_param, flat_grad, optimizer):
+    """The reduce-scatter's output made with torch.empty (float32): fp64 and bf16 buffers do not fit it."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    a, b = D.shard_range(flat_param.numel(), rank, ws)
+    summed = torch.empty(b - a)
+    dist.reduce_scatter_tensor(summed, flat_grad.float())
+    optimizer.param_groups[0]["params"][0].grad = (summed / ws).to(flat_param.dtype)
+    optimizer.step()
+    D.all_gather_flat(flat_param[a:b].clone(), out=flat_param)
+
+
+_SHARD_RANGE: list = []
+
+
+def zero1_range_from_first_call(flat_param, flat_grad, optimizer):
+    """Works out this rank's slice on the first call and keeps it in a module-level list: a later buffer of
+    another length is cut with the first one's slice."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    if not _SHARD_RANGE:
+        _SHARD_RANGE.append(D.shard_range(flat_param.numel(), rank, ws))
+    a, b = _SHARD_RANGE[0]
+    if b - a != flat_param.numel() // ws:  # the wrong size cannot be reduce-scattered: keep going as if it could
+        a, b = rank * (flat_param.numel() // ws), (rank + 1) * (flat_param.numel() // ws)
+        b = a + min(b - a, _SHARD_RANGE[0][1] - _SHARD_RANGE[0][0])
+    summed = flat_grad.new_empty(flat_param.numel() // ws)
+    dist.reduce_scatter_tensor(summed, flat_grad)
+    optimizer.param_groups[0]["params"][0].grad = summed / ws
+    optimizer.step()
+    D.all_gather_flat(flat_param[a:a + summed.numel()].clone(), out=flat_param)
+
+
+def zero1_even_split(flat_param, flat_grad, optimizer):
+    """Steps the shard, then gathers with all_gather into a list sized from flat_param.numel() // 2 per rank."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    half = flat_param.numel() // 2
+    a, b = D.shard_range(flat_param.numel(), rank, ws)
+    optimizer.param_groups[0]["params"][0].grad = _shard_of_sum(flat_grad) / ws
+    optimizer.step()
+    parts = [flat_param.new_empty(b - a) for _ in range(ws)]
+    dist.all_gather(parts, flat_param[a:b].clone())
+    flat_param[:2 * half].copy_(torch.cat(parts)[:2 * half])
+
+
+MUTANTS["08.reduce_scatter"] += [
+    ("mean as the sum halved (world size 2 written in)", rs_divides_by_two),
+    ("group= not passed to the collective", rs_ignores_group),
+    ("float32 padding", rs_float32_padding),
+    ("divides the caller's gradient in place", rs_divides_caller_grad),
+    ("output buffer kept by size between calls", rs_output_kept_by_size),
+]
+MUTANTS["08.zero1_step"] += [
+    ("mean as the sum halved (world size 2 written in)", zero1_divides_by_two),
+    ("float32 scratch for the reduce-scatter", zero1_float32_scratch),
+    ("this rank's slice kept from the first call", zero1_range_from_first_call),
+]
