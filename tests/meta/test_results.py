@@ -25,10 +25,11 @@ def test_results_and_readme_are_rendered_from_the_stored_outputs(capsys):
     assert _tool().main(["--check"]) == 0, capsys.readouterr().err
 
 
-def test_every_notebook_row_reads_its_figures_from_a_notebook_and_recorded_rows_name_a_source():
+def test_every_row_reads_a_notebook_or_a_stored_gpu_log_and_recorded_rows_name_a_source():
     rows = R.ROWS
     read = [r for r in rows if isinstance(r, R.Row)]
-    assert len(read) >= 20 and all(f.source.startswith("notebooks/") for r in read for f in r.found)
+    assert len(read) >= 20 and all(f.source.startswith(("notebooks/", "results/h100/")) for r in read for f in r.found)
+    assert all(r.device == "CPU x86_64, 2 cores" for r in read if any(f.source.startswith("notebooks/") for f in r.found))
     recorded = json.loads((ROOT / R.RECORDED).read_text(encoding="utf-8"))
     keys = [r.key for r in rows if isinstance(r, R.Recorded)]
     assert sorted(keys) == sorted(recorded), "results/recorded.json holds exactly the rows ROWS names"

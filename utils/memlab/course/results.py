@@ -50,6 +50,7 @@ class Found:
     """
     source: str
     line: str
+    after: str = ""  # a log of several sections: read only below the first line holding this text
 
     def regexes(self) -> list[re.Pattern]:
         """One pattern per line: a ``line`` holding ``\\n`` matches that many consecutive lines."""
@@ -127,6 +128,11 @@ def outputs_text(path: Path) -> list[str]:
 
 
 def _read_one(found: Found, lines: list[str]) -> dict[str, str]:
+    if found.after:
+        at = next((i for i, ln in enumerate(lines) if found.after in ln), None)
+        if at is None:
+            raise FigureError(f"{found.source}: no line holds {found.after!r} (where {found.line!r} is read from)")
+        lines = lines[at + 1:]
     rxs = found.regexes()
     hits = {}
     for i in range(len(lines) - len(rxs) + 1):
@@ -137,6 +143,8 @@ def _read_one(found: Found, lines: list[str]) -> dict[str, str]:
     if not hits:
         raise FigureError(f"{found.source}: no stored output line matches {found.line!r}; the notebook must print "
                           f"it (re-run it, or change the row in memlab/course/results.py with the notebook's new words)")
+    if len(hits) > 1 and found.after:  # a section's first match: the sections below repeat its lines
+        hits = dict([next(iter(hits.items()))])
     if len(hits) > 1:
         shown = "; ".join(repr(v) for v in list(hits.values())[:3])
         raise FigureError(f"{found.source}: {len(hits)} stored output lines match {found.line!r} with different "
@@ -274,6 +282,8 @@ N = {k: f"notebooks/{v}.ipynb" for k, v in {
     "00": "00_where_the_memory_goes", "01": "01_memory_profiler", "02": "02_gradient_checkpointing",
     "03": "03_mixed_precision", "05": "05_chunked_attention", "06": "06_qlora", "07": "07_fit_a_budget",
     "08": "08_beyond_one_gpu", "09": "09_long_sequences"}.items()}
+H100 = "H100"
+CKPT, AMP, OFFLOAD = (f"results/h100/bench_{b}.txt" for b in ("checkpoint", "amp", "offload"))
 
 
 def ratio(a: str, b: str, fmt: str = "{:.3f}x") -> Derived:
@@ -359,8 +369,22 @@ ROWS: list[Row | Recorded] = [
          Found(N["01"], "allocated outside any op: {nblk} x [{blk}] B = {extra} B"))),
     Recorded("02-bench-cpu-peak"),
     Recorded("02-bench-cpu-time"),
-    Recorded("02-h100-peak"),
-    Recorded("02-h100-time"),
+    Row("02", ("activation peak, {L}-layer TinyGPT {w} wide, seq {seq}, batch {b}, 4 segments (`memlab bench "
+               "checkpoint`)", "{m4} GiB", "torch.utils.checkpoint {t4} GiB; no checkpointing {none} GiB",
+               "{m4t} vs torch; {m4r}x vs none; {model} vs the n/k + k model"),
+        (Found(CKPT, "memlab bench checkpoint: {L}-layer TinyGPT, seq {seq}, batch {b}, width {w},"),
+         Found(CKPT, "^memlab, 4 segments {m4} GiB {m4r} {m4t} {m4ms} {m4tn} {m4tt}"),
+         Found(CKPT, "^torch, 4 segments {t4} GiB {t4r} - {t4ms} {t4tn} -"),
+         Found(CKPT, "^no checkpointing {none} GiB {nr} - {nms} {ntn} -"),
+         Found(CKPT, "ratio {model} activation peak with k=4 segments within")), device=H100),
+    Row("02", ("step time, same model, 4 segments / every block (`memlab bench checkpoint`)", "{m4ms} / {mems} ms",
+               "torch {t4ms} / {tems} ms; no checkpointing {nms} ms", "{m4tt}x / {mett}x vs torch; {m4tn}x / {metn}x "
+               "vs none"),
+        (Found(CKPT, "^memlab, 4 segments {m4} GiB {m4r} {m4t} {m4ms} {m4tn} {m4tt}"),
+         Found(CKPT, "^memlab, every block {me} MiB {mer} {met} {mems} {metn} {mett}"),
+         Found(CKPT, "^torch, 4 segments {t4} GiB {t4r} - {t4ms} {t4tn} -"),
+         Found(CKPT, "^torch, every block {te} MiB {ter} - {tems} {tetn} -"),
+         Found(CKPT, "^no checkpointing {none} GiB {nr} - {nms} {ntn} -")), device=H100),
     Row("02", ("selective recomputation (matmul outputs kept), one TinyGPT block: lecture's dispatch-mode policy / "
                "memlab / torch `create_selective_checkpoint_contexts`", "{mine} / {lib} / {torch} MiB kept",
                "no checkpoint {none} MiB, full {full} KiB", "{v}; input gradient exact vs none: {g}"),
@@ -387,8 +411,19 @@ ROWS: list[Row | Recorded] = [
                         "skipped steps: {skip2:text}; max parameter difference ever: {d2}"),
          Found(N["03"], "skipped {nskip} steps, {ninj} of them with an injected inf/NaN"))),
     Recorded("03-bench-cpu"),
-    Recorded("03-h100-peak"),
-    Recorded("03-h100-scaler-time"),
+    Row("03", ("TinyGPT step {b} x {s} (`memlab bench amp`): peak, bf16 autocast / fp16 master weights vs fp32",
+               "{bf} / {fm} MiB", "fp32 {fp} MiB", "{bfr}x / {fmr}x"),
+        (Found(AMP, "memlab bench amp: tinygpt, batch {b} x seq {s}, one AdamW"),
+         Found(AMP, "^fp32 {fp} 1 {fpa}", after="memlab bench amp: tinygpt"),
+         Found(AMP, "^bf16 {bf} {bfr} {bfa}", after="memlab bench amp: tinygpt"),
+         Found(AMP, "^fp16 master weights {fm} {fmr} {fma}", after="memlab bench amp: tinygpt")), device=H100),
+    Row("03", ("same bench, step time of `DynamicLossScaler` (from scratch, unfused Python update) vs `GradScaler`",
+               "{ds} ms", "{gs} ms", "{r}x slower (tiny model: launch-bound; correctness is bitwise, speed is not "
+               "the goal)"),
+        (Found(AMP, "^fp16 + DynamicLossScaler {p1} {r1} {a1} {o1} {c1} {ds} {t1} {v1}", after="memlab bench amp: tinygpt"),
+         Found(AMP, "^fp16 + GradScaler {p2} {r2} {a2} {o2} {c2} {gs} {t2} {v2}", after="memlab bench amp: tinygpt"),
+         Found(AMP, "DynamicLossScaler step time / GradScaler step time = {r}", after="memlab bench amp: tinygpt")),
+        device=H100),
     Recorded("03-h100-step-time"),
     Row("03", ("fp16 autocast without loss scaling, TinyGPT, micro-batch loss divided by nanoGPT's 491,520 tokens per "
                "step (lecture 03 section 7)", "no scaling: {z1}% of gradient elements exactly 0 at the first step, "
@@ -402,8 +437,29 @@ ROWS: list[Row | Recorded] = [
     Recorded("04-adamw-exact"),
     Recorded("04-cpp-fused"),
     Recorded("04-bench-cpu"),
-    Recorded("04-bench-h100-cpu"),
-    Recorded("04-h100-step"),
+    Row("04", ("CPU AdamW step on the GPU machine's {cores} cores (`memlab bench offload`), 10M / 100M params",
+               "{m10} / {m100} Gparam/s", "torch fused {f10} / {f100}", "{r10}x ({v10}: thread start-up dominates a "
+               "{ms10} ms step) / {r100}x ({v100}); {bw100}% of a 128 MiB `a += b` copy's bandwidth at 100M (the bench "
+               "now measures bandwidth at the step's own working set: to re-measure)"),
+        (Found(OFFLOAD, "device: CPU x86_64 ({cores} cores,"),
+         Found(OFFLOAD, "^memlab flat step [{k1:text}] 10,000,000 {ms10} {m10} {g10} {c10} {s10}"),
+         Found(OFFLOAD, "^memlab flat step [{k2:text}] 100,000,000 {ms100} {m100} {g100} {c100} {s100}"),
+         Found(OFFLOAD, "^torch AdamW fused 10,000,000 {fms10} {f10} "),
+         Found(OFFLOAD, "^torch AdamW fused 100,000,000 {fms100} {f100} "),
+         Found(OFFLOAD, "target at 10,000,000 params: fast step {r10}x torch fused (>= 0.9: {v10:text}),"),
+         Found(OFFLOAD, "target at 100,000,000 params: fast step {r100}x torch fused (>= 0.9: {v100:text}), {bw100}% "
+                        "of copy bandwidth")), device="H100 machine's CPU"),
+    Row("04", ("step of a {P}M-parameter TinyGPT, {mb} micro-batches of {b} x {s}, bf16 (`memlab bench offload`)",
+               "`OffloadedAdamW`: {os} s, {op} GiB peak", "on-device fused AdamW: {ds} s, {dp} GiB",
+               "{ot}x time (target 1.15x: {vt}), {ol}% less device memory (target 45%: {vm}); with offloaded grads "
+               "{gt}x and {gl}%. Measured before chapter 04's rewrite (copies once per step, update during backward) "
+               "and against fp32 + autocast: to be re-run against the pure-bf16 baseline"),
+        (Found(OFFLOAD, "memlab bench offload: TinyGPT {P}M params, {mb} micro-batches of {b} x {s} per step"),
+         Found(OFFLOAD, "^on-device fused AdamW {ds} {dr} {dp} {dl}%"),
+         Found(OFFLOAD, "^memlab OffloadedAdamW {os} {ot} {op} {ol}%"),
+         Found(OFFLOAD, "^memlab OffloadedAdamW + offload grads {gs} {gt} {gp} {gl}%"),
+         Found(OFFLOAD, "^target memlab OffloadedAdamW: {ot2}x step time (<= 1.15: {vt:text}), {ol2}% less peak device "
+                        "memory (>= 45%: {vm:text})")), device=H100),
     Row("05", ("bytes saved for backward, 4 heads x 32, fp32, seq 512 (lecture 05)",
                "flash: O + logsumexp = b*h*s*(d+1)*4 B ({flash} KiB at 512)",
                "naive b*h*s^2*4 ({naive} MiB at 512); chunked through autograd {chunked} MiB (causal {cc} MiB)",
