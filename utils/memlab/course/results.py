@@ -94,7 +94,7 @@ class Row:
     cells: tuple[str, str, str, str]
     found: tuple[Found | Counted, ...]
     derived: dict[str, Derived] = field(default_factory=dict)
-    device: str = CPU
+    device: str = ""  # "": the device the notebook's first ``describe()`` line names
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,19 @@ def read_figures(row: Row, root: Path, cache: dict | None = None) -> dict[str, s
     return figs
 
 
+DESCRIBE = re.compile(r"^device (?P<dev>cpu|cuda[:\d]*) \((?P<what>[^)]*)\)")
+
+
+def notebook_device(source: str, lines: list[str]) -> str:
+    """The device a notebook's stored outputs ran on, from its ``memlab.config.describe()`` line."""
+    m = next((DESCRIBE.match(ln) for ln in lines if DESCRIBE.match(ln)), None)
+    if m is None:
+        raise FigureError(f"{source}: no `device ...` line (memlab.config.describe()) in the stored outputs")
+    if m.group("dev") == "cpu":
+        return f"CPU x86_64, {m.group('what').split()[0]} cores"
+    return m.group("what").split(",")[0]
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -186,7 +199,13 @@ def _render_row(row: Row, root: Path, cache: dict) -> str:
             raise FigureError(f"a row of chapter {row.ch} uses {{{exc.args[0]}}}, which none of its lines reads") from None
     sources = sorted({f.source for f in row.found})
     cells[0] += " (" + ", ".join(f"`{s}`" for s in sources) + ")"
-    return "| " + " | ".join([row.ch] + [c.replace("\n", " ") for c in cells] + [row.device]) + " |"
+    devices = {notebook_device(s, cache[s]) for s in sources if s.endswith(".ipynb")}
+    if len(devices) > 1:
+        raise FigureError(f"a row of chapter {row.ch} reads notebooks run on different devices: {sorted(devices)}")
+    device = row.device or (devices.pop() if devices else "")
+    if not device:
+        raise FigureError(f"a row of chapter {row.ch} reads no notebook and names no device")
+    return "| " + " | ".join([row.ch] + [c.replace("\n", " ") for c in cells] + [device]) + " |"
 
 
 def _recorded(root: Path) -> dict[str, dict]:
