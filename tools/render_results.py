@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     if unknown:
         print(f"render_results: argument {unknown[0]!r} is invalid; allowed: --check", file=sys.stderr)
         return 2
+    sys.path.insert(0, str(ROOT / "utils"))  # memlab without an install (it needs only the standard library here)
     from memlab.course.results import FigureError, render_files, stale
 
     try:
