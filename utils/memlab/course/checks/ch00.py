@@ -9,6 +9,7 @@ from memlab.course.checks import (
     BlockReuse, Space, differential, expect, expect_equal, expect_type, flags, ints, layouts, lists_of, make_tensor,
     one_of, register,
 )
+from memlab.course.grading.cases import expect_prediction
 
 
 RECIPES = ("fp32-adamw", "fp32-sgd", "mixed-adamw")
@@ -303,21 +304,35 @@ def measured_step_peak(config, batch_size: int, seq_len: int) -> tuple[int, str]
     return tracker.peak_bytes, tracker.peak_phase
 
 
+# any depth, heads, head size, batch and sequence length (dropout on: its masks are the CPU's 4-byte noise)
+PEAK_SPACE = Space(n_layer=ints(1, 6), n_head=one_of(1, 2, 4, 6), head_dim=one_of(8, 16, 32, 48, 64), b=ints(1, 6),
+                   s=ints(8, 96))
+
+
 @register("00.predict_peak", reference=lambda: ref.tinygpt_step_peak, timeout=120,
           title="predict a training step's peak, then measure it")
 def check_predict_peak(fn):
     """Grade exercise ``00.predict_peak``: predict a training step's peak, then measure it."""
     from memlab.models import TinyGPTConfig
 
-    for n_layer, n_embd, n_head, b, s in PEAK_CASES:
-        cfg = TinyGPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=s, dropout=0.1)
-        got = fn(cfg, b, s)
-        where = f"TinyGPT {n_layer} layers x {n_embd} wide, {n_head} heads, batch {b} x {s}"
-        expect(type(got) in (int, float) and got > 0,
-               f"predict_peak({where}): expected a positive number of bytes, got {type(got).__name__} {got!r:.60}")
-        measured, phase = measured_step_peak(cfg, b, s)
-        err = float(got) / measured - 1
-        expect(abs(err) <= PEAK_TOLERANCE,
-               f"predict_peak({where}): predicted {float(got):,.0f} B, measured {measured:,} B (peak in the {phase} "
-               f"phase): off by {err:+.1%}, allowed +-{PEAK_TOLERANCE:.0%}. Which phase holds the peak, and what is "
-               f"alive then?")
+    def run(case) -> None:
+        cfg = TinyGPTConfig(n_layer=case.n_layer, n_embd=case.n_head * case.head_dim, n_head=case.n_head,
+                            block_size=case.s, dropout=0.1)
+        got = fn(cfg, case.b, case.s)
+        where = (f"predict_peak(TinyGPT {case.n_layer} layers x {cfg.n_embd} wide, {case.n_head} heads, batch {case.b} "
+                 f"x {case.s})")
+        hint = "Which phase holds the peak, and what is alive then?"
+        if hasattr(case, "edge"):  # the hand-picked cases: against the measurement, where memlab's model is within 2.3%
+            expect(type(got) in (int, float) and got > 0,
+                   f"{where}: expected a positive number of bytes, got {type(got).__name__} {got!r:.60}")
+            measured, phase = measured_step_peak(cfg, case.b, case.s)
+            err = float(got) / measured - 1
+            expect(abs(err) <= PEAK_TOLERANCE,
+                   f"{where}: predicted {float(got):,.0f} B, measured {measured:,} B (peak in the {phase} phase): off by "
+                   f"{err:+.1%}, allowed +-{PEAK_TOLERANCE:.0%}. {hint}")
+        else:
+            expect_prediction(f"{where} ({case})", got, ref.tinygpt_step_peak(cfg, case.b, case.s),
+                              lambda: measured_step_peak(cfg, case.b, case.s)[0], PEAK_TOLERANCE, hint)
+
+    edges = [dict(edge=True, n_layer=n, n_head=h, head_dim=e // h, b=b, s=s) for n, e, h, b, s in PEAK_CASES]
+    differential(PEAK_SPACE, run, edges=edges, examples=12)

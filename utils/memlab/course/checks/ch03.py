@@ -12,12 +12,14 @@ torch._amp_foreach_non_finite_check_and_unscale_ and torch.amp.GradScaler.
 from __future__ import annotations
 
 import copy
+from typing import Any
 import random
 
 import torch
 from torch import nn
 
 from memlab import amp
+from memlab.course.grading.cases import expect_prediction
 from memlab.course.checks import (
     Space, differential, expect, expect_close, expect_equal, expect_type, flags, floats, ints, layouts, lists_of,
     make_tensor, one_of, register,
@@ -380,22 +382,63 @@ class _NormsAndTable(nn.Module):
 UPDATE_PEAK_TOLERANCE = 0.01
 
 
+# MLPs of any widths, TinyGPTs of any vocabulary (the tied embedding), stacks of small norms with a float buffer of any
+# length (step counters and buffers weigh), in each recipe
+UPDATE_PEAK_SPACE = Space(model=one_of("mlp", "tinygpt", "norms"), w1=ints(1, 96), w2=ints(1, 256),
+                          recipe=one_of(*amp.UPDATE_RECIPES))
+
+
+def _update_model(case) -> tuple[str, Any]:
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    w1, w2 = case.w1, case.w2
+    if case.model == "mlp":
+        return f"MLP {w1} -> {w2} -> {w1}", lambda: nn.Sequential(nn.Linear(w1, w2), nn.GELU(), nn.Linear(w2, w1))
+    if case.model == "tinygpt":
+        return (f"TinyGPT {1 + w1 % 2} layer(s) x 32 wide, vocabulary {w2 + 1}",
+                lambda: TinyGPT(TinyGPTConfig(n_layer=1 + w1 % 2, n_embd=32, n_head=4, block_size=16, vocab_size=w2 + 1)))
+
+    class Norms(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norms = nn.Sequential(*[nn.LayerNorm(1 + w1 % 12) for _ in range(1 + w2 % 30)])
+            self.register_buffer("table", torch.linspace(0, 1, 4 * w2))
+
+    return f"{1 + w2 % 30} x LayerNorm({1 + w1 % 12}) and a {4 * w2}-float buffer", Norms
+
+
 @register("03.predict_update_peak", reference=lambda: amp.update_peak_bytes, timeout=120,
           title="predict an update's peak, fp32 vs fp32 master weights, then measure it")
 def check_predict_update_peak(fn) -> None:
     """Grade exercise ``03.predict_update_peak``: predict an update's peak, fp32 vs fp32 master weights, then measure it."""
     expect(callable(fn), f"predict_update_peak: expected a function, got {type(fn).__name__}")
-    for name, make in _update_models():
-        for recipe in amp.UPDATE_RECIPES:
+    models = _update_models()
+    hint = ("Which tensors exist per parameter while the optimizer steps, in which dtype, and what does the step "
+            "itself allocate?")
+
+    def run(case) -> None:
+        name, make = models[case.edge] if hasattr(case, "edge") else _update_model(case)
+        recipe = case.recipe
+        torch.manual_seed(0)
+        got = fn(make(), recipe)
+
+        def measure() -> int:
             torch.manual_seed(0)
-            got = fn(make(), recipe)
-            expect(type(got) in (int, float) and got > 0,
-                   f"predict_update_peak({name}, {recipe!r}): expected a positive number of bytes, "
-                   f"got {type(got).__name__} {got!r:.60}")
+            return amp.measure_update_peak(make(), recipe)
+
+        if not hasattr(case, "edge"):  # a drawn case: memlab's model or the measurement
             torch.manual_seed(0)
-            measured = amp.measure_update_peak(make(), recipe)
-            err = float(got) / measured - 1
-            expect(abs(err) <= UPDATE_PEAK_TOLERANCE,
-                   f"predict_update_peak({name}, {recipe!r}): predicted {float(got):,.0f} B, measured {measured:,} B: "
-                   f"off by {err:+.1%}, allowed +-{UPDATE_PEAK_TOLERANCE:.0%}. Which tensors exist per parameter "
-                   f"while the optimizer steps, in which dtype, and what does the step itself allocate?")
+            expect_prediction(f"predict_update_peak({name}, {recipe!r}) ({case})", got,
+                              amp.update_peak_bytes(make(), recipe), measure, UPDATE_PEAK_TOLERANCE, hint)
+            return
+        expect(type(got) in (int, float) and got > 0,
+               f"predict_update_peak({name}, {recipe!r}): expected a positive number of bytes, "
+               f"got {type(got).__name__} {got!r:.60}")
+        measured = measure()
+        err = float(got) / measured - 1
+        expect(abs(err) <= UPDATE_PEAK_TOLERANCE,
+               f"predict_update_peak({name}, {recipe!r}): predicted {float(got):,.0f} B, measured {measured:,} B: "
+               f"off by {err:+.1%}, allowed +-{UPDATE_PEAK_TOLERANCE:.0%}. {hint}")
+
+    edges = [dict(edge=i, recipe=r) for i in range(len(models)) for r in amp.UPDATE_RECIPES]
+    differential(UPDATE_PEAK_SPACE, run, edges=edges, examples=12)

@@ -547,20 +547,51 @@ def _predict_traffic_reference(model: nn.Module, micro_batches: int, offload_gra
     return (micro_batches if offload_gradients else 1) * nbytes, nbytes
 
 
+# MLPs of any depth and width in three dtypes (a frozen layer beside trainable ones of its shape, a weight tied between
+# two layers) and TinyGPTs of any vocabulary and width (tied embedding or not), 1-5 micro-batches, gradients offloaded
+# per micro-batch or once per step
+TRAFFIC_SPACE = Space(model=one_of("mlp", "tinygpt"), dtype=one_of(torch.float32, torch.bfloat16, torch.float16),
+                      depth=ints(0, 3), width=ints(1, 64), frozen=flags(), tied=flags(), vocab=ints(2, 300),
+                      micro=ints(1, 5), offload_gradients=flags())
+
+
+def _traffic_model(case) -> tuple[str, nn.Module]:
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    if case.model == "mlp":
+        return f"{case.dtype} MLP", _net(case.dtype, case.depth, case.width, case.frozen, case.tied)
+    torch.manual_seed(case.seed)
+    heads = 1 + case.width % 4
+    model = TinyGPT(TinyGPTConfig(n_layer=1 + case.depth % 2, n_embd=8 * heads, n_head=heads, block_size=8,
+                                  vocab_size=case.vocab, tie_weights=case.tied)).to(case.dtype)
+    return f"{case.dtype} TinyGPT", model
+
+
 @register("04.predict_traffic", reference=lambda: _predict_traffic_reference, title="predict bytes moved, then measure",
           timeout=120)
 def check_predict_traffic(fn) -> None:
     """Grade exercise ``04.predict_traffic``: predict bytes moved, then measure."""
     expect(callable(fn), f"predict_traffic: expected a function, got {type(fn).__name__}")
-    for name, model in _traffic_models():
-        for micro_batches, offload_gradients in ((1, False), (4, False), (4, True)):
-            where = f"predict_traffic({name}, micro_batches={micro_batches}, offload_gradients={offload_gradients})"
-            measured = _measure_traffic(model, micro_batches, offload_gradients)
-            predicted = fn(copy.deepcopy(model), micro_batches, offload_gradients)
-            expect(isinstance(predicted, (tuple, list)) and len(predicted) == 2
-                   and all(type(v) is int for v in predicted),
-                   f"{where}: expected a pair of ints (bytes to the host, bytes to the device), got {predicted!r:.80}")
-            for direction, got, want in zip(("to the host", "to the device"), predicted, measured):
-                # exact: the count is exact, and the smallest plausible omission (one bias of 8 bf16 values) is 16 bytes
-                expect(got == want, f"{where}: predicted {got:,} bytes {direction} per optimizer step, measured {want:,} "
-                       f"in a real step ({got - want:+,} bytes, {abs(got - want) / max(want, 1):.1%} off; allowed: 0 bytes)")
+    models = _traffic_models()
+
+    def run(case) -> None:
+        if hasattr(case, "edge"):
+            name, model = models[case.edge]
+            micro_batches, offload_gradients = case.micro, case.offload_gradients
+        else:
+            name, model = _traffic_model(case)
+            name = f"{name} ({case})"
+            micro_batches, offload_gradients = case.micro, case.offload_gradients
+        where = f"predict_traffic({name}, micro_batches={micro_batches}, offload_gradients={offload_gradients})"
+        measured = _measure_traffic(model, micro_batches, offload_gradients)
+        predicted = fn(copy.deepcopy(model), micro_batches, offload_gradients)
+        expect(isinstance(predicted, (tuple, list)) and len(predicted) == 2
+               and all(type(v) is int for v in predicted),
+               f"{where}: expected a pair of ints (bytes to the host, bytes to the device), got {predicted!r:.80}")
+        for direction, got, want in zip(("to the host", "to the device"), predicted, measured):
+            # exact: the count is exact, and the smallest plausible omission (one bias of 8 bf16 values) is 16 bytes
+            expect(got == want, f"{where}: predicted {got:,} bytes {direction} per optimizer step, measured {want:,} "
+                   f"in a real step ({got - want:+,} bytes, {abs(got - want) / max(want, 1):.1%} off; allowed: 0 bytes)")
+
+    edges = [dict(edge=i, micro=m, offload_gradients=o) for i in range(len(models)) for m, o in ((1, False), (4, False), (4, True))]
+    differential(TRAFFIC_SPACE, run, edges=edges, examples=12)

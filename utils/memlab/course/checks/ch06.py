@@ -21,7 +21,7 @@ from torch import nn
 from memlab import quant
 from memlab.quant import lora
 from memlab.course.checks import (
-    Space, differential, expect, expect_type, flags, floats, ints, layouts, make_tensor, one_of, register,
+    Space, differential, expect, expect_type, flags, floats, ints, layouts, lists_of, make_tensor, one_of, register,
 )
 
 
@@ -164,8 +164,8 @@ def check_lora_linear(cls) -> None:
     expect(callable(cls), f"LoRALinear: expected a class, got {type(cls).__name__}")
     # r=3, alpha=8 and r=6, alpha=16: alpha / r is not an integer (alpha // r, 2, passes every case where r
     # divides alpha); r=16, alpha=8: a scaling below 1 (alpha // r is 0)
-    for (fin, fout, r, alpha, bias) in [(32, 24, 4, 8, True), (16, 40, 8, 32, False), (64, 64, 2, 2, True),
-                                        (32, 24, 3, 8, True), (40, 16, 6, 16, False), (24, 48, 16, 8, True)]:
+    def run(case) -> None:
+        fin, fout, r, alpha, bias = case.fin, case.fout, case.r, case.alpha, case.bias
         torch.manual_seed(0)
         base = nn.Linear(fin, fout, bias=bias)
         where = f"base nn.Linear({fin}, {fout}, bias={bias}), r={r}, alpha={alpha}"
@@ -181,12 +181,12 @@ def check_lora_linear(cls) -> None:
         trainable = sorted(n for n, p in got.named_parameters() if p.requires_grad)
         expect(trainable == ["lora_A.weight", "lora_B.weight"],
                f"LoRALinear ({where}): trainable parameters {trainable}, expected only lora_A.weight and lora_B.weight")
-        gen = torch.Generator().manual_seed(r)
+        gen = torch.Generator().manual_seed(r + case.seed)
         with torch.no_grad():
             b = torch.randn(want.lora_B.weight.shape, generator=gen)
             got.lora_B.weight.copy_(b)
             want.lora_B.weight.copy_(b)
-        x = torch.randn(5, fin, generator=gen)
+        x = torch.randn(*case.batch, fin, generator=gen)
         x_got, x_want = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         y, y_want = got(x_got), want(x_want)
         _tensor_equal(f"LoRALinear ({where}): forward", y, y_want)
@@ -210,6 +210,17 @@ def check_lora_linear(cls) -> None:
             want.unmerge()
             _tensor_equal(f"LoRALinear ({where}): base.weight after unmerge()", got.base.weight, want.base.weight)
             _tensor_equal(f"LoRALinear ({where}): forward after unmerge()", got(x), want(x))
+
+    edges = [dict(fin=fin, fout=fout, r=r, alpha=alpha, bias=bias, batch=(5,))
+             for (fin, fout, r, alpha, bias) in [(32, 24, 4, 8, True), (16, 40, 8, 32, False), (64, 64, 2, 2, True),
+                                                 (32, 24, 3, 8, True), (40, 16, 6, 16, False), (24, 48, 16, 8, True)]]
+    differential(LORA_SPACE, run, edges=edges, examples=12)
+
+
+# the constructor's arguments drawn: any base shape, bias or not, any rank (larger than a side too), alpha an integer
+# or not, below or above r; inputs with one or two leading dimensions
+LORA_SPACE = Space(fin=ints(1, 64), fout=ints(1, 64), r=ints(1, 24), alpha=one_of(8, 16, 1, 2.5, 32, 7),
+                   bias=flags(), batch=one_of((5,), (2, 3), (1,)))
 
 
 # ----------------------------------------------------------------------------- 06.predict_qlora_bytes
@@ -238,12 +249,44 @@ def _predict_models() -> list[tuple[str, nn.Module, int]]:
     return out
 
 
+# MLPs of 1-4 Linear layers of any sizes (partial 64-blocks, odd code counts, more than 256 blocks), biases on all,
+# none or every other layer, an lm_head or not, in fp32/bf16/fp16; Llama shapes of any width, MLP size, depth and
+# vocabulary, tied embeddings or not; any LoRA rank
+QLORA_SPACE = Space(model=one_of("mlp", "llama"), dims=lists_of(ints(1, 1100), 2, 5), bias=one_of("all", "none", "alternate"),
+                    lm_head=flags(), dtype=one_of(torch.float32, torch.bfloat16, torch.float16), hidden=one_of(64, 96, 128),
+                    intermediate=ints(16, 400), layers=ints(1, 2), vocab=ints(32, 400), tied=flags(), r=ints(1, 16))
+
+
+def _qlora_case_model(case) -> tuple[str, nn.Module]:
+    from memlab.models import tiny_llama
+
+    torch.manual_seed(case.seed)
+    if case.model == "llama":
+        kw = dict(hidden_size=case.hidden, intermediate_size=case.intermediate, num_hidden_layers=case.layers,
+                  vocab_size=case.vocab, tie_word_embeddings=case.tied)
+        return f"tiny_llama({', '.join(f'{k}={v}' for k, v in kw.items())})", tiny_llama(**kw)
+    dims = case.dims
+    bias = [case.bias == "all" or (case.bias == "alternate" and i % 2 == 0) for i in range(len(dims) - 1)]
+    model = nn.Sequential(*[nn.Linear(dims[i], dims[i + 1], bias=bias[i]) for i in range(len(dims) - 1)])
+    if case.lm_head:
+        model.lm_head = nn.Linear(dims[-1], 10)
+    model = model.to(case.dtype)
+    layers = ", ".join(f"Linear({dims[i]}, {dims[i + 1]}, bias={bias[i]})" for i in range(len(dims) - 1))
+    return f"{case.dtype} nn.Sequential({layers}){' + lm_head' if case.lm_head else ''}", model
+
+
 @register("06.predict_qlora_bytes", reference=lambda: lora.predict_qlora_bytes,
           title="predict QLoRA model bytes, then measure", timeout=180)
 def check_predict_qlora_bytes(fn) -> None:
     """Grade exercise ``06.predict_qlora_bytes``: predict QLoRA model bytes, then measure."""
     expect(callable(fn), f"predict_qlora_bytes: expected a function, got {type(fn).__name__}")
-    for name, model, r in _predict_models():
+    models = _predict_models()
+
+    def run(case) -> None:
+        if hasattr(case, "edge"):
+            name, model, r = models[case.edge]
+        else:
+            (name, model), r = _qlora_case_model(case), case.r
         predicted = fn(copy.deepcopy(model), r)
         expect(type(predicted) in (int, float),
                f"predict_qlora_bytes({name}): expected a number of bytes, got {type(predicted).__name__}")
@@ -253,3 +296,5 @@ def check_predict_qlora_bytes(fn) -> None:
                "Count, per quantized layer: ceil(n/2) code bytes, one uint8 code per 64-block scale (ceil per layer), "
                "one fp32 second-level scale per 256 of those (ceil), one fp32 offset, the bias in bf16, fp32 LoRA A "
                "and B; lm_head / embeddings / norms unquantized, a shared storage once")
+
+    differential(QLORA_SPACE, run, edges=[dict(edge=i) for i in range(len(models))], examples=12)

@@ -20,7 +20,8 @@ import contextlib
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["Space", "Case", "differential", "ints", "floats", "one_of", "flags", "lists_of", "layouts", "LAYOUTS",
-           "make_tensor", "current_pass", "cases_run", "coverage", "running", "SHRINK_BUDGET", "failures", "drawn_only"]
+           "make_tensor", "current_pass", "cases_run", "coverage", "running", "SHRINK_BUDGET", "failures", "drawn_only",
+           "expect_prediction"]
 
 # the run in progress: which pass, which exercise, how many cases each exercise drew, which case failed where
 _STATE: dict[str, Any] = {"pass": 0, "cases": {}, "exercise": None, "seen": {}, "failures": {}, "drawn_only": False}
@@ -412,3 +413,26 @@ def make_tensor(shape: Sequence[int], dtype: Any = None, layout: str = "contiguo
     else:
         raise ValueError(f"layout={layout!r} is not a memory layout; allowed: {', '.join(LAYOUTS)}")
     return t.to(device)
+
+
+def expect_prediction(where: str, got: Any, model: float, measure: Callable[[], float], tolerance: float,
+                      hint: str = "") -> None:
+    """The relation of a predict-then-measure exercise on a drawn case: ``got`` is a positive Python number within
+    ``tolerance`` (relative) of memlab's model of the quantity, ``model``, or of the measurement, ``measure()``
+    (run only when the model's value is missed: measuring costs a real step).
+
+    Either of two right answers is accepted, each with the check's tolerance and no wider: memlab's model (what
+    the lab teaches) is exact to within the tolerance on the hand-picked cases, which the check compares with the
+    measurement alone, but on a drawn case it may be further off (a size it does not model), and a learner whose
+    prediction is closer to the measurement must pass there too. AssertionError names both and ``hint``."""
+    if type(got) not in (int, float) or not got > 0:
+        raise AssertionError(f"{where}: expected a positive number of bytes (a Python int or float), got "
+                             f"{type(got).__name__} {str(got)[:60]}")
+    err = float(got) / model - 1
+    if abs(err) <= tolerance:
+        return
+    measured = measure()
+    err_m = float(got) / measured - 1
+    if abs(err_m) > tolerance:
+        raise AssertionError(f"{where}: predicted {float(got):,.0f} B, measured {measured:,.0f} B ({err_m:+.1%}), "
+                             f"memlab's model {model:,.0f} B ({err:+.1%}); allowed +-{tolerance:.1%} of either. {hint}")
