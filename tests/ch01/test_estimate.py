@@ -453,7 +453,9 @@ def test_gpu_presets_and_sizes():
 def test_cuda_target_extras_and_fits():
     est = estimate_training_memory(small_gpt, batch_size=1, seq_len=16, device="cuda", optimizer_impl="for-loop")
     assert est.allocated_bytes == est.peak_bytes + 64 * 2**20
-    assert est.reserved_bytes == -(-est.allocated_bytes * 114 // 100)
+    # reserved: the traced allocations replayed through the caching allocator's model (tests/ch01/test_caching_allocator.py)
+    assert est.reserved_bytes == est.reserved_replay_bytes and est.reserved_bytes % (2 * 2**20) == 0
+    assert est.allocated_bytes <= est.reserved_bytes < est.allocated_bytes * 1.14
     assert est.fits("h100-80gb") and est.fits("1GiB")  # 1 GiB - the context reserve: a tiny model still fits
     assert est.headroom("1GiB") == 2**30 - 718_077_952 - est.reserved_bytes
     text = est.table()

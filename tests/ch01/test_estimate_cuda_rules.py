@@ -148,3 +148,94 @@ def test_estimate_adds_the_cards_cublas_workspace(monkeypatch):
     assert env.allocated_bytes == a100.allocated_bytes
     with pytest.raises(ValueError, match="gpu='tpu' is invalid"):
         E.estimate_training_memory("gpt2", gpu="tpu", **kw)
+
+
+# ---------------------------------------------------------------- rule 4: NF4 linears as bitsandbytes allocates
+def _nf4_layer(n: int = 1024):
+    from memlab.quant import Linear4bit
+
+    return Linear4bit.from_linear(torch.nn.Linear(n, n, bias=False), torch.bfloat16, 64, True)
+
+
+def _forward_rise(rule: bool) -> int:
+    """The bytes a fake 1024 x 1024 NF4 layer adds at its forward's peak, above what is alive before it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memlab.profiler import MemoryTracker
+
+    with FakeTensorMode():
+        layer = _nf4_layer()
+        x = torch.randn(8, 1024, dtype=torch.bfloat16, requires_grad=True)
+        tracker = MemoryTracker()
+        with tracker, (R.cuda_semantics() if rule else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)):
+            start = tracker.current_bytes
+            layer(x)
+    return tracker.peak_bytes - start
+
+
+def test_nf4_rule_charges_only_the_dequantized_weight():
+    # bitsandbytes' dequantize_4bit on CUDA: the fp32 absmax of the 16,384 blocks (64 KiB) alive while the kernel
+    # writes the bf16 weight (2 MiB); then F.linear's 16 KiB output beside the weight
+    assert _forward_rise(True) == 2 * 2**20 + 64 * 2**10
+    # memlab's own dequantize on a CPU trace: int64 indices, fp32 values and their scaled copy (~8+ bytes a weight)
+    assert _forward_rise(False) >= 8 * 2**20
+
+
+def test_nf4_rule_computes_what_the_layer_computes():
+    layer = _nf4_layer(128)
+    x = torch.randn(4, 128, requires_grad=True)
+    ref = layer(x)
+    ref.sum().backward()
+    gref, x.grad = x.grad, None
+    with R.cuda_semantics() as mode:
+        out = layer(x)
+    out.sum().backward()
+    assert mode.counts["nf4"] == 1 and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, gref)
+
+
+@pytest.mark.parametrize("version, kept", [("0.43.1", True), ("0.41.0", True), ("0.43.2", False), ("0.45.0", False)])
+def test_nf4_rule_keeps_the_input_by_bitsandbytes_version(version, kept):
+    import weakref
+
+    layer = _nf4_layer(128)
+    with R.cuda_semantics(bnb_version=version) as mode:
+        leaf = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
+        x = leaf * 2.0  # a layer's input: a non-leaf (autograd's own graph holds a leaf)
+        ref = weakref.ref(x)
+        out = layer(x)
+        del x
+    assert (ref() is not None) == kept  # MatMul4Bit held its input on ctx before 0.43.2
+    out.float().sum().backward()
+    assert ref() is None  # freed by backward either way
+    note = [n for n in R.rule_notes(mode) if "NF4" in n]
+    assert len(note) == 1 and f"bitsandbytes {version} (given)" in note[0]
+    assert ("kept for backward" in note[0]) == kept
+
+
+def test_nf4_rule_follows_the_installed_bitsandbytes():
+    version, source = R.bnb_version()
+    mode = R.cuda_semantics()
+    assert (mode.bnb_version, mode.bnb_source) == (version, source)
+    from memlab.quant import Linear4bit
+
+    before = Linear4bit.forward
+    with mode:
+        assert Linear4bit.forward is not before
+    assert Linear4bit.forward is before  # the rule is undone on leaving
+    with pytest.raises(ValueError, match="bnb_version='latest' is invalid; allowed: a bitsandbytes release"):
+        R.cuda_semantics(bnb_version="latest")
+
+
+def test_qlora_estimate_states_the_nf4_rule():
+    from memlab.models import tiny_llama_config
+
+    cfg = lambda: tiny_llama_config(hidden_size=64, intermediate_size=160, num_hidden_layers=2,  # noqa: E731
+                                    vocab_size=512, max_position_embeddings=64)
+    est = E.estimate_training_memory(cfg(), batch_size=1, seq_len=32, device="cuda", adapter="qlora",
+                                     extrapolate=False)
+    assert any("NF4 linears allocate what bitsandbytes' CUDA kernels allocate" in n for n in est.notes)
+    cpu = E.estimate_training_memory(cfg(), batch_size=1, seq_len=32, device="cpu", adapter="qlora",
+                                     extrapolate=False)
+    assert not any("allocate what bitsandbytes" in n for n in cpu.notes)

@@ -10,20 +10,34 @@ the estimate's notes (:func:`rule_notes`):
 2. CUDA autocast's float32 list (layer_norm, softmax, log_softmax, sum, pow, ...) casts 16-bit inputs
    to fp32, where CPU autocast runs them in 16 bits.
 3. CUDA autocast's lower-precision list has ``mv``, ``addmv`` and ``addr``, which CPU autocast runs in fp32.
+4. NF4 linears (:class:`memlab.quant.Linear4bit`, QLoRA's base) allocate what bitsandbytes allocates on CUDA:
+   memlab's pure-PyTorch dequantize keeps int64 indices and fp32 values alive together (about 8 bytes per
+   weight), where ``bitsandbytes.functional.dequantize_4bit``'s CUDA kernel writes the weight in the compute
+   dtype (2 bytes per weight for bf16/fp16), after dequantizing the blocks' absmax to fp32 (double quant: 4
+   bytes per 64 weights); nothing else. Forward holds that weight while ``F.linear`` runs, backward
+   dequantizes it again for the input gradient. Before bitsandbytes 0.43.2, ``MatMul4Bit`` kept its input on
+   ``ctx`` for backward whenever it required a gradient (outside saved-tensor hooks, so checkpointing does
+   not free it); from 0.43.2 on it keeps none. The version followed is the one installed, else 0.43.2
+   (:func:`bnb_version`; ``cuda_semantics(bnb_version=...)`` names another). Not modelled: quantizing at load
+   time (from fp16 older releases made an fp16 copy beside the bf16 weight), bitsandbytes' inference gemv path.
 
 Sources: PyTorch's AMP documentation, "Autocast Op Reference" (https://pytorch.org/docs/stable/amp.html);
-``at::dropout``'s fused-kernel check (aten/src/ATen/native/Dropout.cpp). Not modelled: kernel-internal
-scratch other than the softmax-backward rule of :mod:`memlab.estimate.attention`.
+``at::dropout``'s fused-kernel check (aten/src/ATen/native/Dropout.cpp); bitsandbytes'
+``bitsandbytes/autograd/_functions.py`` (``MatMul4Bit``) and ``bitsandbytes/functional.py``
+(``dequantize_4bit``), releases 0.41-0.45 (https://github.com/bitsandbytes-foundation/bitsandbytes). Not modelled:
+kernel-internal scratch other than the softmax-backward rule of :mod:`memlab.estimate.attention`.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import re
+from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CUDA_FP32_OPS", "CUDA_LOWER_OPS", "checkpoint_context_fn", "cuda_semantics", "rule_notes"]
+__all__ = ["CUDA_FP32_OPS", "CUDA_LOWER_OPS", "BNB_INPUT_KEPT_BEFORE", "bnb_version", "checkpoint_context_fn",
+           "cuda_semantics", "rule_notes"]
 
 # CUDA's float32 autocast list (PyTorch AMP docs), by the Python name the op is called under. Kept
 # only where CPU autocast differs (checked on torch 2.13 CPU: these return bf16 for bf16 inputs).
@@ -53,9 +67,30 @@ def _cast(obj: object, dtype: torch.dtype) -> object:
 class _CudaSemantics(TorchFunctionMode):
     """The rules of the module docstring; ``counts`` says how often each fired."""
 
-    def __init__(self) -> None:
+    def __init__(self, bnb: tuple[str, str] | None = None) -> None:
         super().__init__()
-        self.counts = {"dropout": 0, "fp32": 0, "lower": 0}
+        self.counts = {"dropout": 0, "fp32": 0, "lower": 0, "nf4": 0}
+        self.bnb_version, self.bnb_source = bnb or bnb_version()
+        self.bnb_keeps_input = _version_tuple(self.bnb_version) < BNB_INPUT_KEPT_BEFORE
+        self._depth = 0
+        self._saved_forward: Any = None
+
+    def __enter__(self):  # rule 4: Linear4bit runs bitsandbytes' CUDA matmul while the mode is on
+        if self._depth == 0:
+            from memlab.quant import Linear4bit
+
+            self._saved_forward = Linear4bit.forward
+            Linear4bit.forward = _bnb_forward(self)  # type: ignore[method-assign]
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._depth -= 1
+        if self._depth == 0:
+            from memlab.quant import Linear4bit
+
+            Linear4bit.forward = self._saved_forward  # type: ignore[method-assign]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -81,10 +116,20 @@ class _CudaSemantics(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def cuda_semantics() -> _CudaSemantics:
+def cuda_semantics(bnb_version: str | None = None) -> _CudaSemantics:
     """A fresh mode to trace a CUDA step on CPU tensors (a ``TorchFunctionMode``: enter it around forward
-    and backward)."""
-    return _CudaSemantics()
+    and backward). ``bnb_version``: the bitsandbytes release whose ``MatMul4Bit`` the NF4 rule follows (such as
+    ``"0.43.1"``); None: the installed one (:func:`bnb_version`).
+
+    Raises:
+        ValueError: a ``bnb_version`` that is not a release number.
+    """
+    if bnb_version is None:
+        return _CudaSemantics()
+    if not isinstance(bnb_version, str) or not re.fullmatch(r"\d+(\.\d+){0,2}\S*", bnb_version):
+        raise ValueError(f"bnb_version={bnb_version!r} is invalid; allowed: a bitsandbytes release such as '0.43.1', "
+                         f"or None (the installed one)")
+    return _CudaSemantics((bnb_version, "given"))
 
 
 def checkpoint_context_fn(mode: _CudaSemantics) -> Callable[[], tuple]:
@@ -107,4 +152,87 @@ def rule_notes(mode: _CudaSemantics) -> list[str]:
                    f"in fp32 where CPU autocast runs 16-bit ({c['fp32']} calls in the last traced step)")
     if c["lower"]:
         out.append(f"CUDA rule: autocast's CUDA lower-precision mv/addmv/addr ({c['lower']} calls)")
+    if c["nf4"]:
+        kept = ("kept for backward (MatMul4Bit before 0.43.2)" if mode.bnb_keeps_input else
+                "not kept (MatMul4Bit from 0.43.2 on)")
+        out.append(f"CUDA rule: NF4 linears allocate what bitsandbytes' CUDA kernels allocate: the dequantized weight "
+                   f"in the compute dtype (and the fp32 absmax of its blocks) while each matmul runs, again in "
+                   f"backward, nothing else; the input {kept}; bitsandbytes {mode.bnb_version} ({mode.bnb_source}); "
+                   f"{c['nf4']} calls in the last traced step")
     return out
+
+
+# ---------------------------------------------------------------- rule 4: NF4 linears as bitsandbytes runs them on CUDA
+BNB_INPUT_KEPT_BEFORE = (0, 43, 2)  # bitsandbytes' MatMul4Bit kept its input for backward before this release
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    nums = re.findall(r"\d+", version)[:3]
+    return tuple(int(n) for n in nums) + (0,) * (3 - len(nums))
+
+
+def bnb_version() -> tuple[str, str]:
+    """The bitsandbytes version the NF4 rule follows and where it comes from: the one installed, else the first
+    release whose ``MatMul4Bit`` keeps no input (0.43.2)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("bitsandbytes"), "installed"
+    except metadata.PackageNotFoundError:
+        return ".".join(map(str, BNB_INPUT_KEPT_BEFORE)), "bitsandbytes not installed: a release from 0.43.2 on assumed"
+
+
+def _bnb_dequantize(layer: Any, dtype: torch.dtype) -> torch.Tensor:
+    # bitsandbytes.functional.dequantize_4bit on CUDA: the blocks' absmax dequantized to fp32 (double quant), then one
+    # kernel writes the weight in `dtype`; nothing else. On fake tensors only the two allocations are made.
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    packed = layer.weight_packed
+    if not isinstance(packed, FakeTensor):
+        return layer.dequantized_weight(dtype)  # real values (memlab's dequantize: CPU transients are real)
+    n = layer.out_features * layer.in_features
+    absmax = None
+    if layer.double_quant:
+        absmax = torch.empty(-(-n // layer.blocksize), dtype=torch.float32, device=packed.device)
+    w = torch.empty((layer.out_features, layer.in_features), dtype=dtype, device=packed.device)
+    del absmax
+    return w
+
+
+class _BnbMatMul4Bit(torch.autograd.Function):
+    """``bitsandbytes.autograd._functions.MatMul4Bit`` as its CUDA path allocates: forward dequantizes the weight
+    (a transient in the compute dtype) for ``F.linear``; backward dequantizes it again for the input gradient. The
+    input is held on ``ctx`` (not saved: saved-tensor hooks never see it) by releases before 0.43.2."""
+
+    @staticmethod
+    def forward(ctx, x, bias, layer, keep_input):  # noqa: D401
+        w = _bnb_dequantize(layer, x.dtype)
+        out = torch.nn.functional.linear(x, w, bias)
+        del w
+        ctx.layer, ctx.x_dtype = layer, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.kept = x if keep_input and x.requires_grad else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w = _bnb_dequantize(ctx.layer, grad.dtype)
+            grad_x = grad.matmul(w).to(ctx.x_dtype)
+            del w
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+        ctx.kept = None
+        return grad_x, grad_bias, None, None
+
+
+def _bnb_forward(mode: "_CudaSemantics") -> Callable:
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        # bitsandbytes.nn.Linear4bit.forward: input and bias cast to the compute dtype, out cast back
+        mode.counts["nf4"] += 1
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        out = _BnbMatMul4Bit.apply(x.to(self.compute_dtype), bias, self, mode.bnb_keeps_input)
+        return out.to(x.dtype)
+
+    return forward

@@ -13,6 +13,8 @@ from memlab.estimate.result import MemoryEstimate, PhaseSummary
 from memlab.estimate.step import StepSpec
 from memlab.estimate.trace import trace_step
 
+REPLAY_NOTE = "reserved: the traced allocations replayed through a model of PyTorch's CUDA caching allocator"
+
 # Extrapolation by depth: traced at these two depths (decoder layers) and a third, 2 d2 - d1. From 3 layers on,
 # the first two and the last two layers of the traced stacks are distinct layers (the first can differ: a frozen
 # embedding's output needs no gradient; HF Llama keeps inputs_embeds alive through the forward; the last feeds
@@ -168,7 +170,7 @@ def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: i
         return None
     peak = max(phases.values())
     peak_phase = next(ph for ph, v in phases.items() if v == peak)  # the first in time, as the tracker
-    return MemoryEstimate(
+    est = MemoryEstimate(
         model=b.model, n_params=n_params, batch_size=b.batch_size, seq_len=b.seq_len, dtype=b.dtype,
         optimizer=b.optimizer, checkpointing=b.checkpointing, peak_bytes=peak, breakdown=phase_bd[peak_phase],
         breakdown_end=end, max_activation_bytes=max_act, largest_layer_params=b.largest_layer_params,
@@ -179,6 +181,27 @@ def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: i
         host_bytes=sum(host_bd.values()), host_breakdown=host_bd, adapter=b.adapter, loss=b.loss,
         offload_checkpoints=b.offload_checkpoints, optimizer_in_backward=b.optimizer_in_backward,
     )
+    _extrapolate_reserved(est, [(d1, a), (d2, b)] + ([(2 * d2 - d1, c)] if c is not None else []), n)
+    return est
+
+
+def _extrapolate_reserved(est: MemoryEstimate, traced: list[tuple[int, MemoryEstimate]], n: int) -> None:
+    # the caching allocator's replay at each traced depth (memlab.estimate.allocator_replay): what it caches beyond the
+    # allocated peak, extrapolated along the line through the shallowest and the deepest trace, added to the
+    # extrapolated allocated peak and rounded up to the allocator's 2 MiB; none where a trace has no replay
+    est.notes = [x for x in est.notes if not x.startswith(REPLAY_NOTE)]
+    if not all(e.reserved_replay_bytes for _, e in traced):
+        return
+    (d0, e0), (dk, ek) = traced[0], traced[-1]
+    f0, fk = (e.reserved_replay_bytes - e.allocated_bytes for e in (e0, ek))
+    frag = max(fk + (fk - f0) * (n - dk) // (dk - d0), 0)
+    step = 2 * 2**20
+    est.reserved_replay_bytes = -(-(est.allocated_bytes + frag) // step) * step
+    est.fragmentation_bytes = est.reserved_replay_bytes - est.allocated_bytes
+    shown = ", ".join(f"{d} layers {(e.reserved_replay_bytes - e.allocated_bytes) / 2**20:,.0f} MiB" for d, e in traced)
+    est.notes.append(f"{REPLAY_NOTE} (memlab.estimate.caching_allocator) at each traced depth; the bytes it caches "
+                     f"beyond the allocated peak ({shown}) extrapolated by layer count: max_memory_reserved "
+                     f"{est.reserved_replay_bytes / 2**30:,.2f} GiB")
 
 
 def extrapolate_by_depth(trace_at: Callable[[int], MemoryEstimate], n_layers: int,

@@ -220,4 +220,9 @@ def shard_estimate(est: MemoryEstimate, world_size: int, zero_stage: int, *,
     out.phase_breakdowns, out.phase_peaks, out.peak_phase = phase_bd, phases, peak_phase
     out.tracker = PhaseSummary(peak, peak_phase, phases)
     out.notes, out.world_size, out.zero_stage = notes, world_size, zero_stage
+    if est.reserved_replay_bytes:  # the replay was of the unsharded step: keep what it cached beyond the peak
+        cached = est.reserved_replay_bytes - est.allocated_bytes
+        out.reserved_replay_bytes = -(-(out.allocated_bytes + cached) // (2 * 2**20)) * (2 * 2**20)
+        out.notes = notes + [f"reserved: the bytes the caching allocator's model cached beyond the unsharded step's "
+                             f"peak ({cached / 2**20:,.0f} MiB) added to this rank's"]
     return out
