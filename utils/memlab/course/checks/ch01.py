@@ -89,6 +89,55 @@ def check_live_bytes(cls):
     expect_equal("peak of this counter", lb.peak, 1024)
     _two_counters(cls)
 
+    def run(case) -> None:
+        mine, want = cls(), ref.LiveBytes()
+        gen = torch.Generator().manual_seed(case.seed)
+        alive: list = []  # what the program still holds: tensors and bare storages
+        for i, op in enumerate(case.ops):
+            n = int(torch.randint(0, case.size + 1, (1,), generator=gen))
+            pick = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+            tensors, base = [x for x in alive if isinstance(x, torch.Tensor) and x.dim() == 1], None
+            if op == "track a new tensor" or not tensors and op != "drop something":
+                t = torch.zeros(n, dtype=case.dtype)
+                alive.append(t)
+            elif op == "drop something":
+                if alive:
+                    alive.pop(pick % len(alive))
+                t = None
+            else:
+                base = tensors[pick % len(tensors)]
+                k = base.numel()
+                t = {"track a view at an offset": lambda: base[min(k, 1 + pick % max(k, 1)):],
+                     "track a transposed view": lambda: base[: (k // 2) * 2].view(-1, 2).t() if k >= 2 else base[:0],
+                     "track a temporary view": lambda: base[: k // 2],
+                     "keep only the storage": lambda: base.untyped_storage()}[op]()
+                if op == "keep only the storage":
+                    alive.append(t)
+                    del alive[next(j for j, x in enumerate(alive) if x is base)]
+                    t = None
+                elif op != "track a temporary view":
+                    alive.append(t)
+            if t is not None:
+                mine.track(t)
+                want.track(t)
+            t = base = tensors = None  # only `alive` holds anything now
+            gc.collect()
+            expect_equal(f"after step {i + 1} ({op}) of {list(case.ops)} ({case}): (current, peak)",
+                         (mine.current, mine.peak), (want.current, want.peak))
+        alive.clear()
+        gc.collect()
+        expect_equal(f"after every tensor of {list(case.ops)} died ({case}): (current, peak)",
+                     (mine.current, mine.peak), (want.current, want.peak))
+
+    # programs of tracks and deaths: new tensors of any size (0 too) and dtype, views at an offset and transposed,
+    # temporary views of a live tensor, a storage kept after its last tensor died, things dropped in any order
+    differential(LIVE_SPACE, run, examples=15)
+
+
+LIVE_SPACE = Space(ops=lists_of(one_of("track a new tensor", "track a view at an offset", "track a transposed view",
+                                       "track a temporary view", "keep only the storage", "drop something"), 1, 12),
+                   size=ints(0, 300), dtype=one_of(torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.bool))
+
 
 def _two_counters(cls) -> None:
     """Two counters at once are independent: each counts what it tracks (state on the class would be shared)."""

@@ -243,6 +243,53 @@ def check_rng_replay(cls):
         second = drop(x)
     expect(torch.equal(first, second), "dropout under replay() did not reproduce the mask of the first call")
 
+    def run(case) -> None:
+        got, want = _rng_program(cls, case), _rng_program(ref.RNGState, case)
+        for i, (g, w) in enumerate(zip(got, want)):
+            expect(torch.equal(g, w), f"{case}: draw #{i + 1} of the program (the snapshot taken after "
+                                      f"{case.before} draws, replayed {len(case.inside)} time(s), the second snapshot "
+                                      f"{'replayed inside the first' if case.nested else 'not used'}) differs from "
+                                      f"what the same program draws with memlab's RNGState")
+
+    # any seed, any number of draws before the snapshot and inside each replay, six kinds of draws, a body that
+    # raises, a second snapshot replayed inside the first's replay
+    differential(RNG_SPACE, run, examples=15)
+
+
+RNG_SPACE = Space(before=ints(0, 40), kind=one_of("rand", "randn", "randint", "bernoulli", "dropout", "randperm"),
+                  inside=lists_of(ints(0, 300), 1, 3), raises=flags(), nested=flags())
+
+
+def _rng_program(cls, case) -> list:
+    """What one program of draws, snapshots and replays draws, in order."""
+    def draw(n: int) -> torch.Tensor:
+        return {"rand": lambda: torch.rand(n), "randn": lambda: torch.randn(n), "randint": lambda: torch.randint(0, 9, (n,)),
+                "bernoulli": lambda: torch.bernoulli(torch.full((n,), 0.3)),
+                "dropout": lambda: nn.functional.dropout(torch.ones(n), 0.5, training=True),
+                "randperm": lambda: torch.randperm(n)}[case.kind]()
+
+    torch.manual_seed(case.seed)
+    out = [draw(case.before)]
+    snap = cls()
+    out.append(draw(5))
+    for i, n in enumerate(case.inside):
+        try:
+            with snap.replay():
+                out.append(draw(5))
+                if case.nested:
+                    inner = cls()
+                    out.append(draw(n))
+                    with inner.replay():
+                        out.append(draw(3))
+                else:
+                    out.append(draw(n))
+                if case.raises and i == 0:
+                    raise KeyError("boom")
+        except KeyError:
+            pass
+        out.append(draw(4))
+    return out
+
 
 # ----------------------------------------------------------------------------- 02.checkpoint_sequential
 class _Counted(nn.Module):
