@@ -386,18 +386,21 @@ def write_fsyncs_dir_before_rename(path, chunks):
 # Each wrong derivation below is the exact formula with one term forgotten or miscounted (sizes measured on the
 # graded cases: 2-core x86_64 CPU, torch 2.13.0+cpu); and two traces, which the check refuses to run.
 def _derive(model_fn, stack, seq_len, *, counters=True, labels=True, masks=True, accum_grads=True, denom=True,
-            scalars=True, ids_batch=None, act_batch=None, logsumexp=True, ln_stats=True):
+            scalars=True, ids_batch=None, act_batch=None, logsumexp=True, ln_stats=True, ratio=None, vocab=None,
+            length=None, heads=None):
     cfg = model_fn().config
-    V, bs, L, a, h = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd
+    V, bs, L, a, h = vocab or cfg.vocab_size, cfg.block_size, cfg.n_layer, heads or cfg.n_head, cfg.n_embd
+    r = ratio or cfg.mlp_ratio
+    seq_len = length(cfg, seq_len) if length else seq_len
     mb, ga, s, f = stack.micro_batch, stack.grad_accum, seq_len, 4
     E = ids_batch or stack.effective_batch
     m = act_batch or mb
-    sizes = [V * h, bs * h] + L * [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h] + [h, h]
+    sizes = [V * h, bs * h] + L * [h, h, 3 * h * h, 3 * h, h * h, h, h, h, r * h * h, r * h, r * h * h, h] + [h, h]
     n = sum(sizes)
     weights = f * n + (L * bs * bs if masks else 0)
     adam = 2 * f * n + (4 * len(sizes) if counters else 0)
     ids = 8 * E * s * (2 if labels else 1)
-    per_block = m * s * (16 * f * h + (f * a if logsumexp else 0) + (4 * f if ln_stats else 0))
+    per_block = m * s * ((8 + 2 * r) * f * h + (f * a if logsumexp else 0) + (4 * f if ln_stats else 0))
     head = m * s * (3 * f * V + 2 * f * h + 8) + 8 * s + (4 if scalars else 0)
     losses = (4 if ga == 1 else 12 if ga == 2 else 16) if scalars else 0
     backward = weights + adam + ids + L * per_block + head + losses + (f * n if ga > 1 and accum_grads else 0)
@@ -614,8 +617,6 @@ MUTANTS = {
         ("labels forgotten", predict_forgets_labels),
         ("causal-mask buffers forgotten", predict_forgets_mask_buffers),
         ("accumulated gradients missed", predict_without_accumulated_grads),
-        ("previous denom in AdamW's loop forgotten", predict_forgets_previous_denom),
-        ("0-d losses forgotten", predict_forgets_loss_scalars),
         ("one micro-batch of token ids", predict_micro_batch_ids_only),
         ("whole effective batch at once", predict_effective_batch_activations),
         ("SDPA logsumexp forgotten", predict_forgets_logsumexp),
@@ -625,3 +626,46 @@ MUTANTS = {
         ("a forward on the meta device", predict_on_meta_device),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- issue 35: 07.predict_peak
+# (AdamW's previous denom and the 0-d losses are terms the lecture does not show: the check lets a derivation count
+# them or not, so predict_forgets_previous_denom and predict_forgets_loss_scalars above are right answers now.)
+def predict_mlp_ratio_4(model_fn, stack, seq_len):
+    """The MLP's width written as 4 h (every graded model had mlp_ratio=4), not mlp_ratio x h."""
+    return _derive(model_fn, stack, seq_len, ratio=4)
+
+
+def predict_vocab_256(model_fn, stack, seq_len):
+    """The vocabulary written as 256 (byte-level: every graded model had it), not config.vocab_size."""
+    return _derive(model_fn, stack, seq_len, vocab=256)
+
+
+def predict_block_size_as_length(model_fn, stack, seq_len):
+    """The activations and token ids of block_size tokens (every graded length but one was the block size)."""
+    return _derive(model_fn, stack, seq_len, length=lambda cfg, s: cfg.block_size)
+
+
+def predict_one_head_logsumexp(model_fn, stack, seq_len):
+    """SDPA's logsumexp counted once per token, not once per head (every graded model had 2-4 heads: 4-16 B)."""
+    return _derive(model_fn, stack, seq_len, heads=1)
+
+
+_PARAMS_SEEN: list = []
+
+
+def predict_params_from_first_model(model_fn, stack, seq_len):
+    """Counts the parameters of the first model it is given and keeps the count in a module-level list (the
+    model is the costly part): a later model of another size gets the first one's count."""
+    if not _PARAMS_SEEN:
+        _PARAMS_SEEN.append(sum(p.numel() for p in model_fn().parameters()))
+    return _derive(model_fn, stack, seq_len)
+
+
+MUTANTS["07.predict_peak"] += [
+    ("mlp_ratio 4 written in", predict_mlp_ratio_4),
+    ("vocabulary 256 written in", predict_vocab_256),
+    ("block_size as the sequence length", predict_block_size_as_length),
+    ("one logsumexp per token, not per head", predict_one_head_logsumexp),
+    ("parameter count kept from the first model", predict_params_from_first_model),
+]

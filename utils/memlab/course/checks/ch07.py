@@ -11,10 +11,13 @@
                     fdatasync, sync and rename the writer makes (whichever name it calls them by) leaves the old
                     file or the new one, never a torn one, and only the new one once the write returned; the
                     temp file in the target's directory, none left after an error
-07.predict_peak     derive the tracked peak of a BudgetTrainer step (TinyGPT, fp32, AdamW, SDPA, no
-                    checkpointing) as a formula over the config and the stack: a function that runs the model
-                    (forward, backward or optimizer step, fake tensors included) fails; graded exactly against
-                    the measurement (MemoryTracker on the real run): the smallest omissions are a few bytes
+07.predict_peak     derive the peak of a BudgetTrainer step (TinyGPT, fp32, AdamW, SDPA, no checkpointing) as a
+                    formula over the config and the stack: a function that runs the model (forward, backward or
+                    optimizer step, fake tensors included) fails; graded against the lecture's model of the step
+                    (predict_peak_bounds: to the byte, the 0-d tensors and AdamW's previous denom optional) on 40
+                    drawn configurations (depth, heads, head size, vocabulary, MLP ratio, micro-batch, accumulation,
+                    length), and that model against the measurement (MemoryTracker on the real run) on the lab's five
+                    stacks, which it equals to the byte
 
 The references are memlab.train.cheapest_stack, memlab.train.back_off, memlab.train.state.atomic_write and
 predict_peak_formula here (a formula; memlab.train.estimate_stack_peak traces the same step on fake tensors).
@@ -487,16 +490,16 @@ def _tiny(cfg: dict):
     return TinyGPT(TinyGPTConfig(**cfg))
 
 
-# Exact: the formula below equals the measurement to the byte on every graded case. The smallest terms a
-# derivation could forget, measured on these cases (2-core x86_64 CPU, torch 2.13.0+cpu):
-#   the 0-d tensors (the loss, backward's seed gradient, loss / k, the running sum, the last detached loss):
-#     8 / 16 / 20 B at the start of the last backward (grad_accum 1 / 2 / >=3), 4 B in optimizer.step();
-#   AdamW's 4-byte step counter per parameter tensor: 112 B (n_layer=2), 160 B (n_layer=3);
-#   the previous tensor's `denom` still referenced inside AdamW's per-tensor loop: 4 x (c_fc bias) = 1,024 B
-#     (n_embd=64, the case whose peak is the optimizer step);
-#   SDPA's logsumexp: 1-6 KiB; LayerNorm's mean/rstd: 2-6 KiB; the labels' token ids (8 x effective_batch x
-#     seq_len): 64 B-2 KiB; the causal-mask buffers (bool block_size^2 per block): 2-12 KiB; the gradients that
-#     accumulation keeps alive (4 B x parameters): 189-463 KiB (tests/course/mutants/ch07.py: each of these FAILS).
+# The model below equals the measurement to the byte on the lab's five stacks (2-core x86_64 CPU, torch 2.13.0+cpu).
+# The smallest terms a derivation could forget, on these cases: the 0-d tensors (the loss, backward's seed gradient,
+# loss / k, the running sum, the last detached loss: 8 / 16 / 20 B at the start of the last backward, 4 B in
+# optimizer.step()) and the previous tensor's `denom` still referenced inside AdamW's loop (4 x (c_fc bias) = 1,024 B
+# at n_embd=64) are optional (the lecture does not show them); AdamW's 4-byte step counter per parameter tensor
+# (112-160 B), SDPA's logsumexp (1-6 KiB), LayerNorm's mean/rstd (2-6 KiB), the token ids (16 x effective_batch x
+# seq_len: 64 B-2 KiB), the causal-mask buffers (2-12 KiB) and the gradients that accumulation keeps alive (189-463
+# KiB) count (tests/course/mutants/ch07.py: each of these FAILS). With accumulation and few tokens per micro-batch
+# the real step can peak later than the model's two moments (the end of the last backward: the embedding's gradient
+# made whole before it is added into .grad, up to ~4 V h bytes): the drawn configurations are graded against the model.
 PREDICT_ALLOWED_BYTES = 0
 
 _PREDICT_CASES = [
@@ -508,34 +511,55 @@ _PREDICT_CASES = [
 ]
 
 
-def predict_peak_formula(model_fn, stack: Stack, seq_len: int) -> int:
-    """The reference: chapter 07's peak of a TinyGPT step (fp32, AdamW foreach=False, SDPA, no checkpointing),
-    derived term by term from the config and the stack; nothing runs but the model's constructor
-    (``model_fn()``: only its config is read). Bytes: the larger of the backward and optimizer-step peaks.
-    """
+def _peak_terms(model_fn, stack: Stack, seq_len: int) -> dict:
+    """The model of the step, term by term: ``backward`` and ``optimizer`` (the two moments, from what the lecture
+    and the lab's text teach), and the small terms a derivation may count or leave out: ``zero_d_backward`` (the 0-d
+    losses and backward's 0-d seed gradient at the backward's start), ``zero_d_optimizer`` (the last 0-d loss in
+    the step) and ``overlap`` (AdamW's previous ``denom`` still referenced: the optimizer moment with it)."""
     cfg = model_fn().config
-    V, bs, L, a, h = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd
+    V, bs, L, a, h, r = cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.mlp_ratio
     mb, ga, E, s, f = stack.micro_batch, stack.grad_accum, stack.effective_batch, seq_len, 4
     # parameter tensors in model.parameters() order (lm_head is tok_emb): embeddings, per block ln_1, c_attn,
     # c_proj, ln_2, c_fc, c_proj (weights then biases), then ln_f
-    sizes = [V * h, bs * h] + L * [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h] + [h, h]
+    sizes = [V * h, bs * h] + L * [h, h, 3 * h * h, 3 * h, h * h, h, h, h, r * h * h, r * h, r * h * h, h] + [h, h]
     n = sum(sizes)
     weights = f * n + L * bs * bs  # + each block's bool causal-mask buffer
     grads = f * n
     adam = 2 * f * n + 4 * len(sizes)  # exp_avg, exp_avg_sq, a 0-d fp32 step counter per tensor
     ids = 2 * 8 * E * s  # x and y (int64), the whole effective batch, alive for the whole step
-    # saved for backward, per block and token: 16 h-wide fp32 tensors, SDPA's logsumexp (one per head),
-    # the two LayerNorms' mean and rstd; the head: logits, log-softmax, the logits' gradient (V each),
-    # the embedding sum and ln_f's output (h each), the flattened targets; positions (int64) and the loss
-    per_block = mb * s * (16 * f * h + f * a + 4 * f)
-    head = mb * s * (3 * f * V + 2 * f * h + 8) + 8 * s + 4
-    losses = 4 if ga == 1 else (8 + 4 if ga == 2 else 12 + 4)  # the loss (or loss / k), the running sum, last d
-    backward = weights + adam + ids + L * per_block + head + losses + (grads if ga > 1 else 0)
-    # AdamW(foreach=False): sqrt and the division make two tensors of the parameter's size while the previous
-    # tensor's denom is still referenced; the last micro-batch's 0-d loss is alive
-    temp = f * max(2 * k + (sizes[i - 1] if i else 0) for i, k in enumerate(sizes))
-    optimizer = weights + grads + adam + ids + temp + 4
-    return max(backward, optimizer)
+    # saved for backward, per block and token: 8 h-wide and 2 MLP-wide (r h) fp32 tensors, SDPA's logsumexp (one
+    # per head), the two LayerNorms' mean and rstd; the head: logits, log-softmax, the logits' gradient (V each),
+    # the embedding sum and ln_f's output (h each), the flattened targets; the positions (int64)
+    per_block = mb * s * ((8 + 2 * r) * f * h + f * a + 4 * f)
+    head = mb * s * (3 * f * V + 2 * f * h + 8) + 8 * s
+    backward = weights + adam + ids + L * per_block + head + (grads if ga > 1 else 0)
+    # AdamW(foreach=False): sqrt and the division make two tensors of the parameter's size
+    optimizer = weights + grads + adam + ids + f * 2 * max(sizes)
+    overlap = weights + grads + adam + ids + f * max(2 * k + (sizes[i - 1] if i else 0) for i, k in enumerate(sizes))
+    # the 0-d tensors: backward's seed gradient, the loss (or loss / k, the running sum and the last detached loss)
+    zero_d = 4 + (4 if ga == 1 else (8 + 4 if ga == 2 else 12 + 4))
+    return dict(backward=backward, optimizer=optimizer, overlap=overlap, zero_d_backward=zero_d, zero_d_optimizer=4)
+
+
+def predict_peak_bounds(model_fn, stack: Stack, seq_len: int) -> tuple[int, int]:
+    """(lowest, highest) right prediction: the larger of the two moments without the small terms a derivation
+    may leave out (the 0-d tensors, AdamW's previous ``denom``), and with all of them."""
+    t = _peak_terms(model_fn, stack, seq_len)
+    low = max(t["backward"], t["optimizer"])
+    high = max(t["backward"] + t["zero_d_backward"], t["overlap"] + t["zero_d_optimizer"])
+    return low, high
+
+
+def predict_peak_formula(model_fn, stack: Stack, seq_len: int) -> int:
+    """The reference: chapter 07's peak of a TinyGPT step (fp32, AdamW foreach=False, SDPA, no checkpointing),
+    derived term by term from the config and the stack, every small term counted; nothing runs but the model's
+    constructor (``model_fn()``: only its config is read). Bytes: the larger of the backward and optimizer-step
+    moments. Equal to the measurement (MemoryTracker on the real trainer) when one of those two moments is the
+    step's peak (the lab's five stacks); with accumulation and few tokens per micro-batch the real step can peak
+    later, at the end of the last backward (the embedding's gradient made whole before it is added into .grad),
+    which this model leaves out.
+    """
+    return predict_peak_bounds(model_fn, stack, seq_len)[1]
 
 
 class _RanTheModel(Exception):
@@ -567,15 +591,33 @@ def _forbid_running(fn, *args):
         torch.autograd.backward = real_backward
 
 
+PREDICT_SPACE = Space(block_size=one_of(32, 16, 64), n_layer=ints(1, 4), n_head=one_of(2, 1, 4),
+                      head_dim=one_of(16, 8, 32), vocab_size=one_of(256, 300, 512), mlp_ratio=one_of(4, 2, 3, 1),
+                      micro_batch=ints(1, 4), grad_accum=ints(1, 4), seq_len=lambda c: ints(1, c.block_size))
+
+
+def _predict_case(case) -> tuple[dict, Stack, int]:
+    cfg = dict(block_size=case.block_size, n_layer=case.n_layer, n_head=case.n_head,
+               n_embd=case.n_head * case.head_dim, vocab_size=case.vocab_size, mlp_ratio=case.mlp_ratio)
+    return cfg, Stack(micro_batch=case.micro_batch, grad_accum=case.grad_accum), case.seq_len
+
+
 @register("07.predict_peak", reference=lambda: predict_peak_formula,
           title="predict a stack's peak, then measure", timeout=240)
 def check_predict_peak(fn) -> None:
-    """Grade exercise ``07.predict_peak``: predict a stack's peak, then measure."""
+    """Grade exercise ``07.predict_peak``: predict a stack's peak, then measure.
+
+    The relation: the prediction lies between the lecture's model of the step without the small terms a derivation
+    may count or leave out (the 0-d tensors, AdamW's previous ``denom``) and with all of them
+    (:func:`predict_peak_bounds`: a band of 8-24 B when the backward is the peak, up to 4 x 4 h B more when the
+    optimizer step is); every other term counts to the byte. On the lab's five stacks the model is also checked
+    against the measurement (MemoryTracker on the real trainer), which it equals."""
     expect(callable(fn), f"predict_peak: expected a function, got {type(fn).__name__}")
-    for cfg, stack, seq_len in _PREDICT_CASES:
+
+    def predicted_for(cfg: dict, stack: Stack, seq_len: int, what: str) -> tuple[int, str]:
         model_fn = functools.partial(_tiny, cfg)
         where = (f"predict_peak(TinyGPT({', '.join(f'{k}={v}' for k, v in cfg.items())}), micro_batch={stack.micro_batch}, "
-                 f"grad_accum={stack.grad_accum}, seq_len={seq_len})")
+                 f"grad_accum={stack.grad_accum}, seq_len={seq_len}){what}")
         try:
             predicted = _forbid_running(fn, model_fn, stack, seq_len)
         except _RanTheModel:
@@ -586,15 +628,34 @@ def check_predict_peak(fn) -> None:
         expect(type(predicted) is int,
                f"{where}: expected a whole number of bytes, exactly an int (convert NumPy or tensor values with "
                f"int()), got {type(predicted).__name__}")
-        measured = train.measure_stack_peak(model_fn, stack, seq_len)
+        low, high = predict_peak_bounds(model_fn, stack, seq_len)
+        t = _peak_terms(model_fn, stack, seq_len)
         n_tensors = len(list(model_fn().parameters()))
-        allowed = PREDICT_ALLOWED_BYTES
-        expect(abs(predicted - measured) <= allowed,
-               f"{where}: predicted {predicted:,} bytes, measured {measured:,} ({predicted - measured:+,} B; "
-               f"allowed {'exactly' if not allowed else f'+-{allowed} B'}: every term counts, down to the 0-d losses "
-               f"(4 B each); AdamW's step counters are {4 * n_tensors} B here, the labels "
-               f"{8 * stack.effective_batch * seq_len:,} B). The peak is the larger of the last micro-batch's backward "
-               "(as it starts) and the optimizer step of the steady state (a second step: AdamW's state exists)")
+        moment = "the backward's start" if t["backward"] >= t["optimizer"] else "AdamW's largest denom"
+        expect(low <= predicted <= high,
+               f"{where}: predicted {predicted:,} bytes; the step's peak is {low:,}-{high:,} B ({moment}; "
+               f"{predicted - (low if predicted < low else high):+,} B outside; the range is the 0-d tensors and AdamW's "
+               f"previous denom, which you may count or not: every other term counts to the byte; AdamW's step "
+               f"counters are {4 * n_tensors} B here, the token ids {16 * stack.effective_batch * seq_len:,} B). The "
+               "peak is the larger of the last micro-batch's backward (as it starts) and the optimizer step of the "
+               "steady state (a second step: AdamW's state exists)")
+        return predicted, where
+
+    for cfg, stack, seq_len in _PREDICT_CASES:  # the lab's stacks: the model equals the measurement here
+        predicted, where = predicted_for(cfg, stack, seq_len, "")
+        measured = train.measure_stack_peak(functools.partial(_tiny, cfg), stack, seq_len)
+        low, high = predict_peak_bounds(functools.partial(_tiny, cfg), stack, seq_len)
+        expect(low <= measured <= high, f"internal: {where}: measured {measured:,} B is outside the model's "
+                                        f"{low:,}-{high:,} B")
+
+    def run(case) -> None:
+        cfg, stack, seq_len = _predict_case(case)
+        predicted_for(cfg, stack, seq_len, f" ({case})")
+
+    # any depth, heads and head size, vocabulary (the trainer's data are bytes: 256 and more), MLP ratio, micro-batch,
+    # accumulation and length up to the block size (no measurement: the model alone)
+    differential(PREDICT_SPACE, run, examples=40)
 
 
-__all__ = ["check_cheapest_stack", "check_back_off", "check_atomic_write", "check_predict_peak", "predict_peak_formula"]
+__all__ = ["check_cheapest_stack", "check_back_off", "check_atomic_write", "check_predict_peak", "predict_peak_formula",
+           "predict_peak_bounds"]
