@@ -28,7 +28,7 @@ def test_results_and_readme_are_rendered_from_the_stored_outputs(capsys):
 def test_every_row_reads_a_notebook_or_a_stored_gpu_log_and_recorded_rows_name_a_source():
     rows = R.ROWS
     read = [r for r in rows if isinstance(r, R.Row)]
-    assert len(read) >= 20 and all(f.source.startswith(("notebooks/", "results/h100/")) for r in read for f in r.found)
+    assert len(read) >= 20 and all(f.source.startswith(("notebooks/", "results/h100/", "results/cpu/")) for r in read for f in r.found)
     assert all(r.device == "" for r in read if any(f.source.startswith("notebooks/") for f in r.found)), \
         "a notebook row's device is the one its stored outputs name"
     recorded = json.loads((ROOT / R.RECORDED).read_text(encoding="utf-8"))
@@ -126,3 +126,23 @@ def test_the_tool_exits_2_naming_the_missing_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "notebooks/07_fit_a_budget.ipynb: no stored output line matches 'the pick, steps" in err
     assert _tool().main(["--bogus"], root=tmp_path) == 2
+
+
+def test_readme_validation_account_is_rendered_from_the_stored_validate_log(tmp_path):
+    root = _repo(tmp_path, ["mine peak 4.50 MiB", "ref peak 4.00 MiB"])
+    (root / "results" / "cpu").mkdir(parents=True)
+    log = (ROOT / R.VALIDATE_LOG).read_text(encoding="utf-8")
+    (root / R.VALIDATE_LOG).write_text(log, encoding="utf-8")
+    (root / "README.md").write_text(f"x\n{R.README_BEGIN}\n{R.README_END}\n{R.VALIDATE_BEGIN}\nold table\n"
+                                    f"{R.VALIDATE_END}\nprose\n", encoding="utf-8")
+    for rel, text in R.render_files(root, [ROW]).items():
+        (root / rel).write_text(text, encoding="utf-8")
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert "old table" not in readme and readme.endswith(f"{R.VALIDATE_END}\nprose\n")
+    rows = [ln for ln in readme.splitlines() if ln.startswith("| ") and not ln.startswith(("| figure", "|---"))]
+    table = log[log.index("\nfigure "):].split("\n\n", 1)[0].splitlines()[2:]
+    assert len(rows) == sum(1 for ln in table if "  -  " not in ln and " - " not in ln.split("GiB")[0][-12:])
+    assert R.stale(root, [ROW]) == []
+    # a re-run of the validation that moves one estimate: README's row is stale
+    (root / R.VALIDATE_LOG).write_text(log.replace("34.79 GiB   -3.9%", "34.80 GiB   -3.8%"), encoding="utf-8")
+    assert any("34.80 GiB | -3.8%" in p for p in R.stale(root, [ROW]))

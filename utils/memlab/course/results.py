@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 __all__ = ["Found", "Counted", "Derived", "Row", "Recorded", "FigureError", "ROWS", "RECORDED", "TABLE_BEGIN", "TABLE_END",
-           "README_BEGIN", "README_END", "outputs_text", "read_figures", "render_table", "render_readme_block",
+           "README_BEGIN", "README_END", "VALIDATE_BEGIN", "VALIDATE_END", "VALIDATE_LOG", "outputs_text", "read_figures", "render_table", "render_readme_block", "render_validate_block",
            "replace_block", "render_files", "stale"]
 
 TABLE_BEGIN, TABLE_END = "<!-- results:table:begin -->", "<!-- results:table:end -->"
 README_BEGIN, README_END = "<!-- results:summary:begin -->", "<!-- results:summary:end -->"
+VALIDATE_BEGIN, VALIDATE_END = "<!-- results:validate:begin -->", "<!-- results:validate:end -->"
+VALIDATE_LOG = "results/cpu/estimate_validate.txt"  # `memlab estimate --validate`'s output, stored
 RECORDED = "results/recorded.json"
 HEADER = ("| ch | measurement | from scratch | reference | ratio / verdict | device |\n"
           "|---|---|---|---|---|---|")
@@ -205,7 +207,7 @@ def _render_row(row: Row, root: Path, cache: dict) -> str:
     device = row.device or (devices.pop() if devices else "")
     if not device:
         raise FigureError(f"a row of chapter {row.ch} reads no notebook and names no device")
-    return "| " + " | ".join([row.ch] + [c.replace("\n", " ") for c in cells] + [device]) + " |"
+    return "| " + " | ".join(_cell(c) for c in [row.ch] + cells + [device]) + " |"
 
 
 def _recorded(root: Path) -> dict[str, dict]:
@@ -262,6 +264,51 @@ def render_readme_block(root: Path, rows: Iterable[Row | Recorded] | None = None
             f"{len(rows) - n_read} (benches, GPU logs, tests) are kept in `{RECORDED}` with their source.")
 
 
+def _validate_table(lines: list[str]) -> list[list[str]]:
+    """The comparable rows of the stored ``--validate`` table: figure, metric, published, estimate, error, target."""
+    at = next((i for i, ln in enumerate(lines) if re.match(r"^figure\s+metric\s+published", ln)), None)
+    if at is None:
+        raise FigureError(f"{VALIDATE_LOG}: no table header 'figure  metric  published ...'")
+    rows = []
+    for ln in lines[at + 1:]:
+        if not ln.strip():
+            break
+        cells = re.split(r"\s{2,}", ln.strip())
+        if len(cells) >= 6 and cells[1] != "-":
+            rows.append(cells[:5] + ["  ".join(cells[5:])])
+    return rows
+
+
+def render_validate_block(root: Path) -> str:
+    """README's account of ``memlab estimate --validate``: its summary lines and its table, from the stored log."""
+    path = root / VALIDATE_LOG
+    if not path.is_file():
+        raise FigureError(f"{VALIDATE_LOG}: no such file (python tools/render_results.py --run-validate writes it)")
+    lines = outputs_text(path)
+    f = {}
+    for found in (Found(VALIDATE_LOG, "allocated figures: median |error| {med}% (target {tm}%), worst {worst}% "
+                                      "(target {tw}%)"),
+                  Found(VALIDATE_LOG, "^{met} of {n} comparable figures meet their target{rest:text}"),
+                  Found(VALIDATE_LOG, "^{und} undecided ({why:text}): each is at or below its figure for a longest "
+                                      "batch of at most {lo} to {hi} tokens"),
+                  Found(VALIDATE_LOG, "^{ne} published figures the estimator cannot express")):
+        f.update(_read_one(found, lines))
+    off = re.match(r"; (\d+) off for a stated reason", f["rest"])
+    table = _validate_table(lines)
+    head = (f"`memlab estimate --validate` (`memlab/estimate/validate.py`; about 1 min on a 2-core CPU; its output as "
+            f"last run: [`{VALIDATE_LOG}`]({VALIDATE_LOG})): {f['n']} published peaks the estimator can decide, "
+            f"{f['met']} meeting their target" + (f", {off.group(1)} off for the reason the log states "
+                                                  f"(torchtune's runs: torch.compile, its own Llama)" if off else "")
+            + f"; allocated figures: median |error| {f['med']}% (target {f['tm']}%), worst {f['worst']}% (target "
+            f"{f['tw']}%); reserved / nvidia-smi / unstated figures at or above the estimate; {f['und']} undecided, "
+            f"each met for a longest batch of at most {f['lo']} to {f['hi']} tokens; {f['ne']} published figures it "
+            f"cannot express, listed with the reason. Rows that name their card pass it (`gpu=`): the cuBLAS "
+            f"workspaces follow it (PyTorch's default: 32 MiB on compute capability 9.0 and later, 8.125 MiB before):")
+    body = ["| figure | metric | published | estimate | error | target |", "|---|---|---|---|---|---|"]
+    body += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in table]
+    return head + "\n\n" + "\n".join(body)
+
+
 def replace_block(text: str, begin: str, end: str, block: str, name: str) -> str:
     if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
         raise FigureError(f"{name}: needs one {begin} line before one {end} line")
@@ -273,9 +320,14 @@ def render_files(root: Path, rows: Iterable[Row | Recorded] | None = None) -> di
     """{relative path: its new text} for docs/results.md and README.md."""
     rows = ROWS if rows is None else list(rows)
     out = {}
-    for rel, begin, end, block in (("docs/results.md", TABLE_BEGIN, TABLE_END, render_table(root, rows)),
-                                   ("README.md", README_BEGIN, README_END, render_readme_block(root, rows))):
-        out[rel] = replace_block((root / rel).read_text(encoding="utf-8"), begin, end, block, rel)
+    blocks = [("docs/results.md", TABLE_BEGIN, TABLE_END, lambda: render_table(root, rows)),
+              ("README.md", README_BEGIN, README_END, lambda: render_readme_block(root, rows)),
+              ("README.md", VALIDATE_BEGIN, VALIDATE_END, lambda: render_validate_block(root))]
+    for rel, begin, end, block in blocks:
+        text = out[rel] if rel in out else (root / rel).read_text(encoding="utf-8")
+        if begin not in text and end not in text and rel == "README.md" and begin == VALIDATE_BEGIN:
+            continue  # a README without the validation's account (the unit tests' small repositories)
+        out[rel] = replace_block(text, begin, end, block(), rel)
     return out
 
 
@@ -368,7 +420,17 @@ ROWS: list[Row | Recorded] = [
     Recorded("01-bench-overhead"),
     Recorded("01-bench-70b"),
     Recorded("01-bench-7b-suggestions"),
-    Recorded("01-validate"),
+    Row("01", ("estimate vs published peaks (`memlab estimate --validate`, `memlab/estimate/validate.py`; every figure "
+               "with its source in the log; README lists them)", "{n} comparable figures, {met} meeting their target, "
+               "the rest off for a reason the log states; {und} more undecided (each met for a longest batch of at "
+               "most {lo} to {hi} tokens); {ne} more listed as not expressible", "published `max_memory_allocated` / reserved / "
+               "nvidia-smi figures", "allocated figures: median absolute error {med}% (target {tm}%), worst "
+               "{worst}% (target {tw}%)"),
+        (Found(VALIDATE_LOG, "allocated figures: median |error| {med}% (target {tm}%), worst {worst}% (target {tw}%)"),
+         Found(VALIDATE_LOG, "^{met} of {n} comparable figures meet their target"),
+         Found(VALIDATE_LOG, "^{und} undecided ({why:text}): each is at or below its figure for a longest batch of at "
+                             "most {lo} to {hi} tokens"),
+         Found(VALIDATE_LOG, "^{ne} published figures the estimator cannot express")), device=CPU),
     Recorded("01-h100-cpu-trace"),
     Recorded("01-estimate-real-step"),
     Recorded("01-h100-diag2"),
@@ -524,17 +586,32 @@ ROWS: list[Row | Recorded] = [
                "{ql_est} MiB; real step {ft_real} / {lo_real} / {ql_real} MiB", "{v}"),
         tuple(Found(N["06"], f"^{label} trainable {{{k}_tr}} stored {{{k}_st}} MiB peak {{{k}_pk}} MiB (params "
                               f"{{{k}_p}}, optimizer {{{k}_o}}, activations {{{k}_a}})") for k, label, _ in _Q)
-        + tuple(Found(N["06"], f"^{short} estimate (fake tensors) {{{k}_est}} MiB | real step {{{k}_real}} MiB | "
-                               f"diff {{{k}_diff}} B") for k, _, short in _Q),
+        + tuple(Found(N["06"], f"^{short} estimate (fake tensors) {{{k}_est}} MiB | real step {{{k}_real}} MiB "
+                               f"|{{{k}_mid:text}}diff {{{k}_diff}} B") for k, _, short in _Q),
         {"v": Derived(("ft_diff", "lo_diff", "ql_diff"), lambda f: "estimate equal to the real step to the byte"
                       if all(num(v) == 0 for v in f.values()) else "estimate off by {ft_diff} / {lo_diff} / "
                       "{ql_diff} B".format(**f))}),
-    Row("06", ("tiny Llama QLoRA r=8, one step, peak above the step's start by allocator events (lecture 06): "
-               "memlab.quant + memlab.quant.lora vs transformers BitsAndBytesConfig + bitsandbytes + peft",
-               "{mine} MiB", "production {prod} MiB", "{r}x"),
-        (Found(N["06"], "^transformers + bitsandbytes + peft one QLoRA step: allocator peak {prod} MiB"),
-         Found(N["06"], "^memlab.quant + memlab.lora one QLoRA step: allocator peak {mine} MiB"),
-         Found(N["06"], "^memlab / production: {r}"))),
+    Row("06", ("tiny Llama QLoRA r=8, one step, rise above the step's start (lecture 06): memlab.quant + "
+               "memlab.quant.lora vs transformers BitsAndBytesConfig + bitsandbytes + peft",
+               "tracker {mt} B; allocator same run {ma} B; without the tracker {mu} B",
+               "production: tracker {pt} B; allocator same run {pa} B; without the tracker {pu} B",
+               "{r}x by the allocator"),
+        tuple(Found(N["06"], f"^{name} one QLoRA step, rise above its start: tracker {{{k}t}} B | allocator (cpu) "
+                             f"{{{k}a}} B, same run (gap {{{k}g}} B) | allocator without the tracker {{{k}u}} B")
+              for k, name in (("m", "memlab.quant + memlab.quant.lora"), ("p", "transformers + bitsandbytes + peft")))
+        + (Found(N["06"], "^memlab / production by the allocator: {r}"),)),
+    Row("06", ("QLoRA of tiny_llama by `measure_training_memory`: memlab's stack (eager attention) against the "
+               "production stack with eager or SDPA attention (lecture 06)", "memlab eager / production: {re} with "
+               "eager, {rs} with SDPA on both", "production eager {pe} MiB, SDPA {ps} MiB (one step by the "
+               "allocator: {pea} / {psa} B)", "memlab eager / production SDPA (the earlier setup): {r1}x: {why}"),
+        (Found(N["06"], "^production eager measure_training_memory {pe} MiB | one step: tracker {pet} B | allocator "
+                        "(cpu) {pea} B"),
+         Found(N["06"], "^production sdpa measure_training_memory {ps} MiB | one step: tracker {pst} B | allocator "
+                        "(cpu) {psa} B"),
+         Found(N["06"], "^memlab eager / production sdpa (the earlier setup): {r1}; same attention: eager {re}, sdpa "
+                        "{rs}")),
+        {"why": Derived(("re", "rs"), lambda f: "the attention kernel, not the QLoRA stack" if all(
+            abs(num(f[k]) - 1) <= 0.01 for k in ("re", "rs")) else "the stacks differ with the same attention too")}),
     Recorded("06-ground-truth-qlora"),
     Row("06", ("QLoRA fine-tune of tiny_llama, {steps} AdamW steps: memlab.quant + memlab.quant.lora vs transformers "
                "BitsAndBytesConfig(nf4, double quant, bf16) + bitsandbytes + peft", "losses (first {first})",
