@@ -113,8 +113,11 @@ _OPTIMIZERS = {
     "NAdam": lambda ps: torch.optim.NAdam(ps, lr=1e-3),
 }
 # every torch optimizer kind, any dtype of the model, 0-3 steps, one or two parameter groups, a frozen layer
+# and the state kept as views of one flat buffer (as fused and offloaded optimizers keep it), from its start or
+# from an offset
 OPTIMIZER_SPACE = Space(kind=one_of(*_OPTIMIZERS), dtype=one_of(torch.float32, torch.float64, torch.bfloat16),
-                        steps=ints(0, 3), groups=flags(), frozen=flags())
+                        steps=ints(0, 3), groups=flags(), frozen=flags(),
+                        views=one_of("own tensors", "views of one flat buffer", "views of one buffer at an offset"))
 
 
 def _drawn_optimizer(case) -> torch.optim.Optimizer:
@@ -129,6 +132,17 @@ def _drawn_optimizer(case) -> torch.optim.Optimizer:
     for _ in range(case.steps):
         model(torch.randn(4, 16, generator=gen).to(case.dtype)).float().square().mean().backward()
         opt.step()
+    held = [(st, k) for st in opt.state.values() for k, v in st.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.dtype == case.dtype]
+    if case.views != "own tensors" and held:
+        pad = 3 if case.views == "views of one buffer at an offset" else 0
+        flat = torch.zeros(pad + sum(st[k].numel() for st, k in held), dtype=case.dtype)
+        i = pad
+        for st, k in held[::-1]:  # the last-made first in the buffer: the first view seen is not at its start
+            n = st[k].numel()
+            flat[i:i + n].copy_(st[k].reshape(-1))
+            st[k] = flat[i:i + n].view(st[k].shape)
+            i += n
     return opt
 
 
@@ -212,6 +226,14 @@ def _chain(ops):
 @register("00.saved_bytes", reference=lambda: ref.saved_activation_bytes, title="measure saved activations")
 def check_saved_bytes(fn):
     """Grade exercise ``00.saved_bytes``: measure saved activations."""
+    def run(case) -> None:
+        x = make_tensor((case.rows, case.cols), case.dtype, case.layout, case.seed).requires_grad_(True)
+        f = _chain(case.ops)
+        got, want = fn(f, x), ref.saved_activation_bytes(f, x)
+        expect_equal(f"saved bytes of {' -> '.join(case.ops)} on a {case.rows} x {case.cols} {case.dtype} tensor "
+                     f"({case.layout} in memory)", got, want)
+
+    differential(SAVED_SPACE, run, examples=25)
     torch.manual_seed(0)
     x = torch.randn(4, 16, 32, requires_grad=True)
     block = _Block()
@@ -256,14 +278,6 @@ def check_saved_bytes(fn):
                  "reuses a freed block at once: each saved storage counts once, told apart by the storage itself, "
                  "or by its address while you hold what you counted)", got, want)
 
-    def run(case) -> None:
-        x = make_tensor((case.rows, case.cols), case.dtype, case.layout, case.seed).requires_grad_(True)
-        f = _chain(case.ops)
-        got, want = fn(f, x), ref.saved_activation_bytes(f, x)
-        expect_equal(f"saved bytes of {' -> '.join(case.ops)} on a {case.rows} x {case.cols} {case.dtype} tensor "
-                     f"({case.layout} in memory)", got, want)
-
-    differential(SAVED_SPACE, run, examples=25)
 
     with torch.no_grad():
         got = fn(block, x)
@@ -306,7 +320,7 @@ def measured_step_peak(config, batch_size: int, seq_len: int) -> tuple[int, str]
 
 # any depth, heads, head size, batch and sequence length (dropout on: its masks are the CPU's 4-byte noise)
 PEAK_SPACE = Space(n_layer=ints(1, 6), n_head=one_of(1, 2, 4, 6), head_dim=one_of(8, 16, 32, 48, 64), b=ints(1, 6),
-                   s=ints(8, 96))
+                   s=ints(8, 96), block=lambda c: ints(c.s, 2 * c.s), vocab=ints(2, 600))  # a context longer than s
 
 
 @register("00.predict_peak", reference=lambda: ref.tinygpt_step_peak, timeout=120,
@@ -317,7 +331,7 @@ def check_predict_peak(fn):
 
     def run(case) -> None:
         cfg = TinyGPTConfig(n_layer=case.n_layer, n_embd=case.n_head * case.head_dim, n_head=case.n_head,
-                            block_size=case.s, dropout=0.1)
+                            block_size=case.block, vocab_size=case.vocab, dropout=0.1)
         got = fn(cfg, case.b, case.s)
         where = (f"predict_peak(TinyGPT {case.n_layer} layers x {cfg.n_embd} wide, {case.n_head} heads, batch {case.b} "
                  f"x {case.s})")
@@ -334,5 +348,5 @@ def check_predict_peak(fn):
             expect_prediction(f"{where} ({case})", got, ref.tinygpt_step_peak(cfg, case.b, case.s),
                               lambda: measured_step_peak(cfg, case.b, case.s)[0], PEAK_TOLERANCE, hint)
 
-    edges = [dict(edge=True, n_layer=n, n_head=h, head_dim=e // h, b=b, s=s) for n, e, h, b, s in PEAK_CASES]
+    edges = [dict(edge=True, n_layer=n, n_head=h, head_dim=e // h, b=b, s=s, block=s, vocab=256) for n, e, h, b, s in PEAK_CASES]
     differential(PEAK_SPACE, run, edges=edges, examples=12)

@@ -21,6 +21,49 @@ from memlab.course.checks import Space, differential, expect, expect_equal, expe
 @register("01.live_bytes", reference=lambda: ref.LiveBytes, title="a live-bytes counter with weakref finalizers")
 def check_live_bytes(cls):
     """Grade exercise ``01.live_bytes``: a live-bytes counter with weakref finalizers."""
+    def run(case) -> None:
+        mine, want = cls(), ref.LiveBytes()
+        gen = torch.Generator().manual_seed(case.seed)
+        alive: list = []  # what the program still holds: tensors and bare storages
+        for i, op in enumerate(case.ops):
+            n = int(torch.randint(0, case.size + 1, (1,), generator=gen))
+            pick = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+            tensors, base = [x for x in alive if isinstance(x, torch.Tensor) and x.dim() == 1], None
+            if op == "track a new tensor" or not tensors and op != "drop something":
+                t = torch.zeros(n, dtype=case.dtype)
+                alive.append(t)
+            elif op == "drop something":
+                if alive:
+                    alive.pop(pick % len(alive))
+                t = None
+            else:
+                base = tensors[pick % len(tensors)]
+                k = base.numel()
+                t = {"track a view at an offset": lambda: base[min(k, 1 + pick % max(k, 1)):],
+                     "track a transposed view": lambda: base[: (k // 2) * 2].view(-1, 2).t() if k >= 2 else base[:0],
+                     "track a temporary view": lambda: base[: k // 2],
+                     "keep only the storage": lambda: base.untyped_storage()}[op]()
+                if op == "keep only the storage":
+                    alive.append(t)
+                    del alive[next(j for j, x in enumerate(alive) if x is base)]
+                    t = None
+                elif op != "track a temporary view":
+                    alive.append(t)
+            if t is not None:
+                mine.track(t)
+                want.track(t)
+            t = base = tensors = None  # only `alive` holds anything now
+            gc.collect()
+            expect_equal(f"after step {i + 1} ({op}) of {list(case.ops)} ({case}): (current, peak)",
+                         (mine.current, mine.peak), (want.current, want.peak))
+        alive.clear()
+        gc.collect()
+        expect_equal(f"after every tensor of {list(case.ops)} died ({case}): (current, peak)",
+                     (mine.current, mine.peak), (want.current, want.peak))
+
+    # programs of tracks and deaths: new tensors of any size (0 too) and dtype, views at an offset and transposed,
+    # temporary views of a live tensor, a storage kept after its last tensor died, things dropped in any order
+    differential(LIVE_SPACE, run, examples=15)
     lb = cls()
     expect_equal("a new counter: (current, peak)", (lb.current, lb.peak), (0, 0))
     x = torch.zeros(256)  # 1024 bytes
@@ -89,49 +132,6 @@ def check_live_bytes(cls):
     expect_equal("peak of this counter", lb.peak, 1024)
     _two_counters(cls)
 
-    def run(case) -> None:
-        mine, want = cls(), ref.LiveBytes()
-        gen = torch.Generator().manual_seed(case.seed)
-        alive: list = []  # what the program still holds: tensors and bare storages
-        for i, op in enumerate(case.ops):
-            n = int(torch.randint(0, case.size + 1, (1,), generator=gen))
-            pick = int(torch.randint(0, 1 << 30, (1,), generator=gen))
-            tensors, base = [x for x in alive if isinstance(x, torch.Tensor) and x.dim() == 1], None
-            if op == "track a new tensor" or not tensors and op != "drop something":
-                t = torch.zeros(n, dtype=case.dtype)
-                alive.append(t)
-            elif op == "drop something":
-                if alive:
-                    alive.pop(pick % len(alive))
-                t = None
-            else:
-                base = tensors[pick % len(tensors)]
-                k = base.numel()
-                t = {"track a view at an offset": lambda: base[min(k, 1 + pick % max(k, 1)):],
-                     "track a transposed view": lambda: base[: (k // 2) * 2].view(-1, 2).t() if k >= 2 else base[:0],
-                     "track a temporary view": lambda: base[: k // 2],
-                     "keep only the storage": lambda: base.untyped_storage()}[op]()
-                if op == "keep only the storage":
-                    alive.append(t)
-                    del alive[next(j for j, x in enumerate(alive) if x is base)]
-                    t = None
-                elif op != "track a temporary view":
-                    alive.append(t)
-            if t is not None:
-                mine.track(t)
-                want.track(t)
-            t = base = tensors = None  # only `alive` holds anything now
-            gc.collect()
-            expect_equal(f"after step {i + 1} ({op}) of {list(case.ops)} ({case}): (current, peak)",
-                         (mine.current, mine.peak), (want.current, want.peak))
-        alive.clear()
-        gc.collect()
-        expect_equal(f"after every tensor of {list(case.ops)} died ({case}): (current, peak)",
-                     (mine.current, mine.peak), (want.current, want.peak))
-
-    # programs of tracks and deaths: new tensors of any size (0 too) and dtype, views at an offset and transposed,
-    # temporary views of a live tensor, a storage kept after its last tensor died, things dropped in any order
-    differential(LIVE_SPACE, run, examples=15)
 
 
 LIVE_SPACE = Space(ops=lists_of(one_of("track a new tensor", "track a view at an offset", "track a transposed view",
@@ -212,6 +212,35 @@ class _Births(TorchDispatchMode):
 @register("01.categorize", reference=lambda: ref.categorize, title="which category a tensor belongs to")
 def check_categorize(fn):
     """Grade exercise ``01.categorize``: which category a tensor belongs to."""
+    # every storage alive after every op of drawn steps compared with the tracker: any stack of layers (buffers, saved statistics, masks), width and batch,
+    # fp32/fp64/bf16, six optimizers (other state keys: momentum_buffer, max_exp_avg_sq, square_avg, sum), one or
+    # two parameter groups, a frozen layer, a weight tied between two layers, optimizer state made before the step
+    # or during it
+    def run(case) -> None:
+        model, opt = _drawn_step(case)
+        gen = torch.Generator().manual_seed(case.seed)
+        if case.warm:
+            model(torch.randn(case.batch, 5, generator=gen).to(case.dtype)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        tracker = ref.MemoryTracker(model, opt)
+        probe = _Births(fn, tracker, model, opt)
+        with tracker, probe:
+            xb = torch.randn(case.batch, 5, generator=gen).to(case.dtype)
+            probe.phase = "forward"
+            loss = model(xb).float().square().mean()
+            probe.phase = "backward"
+            loss.backward()
+            probe.phase = "optimizer"
+            opt.step()
+            probe.phase = "other"
+            opt.zero_grad()
+            del loss
+        expect(probe.bad is None, f"{probe.bad} ({case})")
+
+    differential(CATEGORIZE_SPACE, run, edges=[dict(layers=("batchnorm", "layernorm", "dropout"), width=16, batch=5,
+                                                    dtype=torch.float32, optimizer="adamw", groups=1, frozen=False,
+                                                    tied=False, warm=True)], examples=8)
     model, opt = _mlp()
     x = torch.randn(5, 8)  # an input batch: made outside forward, backward and the step
     saved = []
@@ -285,35 +314,6 @@ def check_categorize(fn):
     expect(probe.bad is None, probe.bad or "")
     expect(probe.asked > 40, f"internal: only {probe.asked} storages compared with the tracker")
 
-    # the same comparison on drawn steps: any stack of layers (buffers, saved statistics, masks), width and batch,
-    # fp32/fp64/bf16, six optimizers (other state keys: momentum_buffer, max_exp_avg_sq, square_avg, sum), one or
-    # two parameter groups, a frozen layer, a weight tied between two layers, optimizer state made before the step
-    # or during it
-    def run(case) -> None:
-        model, opt = _drawn_step(case)
-        gen = torch.Generator().manual_seed(case.seed)
-        if case.warm:
-            model(torch.randn(case.batch, 5, generator=gen).to(case.dtype)).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        tracker = ref.MemoryTracker(model, opt)
-        probe = _Births(fn, tracker, model, opt)
-        with tracker, probe:
-            xb = torch.randn(case.batch, 5, generator=gen).to(case.dtype)
-            probe.phase = "forward"
-            loss = model(xb).float().square().mean()
-            probe.phase = "backward"
-            loss.backward()
-            probe.phase = "optimizer"
-            opt.step()
-            probe.phase = "other"
-            opt.zero_grad()
-            del loss
-        expect(probe.bad is None, f"{probe.bad} ({case})")
-
-    differential(CATEGORIZE_SPACE, run, edges=[dict(layers=("batchnorm", "layernorm", "dropout"), width=16, batch=5,
-                                                    dtype=torch.float32, optimizer="adamw", groups=1, frozen=False,
-                                                    tied=False, warm=True)], examples=8)
 
 
 _LAYERS = {"linear": lambda w: nn.Linear(w, w), "batchnorm": lambda w: nn.BatchNorm1d(w), "layernorm": lambda w: nn.LayerNorm(w),
@@ -352,6 +352,19 @@ def _ev(i, phase, **b):
 def check_phase_peaks(fn):
     # the categories peak at different events: the answer is the peak of the totals
     """Grade exercise ``01.phase_peaks``: per-phase peaks from a timeline."""
+    def run(case) -> None:
+        rng = random.Random(case.seed)
+        phases = [p for p in ref.PHASES if p in case.phases] or ["other"]
+        timeline = [_ev(3 * i + rng.randint(0, 2), rng.choice(phases),
+                        **{c: rng.choice([0, rng.randint(1, case.scale)]) for c in ref.CATEGORIES})
+                    for i in range(case.events)]
+        got, want = fn(timeline), ref.phase_peaks(timeline)
+        expect_equal(f"phase_peaks of a timeline of {case.events} events in phases {phases} ({case})", got, want)
+
+    # any length (one event, none), any subset of the phases (a phase that never occurs is not in the answer),
+    # bytes from a few to beyond 2**31, categories that are zero
+    space = Space(events=ints(0, 40), phases=lists_of(one_of(*ref.PHASES), 1, 4), scale=one_of(1000, 10, 2**40))
+    differential(space, run, examples=25)
     tl = [
         _ev(0, "other", parameters=100),
         _ev(3, "forward", parameters=100, activations=50),
@@ -369,19 +382,6 @@ def check_phase_peaks(fn):
     for phase in want:
         expect_equal(f"peak total bytes of phase {phase!r}", got[phase], want[phase])
 
-    def run(case) -> None:
-        rng = random.Random(case.seed)
-        phases = [p for p in ref.PHASES if p in case.phases] or ["other"]
-        timeline = [_ev(3 * i + rng.randint(0, 2), rng.choice(phases),
-                        **{c: rng.choice([0, rng.randint(1, case.scale)]) for c in ref.CATEGORIES})
-                    for i in range(case.events)]
-        got, want = fn(timeline), ref.phase_peaks(timeline)
-        expect_equal(f"phase_peaks of a timeline of {case.events} events in phases {phases} ({case})", got, want)
-
-    # any length (one event, none), any subset of the phases (a phase that never occurs is not in the answer),
-    # bytes from a few to beyond 2**31, categories that are zero
-    space = Space(events=ints(0, 40), phases=lists_of(one_of(*ref.PHASES), 1, 4), scale=one_of(1000, 10, 2**40))
-    differential(space, run, examples=25)
     # a real timeline
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))

@@ -188,6 +188,17 @@ def check_checkpoint_function(fn):
 @register("02.rng_replay", reference=lambda: ref.RNGState, title="RNG snapshot and replay")
 def check_rng_replay(cls):
     """Grade exercise ``02.rng_replay``: RNG snapshot and replay."""
+    def run(case) -> None:
+        got, want = _rng_program(cls, case), _rng_program(ref.RNGState, case)
+        for i, (g, w) in enumerate(zip(got, want)):
+            expect(torch.equal(g, w), f"{case}: draw #{i + 1} of the program (the snapshot taken after "
+                                      f"{case.before} draws, replayed {len(case.inside)} time(s), the second snapshot "
+                                      f"{'replayed inside the first' if case.nested else 'not used'}) differs from "
+                                      f"what the same program draws with memlab's RNGState")
+
+    # any seed, any number of draws before the snapshot and inside each replay, six kinds of draws, a body that
+    # raises, a second snapshot replayed inside the first's replay
+    differential(RNG_SPACE, run, examples=15)
     torch.manual_seed(1234)
     untouched = torch.rand(6)
     torch.manual_seed(1234)
@@ -243,17 +254,6 @@ def check_rng_replay(cls):
         second = drop(x)
     expect(torch.equal(first, second), "dropout under replay() did not reproduce the mask of the first call")
 
-    def run(case) -> None:
-        got, want = _rng_program(cls, case), _rng_program(ref.RNGState, case)
-        for i, (g, w) in enumerate(zip(got, want)):
-            expect(torch.equal(g, w), f"{case}: draw #{i + 1} of the program (the snapshot taken after "
-                                      f"{case.before} draws, replayed {len(case.inside)} time(s), the second snapshot "
-                                      f"{'replayed inside the first' if case.nested else 'not used'}) differs from "
-                                      f"what the same program draws with memlab's RNGState")
-
-    # any seed, any number of draws before the snapshot and inside each replay, six kinds of draws, a body that
-    # raises, a second snapshot replayed inside the first's replay
-    differential(RNG_SPACE, run, examples=15)
 
 
 RNG_SPACE = Space(before=ints(0, 40), kind=one_of("rand", "randn", "randint", "bernoulli", "dropout", "randperm"),
@@ -483,7 +483,7 @@ CKPT_PEAK_TOLERANCE = 0.015
 
 # any depth, heads, head size, batch, sequence length and segment count (dropout on)
 CKPT_PEAK_SPACE = Space(n=ints(1, 12), h=one_of(8, 16, 32, 48, 64), a=one_of(1, 2, 4), b=ints(1, 4), s=ints(8, 64),
-                        k=lambda c: ints(1, c.n))
+                        k=lambda c: ints(1, c.n), block=lambda c: ints(c.s, 2 * c.s))  # a context longer than s
 
 
 @register("02.predict_ckpt_peak", reference=lambda: ref.sequential_activation_peak, timeout=120,
@@ -493,7 +493,7 @@ def check_predict_ckpt_peak(fn):
 
     def run(case) -> None:
         n, h, a, b, s, k = case.n, case.h, case.a, case.b, case.s, case.k
-        cfg = TinyGPTConfig(n_layer=n, n_embd=h, n_head=a, block_size=s, dropout=0.1)
+        cfg = TinyGPTConfig(n_layer=n, n_embd=h, n_head=a, block_size=case.block, dropout=0.1)
         where = f"{n} TinyGPT blocks {h} wide, {a} heads, batch {b} x {s}, {k} segment{'s' * (k > 1)}"
         got = fn(cfg, b, s, k)
         hint = ("Which segment is being recomputed at the peak, which boundaries are still alive, and what does that "
@@ -510,5 +510,5 @@ def check_predict_ckpt_peak(fn):
                f"predict_ckpt_peak({where}): predicted {float(got):,.0f} B, measured {measured:,} B: off by "
                f"{err:+.1%}, allowed +-{CKPT_PEAK_TOLERANCE:.1%}. {hint}")
 
-    edges = [dict(edge=True, n=n, h=h, a=a, b=b, s=s, k=k) for n, h, a, b, s, k in CKPT_PEAK_CASES]
+    edges = [dict(edge=True, n=n, h=h, a=a, b=b, s=s, k=k, block=s) for n, h, a, b, s, k in CKPT_PEAK_CASES]
     differential(CKPT_PEAK_SPACE, run, edges=edges, examples=12)

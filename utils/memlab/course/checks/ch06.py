@@ -158,6 +158,12 @@ def check_dequantize_nf4(fn) -> None:
 
 
 # ----------------------------------------------------------------------------- 06.lora_linear
+def _seeded(layer, x, seed: int):
+    """``layer(x)`` with the RNG at ``seed``: the same dropout masks for the answer and the reference."""
+    torch.manual_seed(seed)
+    return layer(x)
+
+
 @register("06.lora_linear", reference=lambda: lora.LoRALinear, title="LoRA layer equal to peft", timeout=120)
 def check_lora_linear(cls) -> None:
     """Grade exercise ``06.lora_linear``: LoRA layer equal to peft."""
@@ -169,10 +175,12 @@ def check_lora_linear(cls) -> None:
         torch.manual_seed(0)
         base = nn.Linear(fin, fout, bias=bias)
         where = f"base nn.Linear({fin}, {fout}, bias={bias}), r={r}, alpha={alpha}"
+        extra = {} if case.dropout == 0.0 and case.dtype == torch.float32 else dict(dropout=case.dropout, dtype=case.dtype)
+        where += "".join(f", {k}={v}" for k, v in extra.items())
         torch.manual_seed(11)
-        got = cls(copy.deepcopy(base), r=r, alpha=alpha)
+        got = cls(copy.deepcopy(base), r=r, alpha=alpha, **extra)
         torch.manual_seed(11)
-        want = lora.LoRALinear(copy.deepcopy(base), r=r, alpha=alpha)
+        want = lora.LoRALinear(copy.deepcopy(base), r=r, alpha=alpha, **extra)
         for attr in ("lora_A", "lora_B", "base"):
             expect(isinstance(getattr(got, attr, None), nn.Module), f"LoRALinear ({where}): needs a submodule .{attr}")
         _tensor_equal(f"LoRALinear ({where}): lora_A.weight after init under torch.manual_seed (peft's order: build "
@@ -188,7 +196,10 @@ def check_lora_linear(cls) -> None:
             want.lora_B.weight.copy_(b)
         x = torch.randn(*case.batch, fin, generator=gen)
         x_got, x_want = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        y, y_want = got(x_got), want(x_want)
+        torch.manual_seed(case.seed)  # the same dropout masks for both
+        y = got(x_got)
+        torch.manual_seed(case.seed)
+        y_want = want(x_want)
         _tensor_equal(f"LoRALinear ({where}): forward", y, y_want)
         y.square().sum().backward()
         y_want.square().sum().backward()
@@ -203,24 +214,25 @@ def check_lora_linear(cls) -> None:
             got.merge()
             want.merge()
             _tensor_equal(f"LoRALinear ({where}): base.weight after merge()", got.base.weight, want.base.weight)
-            _tensor_equal(f"LoRALinear ({where}): forward after merge() (do not add the adapter twice)", got(x), want(x))
+            _tensor_equal(f"LoRALinear ({where}): forward after merge() (do not add the adapter twice)", _seeded(got, x, case.seed), _seeded(want, x, case.seed))
             expect(got.lora_A.weight.requires_grad and got.lora_B.weight.requires_grad,
                    f"LoRALinear ({where}): merge() left the adapter frozen (requires_grad False)")
             got.unmerge()
             want.unmerge()
             _tensor_equal(f"LoRALinear ({where}): base.weight after unmerge()", got.base.weight, want.base.weight)
-            _tensor_equal(f"LoRALinear ({where}): forward after unmerge()", got(x), want(x))
+            _tensor_equal(f"LoRALinear ({where}): forward after unmerge()", _seeded(got, x, case.seed), _seeded(want, x, case.seed))
 
-    edges = [dict(fin=fin, fout=fout, r=r, alpha=alpha, bias=bias, batch=(5,))
+    edges = [dict(fin=fin, fout=fout, r=r, alpha=alpha, bias=bias, batch=(5,), dropout=0.0, dtype=torch.float32)
              for (fin, fout, r, alpha, bias) in [(32, 24, 4, 8, True), (16, 40, 8, 32, False), (64, 64, 2, 2, True),
                                                  (32, 24, 3, 8, True), (40, 16, 6, 16, False), (24, 48, 16, 8, True)]]
     differential(LORA_SPACE, run, edges=edges, examples=12)
 
 
 # the constructor's arguments drawn: any base shape, bias or not, any rank (larger than a side too), alpha an integer
-# or not, below or above r; inputs with one or two leading dimensions
+# or not, below or above r; adapter dropout and dtype; inputs with one or two leading dimensions
 LORA_SPACE = Space(fin=ints(1, 64), fout=ints(1, 64), r=ints(1, 24), alpha=one_of(8, 16, 1, 2.5, 32, 7),
-                   bias=flags(), batch=one_of((5,), (2, 3), (1,)))
+                   bias=flags(), batch=one_of((5,), (2, 3), (1,)), dropout=one_of(0.0, 0.1, 0.5),
+                   dtype=one_of(torch.float32, torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------- 06.predict_qlora_bytes
