@@ -351,7 +351,7 @@ def stale(root: Path, rows: Iterable[Row | Recorded] | None = None) -> list[str]
 # ------------------------------------------------------------------------------------------- the rows
 N = {k: f"notebooks/{v}.ipynb" for k, v in {
     "00": "00_where_the_memory_goes", "01": "01_memory_profiler", "02": "02_gradient_checkpointing",
-    "03": "03_mixed_precision", "05": "05_chunked_attention", "06": "06_qlora", "07": "07_fit_a_budget",
+    "03": "03_mixed_precision", "04": "04_cpu_offload_adam", "05": "05_chunked_attention", "06": "06_qlora", "07": "07_fit_a_budget",
     "08": "08_beyond_one_gpu", "09": "09_long_sequences"}.items()}
 H100 = "H100"
 CKPT, AMP, OFFLOAD = (f"results/h100/bench_{b}.txt" for b in ("checkpoint", "amp", "offload"))
@@ -375,6 +375,12 @@ def _max_list_diff(a: str, b: str) -> Derived:
 def _all_true(names: tuple[str, ...], yes: str, no: str) -> Derived:
     return Derived(names, lambda f: yes if all(f[n] == "True" for n in names) else no)
 
+def beside(k: str) -> str:
+    """``memlab.profiler.peak_beside_allocator``'s line, its figures named ``{k}t``, ``{k}a``, ``{k}g``, ``{k}u``."""
+    return (f"tracker {{{k}t}} B | allocator (cpu) {{{k}a}} B, same run (gap {{{k}g}} B) | allocator without the "
+            f"tracker {{{k}u}} B")
+
+
 def _fits(peak: str, usable: str) -> Derived:
     return Derived((peak, usable, "eager"), lambda f: (
         f"SDPA fits an H100's {f[usable]} GiB usable, eager does not"
@@ -390,6 +396,7 @@ _Q = (("ft", "full fine-tune (fp32, AdamW)", "full fine-tune"), ("lo", "LoRA r=8
       ("ql", "QLoRA r=8 (NF4 base, bf16 compute)", "QLoRA r=8"))
 _EST = (("e0", "0: data parallel"), ("e1", "1: ZeRO-1 (memlab)"), ("e2", "2: ZeRO-2 (memlab)"), ("e3", "3: FSDP2"))
 _SENT = (("c0", "0: data parallel"), ("c1", "1: ZeRO-1 (memlab)"), ("c2", "2: ZeRO-2 (memlab)"), ("c3", "3: FSDP2"))
+_R3 = (("f", "fp32"), ("h", "fp16 + scaler"), ("b", "bf16"), ("m", "fp16 master weights + scaler"))
 _LOSS9 = (("d", "transformers' loss"), ("c", "chunked (autograd)"), ("f", "fused"), ("o", "fused + offload + opt. in bwd"))
 
 ROWS: list[Row | Recorded] = [
@@ -415,6 +422,14 @@ ROWS: list[Row | Recorded] = [
          Found(N["00"], "usable: RTX 4090 {u4090} GiB, H100 {uh100} GiB"),
          Found(N["00"], "traced: {recipe:text}, SDPA {sdpa2} GiB")),
         {"fit": _fits("sdpa", "uh100")}),
+    Row("00", ("peak of lecture 00's TinyGPT training step against its states + saved activations, by the tracker "
+               "and by the allocator (same run)", "tracker: peak {tr}x (states + saved activations); the rise it "
+               "measures {xt} B", "allocator: step peak {ap} B = {ar}x; the same rise {xa} B in the same run, {xu} B "
+               "without the tracker",
+               "the peak is below the sum by both counters (states + saved activations: {sum} B)"),
+        (Found(N["00"], "^states + saved activations: {sum} B ="),
+         Found(N["00"], "the peak is {tr} x (states + saved activations)\n^" + beside("x")
+               + "\n^by the allocator: step peak {ap} B = {ar} x (states + saved activations)"))),
     Recorded("01-memtracker"),
     Recorded("01-allocator-tests"),
     Recorded("01-bench-overhead"),
@@ -448,6 +463,11 @@ ROWS: list[Row | Recorded] = [
          Found(N["01"], "tracker: peak above the start {tpeak} B"),
          Found(N["01"], "at the end of the window: allocator {aend} B, tracker {tend} B"),
          Found(N["01"], "allocated outside any op: {nblk} x [{blk}] B = {extra} B"))),
+    Row("01", ("one steady TinyGPT training step counted three ways (lecture 01): `MemoryTracker`, the allocator's "
+               "events in the same run, the allocator in a run without the tracker", "tracker {st} B",
+               "allocator same run {sa} B (gap {sg} B); without the tracker {su} B",
+               "tracker - allocator: {sg} B in the same run"),
+        (Found(N["01"], "^TinyGPT steady step " + beside("s")),)),
     Recorded("02-bench-cpu-peak"),
     Recorded("02-bench-cpu-time"),
     Row("02", ("activation peak, {L}-layer TinyGPT {w} wide, seq {seq}, batch {b}, 4 segments (`memlab bench "
@@ -515,6 +535,20 @@ ROWS: list[Row | Recorded] = [
                         "{z1}% at the first step, {zmax}% at most"),
          Found(N["03"], "^fp16 + our LossScaler loss {l2} -> {scaled} (mean of the last 10); gradient elements "
                         "exactly 0: {sz1}% at the first step, {szmax}% at most"))),
+    Row("03", ("a TinyGPT step's rise above its states, fp32 / fp16 + scaler / bf16 / fp16 master weights + scaler "
+               "(lecture 03), by the tracker and the allocator (same run)", "tracker {ft} / {ht} / {bt} / {mt} B",
+               "allocator {fa} / {ha} / {ba} / {ma} B; without the tracker {fu} / {hu} / {bu} / {mu} B",
+               "peak vs fp32 by the allocator {hpa}x / {bpa}x / {mpa}x; activations vs fp32 {hx}x / {bx}x / {mx}x"),
+        tuple(Found(N["03"], f"^{name} " + beside(k)) for k, name in _R3)
+        + tuple(Found(N["03"], f"^{name} activations {{{k}share}}% of the peak; vs fp32: activations {{{k}x}}x, peak "
+                               f"{{{k}p}}x (allocator: {{{k}pa}}x)") for k, name in _R3[1:])),
+    Row("04", ("one optimizer step's rise above its start, `OffloadedAdamW` vs torch AdamW (lecture 04), by the "
+               "tracker and the allocator (same run)", "tracker {ot} B; allocator {oa} B (gap {og} B); without the "
+               "tracker {ou} B", "torch AdamW: tracker {tt} B; allocator {ta} B (gap {tg} B); without the tracker "
+               "{tu} B", "{v}"),
+        (Found(N["04"], "^OffloadedAdamW one step, rise above its start: " + beside("o")),
+         Found(N["04"], "^torch AdamW one step, rise above its start: " + beside("t"))),
+        {"v": _same(("oa", "ta"), "equal by the allocator", "allocator: {oa} vs {ta} B")}),
     Recorded("04-adamw-exact"),
     Recorded("04-cpp-fused"),
     Recorded("04-bench-cpu"),
