@@ -362,3 +362,166 @@ MUTANTS = {
         ("remove() forgets", in_backward_remove_forgets),
     ],
 }
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds that passed unseen
+def predict_fp64_kept_in_fp64(tokens, vocab, dtype):
+    """The log-softmax in the wider of fp32 and the logits' dtype: fp64 logits kept at 8 bytes (transformers
+    upcasts with .float(): fp32 whatever the dtype)."""
+    b = max(4, torch.finfo(dtype).bits // 8)
+    return b * tokens * vocab + 8 * tokens, 3 * b * tokens * vocab
+
+
+_PREDICTED: dict = {}
+
+
+def predict_memoised(tokens, vocab, dtype):
+    """Right numbers, memoised in a module-level dict (a global the answer changes on every new size)."""
+    key = (tokens, vocab)
+    if key not in _PREDICTED:
+        _PREDICTED[key] = (4 * tokens * vocab + 8 * tokens, 12 * tokens * vocab)
+    return _PREDICTED[key]
+
+
+def fused_masks_targets_in_place(hidden, weight, targets, chunk_size, ignore_index=-100):
+    """Writes class 0 over the caller's ignored targets (to gather safely), then computes the loss from a mask
+    taken before: right numbers, the caller's targets changed."""
+    valid = targets != ignore_index
+    targets[~valid] = 0
+    kept = targets.clone()
+    kept[~valid] = ignore_index
+    return _fused()(hidden, weight, kept, chunk_size, ignore_index)
+
+
+def fused_drops_the_tail(hidden, weight, targets, chunk_size, ignore_index=-100):
+    """Only whole chunks: the tokens past the last multiple of chunk_size are left out (ignored)."""
+    n = hidden.shape[0]
+    whole = (n // chunk_size) * chunk_size if n > chunk_size else n
+    kept = targets.clone()
+    kept[whole:] = ignore_index
+    if not bool((kept != ignore_index).any()):
+        kept = targets
+    return _fused()(hidden, weight, kept, chunk_size, ignore_index)
+
+
+def fused_views_hidden(hidden, weight, targets, chunk_size, ignore_index=-100):
+    """Cuts the chunks out of hidden.view(-1) (every graded hidden was contiguous): a transposed or strided one
+    raises."""
+    n, d = hidden.shape
+    flat = hidden.view(-1)
+    rows = torch.cat([flat[s * d:min(s + chunk_size, n) * d].view(-1, d) for s in range(0, n, chunk_size)])
+    return _fused()(rows, weight, targets, chunk_size, ignore_index)
+
+
+@triton.jit
+def lce_fwd_row_stride_d(H, W, B, T, LSE, TGT, N, V, D, shn, swv, softcap,
+                         HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+                         BM: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):
+    """rows D elements apart (every graded hidden and weight was contiguous): shn and swv never read."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    t = tl.load(T + rows, mask=rows < N, other=-1)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    s = tl.zeros([BM], tl.float32)
+    zt = tl.zeros([BM], tl.float32)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        z = tl.zeros([BM, BV], tl.float32)
+        for d0 in range(0, D, BD):
+            dims = d0 + tl.arange(0, BD)
+            h = tl.load(H + rows[:, None] * D + dims[None, :], mask=(rows[:, None] < N) & (dims[None, :] < D), other=0.0)
+            wt = tl.load(W + cols[None, :] * D + dims[:, None], mask=(cols[None, :] < V) & (dims[:, None] < D), other=0.0)
+            z += tl.dot(h, wt, input_precision=PREC)
+        if HAS_BIAS:
+            z += tl.load(B + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        if SOFTCAP:
+            e = tl.exp(-2.0 * tl.abs(z / softcap))
+            z = softcap * tl.where(z < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+        z = tl.where(cols[None, :] < V, z, float("-inf"))
+        zt += tl.sum(tl.where(cols[None, :] == t[:, None], z, 0.0), 1)
+        m_new = tl.maximum(m, tl.max(z, 1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
+        m = m_new
+    tl.store(LSE + rows, m + tl.log(s), mask=rows < N)
+    tl.store(TGT + rows, zt, mask=rows < N)
+
+
+def in_backward_skips_head_by_name(model_or_params, make_optimizer):
+    """Deduplicates the tied weight by skipping the parameter named head.weight (every graded model tied it):
+    an untied head never steps."""
+    if isinstance(model_or_params, torch.nn.Module):
+        named = [(n, p) for n, p in model_or_params.named_parameters(remove_duplicate=False)]
+    else:
+        named = [(str(i), p) for i, p in enumerate(model_or_params)]
+    handles = []
+    for name, p in named:
+        if not p.requires_grad or name == "head.weight":
+            continue
+        opt = make_optimizer([p])
+
+        def hook(p, opt=opt):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        handles.append(p.register_post_accumulate_grad_hook(hook))
+    return _handle(handles)
+
+
+_HOOKS: list = []
+
+
+def in_backward_global_registry(model_or_params, make_optimizer):
+    """Keeps every hook handle in a module-level list; remove() removes them all (every model's)."""
+    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    seen = set()
+    for p in params:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        opt = make_optimizer([p])
+
+        def hook(p, opt=opt):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        _HOOKS.append(p.register_post_accumulate_grad_hook(hook))
+    return types.SimpleNamespace(remove=lambda: [h.remove() for h in _HOOKS])
+
+
+def in_backward_module_only(model_or_params, make_optimizer):
+    """Takes model.parameters() when it has them, else assumes a generator and consumes it with next() (every
+    graded iterable was a generator): a list raises."""
+    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    handles, seen = [], set()
+    while True:
+        try:
+            p = next(params)
+        except StopIteration:
+            break
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        opt = make_optimizer([p])
+
+        def hook(p, opt=opt):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        handles.append(p.register_post_accumulate_grad_hook(hook))
+    return _handle(handles)
+
+
+MUTANTS["09.predict_loss_bytes"] += [
+    ("fp64 logits kept in fp64", predict_fp64_kept_in_fp64),
+    ("memoised in a module-level dict", predict_memoised),
+]
+MUTANTS["09.fused_linear_cross_entropy"] += [
+    ("ignored targets overwritten in place", fused_masks_targets_in_place),
+    ("the tail chunk left out", fused_drops_the_tail),
+    ("hidden.view(-1, d)", fused_views_hidden),
+]
+MUTANTS["09.triton_lce_forward"] += [("rows D elements apart (strides unread)", lce_fwd_row_stride_d)]
+MUTANTS["09.optimizer_in_backward"] += [
+    ("head.weight skipped by name (tied assumed)", in_backward_skips_head_by_name),
+    ("hook handles in a module-level list", in_backward_global_registry),
+    ("parameters consumed with next() (generator assumed)", in_backward_module_only),
+]

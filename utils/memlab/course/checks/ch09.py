@@ -24,7 +24,9 @@ from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from memlab.accounting import saved_storages  # noqa: E402
-from memlab.course.checks import expect, expect_type, raise_if_triton_stub, register  # noqa: E402
+from memlab.course.checks import (  # noqa: E402
+    Space, differential, expect, expect_type, flags, ints, layouts, make_tensor, one_of, raise_if_triton_stub, register,
+)
 from memlab.profiler.allocator import allocator_peak  # noqa: E402
 
 
@@ -74,12 +76,13 @@ LOSS_BYTES_CASES = [(64, 1000, torch.bfloat16), (100, 4099, torch.float32), (33,
           title="predict the loss layer's bytes, then measure them")
 def check_predict_loss_bytes(fn):
     """Grade exercise ``09.predict_loss_bytes``: predict the loss layer's bytes, then measure them."""
-    for tokens, vocab, dtype in LOSS_BYTES_CASES:
-        where = f"fn({tokens}, {vocab}, {dtype})"
+    def run(case) -> None:
+        tokens, vocab, dtype = case.tokens, case.vocab, case.dtype
+        where = f"fn({tokens}, {vocab}, {dtype}) ({case})"
         got = fn(tokens, vocab, dtype)
         expect(isinstance(got, tuple) and len(got) == 2 and all(type(x) is int for x in got),
                f"{where}: expected a tuple of two ints (saved_bytes, peak_bytes), got {str(got)[:80]}")
-        saved, peak = measure_loss_bytes(tokens, vocab, dtype)
+        saved, peak = measure_loss_bytes(tokens, vocab, dtype, seed=case.seed)
         expect(abs(got[0] - saved) <= BYTES_SLACK,
                f"{where}: predicted {got[0]:,} bytes kept for backward, measured {saved:,} (saved_tensors_hooks, "
                f"within {BYTES_SLACK} B): which tensors does log_softmax keep, in which dtype, and what does "
@@ -88,11 +91,20 @@ def check_predict_loss_bytes(fn):
                f"{where}: predicted a peak of {got[1]:,} bytes, measured {peak:,} (the allocator, forward + "
                f"backward above the inputs, within {BYTES_SLACK} B): which T x V tensors are alive at once, "
                f"and in which phase?")
-    big = fn(131072, 128256, torch.bfloat16)
-    want = predict_loss_bytes_reference(131072, 128256, torch.bfloat16)
-    expect(isinstance(big, tuple) and len(big) == 2 and big == want,
-           f"fn(131072, 128256, torch.bfloat16) (Llama-3-8B at 128k tokens): got {str(big)[:80]}, expected {want}: "
-           f"the same formula must hold at any size (no measuring inside fn)")
+
+    edges = [dict(tokens=t, vocab=v, dtype=d) for t, v, d in LOSS_BYTES_CASES]
+    # any token count and vocabulary where the T x V tensors are the loss's bytes (tokens >= 4 x the hidden size, 200
+    # classes or more: below that the head's own V x H gradient is the peak), odd ones included, the four float
+    # dtypes a model's logits come in (transformers upcasts them to fp32 first)
+    space = Space(tokens=ints(4 * HIDDEN, 400), vocab=ints(200, 5000),
+                  dtype=one_of(torch.bfloat16, torch.float32, torch.float16, torch.float64))
+    differential(space, run, edges=edges, examples=8)
+    for tokens, vocab in ((131072, 128256), (1, 2), (2**20, 256_000)):
+        big = fn(tokens, vocab, torch.bfloat16)
+        want = predict_loss_bytes_reference(tokens, vocab, torch.bfloat16)
+        expect(isinstance(big, tuple) and len(big) == 2 and big == want,
+               f"fn({tokens}, {vocab}, torch.bfloat16): got {str(big)[:80]}, expected {want}: the same formula must "
+               f"hold at any size (no measuring inside fn)")
 
 
 # ----------------------------------------------------------------------------- shared by the loss exercises
@@ -134,22 +146,27 @@ def fused_reference(hidden, weight, targets, chunk_size, ignore_index=-100):
     return fused_linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, ignore_index=ignore_index)
 
 
-def _fused_case(seed: int):
-    """(hidden, weight, targets, chunk, ignore_index, what) drawn from the exercise's space, fp64."""
-    g = _gen(seed)
-    n = int(torch.randint(1, 160, (), generator=g))
-    d = int(torch.tensor([8, 16, 33])[torch.randint(0, 3, (), generator=g)])
-    v = int(torch.randint(50, 700, (), generator=g))
-    chunk = int(torch.tensor([1, 7, 16, 64, 1000])[torch.randint(0, 5, (), generator=g)])
-    ignore_index = int(torch.tensor([-100, -1, v - 1])[torch.randint(0, 3, (), generator=g)])
-    frac = float(torch.tensor([0.0, 0.3, 0.9])[torch.randint(0, 3, (), generator=g)])
-    hidden = torch.randn(n, d, generator=g, dtype=torch.float64)
-    weight = torch.randn(v, d, generator=g, dtype=torch.float64) / d ** 0.5
-    targets = torch.randint(0, v, (n,), generator=g)
-    targets[torch.rand(n, generator=g) < frac] = ignore_index
-    targets[int(torch.randint(0, n, (), generator=g))] = int(torch.randint(0, v - 1, (), generator=g))  # >= 1 counted
-    what = (f"{n} tokens, hidden {d}, vocabulary {v}, chunk_size={chunk}, ignore_index={ignore_index}, "
-            f"{int((targets == ignore_index).sum())} ignored")
+FUSED_SPACE = Space(n=ints(1, 160), d=one_of(8, 16, 33), v=ints(2, 700), chunk=one_of(1, 7, 16, 64, 1000),
+                    chunk_tail=ints(0, 3), ignore=one_of(-100, -1, "last class"), frac=one_of(0.0, 0.3, 0.9, 1.0),
+                    layout=layouts("contiguous", "transposed", "strided", "offset"), dtype=one_of(torch.float64, torch.float32))
+
+
+def _fused_inputs(case):
+    """(hidden, weight, targets, chunk, ignore_index, what) for a drawn case: a chunk that does not divide the
+    tokens (``chunk_tail`` past a multiple), ``ignore_index`` -100, -1 or the last class, a fraction of the tokens
+    ignored (all but one at 1.0), ``hidden`` in any memory layout."""
+    g = _gen(case.seed)
+    n, d, v = case.n, case.d, case.v
+    chunk = max(1, case.chunk + case.chunk_tail if case.chunk < n else case.chunk)
+    ignore_index = v - 1 if case.ignore == "last class" else case.ignore
+    hidden = make_tensor((n, d), case.dtype, case.layout, case.seed)
+    weight = (torch.randn(v, d, generator=g, dtype=torch.float64) / d ** 0.5).to(case.dtype)
+    high = v - 1 if ignore_index == v - 1 else v
+    targets = torch.randint(0, max(high, 1), (n,), generator=g)
+    targets[torch.rand(n, generator=g) < case.frac] = ignore_index
+    targets[int(torch.randint(0, n, (), generator=g))] = int(torch.randint(0, max(high, 1), (), generator=g))  # one counted
+    what = (f"{n} tokens, hidden {d} ({case.layout}), vocabulary {v}, chunk_size={chunk}, ignore_index={ignore_index}, "
+            f"{int((targets == ignore_index).sum())} ignored, {case.dtype} ({case})")
     return hidden, weight, targets, chunk, ignore_index, what
 
 
@@ -181,42 +198,38 @@ def _check_against_exact(fn, hidden, weight, targets, chunk, ignore_index, what,
 def check_fused_linear_cross_entropy(fn):
     """Grade exercise ``09.fused_linear_cross_entropy``: fused linear + cross-entropy that keeps one number per token."""
     expect(callable(fn), f"expected a function fn(hidden, weight, targets, chunk_size, ignore_index=-100), got {fn!r:.80}")
-    # values and gradients over the exercise's space, fp64: only the order of the sums may differ
-    for seed in range(12):
-        hidden, weight, targets, chunk, ii, what = _fused_case(seed)
-        copies = [t.clone() for t in (hidden, weight, targets)]
-        _check_against_exact(fn, hidden, weight, targets, chunk, ii, f"fp64, {what}", 1e-10)
-        expect(all(torch.equal(a, b) for a, b in zip(copies, (hidden, weight, targets))),
-               f"fp64, {what}: fn changed its inputs (hidden, weight or targets); work on new tensors")
-    # a non-contiguous hidden (rows of a wider buffer) and a single counted token
-    g = _gen(99)
-    wide = torch.randn(40, 70, generator=g, dtype=torch.float64)
-    weight = torch.randn(301, 35, generator=g, dtype=torch.float64) / 6
-    targets = torch.full((40,), -100)
-    targets[17] = 300
-    _check_against_exact(fn, wide[:, ::2], weight, targets, 16, -100,
-                         "fp64, hidden a strided view (every other column of a wider buffer), one counted token "
-                         "of 40, its target the last class", 1e-10)
-    # fp32: the tolerance of fp32 accumulation
-    hidden, weight, targets, chunk, ii, what = _fused_case(20)
-    _check_against_exact(fn, hidden.float(), weight.float(), targets, chunk, ii, f"fp32, {what}", 2e-5)
+    def run(case) -> None:  # values and gradients against fp64 with all logits at once
+        hidden, weight, targets, chunk, ii, what = _fused_inputs(case)
+        _check_against_exact(fn, hidden, weight, targets, chunk, ii, what, 1e-10 if case.dtype == torch.float64 else 2e-5)
+
+    # the hand-picked cases: a strided hidden with one counted token (the last class), a tail, every chunk size
+    edges = [dict(n=40, d=35, v=301, chunk=16, chunk_tail=0, ignore=-100, frac=1.0, layout="strided", dtype=torch.float64),
+             dict(n=150, d=33, v=601, chunk=64, chunk_tail=3, ignore="last class", frac=0.3, layout="contiguous",
+                  dtype=torch.float32),
+             dict(n=1, d=8, v=2, chunk=1, chunk_tail=0, ignore=-1, frac=0.0, layout="contiguous", dtype=torch.float64)]
+    differential(FUSED_SPACE, run, edges=edges, examples=16)
     # called twice: the same loss and gradients (no state kept between calls)
+    from memlab.course.grading.cases import Case
+
+    hidden, weight, targets, chunk, ii, what = _fused_inputs(Case(**edges[1], seed=20))
     a = _grads(fn, hidden, weight, targets, chunk, ii)
     b = _grads(fn, hidden, weight, targets, chunk, ii)
-    expect(all(torch.equal(x, y) for x, y in zip(a, b)), f"fp64, {what}: a second call gave another loss or gradients")
+    expect(all(torch.equal(x, y) for x, y in zip(a, b)), f"{what}: a second call gave another loss or gradients")
     _check_bf16(fn)
     _check_memory(fn)
 
 
 def _check_bf16(fn):
     """bf16 inputs whose logits are exact in bf16 (small integers): what is left is the loss's own arithmetic."""
-    for seed, (n, d, v, chunk) in enumerate(((256, 16, 1000, 4), (300, 16, 777, 32), (128, 8, 4099, 16))):
-        g = _gen(200 + seed)
+    def run(case) -> None:
+        n, d, v, chunk = case.n, case.d, case.v, case.chunk
+        g = _gen(200 + case.seed)
         hidden = torch.randint(-2, 3, (n, d), generator=g).bfloat16()
         weight = (torch.randint(-2, 3, (v, d), generator=g) / 4).bfloat16()
         targets = torch.randint(0, v, (n,), generator=g)
         targets[torch.rand(n, generator=g) < 0.3] = -100
-        what = f"bf16, {n} tokens, hidden {d}, vocabulary {v}, chunk_size={chunk}, logits exact in bf16"
+        targets[0] = v - 1  # one counted token at least, the last class
+        what = f"bf16, {n} tokens, hidden {d}, vocabulary {v}, chunk_size={chunk}, logits exact in bf16 ({case})"
         want = _exact_loss(hidden, weight, targets, -100)
         got = _grads(fn, hidden, weight, targets, chunk, -100)
         expect(got[0].dtype == torch.float32, f"loss ({what}): dtype {got[0].dtype}, expected torch.float32")
@@ -229,6 +242,12 @@ def _check_bf16(fn):
             expect(ratio <= 3.0, f"{name} ({what}): off by {ratio:.1f}x (one bf16 ulp + 1e-3 of the largest "
                                  f"entry), allowed 3x: keep the softmax in fp32 and sum the head's gradient over the "
                                  f"chunks in fp32, rounding to bf16 once")
+
+    edges = [dict(n=n, d=d, v=v, chunk=c, seed=i) for i, (n, d, v, c) in
+             enumerate(((256, 16, 1000, 4), (300, 16, 777, 32), (128, 8, 4099, 16)))]
+    # long enough for a bf16 running sum to drift (hundreds of tokens), vocabularies no block divides
+    differential(Space(n=ints(100, 300), d=one_of(8, 16), v=ints(2, 3000), chunk=one_of(4, 16, 32, 64, 7)), run,
+                 edges=edges, examples=4)
 
 
 def _check_memory(fn):
@@ -327,17 +346,22 @@ def check_triton_lce_forward(kernel):
            f"expected a @triton.jit kernel, got {type(kernel).__name__}")
     raise_if_triton_stub(kernel)
     device = _triton_device()
-    for i, (n, d, v, has_bias, cap, every) in enumerate(TRITON_CASES):
-        g = _gen(400 + i)
-        hidden = torch.randn(n, d, generator=g)
-        weight = torch.randn(v, d, generator=g) / 4
+
+    def run(case) -> None:
+        n, d, v, has_bias, cap, every = case.n, case.d, case.v, case.bias, case.softcap, case.every
+        g = _gen(400 + case.seed)
+        pad = 7 if case.layout == "wider rows" else 0  # rows of a wider buffer: a row stride past the hidden size
+        layout = "contiguous" if pad else case.layout
+        hidden = make_tensor((n, d + pad), torch.float32, layout, case.seed)[:, :d]
+        weight = make_tensor((v, d + pad), torch.float32, layout, case.seed + 1, scale=0.25)[:, :d]
         bias = torch.randn(v, generator=g) if has_bias else None
         targets = torch.randint(0, v, (n,), generator=g)
         targets[-1] = v - 1  # the last class, in the tail block
         if every:
             targets[::every] = -1
         what = (f"{n} tokens, hidden {d}, vocabulary {v}, bias={has_bias}, softcap={cap}, "
-                f"{int((targets < 0).sum())} targets -1, blocks BM=16 BV=64 BD=16")
+                f"{int((targets < 0).sum())} targets -1, rows of hidden and weight {case.layout}, blocks BM=16 BV=64 "
+                f"BD=16 ({case})")
         ins = [t.to(device) if t is not None else None for t in (hidden, weight, targets, bias)]
         copies = [t.clone() for t in ins if t is not None]
         try:
@@ -358,6 +382,15 @@ def check_triton_lce_forward(kernel):
         expect(all(torch.equal(a, b) for a, b in zip(copies, [t for t in ins if t is not None])),
                f"{what}: the kernel changed its inputs")
 
+    edges = [dict(n=n, d=d, v=v, bias=b, softcap=c, every=e, layout="contiguous", seed=i)
+             for i, (n, d, v, b, c, e) in enumerate(TRITON_CASES)]
+    # any tokens (one to a few blocks), hidden sizes (under a block, tails), vocabularies (one class to 5 blocks, tails
+    # no block divides), bias or not, soft-cap or not, ignored tokens; hidden and weight at an offset or as rows of a
+    # wider buffer (the kernel takes one stride per row: layouts whose last dimension is contiguous)
+    space = Space(n=ints(1, 40), d=ints(1, 40), v=ints(1, 330), bias=flags(), softcap=one_of(None, 2.5, 30.0),
+                  every=one_of(0, 2, 5), layout=layouts("contiguous", "offset", "wider rows"))
+    differential(space, run, edges=edges, examples=8)
+
 
 # ----------------------------------------------------------------------------- 09.optimizer_in_backward
 def optimizer_in_backward_reference():
@@ -368,17 +401,20 @@ def optimizer_in_backward_reference():
 
 
 class _TiedNet(nn.Module):
-    """An embedding tied to the output head, a trainable block, a frozen block, a frozen buffer."""
+    """An embedding tied to the output head (or not), a trainable block, a frozen block (or a trainable one), a
+    buffer."""
 
-    def __init__(self, vocab: int = 40, dim: int = 12, seed: int = 0):
+    def __init__(self, vocab: int = 40, dim: int = 12, seed: int = 0, tied: bool = True, frozen: bool = True):
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(vocab, dim)
         self.block = nn.Linear(dim, dim)
         self.frozen = nn.Linear(dim, dim)
-        self.frozen.requires_grad_(False)
+        if frozen:
+            self.frozen.requires_grad_(False)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight  # tied: one Parameter, used twice
+        if tied:
+            self.head.weight = self.embed.weight  # tied: one Parameter, used twice
         self.register_buffer("scale", torch.tensor(0.5))
 
     def forward(self, ids):
@@ -405,8 +441,8 @@ class _Counting:
         return opt
 
 
-def _reference_steps(kind, ids_list, seed):
-    model = _TiedNet(seed=seed)
+def _reference_steps(kind, ids_list, seed, **net):
+    model = _TiedNet(seed=seed, **net)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = _Counting(kind)(trainable)
     for ids in ids_list:
@@ -427,24 +463,29 @@ def _after_backward(handle):
 def check_optimizer_in_backward(fn):
     """Grade exercise ``09.optimizer_in_backward``: the optimizer step inside backward (post-accumulate-grad hooks)."""
     expect(callable(fn), f"expected a function fn(model_or_params, make_optimizer), got {fn!r:.80}")
-    g = _gen(500)
-    ids_list = [torch.randint(0, 40, (2, 9), generator=g) for _ in range(3)]
-    for kind, as_params, seed in (("adamw", False, 0), ("sgd", True, 1)):
-        model = _TiedNet(seed=seed)
+    def run(case) -> None:
+        kind, seed = case.kind, case.seed
+        net = dict(vocab=case.vocab, dim=case.dim, tied=case.tied, frozen=case.frozen)
+        g = _gen(500 + seed)
+        ids_list = [torch.randint(0, case.vocab, (case.batch, case.length), generator=g) for _ in range(case.steps)]
+        model = _TiedNet(seed=seed, **net)
         frozen_before = [p.detach().clone() for p in model.frozen.parameters()]
         opt = _Counting(kind)
-        target = (p for p in model.parameters()) if as_params else model
-        what = f"{kind}, {'a generator of parameters' if as_params else 'the model'}, tied embedding, a frozen Linear"
+        target = {"the model": lambda: model, "a generator of parameters": lambda: (p for p in model.parameters()),
+                  "a list of parameters": lambda: list(model.parameters())}[case.given]()
+        what = (f"{kind}, {case.given}, {'a tied embedding' if case.tied else 'an untied head'}, "
+                f"{'a frozen Linear' if case.frozen else 'every Linear trainable'}, vocabulary {case.vocab}, dim "
+                f"{case.dim}, {case.steps} backward(s) ({case})")
         handle = fn(target, opt)
         expect(handle is not None and callable(getattr(handle, "remove", None)),
                f"fn(...) ({what}) returned {type(handle).__name__}; expected a handle with .remove()")
         n_trainable = sum(1 for p in model.parameters() if p.requires_grad)  # parameters() lists a tied one once
         expect(len(opt.built) == n_trainable,
                f"{what}: make_optimizer was called {len(opt.built)} times, expected {n_trainable}: once per distinct "
-               f"trainable parameter (the tied weight once, the frozen ones never)")
+               f"trainable parameter (a tied weight once, the frozen ones never)")
         expect(all(len(ps) == 1 for ps in opt.built),
                f"{what}: make_optimizer got {[len(ps) for ps in opt.built]} parameters per call; expected one each")
-        want = _reference_steps(kind, ids_list, seed)
+        want = _reference_steps(kind, ids_list, seed, **net)
         for k, ids in enumerate(ids_list):
             opt.steps.clear()
             model(ids).backward()
@@ -452,16 +493,16 @@ def check_optimizer_in_backward(fn):
             expect(len(opt.steps) == n_trainable and len({id(o) for o in opt.steps}) == n_trainable,
                    f"{what}, backward {k + 1}: {len(opt.steps)} optimizer steps for {n_trainable} parameters "
                    f"({len({id(o) for o in opt.steps})} distinct optimizers); expected each parameter's optimizer to "
-                   f"step once, after its gradient is complete (the tied weight: after both uses)")
+                   f"step once, after its gradient is complete (a tied weight: after both uses)")
             left = [n for n, p in model.named_parameters() if p.grad is not None]
             expect(not left, f"{what}, backward {k + 1}: gradients still held after backward: {left}; free each one "
                              f"after its step (zero_grad(set_to_none=True))")
         for (name, p), w in zip(model.named_parameters(), want.parameters()):
             expect(torch.equal(p.detach(), w.detach()),
-                   f"{what}: after 3 steps {name} differs from a normal step by up to "
+                   f"{what}: after {case.steps} step(s) {name} differs from a normal step by up to "
                    f"{(p.detach() - w.detach()).abs().max().item():.3g} (expected the same bits: each parameter's "
                    f"update from its complete gradient)")
-        expect(all(torch.equal(a, b) for a, b in zip(frozen_before, model.frozen.parameters())),
+        expect(all(torch.equal(a, b) for a, b in zip(frozen_before, model.frozen.parameters())) or not case.frozen,
                f"{what}: a frozen parameter changed")
         handle.remove()
         before = [p.detach().clone() for p in model.parameters()]
@@ -471,6 +512,19 @@ def check_optimizer_in_backward(fn):
                f"{what}: after handle.remove() a backward still stepped ({len(opt.steps)} steps)")
         expect(model.embed.weight.grad is not None,
                f"{what}: after handle.remove() backward left no gradient: the hooks are still there")
+
+    edges = [dict(kind="adamw", given="the model", tied=True, frozen=True, vocab=40, dim=12, batch=2, length=9,
+                  steps=3, seed=0),
+             dict(kind="sgd", given="a generator of parameters", tied=True, frozen=True, vocab=40, dim=12, batch=2,
+                  length=9, steps=3, seed=1)]
+    # AdamW or SGD with momentum, the model or its parameters (a generator, a list), tied or not, a frozen block or
+    # none, sizes, batch and length, 1-3 backwards
+    space = Space(kind=one_of("adamw", "sgd"), given=one_of("the model", "a generator of parameters", "a list of parameters"),
+                  tied=flags(), frozen=flags(), vocab=ints(3, 50), dim=ints(1, 16), batch=ints(1, 3),
+                  length=ints(2, 10), steps=ints(1, 3))
+    g = _gen(500)
+    ids_list = [torch.randint(0, 40, (2, 9), generator=g) for _ in range(3)]
+    differential(space, run, edges=edges, examples=10)
     # two models at once, each with its own handle: independent
     m1, m2 = _TiedNet(seed=3), _TiedNet(seed=4)
     o1, o2 = _Counting("adamw"), _Counting("adamw")
