@@ -14,7 +14,9 @@ from memlab.course.grading.cases import expect_prediction
 
 RECIPES = ("fp32-adamw", "fp32-sgd", "mixed-adamw")
 # any parameter count (0, odd, beyond 2**31, beyond 2**53 where a float is no longer exact), every recipe of the lab
-STATE_SPACE = Space(n=one_of("small", "large", "huge"), m=ints(0, 10**6), recipe=one_of(*RECIPES))
+# and recipes the lab does not define (an error, not a guess)
+STATE_SPACE = Space(n=one_of("small", "large", "huge"), m=ints(0, 10**6),
+                    recipe=one_of(*RECIPES, "fp16-adamw", "adamw", "", "bf16-sgd"))
 
 
 @register("00.model_state_bytes", reference=lambda: ref.model_state_bytes, title="bytes of weights, grads, optimizer")
@@ -23,8 +25,16 @@ def check_model_state_bytes(fn):
     def run(case) -> None:
         n = case.n if isinstance(case.n, int) else {"small": case.m, "large": 7 * case.m + 2**31,
                                                      "huge": case.m * 10**12 + 2**53 + 1}[case.n]
+        try:
+            want = ref.model_state_bytes(n, case.recipe)
+        except (KeyError, ValueError):
+            try:
+                got = fn(n, case.recipe)
+            except (KeyError, ValueError):
+                return
+            raise AssertionError(f"model_state_bytes({n}, {case.recipe!r}): an unknown recipe returned {got!r:.80}; "
+                                 f"expected an error (KeyError or ValueError), not a guess") from None
         got = fn(n, case.recipe)
-        want = ref.model_state_bytes(n, case.recipe)
         expect_type(f"model_state_bytes({n}, {case.recipe!r})", got, dict)
         for key in ("weights", "gradients", "optimizer", "total"):
             expect(key in got, f"model_state_bytes({n}, {case.recipe!r}): the dict has no key {key!r} (keys: {sorted(got)})")
@@ -210,7 +220,8 @@ _OPS = {
 }
 SAVED_SPACE = Space(ops=lists_of(one_of(*_OPS), 1, 4), rows=ints(1, 9), cols=ints(1, 7),
                     dtype=one_of(torch.float32, torch.float64, torch.bfloat16, torch.float16),
-                    layout=layouts("contiguous", "transposed", "strided", "offset"))
+                    layout=layouts("contiguous", "transposed", "strided", "offset"),
+                    wrap=one_of("a function", "a module with a weight", "storages made in turn at one address"))
 
 
 def _chain(ops):
@@ -223,15 +234,41 @@ def _chain(ops):
     return f
 
 
+def _wrapped(f, case):
+    """``f`` as the drawn case hands it over: a plain function; a module that first multiplies by its own weight
+    (a parameter is not an activation); or a function that first saves three storages made in turn, each freed
+    before the next (an allocator reuses the block: one address, three storages)."""
+    if case.wrap == "a module with a weight":
+        class Weighted(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.weight = nn.Parameter(make_tensor((case.cols, case.cols), case.dtype, "contiguous", case.seed + 1))
+
+            def forward(self, t):
+                return f(t @ self.weight)
+
+        return Weighted()
+    if case.wrap == "storages made in turn at one address":
+        pool = BlockReuse(case.rows * case.cols * torch.empty(0, dtype=case.dtype).element_size())
+
+        def reused(t):
+            for _ in range(3):
+                (t * pool.tensor(case.rows, case.cols, dtype=case.dtype)).float().sum()
+            return f(t)
+
+        return reused
+    return f
+
+
 @register("00.saved_bytes", reference=lambda: ref.saved_activation_bytes, title="measure saved activations")
 def check_saved_bytes(fn):
     """Grade exercise ``00.saved_bytes``: measure saved activations."""
     def run(case) -> None:
         x = make_tensor((case.rows, case.cols), case.dtype, case.layout, case.seed).requires_grad_(True)
-        f = _chain(case.ops)
+        f = _wrapped(_chain(case.ops), case)
         got, want = fn(f, x), ref.saved_activation_bytes(f, x)
         expect_equal(f"saved bytes of {' -> '.join(case.ops)} on a {case.rows} x {case.cols} {case.dtype} tensor "
-                     f"({case.layout} in memory)", got, want)
+                     f"({case.layout} in memory), {case.wrap}", got, want)
 
     differential(SAVED_SPACE, run, examples=25)
     torch.manual_seed(0)

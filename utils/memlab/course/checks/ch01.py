@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memlab.course.reference import ch01 as ref
-from memlab.course.checks import Space, differential, expect, expect_equal, expect_type, flags, ints, lists_of, one_of, register
+from memlab.course.checks import BlockReuse, Space, differential, expect, expect_equal, expect_type, flags, ints, lists_of, one_of, register
 
 
 # ---------------------------------------------------------------------------- 01.live_bytes
@@ -24,12 +24,22 @@ def check_live_bytes(cls):
     def run(case) -> None:
         mine, want = cls(), ref.LiveBytes()
         gen = torch.Generator().manual_seed(case.seed)
+        pool = BlockReuse(64)  # an allocator's block: a new tensor takes it once the last one there died
         alive: list = []  # what the program still holds: tensors and bare storages
         for i, op in enumerate(case.ops):
             n = int(torch.randint(0, case.size + 1, (1,), generator=gen))
             pick = int(torch.randint(0, 1 << 30, (1,), generator=gen))
             tensors, base = [x for x in alive if isinstance(x, torch.Tensor) and x.dim() == 1], None
-            if op == "track a new tensor" or not tensors and op != "drop something":
+            if op == "track a view of a new tensor at an offset":
+                whole = torch.zeros(n + 2, dtype=case.dtype)
+                alive.append(whole)
+                t = whole[1 + pick % (n + 1):]
+                whole = None
+            elif op == "track a new tensor where a dead one was":
+                dt = case.dtype if case.dtype.is_floating_point else torch.float32
+                t = pool.tensor(64 // torch.empty(0, dtype=dt).element_size(), dtype=dt)
+                alive.append(t)
+            elif op == "track a new tensor" or not tensors and op != "drop something":
                 t = torch.zeros(n, dtype=case.dtype)
                 alive.append(t)
             elif op == "drop something":
@@ -62,7 +72,8 @@ def check_live_bytes(cls):
                      (mine.current, mine.peak), (want.current, want.peak))
 
     # programs of tracks and deaths: new tensors of any size (0 too) and dtype, views at an offset and transposed,
-    # temporary views of a live tensor, a storage kept after its last tensor died, things dropped in any order
+    # temporary views of a live tensor, a tensor seen only through a view, a storage kept after its last tensor died,
+    # new storages at a dead one's address, things dropped in any order
     differential(LIVE_SPACE, run, examples=15)
     lb = cls()
     expect_equal("a new counter: (current, peak)", (lb.current, lb.peak), (0, 0))
@@ -135,7 +146,9 @@ def check_live_bytes(cls):
 
 
 LIVE_SPACE = Space(ops=lists_of(one_of("track a new tensor", "track a view at an offset", "track a transposed view",
-                                       "track a temporary view", "keep only the storage", "drop something"), 1, 12),
+                                       "track a temporary view", "keep only the storage", "drop something",
+                                       "track a view of a new tensor at an offset",
+                                       "track a new tensor where a dead one was"), 1, 12),
                    size=ints(0, 300), dtype=one_of(torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.bool))
 
 

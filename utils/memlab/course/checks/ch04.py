@@ -551,7 +551,7 @@ def _predict_traffic_reference(model: nn.Module, micro_batches: int, offload_gra
 # two layers) and TinyGPTs of any vocabulary and width (tied embedding or not), 1-5 micro-batches, gradients offloaded
 # per micro-batch or once per step
 TRAFFIC_SPACE = Space(model=one_of("mlp", "tinygpt"), dtype=one_of(torch.float32, torch.bfloat16, torch.float16),
-                      depth=ints(0, 3), width=ints(1, 64), frozen=flags(), tied=flags(), vocab=ints(2, 300),
+                      depth=ints(1, 3), width=ints(1, 64), frozen=flags(), tied=flags(), vocab=ints(2, 300),
                       micro=ints(1, 5), offload_gradients=flags())
 
 

@@ -80,7 +80,22 @@ def _code_cases() -> list[tuple[str, torch.Tensor, int]]:
 CODES_SPACE = Space(shape=one_of((256,), (8, 96), (300,), (5, 77), (3, 1000), (1,), (63,), (2, 3, 40)),
                     blocksize=one_of(64, 32, 128, 256, 4096), dtype=one_of(torch.float32, torch.bfloat16, torch.float16),
                     layout=layouts("contiguous", "transposed", "strided", "offset"), scale=floats(1e-3, 1e3, log=True),
-                    zero_block=flags())
+                    zero_block=flags(), values=one_of("normal", "on the midpoints between levels"))
+
+
+def _on_midpoints(w: torch.Tensor, blocksize: int, seed: int, scale: float) -> None:
+    """Fill ``w`` (in place, any layout) with values whose scaled form is exactly a midpoint between two NF4 levels
+    (ties), each block holding one +-1 so that its absmax is 1, times a power of two near ``scale``."""
+    import math
+
+    c = quant.nf4_codebook()
+    mids = (c[:-1] + c[1:]) / 2
+    gen = torch.Generator().manual_seed(seed)
+    n = w.numel()
+    vals = mids[torch.randint(0, len(mids), (n,), generator=gen)] * torch.where(
+        torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    vals[::blocksize] = 1.0
+    w.copy_((vals * 2.0 ** round(math.log2(scale))).view(w.shape).to(w.dtype))
 
 
 @register("06.nf4_codes", reference=lambda: quant.nf4_codes, title="blockwise NF4 codes (unpacked)")
@@ -94,6 +109,8 @@ def check_nf4_codes(fn) -> None:
             name, (w, bs) = case.edge, edges[case.edge]
         else:
             w = make_tensor(case.shape, case.dtype, case.layout, case.seed, scale=case.scale)
+            if case.values != "normal":
+                _on_midpoints(w, case.blocksize, case.seed, case.scale)
             if case.zero_block and w.numel() > case.blocksize:  # the first block all zeros (its absmax is 0)
                 values = w.reshape(-1).clone()
                 values[: case.blocksize] = 0
