@@ -116,15 +116,14 @@ def test_the_tool_exits_2_naming_the_missing_line(tmp_path, capsys):
     (tmp_path / "notebooks").mkdir()
     for p in (ROOT / "notebooks").glob("*.ipynb"):
         nb = json.loads(p.read_text(encoding="utf-8"))
-        if p.name.startswith("07_"):
-            for c in nb["cells"]:
-                for o in c.get("outputs", []):
-                    if o.get("output_type") == "stream":
-                        o["text"] = "".join(o["text"]).replace("the pick, steps", "the chosen stack, steps")
+        if p.name.startswith("07_"):  # lecture 07 stored without the outputs of its last code cells
+            code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+            for c in code[len(code) // 2:]:
+                c["outputs"] = []
         (tmp_path / "notebooks" / p.name).write_text(json.dumps(nb), encoding="utf-8")
     assert _tool().main(["--check"], root=tmp_path) == 2
     err = capsys.readouterr().err
-    assert "notebooks/07_fit_a_budget.ipynb: no stored output line matches 'the pick, steps" in err
+    assert "notebooks/07_fit_a_budget.ipynb: no stored output line matches" in err and "[row of chapter 07: " in err
     assert _tool().main(["--bogus"], root=tmp_path) == 2
 
 
