@@ -27,6 +27,7 @@ class Suggestion:
     fwd_bwd_peak: int = 0
     extra_bytes: int = 0  # extras on the target (cuBLAS workspaces), counted in allocated/reserved
     command: str = ""  # the memlab estimate command that reproduces a traced row ("" for a formula)
+    reserved_replay_bytes: int = 0  # a traced row's reserved figure by the caching allocator's model (0: none)
 
     def saving(self, base: MemoryEstimate) -> int:
         """Bytes saved against ``base``: ``base.peak_bytes - self.peak_bytes``."""
@@ -34,8 +35,11 @@ class Suggestion:
 
     @property
     def reserved_bytes(self) -> int:
-        """The reserved estimate on a CUDA target (with extras and the fragmentation margin), else the peak."""
+        """The reserved estimate on a CUDA target (a traced row: the caching allocator's replay; a formula row: with
+        extras and the fragmentation margin), else the peak."""
         alloc = self.peak_bytes + self.extra_bytes
+        if self.reserved_replay_bytes:
+            return max(self.reserved_replay_bytes, alloc)
         return int(math.ceil(alloc * FRAGMENTATION_MARGIN)) if self.extra_bytes else alloc
 
 
@@ -114,7 +118,7 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
         est = estimate_training_memory(model, **kw)
         out.append(Suggestion(technique, est.peak_bytes, "traced", chapter,
                               ", ".join(f"{k}={v}" for k, v in change.items()), est.peak_phase, _fwd_bwd(est), extra,
-                              command=estimate_command(model, **kw)))
+                              command=estimate_command(model, **kw), reserved_replay_bytes=est.reserved_replay_bytes))
         return est
 
     if not base.checkpointing:
