@@ -460,3 +460,98 @@ MUTANTS["00.saved_bytes"] += [
     ("4 bytes per element", saved_bytes_fp32_elements),
     ("forward hooks left on the module", saved_bytes_hooks_left),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: one mutant of each kind
+# (tests/course/test_mutants.py: a hygiene mutant is caught by a hygiene probe, a constants or space mutant by the
+# drawn cases with the hand-picked edges off)
+_MEMO: dict = {}
+
+
+def states_memoised(n_params, recipe):
+    """Right numbers, memoised in a module-level dict (the dict grows with every call: global state)."""
+    key = (n_params, recipe)
+    if key not in _MEMO:
+        _MEMO[key] = _states(RIGHT)(n_params, recipe)
+    return dict(_MEMO[key])
+
+
+def state_bytes_touching_every_parameter(optimizer):
+    """Reads optimizer.state[p] for every parameter: state is a defaultdict, so parameters without state get an empty
+    entry inserted into the caller's optimizer."""
+    from memlab.accounting import optimizer_state_bytes
+
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            optimizer.state[p]  # noqa: B018 - a lookup that inserts
+    return optimizer_state_bytes(optimizer)
+
+
+_ACT_MEMO: dict = {}
+
+
+def activation_bytes_memoised(seq_len, batch_size, hidden, n_heads, act_bytes=2, mask_bytes=1, **kw):
+    """Right formula, memoised in a module-level dict keyed by the arguments."""
+    from memlab.accounting import activation_bytes_per_layer
+
+    key = (seq_len, batch_size, hidden, n_heads, act_bytes, mask_bytes, tuple(sorted(kw.items())))
+    if key not in _ACT_MEMO:
+        _ACT_MEMO[key] = activation_bytes_per_layer(seq_len, batch_size, hidden, n_heads, act_bytes=act_bytes,
+                                                    mask_bytes=mask_bytes, **kw)
+    return _ACT_MEMO[key]
+
+
+_PEAKS: dict = {}
+
+
+def peak_memoised_by_shape(config, batch_size, seq_len):
+    """memlab's model, memoised by (n_layer, n_embd, batch, seq): a module-level cache (and it ignores n_head)."""
+    from memlab.accounting import tinygpt_step_peak
+
+    key = (config.n_layer, config.n_embd, batch_size, seq_len)
+    if key not in _PEAKS:
+        _PEAKS[key] = tinygpt_step_peak(config, batch_size, seq_len)
+    return _PEAKS[key]
+
+
+def peak_block_size_as_sequence(config, batch_size, seq_len):
+    """The context length (config.block_size) taken for the sequence length: equal whenever the graded sequence
+    fills the context."""
+    from memlab.accounting import tinygpt_step_peak
+
+    return tinygpt_step_peak(config, batch_size, config.block_size)
+
+
+def peak_vocab_256(config, batch_size, seq_len):
+    """The logits sized for a byte vocabulary of 256 (every graded TinyGPT's default)."""
+    import dataclasses
+
+    from memlab.accounting import tinygpt_step_peak
+
+    return tinygpt_step_peak(dataclasses.replace(config, vocab_size=256), batch_size, seq_len)
+
+
+MUTANTS["00.model_state_bytes"] += [("memoised in a module-level dict", states_memoised)]
+MUTANTS["00.optimizer_state_bytes"] += [("optimizer.state[p] read for every parameter (defaultdict inserts)",
+                                         state_bytes_touching_every_parameter)]
+MUTANTS["00.activation_bytes"] += [("memoised in a module-level dict", activation_bytes_memoised)]
+MUTANTS["00.predict_peak"] += [("memoised by shape in a module-level dict", peak_memoised_by_shape),
+                               ("block_size taken as the sequence length", peak_block_size_as_sequence),
+                               ("a vocabulary of 256", peak_vocab_256)]
+
+KINDS = {
+    "00.model_state_bytes": {"hygiene": ["memoised in a module-level dict"], "constants": ["bytes computed in floats"],
+                             "space": ["an unknown recipe taken as fp32-adamw"]},
+    "00.optimizer_state_bytes": {"hygiene": ["optimizer.state[p] read for every parameter (defaultdict inserts)"],
+                                 "constants": ["every state tensor assumed fp32"],
+                                 "space": ["first parameter group only", "a view counted from its offset to the end"]},
+    "00.activation_bytes": {"hygiene": ["memoised in a module-level dict"],
+                            "constants": ["element sizes from a table of 2 and 4", "1-byte masks for any dropout"],
+                            "space": ["integer division a*s // h"]},
+    "00.saved_bytes": {"hygiene": ["forward hooks left on the module"], "constants": ["4 bytes per element"],
+                       "space": ["keyed by the tensor's data_ptr()", "keyed by a freed storage's reusable address",
+                                 "the module's weights counted as activations"]},
+    "00.predict_peak": {"hygiene": ["memoised by shape in a module-level dict"],
+                        "constants": ["a vocabulary of 256", "1-byte (CUDA) dropout masks on the CPU"],
+                        "space": ["block_size taken as the sequence length"]},
+}

@@ -672,3 +672,131 @@ class LiveBytesClassRegistry:
 
 
 MUTANTS["01.live_bytes"] += [("weak references in a registry on the class", LiveBytesClassRegistry)]
+
+
+# ----------------------------------------------------------------------------- issue 35: one mutant of each kind
+# (tests/course/test_mutants.py: a hygiene mutant is caught by a hygiene probe, a constants or space mutant by the
+# drawn cases with the hand-picked edges off)
+class LiveBytesCountedOnTheClass(_LiveBase):
+    """A right counter that also counts its instances on the class ("how many counters are alive")."""
+
+    instances = 0
+
+    def __init__(self):
+        super().__init__()
+        LiveBytesCountedOnTheClass.instances += 1
+
+    def track(self, t):
+        st = t.untyped_storage()
+        if st._cdata not in self._refs or self._refs[st._cdata]() is not st:
+            self._add(st._cdata, st, st.nbytes())
+
+
+class LiveBytesFourBytesAnElement(_LiveBase):
+    """Storage elements times 4 (every graded tensor of the first cases is float32)."""
+
+    def track(self, t):
+        st = t.untyped_storage()
+        if st._cdata not in self._refs or self._refs[st._cdata]() is not st:
+            self._add(st._cdata, st, st.nbytes() // t.element_size() * 4)
+
+
+_OWNERS: dict = {}
+
+
+def categorize_owners_cached(t, model=None, optimizer=None, phase=None):
+    """Right rule, but the owners' storages are cached per model in a module-level dict (built once: stale after the
+    step replaces a .grad, and the cache keeps every model's storages)."""
+    from memlab.course.reference.ch01 import categorize
+
+    _OWNERS.setdefault(id(model), [p for p in _params(model, optimizer)])
+    return categorize(t, model, optimizer, phase)
+
+
+def categorize_adam_keys_only(t, model=None, optimizer=None, phase=None):
+    """Optimizer state recognised by AdamW's keys only (the graded optimizer's): momentum_buffer, square_avg, sum,
+    max_exp_avg_sq go by their phase."""
+    return _owner(t, model, optimizer, state=lambda k: k in ("exp_avg", "exp_avg_sq", "step")) or _BORN[phase]
+
+
+def peaks_last_run_of_each_phase(timeline):
+    """Assumes the phases come in one run each (forward, backward, optimizer): a phase seen again restarts its peak."""
+    out, last = {}, None
+    for _, phase, by_cat in timeline:
+        tot = sum(by_cat.values())
+        out[phase] = tot if phase != last else max(out[phase], tot)
+        last = phase
+    return out
+
+
+_FAKE_MEMO: dict = {}
+
+
+def fake_memoised(config, batch_size, seq_len):
+    """Right count, memoised in a module-level dict keyed by (config, batch, seq)."""
+    key = (repr(config), batch_size, seq_len)
+    if key not in _FAKE_MEMO:
+        _FAKE_MEMO[key] = _fake(config, batch_size, seq_len)
+    return _FAKE_MEMO[key]
+
+
+def fake_block_size_tokens(config, batch_size, seq_len):
+    """Builds the batch of config.block_size tokens (the context), not seq_len."""
+    return _fake(config, batch_size, config.block_size)
+
+
+def fake_in_eval_mode(config, batch_size, seq_len):
+    """The fake model in eval mode: no dropout masks are saved (the graded small models have dropout 0)."""
+    from memlab.course.reference.ch01 import fake_activation_bytes
+
+    class Eval(TinyGPT):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.eval()
+
+    import memlab.models as models
+
+    saved, models.TinyGPT = models.TinyGPT, Eval
+    try:
+        return fake_activation_bytes(config, batch_size, seq_len)
+    finally:
+        models.TinyGPT = saved
+
+
+def train_slices_batches(model, opt, batches, steps):
+    """`for x, y in batches[:steps]`: a list works, a generator or itertools.repeat does not."""
+    history = []
+    for x, y in list(batches[:steps]):
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(loss.item())
+    return history
+
+
+MUTANTS["01.live_bytes"] += [("instances counted on the class", LiveBytesCountedOnTheClass),
+                             ("4 bytes an element", LiveBytesFourBytesAnElement)]
+MUTANTS["01.categorize"] += [("owners cached per model in a module-level dict", categorize_owners_cached),
+                             ("AdamW's state keys only", categorize_adam_keys_only)]
+MUTANTS["01.phase_peaks"] += [("one run per phase assumed", peaks_last_run_of_each_phase)]
+MUTANTS["01.fake_activations"] += [("memoised in a module-level dict", fake_memoised),
+                                   ("block_size tokens, not seq_len", fake_block_size_tokens),
+                                   ("the fake model in eval mode", fake_in_eval_mode)]
+MUTANTS["01.fix_the_leak"] += [("batches sliced with [:steps]", train_slices_batches)]
+
+KINDS = {
+    "01.live_bytes": {"hygiene": ["instances counted on the class"], "constants": ["4 bytes an element"],
+                      "space": ["bytes of the view, not of the storage", "a dead storage's address never forgotten"]},
+    "01.categorize": {"hygiene": ["owners cached per model in a module-level dict"],
+                      "constants": ["AdamW's state keys only"],
+                      "space": ["buffers not counted as parameters", "tensors compared by data_ptr()"]},
+    "01.phase_peaks": {"hygiene": ["sorts the caller's timeline in place"],
+                       "constants": ["every phase reported, 0 when absent"], "space": ["one run per phase assumed"]},
+    "01.fake_activations": {"hygiene": ["memoised in a module-level dict"], "constants": ["block_size tokens, not seq_len"],
+                            "space": ["the fake model in eval mode"]},
+    "01.fix_the_leak": {"hygiene": ["a hidden list of losses with retained graphs"],
+                        "space": ["batches sliced with [:steps]"]},
+}
+NOT_APPLICABLE = {"01.fix_the_leak": {"constants": "the loop takes no size or setting of its own: the model, the "
+                                                  "optimizer, the batches and the step count are the caller's"}}

@@ -37,6 +37,11 @@ def check_live_bytes(cls):
                 whole = None
             elif op == "track a new tensor where a dead one was":
                 dt = case.dtype if case.dtype.is_floating_point else torch.float32
+                first = pool.tensor(64 // torch.empty(0, dtype=dt).element_size(), dtype=dt)
+                mine.track(first)
+                want.track(first)
+                first = None  # it dies; the next one is made at its address
+                gc.collect()
                 t = pool.tensor(64 // torch.empty(0, dtype=dt).element_size(), dtype=dt)
                 alive.append(t)
             elif op == "track a new tensor" or not tensors and op != "drop something":
@@ -184,9 +189,10 @@ class _Births(TorchDispatchMode):
     the check is running, set by hand) and, after every op, asks ``fn(t, model, optimizer, born)``
     about every storage the tracker holds; ``self.bad`` keeps the first disagreement."""
 
-    def __init__(self, fn, tracker, model, opt):
+    def __init__(self, fn, tracker, model, opt, offset_views=False):
         super().__init__()
         self.fn, self.tracker, self.model, self.opt = fn, tracker, model, opt
+        self.offset_views = offset_views  # ask about a view at the storage's middle, not the whole storage
         self.phase, self.born, self.bad, self.asked = "other", {}, None, 0
         self.answered: dict = {}  # storage key -> (its weakref, the phase now, the tracker's label) last asked
 
@@ -213,6 +219,8 @@ class _Births(TorchDispatchMode):
                 continue  # asked already in this phase with this label: asked again when either changes
             self.answered[key] = (weakref.ref(st), self.phase, cat)
             t = torch.empty(0, dtype=torch.uint8).set_(st)  # a tensor on that storage, nothing more
+            if self.offset_views and n >= 2:  # a view at an offset: its data_ptr() is not its storage's
+                t = t[n // 2:]
             got = self.fn(t, self.model, self.opt, b[1])
             self.asked += 1
             if got != cat:
@@ -237,7 +245,7 @@ def check_categorize(fn):
             opt.step()
             opt.zero_grad()
         tracker = ref.MemoryTracker(model, opt)
-        probe = _Births(fn, tracker, model, opt)
+        probe = _Births(fn, tracker, model, opt, offset_views=case.asked == "views at an offset")
         with tracker, probe:
             xb = torch.randn(case.batch, 5, generator=gen).to(case.dtype)
             probe.phase = "forward"
@@ -253,7 +261,7 @@ def check_categorize(fn):
 
     differential(CATEGORIZE_SPACE, run, edges=[dict(layers=("batchnorm", "layernorm", "dropout"), width=16, batch=5,
                                                     dtype=torch.float32, optimizer="adamw", groups=1, frozen=False,
-                                                    tied=False, warm=True)], examples=8)
+                                                    tied=False, warm=True, asked="whole storages")], examples=8)
     model, opt = _mlp()
     x = torch.randn(5, 8)  # an input batch: made outside forward, backward and the step
     saved = []
@@ -337,7 +345,8 @@ _OPTIMIZERS = {"adamw": lambda g: torch.optim.AdamW(g, lr=1e-3), "sgd": lambda g
                "rmsprop": lambda g: torch.optim.RMSprop(g, lr=1e-3), "adagrad": lambda g: torch.optim.Adagrad(g, lr=1e-3)}
 CATEGORIZE_SPACE = Space(layers=lists_of(one_of(*_LAYERS), 0, 3), width=ints(2, 12), batch=ints(2, 5),
                          dtype=one_of(torch.float32, torch.float64, torch.bfloat16), optimizer=one_of(*_OPTIMIZERS),
-                         groups=one_of(1, 2), frozen=flags(), tied=flags(), warm=flags())
+                         groups=one_of(1, 2), frozen=flags(), tied=flags(), warm=flags(),
+                         asked=one_of("whole storages", "views at an offset"))
 
 
 def _drawn_step(case):
