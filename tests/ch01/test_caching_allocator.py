@@ -255,3 +255,44 @@ def test_reserved_against_the_h100(row):
     assert abs(est.reserved_bytes / row["max_reserved"] - 1) < 0.15
     ratio = est.reserved_bytes / est.allocated_bytes
     assert abs(ratio / row["ratio"] - 1) < 0.07
+
+
+# ---------------------------------------------------------------- the estimate's reserved figure, extrapolated and sharded
+def _est(alloc: int, replay_bytes: int):
+    from memlab.estimate import MemoryEstimate
+
+    return MemoryEstimate(model="m", n_params=1, batch_size=1, seq_len=1, dtype="fp32", optimizer="adamw",
+                          checkpointing=False, peak_bytes=alloc, breakdown={}, device="cuda",
+                          reserved_replay_bytes=replay_bytes)
+
+
+@pytest.mark.parametrize("cached, expected", [((90, 103, 119), 119 + 13 * 7),  # grows: the smaller step a layer
+                                              ((520, 1683, 1356), 1356),  # does not: the deepest kept
+                                              ((50, 50, 50), 50)])
+def test_cached_bytes_extrapolated_by_depth(cached, expected):
+    from memlab.estimate.extrapolate import REPLAY_NOTE, _extrapolate_reserved
+
+    traced = [(d, _est(1000 * MiB, (1000 + c) * MiB)) for d, c in zip((3, 4, 5), cached)]
+    full = _est(3000 * MiB, 0)
+    full.notes = [REPLAY_NOTE + " of the 5-layer trace"]
+    _extrapolate_reserved(full, traced, 12)
+    assert full.reserved_replay_bytes == 3000 * MiB + -(-expected // 2) * 2 * MiB
+    assert full.reserved_bytes == full.reserved_replay_bytes
+    assert len([n for n in full.notes if n.startswith(REPLAY_NOTE)]) == 1  # the shallow trace's note replaced
+    none = _est(3000 * MiB, 0)
+    _extrapolate_reserved(none, [(3, _est(1, 0)), (4, _est(1, 5 * MiB))], 12)
+    assert none.reserved_replay_bytes == 0 and none.reserved_bytes == -(-3000 * MiB * 114 // 100)  # the margin
+
+
+def test_sharded_estimate_keeps_the_cached_bytes():
+    from memlab.estimate import estimate_training_memory, shard_estimate
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    est = estimate_training_memory(lambda: TinyGPT(TinyGPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=64)),
+                                   batch_size=1, seq_len=16, device="cuda")
+    cached = est.reserved_replay_bytes - est.allocated_bytes
+    for stage in (1, 2):
+        out = shard_estimate(est, 4, stage)
+        assert out.allocated_bytes < est.allocated_bytes
+        assert out.reserved_replay_bytes == -(-(out.allocated_bytes + cached) // (2 * MiB)) * 2 * MiB
+    assert est.reserved_replay_bytes - est.allocated_bytes == cached  # the single-rank estimate is not changed
