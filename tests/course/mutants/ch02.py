@@ -884,3 +884,80 @@ MUTANTS["02.choose_segments"] += [
     ("k tried up to 32 only", choose_k_up_to_32),
     ("budget truncated to an int", choose_int_budget),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: one mutant of each kind
+# (tests/course/test_mutants.py: a hygiene mutant is caught by a hygiene probe, a constants or space mutant by the
+# drawn cases with the hand-picked edges off)
+def _memoised(fn, key=None):
+    """``fn`` with its answers memoised in a dict it keeps between calls (by ``key(*args)``, default the arguments'
+    repr): state that outlives the call."""
+    store: dict = {}
+
+    def memo(*args, **kwargs):
+        k = key(*args, **kwargs) if key is not None else repr((args, sorted(kwargs.items())))
+        if k not in store:
+            store[k] = fn(*args, **kwargs)
+        return store[k]
+
+    return memo
+
+
+def _counted_on_the_class(cls):
+    """``cls``, right, except that every instance is also counted on the class."""
+
+    def __init__(self, *args, **kwargs):
+        type(self).made += 1
+        cls.__init__(self, *args, **kwargs)
+
+    return type(f"Counted{cls.__name__}", (cls,), {"made": 0, "__init__": __init__})
+
+
+def _ckpt_peak_block_size(config, batch_size, seq_len, segments):
+    """The context length (config.block_size) taken for the sequence length."""
+    from memlab.checkpoint import sequential_activation_peak
+
+    return sequential_activation_peak(config, batch_size, config.block_size, segments)
+
+
+def _choose_memo():
+    from memlab.checkpoint import segments_for_budget
+
+    return _memoised(segments_for_budget)
+
+
+def _ckpt_peak_memo():
+    from memlab.checkpoint import sequential_activation_peak
+
+    return _memoised(sequential_activation_peak, key=lambda c, b, s, k: (c.n_layer, c.n_embd, b, s, k))
+
+
+def _rng_counted():
+    from memlab.checkpoint import RNGState
+
+    return _counted_on_the_class(RNGState)
+
+
+MUTANTS["02.rng_replay"] += [("snapshots counted on the class", _rng_counted())]
+MUTANTS["02.choose_segments"] += [("memoised in a dict kept between calls", _choose_memo())]
+MUTANTS["02.predict_ckpt_peak"] += [("memoised by shape in a dict kept between calls", _ckpt_peak_memo()),
+                                    ("block_size taken as the sequence length", _ckpt_peak_block_size)]
+
+KINDS = {
+    "02.count_saved": {"hygiene": ["saved tensors kept in a module-level list"],
+                       "constants": ["4 bytes per element (float32 assumed)"],
+                       "space": ["weights counted as activations", "keyed by a freed storage's reusable address",
+                                 "keyed by the tensor's data_ptr()"]},
+    "02.checkpoint_function": {"hygiene": ["outputs kept in a module-level list"],
+                               "space": ["recomputes in float32", "no RNG replay"]},
+    "02.rng_replay": {"hygiene": ["snapshots counted on the class"], "constants": ["a fixed seed instead of the state"],
+                      "space": ["state not restored when the body raises", "replays advance the snapshot"]},
+    "02.checkpoint_sequential": {"hygiene": ["segments popped off the caller's list"], "constants": ["at most 4 segments"],
+                                 "space": ["torch's split: the remainder all in the last segment"]},
+    "02.choose_segments": {"hygiene": ["memoised in a dict kept between calls"], "constants": ["k tried up to 32 only"],
+                           "space": ["budget truncated to an int", "binary search over k"]},
+    "02.predict_ckpt_peak": {"hygiene": ["memoised by shape in a dict kept between calls"],
+                             "constants": ["1-byte dropout masks"], "space": ["block_size taken as the sequence length"]},
+}
+NOT_APPLICABLE = {"02.checkpoint_function": {"constants": "the checkpoint takes a function and its inputs: it has no "
+                                                          "size or setting of its own to tune"}}

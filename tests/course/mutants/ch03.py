@@ -781,3 +781,96 @@ MUTANTS["03.master_step"] += [
     ("16-bit copies made with .half()", ms_half_copies),
     ("16-bit gradients kept in a module-level list", ms_keeps_grads),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: one mutant of each kind
+# (tests/course/test_mutants.py: a hygiene mutant is caught by a hygiene probe, a constants or space mutant by the
+# drawn cases with the hand-picked edges off)
+def _memoised(fn, key=None):
+    """``fn`` with its answers memoised in a dict it keeps between calls (by ``key(*args)``, default the arguments'
+    repr): state that outlives the call."""
+    store: dict = {}
+
+    def memo(*args, **kwargs):
+        k = key(*args, **kwargs) if key is not None else repr((args, sorted(kwargs.items())))
+        if k not in store:
+            store[k] = fn(*args, **kwargs)
+        return store[k]
+
+    return memo
+
+
+def _counted_on_the_class(cls):
+    """``cls``, right, except that every instance is also counted on the class."""
+
+    def __init__(self, *args, **kwargs):
+        type(self).made += 1
+        cls.__init__(self, *args, **kwargs)
+
+    return type(f"Counted{cls.__name__}", (cls,), {"made": 0, "__init__": __init__})
+
+
+def underflow_abs_in_place(t, dtype=torch.float16):
+    """Takes |t| in place on the caller's tensor before counting."""
+    from memlab.amp import underflow_fraction
+
+    t.abs_()
+    return underflow_fraction(t, dtype)
+
+
+def unscale_inv_scale_as_scratch(grads, found_inf, inv_scale):
+    """Right, but turns the caller's inv_scale into the scale in place and back: a float round trip changes it."""
+    from memlab.amp import unscale_grads_
+
+    inv_scale.reciprocal_()
+    unscale_grads_(grads, found_inf, 1.0 / inv_scale)
+    inv_scale.reciprocal_()
+
+
+def _scaler_interval_2000():
+    from memlab.amp import DynamicLossScaler
+
+    class Interval2000(DynamicLossScaler):
+        """growth_interval taken as torch's default, 2000, whatever the caller passes."""
+
+        def __init__(self, *args, **kwargs):
+            kwargs["growth_interval"] = 2000
+            if len(args) > 3:
+                args = args[:3]
+            super().__init__(*args, **kwargs)
+
+    return Interval2000
+
+
+def _scaler_counted():
+    from memlab.amp import DynamicLossScaler
+
+    return _counted_on_the_class(DynamicLossScaler)
+
+
+def _update_peak_memo():
+    from memlab.amp import update_peak_bytes
+
+    return _memoised(update_peak_bytes, key=lambda model, recipe: (sum(p.numel() for p in model.parameters()), recipe))
+
+
+MUTANTS["03.underflow_fraction"] += [("|t| taken in place", underflow_abs_in_place)]
+MUTANTS["03.unscale_grads"] += [("inv_scale used as scratch", unscale_inv_scale_as_scratch)]
+MUTANTS["03.loss_scaler"] += [("growth_interval always 2000", _scaler_interval_2000()),
+                              ("instances counted on the class", _scaler_counted())]
+MUTANTS["03.predict_update_peak"] += [("memoised by parameter count in a dict kept between calls", _update_peak_memo())]
+
+KINDS = {
+    "03.underflow_fraction": {"hygiene": ["|t| taken in place"], "constants": ["always fp16"],
+                              "space": ["flattened with view(-1)", "inf and nan counted"]},
+    "03.update_scale": {"hygiene": ["clears the caller's found_inf"], "constants": ["scale capped at 2**24"],
+                        "space": ["grows to inf"]},
+    "03.unscale_grads": {"hygiene": ["inv_scale used as scratch"], "constants": ["16-bit multiply"],
+                         "space": ["works on view(-1)", "stops at the first bad tensor"]},
+    "03.loss_scaler": {"hygiene": ["instances counted on the class"], "constants": ["growth_interval always 2000"],
+                       "space": ["first parameter group only"]},
+    "03.master_step": {"hygiene": ["16-bit gradients kept in a module-level list"],
+                       "constants": ["16-bit copies made with .half()"], "space": ["zeros for a missing gradient"]},
+    "03.predict_update_peak": {"hygiene": ["memoised by parameter count in a dict kept between calls"],
+                               "constants": ["fp32 buffers in the 16-bit recipes"], "space": ["tied weight counted twice"]},
+}

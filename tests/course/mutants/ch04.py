@@ -511,3 +511,76 @@ def _offload_with_class_counter():
 
 
 MUTANTS["04.offload_optimizer"] += [("the step count on the class", _offload_with_class_counter())]
+
+
+# ----------------------------------------------------------------------------- issue 35: one mutant of each kind
+# (tests/course/test_mutants.py: a hygiene mutant is caught by a hygiene probe, a constants or space mutant by the
+# drawn cases with the hand-picked edges off)
+def _memoised(fn, key=None):
+    """``fn`` with its answers memoised in a dict it keeps between calls (by ``key(*args)``, default the arguments'
+    repr): state that outlives the call."""
+    store: dict = {}
+
+    def memo(*args, **kwargs):
+        k = key(*args, **kwargs) if key is not None else repr((args, sorted(kwargs.items())))
+        if k not in store:
+            store[k] = fn(*args, **kwargs)
+        return store[k]
+
+    return memo
+
+
+def _counted_on_the_class(cls):
+    """``cls``, right, except that every instance is also counted on the class."""
+
+    def __init__(self, *args, **kwargs):
+        type(self).made += 1
+        cls.__init__(self, *args, **kwargs)
+
+    return type(f"Counted{cls.__name__}", (cls,), {"made": 0, "__init__": __init__})
+
+
+_STAGED: dict = {}
+
+
+def grad_hooks_slots_remembered(params, slots):
+    """Right hooks, and the slots remembered in a module-level dict by parameter id (to print them later)."""
+    from memlab.offload import install_grad_hooks
+
+    _STAGED.update({id(p): s for p, s in zip(params, slots)})
+    return install_grad_hooks(params, slots)
+
+
+def _offload_counted():
+    from memlab.course.checks.ch04 import _ReferenceOffload
+
+    return _counted_on_the_class(_ReferenceOffload)
+
+
+def _traffic_memo():
+    from memlab.course.checks.ch04 import _predict_traffic_reference
+
+    return _memoised(_predict_traffic_reference,
+                     key=lambda model, m, o: (sum(p.numel() for p in model.parameters()), m, o))
+
+
+MUTANTS["04.grad_hook"] += [("slots remembered in a module-level dict", grad_hooks_slots_remembered)]
+MUTANTS["04.offload_optimizer"] += [("instances counted on the class", _offload_counted())]
+MUTANTS["04.predict_traffic"] += [("memoised by parameter count in a dict kept between calls", _traffic_memo())]
+
+KINDS = {
+    "04.adamw_update": {"hygiene": ["gradient used as scratch"], "constants": ["float32 bias corrections"],
+                        "space": ["view(-1) of the parameter", "updates a contiguous copy"]},
+    "04.pack_flat": {"hygiene": ["casts the caller's tensors in place"],
+                     "space": ["keeps bf16", "t.view(-1) of the input", "flat aliases a single input"]},
+    "04.chunked_step": {"hygiene": ["gradient used as scratch"], "constants": ["bf16 denominator"],
+                        "space": ["drops the tail", "overlapping slices"]},
+    "04.grad_hook": {"hygiene": ["slots remembered in a module-level dict"], "constants": ["sums in bf16"],
+                     "space": ["slot by shape", "trainable zipped with all slots"]},
+    "04.offload_optimizer": {"hygiene": ["instances counted on the class"], "constants": ["master in the model's dtype"],
+                             "space": ["steps the frozen layer"]},
+    "04.predict_traffic": {"hygiene": ["memoised by parameter count in a dict kept between calls"],
+                           "constants": ["fp32 bytes"], "space": ["frozen counted", "tied twice"]},
+}
+NOT_APPLICABLE = {"04.pack_flat": {"constants": "packing takes the caller's tensors and has no size or setting of its "
+                                                "own to tune"}}

@@ -584,3 +584,84 @@ MUTANTS["06.nf4_codes"] += [("weight scaled in place", codes_scale_in_place), ("
 MUTANTS["06.pack_nibbles"] += [("pads the caller's codes in place", pack_pads_in_place)]
 MUTANTS["06.dequantize_nf4"] += [("absmax used as scratch", deq_scales_absmax_in_place)]
 MUTANTS["06.lora_linear"] += [("instances counted on the class", LoRACountedInstances)]
+
+
+# ----------------------------------------------------------------------------- issue 35: one mutant of each kind
+# (tests/course/test_mutants.py: a hygiene mutant is caught by a hygiene probe, a constants or space mutant by the
+# drawn cases with the hand-picked edges off)
+def _memoised(fn, key=None):
+    """``fn`` with its answers memoised in a dict it keeps between calls (by ``key(*args)``, default the arguments'
+    repr): state that outlives the call."""
+    store: dict = {}
+
+    def memo(*args, **kwargs):
+        k = key(*args, **kwargs) if key is not None else repr((args, sorted(kwargs.items())))
+        if k not in store:
+            store[k] = fn(*args, **kwargs)
+        return store[k]
+
+    return memo
+
+
+def _counted_on_the_class(cls):
+    """``cls``, right, except that every instance is also counted on the class."""
+
+    def __init__(self, *args, **kwargs):
+        type(self).made += 1
+        cls.__init__(self, *args, **kwargs)
+
+    return type(f"Counted{cls.__name__}", (cls,), {"made": 0, "__init__": __init__})
+
+
+def codes_blocksize_64(w, blocksize=64):
+    """Blocks of 64 whatever the caller asks (bitsandbytes' QLoRA default, every first graded case's)."""
+    from memlab.quant import nf4_codes
+
+    return nf4_codes(w, 64)
+
+
+def _lora_counted():
+    from memlab.quant.lora import LoRALinear
+
+    return _counted_on_the_class(LoRALinear)
+
+
+def _lora_no_dropout():
+    from memlab.quant.lora import LoRALinear
+
+    class NoDropout(LoRALinear):
+        """The adapter's dropout ignored (taken as 0)."""
+
+        def __init__(self, base, r=8, alpha=16, dropout=0.0, dtype=torch.float32):
+            super().__init__(base, r=r, alpha=alpha, dropout=0.0, dtype=dtype)
+
+    return NoDropout
+
+
+def _qlora_memo():
+    from memlab.quant.lora import predict_qlora_bytes
+
+    return _memoised(predict_qlora_bytes, key=lambda model, r=8, **k: (sum(p.numel() for p in model.parameters()), r))
+
+
+MUTANTS["06.nf4_codes"] += [("blocks of 64 whatever the blocksize", codes_blocksize_64)]
+MUTANTS["06.lora_linear"] += [("instances counted on the class (a registry)", _lora_counted()),
+                              ("adapter dropout ignored", _lora_no_dropout())]
+MUTANTS["06.predict_qlora_bytes"] += [("memoised by parameter count in a dict kept between calls", _qlora_memo())]
+
+KINDS = {
+    "06.nf4_codebook": {"hygiene": ["one cached tensor for every call (lru_cache)"],
+                        "constants": ["pasted: ignores offset"]},
+    "06.nf4_codes": {"hygiene": ["weight scaled in place"], "constants": ["blocks of 64 whatever the blocksize"],
+                     "space": ["ties go to the upper level", "view(-1) of the weight", "blocks per row"]},
+    "06.pack_nibbles": {"hygiene": ["pads the caller's codes in place"], "constants": ["odd count padded with code 0"],
+                        "space": ["odd count: last code dropped"]},
+    "06.dequantize_nf4": {"hygiene": ["absmax used as scratch"], "constants": ["blocksize ignored"],
+                          "space": ["multiplies in the 16-bit dtype"]},
+    "06.lora_linear": {"hygiene": ["instances counted on the class (a registry)"], "constants": ["alpha // r"],
+                       "space": ["adapter dropout ignored"]},
+    "06.predict_qlora_bytes": {"hygiene": ["memoised by parameter count in a dict kept between calls"],
+                               "constants": ["n // 2 code bytes"], "space": ["tied embeddings twice / fp32 biases"]},
+}
+NOT_APPLICABLE = {"06.nf4_codebook": {"space": "one float in (0.5, 1) is the whole input: a codebook pasted for one "
+                                               "offset is the constants mutant"}}

@@ -182,6 +182,13 @@ def _check_unscale(fn, grads: list[torch.Tensor], inv: float, pre: float, case: 
 def check_unscale_grads(fn) -> None:
     """Grade exercise ``03.unscale_grads``: unscale with inf/NaN detection."""
     expect(callable(fn), f"unscale_grads_: expected a function, got {type(fn).__name__}")
+    def run(case) -> None:
+        grads, what = _unscale_case(case)
+        _check_unscale(fn, grads, case.inv, float(case.pre),
+                       f"{len(grads)} {case.dtype} grads of {list(case.sizes)} elements ({case.layout}), "
+                       f"inv_scale={case.inv:.4g}, {what}" + (", found_inf already 1.0" if case.pre else "") + f" [{case}]")
+
+    differential(UNSCALE_SPACE, run, examples=30)
     gen = torch.Generator().manual_seed(5)
     # fp16 (what loss scaling exists for), several bad tensors at once (found_inf is a flag, 1.0, not a
     # count), and large finite fp16 gradients whose sum overflows fp16 (test each element, not the sum)
@@ -204,13 +211,6 @@ def check_unscale_grads(fn) -> None:
                 _check_unscale(fn, grads, inv, pre, f"{dtype} grads, inv_scale={inv:.4g}, {what}"
                                + (", found_inf already 1.0" if pre else ""))
 
-    def run(case) -> None:
-        grads, what = _unscale_case(case)
-        _check_unscale(fn, grads, case.inv, float(case.pre),
-                       f"{len(grads)} {case.dtype} grads of {list(case.sizes)} elements ({case.layout}), "
-                       f"inv_scale={case.inv:.4g}, {what}" + (", found_inf already 1.0" if case.pre else "") + f" [{case}]")
-
-    differential(UNSCALE_SPACE, run, examples=30)
 
 
 # ----------------------------------------------------------------------------- 03.loss_scaler

@@ -564,6 +564,8 @@ def _traffic_model(case) -> tuple[str, nn.Module]:
     heads = 1 + case.width % 4
     model = TinyGPT(TinyGPTConfig(n_layer=1 + case.depth % 2, n_embd=8 * heads, n_head=heads, block_size=8,
                                   vocab_size=case.vocab, tie_weights=case.tied)).to(case.dtype)
+    if case.frozen:  # the first block's attention frozen, beside the trainable MLP
+        model.blocks[0].attn.requires_grad_(False)
     return f"{case.dtype} TinyGPT", model
 
 

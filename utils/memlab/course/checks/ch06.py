@@ -46,14 +46,14 @@ def _tensor_equal(name: str, got, want) -> None:
 def check_nf4_codebook(fn) -> None:
     """Grade exercise ``06.nf4_codebook``: NF4 codebook from normal quantiles."""
     expect(callable(fn), f"nf4_codebook: expected a function, got {type(fn).__name__}")
-    _tensor_equal("nf4_codebook()", fn(), quant.nf4_codebook())
-
     def run(case) -> None:
         _tensor_equal(f"nf4_codebook(offset={case.offset!r}) (derive the levels from the quantiles; do not paste them)",
                       fn(case.offset), quant.nf4_codebook(case.offset))
 
     # any outer quantile in (0.5, 1): the codebook is derived, not pasted
     differential(Space(offset=floats(0.51, 0.999)), run, edges=[dict(offset=o) for o in (0.99, 0.95, 0.9)], examples=12)
+    _tensor_equal("nf4_codebook()", fn(), quant.nf4_codebook())
+
 
 
 # ----------------------------------------------------------------------------- 06.nf4_codes
@@ -130,6 +130,12 @@ def check_nf4_codes(fn) -> None:
 def check_pack_nibbles(fn) -> None:
     """Grade exercise ``06.pack_nibbles``: pack two codes per byte."""
     expect(callable(fn), f"pack_nibbles: expected a function, got {type(fn).__name__}")
+    def run(case) -> None:
+        q = make_tensor((case.n,), torch.uint8, case.layout, case.seed, low=0, high=16)
+        _tensor_equal(f"pack_nibbles({case.n} codes, {case.layout} in memory)", fn(q), quant.pack_nibbles(q))
+
+    # any count (odd, one, none), any layout
+    differential(Space(n=ints(0, 2049), layout=layouts("contiguous", "strided", "offset")), run, examples=15)
     gen = torch.Generator().manual_seed(7)
     cases = [("codes 0x0, 0xF", torch.tensor([0, 15], dtype=torch.uint8)),
              ("codes 1, 2, 3, 4", torch.tensor([1, 2, 3, 4], dtype=torch.uint8)),
@@ -139,12 +145,6 @@ def check_pack_nibbles(fn) -> None:
     for name, q in cases:
         _tensor_equal(f"pack_nibbles({name})", fn(q.clone()), quant.pack_nibbles(q))
 
-    def run(case) -> None:
-        q = make_tensor((case.n,), torch.uint8, case.layout, case.seed, low=0, high=16)
-        _tensor_equal(f"pack_nibbles({case.n} codes, {case.layout} in memory)", fn(q), quant.pack_nibbles(q))
-
-    # any count (odd, one, none), any layout
-    differential(Space(n=ints(0, 2049), layout=layouts("contiguous", "strided", "offset")), run, examples=15)
     w = torch.randn(7, 13, generator=gen)
     packed = fn(quant.nf4_codes(w)[0])
     _tensor_equal("pack_nibbles(nf4_codes(w)) for w of shape (7, 13), vs bitsandbytes' packed bytes",
