@@ -70,6 +70,45 @@ class _quiet_stderr:
             os.close(self._saved)
 
 
+class _stderr_without:
+    # while the block runs, file descriptor 2 goes to a temporary file; at the end every line of it
+    # but those containing ``drop`` is written back (the profiler's C++ note that a block made before
+    # it started was freed is not the user's business: allocator_peak documents that limit)
+
+    def __init__(self, drop: str) -> None:
+        self.drop = drop.encode()
+
+    def __enter__(self) -> None:
+        import os
+        import sys
+        import tempfile
+
+        self._saved = self._tmp = None
+        try:
+            sys.stderr.flush()
+            self._tmp = tempfile.TemporaryFile()
+            self._saved = os.dup(2)
+            os.dup2(self._tmp.fileno(), 2)
+        except (OSError, ValueError, AttributeError):  # no real descriptor 2: nothing to filter
+            self._saved = None
+
+    def __exit__(self, *exc: Any) -> None:
+        import os
+
+        if self._saved is None:
+            return
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._tmp.seek(0)
+        kept = [line for line in self._tmp.read().splitlines(keepends=True) if self.drop not in line]
+        self._tmp.close()
+        if kept:
+            os.write(2, b"".join(kept))
+
+
+_UNKNOWN_BLOCK = "allocated before the profiling started"
+
+
 def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     """The CPU allocator's peak and end bytes while ``fn()`` runs, from its own events.
 
@@ -90,7 +129,8 @@ def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     with _quiet_stderr():  # the profiler's C++ side logs its start and stop on file descriptor 2
         prof.__enter__()
     try:
-        fn()
+        with _stderr_without(_UNKNOWN_BLOCK):
+            fn()
     finally:
         with _quiet_stderr():
             prof.__exit__(None, None, None)
