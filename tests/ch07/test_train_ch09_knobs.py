@@ -126,3 +126,17 @@ def test_chapter09_losses_need_a_transformers_causal_lm():
                              seq_len=32).train(1)) == 1
     with pytest.raises(ValueError, match="optimizer_in_backward=True is invalid with grad_accum=2"):
         Stack(micro_batch=2, grad_accum=2, optimizer_in_backward=True)
+
+
+def test_run_step_is_the_step_train_runs():
+    inb = Stack(micro_batch=4, loss="fused", optimizer_in_backward=True)
+    whole = _run([inb], steps=2)
+    t = _run([inb], steps=1)
+    assert t.run_step(1).item() == whole.losses[1] and t.step == 1 and len(t.losses) == 1
+    # another stack is applied for the step and the trainer's own put back
+    t.run_step(2, Stack(micro_batch=2, grad_accum=2, checkpointing="full"))
+    assert t._applied == inb
+    with pytest.raises(ValueError, match="step=-1"):
+        t.run_step(-1)
+    with pytest.raises(ValueError, match=r"stacks\[0\]: micro_batch=2 x grad_accum=1 = 2"):
+        t.run_step(2, Stack(micro_batch=2))

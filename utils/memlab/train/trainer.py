@@ -559,6 +559,27 @@ class BudgetTrainer:
         assert total is not None
         return total / k if k > 1 else total
 
+    def run_step(self, step: int, stack: Stack | None = None) -> torch.Tensor:
+        """One optimizer step of ``stack`` (default: the stack in use; another one is applied to the model
+        first) on the batch of optimizer step ``step``, outside the budget and the checkpoints: what
+        :meth:`train` runs inside its guard, for measuring it (e.g. under
+        :func:`memlab.profiler.peak_beside_allocator`). It updates the model; ``step``, ``losses`` and the
+        checkpoints are left as they are. Returns the mean loss (a 0-d tensor).
+
+        Raises:
+            ValueError: ``step`` < 0, or a ``stack`` this trainer cannot run.
+        """
+        check_int("step", step, minimum=0)
+        if stack is None:
+            return self._optimizer_step(step, self.stack)
+        self._check_stacks([stack])
+        self._check_model_runs(self.model, [stack])
+        self._apply(stack)
+        try:
+            return self._optimizer_step(step, stack)
+        finally:
+            self._apply(self.stack)  # train() goes on with its own stack
+
     def _loss(self, stack: Stack, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # The mean cross-entropy of the targets y (every position), by the stack's loss.
         from memlab.models import lm_loss
