@@ -145,3 +145,16 @@ def test_readme_validation_account_is_rendered_from_the_stored_validate_log(tmp_
     # a re-run of the validation that moves one estimate: README's row is stale
     (root / R.VALIDATE_LOG).write_text(log.replace("34.79 GiB   -3.9%", "34.80 GiB   -3.8%"), encoding="utf-8")
     assert any("34.80 GiB | -3.8%" in p for p in R.stale(root, [ROW]))
+
+
+def test_a_count_reads_only_its_block(tmp_path):
+    lines = ["mine peak 4.50 MiB", "ref peak 4.00 MiB", "12 steps in 1 s", "  step 0: OOM with a -> b", "  step 1: OOM with b -> c",
+             "settled on: c", "  step 0: OOM with a -> d (the page's own trainer)"]
+    root = _repo(tmp_path, lines)
+    row = R.Row("07", ("toy", "{n} back-offs", "{all} in the notebook", "-"), (
+        R.Counted("notebooks/x.ipynb", "^step {i}: OOM with {w:text} -> ", "n", after="steps in", until="settled on:"),
+        R.Counted("notebooks/x.ipynb", "^step {i}: OOM with {w:text} -> ", "all")))
+    assert "| 2 back-offs | 3 in the notebook |" in R.render_table(root, [row])
+    bad = R.Row("07", ("toy", "{n}", "-", "-"), (R.Counted("notebooks/x.ipynb", "OOM", "n", until="never printed"),))
+    with pytest.raises(R.FigureError, match="no line holds 'never printed'"):
+        R.render_table(root, [bad])

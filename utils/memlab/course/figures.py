@@ -71,10 +71,26 @@ class Found:
 
 @dataclass(frozen=True)
 class Counted:
-    """``name``: how many stored output lines of ``source`` match ``line`` (a :class:`Found` line)."""
+    """``name``: how many stored output lines of ``source`` match ``line`` (a :class:`Found` line), counted
+    from the first line holding ``after`` (if given) to the next line holding ``until`` (if given)."""
     source: str
     line: str
     name: str
+    after: str = ""
+    until: str = ""
+
+    def block(self, lines: list[str]) -> list[str]:
+        if self.after:
+            at = next((i for i, ln in enumerate(lines) if self.after in ln), None)
+            if at is None:
+                raise FigureError(f"{self.source}: no line holds {self.after!r} (where {self.line!r} is counted from)")
+            lines = lines[at + 1:]
+        if self.until:
+            end = next((i for i, ln in enumerate(lines) if self.until in ln), None)
+            if end is None:
+                raise FigureError(f"{self.source}: no line holds {self.until!r} (where counting {self.line!r} stops)")
+            lines = lines[:end]
+        return lines
 
 
 @dataclass(frozen=True)
@@ -161,7 +177,7 @@ def read_figures(row: Row, root: Path, cache: dict | None = None) -> dict[str, s
             cache[found.source] = outputs_text(path)
         if isinstance(found, Counted):
             rx = Found(found.source, found.line).regex()
-            figs[found.name] = str(sum(bool(rx.search(ln)) for ln in cache[found.source]))
+            figs[found.name] = str(sum(bool(rx.search(ln)) for ln in found.block(cache[found.source])))
         else:
             figs.update(_read_one(found, cache[found.source]))
     for name, d in row.derived.items():

@@ -345,7 +345,8 @@ ROWS: list[Row | Recorded] = [
                         "{r})"),
          Found(N["07"], "settled on: {settled:text} (the planner's pick: {ppick:text})"),
          Found(N["07"], "^{steps} optimizer steps in {secs} s; loss {l0} -> {l1}"),
-         Counted(N["07"], "^step {i}: OOM with {what:text} -> ", "ooms"))),
+         Counted(N["07"], "^step {i}: OOM with {what:text} -> ", "ooms", after="optimizer steps in",
+                 until="settled on:"))),
     Recorded("07-kill9"),
     Recorded("07-padding"),
     Row("08", ("tiny Llama, fp32 AdamW, 2 gloo ranks: the page's data parallel, ZeRO-1, ZeRO-2, FSDP2 and memlab's "
