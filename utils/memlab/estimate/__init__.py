@@ -22,6 +22,9 @@ One concern per module:
 * :mod:`~memlab.estimate.result`: :class:`MemoryEstimate` and :func:`resolve_gpu`;
 * :mod:`~memlab.estimate.suggest`: what would make it fit;
 
+* :mod:`~memlab.estimate.caching_allocator`: a model of PyTorch's CUDA caching allocator;
+* :mod:`~memlab.estimate.allocator_replay`: a traced step's allocations replayed through it (reserved, nvidia-smi);
+
 * :mod:`~memlab.estimate.cuda_rules`: CUDA's rules on a CPU trace;
 * :mod:`~memlab.estimate.adapters`: LoRA and QLoRA;
 * :mod:`~memlab.estimate.peers`: the rules of thumb;
@@ -42,6 +45,8 @@ from memlab.estimate.extrapolate import extrapolate_by_depth
 from memlab.estimate.api import estimate_step, estimate_training_memory, make_step, measure_training_memory
 from memlab.estimate.suggest import suggestions
 from memlab.estimate.peers import accelerate_estimate, deepspeed_zero_estimate
+from memlab.estimate.caching_allocator import AllocatorConfig
+from memlab.estimate.allocator_replay import estimate_reserved, replay
 
 __all__ = [
     "estimate_training_memory",
@@ -69,4 +74,8 @@ __all__ = [
     "check_positions",
     "check_input_bounds",
     "extrapolate_by_depth",
+    # reserved memory and nvidia-smi by a model of PyTorch's CUDA caching allocator (issue 38)
+    "estimate_reserved",
+    "replay",
+    "AllocatorConfig",
 ]
