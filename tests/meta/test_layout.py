@@ -45,7 +45,7 @@ LAYERS: list[set[str]] = [
     {"accounting", "profiler", "quant", "offload"},
     {"amp", "attention", "checkpoint", "distributed", "loss"},
     {"estimate"},
-    {"plan"},
+    {"plan", "testing"},
     {"train"},
     {"bench"},
     {"course"},
