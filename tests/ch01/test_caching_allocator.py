@@ -157,6 +157,9 @@ def test_bad_events_are_named(events, match):
 
 def test_model_statistics_and_handles():
     m = CachingAllocatorModel()
+    empty = m.malloc(0)  # a null pointer: no block, nothing counted
+    assert (m.allocated, m.reserved) == (0, 0)
+    m.free(empty)
     h = m.malloc(3000)
     assert (m.allocated, m.requested, m.reserved) == (3072, 3000, 2 * MiB)
     m.free(h)

@@ -266,6 +266,10 @@ class CachingAllocatorModel:
         """
         check_int("nbytes", nbytes, minimum=0)
         check_int("stream", stream, minimum=0)
+        if nbytes == 0:  # PyTorch hands out a null pointer: no block
+            handle = next(self._handles)
+            self._live[handle] = (None, 0)  # type: ignore[assignment]
+            return handle
         size = round_size(nbytes, self.config)
         small = size <= SMALL_SIZE
         block = self._get_free_block(small, size, stream)
@@ -301,6 +305,8 @@ class CachingAllocatorModel:
         if handle not in self._live:
             raise invalid("handle", handle, "a live handle returned by malloc")
         block, nbytes = self._live.pop(handle)
+        if block is None:
+            return
         block.allocated = False
         self.allocated -= block.size
         self.requested -= nbytes
