@@ -7,6 +7,7 @@ the allocator's own events (:func:`allocator_peak`) and against PyTorch's ``MemT
 Modules: :mod:`~memlab.profiler.tracker` (the tracker, with its module frames and step hooks),
 :mod:`~memlab.profiler.storage` (what it counts: categories, phases, events),
 :mod:`~memlab.profiler.allocator` (block rounding and the independent counters),
+:mod:`~memlab.profiler.compare` (the tracker and the allocator on one step),
 :mod:`~memlab.profiler.report` (table and plot), :mod:`~memlab.profiler.timeline` (every storage
 as a band in time, for an interactive page or pytorch.org/memory_viz).
 """
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 from memlab.core.units import format_bytes
 from memlab.profiler.allocator import (CUDA_BLOCK_BYTES, DEFAULT_BLOCK_BYTES, KERNEL_SCRATCH_FRAMES,
-                                       PeakComparison, allocator_bytes, allocator_peak,
-                                       kernel_scratch_at_peak, peak_beside_allocator)
+                                       allocator_bytes, allocator_peak, kernel_scratch_at_peak)
+from memlab.profiler.compare import PeakComparison, peak_beside_allocator
 from memlab.profiler.report import format_report, plot_timeline
 from memlab.profiler.storage import (BREAKDOWN_AT, CATEGORIES, FRESH_ALIAS_OPS, PHASES, Event, LiveStorage,
                                      optimizer_tensors, phase_peaks, tensors_in)
