@@ -137,10 +137,15 @@ def test_roundup_power2_divisions():
     assert round_size(300 * MiB + 1, per) == 300 * MiB + 512  # up to 512 MiB: 1 division
     assert round_size(600 * MiB, per) == 768 * MiB  # [512 MiB, 1 GiB): 2 divisions
     assert round_size(1200 * MiB + 1, per) == 1280 * MiB
+    gap = AllocatorConfig.parse("roundup_power2_divisions:[256:2,1024:4]")  # 512 MiB - 1 GiB: left at 0
+    assert round_size(300 * MiB + 1, gap) == 384 * MiB and round_size(600 * MiB, gap) == 600 * MiB
+    assert round_size(1200 * MiB + 1, gap) == 1280 * MiB and round_size(3000 * MiB, gap) == 3000 * MiB
 
 
 @pytest.mark.parametrize("conf, name", [("foo:1", "conf"), ("expandable_segments:yes", "expandable_segments"),
                                         ("max_split_size_mb:10", "max_split_size_mb"),
+                                        ("max_split_size_mb:20", "max_split_size_mb"),
+                                        ("max_non_split_rounding_mb:5", "max_non_split_rounding_mb"),
                                         ("roundup_power2_divisions:3", "roundup_power2_divisions")])
 def test_bad_config_is_named(conf, name):
     with pytest.raises(ValueError, match=f"{name}=.* is invalid; allowed"):

@@ -6,12 +6,13 @@ adds the CUDA context. This module replays a sequence of allocations and frees (
 stream each) through the allocator's rules and reports the peaks, so that a trace made on a CPU
 (:mod:`memlab.estimate.trace`) predicts what a CUDA card reserves instead of a flat margin.
 
-Rules modelled, written from PyTorch's ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``:
+Rules modelled, written from PyTorch's ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.x, ``DeviceCachingAllocator``:
 ``round_size``, ``get_allocation_size``, ``get_free_block``, ``should_split``, ``alloc_found_block``,
 ``free_block``/``try_merge_blocks``, ``release_available_cached_blocks``, ``release_cached_blocks``,
-``try_allocate_expandable_block``; read at the main branch of 2025, in the copy
-rbarfinezhadfeli0/pytorch@0edb99975b52c06dad143830b29e971e066b1b4a, ``docs/c10/cuda/CUDACachingAllocator.cpp_docs.md``)
-and the "Memory management" section of PyTorch's CUDA semantics notes
+``try_allocate_expandable_block``; the file's design notes, ``Block`` and ``ExpandableSegment`` read in the copy
+rbarfinezhadfeli0/pytorch@0edb99975b52c06dad143830b29e971e066b1b4a, ``docs/c10/cuda/CUDACachingAllocator.cpp_docs.md``),
+its config parser (``CUDAAllocatorConfig::parseRoundUpPower2Divisions``, ``c10/cuda/CUDAAllocatorConfig.cpp``) and
+the "Memory management" section of PyTorch's CUDA semantics notes
 (https://pytorch.org/docs/stable/notes/cuda.html, ``PYTORCH_CUDA_ALLOC_CONF``):
 
 * every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``), or with
@@ -69,13 +70,14 @@ class AllocatorConfig:
     """The ``PYTORCH_CUDA_ALLOC_CONF`` options the model follows (:meth:`parse` reads the string).
 
     Args:
-        max_split_size_mb: blocks this large (MiB) are never split; None: no limit (PyTorch's default).
+        max_split_size_mb: blocks this large (MiB, more than 20) are never split; None: no limit (PyTorch's default).
         expandable_segments: one growing segment per pool and stream.
         roundup_power2_divisions: an int (a power of two: steps between two powers of two, for every size),
-            or a mapping from a size in MiB (a power of two) or ``">"`` to such an int, as
+            or a mapping from a size in MiB (a power of two: the interval from it to twice it; the first also sets
+            every interval below) or ``">"`` (every interval after the last) to such an int, as
             ``roundup_power2_divisions:[256:1,512:2,>:4]``; None or 0/1: plain 512-byte rounding.
-        max_non_split_rounding_mb: with ``max_split_size_mb``, how much larger (MiB) an unsplittable cached block
-            may be and still serve a large request (PyTorch's default: 20).
+        max_non_split_rounding_mb: with ``max_split_size_mb``, how much larger (MiB, at least 20) an unsplittable
+            cached block may be and still serve a large request (PyTorch's default: 20).
     """
 
     max_split_size_mb: float | None = None
@@ -86,9 +88,9 @@ class AllocatorConfig:
     def __post_init__(self) -> None:
         if self.max_split_size_mb is not None:
             # PyTorch refuses less than a large segment: "max_split_size_mb too small"
-            check_number("max_split_size_mb", self.max_split_size_mb, minimum=20)
+            check_number("max_split_size_mb", self.max_split_size_mb, minimum=20, strict_minimum=True)
         check_bool("expandable_segments", self.expandable_segments)
-        check_number("max_non_split_rounding_mb", self.max_non_split_rounding_mb, minimum=0)
+        check_number("max_non_split_rounding_mb", self.max_non_split_rounding_mb, minimum=20)
         object.__setattr__(self, "_divisions", _division_table(self.roundup_power2_divisions))
 
     @property
@@ -146,7 +148,9 @@ class AllocatorConfig:
 
 
 def _division_table(spec: Any) -> list[int]:
-    # CUDAAllocatorConfig::parseRoundUpPower2Divisions: one value per interval, a list filling up to each key
+    # the allocator config's parseRoundUpPower2Divisions: one value per interval. In a list, the first size also
+    # fills every interval below it, a later size sets its own interval only (the ones between keep 0: no
+    # rounding), and ">" fills every interval after the last size given
     allowed = "None, a power-of-two int, or a mapping of MiB sizes (powers of two) or '>' to power-of-two ints"
     if spec is None:
         return [0] * _INTERVALS
@@ -156,21 +160,20 @@ def _division_table(spec: Any) -> list[int]:
         return [spec] * _INTERVALS
     if not isinstance(spec, Mapping):
         raise invalid("roundup_power2_divisions", spec, allowed)
-    table, last = [0] * _INTERVALS, 0
+    table, last, first = [0] * _INTERVALS, -1, True
     for key, val in spec.items():
-        if isinstance(val, bool) or not isinstance(val, int) or (val not in (0, 1) and not _is_pow2(val)):
-            raise invalid(f"roundup_power2_divisions[{key!r}]", val, "0, 1 or a power-of-two int")
+        if isinstance(val, bool) or not isinstance(val, int) or (val != 0 and not _is_pow2(val)):
+            raise invalid(f"roundup_power2_divisions[{key!r}]", val, "0 or a power-of-two int")
         if key == ">":
-            table[last:] = [val] * (_INTERVALS - last)
-            last = _INTERVALS
+            table[last + 1:] = [val] * (_INTERVALS - last - 1)
             continue
         if isinstance(key, bool) or not isinstance(key, int) or not _is_pow2(key):
             raise invalid("roundup_power2_divisions", spec, allowed)
         index = min(key.bit_length() - 1, _INTERVALS - 1)
-        if index < last:
-            raise invalid("roundup_power2_divisions", spec, "keys in increasing order")
-        table[last:index + 1] = [val] * (index + 1 - last)
-        last = index + 1
+        if first:
+            table[:index] = [val] * index
+            first = False
+        table[index], last = val, index
     return table
 
 
