@@ -75,13 +75,21 @@ def merge_weights(o1, lse1, o2, lse2):
 
 
 # ----------------------------------------------------------------------------- 05.chunked_forward
+def _offset(offset, lq, lk):
+    """The causal offset (query i sees key j <= i + offset): right, or one of the mistakes."""
+    return {"bottom_right": lk - lq, "sign": lq - lk, "top_left": 0, "clamp": max(0, lk - lq), "abs": abs(lk - lq)}[offset]
+
+
 def _online(q, k, v, kv_chunk, causal=False, *, rescale=True, stable=True, lse_max=True, offset="bottom_right",
-            acc_dtype="fp32", device=True, lse_dtype=None, whole_scores=False, drop_tail=False):
-    """A correct online-softmax forward, unless a flag says otherwise (one flag = one mistake)."""
+            acc_dtype="fp32", device=True, lse_dtype=None, whole_scores=False, drop_tail=False, safe=True,
+            empty_lse="-inf", fill="-inf"):
+    """A correct online-softmax forward, unless a flag says otherwise (one flag = one mistake). ``safe=False`` is the
+    lab's forward before issue 36: a row that sees no key (causal, Lq > Lk) gets -inf - -inf and 0 / 0, NaN."""
     dt = torch.promote_types(q.dtype, torch.float32) if acc_dtype == "fp32" else q.dtype
     dev = {"device": q.device} if device else {}
     lq, lk = q.shape[-2], k.shape[-2]
-    off = (lk - lq if offset == "bottom_right" else lq - lk if offset == "sign" else 0) if causal else None
+    off = _offset(offset, lq, lk) if causal else None
+    hidden = float("-inf") if fill == "-inf" else torch.finfo(dt).min
     c = 1 / math.sqrt(q.shape[-1])
     qq = q.to(dt)
     m = torch.full(q.shape[:-1], float("-inf"), dtype=dt, **dev)
@@ -95,18 +103,25 @@ def _online(q, k, v, kv_chunk, causal=False, *, rescale=True, stable=True, lse_m
         if off is not None:
             j = torch.arange(s0, s1, device=q.device)
             i = torch.arange(lq, device=q.device)
-            s = s.masked_fill(j[None, :] > i[:, None] + off, float("-inf"))
+            s = s.masked_fill(j[None, :] > i[:, None] + off, hidden)
         if stable:
             m_new = torch.maximum(m, s.detach().amax(-1))
         else:
             m_new = torch.zeros_like(m)
-        a = torch.exp(m - m_new) if rescale else torch.ones_like(m)
-        p = torch.exp(s - m_new.unsqueeze(-1))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new) if safe else m_new
+        a = torch.exp(m - m_safe) if rescale else torch.ones_like(m)
+        p = torch.exp(s - m_safe.unsqueeze(-1))
         l = l * a + p.sum(-1)
         acc = acc * a.unsqueeze(-1) + p @ v[..., s0:s1, :].to(dt)
         m = m_new
-    lse = m + torch.log(l) if lse_max else torch.log(l)
-    return (acc / l.unsqueeze(-1)).to(q.dtype), lse.to(lse_dtype or dt)
+    if not safe:
+        lse = m + torch.log(l) if lse_max else torch.log(l)
+        return (acc / l.unsqueeze(-1)).to(q.dtype), lse.to(lse_dtype or dt)
+    empty = l == 0
+    l_safe = torch.where(empty, 1.0, l)
+    lse = torch.where(empty, 0.0, m) + torch.log(l_safe) if lse_max else torch.log(l_safe)
+    lse = torch.where(empty, float("-inf") if empty_lse == "-inf" else 0.0, lse)
+    return (acc / l_safe.unsqueeze(-1)).to(q.dtype), lse.to(lse_dtype or dt)
 
 
 def chunked_local_softmax(q, k, v, kv_chunk, causal=False):
@@ -126,12 +141,16 @@ def chunked_naive_then_split(q, k, v, kv_chunk, causal=False):
 
 # ----------------------------------------------------------------------------- 05.flash_backward
 def _tiled(q, k, v, o, lse, do, causal=False, block=16, *, bq=None, bk=None, skip=True, delta="rows", scale=True,
-           offset="bottom_right", acc_dtype="fp32", lse_norm=True):
-    """A correct tiled FA2 backward, unless a flag says otherwise (one flag = one mistake)."""
+           offset="bottom_right", acc_dtype="fp32", lse_norm=True, safe=True, hide="fill"):
+    """A correct tiled FA2 backward, unless a flag says otherwise (one flag = one mistake). ``safe``: a logsumexp
+    of -inf (a row that saw no key) taken as +inf, so that P = 0 there; ``hide="multiply"`` masks P by multiplying
+    with the mask, which without ``safe`` is inf * 0 = NaN on such a row."""
     bq, bk = bq or block, bk or block
     dt = torch.promote_types(q.dtype, torch.float32) if acc_dtype == "fp32" else q.dtype
     lq, lk = q.shape[-2], k.shape[-2]
-    off = (lk - lq if offset == "bottom_right" else 0) if causal else None
+    off = _offset(offset, lq, lk) if causal else None
+    if safe:
+        lse = torch.where(lse == float("-inf"), float("inf"), lse)
     c = 1 / math.sqrt(q.shape[-1])
     q_, k_, v_, o_, do_ = (t.to(dt) for t in (q, k, v, o, do))
     dd = (do_ * o_).sum(-1)
@@ -146,7 +165,10 @@ def _tiled(q, k, v, o, lse, do, causal=False, block=16, *, bq=None, bk=None, ski
             p = torch.exp(s - (lse[..., qs:qe, None].to(dt) if lse_norm else s.amax(-1, keepdim=True)))
             if off is not None:
                 j, i = torch.arange(ks, ke), torch.arange(qs, qe)
-                p = p.masked_fill(j[None, :] > i[:, None] + off, 0.0)
+                if hide == "multiply":
+                    p = p * (j[None, :] <= i[:, None] + off)
+                else:
+                    p = p.masked_fill(j[None, :] > i[:, None] + off, 0.0)
             dv[..., ks:ke, :] += p.transpose(-1, -2) @ do_[..., qs:qe, :]
             dp = do_[..., qs:qe, :] @ v_[..., ks:ke, :].transpose(-1, -2)
             if delta == "rows":
@@ -172,17 +194,17 @@ def backward_row_blocks(q, k, v, o, lse, do, causal=False, block=16):
 
 
 # ----------------------------------------------------------------------------- 05.flash_function
-def _fwd(q, k, v, causal):
-    return _online(q, k, v, 16, causal)
+def _fwd(q, k, v, causal, **mistake):
+    return _online(q, k, v, 16, causal, **mistake)
 
 
-def _function(save="right", lse_dtype=None, bwd_block=16, bwd_acc="fp32"):
+def _function(save="right", lse_dtype=None, bwd_block=16, bwd_acc="fp32", fwd=None, bwd=None):
     """An autograd.Function over the correct pieces above, saving what ``save`` says."""
 
     class Flash(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, causal=False):
-            o, lse = _fwd(q, k, v, causal)
+            o, lse = _fwd(q, k, v, causal, **(fwd or {}))
             if lse_dtype == "input":
                 lse = lse.to(q.dtype)
             ctx.causal = causal
@@ -218,7 +240,7 @@ def _function(save="right", lse_dtype=None, bwd_block=16, bwd_acc="fp32"):
                 q, k, v, o, lse = ctx.saved_tensors[:5]
             block = bwd_block or max(q.shape[-2], k.shape[-2])
             lse = lse.to(torch.promote_types(q.dtype, torch.float32))
-            return (*_tiled(q, k, v, o, lse, do, ctx.causal, block, acc_dtype=bwd_acc), None)
+            return (*_tiled(q, k, v, o, lse, do, ctx.causal, block, acc_dtype=bwd_acc, **(bwd or {})), None)
 
     Flash.__name__ = Flash.__qualname__ = "FlashAttention"
     return Flash
@@ -603,3 +625,54 @@ MUTANTS["05.triton_forward"] += [
     ("BLOCK_M used as the key block", triton_one_block_size),
     ("q scaled in place in Q", triton_scales_q_in_place),
 ]
+
+
+# ----------------------------------------------------------------------------- exercises 2-4 after issue 36
+# The checks now draw Lq > Lk with causal (the first Lq - Lk query rows see no key: output 0, logsumexp -inf,
+# gradients 0) and non-causal Lq != Lk; each of these passed when they tried Lq <= Lk only.
+def _function_fp32_in_bf16():
+    """An autograd.Function whose forward rounds fp32 inputs to bf16 (fp64 stays): the backward is right."""
+    base = _function()
+
+    class Flash(base):
+        @staticmethod
+        def forward(ctx, q, k, v, causal=False):
+            if q.dtype != torch.float32:
+                return base.forward(ctx, q, k, v, causal)
+            o, lse = _online(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), 16, causal)
+            o = o.to(q.dtype)
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.causal = causal
+            return o
+
+    Flash.__name__ = Flash.__qualname__ = "FlashAttention"
+    return Flash
+
+
+MUTANTS["05.chunked_forward"] += [
+    ("NaN rows where a query sees no key (the lab's forward before issue 36)", P(_online, safe=False)),
+    ("Lq <= Lk assumed: causal offset clamped at 0", P(_online, offset="clamp")),
+    ("causal offset |Lk - Lq| (Lq <= Lk assumed)", P(_online, offset="abs")),
+    ("logsumexp 0 for a row that sees no key", P(_online, empty_lse="zero")),
+    ("hidden scores set to finfo.min, not -inf (an empty row averages every key)", P(_online, fill="min")),
+]
+MUTANTS["05.flash_backward"] += [
+    ("P masked by multiplying: inf * 0 = NaN where the logsumexp is -inf", P(_tiled, safe=False, hide="multiply")),
+    ("Lq <= Lk assumed: causal offset clamped at 0", P(_tiled, offset="clamp")),
+    ("causal offset |Lk - Lq| (Lq <= Lk assumed)", P(_tiled, offset="abs")),
+]
+MUTANTS["05.flash_function"] += [
+    ("NaN rows where a query sees no key (the lab's forward before issue 36)", _function(fwd={"safe": False})),
+    ("Lq <= Lk assumed: causal offset clamped at 0", _function(fwd={"offset": "clamp"}, bwd={"offset": "clamp"})),
+    ("causal offset |Lk - Lq| in backward only", _function(bwd={"offset": "abs"})),
+    ("hidden scores set to finfo.min in forward", _function(fwd={"fill": "min"})),
+    ("backward: P masked by multiplying, -inf logsumexp kept", _function(bwd={"safe": False, "hide": "multiply"})),
+    ("fp32 inputs computed in bf16", _function_fp32_in_bf16()),
+]
+# right answers written another way: the same pieces, correct (the mutants above each change one thing)
+RIGHT_ANSWERS = {
+    "05.chunked_forward": [("online softmax with the two guards", _online)],
+    "05.flash_backward": [("tiled backward, -inf logsumexp as +inf", _tiled),
+                          ("tiled backward, masked_fill alone (P = inf there, then 0)", P(_tiled, safe=False))],
+    "05.flash_function": [("the Function over those two", _function())],
+}

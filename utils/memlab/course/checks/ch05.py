@@ -81,20 +81,51 @@ def check_merge_partials(fn):
 # ----------------------------------------------------------------------------- shared by the exercises below
 # The lab's causal is bottom-right aligned: query i of Lq sees key j of Lk when j <= i + Lk - Lq (FlashAttention
 # >= 2.1, torch.nn.attention.bias.causal_lower_right). SDPA's is_causal=True is top-left aligned (j <= i); the two
-# agree only when Lq == Lk. The checks of exercises 2-4 use Lq <= Lk with causal, so every query row sees at least one
-# key; 05.triton_forward also tries Lq > Lk (the first Lq - Lk rows see none: output 0, logsumexp -inf).
+# agree only when Lq == Lk. Every check tries Lq > Lk with causal: the first Lq - Lk query rows see no key, and their
+# output is 0, their logsumexp -inf and their gradient 0 (as SDPA and memlab.attention give). The checks of exercises
+# 2-5 also compose the learner's function into SDPA's top-left is_causal (_top_left_*), as a caller would.
 def _lab_causal(causal):
     return "bottom_right" if causal else False
 
 
 def _exact(q, k, v, causal=False):
-    """fp64 attention (output, logsumexp) with the lab's bottom-right causal mask; any leading dims."""
+    """fp64 attention (output, logsumexp); any leading dims. ``causal``: True or "bottom_right" is the lab's mask,
+    "top_left" SDPA's is_causal. A row that sees no key has output 0 (gradient 0, no NaN) and logsumexp -inf."""
     q, k, v = q.double(), k.double(), v.double()
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        lq, lk = q.shape[-2], k.shape[-2]
-        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    if not causal:
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    lq, lk = q.shape[-2], k.shape[-2]
+    seen = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(0 if causal == "top_left" else lk - lq)
+    s = s.masked_fill(~seen, float("-inf"))
+    empty = ~seen.any(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    return p @ v, torch.logsumexp(s, -1)
+
+
+def _empty_rows(lq, lk, causal):
+    """How many query rows see no key: Lq - Lk under the lab's causal with Lq > Lk, else 0."""
+    return max(0, lq - lk) if causal and causal != "top_left" else 0
+
+
+def _no_nan(what, t, lq, lk):
+    expect(not bool(torch.isnan(t.detach()).any()),
+           f"{what}: NaN; with causal and Lq={lq} > Lk={lk} the first {lq - lk} query rows see no key: their output "
+           f"is 0, their logsumexp -inf and their gradients 0 (while a row's running max is -inf subtract 0, not "
+           f"-inf - -inf; divide by a sum of 0 as by 1; in backward a logsumexp of -inf gives P = 0)")
+
+
+def _top_left_forward(fn, q, k, v, chunk):
+    """SDPA's top-left is_causal (query i sees keys j <= i) from the lab's bottom-right fn(q, k, v, chunk, causal):
+    with Lq <= Lk, bottom-right causal on the first Lq keys; with Lq > Lk, the first Lk queries bottom-right causal
+    and the rest see every key."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    if lq <= lk:
+        return _pair(f"fn(q, k[..., :{lq}, :], v[..., :{lq}, :], {chunk}, causal=True)",
+                     fn(q, k[..., :lq, :], v[..., :lq, :], chunk, causal=True))
+    o1, l1 = _pair(f"fn(q[..., :{lk}, :], k, v, {chunk}, causal=True)", fn(q[..., :lk, :], k, v, chunk, causal=True))
+    o2, l2 = _pair(f"fn(q[..., {lk}:, :], k, v, {chunk}, causal=False)", fn(q[..., lk:, :], k, v, chunk, causal=False))
+    return torch.cat([o1, o2], -2), torch.cat([l1, l2], -1)
 
 
 def _layouts(b, h, lq, lk, d, dv, seed, dtype=torch.float64):
@@ -183,24 +214,36 @@ def check_chunked_forward(fn):
         expect_tensor_close(f"output, {what}", got[0], want_o, rtol=1e-9, atol=1e-9)
         expect_tensor_close(f"logsumexp, {what}", got[1], want_l, rtol=1e-9, atol=1e-9)
     def run(case) -> None:
-        lq = min(case.lq, case.lk) if case.causal else case.lq
-        q, k, v = _layouts(case.b, case.h, lq, case.lk, case.d, case.dv, seed=case.seed)
+        q, k, v = _layouts(case.b, case.h, case.lq, case.lk, case.d, case.dv, seed=case.seed)
         if case.contiguous:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if case.dims != 4:  # (B*H, L, d) or (B, H, 1, L, d): any leading dims
             shape = (lambda t: (-1, *t.shape[-2:])) if case.dims == 3 else (lambda t: (t.shape[0], t.shape[1], 1, *t.shape[-2:]))
             q, k, v = (t.reshape(shape(t)) for t in (q, k, v))
-        want_o, want_l = _exact(q, k, v, causal=case.causal)
-        got = _pair(f"fn(q, k, v, kv_chunk={case.chunk}, causal={case.causal})", fn(q, k, v, case.chunk, causal=case.causal))
-        what = f"Lq={lq}, Lk={case.lk}, kv_chunk={case.chunk}, causal={case.causal} ({case})"
+        causal = case.align != "none"
+        want_o, want_l = _exact(q, k, v, causal=case.align if causal else False)
+        what = (f"Lq={case.lq}, Lk={case.lk}, kv_chunk={case.chunk}, causal={case.align if causal else False}"
+                f"{' (composed: SDPA is_causal)' if case.align == 'top_left' else ''} ({case})")
+        if case.align == "top_left":
+            got = _top_left_forward(fn, q, k, v, case.chunk)
+        else:
+            got = _pair(f"fn(q, k, v, kv_chunk={case.chunk}, causal={causal})", fn(q, k, v, case.chunk, causal=causal))
+        if _empty_rows(case.lq, case.lk, case.align if causal else False):
+            _no_nan(f"output, {what}", got[0], case.lq, case.lk)
         expect_tensor_close(f"output, {what}", got[0], want_o, rtol=1e-9, atol=1e-9)
-        expect_tensor_close(f"logsumexp, {what}", got[1], want_l, rtol=1e-9, atol=1e-9)
+        expect_tensor_close(f"logsumexp, {what} (-inf for a row that sees no key)", got[1], want_l, rtol=1e-9, atol=1e-9)
 
-    # any lengths (Lq <= Lk when causal: every row sees a key), chunk (1, uneven, past the end), head dims, batch and
-    # heads, q and k non-contiguous or not
-    space = Space(b=ints(1, 2), h=ints(1, 3), lq=ints(1, 20), lk=ints(1, 40), d=ints(1, 12), dv=ints(1, 9),
-                  chunk=ints(1, 45), causal=flags(), contiguous=flags(), dims=one_of(4, 3, 5))
-    differential(space, run, examples=12)
+    # Lq > Lk with causal: rows that see no key (edges: none but the last; one key; one empty row; chunk past Lk)
+    edges = [dict(b=1, h=2, lk=lk, rel="Lq > Lk", lq=lq, d=8, dv=6, chunk=c, align=a, contiguous=False, dims=4, seed=lq)
+             for lq, lk, c, a in ((13, 7, 4, "bottom_right"), (17, 1, 1, "bottom_right"), (24, 23, 5, "bottom_right"),
+                                  (40, 12, 64, "bottom_right"), (20, 9, 4, "none"), (29, 12, 8, "top_left"))]
+    # any lengths (Lq > Lk, Lq <= Lk), chunk (1, uneven, past the end), head dims, batch and heads, no mask, the lab's
+    # causal or SDPA's is_causal composed from it, q and k non-contiguous or not, 3-5 dims
+    space = Space(b=ints(1, 2), h=ints(1, 3), lk=ints(1, 30), rel=one_of("Lq > Lk", "Lq <= Lk"),
+                  lq=lambda c: ints(c.lk + 1, c.lk + 24) if c.rel == "Lq > Lk" else ints(1, c.lk),
+                  d=ints(1, 12), dv=ints(1, 9), chunk=ints(1, 45), align=one_of("bottom_right", "none", "top_left"),
+                  contiguous=flags(), dims=one_of(4, 3, 5))
+    differential(space, run, edges=edges, examples=12)
     # bf16 inputs: accumulate in fp32, return the output in bf16 and the logsumexp in fp32
     q, k, v = _layouts(1, 2, 16, 512, 16, 16, seed=40, dtype=torch.bfloat16)
     want_o, want_l = _exact(q, k, v, causal=True)
@@ -255,13 +298,29 @@ def _backward_inputs(b, h, lq, lk, d, dv, seed, dtype=torch.float64, causal=Fals
     return q, k, v, o.to(dtype), lse.to(torch.promote_types(dtype, torch.float32)), do
 
 
+def _top_left_backward(fn, q, k, v, o, lse, do, block):
+    """SDPA's top-left is_causal gradients from the lab's bottom-right fn (as _top_left_forward): with Lq <= Lk the
+    keys past Lq get 0; with Lq > Lk the two query parts' dk and dv add up."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    if lq <= lk:
+        dq, dk, dv = _pair(f"fn(q, k[..., :{lq}, :], v[..., :{lq}, :], o, lse, do, True, {block})",
+                           fn(q, k[..., :lq, :], v[..., :lq, :], o, lse, do, True, block), 3)
+        pad = (lambda t: torch.cat([t, t.new_zeros(*t.shape[:-2], lk - lq, t.shape[-1])], -2)) if lq < lk else (lambda t: t)
+        return dq, pad(dk), pad(dv)
+    a = _pair(f"fn(q[..., :{lk}, :], k, v, ..., True, {block})",
+              fn(q[..., :lk, :], k, v, o[..., :lk, :], lse[..., :lk], do[..., :lk, :], True, block), 3)
+    b = _pair(f"fn(q[..., {lk}:, :], k, v, ..., False, {block})",
+              fn(q[..., lk:, :], k, v, o[..., lk:, :], lse[..., lk:], do[..., lk:, :], False, block), 3)
+    return torch.cat([a[0], b[0]], -2), a[1] + b[1], a[2] + b[2]
+
+
 @register("05.flash_backward", reference=lambda: flash_backward_reference, title="tiled backward from the logsumexp (FA2)",
           timeout=120)
 def check_flash_backward(fn):
     """Grade exercise ``05.flash_backward``: tiled backward from the logsumexp (FA2)."""
     for lq, lk, dv, causal, block in ((40, 56, 8, False, 16), (40, 56, 8, True, 16), (56, 40, 6, False, 16),
                                       (48, 48, 8, True, 16), (37, 53, 8, True, 8), (24, 24, 8, True, 5),
-                                      (40, 56, 8, True, 64)):
+                                      (40, 56, 8, True, 64), (56, 40, 8, True, 16), (45, 37, 6, True, 8)):
         q, k, v, o, lse, do = _backward_inputs(1, 2, lq, lk, 8, dv, seed=lq + lk, causal=causal)
         want = _grads(q, k, v, do, causal)
         what = f"Lq={lq}, Lk={lk}, v dim={dv}, causal={causal}, block={block}"
@@ -277,19 +336,33 @@ def check_flash_backward(fn):
                f"most {inputs} and one block x block tile of the 2 heads {tile}: work in tiles of block x block "
                f"(recompute P = exp(S - lse) per tile), never a whole row of blocks or the Lq x Lk matrix")
     def run(case) -> None:
-        lq = min(case.lq, case.lk) if case.causal else case.lq
-        q, k, v, o, lse, do = _backward_inputs(1, 2, lq, case.lk, case.d, case.dv, seed=case.seed, causal=case.causal)
-        want = _grads(q, k, v, do, case.causal)
-        got = _pair(f"fn(q, k, v, o, lse, do, causal={case.causal}, block={case.block})",
-                    fn(q, k, v, o, lse, do, case.causal, case.block), 3)
+        causal = case.align != "none"
+        mask = case.align if causal else False
+        q, k, v, o, lse, do = _backward_inputs(1, 2, case.lq, case.lk, case.d, case.dv, seed=case.seed, causal=mask)
+        want = _grads(q, k, v, do, mask)
+        if case.align == "top_left":
+            got = _top_left_backward(fn, q, k, v, o, lse, do, case.block)
+        else:
+            got = _pair(f"fn(q, k, v, o, lse, do, causal={causal}, block={case.block})",
+                        fn(q, k, v, o, lse, do, causal, case.block), 3)
+        what = (f"Lq={case.lq}, Lk={case.lk}, block={case.block}, causal={mask}"
+                f"{' (composed: SDPA is_causal)' if case.align == 'top_left' else ''}; {case}")
         for name, g, w in zip(("dq", "dk", "dv"), got, want):
-            expect_tensor_close(f"{name} (Lq={lq}, Lk={case.lk}, block={case.block}, causal={case.causal}; {case})", g, w,
-                                rtol=1e-9, atol=1e-9)
+            if _empty_rows(case.lq, case.lk, mask):
+                _no_nan(f"{name} ({what})", g, case.lq, case.lk)
+            expect_tensor_close(f"{name} ({what})", g, w, rtol=1e-9, atol=1e-9)
 
-    # any lengths (odd, shorter than a block), block sizes (1, uneven), head dims, causal or not
-    space = Space(lq=ints(1, 40), lk=ints(1, 40), d=ints(1, 12), dv=ints(1, 9), block=one_of(16, 1, 5, 8, 64),
-                  causal=flags())
-    differential(space, run, examples=8)
+    # Lq > Lk with causal: rows that see no key (one key; one empty row; a block past Lk; a block of 1)
+    edges = [dict(lk=lk, rel="Lq > Lk", lq=lq, d=8, dv=6, block=bl, align=a, seed=lq)
+             for lq, lk, bl, a in ((40, 24, 16, "bottom_right"), (17, 1, 5, "bottom_right"), (33, 32, 8, "bottom_right"),
+                                   (20, 7, 64, "bottom_right"), (9, 4, 1, "bottom_right"), (40, 24, 16, "top_left"))]
+    # any lengths (Lq > Lk, Lq <= Lk; odd, shorter than a block), block sizes (1, uneven), head dims, no mask, the lab's
+    # causal or SDPA's is_causal composed from it
+    space = Space(lk=ints(1, 40), rel=one_of("Lq > Lk", "Lq <= Lk"),
+                  lq=lambda c: ints(c.lk + 1, c.lk + 24) if c.rel == "Lq > Lk" else ints(1, c.lk),
+                  d=ints(1, 12), dv=ints(1, 9), block=one_of(16, 1, 5, 8, 64),
+                  align=one_of("bottom_right", "none", "top_left"))
+    differential(space, run, edges=edges, examples=10)
     # causal: tiles right of the diagonal are skipped, not computed and masked
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -348,11 +421,14 @@ def check_flash_function(cls):
     expect(isinstance(cls, type) and issubclass(cls, torch.autograd.Function),
            f"expected a subclass of torch.autograd.Function (the class itself), got {str(cls)[:80]}")
     for (lq, lk, causal, dtype) in ((24, 40, True, torch.float64), (40, 24, False, torch.float64),
-                                    (33, 33, True, torch.float64), (24, 72, True, torch.bfloat16)):
+                                    (33, 33, True, torch.float64), (24, 72, True, torch.bfloat16),
+                                    (40, 24, True, torch.float64), (48, 17, True, torch.bfloat16)):
         q, k, v = (t.requires_grad_(True) for t in _layouts(2, 2, lq, lk, 8, 8, seed=lq * lk, dtype=dtype))
         what = f"Lq={lq}, Lk={lk}, causal={causal}, {dtype}"
         o = cls.apply(q, k, v, causal)
         expect_type(f"cls.apply(q, k, v, {causal}) ({what})", o, torch.Tensor)
+        if _empty_rows(lq, lk, causal):
+            _no_nan(f"output ({what})", o, lq, lk)
         expect(o.grad_fn is not None and getattr(o.grad_fn, "_forward_cls", None) is cls,
                f"{what}: the output's grad_fn is {type(o.grad_fn).__name__}, expected {cls.__name__}Backward: return "
                f"the output of forward itself (not a tensor computed from it outside the Function)")
@@ -384,6 +460,9 @@ def check_flash_function(cls):
         do = _randn(*o.shape, seed=lq + 5).to(dtype)
         got = torch.autograd.grad(o, (q, k, v), do)
         want = _grads(q, k, v, do, causal)
+        if _empty_rows(lq, lk, causal):
+            for name, t in (("dq", got[0]), ("dk", got[1]), ("dv", got[2])):
+                _no_nan(f"{name} ({what})", t, lq, lk)
         if dtype == torch.float64:
             expect_tensor_close(f"output ({what})", o, want_o, rtol=1e-9, atol=1e-9)
             expect_tensor_close(f"saved logsumexp ({what})", lses[0], want_l, rtol=1e-9, atol=1e-9)
@@ -395,6 +474,45 @@ def check_flash_function(cls):
                                              causal, 16)
             for name, g, w in zip(("dq", "dk", "dv"), got, exact):
                 _ulp_close(f"{name} ({what})", g, w, dtype, rel=1e-4)
+
+    def run(case) -> None:
+        causal = case.align != "none"
+        mask = case.align if causal else False
+        q, k, v = (t.requires_grad_(True) for t in _layouts(case.b, case.h, case.lq, case.lk, case.d, case.dv,
+                                                            seed=case.seed, dtype=case.dtype))
+        what = (f"Lq={case.lq}, Lk={case.lk}, causal={mask}{' (composed: SDPA is_causal)' if case.align == 'top_left' else ''}, "
+                f"{case.dtype} ({case})")
+        if case.align != "top_left":
+            o = cls.apply(q, k, v, causal)
+        elif case.lq <= case.lk:  # SDPA's is_causal from the lab's, as _top_left_forward
+            o = cls.apply(q, k[..., :case.lq, :], v[..., :case.lq, :], True)
+        else:
+            o = torch.cat([cls.apply(q[..., :case.lk, :], k, v, True), cls.apply(q[..., case.lk:, :], k, v, False)], -2)
+        expect_type(f"cls.apply(q, k, v, {causal}) ({what})", o, torch.Tensor)
+        want_o, _ = _exact(q.detach(), k.detach(), v.detach(), mask)
+        do = _randn(*o.shape, seed=case.seed + 5).to(case.dtype)
+        got = torch.autograd.grad(o, (q, k, v), do)
+        want = _grads(q, k, v, do, mask)
+        if _empty_rows(case.lq, case.lk, mask):
+            for name, t in zip(("output", "dq", "dk", "dv"), (o, *got)):
+                _no_nan(f"{name} ({what})", t, case.lq, case.lk)
+        # fp64: to fp64 precision; fp32: within 1e-5 (an fp32-accumulated answer is within ~1e-6 here, one that
+        # keeps a 16-bit running sum or drops the rescale is off by 1e-3 or more)
+        tol = 1e-9 if case.dtype == torch.float64 else 1e-5
+        expect_tensor_close(f"output ({what})", o, want_o.to(case.dtype), rtol=tol, atol=tol)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            expect_tensor_close(f"{name} ({what})", g, w.to(case.dtype), rtol=tol, atol=tol)
+
+    # Lq > Lk with causal (rows that see no key), Lq != Lk both ways, fp32 and fp64, no mask, the lab's causal or
+    # SDPA's is_causal composed from it, head dims, batch and heads
+    edges = [dict(b=1, h=2, lk=lk, rel="Lq > Lk", lq=lq, d=8, dv=6, align=a, dtype=t, seed=lq)
+             for lq, lk, a, t in ((40, 24, "bottom_right", torch.float32), (17, 1, "bottom_right", torch.float64),
+                                  (33, 32, "bottom_right", torch.float32), (40, 24, "top_left", torch.float64))]
+    space = Space(b=ints(1, 2), h=ints(1, 2), lk=ints(1, 40), rel=one_of("Lq > Lk", "Lq <= Lk"),
+                  lq=lambda c: ints(c.lk + 1, c.lk + 24) if c.rel == "Lq > Lk" else ints(1, c.lk),
+                  d=ints(1, 12), dv=ints(1, 9), align=one_of("bottom_right", "none", "top_left"),
+                  dtype=one_of(torch.float64, torch.float32))
+    differential(space, run, edges=edges, examples=10)
     # tiles in both passes: no tensor as large as a quarter of the 2 heads' Lq x Lk matrices
     q, k, v = (t.requires_grad_(True) for t in _layouts(1, 2, 128, 128, 8, 8, seed=128))
     quarter = 2 * 128 * 128 // 4
