@@ -130,3 +130,30 @@ def test_baseline_bad_input(cfg, tmp_path):
         MemoryBaseline(path, tolerance=-0.1)
     with pytest.raises(ValueError, match="mode='replace' is invalid"):
         MemoryBaseline(path, mode="replace")
+
+
+def test_readme_example_runs_and_fails_on_a_regression(tmp_path, monkeypatch):
+    """The README's example (extracted, so the two cannot drift) records, passes, then fails without checkpointing."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    at = readme.index("<!-- memlab-testing-example -->")
+    code = re.compile(r"```python\n(.*?)```", re.S).search(readme, at).group(1)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEMLAB_BASELINE", "record")
+    ns: dict = {}
+    exec(compile(code, "README.md:memlab-testing-example", "exec"), ns)
+    ns["test_no_memory_regression"]()
+    assert (tmp_path / "tests" / "memory_baseline.json").is_file()
+    monkeypatch.delenv("MEMLAB_BASELINE")
+    ns = {}
+    exec(compile(code, "README.md:memlab-testing-example", "exec"), ns)
+    ns["BASELINE"].mode = "compare"
+    ns["test_step_fits_an_a100_40gb"]()
+    ns["test_no_memory_regression"]()
+    ns["STEP"]["checkpointing"] = False
+    with pytest.raises(AssertionError) as err:
+        ns["test_no_memory_regression"]()
+    shown = readme[at:].split("```text\n", 1)[1].split("```", 1)[0]
+    assert str(err.value).splitlines()[:2] == shown.splitlines()[:2]  # the README shows this run's message

@@ -55,6 +55,7 @@ class PeakRecord:
     module: str
     op: str
     module_peaks: dict[str, int] = field(default_factory=dict)
+    note: str = ""  # where module and op come from when the estimate was extrapolated by depth
 
     def table(self) -> str:
         """The breakdown at the peak, one category a line."""
@@ -92,6 +93,7 @@ class PeakDiff:
                  f"op at the peak {self.op!r}",
                  f"peak before: {b.phase} phase, module {b.module!r}, op {b.op!r}",
                  f"peak after:  {a.phase} phase, module {a.module!r}, op {a.op!r}"]
+        lines += [f"note: {n}" for n in dict.fromkeys((b.note, a.note)) if n]
         if a.setting != b.setting:
             lines.append(f"settings differ: before {b.setting!r}; after {a.setting!r}")
         lines.append(f"  {'category':<12}{'before':>12}{'after':>12}")
@@ -102,28 +104,29 @@ class PeakDiff:
 
 
 @contextlib.contextmanager
-def _naming_the_peak_op(seen: list[str]) -> Iterator[None]:
-    """While inside, every tracker the estimator makes also notes the ATen op that raised its peak (the last such
-    op, into ``seen``). The estimator builds its tracker in :func:`memlab.estimate.attention.make_tracker`; its
-    class is extended, not its counts."""
+def _naming_the_peak_op(made: list[Any]) -> Iterator[None]:
+    """While inside, every tracker the estimator makes (appended to ``made``) also notes, as ``peak_op``, the ATen
+    op that last raised its peak. The estimator builds its trackers in
+    :func:`memlab.estimate.attention.make_tracker`; their class is extended here, not their counts."""
     from memlab.estimate import trace
 
     original = trace.make_tracker
 
     def make_tracker(*args: Any, **kwargs: Any) -> Any:
         tracker = original(*args, **kwargs)
-        base = type(tracker)
 
-        class _Naming(base):  # type: ignore[valid-type, misc]
+        class _Naming(type(tracker)):  # type: ignore[misc]
+            peak_op = "-"
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 before = self.peak_bytes
                 out = super().__torch_dispatch__(func, types, args, kwargs)
                 if self.peak_bytes > before:
-                    seen.append(str(getattr(func, "overloadpacket", func)).replace("aten.", ""))
-                    del seen[:-1]
+                    self.peak_op = str(getattr(func, "overloadpacket", func)).replace("aten.", "")
                 return out
 
         tracker.__class__ = _Naming
+        made.append(tracker)
         return tracker
 
     trace.make_tracker = make_tracker
@@ -133,13 +136,15 @@ def _naming_the_peak_op(seen: list[str]) -> Iterator[None]:
         trace.make_tracker = original
 
 
-def _estimate(model: Any, step: Any, overrides: dict[str, Any]) -> tuple[Any, str]:
+def _estimate(model: Any, step: Any, overrides: dict[str, Any]) -> tuple[Any, Any]:
+    """The estimate and the tracker of its largest trace (the estimate's own; the deepest one when it was
+    extrapolated by depth, whose module names are then those of the traced depth)."""
     from memlab.estimate import estimate_training_memory
 
-    seen: list[str] = []
-    with _naming_the_peak_op(seen):
+    made: list[Any] = []
+    with _naming_the_peak_op(made):
         est = estimate_training_memory(model, step, **overrides)
-    return est, (seen[-1] if seen else "-")
+    return est, max(made, key=lambda t: t.peak_bytes, default=None)
 
 
 def _module_name(module: str | None) -> str:
@@ -156,15 +161,23 @@ def peak_record(model: Any, step: Any = None, **overrides: Any) -> tuple[PeakRec
     if overrides.get("gpu") is not None:
         overrides.setdefault("device", "cuda")
     card = overrides.get("gpu") is not None
-    est, op = _estimate(model, step, overrides)
-    tracker = est.tracker
+    est, tracker = _estimate(model, step, overrides)
     module = tracker.peak_module if tracker is not None else None
+    op = tracker.peak_op if tracker is not None else "-"
     peaks = dict(sorted(tracker.module_peaks.items(), key=lambda kv: -kv[1])[:_TOP_MODULES]) if tracker else {}
     rec = PeakRecord(setting=est.describe(), bytes=int(est.reserved_bytes if card else est.peak_bytes),
                      peak_bytes=int(est.peak_bytes),
                      breakdown={k: int(est.breakdown.get(k, 0)) for k in CATEGORIES}, phase=est.peak_phase,
                      module=_module_name(module), op=op,
                      module_peaks={_module_name(k): int(v) for k, v in peaks.items()})
+    if est.extrapolated_from and tracker is not None:
+        depth = 2 * est.extrapolated_from[1] - est.extrapolated_from[0]
+        rec.note = f"extrapolated by depth; module and op from the deepest trace ({depth} layers)"
+        if tracker.peak_phase != est.peak_phase:  # that trace's peak is another phase's: it does not name this one
+            rec.note = (f"extrapolated by depth: the deepest trace ({depth} layers) peaks in the {tracker.peak_phase} "
+                        f"phase (module {rec.module!r}, op {rec.op!r}), not at this peak; extrapolate=False traces "
+                        f"every layer")
+            rec.module = rec.op = "-"
     return rec, est
 
 
@@ -204,7 +217,7 @@ def assert_peak(model: Any, step: Any = None, *, at_most: int | str | None = Non
         raise AssertionError(
             f"{figure} {format_bytes(rec.bytes)} ({rec.bytes:,} bytes) exceeds {what} ({format_bytes(limit)}) by "
             f"{format_bytes(rec.bytes - limit)}\n{rec.setting}\npeak in the {rec.phase} phase, module {rec.module!r}, "
-            f"op {rec.op!r}\n{rec.table()}")
+            f"op {rec.op!r}{'; ' + rec.note if rec.note else ''}\n{rec.table()}")
     return est
 
 
@@ -218,8 +231,9 @@ def _biggest_rise(before: dict[str, int], after: dict[str, int]) -> str:
 def diff(name: str, before: PeakRecord, after: PeakRecord, tolerance: float) -> PeakDiff:
     """``after`` against ``before``: a :class:`PeakDiff`."""
     grew = after.bytes > before.bytes * (1 + tolerance)
-    module = _biggest_rise(before.module_peaks, after.module_peaks)
-    if module == "-" or (after.module != before.module and after.module != "-"):
+    inner = [{k: v for k, v in r.module_peaks.items() if k != "<the model>"} for r in (before, after)]
+    module = _biggest_rise(*inner)  # the model's own peak is the total's: a submodule says more
+    if module == "-":
         module = after.module
     return PeakDiff(name=name, before=before, after=after, tolerance=tolerance, grew=grew,
                     category=_biggest_rise(before.breakdown, after.breakdown), module=module, op=after.op)
