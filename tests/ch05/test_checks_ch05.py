@@ -87,3 +87,59 @@ def test_triton_reference_for_empty_rows_and_top_left():
     o, _ = ch05._exact_masked(q, k, v, "top_left")
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(o, sdpa)
+
+
+def test_exact_reference_of_exercises_2_to_4_for_rows_that_see_no_key():
+    """Issue 36: the fp64 reference of exercises 2-4 gives a row that sees no key (bottom-right, Lq > Lk) output 0,
+    logsumexp -inf and gradient 0, no NaN; it agrees with SDPA under a boolean bottom-right mask and with the Triton check's
+    reference, and its top-left is SDPA's is_causal."""
+    import memlab.course.checks.ch05 as ch05
+
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64, requires_grad=True) for n in (45, 37, 37))
+    o, lse = ch05._exact(q, k, v, True)
+    assert torch.equal(o[..., :8, :].detach(), torch.zeros(1, 2, 8, 8, dtype=torch.float64))
+    assert bool((lse[..., :8] == float("-inf")).all()) and not torch.isinf(lse[..., 8:]).any()
+    want_o, want_l = ch05._exact_masked(q.detach(), k.detach(), v.detach(), "bottom_right")
+    torch.testing.assert_close(o.detach(), want_o)
+    torch.testing.assert_close(lse.detach(), want_l)
+    seen = torch.ones(45, 37, dtype=torch.bool).tril(37 - 45)  # a boolean mask: SDPA gives an empty row 0
+    torch.testing.assert_close(o, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen))
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    assert not any(bool(torch.isnan(g).any()) for g in (dq, dk, dv))
+    assert torch.equal(dq[..., :8, :], torch.zeros_like(dq[..., :8, :]))
+    torch.testing.assert_close(ch05._exact(q, k, v, "top_left")[0],
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("exercise,old,fixed", [
+    ("05.chunked_forward", "NaN rows where a query sees no key (the lab's forward before issue 36)",
+     "online softmax with the two guards"),
+    ("05.flash_function", "NaN rows where a query sees no key (the lab's forward before issue 36)",
+     "the Function over those two"),
+])
+def test_exercises_2_to_4_try_rows_that_see_no_key(exercise, old, fixed):
+    """Issue 36: the lab's old forward (NaN where a query row sees no key) fails and says why; the same code with
+    the two guards passes."""
+    mod = _mutants()
+    wrong = dict(mod.MUTANTS[exercise])[old]
+    r = check(exercise, wrong, quiet=True)
+    assert r.status == "fail" and "NaN" in r.message and "see no key" in r.message, r.message
+    right = dict(mod.RIGHT_ANSWERS[exercise])[fixed]
+    r = check(exercise, right, quiet=True)
+    assert r.status == "pass", r.message
+
+
+def test_top_left_composition_matches_sdpa():
+    """The checks build SDPA's is_causal from the lab's bottom-right function; with memlab's answer it is SDPA's."""
+    import memlab.course.checks.ch05 as ch05
+
+    for lq, lk in ((29, 12), (12, 29), (16, 16)):
+        q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (lq, lk, lk))
+        o, lse = ch05._top_left_forward(ch05.chunked_forward_reference, q, k, v, 5)
+        torch.testing.assert_close(o, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        torch.testing.assert_close(lse, ch05._exact(q, k, v, "top_left")[1])
+        o, lse = ch05._exact(q, k, v, "top_left")
+        do = torch.randn_like(o)
+        got = ch05._top_left_backward(ch05.flash_backward_reference, q, k, v, o, lse, do, 8)
+        for g, w in zip(got, ch05._grads(q, k, v, do, "top_left")):
+            torch.testing.assert_close(g, w)

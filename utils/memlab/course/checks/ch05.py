@@ -82,7 +82,7 @@ def check_merge_partials(fn):
 # The lab's causal is bottom-right aligned: query i of Lq sees key j of Lk when j <= i + Lk - Lq (FlashAttention
 # >= 2.1, torch.nn.attention.bias.causal_lower_right). SDPA's is_causal=True is top-left aligned (j <= i); the two
 # agree only when Lq == Lk. Every check tries Lq > Lk with causal: the first Lq - Lk query rows see no key, and their
-# output is 0, their logsumexp -inf and their gradient 0 (as SDPA and memlab.attention give). The checks of exercises
+# output is 0, their logsumexp -inf and their gradient 0 (as SDPA gives under a boolean mask, and memlab.attention). The checks of exercises
 # 2-5 also compose the learner's function into SDPA's top-left is_causal (_top_left_*), as a caller would.
 def _lab_causal(causal):
     return "bottom_right" if causal else False
@@ -172,8 +172,8 @@ def chunked_forward_reference(q, k, v, kv_chunk, causal=False):
     """memlab's answer: all queries at once, keys ``kv_chunk`` at a time.
 
     ``q`` ``(..., Lq, d)``, ``k`` ``(..., Lk, d)``, ``v`` ``(..., Lk, dv)``; ``causal``: query i sees
-    only keys j <= i. Returns ``(output, logsumexp)``, shaped ``(..., Lq, dv)`` and ``(..., Lq)``,
-    the logsumexp in fp32 or fp64.
+    only keys j <= i + Lk - Lq (a row that sees none: output 0, logsumexp -inf). Returns ``(output, logsumexp)``,
+    shaped ``(..., Lq, dv)`` and ``(..., Lq)``, the logsumexp in fp32 or fp64.
     """
     q4, k4, v4 = (t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v))
     o, lse = ref.chunked_attention(q4, k4, v4, kv_chunk=kv_chunk, q_chunk=q.shape[-2], causal=_lab_causal(causal),
