@@ -91,8 +91,8 @@ def test_triton_reference_for_empty_rows_and_top_left():
 
 def test_exact_reference_of_exercises_2_to_4_for_rows_that_see_no_key():
     """Issue 36: the fp64 reference of exercises 2-4 gives a row that sees no key (bottom-right, Lq > Lk) output 0,
-    logsumexp -inf and gradient 0, no NaN; it agrees with SDPA under a boolean bottom-right mask and with the Triton check's
-    reference, and its top-left is SDPA's is_causal."""
+    logsumexp -inf and gradient 0, no NaN; it agrees with SDPA under a boolean bottom-right mask and with the Triton
+    check's reference, and its top-left is SDPA's is_causal."""
     import memlab.course.checks.ch05 as ch05
 
     q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64, requires_grad=True) for n in (45, 37, 37))

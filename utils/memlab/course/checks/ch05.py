@@ -82,8 +82,9 @@ def check_merge_partials(fn):
 # The lab's causal is bottom-right aligned: query i of Lq sees key j of Lk when j <= i + Lk - Lq (FlashAttention
 # >= 2.1, torch.nn.attention.bias.causal_lower_right). SDPA's is_causal=True is top-left aligned (j <= i); the two
 # agree only when Lq == Lk. Every check tries Lq > Lk with causal: the first Lq - Lk query rows see no key, and their
-# output is 0, their logsumexp -inf and their gradient 0 (as SDPA gives under a boolean mask, and memlab.attention). The checks of exercises
-# 2-5 also compose the learner's function into SDPA's top-left is_causal (_top_left_*), as a caller would.
+# output is 0, their logsumexp -inf and their gradient 0 (as memlab.attention and SDPA with a boolean mask give). The
+# checks of exercises 2-5 also compose the learner's function into SDPA's top-left is_causal (_top_left_*), as a
+# caller would.
 def _lab_causal(causal):
     return "bottom_right" if causal else False
 
