@@ -7,6 +7,7 @@
     memlab bench NAME [...]            from-scratch vs production, side by side (memlab bench --list)
     memlab estimate MODEL [...]        will this fine-tune fit? (chapter 01)
     memlab plan MODEL [...]            which stack fits a memory budget, cheapest first (chapter 07)
+    memlab explain FILE                what held the memory at an OOM: snapshot, timeline or message (chapter 01)
 
 A command whose optional dependency is missing prints one line naming the extra to install
 (``memlab estimate needs transformers: pip install 'memlab[hf]'``) and exits 2.
@@ -35,6 +36,7 @@ _COMMANDS = {
     "bench": ("memlab.bench", "main", "benchmarks: from-scratch vs production"),
     "estimate": ("memlab.cli.estimate", "main", "estimate training memory without a GPU"),
     "plan": ("memlab.cli.plan", "main", "pick the stack that fits a memory budget (chapter 07)"),
+    "explain": ("memlab.cli.explain", "main", "what held the memory at an OOM (snapshot, timeline, message)"),
 }
 
 

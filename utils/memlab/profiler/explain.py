@@ -1,0 +1,425 @@
+"""An OOM post-mortem: what held the memory at the peak, read from a CUDA memory snapshot or an OOM message.
+
+Three inputs, one answer (:func:`explain` -> :class:`Explanation`):
+
+* a CUDA memory snapshot: the pickle of ``torch.cuda.memory._snapshot()`` / ``_dump_snapshot(path)``, with or without
+  stack frames, in the layout PyTorch's own reader uses (``torch/cuda/_memory_viz.py``): ``segments`` (one per
+  ``cudaMalloc``, each with ``total_size``, ``stream`` and its ``blocks``: ``size``, ``requested_size``, ``state``,
+  ``frames``) and ``device_traces`` (per device, the last allocator events: ``alloc``, ``free_requested``,
+  ``free_completed``, ``segment_alloc``, ``segment_free``, ... with ``addr``, ``size``, ``frames``);
+* memlab's own timeline pickle (:meth:`memlab.profiler.timeline.Timeline.save_snapshot`): the same layout, whose frames
+  name each block's category, op and phase, so its breakdown is the tracker's;
+* an OOM message pasted as text (``Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which
+  1.01 GiB is free. ... 75.02 GiB is allocated by PyTorch, and 1.90 GiB is reserved by PyTorch but unallocated``,
+  or the older ``(GPU 0; 15.78 GiB total capacity; 14.56 GiB already allocated; ...)``).
+
+The peak is found by replaying the trace backwards from the snapshot's end state (the segments), as memory_viz
+does: an ``alloc`` undone removes its block, a ``free_completed`` undone brings it back; the live blocks at the
+highest point are the ones attributed. A snapshot whose trace is empty (recording was off) is explained as it was
+taken. Fragmentation is PyTorch's own reading of a segment: its free blocks (``inactive``) are reserved but
+unallocated; ``expandable_segments:True`` (PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``) lets a segment grow in place, so it
+helps when a request failed while the cached free bytes could have held it but no one free block could.
+
+A user's file is read with a restricted unpickler that builds only the builtin containers and scalars this format
+holds (dict, list, tuple, str, bytes, int, float, bool, None) and refuses every class or function a pickle names.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memlab.core.units import format_bytes
+
+__all__ = ["SnapshotError", "TensorBlock", "Explanation", "explain", "read_snapshot", "parse_oom_message",
+           "explain_snapshot"]
+
+_TOP = 10
+# frames inside these paths say how PyTorch got there, not who asked: the first frame outside them names the maker
+_INTERNAL = ("torch/nn/modules/module.py", "torch/utils/", "torch/_", "torch/autograd/", "torch/nn/functional.py",
+             "torch/functional.py", "torch/cuda/", "torch/_tensor.py", "torch/overrides.py", "accelerate/hooks.py",
+             "contextlib.py", "functools.py", "<frozen")
+
+
+class SnapshotError(ValueError):
+    """A file that is neither a CUDA memory snapshot, a memlab timeline pickle nor an OOM message (one line)."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Builds dicts, lists, tuples, strings, bytes and numbers; any named class or function is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refused to load {module}.{name}: a memory snapshot holds only builtin "
+                                     f"containers and numbers")
+
+
+@dataclass
+class TensorBlock:
+    """One live allocation at the peak: its block ``size`` (what the allocator holds), the ``requested`` bytes, its
+    ``category`` ("" when the frames do not say) and ``where`` it was made (the innermost frame outside PyTorch)."""
+
+    size: int
+    requested: int
+    category: str
+    where: str
+    address: int = 0
+
+
+@dataclass
+class Explanation:
+    """What held the memory at the peak.
+
+    ``allocated_bytes`` / ``reserved_bytes``: at the peak of allocated memory (the OOM message's figures for a
+    message); ``free_in_segments_bytes``: reserved but unallocated (the fragmentation), ``largest_free_block_bytes``
+    the largest contiguous free block in one segment, ``segments`` the segments with free bytes (address, total,
+    free, largest free block), largest first; ``request_bytes``: the failed request (a message, or a snapshot taken
+    at an OOM), 0 if unknown. ``by_category`` and ``by_source`` split the live bytes at the peak by category (from a
+    memlab timeline's frames, or read from the stack frames) and by where they were made; ``largest`` the ten
+    largest live blocks. ``when`` says which moment the figures are from; ``notes`` what could not be known.
+    """
+
+    source: str
+    kind: str  # "snapshot", "timeline", "oom message"
+    when: str
+    allocated_bytes: int
+    reserved_bytes: int
+    free_in_segments_bytes: int = 0
+    largest_free_block_bytes: int = 0
+    request_bytes: int = 0
+    capacity_bytes: int = 0
+    free_on_device_bytes: int = 0
+    segments: list[tuple[int, int, int, int]] = field(default_factory=list)
+    by_category: dict[str, int] = field(default_factory=dict)
+    by_source: dict[str, int] = field(default_factory=dict)
+    largest: list[TensorBlock] = field(default_factory=list)
+    expandable_segments: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        """The post-mortem as plain text."""
+        out = [f"{self.source}: {self.kind}; {self.when}",
+               f"allocated {format_bytes(self.allocated_bytes)}, reserved {format_bytes(self.reserved_bytes)} "
+               f"(reserved but unallocated {format_bytes(self.reserved_bytes - self.allocated_bytes)})"]
+        if self.request_bytes:
+            out.append(f"failed request: {format_bytes(self.request_bytes)}")
+        if self.capacity_bytes:
+            other = self.capacity_bytes - self.free_on_device_bytes - self.reserved_bytes
+            out.append(f"device: {format_bytes(self.capacity_bytes)} total, {format_bytes(self.free_on_device_bytes)} "
+                       f"free, {format_bytes(max(other, 0))} outside PyTorch's cache (CUDA context, other processes)")
+        if self.segments:
+            out.append(f"fragmentation: {format_bytes(self.free_in_segments_bytes)} free inside {len(self.segments)} "
+                       f"segment(s); largest free block {format_bytes(self.largest_free_block_bytes)}")
+            for addr, total, free, big in self.segments[:5]:
+                out.append(f"  segment 0x{addr:x}: {format_bytes(total)}, {format_bytes(free)} free "
+                           f"(largest block {format_bytes(big)})")
+        if self.expandable_segments:
+            out.append(f"expandable_segments: {self.expandable_segments}")
+        for title, table in (("by category", self.by_category), ("by where it was made", self.by_source)):
+            if table:
+                out.append(f"live at the peak, {title}:")
+                total = sum(table.values()) or 1
+                for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:_TOP]:
+                    out.append(f"  {format_bytes(v):>12}  {100 * v / total:5.1f}%  {k}")
+        if self.largest:
+            out.append(f"the {len(self.largest)} largest live blocks:")
+            for b in self.largest:
+                cat = f" [{b.category}]" if b.category else ""
+                out.append(f"  {format_bytes(b.size):>12}{cat}  {b.where}")
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+
+# ------------------------------------------------------------------ reading
+def read_snapshot(path: str | Path) -> dict:
+    """The snapshot dict in ``path`` (a bare list of segments is wrapped as PyTorch's reader does), read with the
+    restricted unpickler.
+
+    Raises:
+        SnapshotError: not a pickle, a truncated one, one that names a class, or not a snapshot (one line).
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    return _snapshot_from_bytes(str(path), data)
+
+
+_EXPECTED = ("expected a CUDA memory snapshot (the pickle of torch.cuda.memory._snapshot(): a dict with 'segments'), "
+             "a memlab timeline pickle or a CUDA OOM message as text")
+
+
+def _snapshot_from_bytes(name: str, data: bytes) -> dict:
+    try:
+        obj = _RestrictedUnpickler(io.BytesIO(data)).load()
+    except EOFError:
+        raise SnapshotError(f"{name}: truncated pickle ({len(data):,} bytes end mid-object); {_EXPECTED}") from None
+    except pickle.UnpicklingError as exc:
+        raise SnapshotError(f"{name}: {str(exc).splitlines()[0]}; {_EXPECTED}") from None
+    except Exception as exc:  # a corrupt stream raises what its opcodes meet (ValueError, KeyError, ...)
+        raise SnapshotError(f"{name}: not a readable pickle ({type(exc).__name__}); {_EXPECTED}") from None
+    if isinstance(obj, list):
+        obj = {"segments": obj, "device_traces": []}
+    if not isinstance(obj, dict) or not isinstance(obj.get("segments"), list):
+        raise SnapshotError(f"{name}: a pickle of {type(obj).__name__} without 'segments'; {_EXPECTED}")
+    for seg in obj["segments"]:
+        if not (isinstance(seg, dict) and isinstance(seg.get("blocks"), list) and "total_size" in seg
+                and all(isinstance(b, dict) and "size" in b and "state" in b for b in seg["blocks"])):
+            raise SnapshotError(f"{name}: a segment without total_size or blocks (size, state); {_EXPECTED}")
+    return obj
+
+
+_SIZE = r"([\d.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)"
+_UNIT = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _size(text: str, pattern: str) -> int | None:
+    m = re.search(pattern.replace("SIZE", _SIZE), text)
+    if m is None:
+        return None
+    return int(round(float(m.group(1)) * _UNIT[m.group(2)]))
+
+
+def parse_oom_message(text: str) -> dict[str, int]:
+    """The figures of a CUDA OOM message (PyTorch 2.1+ and the older form): ``request``, ``capacity``, ``free``,
+    ``allocated``, ``reserved_unallocated`` (or ``reserved``), in bytes; a figure the message lacks is left out.
+
+    Raises:
+        SnapshotError: no "Tried to allocate" in ``text``.
+    """
+    request = _size(text, r"Tried to allocate SIZE")
+    if request is None:
+        raise SnapshotError(f"no 'Tried to allocate ...' in the text; {_EXPECTED}")
+    out = {"request": request}
+    new = {"capacity": r"total capacity of SIZE", "free": r"of which SIZE is free",
+           "allocated": r"SIZE is allocated by PyTorch", "reserved_unallocated": r"SIZE is reserved by PyTorch but"}
+    old = {"capacity": r"SIZE total capacity", "allocated": r"SIZE already allocated", "free": r"SIZE free",
+           "reserved": r"SIZE reserved in total by PyTorch"}
+    for table in (new, old):
+        for key, pattern in table.items():
+            v = _size(text, pattern)
+            if v is not None and key not in out:
+                out[key] = v
+    if "reserved" in out and "allocated" in out and "reserved_unallocated" not in out:
+        out["reserved_unallocated"] = out["reserved"] - out["allocated"]
+    return out
+
+
+def _oom_explanation(name: str, text: str) -> Explanation:
+    f = parse_oom_message(text)
+    allocated = f.get("allocated", 0)
+    cached = f.get("reserved_unallocated", 0)
+    e = Explanation(source=name, kind="oom message", when="at the failed allocation", allocated_bytes=allocated,
+                    reserved_bytes=allocated + cached, free_in_segments_bytes=cached, request_bytes=f["request"],
+                    capacity_bytes=f.get("capacity", 0), free_on_device_bytes=f.get("free", 0))
+    if "allocated" not in f:
+        e.notes.append("the message does not say how much PyTorch had allocated")
+    e.expandable_segments = _expandable_verdict(f["request"], cached, None, f.get("free", 0))
+    e.notes.append("a message has no per-tensor detail: torch.cuda.memory._record_memory_history() before the run and "
+                   "torch.cuda.memory._dump_snapshot(path) in an OOM handler give memlab explain the tensors")
+    return e
+
+
+def _expandable_verdict(request: int, cached: int, largest: int | None, free_device: int) -> str:
+    """Whether ``expandable_segments:True`` would have let the request through, in words."""
+    if not request:
+        if largest is not None and cached > 2 * max(largest, 1):
+            return (f"might help: the cached free memory ({format_bytes(cached)}) is split into blocks of at most "
+                    f"{format_bytes(largest)}")
+        return "no failed request to judge; little of the cache is split"
+    if largest is not None and largest >= request:
+        return "would not help: a free cached block could hold the request (the cache was not the limit)"
+    if cached + free_device >= request:
+        return (f"would likely help: the cached but unallocated {format_bytes(cached)} plus the device's free "
+                f"{format_bytes(free_device)} cover the {format_bytes(request)} request, but no single block did "
+                f"(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+    short = request - cached - free_device
+    return (f"would not help: even all cached and free memory is {format_bytes(short)} short of the request; the "
+            f"live tensors must shrink (real demand, not fragmentation)")
+
+
+# ------------------------------------------------------------------ a snapshot at its peak
+def _frames(b: dict) -> list[dict]:
+    frames = b.get("frames")
+    if frames is None and b.get("history"):  # the old layout: the first history entry holds them
+        frames = b["history"][0].get("frames", [])
+    return [f for f in (frames or []) if isinstance(f, dict)]
+
+
+def _category(frames: list[dict]) -> str:
+    """A block's category: the one a memlab timeline wrote, else read from the stack ("" with no frames)."""
+    if not frames:
+        return ""
+    first = str(frames[0].get("filename", ""))
+    if first.startswith("category: "):
+        return first[len("category: "):]
+    files = [str(f.get("filename", "")).replace("\\", "/") for f in frames]
+    names = [str(f.get("name", "")) for f in frames]
+    if any("torch/optim/" in p for p in files) or any(n in ("_init_group", "step") and "optim" in p
+                                                     for n, p in zip(names, files)):
+        return "optimizer"
+    if any(n in ("backward", "_engine_run_backward", "run_backward") for n in names):
+        return "backward (gradients, activation gradients)"
+    if any(n == "forward" or n == "_call_impl" for n in names):
+        return "activations (forward)"
+    if any(n in ("_apply", "to", "cuda", "from_pretrained", "__init__", "reset_parameters") for n in names):
+        return "parameters (model load)"
+    return "other"
+
+
+def _where(frames: list[dict]) -> str:
+    if not frames:
+        return "(no frames: record with torch.cuda.memory._record_memory_history())"
+    first = str(frames[0].get("filename", ""))
+    if first.startswith("category: "):  # a memlab timeline: the op, shape and phase
+        return str(frames[0].get("name", ""))
+    for f in frames:
+        p = str(f.get("filename", "")).replace("\\", "/")
+        if p.endswith(".py") and not any(k in p for k in _INTERNAL):
+            return f"{p.rsplit('/', 1)[-1]}:{f.get('line', '?')} {f.get('name', '')}"
+    f = frames[0]
+    return f"{str(f.get('filename', '?')).rsplit('/', 1)[-1]}:{f.get('line', '?')} {f.get('name', '')}"
+
+
+_ALLOCATED = ("active_allocated", "active_pending_free")
+
+
+def _end_state(segments: list[dict]) -> dict[int, dict]:
+    """Address -> block, for every allocated block as the snapshot was taken."""
+    live = {}
+    for seg in segments:
+        addr = int(seg.get("address", 0))
+        for b in seg["blocks"]:
+            a = int(b.get("address", addr))
+            if b["state"] in _ALLOCATED:
+                live[a] = b
+            addr = a + int(b["size"])
+    return live
+
+
+def _peak(live: dict[int, dict], reserved: int, trace: list[dict]) -> tuple[int, int, int]:
+    """Replay ``trace`` backwards from the end state: (index of the peak: the state after events[:index], the
+    allocated bytes there, the reserved bytes there)."""
+    total = sum(int(b["size"]) for b in live.values())
+    best = (total, len(trace), reserved)
+    addrs = set(live)
+    for i in range(len(trace) - 1, -1, -1):
+        ev = trace[i]
+        act, size, addr = ev.get("action"), int(ev.get("size", 0)), ev.get("addr")
+        if act == "alloc" and addr in addrs:
+            addrs.discard(addr)
+            total -= size
+        elif act == "free_completed" and addr not in addrs:
+            addrs.add(addr)
+            total += size
+        elif act in ("segment_alloc", "segment_map"):
+            reserved -= size
+        elif act in ("segment_free", "segment_unmap"):
+            reserved += size
+        if total >= best[0]:  # walking backwards: the first time the peak is reached
+            best = (total, i, reserved)
+    return best[1], best[0], best[2]
+
+
+def _live_at(live: dict[int, dict], trace: list[dict], index: int) -> dict[int, dict]:
+    live = dict(live)
+    for ev in reversed(trace[index:]):
+        act, addr = ev.get("action"), ev.get("addr")
+        if act == "alloc":
+            live.pop(addr, None)
+        elif act == "free_completed" and addr not in live:
+            live[addr] = {"size": ev.get("size", 0), "requested_size": ev.get("size", 0),
+                          "frames": ev.get("frames", [])}
+    return live
+
+
+def _fragmentation(segments: list[dict]) -> tuple[int, int, list[tuple[int, int, int, int]]]:
+    free_total, largest, rows = 0, 0, []
+    for seg in segments:
+        free = [int(b["size"]) for b in seg["blocks"] if b["state"] == "inactive"]
+        if free:
+            rows.append((int(seg.get("address", 0)), int(seg["total_size"]), sum(free), max(free)))
+            free_total += sum(free)
+            largest = max(largest, max(free))
+    rows.sort(key=lambda r: -r[2])
+    return free_total, largest, rows
+
+
+def explain_snapshot(snapshot: dict, source: str = "snapshot") -> Explanation:
+    """:class:`Explanation` of a snapshot dict (:func:`read_snapshot`): the device with the most reserved memory,
+    at the peak of allocated memory its trace reaches."""
+    segments = snapshot["segments"]
+    devices = defaultdict(int)
+    for seg in segments:
+        devices[int(seg.get("device", 0))] += int(seg["total_size"])
+    device = max(devices, key=devices.get) if devices else 0
+    segs = [s for s in segments if int(s.get("device", 0)) == device]
+    traces = snapshot.get("device_traces") or []
+    trace = [e for e in (traces[device] if device < len(traces) else []) if isinstance(e, dict)]
+    end = _end_state(segs)
+    reserved_end = sum(int(s["total_size"]) for s in segs)
+    index, allocated, reserved = _peak(end, reserved_end, trace)
+    live = _live_at(end, trace, index)
+    timeline = any(_category(_frames(b)) and str(_frames(b)[0].get("filename", "")).startswith("category: ")
+                   for b in list(live.values())[:50])
+    when = ("at the snapshot (no allocator trace: recording was off)" if not trace else
+            "at the snapshot, which is the peak of its trace" if index == len(trace) else
+            f"at the peak of allocated memory, after event {index:,} of {len(trace):,} in the trace")
+    free, largest, rows = _fragmentation(segs)
+    if timeline:  # its addresses are made up, one after another: no allocator, no cache to fragment
+        free, largest, rows, reserved = 0, 0, [], allocated
+    oom = [e for e in trace if e.get("action") == "oom"]
+    e = Explanation(source=source, kind="memlab timeline" if timeline else "CUDA memory snapshot", when=when,
+                    allocated_bytes=allocated, reserved_bytes=max(reserved, allocated), free_in_segments_bytes=free,
+                    largest_free_block_bytes=largest, segments=rows,
+                    request_bytes=int(oom[-1].get("size", 0)) if oom else 0)
+    by_cat: dict[str, int] = defaultdict(int)
+    by_src: dict[str, int] = defaultdict(int)
+    blocks = []
+    for addr, b in live.items():
+        fr = _frames(b)
+        size = int(b["size"])
+        cat, where = _category(fr), _where(fr)
+        by_cat[cat or "unknown (no frames)"] += size
+        by_src[where.split(" -> ")[0] if timeline else re.sub(r":\d+ ", " ", where)] += size
+        blocks.append(TensorBlock(size, int(b.get("requested_size", size)), cat, where, int(addr)))
+    e.by_category, e.by_source = dict(by_cat), dict(by_src)
+    e.largest = sorted(blocks, key=lambda t: -t.size)[:_TOP]
+    e.expandable_segments = _expandable_verdict(e.request_bytes, free, largest if rows else 0,
+                                                int(oom[-1].get("device_free", 0)) if oom else 0)
+    if len(devices) > 1:
+        e.notes.append(f"{len(devices)} devices in the snapshot; explained: device {device} (the most reserved)")
+    if timeline:
+        e.expandable_segments = ""
+        e.notes.append("a memlab timeline counts tensors, not an allocator: reserved is allocated, no fragmentation")
+    elif index != len(trace) and trace:
+        e.notes.append("the segments (fragmentation) are as the snapshot was taken; the live blocks as at the peak")
+    if not any(_frames(b) for b in live.values()):
+        e.notes.append("no stack frames: categories and places need _record_memory_history(stacks='python')")
+    return e
+
+
+def explain(path: str | Path) -> Explanation:
+    """Explain the file at ``path``: a CUDA memory snapshot pickle, a memlab timeline pickle or an OOM message.
+
+    Raises:
+        SnapshotError: anything else, a truncated pickle, a pickle naming a class (one line naming the file and
+            what was expected).
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file; {_EXPECTED}")
+    data = path.read_bytes()
+    if data[:1] == b"\x80" or data[:1] in (b"}", b"]", b"("):  # a pickle (protocol 2+, or 0/1's first opcode)
+        return explain_snapshot(_snapshot_from_bytes(str(path), data), source=str(path))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SnapshotError(f"{path}: neither a pickle nor text; {_EXPECTED}") from None
+    try:
+        return _oom_explanation(str(path), text)
+    except SnapshotError as exc:
+        raise SnapshotError(f"{path}: {exc}") from None
