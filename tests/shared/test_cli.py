@@ -71,7 +71,7 @@ def test_unknown_command_suggests_the_close_one(memlab_cli):
     proc = memlab_cli("estimat", "llama-2-7b")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "memlab: unknown command 'estimat' (did you mean estimate?); allowed: doctor, grade, labs, bench, estimate, plan"]
+        "memlab: unknown command 'estimat' (did you mean estimate?); allowed: doctor, grade, labs, bench, estimate, plan, explain"]
 
 
 @pytest.mark.parametrize("typo, preset", [("llama-2-7", "llama-2-7b"), ("Mistral-7B", "mistral-7b"), ("lama-3-8b", "llama-3-8b")])
