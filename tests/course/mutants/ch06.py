@@ -626,16 +626,20 @@ def _lora_counted():
     return _counted_on_the_class(LoRALinear)
 
 
-def _lora_no_dropout():
+def _lora_two_dim_inputs():
     from memlab.quant.lora import LoRALinear
 
-    class NoDropout(LoRALinear):
-        """The adapter's dropout ignored (taken as 0)."""
+    class TwoDim(LoRALinear):
+        """The adapter's path computed on x.view(-1, in_features) and added as (batch, out): right for a (batch,
+        features) input only."""
 
-        def __init__(self, base, r=8, alpha=16, dropout=0.0, dtype=torch.float32):
-            super().__init__(base, r=r, alpha=alpha, dropout=0.0, dtype=dtype)
+        def forward(self, x):
+            if getattr(self, "merged", False):
+                return self.base(x)
+            flat = x.reshape(-1, x.shape[-1])
+            return self.base(x) + (self.lora_B(self.lora_A(flat)) * self.scaling).reshape(x.shape[0], -1)
 
-    return NoDropout
+    return TwoDim
 
 
 def _qlora_memo():
@@ -646,7 +650,7 @@ def _qlora_memo():
 
 MUTANTS["06.nf4_codes"] += [("blocks of 64 whatever the blocksize", codes_blocksize_64)]
 MUTANTS["06.lora_linear"] += [("instances counted on the class (a registry)", _lora_counted()),
-                              ("adapter dropout ignored", _lora_no_dropout())]
+                              ("inputs of one leading dimension only", _lora_two_dim_inputs())]
 MUTANTS["06.predict_qlora_bytes"] += [("memoised by parameter count in a dict kept between calls", _qlora_memo())]
 
 KINDS = {
@@ -659,7 +663,7 @@ KINDS = {
     "06.dequantize_nf4": {"hygiene": ["absmax used as scratch"], "constants": ["blocksize ignored"],
                           "space": ["multiplies in the 16-bit dtype"]},
     "06.lora_linear": {"hygiene": ["instances counted on the class (a registry)"], "constants": ["alpha // r"],
-                       "space": ["adapter dropout ignored"]},
+                       "space": ["inputs of one leading dimension only"]},
     "06.predict_qlora_bytes": {"hygiene": ["memoised by parameter count in a dict kept between calls"],
                                "constants": ["n // 2 code bytes"], "space": ["tied embeddings twice / fp32 biases"]},
 }
