@@ -46,6 +46,8 @@ class Optimizer(_Word):
     SGD = "sgd"                      # torch.optim.SGD, no momentum
     ADAMW8BIT = "adamw8bit"          # bitsandbytes.optim.AdamW8bit / memlab.quant's 8-bit Adam
     OFFLOAD_ADAMW = "offload-adamw"  # memlab.offload.OffloadedAdamW (chapter 04)
+    PAGED_ADAMW32BIT = "paged-adamw32bit"  # bitsandbytes.optim.PagedAdamW32bit (state in CUDA unified memory)
+    PAGED_ADAMW8BIT = "paged-adamw8bit"    # bitsandbytes.optim.PagedAdamW8bit
 
 
 class Category(_Word):
@@ -77,7 +79,9 @@ RECIPE_ALIASES: dict[str, str] = {
     "bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16-true": "bf16-pure", "fp32-true": "fp32",
 }
 #: other spellings accepted for an optimizer
-OPTIMIZER_ALIASES: dict[str, str] = {"adam8bit": "adamw8bit", "adamw-8bit": "adamw8bit", "adamw_8bit": "adamw8bit"}
+OPTIMIZER_ALIASES: dict[str, str] = {"adam8bit": "adamw8bit", "adamw-8bit": "adamw8bit", "adamw_8bit": "adamw8bit",
+                                     # transformers' TrainingArguments(optim=...) spellings
+                                     "paged_adamw_32bit": "paged-adamw32bit", "paged_adamw_8bit": "paged-adamw8bit"}
 
 
 #: the canonical spellings, in table order

@@ -258,7 +258,7 @@ class AllocationLog:
 def training_events(log: AllocationLog, *, steps: int = 3, workspaces: Iterable[int] = (),
                     host_scalars: bool = True) -> list[tuple]:
     """The allocations of a training run rebuilt from one tracked steady step (``log``): the model's storages, the
-    cuBLAS ``workspaces`` (bytes each), then ``steps`` steps, the first creating the optimizer state where the
+    ``workspaces`` (bytes each: the cuBLAS workspaces, optimizer state counted beside the trace), then ``steps`` steps, the first creating the optimizer state where the
     optimizer step starts (as PyTorch's optimizers create it lazily), each later one freeing what the step before
     left (``zero_grad(set_to_none=True)``: the gradients) before it runs. ``host_scalars``: leave out optimizer
     state of at most 8 bytes (AdamW's step counts live on the host unless ``capturable`` or ``fused``).

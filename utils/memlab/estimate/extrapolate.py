@@ -155,6 +155,7 @@ def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: i
         n_params = lin(a.n_params, b.n_params)
         max_act = lin(a.max_activation_bytes, b.max_activation_bytes)
         host_bd = {k: lin(a.host_breakdown[k], b.host_breakdown[k]) for k in b.host_breakdown}
+        paged = lin(a.paged_bytes, b.paged_bytes)
     except ArithmeticError:
         return None
     if c is not None:
@@ -179,7 +180,7 @@ def affine_estimate(a: MemoryEstimate, b: MemoryEstimate, d1: int, d2: int, n: i
         extras=dict(b.extras), attention=b.attention, step=b.step, optimizer_impl=b.optimizer_impl,
         extrapolated_from=(d1, d2), phase_breakdowns=phase_bd,
         host_bytes=sum(host_bd.values()), host_breakdown=host_bd, adapter=b.adapter, loss=b.loss,
-        offload_checkpoints=b.offload_checkpoints, optimizer_in_backward=b.optimizer_in_backward,
+        offload_checkpoints=b.offload_checkpoints, optimizer_in_backward=b.optimizer_in_backward, paged_bytes=paged,
     )
     _extrapolate_reserved(est, [(d1, a), (d2, b)] + ([(2 * d2 - d1, c)] if c is not None else []), n)
     return est
@@ -290,7 +291,7 @@ def extrapolated_fsdp(spec: ModelSpec, step: StepSpec, world_size: int) -> Memor
     None (the caller traces every layer). ``spec`` is a homogeneous transformers stack deeper than 5
     layers, ``step`` one rank's; the caller creates the fake process group of ``world_size`` ranks.
     """
-    if step.optimizer == "adamw8bit":  # its state may be modelled beside the timeline: trace it all
+    if step.optimizer in ("adamw8bit", "paged-adamw32bit", "paged-adamw8bit"):  # state modelled beside the timeline
         return None
     t0 = time.perf_counter()
     d1, d2, d3 = FSDP_EXTRAPOLATION_DEPTHS

@@ -13,7 +13,7 @@ from torch import nn
 from memlab.core import vocab
 from memlab.core.validation import check_choice
 from memlab.core.vocab import Recipe
-from memlab.estimate.recipes import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, OPTIMIZER_IMPLS
+from memlab.estimate.recipes import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, BNB_MIN_PAGED_SIZE, OPTIMIZER_IMPLS
 from memlab.estimate.step import StepSpec
 
 
@@ -50,6 +50,9 @@ def make_optimizer(
     params = list(params)
     if name == "adamw8bit":
         return import_bitsandbytes().optim.AdamW8bit(params, **kwargs)
+    if name in ("paged-adamw32bit", "paged-adamw8bit"):
+        bnb = import_bitsandbytes().optim
+        return (bnb.PagedAdamW32bit if name == "paged-adamw32bit" else bnb.PagedAdamW8bit)(params, **kwargs)
     if name == "offload-adamw":
         from memlab.offload import OffloadedAdamW
 
@@ -118,6 +121,37 @@ def bnb_state_bytes(model: nn.Module) -> int:
     return total
 
 
+def paged_state_bytes(model: nn.Module, optimizer: str) -> tuple[int, int]:
+    """bitsandbytes' paged AdamW state for ``model``'s trainable parameters: (bytes PyTorch's allocator holds,
+    bytes in CUDA unified memory).
+
+    ``Optimizer8bit.get_state_buffer`` pages a moment only for a tensor of at least 100,000 elements
+    (:data:`memlab.estimate.recipes.BNB_MIN_PAGED_SIZE`; ``F.get_paged``: ``cudaMallocManaged``, which
+    ``torch.cuda.memory_allocated`` never sees); a smaller one gets ``torch.zeros_like``. The moments are fp32 for
+    ``"paged-adamw32bit"``; for ``"paged-adamw8bit"`` uint8 with an fp32 absmax per 256 elements (allocator
+    memory), fp32 below 4,096 elements, as AdamW8bit (:func:`bnb_state_bytes`).
+
+    Raises:
+        ValueError: ``optimizer`` not one of the two paged ones.
+    """
+    check_choice("optimizer", optimizer, ("paged-adamw32bit", "paged-adamw8bit"))
+    allocator = paged = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        n = p.numel()
+        if optimizer == "paged-adamw32bit" or n < BNB_MIN_8BIT_SIZE:
+            moments, absmax = 2 * n * 4, 0
+        else:
+            moments, absmax = 2 * n, 2 * -(-n // BNB_BLOCKSIZE) * 4
+        if n >= BNB_MIN_PAGED_SIZE:
+            paged += moments
+        else:
+            allocator += moments
+        allocator += absmax
+    return allocator, paged
+
+
 def step_optimizer(params: list, step: StepSpec, name: str, target: torch.device, fake: bool,
                    notes: list[str]) -> tuple[Any, str, dict[str, int]]:
     """The optimizer a traced step runs: (the optimizer, its implementation as the estimate names it, host
@@ -132,7 +166,9 @@ def step_optimizer(params: list, step: StepSpec, name: str, target: torch.device
     """
     if step.optimizer == "offload-adamw":
         return _offload_optimizer(params, step, name, target, fake, notes)
-    impl = _resolve_impl(step.optimizer_impl, str(target)) if step.optimizer != "adamw8bit" else "bitsandbytes"
+    impl = (_resolve_impl(step.optimizer_impl, str(target)) if step.optimizer not in ("adamw8bit", "paged-adamw32bit",
+                                                                                       "paged-adamw8bit")
+            else "bitsandbytes" + (", paged" if step.optimizer.startswith("paged") else ""))
     kwargs = dict(step.optimizer_kwargs or {})
     if step.optimizer_in_backward:
         from memlab.offload import optimizer_in_backward

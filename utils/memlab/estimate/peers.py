@@ -64,7 +64,8 @@ def bytes_per_param_rule(n_params: int, dtype: str = "bf16-mixed", optimizer: st
     dtype = vocab.recipe(dtype, argument="dtype")
     weights = {R.FP32: 4, R.BF16_MIXED: 6, R.FP16_MIXED: 6, R.BF16_PURE: 2}[dtype]
     grads = 2 if dtype == R.BF16_PURE else 4
-    state = {"adamw": 4 if dtype == R.BF16_PURE else 8, "offload-adamw": 0, "sgd": 0, "adamw8bit": 2}[opt]
+    state = {"adamw": 4 if dtype == R.BF16_PURE else 8, "offload-adamw": 0, "sgd": 0, "adamw8bit": 2,
+             "paged-adamw32bit": 8, "paged-adamw8bit": 2}[opt]
     return int(n_params) * (weights + grads + state)
 
 

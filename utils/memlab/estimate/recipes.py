@@ -37,7 +37,13 @@ OPTIMIZERS: dict[str, str] = {
     "adamw8bit": "bitsandbytes.optim.AdamW8bit (2 moments of 1 byte, fp32 absmax per 256 elements)",
     "offload-adamw": "memlab.offload.OffloadedAdamW (chapter 04): device keeps the params in their dtype and their "
                      "grads; host keeps fp32 master weights, an fp32 grad slot and 2 fp32 moments (+ staging on CUDA)",
+    "paged-adamw32bit": "bitsandbytes.optim.PagedAdamW32bit (2 fp32 moments; those of tensors of 100,000 elements or "
+                        "more in CUDA unified memory, outside PyTorch's allocator: reported as paged bytes)",
+    "paged-adamw8bit": "bitsandbytes.optim.PagedAdamW8bit (AdamW8bit's state; the moments of tensors of 100,000 "
+                       "elements or more in CUDA unified memory, outside PyTorch's allocator: reported as paged bytes)",
 }
+PAGED_OPTIMIZERS = ("paged-adamw32bit", "paged-adamw8bit")
+BNB_MIN_PAGED_SIZE = 100_000  # bitsandbytes' get_state_buffer: smaller tensors get a plain torch.zeros_like
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash")
 #: the loss a traced step runs (StepSpec.loss): auto, transformers' own (hf), memlab.models.lm_loss (memlab),

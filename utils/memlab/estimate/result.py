@@ -70,6 +70,9 @@ class MemoryEstimate:
     # (memlab.estimate.allocator_replay), and reserved minus allocated at the allocated peak there; 0: no replay
     reserved_replay_bytes: int = 0
     fragmentation_bytes: int = 0
+    # a paged bitsandbytes AdamW's moments in CUDA unified memory: outside PyTorch's allocator, so in neither
+    # allocated_bytes nor reserved_bytes (memlab.estimate.optim.paged_state_bytes)
+    paged_bytes: int = 0
 
     @property
     def allocated_bytes(self) -> int:
@@ -187,6 +190,9 @@ class MemoryEstimate:
             lines.append(f"reserved (max_memory_reserved; {how}): {format_bytes(self.reserved_bytes)}")
             lines.append(f"nvidia-smi (reserved + {format_bytes(CONTEXT_RESERVE_BYTES)} CUDA context): "
                          f"{format_bytes(self.nvidia_smi_bytes)}")
+        if self.paged_bytes:
+            lines.append(f"paged optimizer state (CUDA unified memory, outside allocated and reserved): "
+                         f"{format_bytes(self.paged_bytes)}")
         if self.extrapolated_from:
             a, b = self.extrapolated_from
             lines.append(f"traced at {a}, {b} and {2 * b - a} decoder layers, extrapolated exactly by layer count "

@@ -27,8 +27,8 @@ def check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
     if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
         raise ValueError(f"zero_stage={zero_stage!r} is invalid; allowed: 0 (data parallel), 1 (optimizer state "
                          f"sharded), 2 (and gradients), 3 (and parameters: FSDP)")
-    if zero_stage and optimizer == "offload-adamw":
-        raise ValueError(f"zero_stage={zero_stage} with optimizer='offload-adamw' is not modelled; allowed with ZeRO: "
+    if zero_stage and optimizer in ("offload-adamw", "paged-adamw32bit", "paged-adamw8bit"):
+        raise ValueError(f"zero_stage={zero_stage} with optimizer={optimizer!r} is not modelled; allowed with ZeRO: "
                          f"'adamw', 'sgd', 'adamw8bit'")
 
 

@@ -17,7 +17,7 @@ from memlab.core.validation import check_choice
 from memlab.core.vocab import CATEGORIES, Recipe
 from memlab.estimate.attention import UnpackedPositions, attention_plan, make_tracker
 from memlab.estimate.model import ModelSpec, enable_checkpointing, largest_layer_params, vocab_size
-from memlab.estimate.optim import bnb_state_bytes, import_bitsandbytes, step_optimizer
+from memlab.estimate.optim import bnb_state_bytes, import_bitsandbytes, paged_state_bytes, step_optimizer
 from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CUBLAS_THREADS, LOSSES, MIXED, OPTIMIZER_IMPLS,
                                      cublas_workspace)
 from memlab.estimate.result import MemoryEstimate
@@ -40,6 +40,7 @@ class _Setup:
     traced_on: str
     opt_name: str
     modelled_8bit: bool = False
+    paged: str = ""  # a paged bitsandbytes AdamW: its state modelled (memlab.estimate.optim.paged_state_bytes)
     cuda_rules: Any = None
     notes: list[str] = field(default_factory=list)
     offload: Any = None  # the OffloadedCheckpoints handle of offload_checkpoints=True
@@ -98,6 +99,14 @@ def _setup(spec: ModelSpec, step: StepSpec, fake: bool) -> _Setup:
                        f"modelled (memlab.estimate.cuda_rules); the attention kernel is the CUDA one, modelled (see attention)")
     if spec.adapter is not None:
         s.notes.append(_adapter_note(spec, step.dtype))
+    if step.optimizer in ("paged-adamw32bit", "paged-adamw8bit"):
+        # its state lives in CUDA unified memory (cudaMallocManaged), which no CPU trace can make: modelled
+        s.paged, s.opt_name = step.optimizer, "sgd"
+        s.notes.append(f"{step.optimizer}: bitsandbytes' paged AdamW modelled, not traced (its fused update kernel "
+                       f"allocates nothing; SGD stands in for the step); the moments of tensors of 100,000 elements or "
+                       f"more live in CUDA unified memory, outside PyTorch's allocator: reported as paged bytes, not in "
+                       f"max_memory_allocated/reserved (nvidia-smi shows them while they are on the card; the driver "
+                       f"pages them to host memory under pressure); the rest of the state is in the allocated figure")
     if step.optimizer == "adamw8bit":
         try:
             import_bitsandbytes()
@@ -185,8 +194,9 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
     return tracker
 
 
-def _read(tracker: Any, model: nn.Module, modelled_8bit: bool) -> dict[str, Any]:
-    """Peak, breakdowns and phase peaks of a tracked step (8-bit AdamW's state added when modelled)."""
+def _read(tracker: Any, model: nn.Module, modelled_8bit: bool, paged: str = "") -> dict[str, Any]:
+    """Peak, breakdowns and phase peaks of a tracked step (8-bit AdamW's state added when modelled, a paged
+    AdamW's allocator-side state too; its paged bytes under ``paged_bytes``)."""
     peak = int(tracker.peak_bytes)
     at_peak = {k: int(v) for k, v in tracker.breakdown(at="peak").items()}
     at_end = {k: int(v) for k, v in tracker.breakdown(at="end").items()}
@@ -197,15 +207,18 @@ def _read(tracker: Any, model: nn.Module, modelled_8bit: bool) -> dict[str, Any]
         if ev.total > phases.get(ev.phase, -1):
             phases[ev.phase] = ev.total
             phase_bd[ev.phase] = {k: int(v) for k, v in ev.bytes.items()}
-    if modelled_8bit:
-        state = bnb_state_bytes(model)
-        peak += state  # the state is alive during the whole second step
+    state, paged_bytes = bnb_state_bytes(model) if modelled_8bit else 0, 0
+    if paged:
+        state, paged_bytes = paged_state_bytes(model, paged)
+    if state:  # the state is alive during the whole second step
+        peak += state
         at_peak["optimizer"] = at_peak.get("optimizer", 0) + state
         at_end["optimizer"] = at_end.get("optimizer", 0) + state
         phases = {k: v + state for k, v in phases.items()}
         for bd in phase_bd.values():
             bd["optimizer"] = bd.get("optimizer", 0) + state
-    return dict(peak=peak, at_peak=at_peak, at_end=at_end, max_act=int(max_act), phases=phases, phase_bd=phase_bd)
+    return dict(peak=peak, at_peak=at_peak, at_end=at_end, max_act=int(max_act), phases=phases, phase_bd=phase_bd,
+                state=state, paged=paged_bytes)
 
 
 def _after_notes(s: _Setup, tracker: Any, attention: str, softmax_rule: bool) -> str:
@@ -333,7 +346,7 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
     seconds = time.perf_counter() - t0
     if s.offload is not None and s.target.type == "cuda":
         host_breakdown["offloaded checkpoint inputs (pinned, at most)"] = s.offload.stats.peak_host_bytes
-    r = _read(tracker, model, s.modelled_8bit)
+    r = _read(tracker, model, s.modelled_8bit, s.paged)
     attention = _after_notes(s, tracker, attention, softmax_rule)
     extras: dict[str, int] = {}
     if s.target.type == "cuda":
@@ -345,7 +358,7 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
                            "default before compute capability 9.0 is 8.125 MiB)")
     from memlab.models import count_parameters
 
-    reserved = _replay_reserved(tracker, extras)
+    reserved = _replay_reserved(tracker, extras, r["state"])
     if reserved is not None:
         s.notes.append(reserved.note)
     return MemoryEstimate(
@@ -362,20 +375,22 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
         adapter=spec.adapter.describe() if spec.adapter is not None else "",
         loss=loss if s.step_fn is None else "step", offload_checkpoints=step.offload_checkpoints,
         optimizer_in_backward=step.optimizer_in_backward,
-        reserved_replay_bytes=reserved.reserved_bytes if reserved else 0,
+        reserved_replay_bytes=reserved.reserved_bytes if reserved else 0, paged_bytes=r["paged"],
         fragmentation_bytes=reserved.fragmentation_bytes if reserved else 0,
     )
 
 
-def _replay_reserved(tracker: Any, extras: dict[str, int]) -> Any:
+def _replay_reserved(tracker: Any, extras: dict[str, int], modelled_state: int = 0) -> Any:
     """The caching allocator's replay of the traced step (memlab.estimate.allocator_replay), or None where the
-    tracker kept no allocation log (a CPU target, an FSDP2 rank)."""
+    tracker kept no allocation log (a CPU target, an FSDP2 rank). ``modelled_state``: optimizer state counted beside
+    the trace, allocated with the model's storages."""
     log = getattr(tracker, "allocation_log", None)
     if log is None or not log.events:
         return None
     from memlab.estimate.allocator_replay import estimate_reserved, training_events
 
-    events = training_events(log, workspaces=[n // CUBLAS_THREADS for n in extras.values() for _ in range(CUBLAS_THREADS)])
+    lumps = [n // CUBLAS_THREADS for n in extras.values() for _ in range(CUBLAS_THREADS)]
+    events = training_events(log, workspaces=lumps + ([modelled_state] if modelled_state else []))
     return estimate_reserved(events)
 
 
