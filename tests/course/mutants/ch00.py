@@ -555,3 +555,42 @@ KINDS = {
                         "constants": ["a vocabulary of 256", "1-byte (CUDA) dropout masks on the CPU"],
                         "space": ["block_size taken as the sequence length"]},
 }
+
+
+# right answers written another way (the over-specific kind): each must PASS
+def saved_bytes_by_address_holding(fn, *args):
+    """Keys saved storages by their address and holds every one until the count is done: no freed block can lend
+    its address to another storage meanwhile."""
+    skip = set()
+    if isinstance(fn, nn.Module):
+        skip = {t.untyped_storage().data_ptr() for t in list(fn.parameters()) + list(fn.buffers())}
+    held, sizes = [], {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            held.append(st)
+            sizes[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(sizes.values())
+
+
+def state_bytes_by_storage_object(optimizer):
+    """Storages told apart by the storage objects' identity while all are held (a list of them), not by address."""
+    storages = []
+    for st in optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                s = v.untyped_storage()
+                if not any(s._cdata == o._cdata for o in storages):
+                    storages.append(s)
+    return sum(s.nbytes() for s in storages)
+
+
+RIGHT_ANSWERS = {
+    "00.saved_bytes": [("storages keyed by address, held while counting", saved_bytes_by_address_holding)],
+    "00.optimizer_state_bytes": [("storage objects compared while held", state_bytes_by_storage_object)],
+}

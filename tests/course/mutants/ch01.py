@@ -800,3 +800,55 @@ KINDS = {
 }
 NOT_APPLICABLE = {"01.fix_the_leak": {"constants": "the loop takes no size or setting of its own: the model, the "
                                                   "optimizer, the batches and the step count are the caller's"}}
+
+
+# right answers written another way (the over-specific kind): each must PASS
+def train_zero_grad_first(model, opt, batches, steps):
+    """zero_grad at the start of each step (the gradients of the last step stay until the next one)."""
+    history, it = [], iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        opt.zero_grad()
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        history.append(loss.item())
+    return history
+
+
+class LiveBytesWithFinalize:
+    """weakref.finalize on each storage instead of a weakref callback, storages keyed by their _cdata."""
+
+    def __init__(self):
+        self.current = self.peak = 0
+        self._alive = {}
+
+    def track(self, t):
+        st = t.untyped_storage()
+        f = self._alive.get(st._cdata)
+        if f is not None and f.alive:
+            return
+        n = st.nbytes()
+        self._alive[st._cdata] = weakref.finalize(st, self._free, n)
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def _free(self, n):
+        self.current -= n
+
+
+def peaks_with_defaultdict(timeline):
+    """A defaultdict of running maxima, over the events in any order."""
+    import collections
+
+    out = collections.defaultdict(int)
+    for event in timeline:
+        out[event.phase] = max(out[event.phase], sum(event.bytes.values()))
+    return out
+
+
+RIGHT_ANSWERS = {
+    "01.fix_the_leak": [("zero_grad at the start of each step", train_zero_grad_first)],
+    "01.live_bytes": [("weakref.finalize on each storage", LiveBytesWithFinalize)],
+    "01.phase_peaks": [("a defaultdict of running maxima", peaks_with_defaultdict)],
+}

@@ -961,3 +961,49 @@ KINDS = {
 }
 NOT_APPLICABLE = {"02.checkpoint_function": {"constants": "the checkpoint takes a function and its inputs: it has no "
                                                           "size or setting of its own to tune"}}
+
+
+# right answers written another way (the over-specific kind): each must PASS
+def _sequential_torch_early_stop(modules, segments, x):
+    """torch.utils.checkpoint (non-reentrant) per segment under early stop: each recomputation ends inside the
+    segment's last layer, before that layer's forward hooks run."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    n = len(modules)
+    base, extra = divmod(n, segments)
+    sizes = [base + (i < extra) for i in range(segments)]
+    start = 0
+    with set_checkpoint_early_stop(True):
+        for j, size in enumerate(sizes):
+            def run(h, chunk=list(modules)[start:start + size]):
+                for m in chunk:
+                    h = m(h)
+                return h
+            start += size
+            x = run(x) if j == segments - 1 else checkpoint(run, x, use_reentrant=False)
+    return x
+
+
+def _count_saved_by_address_holding(fn, *args):
+    """Saved storages keyed by address, every one held until the count is done."""
+    skip = set()
+    if isinstance(fn, nn.Module):
+        skip = {t.untyped_storage().data_ptr() for t in list(fn.parameters()) + list(fn.buffers())}
+    held, sizes = [], {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            held.append(t)
+            sizes[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return len(sizes), sum(sizes.values())
+
+
+RIGHT_ANSWERS = {
+    "02.checkpoint_sequential": [("torch's checkpoint with early stop", _sequential_torch_early_stop)],
+    "02.count_saved": [("storages keyed by address, held while counting", _count_saved_by_address_holding)],
+}

@@ -874,3 +874,12 @@ KINDS = {
     "03.predict_update_peak": {"hygiene": ["memoised by parameter count in a dict kept between calls"],
                                "constants": ["fp32 buffers in the 16-bit recipes"], "space": ["tied weight counted twice"]},
 }
+
+
+# right answers written another way (the over-specific kind): each must PASS
+def unscale_with_torchs_kernel(grads, found_inf, inv_scale):
+    """torch's own fused unscale (what GradScaler calls): in place, found_inf set to 1.0 on any inf/NaN."""
+    torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
+
+
+RIGHT_ANSWERS = {"03.unscale_grads": [("torch's _amp_foreach_non_finite_check_and_unscale_", unscale_with_torchs_kernel)]}

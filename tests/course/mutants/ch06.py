@@ -669,3 +669,15 @@ KINDS = {
 }
 NOT_APPLICABLE = {"06.nf4_codebook": {"space": "one float in (0.5, 1) is the whole input: a codebook pasted for one "
                                                "offset is the constants mutant"}}
+
+
+# right answers written another way (the over-specific kind): each must PASS
+def pack_nibbles_by_arithmetic(q, pad=7):
+    """High nibble times 16 plus low nibble, on a padded copy."""
+    q = q.reshape(-1).to(torch.uint8)
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_full((1,), pad)])
+    return (q[0::2] * 16 + q[1::2]).to(torch.uint8)
+
+
+RIGHT_ANSWERS = {"06.pack_nibbles": [("high * 16 + low", pack_nibbles_by_arithmetic)]}
