@@ -82,3 +82,42 @@ def test_read_lengths(tmp_path):
         read_lengths(tmp_path / "none.txt")
     with pytest.raises(ValueError, match="collator='pad' is invalid"):
         batch_shapes([1, 2], 1, "pad")
+
+
+def test_covered_shapes_are_the_brute_force_ones():
+    from memlab.estimate.batches import _uncovered
+
+    rng = random.Random(0)
+    for _ in range(200):
+        shapes = {(rng.randint(1, 5), rng.randint(1, 9)) for _ in range(rng.randint(1, 12))}
+        brute = sorted(s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes))
+        assert _uncovered(shapes) == brute, shapes
+
+
+def test_command_line(tmp_path, lengths, capsys):
+    import json
+
+    from memlab.cli import main as memlab_main
+
+    cfg_path = tmp_path / "config.json"
+    cfg_path.write_text(json.dumps(dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+                                        max_position_embeddings=256)))
+    lp = tmp_path / "lengths.txt"
+    lp.write_text("\n".join(map(str, lengths)) + "\n")
+    argv = ["estimate", str(cfg_path), "--lengths", str(lp), "--batch-size", "4", "--shuffle-seed", "1",
+            "--device", "cpu", "--optimizer", "sgd"]
+    assert memlab_main(argv) == 0
+    out = capsys.readouterr().out
+    w = worst_batch(str(cfg_path), lengths, 4, "pad-longest", shuffle_seed=1, **KW)
+    assert f"worst batch: #{w.index} of 7, {w.shape[0]} x {w.shape[1]} tokens padded" in out
+    assert f"peak: {w.estimate.peak_bytes:,} bytes of tensors" in out and "27 samples" in out
+    assert memlab_main(argv + ["--gpu", "1GiB", "--max-batch-size"]) == 0
+    assert "max batch size: " in capsys.readouterr().out
+    lp.write_text("4\n-1\n")
+    assert memlab_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 2 is '-1'" in err
+    with pytest.raises(SystemExit):
+        memlab_main(argv + ["--collator", "pack"])
+    assert "--collator" in capsys.readouterr().err

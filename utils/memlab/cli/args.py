@@ -71,6 +71,14 @@ def _bounded_int(hi: int) -> Callable[[str], int]:
     return parse
 
 
+def _collator(text: str) -> str:
+    """``--collator``: pad-longest, pad-multiple:N or pack:N (checked here, torch-free)."""
+    kind, _, n = text.partition(":")
+    if (kind == "pad-longest" and not n) or (kind in ("pad-multiple", "pack") and n.isdigit() and int(n) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: pad-longest, pad-multiple:N or pack:N (N >= 1)")
+
+
 def _positive_int(text: str) -> int:
     if len(text) > 30:
         raise argparse.ArgumentTypeError(f"{text[:30]!r}... is invalid; allowed: a positive int")
@@ -200,6 +208,18 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", action="store_true",
                         help="print accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers beside memlab's")
     parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
+    parser.add_argument("--lengths", default=None, metavar="FILE",
+                        help="a data set's token counts (one per line, or a .npy): the peak of the worst batch of an "
+                             "epoch (--batch-size, --collator, --shuffle-seed) instead of one --seq-len")
+    parser.add_argument("--collator", type=_collator, default="pad-longest",
+                        help="with --lengths: pad-longest, pad-multiple:N or pack:N (default pad-longest)")
+    parser.add_argument("--shuffle-seed", type=int, default=None,
+                        help="with --lengths: the order of DataLoader(shuffle=True, generator=torch.Generator()"
+                             ".manual_seed(SEED)); default: the file's order")
+    parser.add_argument("--max-batch-size", action="store_true",
+                        help="with --lengths and --gpu: the largest micro-batch whose worst batch fits the card")
+    parser.add_argument("--exact-shapes", action="store_true",
+                        help="with --lengths: trace every distinct batch shape, also those a larger one covers")
     parser.add_argument("--validate", action="store_true",
                         help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
     return parser

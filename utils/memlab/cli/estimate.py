@@ -116,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return validate.main(model_filter=args.model)
     run_kwargs, adapter_kw, overrides = _keywords(args)
+    if args.lengths is not None:  # the worst batch of a data set (memlab.cli.worst_batch)
+        from memlab.cli.worst_batch import run_worst_batch
+
+        return run_worst_batch(args, run_kwargs, adapter_kw, overrides)
     if args.offload_gradients and args.optimizer != "offload-adamw":
         return _error(f"--offload-gradients needs --optimizer offload-adamw (got --optimizer {args.optimizer})")
     est = _estimate(args, run_kwargs, adapter_kw, overrides)

@@ -116,8 +116,14 @@ def batch_shapes(lengths: Sequence[int], batch_size: int, collator: str = "pad-l
 
 
 def _uncovered(shapes: set[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The shapes no other shape covers (at least as many rows and at least as long)."""
-    return sorted(s for s in shapes if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in shapes))
+    """The shapes no other shape covers (at least as many rows and at least as long): a sweep from the most rows."""
+    out, longest_above = [], 0  # the longest shape among those with more rows than the current group
+    for rows in sorted({r for r, _ in shapes}, reverse=True):
+        top = max(s for r, s in shapes if r == rows)
+        if top > longest_above:  # only a group's longest can be uncovered, and only if nothing above reaches it
+            out.append((rows, top))
+        longest_above = max(longest_above, top)
+    return sorted(out)
 
 
 @dataclass
@@ -177,7 +183,7 @@ def worst_batch(model: Any, lengths: Sequence[int], batch_size: int, collator: s
         if shape not in cache:
             cache[shape] = estimate_training_memory(model, batch_size=shape[0], seq_len=shape[1], **estimate_kwargs)
         peaks[shape] = _figure(cache[shape])
-    worst = max(todo, key=lambda s: (peaks[s], s))
+    worst = max(todo, key=lambda s: (peaks[s], cache[s].peak_bytes, s))
     return WorstBatch(shape=worst, index=shapes.index(worst), peak=peaks[worst], estimate=cache[worst],
                       batches=len(shapes), peaks=peaks, shapes=dict(counts),
                       skipped=sorted(set(counts) - set(todo)))
