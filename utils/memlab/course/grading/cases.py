@@ -7,7 +7,8 @@ The API (the whole harness's is in :mod:`memlab.course.grading.harness`'s docstr
   or a function of the fields before it (``lq=lambda c: ints(1, c.lk)``). Each case is a :class:`Case`
   with ``case.seed`` added for its values.
 - ``differential(space, run, edges=[...], examples=N, seed=0)``: ``run(case)`` on every edge (the check's
-  hand-picked cases), on a sweep that takes every option of each small field once, then on N cases hypothesis
+  hand-picked cases), on a sweep that takes every option of each small field once and then pairs of options of
+  two small fields not yet seen together (at most ``SWEEP_ROWS`` cases), then on N cases hypothesis
   draws (fixed seed, no database: the same cases on every
   machine; other ones on the harness's second pass). ``run`` raises AssertionError naming the case; a
   failure is shrunk (within :data:`SHRINK_BUDGET` runs) and the smallest case's error is raised.
@@ -209,8 +210,9 @@ def _as_case(edge: Any) -> Case:
 def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[Any] = (), examples: int = 20,
                  seed: int = 0) -> int:
     """Call ``run(case)`` on every declared edge (dicts or :class:`Case`, first, in order; reversed on the
-    second pass), on a sweep of cases that between them take every option of each small field (the other
-    fields at their simplest; first pass only), then on ``examples`` cases hypothesis draws from ``space`` with a
+    second pass), on a sweep of cases that between them take every option of each small field and every pair of
+    options of two small fields, as far as :data:`SWEEP_ROWS` allows (the other fields at their simplest; first
+    pass only), then on ``examples`` cases hypothesis draws from ``space`` with a
     fixed seed (``seed`` on the first pass; on the second, :func:`current_pass`, a third as many from another
     seed). ``run`` raises AssertionError naming the
     case when the answer differs from the reference; a failure found by drawing is shrunk (within
@@ -263,6 +265,40 @@ def _options(spec: Any) -> set[str] | None:
 
 
 SWEEP_OPTIONS = 8  # a field with at most this many options gets each of them in the sweep
+SWEEP_ROWS = 24  # at most this many sweep cases: every option once, then as many pairs of options as fit
+
+
+def _pairwise_rows(small: dict[str, list]) -> list[dict[str, int]]:
+    """Option indices of the sweep's cases: first every option of each small field once (the fields in step), then,
+    greedily, cases that pair options of two fields not yet seen together (a frozen layer in an MLP, not only in the
+    TinyGPT the first rows happen to pair it with), until every pair is covered or :data:`SWEEP_ROWS` is reached.
+    hypothesis's few dozen draws do not reach every pair: they are not independent uniform samples."""
+    names = list(small)
+    sizes = {n: len(small[n]) for n in names}
+    uncovered = {(a, i, b, j) for x, a in enumerate(names) for b in names[x + 1:]
+                 for i in range(sizes[a]) for j in range(sizes[b])}
+    order = {n: x for x, n in enumerate(names)}
+
+    def pair(a: str, i: int, b: str, j: int) -> tuple:
+        return (a, i, b, j) if order[a] < order[b] else (b, j, a, i)
+
+    def cover(row: dict[str, int]) -> None:
+        for x, a in enumerate(names):
+            for b in names[x + 1:]:
+                uncovered.discard((a, row[a], b, row[b]))
+
+    rows = [{n: k % sizes[n] for n in names} for k in range(max(sizes.values()))]
+    for row in rows:
+        cover(row)
+    while uncovered and len(rows) < SWEEP_ROWS:
+        a, i, b, j = min(uncovered, key=lambda t: (order[t[0]], t[1], order[t[2]], t[3]))
+        row = {a: i, b: j}
+        for n in names:
+            if n not in row:
+                row[n] = max(range(sizes[n]), key=lambda k: (sum(pair(m, v, n, k) in uncovered for m, v in row.items()), -k))
+        rows.append({n: row[n] for n in names})
+        cover(rows[-1])
+    return rows
 
 
 def _sweep(space: Space) -> list[Case]:
@@ -275,11 +311,11 @@ def _sweep(space: Space) -> list[Case]:
     if not small:
         return []
     out = []
-    for i in range(max(len(v) for v in small.values())):
+    for i, row in enumerate(_pairwise_rows(small)):
         values: dict[str, Any] = {}
         for name, spec in space.fields.items():
             if name in small:
-                values[name] = small[name][i % len(small[name])]
+                values[name] = small[name][row[name]]
                 continue
             if callable(spec) and not isinstance(spec, st.SearchStrategy):
                 spec = spec(Case(**values))
@@ -305,8 +341,8 @@ def _sweep_by_search(space: Space, small: dict[str, list]) -> list[Case]:
     config = settings(database=None, max_examples=50, deadline=None, derandomize=True, phases=[Phase.generate, Phase.shrink],
                       suppress_health_check=list(HealthCheck))
     out = []
-    for i in range(max(len(v) for v in small.values())):
-        forced = {name: opts[i % len(opts)] for name, opts in small.items()}
+    for row in _pairwise_rows(small):
+        forced = {name: small[name][k] for name, k in row.items()}
         try:
             out.append(find(space.strategy(forced), lambda c: True, settings=config))
         except (NoSuchExample, hyp.errors.Unsatisfiable):
