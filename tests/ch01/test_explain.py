@@ -210,3 +210,33 @@ def test_command_line(tmp_path, capsys):
     assert memlab_main(["explain", str(tmp_path / "bad.pickle")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("memlab explain: error: ") and "bad.pickle" in err
+
+
+def test_command_line_ranks_the_fixes_with_a_model(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
+                                   max_position_embeddings=512)))
+    msg = tmp_path / "oom.txt"  # a 1 GiB card (339 MiB usable): a 32k vocabulary's logits at 4 x 512 do not fit
+    msg.write_text("CUDA out of memory. Tried to allocate 250.00 MiB. GPU 0 has a total capacity of 1.00 GiB of which "
+                   "0 bytes is free. Of the allocated memory 300.00 MiB is allocated by PyTorch, and 2.00 MiB is "
+                   "reserved by PyTorch but unallocated.")
+    argv = ["explain", str(msg), "--model", str(cfg), "--batch-size", "4", "--seq-len", "512", "--no-extrapolate"]
+    assert memlab_main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"--gpu {2**30}B" in out and "verdict: DOES NOT FIT" in out and "to reproduce a traced row:" in out
+    table = out.split("what would make it fit")[1].split("\n\n")[0]
+    rows = [ln for ln in table.splitlines() if ln.endswith((" yes", " no")) and "technique" not in ln]
+    import re
+
+    from memlab.core.units import parse_size
+
+    assert any("gradient checkpointing" in ln for ln in rows) and len(rows) >= 3
+    peaks = [parse_size(re.search(r"([\d,]+(?:\.\d+)? (?:B|KiB|MiB|GiB))", ln).group(1).replace(" ", "").replace(",", "")) for ln in rows]
+    assert peaks == sorted(peaks)  # ranked by the traced peak
+    with pytest.raises(SystemExit):
+        memlab_main(["explain", str(msg), "--batch-size", "4"])  # estimate's flags without --model
+    assert "need --model" in capsys.readouterr().err
