@@ -50,9 +50,15 @@ Differential cases, for a check author (from ``memlab.course.checks``, defined i
   :func:`~.cases.layouts` (contiguous, transposed, strided, offset, channels_last), any hypothesis strategy, a
   constant, or a function of the fields before it. Every :class:`~.cases.Case` also gets ``seed``.
 - ``differential(space, run, *, edges=(), examples=20, seed=0)`` runs ``run`` on each edge (dicts: keep the
-  check's hand-picked cases here), then on ``examples`` cases hypothesis draws with a fixed seed and no database
-  (the same on every machine); the first failure is shrunk within ``SHRINK_BUDGET`` runs and the smallest
-  case's AssertionError is raised (so name ``case`` in every message). Returns the number of cases run.
+  check's hand-picked cases here), on a sweep that takes every option of each small field and every pair of
+  options of two small fields (at most ``SWEEP_ROWS`` cases), then on ``examples`` cases hypothesis draws with a
+  fixed seed and no database (the same on every machine); the first failure is shrunk within ``SHRINK_BUDGET``
+  runs and the smallest case's AssertionError is raised (so name ``case`` in every message). Returns the number
+  of cases run. ``failures()`` says which part (edge, sweep, drawn) caught the last failure of each exercise;
+  inside ``drawn_only()`` the edges are skipped (tests/course/test_mutants.py shows the space alone catches a
+  constants or space mutant).
+- ``expect_prediction(where, got, model, measure, tolerance)``: a predict-then-measure exercise's relation on a
+  drawn case: within ``tolerance`` of memlab's model or of the measurement (measured only when needed).
 - ``make_tensor(shape, dtype, layout, seed, scale=1.0, low=0, high=16, device="cpu")``: reproducible values.
 - Relations stay the check's: ``expect_equal`` (exact, exact types), ``expect_tensor_close`` (a tolerance no
   wider than the smallest plausible mistake), ``torch.equal`` for bitwise.
