@@ -28,7 +28,7 @@ from memlab.loss.fused import FusedLinearCrossEntropy
 from memlab.loss.reference import check_loss_args
 from memlab.loss.triton_fused import TritonFusedLinearCrossEntropy
 
-__all__ = ["enable", "disable", "is_enabled", "SUPPORTED", "IMPLS"]
+__all__ = ["enable", "disable", "is_enabled", "causal_lm_head", "SUPPORTED", "IMPLS"]
 
 #: model types whose causal-LM head is ``lm_head(hidden)``, soft-capped by ``final_logit_softcapping`` if
 #: the config has one (checked in transformers 5.24's modeling files; Granite's and Cohere's scale their
@@ -39,8 +39,12 @@ IMPLS = {"torch": FusedLinearCrossEntropy, "triton": TritonFusedLinearCrossEntro
 _MARK = "_memlab_fused_loss"
 
 
-def _check_model(model: Any) -> torch.nn.Module:
-    # the head, after checking that the model is a supported *ForCausalLM with a plain linear head
+def causal_lm_head(model: Any) -> torch.nn.Module:
+    """The head of ``model``, after checking that it is a supported ``*ForCausalLM`` with a plain linear head.
+
+    Raises:
+        ValueError: ``model`` is not one (the argument, its value and what is allowed named).
+    """
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "get_output_embeddings") \
             or not hasattr(model, "get_decoder") or not hasattr(model, "config"):
         raise invalid("model", type(model).__name__, "a transformers *ForCausalLM (a PreTrainedModel with a head)")
@@ -73,7 +77,7 @@ def enable(model: Any, *, chunk_size: int = 1024, impl: str = "torch") -> Any:
     """
     check_positive_int("chunk_size", chunk_size)
     check_choice("impl", impl, IMPLS)
-    _check_model(model)
+    causal_lm_head(model)
     disable(model)
     own = type(model).forward
 
@@ -133,7 +137,7 @@ def _fused_forward(model: Any, args: tuple, kwargs: dict) -> Any:
     return_dict = extra.pop("return_dict", None)
     outputs = model.get_decoder()(**arguments, **extra, return_dict=True)
     hidden = outputs.last_hidden_state
-    head = _check_model(model)
+    head = causal_lm_head(model)
     ignore_index = extra.get("ignore_index", -100)
     targets = extra.get("shift_labels")
     if targets is None:

@@ -265,10 +265,10 @@ class BudgetTrainer:
             if s.loss == "default":
                 continue
             if s.loss == "fused":
-                from memlab.loss.hf import _check_model
+                from memlab.loss.hf import causal_lm_head
 
                 try:
-                    _check_model(model)
+                    causal_lm_head(model)
                 except ValueError as exc:
                     raise ValueError(f"stacks[{i}].loss='fused' needs a transformers *ForCausalLM memlab.loss.enable "
                                      f"supports ({exc}); allowed for this model: loss='default'") from None
