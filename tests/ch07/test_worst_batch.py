@@ -121,3 +121,17 @@ def test_command_line(tmp_path, lengths, capsys):
     with pytest.raises(SystemExit):
         memlab_main(argv + ["--collator", "pack"])
     assert "--collator" in capsys.readouterr().err
+
+
+def test_read_lengths_of_a_tokenized_jsonl(tmp_path):
+    import json
+
+    p = tmp_path / "data.jsonl"
+    p.write_text("\n".join(json.dumps({"input_ids": list(range(n)), "text": "x"}) for n in (3, 9, 1)) + "\n")
+    assert read_lengths(p) == [3, 9, 1]
+    p.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps({"text": "no ids"}) + "\n")
+    with pytest.raises(ValueError, match=r"line 2 has no input_ids \(has \['text'\]\)"):
+        read_lengths(p)
+    p.write_text("{oops\n")
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        read_lengths(p)

@@ -209,8 +209,9 @@ def estimate_parser() -> argparse.ArgumentParser:
                         help="print accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers beside memlab's")
     parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
     parser.add_argument("--lengths", default=None, metavar="FILE",
-                        help="a data set's token counts (one per line, or a .npy): the peak of the worst batch of an "
-                             "epoch (--batch-size, --collator, --shuffle-seed) instead of one --seq-len")
+                        help="a data set's token counts (one per line, a .npy, or a .jsonl of input_ids): the peak "
+                             "of the worst batch of an epoch (--batch-size, --collator, --shuffle-seed) instead of "
+                             "one --seq-len")
     parser.add_argument("--collator", type=_collator, default="pad-longest",
                         help="with --lengths: pad-longest, pad-multiple:N or pack:N (default pad-longest)")
     parser.add_argument("--shuffle-seed", type=int, default=None,

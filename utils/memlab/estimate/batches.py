@@ -33,7 +33,8 @@ COLLATORS = ("pad-longest", "pad-multiple:N", "pack:N")
 
 
 def read_lengths(path: str | Path) -> list[int]:
-    """Token counts, one per sample: a text file of one int per line (blank lines skipped) or a 1-D ``.npy`` of ints.
+    """Token counts, one per sample: a text file of one int per line (blank lines skipped), a 1-D ``.npy`` of ints,
+    or a tokenized data set as ``.jsonl`` (each line's ``input_ids`` counted).
 
     Raises:
         ValueError: a line that is no int, a count below 1, an empty file, a ``.npy`` that is not 1-D ints (one line
@@ -44,6 +45,8 @@ def read_lengths(path: str | Path) -> list[int]:
     want = "one token count (an int >= 1) per line, or a 1-D .npy of ints"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; expected {want}")
+    if path.suffix == ".jsonl":
+        return _jsonl_lengths(path)
     if path.suffix == ".npy":
         import numpy as np
 
@@ -68,6 +71,29 @@ def read_lengths(path: str | Path) -> list[int]:
             out.append(int(s))
     if not out:
         raise ValueError(f"{path}: no lengths in it; expected {want}")
+    return out
+
+
+def _jsonl_lengths(path: Path) -> list[int]:
+    """A tokenized data set as JSON lines: each line's ``input_ids`` (a list of ints) counted."""
+    import json
+
+    want = "a JSON object with input_ids (a non-empty list of token ids) on every line"
+    out = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}: line {n} is not JSON; expected {want}") from None
+        ids = row.get("input_ids") if isinstance(row, dict) else None
+        if not isinstance(ids, list) or not ids:
+            keys = sorted(row)[:6] if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"{path}: line {n} has no input_ids (has {keys}); expected {want}")
+        out.append(len(ids))
+    if not out:
+        raise ValueError(f"{path}: no rows in it; expected {want}")
     return out
 
 
