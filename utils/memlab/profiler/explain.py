@@ -324,14 +324,18 @@ def _peak(live: dict[int, dict], reserved: int, trace: list[dict]) -> tuple[int,
 
 
 def _live_at(live: dict[int, dict], trace: list[dict], index: int) -> dict[int, dict]:
+    """The allocated blocks after ``trace[:index]``. A block freed later is brought back with its ``alloc`` event's
+    frames (a free's frames say where it was freed), or the free's when its alloc is older than the trace."""
+    made = {ev.get("addr"): ev for ev in trace[:index] if ev.get("action") == "alloc"}
     live = dict(live)
     for ev in reversed(trace[index:]):
         act, addr = ev.get("action"), ev.get("addr")
         if act == "alloc":
             live.pop(addr, None)
         elif act == "free_completed" and addr not in live:
-            live[addr] = {"size": ev.get("size", 0), "requested_size": ev.get("size", 0),
-                          "frames": ev.get("frames", [])}
+            born = made.get(addr, ev)
+            live[addr] = {"size": ev.get("size", 0), "requested_size": born.get("size", ev.get("size", 0)),
+                          "frames": born.get("frames", [])}
     return live
 
 
