@@ -1,0 +1,457 @@
+"""The whole course on one short GPU lease: a budgeted, ordered plan, rehearsed on a CPU.
+
+A lent GPU gives 15 minutes of device time in all (its start included), at most 10 minutes a command
+and at most 8 files of 16 MiB back. This planner runs, in order of value, within 540 s of call one:
+
+  1. the environment (wheels installed offline from .whl/, or checked; fails in its first 20 s),
+  2. every lecture notebooks/NN_*.ipynb executed at full scale with nbclient (outputs kept),
+  3. ``pytest -m cuda`` with its log,
+  4. the GPU measurements: bench qlora (memlab NF4 vs bitsandbytes, step memory by
+     max_memory_allocated), the estimator traced on CUDA, a CUDA memory snapshot of each chapter's models;
+
+and in an optional call two (<= 240 s) the timing benches, each alone on the GPU.
+
+Each step runs as a subprocess with a timeout (its budget): what it wrote before the budget ran out is kept,
+and a killed step is recorded as 'timed out at N s'. Steps marked ``concurrent`` only measure memory
+(``max_memory_allocated`` is per process) and run side by side within their stage; a stage that times
+(``alone``) has the GPU to itself. After every stage the results are packed into $OUT: tar.gz chunks,
+at most 8 files of at most 16 MiB (lowest-value files dropped first when they would not fit).
+
+    python3 tools/gpu_session.py                 # call one, on the GPU (bash tools/gpu_session.sh)
+    python3 tools/gpu_session.py --call 2        # the timing benches
+    python3 tools/gpu_session.py --plan-only     # print the plan and the projected GPU time; run nothing
+    python3 tools/gpu_session.py --rehearse      # the same steps, MEMLAB_SMALL=1, on this CPU, scaled budget
+    python3 tools/gpu_session.py --online        # a GPU box of your own: pip installs from the registry
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CALL_LIMIT_S = {1: 540, 2: 240}
+MAX_FILES = 8
+MAX_FILE_BYTES = 16 * 2**20
+INSTALL_DEADLINE_S = 20
+
+# Packages the device image lacks (its list: /work/.library/device/KINDS.md) that the session imports:
+# the distribution name as a wheel file spells it (PEP 427: '-' and '.' become '_') -> import name.
+REQUIRED = {
+    "bitsandbytes": "bitsandbytes",
+    "nbclient": "nbclient",
+    "nbformat": "nbformat",
+    "ipykernel": "ipykernel",
+    "jupyter_client": "jupyter_client",
+    "nbval": "nbval",
+}
+
+# ---- projection ------------------------------------------------------------------------------------
+# Assumption, stated: a lecture on an H100 at full scale takes START_S (python + torch + CUDA context +
+# a fresh kernel, as the 2026-11-23 H100 session's pytest runs show: 8 CUDA tests in 34 s with start-up)
+# plus CPU_TO_H100 x its stored run time (tools/chapter_times.py: the CPU at small scale, 2 loaded cores).
+# The full sizes (pick(full=...)) do about 100x the small sizes' FLOPs; an H100's bf16/fp32-TF32 matmul
+# rate (~400 TFLOP/s dense bf16 reached by the benches' large GEMMs, 10 ms steps of small models) is about
+# 400x what two shared cores give these small runs: so about 0.25x the CPU time. The rehearsal reports the
+# same projection from the CPU time it measures.
+START_S = 12.0
+CPU_TO_H100 = 0.25
+LECTURE_CPU_S = {"00": 31.3, "01": 122.2, "02": 152.0, "03": 76.4, "04": 31.6, "05": 57.6, "06": 77.8,
+                 "07": 238.6, "08": 103.9, "09": 62.4}
+# lectures whose stored outputs print times (perf_counter / time_median / tokens/s): they run alone
+TIMED_LECTURES = {"01", "02", "03", "04", "07", "08"}
+
+
+def lecture_projection(chapter: str, cpu_s: float | None = None) -> float:
+    cpu = LECTURE_CPU_S.get(chapter, 60.0) if cpu_s is None else cpu_s
+    return round(START_S + CPU_TO_H100 * cpu, 1)
+
+
+@dataclass
+class Step:
+    """One unit of work: a command, its budget (s), the GPU seconds it is projected to take and why."""
+    name: str
+    cmd: list[str]
+    budget_s: int
+    projected_s: float
+    basis: str
+    concurrent: bool = False  # only measures memory: may share the GPU with the other concurrent steps
+    collect: list[str] = field(default_factory=list)  # repo paths (globs) to pack after it ran
+    call: int = 1
+
+
+@dataclass
+class Stage:
+    """Steps that run together (all concurrent) or one step alone; the stage's budget bounds its wall time."""
+    name: str
+    steps: list[Step]
+
+    @property
+    def budget_s(self) -> int:
+        return max(s.budget_s for s in self.steps)
+
+    @property
+    def projected_s(self) -> float:
+        return max(s.projected_s for s in self.steps)
+
+
+def lectures() -> list[Path]:
+    return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _py() -> str:
+    return sys.executable
+
+
+def plan(call: int = 1) -> list[Stage]:
+    """The ordered stages of a call (1: lectures, CUDA tests, memory measurements; 2: timing benches)."""
+    me = [_py(), str(Path(__file__).resolve())]
+    if call == 2:
+        benches = [  # (name, args, budget, projected, basis)
+            ("attention", ["--only", "flash,triton,sdpa-flash", "--seqs", "1024,4096,16384"], 70, 40,
+             "3 kernels x 3 lengths x 10 rounds, bf16, <1 s each + Triton compile ~20 s"),
+            ("offload", [], 60, 45, "H100 2026-11-23: 303M TinyGPT steps 0.9-3 s x 3 recipes x 5 + CPU table"),
+            ("checkpoint", [], 40, 25, "H100 2026-11-23: 6 configs x 10 rounds x ~110 ms + start"),
+            ("amp", [], 35, 20, "H100 2026-11-23: 2 models x 5 recipes, steps of 10-25 ms"),
+            ("loss", [], 35, 20, "3 N x 2 vocabularies x 10 rounds at H=4096 bf16"),
+        ]
+        return [Stage(f"bench_{n}", [Step(f"bench_{n}", me + ["_bench", n, *a], b, p, why, call=2)])
+                for n, a, b, p, why in benches]
+    stages = [Stage("env", [Step("env", me + ["_env"], 20, 8, "pip install of the wheels offline + nvidia-smi")])]
+    memory_only, timed = [], []
+    for nb in lectures():
+        ch = nb.name[:2]
+        step = Step(f"lecture_{nb.stem}", me + ["_notebook", str(nb.relative_to(ROOT))], 0,
+                    lecture_projection(ch), f"{START_S:.0f} s start + {CPU_TO_H100} x {LECTURE_CPU_S.get(ch, 60.0)} s CPU",
+                    concurrent=ch not in TIMED_LECTURES, collect=[str(nb.relative_to(ROOT))])
+        step.budget_s = int(min(85, max(25, round(step.projected_s * 1.5))))
+        (timed if ch in TIMED_LECTURES else memory_only).append(step)
+    stages.append(Stage("lectures_memory", memory_only))  # side by side: no timing printed in them
+    stages += [Stage(s.name, [s]) for s in timed]
+    stages.append(Stage("cuda_tests", [Step(
+        "cuda_tests", [_py(), "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rs", "tests"],
+        60, 35, "H100 2026-11-23: 24 CUDA tests in 34.9 s")]))
+    stages.append(Stage("measure_memory", [
+        Step("bench_qlora", me + ["_bench", "qlora"], 45, 25,
+             "4096^2 NF4 quantise/dequantise vs bitsandbytes + 3 step peaks, memory only", concurrent=True),
+        Step("estimator_cuda", [_py(), "results/h100/probes/gpu_estimator_check.py"], 45, 30,
+             "6 traces on CUDA fake tensors (CPU-bound; the 70B-class trace 20 s on 16 cores)", concurrent=True),
+        Step("snapshots", me + ["_snapshot"], 45, 15, "3 small models, one step each, snapshot dump", concurrent=True,
+             collect=[]),
+        Step("diag", [_py(), "results/h100/probes/gpu_diag.py"], 45, 20, "H100 2026-11-23 probe, ~20 s",
+             concurrent=True),
+    ]))
+    return stages
+
+
+def total(stages: list[Stage], attr: str = "budget_s") -> float:
+    return sum(getattr(s, attr) for s in stages)
+
+
+def format_plan(stages: list[Stage], call: int) -> str:
+    rows = [f"call {call} (limit {CALL_LIMIT_S[call]} s): stage / step, budget s, projected GPU s, basis"]
+    for st in stages:
+        tag = "concurrent" if len(st.steps) > 1 else "alone"
+        rows.append(f"[{st.name}] {tag}: budget {st.budget_s} s, projected {st.projected_s:.0f} s")
+        for s in st.steps:
+            rows.append(f"    {s.name:<40} {s.budget_s:>4} {s.projected_s:>6.1f}  {s.basis}")
+    rows.append(f"total budget {total(stages):.0f} s (limit {CALL_LIMIT_S[call]} s); "
+                f"projected GPU time {total(stages, 'projected_s'):.0f} s "
+                f"({total(stages, 'projected_s') / 60:.1f} min)")
+    return "\n".join(rows)
+
+
+# ---- wheels ----------------------------------------------------------------------------------------
+def wheel_dist(filename: str) -> str:
+    """The normalised distribution name of a wheel file (PEP 427: name-version-...-platform.whl)."""
+    if not filename.endswith(".whl") or filename.count("-") < 4:
+        raise ValueError(f"wheel filename {filename!r}: expected NAME-VERSION-PY-ABI-PLATFORM.whl")
+    return re.sub(r"[-_.]+", "_", filename.split("-")[0]).lower()
+
+
+def check_wheels(whl_dir: Path, required=REQUIRED) -> list[str]:
+    """The required distributions with no wheel in ``whl_dir`` (one version each: two of one name stop pip)."""
+    whl_dir = Path(whl_dir)
+    have: dict[str, list[str]] = {}
+    for f in sorted(whl_dir.glob("*.whl")) if whl_dir.is_dir() else []:
+        have.setdefault(wheel_dist(f.name), []).append(f.name)
+    dup = {k: v for k, v in have.items() if len(v) > 1}
+    if dup:
+        raise SystemExit(f"gpu_session: two versions of one package in {whl_dir}: {dup}; keep one")
+    return [name for name in required if re.sub(r"[-_.]+", "_", name).lower() not in have]
+
+
+def missing_wheel_line(missing: list[str], whl_dir: Path) -> str:
+    return (f"gpu_session: FAIL no wheel for {', '.join(missing)} in {whl_dir}/ "
+            f"(run tools/fetch_wheels.sh here, then carry .whl; or --online on a machine with network)")
+
+
+def env_step(out: Path, online: bool) -> int:
+    t0 = time.monotonic()
+    whl = ROOT / ".whl"
+    if os.environ.get("GPU_SESSION_REHEARSE") == "1":  # this CPU: the .venv has what it has; say what .whl/ lacks
+        missing = check_wheels(whl)
+        print(missing_wheel_line(missing, whl).replace("FAIL", "(rehearsal, not fatal)") if missing
+              else f"gpu_session: every required wheel is in {whl}/", flush=True)
+        cmd = None
+    elif online:
+        cmd = [_py(), "-m", "pip", "install", "-q", *REQUIRED]
+    else:
+        missing = check_wheels(whl)
+        if missing:
+            print(missing_wheel_line(missing, whl), flush=True)
+            return 3
+        cmd = [_py(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+               "--upgrade", "--target", "/tmp/site", *map(str, sorted(whl.glob("*.whl")))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_DEADLINE_S) if cmd else None
+    if r is not None and r.returncode:
+        print(f"gpu_session: FAIL pip install exited {r.returncode}: {r.stderr.strip()[-400:]}", flush=True)
+        return r.returncode
+    probe = "import importlib,sys; [importlib.import_module(m) for m in sys.argv[1:]]"
+    mods = [m for m in REQUIRED.values() if not (cmd is None and m == "bitsandbytes")]
+    r = subprocess.run([_py(), "-c", probe, *mods], capture_output=True, text=True,
+                       timeout=max(1, INSTALL_DEADLINE_S - (time.monotonic() - t0)))
+    if r.returncode:
+        print(f"gpu_session: FAIL import after install: {r.stderr.strip().splitlines()[-1]}", flush=True)
+        return 4
+    print(f"gpu_session: wheels installed and importable in {time.monotonic() - t0:.1f} s", flush=True)
+    for c in (["nvidia-smi"], [_py(), "-m", "memlab", "doctor"]):
+        try:
+            r = subprocess.run(c, capture_output=True, text=True, timeout=15)
+            print(r.stdout + r.stderr, flush=True)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print(f"{c[0]}: {e}", flush=True)
+    return 0
+
+
+# ---- the steps' own bodies (run as subprocesses of the planner) ------------------------------------
+def run_notebook(path: str, out: Path) -> int:
+    """Execute a notebook with nbclient and write it back after every cell (a killed run keeps its cells)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / path, as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str((ROOT / path).parent)}})
+    dest = out / "notebooks" / Path(path).name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with client.setup_kernel():
+        for i, cell in enumerate(nb.cells):
+            client.execute_cell(cell, i)
+            nbformat.write(nb, dest)
+    nbformat.write(nb, dest)
+    return 0
+
+
+def run_snapshot(out: Path) -> int:
+    """A CUDA memory snapshot (allocator history) of one training step of each chapter's models."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "utils"))
+    from memlab.models import TinyGPT, TinyGPTConfig, tiny_llama
+
+    small = os.environ.get("MEMLAB_SMALL") == "1" or not torch.cuda.is_available()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = {
+        "tinygpt_ch00": lambda: TinyGPT(TinyGPTConfig(n_layer=4 if small else 8, n_embd=128 if small else 512)),
+        "tinygpt_sdpa_ch05": lambda: TinyGPT(TinyGPTConfig(n_layer=4, n_embd=128 if small else 512, attention="sdpa")),
+        "tiny_llama_ch06": lambda: tiny_llama(),
+    }
+    (out / "snapshots").mkdir(parents=True, exist_ok=True)
+    for name, build in cases.items():
+        model = build().to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 256, (2 if small else 8, 64 if small else 128), device=dev)
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        out_ = model(x) if isinstance(model, TinyGPT) else model(input_ids=x).logits
+        logits = out_[0] if isinstance(out_, tuple) else out_
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+        opt.step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            path = out / "snapshots" / f"{name}.pickle"
+            torch.cuda.memory._dump_snapshot(str(path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print(f"{name}: max_memory_allocated {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB, "
+                  f"snapshot {path.stat().st_size / 2**20:.2f} MiB", flush=True)
+        else:
+            print(f"{name}: one step ran on cpu; no CUDA snapshot on a CPU (rehearsal)", flush=True)
+        del model, opt
+    return 0
+
+
+# ---- running, with budgets -------------------------------------------------------------------------
+def run_step(step: Step, work: Path, budget: float, env: dict) -> dict:
+    log = work / "logs" / f"{step.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        fh.write("$ " + " ".join(step.cmd) + "\n")
+        fh.flush()
+        p = subprocess.Popen(step.cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = p.wait(timeout=budget)
+            status = "ok" if rc == 0 else f"failed rc={rc}"
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)  # the step and its children (a notebook's kernel) only
+            p.wait()
+            rc, status = None, f"timed out at {budget:.0f} s"
+        wall = time.monotonic() - t0
+        fh.write(f"\n[gpu_session] {step.name}: {status}, {wall:.1f} s\n")
+    return {"step": step.name, "status": status, "rc": rc, "wall_s": round(wall, 1), "budget_s": round(budget, 1),
+            "projected_gpu_s": step.projected_s, "concurrent": step.concurrent}
+
+
+def value_order(work: Path) -> list[Path]:
+    """Files to pack, most valuable first: summary and logs, snapshots, then notebooks (largest last)."""
+    files = [p for p in work.rglob("*") if p.is_file()]
+    rank = {"summary.json": 0}
+
+    def key(p: Path):
+        top = p.relative_to(work).parts[0]
+        return (rank.get(p.name, {"logs": 1, "snapshots": 3, "notebooks": 2}.get(top, 4)), p.stat().st_size, str(p))
+
+    return sorted(files, key=key)
+
+
+def pack(work: Path, out: Path, max_files: int = MAX_FILES, max_bytes: int = MAX_FILE_BYTES) -> dict:
+    """Pack ``work`` into ``out`` as results.tgz.NN chunks of at most ``max_bytes``, at most ``max_files`` in all.
+
+    Files go in by value (value_order); when the archive would need more than ``max_files`` chunks, the
+    lowest-value files are left out and named in the returned dict (and in dropped.txt inside the archive).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    files = value_order(work)
+    dropped: list[str] = []
+    while True:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+            for f in files:
+                tar.add(f, arcname=str(f.relative_to(work)))
+            if dropped:
+                data = ("\n".join(dropped) + "\n").encode()
+                info = tarfile.TarInfo("dropped.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        blob = buf.getvalue()
+        chunks = max(1, -(-len(blob) // max_bytes))
+        if chunks <= max_files or not files:
+            break
+        dropped.append(str(files.pop().relative_to(work)))
+    for old in out.glob("results.tgz.*"):
+        old.unlink()
+    names = []
+    for i in range(chunks):
+        name = out / f"results.tgz.{i:02d}"
+        tmp = name.with_suffix(".tmp")
+        tmp.write_bytes(blob[i * max_bytes:(i + 1) * max_bytes])
+        tmp.rename(name)
+        names.append(name.name)
+    return {"chunks": names, "bytes": len(blob), "dropped": dropped}
+
+
+def execute(call: int, out: Path, rehearse: bool, scale: float, only: list[str] | None, online: bool) -> int:
+    stages = plan(call)
+    if only:
+        stages = [Stage(st.name, [s for s in st.steps if any(o in s.name for o in only)]) for st in stages]
+        stages = [st for st in stages if st.steps]
+    work = Path(os.environ.get("GPU_SESSION_WORK", "/tmp/gpu_session_work"))
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GPU_SESSION_OUT=str(work))
+    site = "/tmp/site"
+    if not rehearse and not online:
+        env["PYTHONPATH"] = os.pathsep.join([site, str(ROOT / "utils"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PATH"] = f"{site}/bin:{env['PATH']}"
+    if rehearse:
+        env["MEMLAB_SMALL"] = "1"
+        env["GPU_SESSION_REHEARSE"] = "1"
+        env.setdefault("OMP_NUM_THREADS", "1")
+    else:
+        env.pop("MEMLAB_SMALL", None)
+    t_start = time.monotonic()
+    summary = {"call": call, "rehearse": rehearse, "scale": scale, "steps": [], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    limit = CALL_LIMIT_S[call] * scale
+    print(f"gpu_session: call {call}, {'rehearsal on ' + os.uname().machine + ' CPU' if rehearse else 'GPU'}, "
+          f"limit {limit:.0f} s", flush=True)
+    for st in stages:
+        left = limit - (time.monotonic() - t_start)
+        if left < 5:
+            summary["steps"] += [{"step": s.name, "status": "not started: call budget spent"} for s in st.steps]
+            continue
+        budget = lambda s: min(s.budget_s * scale, left)  # noqa: E731
+        with ThreadPoolExecutor(max_workers=len(st.steps)) as pool:
+            rows = list(pool.map(lambda s: run_step(s, work, budget(s), env), st.steps))
+        for r in rows:
+            if rehearse:
+                r["projected_gpu_s_from_cpu"] = (lecture_projection(r["step"][8:10], r["wall_s"])
+                                                 if r["step"].startswith("lecture_") else None)
+            summary["steps"].append(r)
+            print(f"  {r['step']:<40} {r['status']:<22} {r['wall_s']:>7.1f} s (budget {r['budget_s']:.0f}, "
+                  f"projected GPU {r['projected_gpu_s']:.0f} s)", flush=True)
+        if st.name == "env" and rows[0]["rc"] not in (0,) and not rehearse:
+            print((work / "logs" / "env.log").read_text()[-600:], flush=True)
+            summary["aborted"] = "env failed"
+            _write_summary(work, summary, t_start)
+            pack(work, out)
+            return 3
+        _write_summary(work, summary, t_start)
+        summary["pack"] = pack(work, out)
+    _write_summary(work, summary, t_start)
+    summary["pack"] = pack(work, out)
+    proj = sum(s["projected_gpu_s"] for s in [{"projected_gpu_s": st.projected_s} for st in stages])
+    print(f"gpu_session: done in {time.monotonic() - t_start:.0f} s; packed {summary['pack']['chunks']} "
+          f"({summary['pack']['bytes'] / 2**20:.2f} MiB, dropped {len(summary['pack']['dropped'])}); "
+          f"projected GPU time of this call {proj:.0f} s ({proj / 60:.1f} min)", flush=True)
+    return 0
+
+
+def _write_summary(work: Path, summary: dict, t_start: float) -> None:
+    summary["wall_s"] = round(time.monotonic() - t_start, 1)
+    (work / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    out = Path(os.environ.get("GPU_SESSION_OUT") or os.environ.get("OUT") or ROOT / "gpu-out")
+    if argv and argv[0] == "_notebook":
+        return run_notebook(argv[1], out)
+    if argv and argv[0] == "_snapshot":
+        return run_snapshot(out)
+    if argv and argv[0] == "_env":
+        return env_step(out, online=os.environ.get("GPU_SESSION_ONLINE") == "1")
+    if argv and argv[0] == "_bench":
+        return subprocess.call([_py(), "-m", "memlab", "bench", *argv[1:]], cwd=ROOT)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--call", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--plan-only", action="store_true", help="print the plan and the projection; run nothing")
+    ap.add_argument("--rehearse", action="store_true", help="MEMLAB_SMALL=1 on this CPU, budgets x --scale")
+    ap.add_argument("--scale", type=float, default=None, help="budget factor (default 1 on a GPU, 2 rehearsing)")
+    ap.add_argument("--only", default=None, help="comma-separated substrings of step names (a partial run)")
+    ap.add_argument("--online", action="store_true", help="install the missing packages from the registry")
+    args = ap.parse_args(argv)
+    stages = plan(args.call)
+    print(format_plan(stages, args.call), flush=True)
+    if args.plan_only:
+        return 0
+    scale = args.scale if args.scale is not None else (2.0 if args.rehearse else 1.0)
+    if scale <= 0:
+        ap.error(f"--scale {scale}: must be > 0")
+    if args.online:
+        os.environ["GPU_SESSION_ONLINE"] = "1"
+    return execute(args.call, out, args.rehearse, scale, args.only.split(",") if args.only else None, args.online)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
