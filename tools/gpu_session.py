@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -244,11 +245,24 @@ def run_notebook(path: str, out: Path) -> int:
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str((ROOT / path).parent)}})
     dest = out / "notebooks" / Path(path).name
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with client.setup_kernel():
-        for i, cell in enumerate(nb.cells):
-            client.execute_cell(cell, i)
-            nbformat.write(nb, dest)
-    nbformat.write(nb, dest)
+    import signal
+
+    def stop(signum, frame):  # the planner's timeout: leave setup_kernel's block, which shuts the kernel down
+        raise SystemExit(124)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        with client.setup_kernel():
+            prov = getattr(client.km, "provisioner", None)
+            pid = getattr(getattr(prov, "process", None), "pid", None) or getattr(prov, "pid", None)
+            if pid:  # the kernel runs in its own session: the planner ends it by this id on a timeout
+                (out / "logs").mkdir(parents=True, exist_ok=True)
+                (out / "logs" / f"kernel_{Path(path).stem}.pid").write_text(f"{pid}\n")
+            for i, cell in enumerate(nb.cells):
+                client.execute_cell(cell, i)
+                nbformat.write(nb, dest)
+    finally:
+        nbformat.write(nb, dest)
     return 0
 
 
@@ -304,9 +318,20 @@ def run_step(step: Step, work: Path, budget: float, env: dict) -> dict:
             rc = p.wait(timeout=budget)
             status = "ok" if rc == 0 else f"failed rc={rc}"
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)  # the step and its children (a notebook's kernel) only
-            p.wait()
+            os.killpg(p.pid, signal.SIGTERM)  # the step's own process group; a notebook shuts its kernel down
+            try:
+                p.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
             rc, status = None, f"timed out at {budget:.0f} s"
+        for pidfile in (work / "logs").glob("kernel_*.pid"):
+            if step.name.endswith(pidfile.stem[len("kernel_"):]):
+                try:
+                    os.kill(int(pidfile.read_text()), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+                pidfile.unlink()
         wall = time.monotonic() - t0
         fh.write(f"\n[gpu_session] {step.name}: {status}, {wall:.1f} s\n")
     return {"step": step.name, "status": status, "rc": rc, "wall_s": round(wall, 1), "budget_s": round(budget, 1),
