@@ -197,9 +197,11 @@ def missing_wheel_line(missing: list[str], whl_dir: Path) -> str:
             f"(run tools/fetch_wheels.sh here, then carry .whl; or --online on a machine with network)")
 
 
-def env_step(out: Path, online: bool) -> int:
+def env_step(out: Path, online: bool, whl: Path | None = None) -> int:
+    """Install the wheels (offline from ``whl``, default .whl/) or from the registry (``online``), check that
+    they import, and print the GPU; a missing wheel ends it at once with one line naming it (exit 3)."""
     t0 = time.monotonic()
-    whl = ROOT / ".whl"
+    whl = ROOT / ".whl" if whl is None else Path(whl)
     if os.environ.get("GPU_SESSION_REHEARSE") == "1":  # this CPU: the .venv has what it has; say what .whl/ lacks
         missing = check_wheels(whl)
         print(missing_wheel_line(missing, whl).replace("FAIL", "(rehearsal, not fatal)") if missing
