@@ -21,65 +21,74 @@ from memlab.course.checks import BlockReuse, Space, differential, expect, expect
 @register("01.live_bytes", reference=lambda: ref.LiveBytes, title="a live-bytes counter with weakref finalizers")
 def check_live_bytes(cls):
     """Grade exercise ``01.live_bytes``: a live-bytes counter with weakref finalizers."""
-    def run(case) -> None:
-        mine, want = cls(), ref.LiveBytes()
-        gen = torch.Generator().manual_seed(case.seed)
-        pool = BlockReuse(64)  # an allocator's block: a new tensor takes it once the last one there died
-        alive: list = []  # what the program still holds: tensors and bare storages
-        for i, op in enumerate(case.ops):
-            n = int(torch.randint(0, case.size + 1, (1,), generator=gen))
-            pick = int(torch.randint(0, 1 << 30, (1,), generator=gen))
-            tensors, base = [x for x in alive if isinstance(x, torch.Tensor) and x.dim() == 1], None
-            if op == "track a view of a new tensor at an offset":
-                whole = torch.zeros(n + 2, dtype=case.dtype)
-                alive.append(whole)
-                t = whole[1 + pick % (n + 1):]
-                whole = None
-            elif op == "track a new tensor where a dead one was":
-                dt = case.dtype if case.dtype.is_floating_point else torch.float32
-                first = pool.tensor(64 // torch.empty(0, dtype=dt).element_size(), dtype=dt)
-                mine.track(first)
-                want.track(first)
-                first = None  # it dies; the next one is made at its address
-                gc.collect()
-                t = pool.tensor(64 // torch.empty(0, dtype=dt).element_size(), dtype=dt)
-                alive.append(t)
-            elif op == "track a new tensor" or not tensors and op != "drop something":
-                t = torch.zeros(n, dtype=case.dtype)
-                alive.append(t)
-            elif op == "drop something":
-                if alive:
-                    alive.pop(pick % len(alive))
-                t = None
-            else:
-                base = tensors[pick % len(tensors)]
-                k = base.numel()
-                t = {"track a view at an offset": lambda: base[min(k, 1 + pick % max(k, 1)):],
-                     "track a transposed view": lambda: base[: (k // 2) * 2].view(-1, 2).t() if k >= 2 else base[:0],
-                     "track a temporary view": lambda: base[: k // 2],
-                     "keep only the storage": lambda: base.untyped_storage()}[op]()
-                if op == "keep only the storage":
-                    alive.append(t)
-                    del alive[next(j for j, x in enumerate(alive) if x is base)]
-                    t = None
-                elif op != "track a temporary view":
-                    alive.append(t)
-            if t is not None:
-                mine.track(t)
-                want.track(t)
-            t = base = tensors = None  # only `alive` holds anything now
-            gc.collect()
-            expect_equal(f"after step {i + 1} ({op}) of {list(case.ops)} ({case}): (current, peak)",
-                         (mine.current, mine.peak), (want.current, want.peak))
-        alive.clear()
-        gc.collect()
-        expect_equal(f"after every tensor of {list(case.ops)} died ({case}): (current, peak)",
-                     (mine.current, mine.peak), (want.current, want.peak))
-
     # programs of tracks and deaths: new tensors of any size (0 too) and dtype, views at an offset and transposed,
     # temporary views of a live tensor, a tensor seen only through a view, a storage kept after its last tensor died,
     # new storages at a dead one's address, things dropped in any order
-    differential(LIVE_SPACE, run, examples=15)
+    differential(LIVE_SPACE, functools.partial(_live_bytes_program, cls), examples=15)
+    _live_bytes_by_hand(cls)
+    _live_bytes_offsets_and_reuse(cls)
+    _two_counters(cls)
+
+
+def _live_bytes_program(cls, case) -> None:
+    """One drawn program of tracks and deaths, run on ``cls()`` and on the reference side by side."""
+    mine, want = cls(), ref.LiveBytes()
+    gen = torch.Generator().manual_seed(case.seed)
+    pool = BlockReuse(64)  # an allocator's block: a new tensor takes it once the last one there died
+    alive: list = []  # what the program still holds: tensors and bare storages
+    for i, op in enumerate(case.ops):
+        n = int(torch.randint(0, case.size + 1, (1,), generator=gen))
+        pick = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+        tensors, base = [x for x in alive if isinstance(x, torch.Tensor) and x.dim() == 1], None
+        if op == "track a view of a new tensor at an offset":
+            whole = torch.zeros(n + 2, dtype=case.dtype)
+            alive.append(whole)
+            t = whole[1 + pick % (n + 1):]
+            whole = None
+        elif op == "track a new tensor where a dead one was":
+            dt = case.dtype if case.dtype.is_floating_point else torch.float32
+            first = pool.tensor(64 // torch.empty(0, dtype=dt).element_size(), dtype=dt)
+            mine.track(first)
+            want.track(first)
+            first = None  # it dies; the next one is made at its address
+            gc.collect()
+            t = pool.tensor(64 // torch.empty(0, dtype=dt).element_size(), dtype=dt)
+            alive.append(t)
+        elif op == "track a new tensor" or not tensors and op != "drop something":
+            t = torch.zeros(n, dtype=case.dtype)
+            alive.append(t)
+        elif op == "drop something":
+            if alive:
+                alive.pop(pick % len(alive))
+            t = None
+        else:
+            base = tensors[pick % len(tensors)]
+            k = base.numel()
+            t = {"track a view at an offset": lambda: base[min(k, 1 + pick % max(k, 1)):],
+                 "track a transposed view": lambda: base[: (k // 2) * 2].view(-1, 2).t() if k >= 2 else base[:0],
+                 "track a temporary view": lambda: base[: k // 2],
+                 "keep only the storage": lambda: base.untyped_storage()}[op]()
+            if op == "keep only the storage":
+                alive.append(t)
+                del alive[next(j for j, x in enumerate(alive) if x is base)]
+                t = None
+            elif op != "track a temporary view":
+                alive.append(t)
+        if t is not None:
+            mine.track(t)
+            want.track(t)
+        t = base = tensors = None  # only `alive` holds anything now
+        gc.collect()
+        expect_equal(f"after step {i + 1} ({op}) of {list(case.ops)} ({case}): (current, peak)",
+                     (mine.current, mine.peak), (want.current, want.peak))
+    alive.clear()
+    gc.collect()
+    expect_equal(f"after every tensor of {list(case.ops)} died ({case}): (current, peak)",
+                 (mine.current, mine.peak), (want.current, want.peak))
+
+
+def _live_bytes_by_hand(cls) -> None:
+    """Hand-picked tracks and deaths on one counter: the same tensor again, views, a storage kept alive, dtypes."""
     lb = cls()
     expect_equal("a new counter: (current, peak)", (lb.current, lb.peak), (0, 0))
     x = torch.zeros(256)  # 1024 bytes
@@ -121,6 +130,9 @@ def check_live_bytes(cls):
     del z
     gc.collect()
 
+
+def _live_bytes_offsets_and_reuse(cls) -> None:
+    """Views at an offset seen before their buffer, and new storages made at a dead one's address."""
     # views at a non-zero offset, seen before their whole buffer: one storage, all of its bytes
     # (a tensor's data_ptr() includes its offset, and the bytes from the offset on are not the storage)
     lb = cls()
@@ -146,8 +158,6 @@ def check_live_bytes(cls):
         gc.collect()
         expect_equal(f"after storage #{i + 1} died: current", lb.current, 0)
     expect_equal("peak of this counter", lb.peak, 1024)
-    _two_counters(cls)
-
 
 
 LIVE_SPACE = Space(ops=lists_of(one_of("track a new tensor", "track a view at an offset", "track a transposed view",
@@ -237,32 +247,40 @@ def check_categorize(fn):
     # fp32/fp64/bf16, six optimizers (other state keys: momentum_buffer, max_exp_avg_sq, square_avg, sum), one or
     # two parameter groups, a frozen layer, a weight tied between two layers, optimizer state made before the step
     # or during it
-    def run(case) -> None:
-        model, opt = _drawn_step(case)
-        gen = torch.Generator().manual_seed(case.seed)
-        if case.warm:
-            model(torch.randn(case.batch, 5, generator=gen).to(case.dtype)).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        tracker = ref.MemoryTracker(model, opt)
-        probe = _Births(fn, tracker, model, opt, offset_views=case.asked == "views at an offset")
-        with tracker, probe:
-            xb = torch.randn(case.batch, 5, generator=gen).to(case.dtype)
-            probe.phase = "forward"
-            loss = model(xb).float().square().mean()
-            probe.phase = "backward"
-            loss.backward()
-            probe.phase = "optimizer"
-            opt.step()
-            probe.phase = "other"
-            opt.zero_grad()
-            del loss
-        expect(probe.bad is None, f"{probe.bad} ({case})")
-
-    differential(CATEGORIZE_SPACE, run, edges=[dict(layers=("batchnorm", "layernorm", "dropout"), width=16, batch=5,
-                                                    dtype=torch.float32, optimizer="adamw", groups=1, frozen=False,
-                                                    tied=False, warm=True, asked="whole storages")], examples=8)
+    edge = dict(layers=("batchnorm", "layernorm", "dropout"), width=16, batch=5, dtype=torch.float32, optimizer="adamw",
+                groups=1, frozen=False, tied=False, warm=True, asked="whole storages")
+    differential(CATEGORIZE_SPACE, functools.partial(_categorize_drawn, fn), edges=[edge], examples=8)
     model, opt = _mlp()
+    _categorize_by_hand(fn, model, opt)
+    _categorize_against_tracker(fn, model, opt)
+
+
+def _categorize_drawn(fn, case) -> None:
+    """One drawn step: every storage alive after every op compared with the tracker."""
+    model, opt = _drawn_step(case)
+    gen = torch.Generator().manual_seed(case.seed)
+    if case.warm:
+        model(torch.randn(case.batch, 5, generator=gen).to(case.dtype)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    tracker = ref.MemoryTracker(model, opt)
+    probe = _Births(fn, tracker, model, opt, offset_views=case.asked == "views at an offset")
+    with tracker, probe:
+        xb = torch.randn(case.batch, 5, generator=gen).to(case.dtype)
+        probe.phase = "forward"
+        loss = model(xb).float().square().mean()
+        probe.phase = "backward"
+        loss.backward()
+        probe.phase = "optimizer"
+        opt.step()
+        probe.phase = "other"
+        opt.zero_grad()
+        del loss
+    expect(probe.bad is None, f"{probe.bad} ({case})")
+
+
+def _categorize_by_hand(fn, model, opt) -> None:
+    """Hand-picked tensors of a real step of ``_mlp()``, each with a phase and the category it must get."""
     x = torch.randn(5, 8)  # an input batch: made outside forward, backward and the step
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -315,10 +333,13 @@ def check_categorize(fn):
     expect_equal("categorize(model[0].weight, model=None, optimizer=None, phase='other') (no owner given)",
                  fn(w, None, None, "other"), "other")
 
+
+def _categorize_against_tracker(fn, model, opt) -> None:
+    """The same function against the tracker on a second real step of the same model and optimizer
+    (the hand-picked cases' locals died when that function returned)."""
     # the same function against the tracker: every storage alive after every op of a real step
     # (no reference to an old .grad may survive: the tracker's labels stick, so a .grad replaced
     # while we still held it would stay "gradients" for the tracker and no longer be one here)
-    del saved, masks, stats, act_grads, temp, outside, h, out, cases, w, st, t
     tracker = ref.MemoryTracker(model, opt)
     probe = _Births(fn, tracker, model, opt)
     with tracker, probe:
@@ -334,7 +355,6 @@ def check_categorize(fn):
         del loss
     expect(probe.bad is None, probe.bad or "")
     expect(probe.asked > 40, f"internal: only {probe.asked} storages compared with the tracker")
-
 
 
 _LAYERS = {"linear": lambda w: nn.Linear(w, w), "batchnorm": lambda w: nn.BatchNorm1d(w), "layernorm": lambda w: nn.LayerNorm(w),
