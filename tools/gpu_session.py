@@ -388,6 +388,13 @@ def pack(work: Path, out: Path, max_files: int = MAX_FILES, max_bytes: int = MAX
     return {"chunks": names, "bytes": len(blob), "dropped": dropped}
 
 
+def workers(n_steps: int, cores: int | None = None) -> int:
+    """Concurrent steps at once: one per 4 CPU cores (a notebook kernel and its data loading need a few),
+    so 4 on the lent machine's 16 cores and one at a time (the same steps, serially) on a 2-core CPU."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    return max(1, min(n_steps, cores // 4))
+
+
 def execute(call: int, out: Path, rehearse: bool, scale: float, only: list[str] | None, online: bool) -> int:
     stages = plan(call)
     if only:
@@ -417,9 +424,15 @@ def execute(call: int, out: Path, rehearse: bool, scale: float, only: list[str] 
         if left < 5:
             summary["steps"] += [{"step": s.name, "status": "not started: call budget spent"} for s in st.steps]
             continue
-        budget = lambda s: min(s.budget_s * scale, left)  # noqa: E731
-        with ThreadPoolExecutor(max_workers=len(st.steps)) as pool:
-            rows = list(pool.map(lambda s: run_step(s, work, budget(s), env), st.steps))
+        def launch(s: Step) -> dict:  # the call's remaining time bounds each step when it starts
+            left_now = limit - (time.monotonic() - t_start)
+            if left_now < 5:
+                return {"step": s.name, "status": "not started: call budget spent", "rc": None, "wall_s": 0.0,
+                        "budget_s": 0.0, "projected_gpu_s": s.projected_s, "concurrent": s.concurrent}
+            return run_step(s, work, min(s.budget_s * scale, left_now), env)
+
+        with ThreadPoolExecutor(max_workers=workers(len(st.steps))) as pool:
+            rows = list(pool.map(launch, st.steps))
         for r in rows:
             if rehearse:
                 r["projected_gpu_s_from_cpu"] = (lecture_projection(r["step"][8:10], r["wall_s"])

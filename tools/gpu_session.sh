@@ -12,6 +12,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && ! command -v nvidia-smi >/dev/null && PY=.venv/bin/python
+[ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python   # your own box: the venv make built
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/utils${PYTHONPATH:+:$PYTHONPATH}
 exec "$PY" tools/gpu_session.py "$@"

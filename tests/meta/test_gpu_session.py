@@ -180,3 +180,9 @@ def test_gpu_import_places_each_kind_of_result(tmp_path):
     (tmp_path / "out" / "results.tgz.00").unlink()
     with pytest.raises(SystemExit, match="none missing"):
         gi.import_results([tmp_path / "out"], root=root)
+
+
+def test_concurrent_steps_share_the_cores_four_each():
+    assert gs.workers(4, cores=16) == 4  # the lent machine: the memory-only lectures side by side
+    assert gs.workers(4, cores=2) == 1  # a 2-core CPU rehearses the same steps one at a time
+    assert gs.workers(2, cores=64) == 2 and gs.workers(1, cores=16) == 1
