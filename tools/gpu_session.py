@@ -450,7 +450,16 @@ def execute(call: int, out: Path, rehearse: bool, scale: float, only: list[str] 
         summary["pack"] = pack(work, out)
     _write_summary(work, summary, t_start)
     summary["pack"] = pack(work, out)
-    proj = sum(s["projected_gpu_s"] for s in [{"projected_gpu_s": st.projected_s} for st in stages])
+    proj = total(stages, "projected_s")
+    if rehearse:
+        rows = [r for r in summary["steps"] if "wall_s" in r]
+        from_cpu = sum(r["projected_gpu_s_from_cpu"] or r["projected_gpu_s"] for r in rows)
+        late = [r["step"] for r in rows if r["status"] != "ok"]
+        print(f"rehearsal: measured CPU time {sum(r['wall_s'] for r in rows):.0f} s over {len(rows)} steps; "
+              f"projected GPU time from the table {proj:.0f} s, from this run's CPU times {from_cpu:.0f} s "
+              f"(lectures: {START_S:.0f} s + {CPU_TO_H100} x CPU s; others from the table)"
+              + (f"; not finished within the scaled budget: {', '.join(late)} (their projection is a lower bound)"
+                 if late else ""), flush=True)
     print(f"gpu_session: done in {time.monotonic() - t_start:.0f} s; packed {summary['pack']['chunks']} "
           f"({summary['pack']['bytes'] / 2**20:.2f} MiB, dropped {len(summary['pack']['dropped'])}); "
           f"projected GPU time of this call {proj:.0f} s ({proj / 60:.1f} min)", flush=True)
