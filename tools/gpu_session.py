@@ -135,21 +135,22 @@ def plan(call: int = 1) -> list[Stage]:
         step = Step(f"lecture_{nb.stem}", me + ["_notebook", str(nb.relative_to(ROOT))], 0,
                     lecture_projection(ch), f"{START_S:.0f} s start + {CPU_TO_H100} x {LECTURE_CPU_S.get(ch, 60.0)} s CPU",
                     concurrent=ch not in TIMED_LECTURES, collect=[str(nb.relative_to(ROOT))])
-        step.budget_s = int(min(85, max(25, round(step.projected_s * 1.5))))
+        step.budget_s = int(min(85, max(25, round(step.projected_s * 1.4))))
         (timed if ch in TIMED_LECTURES else memory_only).append(step)
     stages.append(Stage("lectures_memory", memory_only))  # side by side: no timing printed in them
     stages += [Stage(s.name, [s]) for s in timed]
     stages.append(Stage("cuda_tests", [Step(
         "cuda_tests", [_py(), "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rs", "tests"],
-        60, 35, "H100 2026-11-23: 24 CUDA tests in 34.9 s")]))
+        55, 35, "H100 2026-11-23: 24 CUDA tests in 34.9 s")]))
+    stages.append(Stage("bench_qlora", [Step(  # it also times NF4 kernels vs bitsandbytes: alone
+        "bench_qlora", me + ["_bench", "qlora"], 40, 25,
+        "4096^2 NF4 quantise/dequantise vs bitsandbytes (timed) + 3 step peaks by max_memory_allocated")]))
     stages.append(Stage("measure_memory", [
-        Step("bench_qlora", me + ["_bench", "qlora"], 45, 25,
-             "4096^2 NF4 quantise/dequantise vs bitsandbytes + 3 step peaks, memory only", concurrent=True),
-        Step("estimator_cuda", [_py(), "results/h100/probes/gpu_estimator_check.py"], 45, 30,
+        Step("estimator_cuda", [_py(), "results/h100/probes/gpu_estimator_check.py"], 40, 30,
              "6 traces on CUDA fake tensors (CPU-bound; the 70B-class trace 20 s on 16 cores)", concurrent=True),
-        Step("snapshots", me + ["_snapshot"], 45, 15, "3 small models, one step each, snapshot dump", concurrent=True,
+        Step("snapshots", me + ["_snapshot"], 40, 15, "3 small models, one step each, snapshot dump", concurrent=True,
              collect=[]),
-        Step("diag", [_py(), "results/h100/probes/gpu_diag.py"], 45, 20, "H100 2026-11-23 probe, ~20 s",
+        Step("diag", [_py(), "results/h100/probes/gpu_diag.py"], 40, 20, "H100 2026-11-23 probe, ~20 s",
              concurrent=True),
     ]))
     return stages
