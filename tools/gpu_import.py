@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'would copy' if args.dry_run else 'copied'} {src} -> {dst}")
     nbs = [d for _, d in moves if d.startswith("notebooks/")]
     if nbs and not args.dry_run:
-        print("then: python tools/clean_outputs.py " + " ".join(nbs) + "   (and review git diff)")
+        print("then: python tools/clean_outputs.py " + " ".join(nbs) + "; python tools/render_results.py --check"
+              "   (review git diff; a GPU figure worth a results row goes into results/recorded.json by hand)")
     return 0
 
 
