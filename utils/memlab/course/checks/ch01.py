@@ -25,13 +25,77 @@ def check_live_bytes(cls):
     # temporary views of a live tensor, a tensor seen only through a view, a storage kept after its last tensor died,
     # new storages at a dead one's address, things dropped in any order
     differential(LIVE_SPACE, functools.partial(_live_bytes_program, cls), examples=15)
-    _live_bytes_by_hand(cls)
-    _live_bytes_offsets_and_reuse(cls)
+    lb = cls()
+    expect_equal("a new counter: (current, peak)", (lb.current, lb.peak), (0, 0))
+    x = torch.zeros(256)  # 1024 bytes
+    lb.track(x)
+    expect_equal("after track(torch.zeros(256)): current bytes", lb.current, 1024)
+    lb.track(x)
+    lb.track(x[:10])
+    lb.track(x.view(16, 16).t())
+    expect_equal("after tracking the same tensor again and two views of it (one storage): current", lb.current, 1024)
+    b = torch.ones(64)
+    lb.track(b[:8])  # only a temporary view is tracked: the storage lives on in b
+    gc.collect()
+    expect_equal("after track(b[:8]) (the view died at once, b is alive): current", lb.current, 1024 + 256)
+    keep = b.untyped_storage()
+    del b
+    gc.collect()
+    expect_equal("b deleted, but its storage object is still referenced: current", lb.current, 1024 + 256)
+    del keep
+    gc.collect()
+    expect_equal("after the storage itself died: current", lb.current, 1024)
+    y = torch.zeros(100, dtype=torch.float64)
+    lb.track(y)
+    expect_equal("after also tracking 100 float64: current", lb.current, 1824)
+    v = x[:4]
+    del x
+    gc.collect()
+    expect_equal("x deleted but its view x[:4] still alive (the whole storage stays): current", lb.current, 1824)
+    del v
+    gc.collect()
+    expect_equal("after the last view of x died (a weakref callback on the storage should fire): current",
+                 lb.current, 800)
+    del y
+    gc.collect()
+    expect_equal("after every tracked tensor died: (current, peak)", (lb.current, lb.peak), (0, 1824))
+    z = torch.empty(10, dtype=torch.bfloat16)
+    lb.track(z)
+    expect_equal("a bfloat16 tensor of 10 elements: current", lb.current, 20)
+    expect_equal("peak stays the highest value seen", lb.peak, 1824)
+    del z
+    gc.collect()
+
+    # views at a non-zero offset, seen before their whole buffer: one storage, all of its bytes
+    # (a tensor's data_ptr() includes its offset, and the bytes from the offset on are not the storage)
+    lb = cls()
+    w = torch.zeros(64, 4)  # 1024 bytes
+    lb.track(w[60:])
+    expect_equal("track(w[60:]) of a 64 x 4 float32 w (a view at row 60): current (its whole storage)", lb.current, 1024)
+    lb.track(w[10:20])
+    lb.track(w)
+    lb.track(w.t()[1:])
+    expect_equal("then w[10:20], w itself and w.t()[1:] (the same storage): current", lb.current, 1024)
+    del w
+    gc.collect()
+    expect_equal("after w died: current", lb.current, 0)
+
+    # a storage dies and another one is made at its address (an allocator reuses a freed block at
+    # once; here three storages on one buffer make it certain): each is a new storage to count
+    mem = bytearray(512)
+    for i in range(3):
+        u = torch.frombuffer(mem, dtype=torch.float32)  # a new storage at the same address each time
+        lb.track(u)
+        expect_equal(f"storage #{i + 1} made at the address of the one that died before it: current", lb.current, 512)
+        del u
+        gc.collect()
+        expect_equal(f"after storage #{i + 1} died: current", lb.current, 0)
+    expect_equal("peak of this counter", lb.peak, 1024)
     _two_counters(cls)
 
 
 def _live_bytes_program(cls, case) -> None:
-    """One drawn program of tracks and deaths, run on ``cls()`` and on the reference side by side."""
+    """One drawn program of 01.live_bytes, run on ``cls()`` and on the reference side by side."""
     mine, want = cls(), ref.LiveBytes()
     gen = torch.Generator().manual_seed(case.seed)
     pool = BlockReuse(64)  # an allocator's block: a new tensor takes it once the last one there died
@@ -85,79 +149,6 @@ def _live_bytes_program(cls, case) -> None:
     gc.collect()
     expect_equal(f"after every tensor of {list(case.ops)} died ({case}): (current, peak)",
                  (mine.current, mine.peak), (want.current, want.peak))
-
-
-def _live_bytes_by_hand(cls) -> None:
-    """Hand-picked tracks and deaths on one counter: the same tensor again, views, a storage kept alive, dtypes."""
-    lb = cls()
-    expect_equal("a new counter: (current, peak)", (lb.current, lb.peak), (0, 0))
-    x = torch.zeros(256)  # 1024 bytes
-    lb.track(x)
-    expect_equal("after track(torch.zeros(256)): current bytes", lb.current, 1024)
-    lb.track(x)
-    lb.track(x[:10])
-    lb.track(x.view(16, 16).t())
-    expect_equal("after tracking the same tensor again and two views of it (one storage): current", lb.current, 1024)
-    b = torch.ones(64)
-    lb.track(b[:8])  # only a temporary view is tracked: the storage lives on in b
-    gc.collect()
-    expect_equal("after track(b[:8]) (the view died at once, b is alive): current", lb.current, 1024 + 256)
-    keep = b.untyped_storage()
-    del b
-    gc.collect()
-    expect_equal("b deleted, but its storage object is still referenced: current", lb.current, 1024 + 256)
-    del keep
-    gc.collect()
-    expect_equal("after the storage itself died: current", lb.current, 1024)
-    y = torch.zeros(100, dtype=torch.float64)
-    lb.track(y)
-    expect_equal("after also tracking 100 float64: current", lb.current, 1824)
-    v = x[:4]
-    del x
-    gc.collect()
-    expect_equal("x deleted but its view x[:4] still alive (the whole storage stays): current", lb.current, 1824)
-    del v
-    gc.collect()
-    expect_equal("after the last view of x died (a weakref callback on the storage should fire): current",
-                 lb.current, 800)
-    del y
-    gc.collect()
-    expect_equal("after every tracked tensor died: (current, peak)", (lb.current, lb.peak), (0, 1824))
-    z = torch.empty(10, dtype=torch.bfloat16)
-    lb.track(z)
-    expect_equal("a bfloat16 tensor of 10 elements: current", lb.current, 20)
-    expect_equal("peak stays the highest value seen", lb.peak, 1824)
-    del z
-    gc.collect()
-
-
-def _live_bytes_offsets_and_reuse(cls) -> None:
-    """Views at an offset seen before their buffer, and new storages made at a dead one's address."""
-    # views at a non-zero offset, seen before their whole buffer: one storage, all of its bytes
-    # (a tensor's data_ptr() includes its offset, and the bytes from the offset on are not the storage)
-    lb = cls()
-    w = torch.zeros(64, 4)  # 1024 bytes
-    lb.track(w[60:])
-    expect_equal("track(w[60:]) of a 64 x 4 float32 w (a view at row 60): current (its whole storage)", lb.current, 1024)
-    lb.track(w[10:20])
-    lb.track(w)
-    lb.track(w.t()[1:])
-    expect_equal("then w[10:20], w itself and w.t()[1:] (the same storage): current", lb.current, 1024)
-    del w
-    gc.collect()
-    expect_equal("after w died: current", lb.current, 0)
-
-    # a storage dies and another one is made at its address (an allocator reuses a freed block at
-    # once; here three storages on one buffer make it certain): each is a new storage to count
-    mem = bytearray(512)
-    for i in range(3):
-        u = torch.frombuffer(mem, dtype=torch.float32)  # a new storage at the same address each time
-        lb.track(u)
-        expect_equal(f"storage #{i + 1} made at the address of the one that died before it: current", lb.current, 512)
-        del u
-        gc.collect()
-        expect_equal(f"after storage #{i + 1} died: current", lb.current, 0)
-    expect_equal("peak of this counter", lb.peak, 1024)
 
 
 LIVE_SPACE = Space(ops=lists_of(one_of("track a new tensor", "track a view at an offset", "track a transposed view",
@@ -243,44 +234,10 @@ class _Births(TorchDispatchMode):
 @register("01.categorize", reference=lambda: ref.categorize, title="which category a tensor belongs to")
 def check_categorize(fn):
     """Grade exercise ``01.categorize``: which category a tensor belongs to."""
-    # every storage alive after every op of drawn steps compared with the tracker: any stack of layers (buffers, saved statistics, masks), width and batch,
-    # fp32/fp64/bf16, six optimizers (other state keys: momentum_buffer, max_exp_avg_sq, square_avg, sum), one or
-    # two parameter groups, a frozen layer, a weight tied between two layers, optimizer state made before the step
-    # or during it
-    edge = dict(layers=("batchnorm", "layernorm", "dropout"), width=16, batch=5, dtype=torch.float32, optimizer="adamw",
-                groups=1, frozen=False, tied=False, warm=True, asked="whole storages")
-    differential(CATEGORIZE_SPACE, functools.partial(_categorize_drawn, fn), edges=[edge], examples=8)
+    differential(CATEGORIZE_SPACE, functools.partial(_categorize_drawn, fn), edges=[dict(layers=("batchnorm", "layernorm", "dropout"), width=16, batch=5,
+                                                    dtype=torch.float32, optimizer="adamw", groups=1, frozen=False,
+                                                    tied=False, warm=True, asked="whole storages")], examples=8)
     model, opt = _mlp()
-    _categorize_by_hand(fn, model, opt)
-    _categorize_against_tracker(fn, model, opt)
-
-
-def _categorize_drawn(fn, case) -> None:
-    """One drawn step: every storage alive after every op compared with the tracker."""
-    model, opt = _drawn_step(case)
-    gen = torch.Generator().manual_seed(case.seed)
-    if case.warm:
-        model(torch.randn(case.batch, 5, generator=gen).to(case.dtype)).float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    tracker = ref.MemoryTracker(model, opt)
-    probe = _Births(fn, tracker, model, opt, offset_views=case.asked == "views at an offset")
-    with tracker, probe:
-        xb = torch.randn(case.batch, 5, generator=gen).to(case.dtype)
-        probe.phase = "forward"
-        loss = model(xb).float().square().mean()
-        probe.phase = "backward"
-        loss.backward()
-        probe.phase = "optimizer"
-        opt.step()
-        probe.phase = "other"
-        opt.zero_grad()
-        del loss
-    expect(probe.bad is None, f"{probe.bad} ({case})")
-
-
-def _categorize_by_hand(fn, model, opt) -> None:
-    """Hand-picked tensors of a real step of ``_mlp()``, each with a phase and the category it must get."""
     x = torch.randn(5, 8)  # an input batch: made outside forward, backward and the step
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -333,13 +290,10 @@ def _categorize_by_hand(fn, model, opt) -> None:
     expect_equal("categorize(model[0].weight, model=None, optimizer=None, phase='other') (no owner given)",
                  fn(w, None, None, "other"), "other")
 
-
-def _categorize_against_tracker(fn, model, opt) -> None:
-    """The same function against the tracker on a second real step of the same model and optimizer
-    (the hand-picked cases' locals died when that function returned)."""
     # the same function against the tracker: every storage alive after every op of a real step
     # (no reference to an old .grad may survive: the tracker's labels stick, so a .grad replaced
     # while we still held it would stay "gradients" for the tracker and no longer be one here)
+    del saved, masks, stats, act_grads, temp, outside, h, out, cases, w, st, t
     tracker = ref.MemoryTracker(model, opt)
     probe = _Births(fn, tracker, model, opt)
     with tracker, probe:
@@ -355,6 +309,34 @@ def _categorize_against_tracker(fn, model, opt) -> None:
         del loss
     expect(probe.bad is None, probe.bad or "")
     expect(probe.asked > 40, f"internal: only {probe.asked} storages compared with the tracker")
+
+
+def _categorize_drawn(fn, case) -> None:
+    """One drawn step of 01.categorize, ``fn`` asked about every storage the tracker holds after every op."""
+    # every storage alive after every op of drawn steps compared with the tracker: any stack of layers (buffers, saved statistics, masks), width and batch,
+    # fp32/fp64/bf16, six optimizers (other state keys: momentum_buffer, max_exp_avg_sq, square_avg, sum), one or
+    # two parameter groups, a frozen layer, a weight tied between two layers, optimizer state made before the step
+    # or during it
+    model, opt = _drawn_step(case)
+    gen = torch.Generator().manual_seed(case.seed)
+    if case.warm:
+        model(torch.randn(case.batch, 5, generator=gen).to(case.dtype)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    tracker = ref.MemoryTracker(model, opt)
+    probe = _Births(fn, tracker, model, opt, offset_views=case.asked == "views at an offset")
+    with tracker, probe:
+        xb = torch.randn(case.batch, 5, generator=gen).to(case.dtype)
+        probe.phase = "forward"
+        loss = model(xb).float().square().mean()
+        probe.phase = "backward"
+        loss.backward()
+        probe.phase = "optimizer"
+        opt.step()
+        probe.phase = "other"
+        opt.zero_grad()
+        del loss
+    expect(probe.bad is None, f"{probe.bad} ({case})")
 
 
 _LAYERS = {"linear": lambda w: nn.Linear(w, w), "batchnorm": lambda w: nn.BatchNorm1d(w), "layernorm": lambda w: nn.LayerNorm(w),
