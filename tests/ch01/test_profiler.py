@@ -771,3 +771,27 @@ def test_allocator_peak_keeps_the_profilers_unknown_block_note_out_of_stderr_but
     err = capfd.readouterr().err
     assert peak == 40 and "the step's own line" in err
     assert "allocated before the profiling started" not in err
+
+
+def test_peak_beside_allocator_warms_up_the_profiler_for_a_step_that_frees_the_last_steps_gradients():
+    """zero_grad(set_to_none=True) at the start of a step frees gradients made outside any profiler:
+    torch.profiler drops frees of blocks it never saw allocated, so a first profiled run counts the
+    new gradients without the old ones leaving. The warm-up run makes both counters agree."""
+    from memlab.profiler import peak_beside_allocator
+
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(m.parameters())
+    x = torch.randn(32, 64)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        opt.step()
+
+    step()
+    grads = sum(p.numel() * 4 for p in m.parameters())
+    cold = peak_beside_allocator(step, m, opt, warmup=False)
+    assert cold.gap >= grads  # the old gradients' free went unseen
+    step()  # gradients made outside a profiler again
+    warm = peak_beside_allocator(step, m, opt)
+    assert abs(warm.gap) <= 64 and abs(warm.untracked - warm.allocator) <= 64
