@@ -89,6 +89,7 @@ class Step:
     concurrent: bool = False  # only measures memory: may share the GPU with the other concurrent steps
     collect: list[str] = field(default_factory=list)  # repo paths (globs) to pack after it ran
     call: int = 1
+    needs_cuda: bool = False  # runs only on a GPU: a rehearsal on a CPU records its failure as expected
 
 
 @dataclass
@@ -151,7 +152,7 @@ def plan(call: int = 1) -> list[Stage]:
         Step("snapshots", me + ["_snapshot"], 40, 15, "3 small models, one step each, snapshot dump", concurrent=True,
              collect=[]),
         Step("diag", [_py(), "results/h100/probes/gpu_diag.py"], 40, 20, "H100 2026-11-23 probe, ~20 s",
-             concurrent=True),
+             concurrent=True, needs_cuda=True),
     ]))
     return stages
 
@@ -320,6 +321,8 @@ def run_step(step: Step, work: Path, budget: float, env: dict) -> dict:
         try:
             rc = p.wait(timeout=budget)
             status = "ok" if rc == 0 else f"failed rc={rc}"
+            if rc and step.needs_cuda and env.get("GPU_SESSION_REHEARSE") == "1":
+                status += " (needs CUDA: expected on a CPU)"
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGTERM)  # the step's own process group; a notebook shuts its kernel down
             try:
