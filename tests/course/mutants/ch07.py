@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from os import replace  # a right answer below calls the name bound here at import time
 from pathlib import Path
 
 from memlab import train
@@ -669,3 +670,149 @@ MUTANTS["07.predict_peak"] += [
     ("one logsumexp per token, not per head", predict_one_head_logsumexp),
     ("parameter count kept from the first model", predict_params_from_first_model),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: 07.atomic_write, the kinds
+_DIR_FDS: dict = {}
+
+
+def write_keeps_directory_fds(path, chunks):
+    """Opens each directory once and keeps its descriptor in a module-level dict to fsync it on later writes."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    key = str(path.parent)
+    if key not in _DIR_FDS:
+        _DIR_FDS[key] = os.open(path.parent, os.O_RDONLY)
+    os.fsync(_DIR_FDS[key])
+
+
+def write_through_a_64k_buffer(path, chunks):
+    """Copies each chunk through one preallocated 64 KiB buffer (the largest graded chunk was 50,000 B): a longer
+    chunk is cut at 65,536 bytes."""
+    path = Path(path)
+    tmp = path.with_name("." + path.name + ".tmp")
+    buf = bytearray(65536)
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                n = min(len(c), len(buf))
+                buf[:n] = c[:n]
+                f.write(bytes(buf[:n]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+_ESTIMATES: dict = {}
+
+
+def plan_estimates_memoised(eb, budget, estimate, cost):
+    """Right plan, but memoises estimate(stack) in a module-level dict keyed by (estimate, stack), the estimate being
+    the costly part: the dict outlives the call and holds every estimator it was given."""
+    def cached(s):
+        if (estimate, s) not in _ESTIMATES:
+            _ESTIMATES[(estimate, s)] = estimate(s)
+        return _ESTIMATES[(estimate, s)]
+    return _best(_candidates(eb), budget, cached, cost)
+
+
+_COUNTS: dict = {}
+
+
+def predict_counts_memoised(model_fn, stack, seq_len):
+    """Right formula, but memoises the parameter count per model_fn in a module-level dict (building the model is
+    the costly part): state kept between calls."""
+    if model_fn not in _COUNTS:
+        _COUNTS[model_fn] = sum(p.numel() for p in model_fn().parameters())
+    return _derive(model_fn, stack, seq_len)
+
+
+MUTANTS["07.cheapest_stack"] += [("estimates memoised in a module dict", plan_estimates_memoised)]
+MUTANTS["07.predict_peak"] += [("parameter counts memoised in a module dict", predict_counts_memoised)]
+MUTANTS["07.atomic_write"] += [
+    ("directory descriptors kept in a module dict", write_keeps_directory_fds),
+    ("chunks cut at a 64 KiB buffer", write_through_a_64k_buffer),
+]
+
+KINDS = {
+    "07.cheapest_stack": {"hygiene": ["estimates memoised in a module dict"],
+                          "constants": ["divisors from a table of the graded batches"],
+                          "space": ["costs compared rounded to one decimal"]},
+    "07.back_off": {"hygiene": ["answer cached by (micro_batch, grad_accum)"],
+                    "constants": ["new micro-batch searched in 1..16 only"],
+                    "space": ["selective checkpointing counted as done"]},
+    "07.atomic_write": {"hygiene": ["directory descriptors kept in a module dict"],
+                        "constants": ["chunks cut at a 64 KiB buffer"],
+                        "space": ["stops at the first empty chunk"]},
+    "07.predict_peak": {"hygiene": ["parameter counts memoised in a module dict"],
+                        "constants": ["mlp_ratio 4 written in", "vocabulary 256 written in"],
+                        "space": ["block_size as the sequence length", "one logsumexp per token, not per head"]},
+}
+
+
+# right answers written another way (the over-specific kind): each must PASS
+def write_with_fdatasync(path, chunks):
+    """os.fdatasync for the data (enough: the file's size is data-relevant metadata) and for the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fdatasync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_with_imported_replace(path, chunks):
+    """``from os import replace`` at the top of the module: the name bound at import time, not looked up on ``os``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def back_off_resets_ckpt_every(stack):
+    """The rule, and ckpt_every back to its default when turning "full" on (it only counts under "every-k")."""
+    if stack.micro_batch > 1:
+        return train.back_off(stack)
+    if stack.checkpointing != "full":
+        return dataclasses.replace(stack, checkpointing="full", ckpt_every=Stack().ckpt_every)
+    return None
+
+
+RIGHT_ANSWERS = {
+    "07.atomic_write": [("os.fdatasync", write_with_fdatasync), ("from os import replace", write_with_imported_replace)],
+    "07.back_off": [("ckpt_every reset under full", back_off_resets_ckpt_every)],
+}

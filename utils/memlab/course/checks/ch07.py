@@ -641,20 +641,21 @@ def check_predict_peak(fn) -> None:
                "steady state (a second step: AdamW's state exists)")
         return predicted, where
 
-    for cfg, stack, seq_len in _PREDICT_CASES:  # the lab's stacks: the model equals the measurement here
-        predicted, where = predicted_for(cfg, stack, seq_len, "")
-        measured = train.measure_stack_peak(functools.partial(_tiny, cfg), stack, seq_len)
-        low, high = predict_peak_bounds(functools.partial(_tiny, cfg), stack, seq_len)
-        expect(low <= measured <= high, f"internal: {where}: measured {measured:,} B is outside the model's "
-                                        f"{low:,}-{high:,} B")
-
     def run(case) -> None:
         cfg, stack, seq_len = _predict_case(case)
         predicted_for(cfg, stack, seq_len, f" ({case})")
 
-    # any depth, heads and head size, vocabulary (the trainer's data are bytes: 256 and more), MLP ratio, micro-batch,
-    # accumulation and length up to the block size (no measurement: the model alone)
-    differential(PREDICT_SPACE, run, examples=40)
+    # the lab's stacks first (the hand-picked edges), then any depth, heads and head size, vocabulary (the trainer's
+    # data are bytes: 256 and more), MLP ratio, micro-batch, accumulation and length up to the block size
+    lab = [dict(block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
+                head_dim=cfg["n_embd"] // cfg["n_head"], vocab_size=256, mlp_ratio=4, micro_batch=stack.micro_batch,
+                grad_accum=stack.grad_accum, seq_len=seq_len) for cfg, stack, seq_len in _PREDICT_CASES]
+    differential(PREDICT_SPACE, run, edges=lab, examples=40)
+    for cfg, stack, seq_len in _PREDICT_CASES:  # the lab's stacks: the model equals the measurement here
+        measured = train.measure_stack_peak(functools.partial(_tiny, cfg), stack, seq_len)
+        low, high = predict_peak_bounds(functools.partial(_tiny, cfg), stack, seq_len)
+        expect(low <= measured <= high, f"internal: on {cfg}, {stack}, seq_len={seq_len}: measured {measured:,} B is "
+                                        f"outside the model's {low:,}-{high:,} B")
 
 
 __all__ = ["check_cheapest_stack", "check_back_off", "check_atomic_write", "check_predict_peak", "predict_peak_formula",
