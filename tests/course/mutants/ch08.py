@@ -506,3 +506,50 @@ MUTANTS["08.zero1_step"] += [
     ("float32 scratch for the reduce-scatter", zero1_float32_scratch),
     ("this rank's slice kept from the first call", zero1_range_from_first_call),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds, labelled
+def shard_pads_to_eight(flat, rank, world_size):
+    """Pads to a multiple of 8 (every graded world size divided 8), then cuts world_size equal pieces of that."""
+    n = flat.numel()
+    s = -(-n // 8) * 8
+    per = -(-s // world_size)
+    full = torch.cat([flat, flat.new_zeros(per * world_size - n)])
+    return full[rank * per:(rank + 1) * per].clone()
+
+
+MUTANTS["08.shard_flat"] += [("padded to a multiple of 8", shard_pads_to_eight)]
+
+def predict_two_ranks_written_in(model, world_size, stage):
+    """The shard as padded(n, 2) / 2: the world size 2 written in (every graded prediction was for 2 ranks)."""
+    return _right(model, 2, stage) if stage in (1, 2) else _right(model, world_size, stage)
+
+
+_PARAMS_OF: dict = {}
+
+
+def predict_params_memoised(model, world_size, stage):
+    """Right numbers, but the parameter list memoised per model in a module-level dict (listing them is "costly"):
+    the dict keeps every model it was given alive."""
+    if id(model) not in _PARAMS_OF:
+        _PARAMS_OF[id(model)] = (model, list(model.parameters()))
+    return _right(model, world_size, stage)
+
+
+MUTANTS["08.predict_rank_bytes"] += [("world size 2 written in", predict_two_ranks_written_in),
+                                     ("parameters memoised per model in a module dict", predict_params_memoised)]
+
+KINDS = {
+    "08.shard_flat": {"hygiene": ["pads the caller's buffer in place", "padded copy cached by size"],
+                      "constants": ["padded to a multiple of 8"],
+                      "space": ["float32 padding", "torch.chunk: uneven shards", "floor division: tail lost"]},
+    "08.reduce_scatter": {"hygiene": ["divides the caller's gradient in place", "output buffer kept by size between calls"],
+                          "constants": ["mean as the sum halved (world size 2 written in)"],
+                          "space": ["float32 padding"]},
+    "08.zero1_step": {"hygiene": ["this rank's slice kept from the first call"],
+                      "constants": ["mean as the sum halved (world size 2 written in)"],
+                      "space": ["float32 scratch for the reduce-scatter"]},
+    "08.predict_rank_bytes": {"hygiene": ["parameters memoised per model in a module dict"],
+                              "constants": ["world size 2 written in"],
+                              "space": ["FSDP2 as an even n / N split", "tied embeddings counted twice"]},
+}

@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from memlab import distributed as D
-from memlab.course.checks import Space, differential, expect, expect_type, ints, layouts, make_tensor, one_of, register
+from memlab.course.checks import (Space, differential, expect, expect_type, flags, ints, layouts, make_tensor, one_of,
+                                  register)
+from memlab.course.grading.cases import note_failure
 
 WORLD_SIZE = 2
 
@@ -91,6 +93,16 @@ def _grid_values(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Gradient values on a grid of quarters in [-4, 4]: exact in every dtype, and their sums over up to 5 ranks are
     exact in any order (gloo's ring adds in its own order), so a sum is bitwise whatever the route."""
     return (make_tensor((numel,), torch.int64, "contiguous", seed, low=-16, high=17).double() / 4).to(dtype)
+
+
+def _judged(case: Any, edges: list, judge: Any, *args: Any) -> None:
+    """``judge(case, *args)`` on a case drawn earlier and run later on the ranks (differential cannot see it fail):
+    a failure is recorded as the edge's or, for a case of the space (swept or drawn), as drawn."""
+    try:
+        judge(case, *args)
+    except BaseException:
+        note_failure(case, edges)
+        raise
 
 
 def _placed(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -213,7 +225,7 @@ def check_reduce_scatter(fn) -> None:
         for i in order:
             for rank, got in enumerate(ranks):
                 if got[i] is not None:
-                    _check_rs_case(mine[i], rank, got[i])
+                    _judged(mine[i], edges, _check_rs_case, rank, got[i])
 
 
 # ----------------------------------------------------------------------------- 08.zero1_step
@@ -311,7 +323,7 @@ def check_zero1_step(fn) -> None:
         ranks = _launch(_zero_worker, ws, fn, mine)
         for i in sorted(range(len(mine)), key=lambda i: (mine[i].numel, mine[i].steps, i)):
             for rank, got in enumerate(ranks):
-                _check_zero_case(mine[i], rank, got[i])
+                _judged(mine[i], edges, _check_zero_case, rank, got[i])
 
 
 # ----------------------------------------------------------------------------- 08.predict_rank_bytes
@@ -385,17 +397,38 @@ def check_predict_rank_bytes(fn) -> None:
     from memlab.models import tiny_llama
 
     expect(callable(fn), f"predict_rank_bytes: expected a function, got {type(fn).__name__}")
-    for what, kw in PREDICT_MODELS:
-        torch.manual_seed(0)
-        model = tiny_llama(**kw)
-        measured = measured_rank_bytes(kw)
-        for stage, m in zip(D.STAGES, measured):
-            got = fn(model, WORLD_SIZE, stage)
-            expect_type(f"predict_rank_bytes(model, 2, stage={stage})", got, dict)
-            for key in ("parameters", "gradients", "optimizer"):
-                expect(key in got, f"stage {stage}: the prediction has no {key!r} (keys: parameters, gradients, optimizer)")
-                expect_type(f"stage {stage}, {key}", got[key], int)
-                want = m[key]
-                expect(got[key] == want,
-                       f"{what}, stage {stage}, {key}: predicted {got[key]:,} B, measured {want:,} B on rank 0 at the "
-                       f"optimizer step ({got[key] - want:+,} B; the count is exact, so the prediction must be)")
+    models: dict = {}
+
+    def run(case) -> None:
+        kw = dict(hidden_size=case.hidden, intermediate_size=case.inter, num_hidden_layers=case.layers,
+                  vocab_size=case.vocab, **({"tie_word_embeddings": True} if case.tied else {}))
+        key = tuple(sorted(kw.items()))
+        if key not in models:
+            torch.manual_seed(0)
+            models[key] = tiny_llama(**kw)
+        model = models[key]
+        what = next((w for w, m in PREDICT_MODELS if m == kw), None)
+        if what is not None and case.ws == WORLD_SIZE:  # the lab's models on 2 ranks: against the measurement
+            want = measured_rank_bytes(kw)[D.STAGES.index(case.stage)]
+            against = "measured on rank 0 at the optimizer step"
+        else:  # any other model or world size: against the formula the measurement equals on the lab's models
+            what = f"a tiny Llama {kw} on {case.ws} ranks"
+            want = _predict_reference()(model, case.ws, case.stage)
+            against = "at the optimizer step (the formula that equals the measurement on 2 ranks)"
+        stage = case.stage
+        got = fn(model, case.ws, stage)
+        expect_type(f"predict_rank_bytes(model, {case.ws}, stage={stage})", got, dict)
+        for key in ("parameters", "gradients", "optimizer"):
+            expect(key in got, f"stage {stage}: the prediction has no {key!r} (keys: parameters, gradients, optimizer)")
+            expect_type(f"stage {stage}, {key}", got[key], int)
+            expect(got[key] == want[key],
+                   f"{what}, stage {stage}, {key}: predicted {got[key]:,} B, expected {want[key]:,} B {against} "
+                   f"({got[key] - want[key]:+,} B; the count is exact, so the prediction must be)")
+
+    lab = dict(hidden=PREDICT_MODEL["hidden_size"], inter=PREDICT_MODEL["intermediate_size"],
+               layers=PREDICT_MODEL["num_hidden_layers"], vocab=PREDICT_MODEL["vocab_size"], ws=WORLD_SIZE)
+    edges = [dict(lab, tied=tied, stage=stage) for tied in (False, True) for stage in D.STAGES]
+    # any world size 1-8 (uneven shards, padding), widths, depths, odd vocabularies, tied or not, every stage
+    space = Space(hidden=one_of(64, 32, 96), inter=one_of(160, 88), layers=ints(1, 3), vocab=one_of(131, 256, 97),
+                  tied=flags(), ws=ints(1, 8), stage=one_of(*D.STAGES))
+    differential(space, run, edges=edges, examples=20)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["Space", "Case", "differential", "ints", "floats", "one_of", "flags", "lists_of", "layouts", "LAYOUTS",
            "make_tensor", "current_pass", "cases_run", "coverage", "running", "SHRINK_BUDGET", "failures", "drawn_only",
-           "expect_prediction"]
+           "note_failure", "expect_prediction"]
 
 # the run in progress: which pass, which exercise, how many cases each exercise drew, which case failed where
 _STATE: dict[str, Any] = {"pass": 0, "cases": {}, "exercise": None, "seen": {}, "failures": {}, "drawn_only": False}
@@ -248,6 +248,13 @@ def _noted(origin: str, run: Callable[[Case], Any]) -> Callable[[Case], Any]:
             raise
 
     return noted
+
+
+def note_failure(case: Any, edges: Iterable[Any] = ()) -> None:
+    """Record in :func:`failures` that ``case`` failed, for a check that draws its cases with :func:`differential`
+    (``run=list.append``) and runs them later (on several processes at once): ``"edge"`` when it is one of
+    ``edges``, else ``"drawn"`` (a swept case counts as drawn here)."""
+    _failed("edge" if case in {_as_case(e) for e in edges} else "drawn", case)
 
 
 def _failed(origin: str, case: Any) -> None:
