@@ -82,7 +82,7 @@ def _offset(offset, lq, lk):
 
 def _online(q, k, v, kv_chunk, causal=False, *, rescale=True, stable=True, lse_max=True, offset="bottom_right",
             acc_dtype="fp32", device=True, lse_dtype=None, whole_scores=False, drop_tail=False, safe=True,
-            empty_lse="-inf", fill="-inf"):
+            empty_lse="-inf", fill="-inf", head_dim=None):
     """A correct online-softmax forward, unless a flag says otherwise (one flag = one mistake). ``safe=False`` is the
     lab's forward before issue 36: a row that sees no key (causal, Lq > Lk) gets -inf - -inf and 0 / 0, NaN."""
     dt = torch.promote_types(q.dtype, torch.float32) if acc_dtype == "fp32" else q.dtype
@@ -90,7 +90,7 @@ def _online(q, k, v, kv_chunk, causal=False, *, rescale=True, stable=True, lse_m
     lq, lk = q.shape[-2], k.shape[-2]
     off = _offset(offset, lq, lk) if causal else None
     hidden = float("-inf") if fill == "-inf" else torch.finfo(dt).min
-    c = 1 / math.sqrt(q.shape[-1])
+    c = 1 / math.sqrt(head_dim or q.shape[-1])
     qq = q.to(dt)
     m = torch.full(q.shape[:-1], float("-inf"), dtype=dt, **dev)
     l = torch.zeros(q.shape[:-1], dtype=dt, **dev)
@@ -141,7 +141,7 @@ def chunked_naive_then_split(q, k, v, kv_chunk, causal=False):
 
 # ----------------------------------------------------------------------------- 05.flash_backward
 def _tiled(q, k, v, o, lse, do, causal=False, block=16, *, bq=None, bk=None, skip=True, delta="rows", scale=True,
-           offset="bottom_right", acc_dtype="fp32", lse_norm=True, safe=True, hide="fill"):
+           offset="bottom_right", acc_dtype="fp32", lse_norm=True, safe=True, hide="fill", head_dim=None):
     """A correct tiled FA2 backward, unless a flag says otherwise (one flag = one mistake). ``safe``: a logsumexp
     of -inf (a row that saw no key) taken as +inf, so that P = 0 there; ``hide="multiply"`` masks P by multiplying
     with the mask, which without ``safe`` is inf * 0 = NaN on such a row."""
@@ -151,7 +151,7 @@ def _tiled(q, k, v, o, lse, do, causal=False, block=16, *, bq=None, bk=None, ski
     off = _offset(offset, lq, lk) if causal else None
     if safe:
         lse = torch.where(lse == float("-inf"), float("inf"), lse)
-    c = 1 / math.sqrt(q.shape[-1])
+    c = 1 / math.sqrt(head_dim or q.shape[-1])
     q_, k_, v_, o_, do_ = (t.to(dt) for t in (q, k, v, o, do))
     dd = (do_ * o_).sum(-1)
     dq, dk, dv = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
@@ -198,13 +198,18 @@ def _fwd(q, k, v, causal, **mistake):
     return _online(q, k, v, 16, causal, **mistake)
 
 
-def _function(save="right", lse_dtype=None, bwd_block=16, bwd_acc="fp32", fwd=None, bwd=None):
-    """An autograd.Function over the correct pieces above, saving what ``save`` says."""
+def _function(save="right", lse_dtype=None, bwd_block=16, bwd_acc="fp32", fwd=None, bwd=None, keep=False):
+    """An autograd.Function over the correct pieces above, saving what ``save`` says (``keep``: and each call's
+    logsumexp in a list on the class, "for debugging")."""
 
     class Flash(torch.autograd.Function):
+        kept: list = []
+
         @staticmethod
         def forward(ctx, q, k, v, causal=False):
             o, lse = _fwd(q, k, v, causal, **(fwd or {}))
+            if keep:
+                Flash.kept.append(lse)
             if lse_dtype == "input":
                 lse = lse.to(q.dtype)
             ctx.causal = causal
@@ -675,4 +680,49 @@ RIGHT_ANSWERS = {
     "05.flash_backward": [("tiled backward, -inf logsumexp as +inf", _tiled),
                           ("tiled backward, masked_fill alone (P = inf there, then 0)", P(_tiled, safe=False))],
     "05.flash_function": [("the Function over those two", _function())],
+}
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds, labelled
+_SAVED: dict = {}
+
+
+def saved_bytes_memoised(batch, heads, seq, head_dim):
+    """Right formula, memoised by the arguments in a module-level dict kept between calls."""
+    key = (batch, heads, seq, head_dim)
+    if key not in _SAVED:
+        _SAVED[key] = (batch * heads * seq * seq * 4, batch * heads * seq * (head_dim + 1) * 4)
+    return _SAVED[key]
+
+
+MUTANTS["05.chunked_forward"] += [("scale 1/sqrt(8) written in", P(_online, head_dim=8))]
+MUTANTS["05.flash_backward"] += [("scale 1/sqrt(8) written in", P(_tiled, head_dim=8))]
+MUTANTS["05.flash_function"] += [("scale 1/sqrt(8) written in", _function(fwd={"head_dim": 8}, bwd={"head_dim": 8})),
+                                 ("each logsumexp kept on the class", _function(keep=True))]
+MUTANTS["05.predict_saved_bytes"] += [("memoised in a module dict", saved_bytes_memoised)]
+
+KINDS = {
+    "05.merge_partials": {"hygiene": ["merged into o1 in place"],
+                          "space": ["3 dims unpacked", "NaN when both empty", "exp overflow"]},
+    "05.chunked_forward": {"hygiene": ["q scaled in place"], "constants": ["scale 1/sqrt(8) written in"],
+                           "space": ["4-D inputs only", "Lq <= Lk assumed: causal offset clamped at 0"]},
+    "05.flash_backward": {"hygiene": ["do scaled in place and back"], "constants": ["scale 1/sqrt(8) written in"],
+                          "space": ["Lq <= Lk assumed: causal offset clamped at 0"]},
+    "05.flash_function": {"hygiene": ["each logsumexp kept on the class"], "constants": ["scale 1/sqrt(8) written in"],
+                          "space": ["fp32 inputs computed in bf16", "Lq <= Lk assumed: causal offset clamped at 0"]},
+    "05.triton_forward": {"constants": ["head_dim 16 written in"],
+                          "space": ["Lq <= Lk assumed: offset clamped at 0"]},
+    "05.predict_saved_bytes": {"hygiene": ["memoised in a module dict"],
+                               "constants": ["length rounded up to blocks of 64"]},
+}
+NOT_APPLICABLE = {
+    "05.triton_forward": {"hygiene": "a Triton kernel keeps no Python state between launches and is passed to the "
+                                     "check as it is (its pointer arguments are not pictured call by call); a kernel "
+                                     "that stores into q, k or v is the check's own comparison ('q scaled in place "
+                                     "in Q' fails it)"},
+    "05.merge_partials": {"constants": "no size, count or scale enters the merge (two partials of any shape and their "
+                                       "logsumexps); the magnitudes a constant could be tuned to are drawn (x1e-3 to "
+                                       "x1000) and the overflow they catch is the space mutant"},
+    "05.predict_saved_bytes": {"space": "four ints into one closed formula: no part of the input space is handled "
+                                        "apart; a constant tuned to the graded lengths is the constants mutant"},
 }

@@ -49,6 +49,10 @@ def check_merge_partials(fn):
         o, lse = _attn_lse(qq, k, v)
         o1, l1 = _attn_lse(qq, k[..., :cut, :], v[..., :cut, :])
         o2, l2 = _attn_lse(qq, k[..., cut:, :], v[..., cut:, :])
+        if case.empty != "none":  # a part that saw no key (output 0, logsumexp -inf): one of the two, or both
+            o2, l2 = torch.zeros_like(o), torch.full_like(lse, float("-inf"))
+            o1, l1 = (o, lse) if case.empty == "one" else (o2.clone(), l2.clone())
+            o, lse = (o, lse) if case.empty == "one" else (o2, l2)
         if case.order == "second first":
             o1, l1, o2, l2 = o2, l2, o1, l1
         if case.layout == "transposed":  # partials as a kernel may leave them: (..., L, d) seen through a transpose
@@ -58,12 +62,13 @@ def check_merge_partials(fn):
         expect_tensor_close(f"merged output ({what})", got[0], o, rtol=1e-10, atol=1e-10)
         expect_tensor_close(f"merged logsumexp ({what})", got[1], lse, rtol=1e-10, atol=1e-10)
 
-    edges = [dict(batch=(2,), lq=5, lk=9, d=8, dv=4, cut=c, mult=m, order="first first", layout="contiguous", seed=1)
-             for c, m in ((4, 1.0), (1, 1.0), (8, 1.0), (3, 1000.0))]
-    # any leading dims, lengths, head dims, cut and score scale (exp overflows without a max), either order
+    edges = [dict(batch=(2,), lq=5, lk=9, d=8, dv=4, cut=c, mult=m, order="first first", layout="contiguous", seed=1,
+                  empty="none") for c, m in ((4, 1.0), (1, 1.0), (8, 1.0), (3, 1000.0))]
+    # any leading dims, lengths, head dims, cut and score scale (exp overflows without a max), either order, a part
+    # that saw no key (one or both)
     space = Space(batch=one_of((2,), (1,), (2, 3), ()), lq=ints(1, 9), lk=ints(2, 17), d=ints(1, 16), dv=ints(1, 9),
                   cut=ints(1, 16), mult=one_of(1.0, 1000.0, 1e-3, 30.0), order=one_of("first first", "second first"),
-                  layout=layouts("contiguous", "transposed"))
+                  layout=layouts("contiguous", "transposed"), empty=one_of("none", "one", "both"))
     differential(space, run, edges=edges, examples=25)
     q, k, v = _randn(2, 5, 8, seed=1), _randn(2, 9, 8, seed=2), _randn(2, 9, 4, seed=3)
     o1, l1 = _attn_lse(q, k, v)
@@ -319,23 +324,6 @@ def _top_left_backward(fn, q, k, v, o, lse, do, block):
           timeout=120)
 def check_flash_backward(fn):
     """Grade exercise ``05.flash_backward``: tiled backward from the logsumexp (FA2)."""
-    for lq, lk, dv, causal, block in ((40, 56, 8, False, 16), (40, 56, 8, True, 16), (56, 40, 6, False, 16),
-                                      (48, 48, 8, True, 16), (37, 53, 8, True, 8), (24, 24, 8, True, 5),
-                                      (40, 56, 8, True, 64), (56, 40, 8, True, 16), (45, 37, 6, True, 8)):
-        q, k, v, o, lse, do = _backward_inputs(1, 2, lq, lk, 8, dv, seed=lq + lk, causal=causal)
-        want = _grads(q, k, v, do, causal)
-        what = f"Lq={lq}, Lk={lk}, v dim={dv}, causal={causal}, block={block}"
-        with _Largest() as big:
-            got = _pair(f"fn(q, k, v, o, lse, do, causal={causal}, block={block})",
-                        fn(q, k, v, o, lse, do, causal, block), 3)
-        for name, g, w in zip(("dq", "dk", "dv"), got, want):
-            expect_tensor_close(f"{name} ({what})", g, w, rtol=1e-9, atol=1e-9)
-        inputs = max(t.numel() for t in (q, k, v, o, do))
-        tile = 2 * min(block, lq) * min(block, lk)
-        expect(big.numel <= max(inputs, tile),
-               f"{what}: the largest tensor made inside fn has {big.numel} elements ({big.op}); the inputs have at "
-               f"most {inputs} and one block x block tile of the 2 heads {tile}: work in tiles of block x block "
-               f"(recompute P = exp(S - lse) per tile), never a whole row of blocks or the Lq x Lk matrix")
     def run(case) -> None:
         causal = case.align != "none"
         mask = case.align if causal else False
@@ -364,6 +352,24 @@ def check_flash_backward(fn):
                   d=ints(1, 12), dv=ints(1, 9), block=one_of(16, 1, 5, 8, 64),
                   align=one_of("bottom_right", "none", "top_left"))
     differential(space, run, edges=edges, examples=10)
+    # the hand-picked cases after the drawn ones (those first: the space alone must catch a mistake)
+    for lq, lk, dv, causal, block in ((40, 56, 8, False, 16), (40, 56, 8, True, 16), (56, 40, 6, False, 16),
+                                      (48, 48, 8, True, 16), (37, 53, 8, True, 8), (24, 24, 8, True, 5),
+                                      (40, 56, 8, True, 64), (56, 40, 8, True, 16), (45, 37, 6, True, 8)):
+        q, k, v, o, lse, do = _backward_inputs(1, 2, lq, lk, 8, dv, seed=lq + lk, causal=causal)
+        want = _grads(q, k, v, do, causal)
+        what = f"Lq={lq}, Lk={lk}, v dim={dv}, causal={causal}, block={block}"
+        with _Largest() as big:
+            got = _pair(f"fn(q, k, v, o, lse, do, causal={causal}, block={block})",
+                        fn(q, k, v, o, lse, do, causal, block), 3)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            expect_tensor_close(f"{name} ({what})", g, w, rtol=1e-9, atol=1e-9)
+        inputs = max(t.numel() for t in (q, k, v, o, do))
+        tile = 2 * min(block, lq) * min(block, lk)
+        expect(big.numel <= max(inputs, tile),
+               f"{what}: the largest tensor made inside fn has {big.numel} elements ({big.op}); the inputs have at "
+               f"most {inputs} and one block x block tile of the 2 heads {tile}: work in tiles of block x block "
+               f"(recompute P = exp(S - lse) per tile), never a whole row of blocks or the Lq x Lk matrix")
     # causal: tiles right of the diagonal are skipped, not computed and masked
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -421,6 +427,45 @@ def check_flash_function(cls):
     """Grade exercise ``05.flash_function``: autograd.Function that saves O(L)."""
     expect(isinstance(cls, type) and issubclass(cls, torch.autograd.Function),
            f"expected a subclass of torch.autograd.Function (the class itself), got {str(cls)[:80]}")
+    def run(case) -> None:
+        causal = case.align != "none"
+        mask = case.align if causal else False
+        q, k, v = (t.requires_grad_(True) for t in _layouts(case.b, case.h, case.lq, case.lk, case.d, case.dv,
+                                                            seed=case.seed, dtype=case.dtype))
+        what = (f"Lq={case.lq}, Lk={case.lk}, causal={mask}{' (composed: SDPA is_causal)' if case.align == 'top_left' else ''}, "
+                f"{case.dtype} ({case})")
+        if case.align != "top_left":
+            o = cls.apply(q, k, v, causal)
+        elif case.lq <= case.lk:  # SDPA's is_causal from the lab's, as _top_left_forward
+            o = cls.apply(q, k[..., :case.lq, :], v[..., :case.lq, :], True)
+        else:
+            o = torch.cat([cls.apply(q[..., :case.lk, :], k, v, True), cls.apply(q[..., case.lk:, :], k, v, False)], -2)
+        expect_type(f"cls.apply(q, k, v, {causal}) ({what})", o, torch.Tensor)
+        want_o, _ = _exact(q.detach(), k.detach(), v.detach(), mask)
+        do = _randn(*o.shape, seed=case.seed + 5).to(case.dtype)
+        got = torch.autograd.grad(o, (q, k, v), do)
+        want = _grads(q, k, v, do, mask)
+        if _empty_rows(case.lq, case.lk, mask):
+            for name, t in zip(("output", "dq", "dk", "dv"), (o, *got)):
+                _no_nan(f"{name} ({what})", t, case.lq, case.lk)
+        # fp64: to fp64 precision; fp32: within 1e-5 (an fp32-accumulated answer is within ~1e-6 here, one that
+        # keeps a 16-bit running sum or drops the rescale is off by 1e-3 or more)
+        tol = 1e-9 if case.dtype == torch.float64 else 1e-5
+        expect_tensor_close(f"output ({what})", o, want_o.to(case.dtype), rtol=tol, atol=tol)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            expect_tensor_close(f"{name} ({what})", g, w.to(case.dtype), rtol=tol, atol=tol)
+
+    # Lq > Lk with causal (rows that see no key), Lq != Lk both ways, fp32 and fp64, no mask, the lab's causal or
+    # SDPA's is_causal composed from it, head dims, batch and heads
+    edges = [dict(b=1, h=2, lk=lk, rel="Lq > Lk", lq=lq, d=8, dv=6, align=a, dtype=t, seed=lq)
+             for lq, lk, a, t in ((40, 24, "bottom_right", torch.float32), (17, 1, "bottom_right", torch.float64),
+                                  (33, 32, "bottom_right", torch.float32), (40, 24, "top_left", torch.float64))]
+    space = Space(b=ints(1, 2), h=ints(1, 2), lk=ints(1, 40), rel=one_of("Lq > Lk", "Lq <= Lk"),
+                  lq=lambda c: ints(c.lk + 1, c.lk + 24) if c.rel == "Lq > Lk" else ints(1, c.lk),
+                  d=ints(1, 12), dv=ints(1, 9), align=one_of("bottom_right", "none", "top_left"),
+                  dtype=one_of(torch.float64, torch.float32))
+    differential(space, run, edges=edges, examples=10)
+    # the hand-picked cases after the drawn ones (those first: the space alone must catch a mistake)
     for (lq, lk, causal, dtype) in ((24, 40, True, torch.float64), (40, 24, False, torch.float64),
                                     (33, 33, True, torch.float64), (24, 72, True, torch.bfloat16),
                                     (40, 24, True, torch.float64), (48, 17, True, torch.bfloat16)):
@@ -475,45 +520,6 @@ def check_flash_function(cls):
                                              causal, 16)
             for name, g, w in zip(("dq", "dk", "dv"), got, exact):
                 _ulp_close(f"{name} ({what})", g, w, dtype, rel=1e-4)
-
-    def run(case) -> None:
-        causal = case.align != "none"
-        mask = case.align if causal else False
-        q, k, v = (t.requires_grad_(True) for t in _layouts(case.b, case.h, case.lq, case.lk, case.d, case.dv,
-                                                            seed=case.seed, dtype=case.dtype))
-        what = (f"Lq={case.lq}, Lk={case.lk}, causal={mask}{' (composed: SDPA is_causal)' if case.align == 'top_left' else ''}, "
-                f"{case.dtype} ({case})")
-        if case.align != "top_left":
-            o = cls.apply(q, k, v, causal)
-        elif case.lq <= case.lk:  # SDPA's is_causal from the lab's, as _top_left_forward
-            o = cls.apply(q, k[..., :case.lq, :], v[..., :case.lq, :], True)
-        else:
-            o = torch.cat([cls.apply(q[..., :case.lk, :], k, v, True), cls.apply(q[..., case.lk:, :], k, v, False)], -2)
-        expect_type(f"cls.apply(q, k, v, {causal}) ({what})", o, torch.Tensor)
-        want_o, _ = _exact(q.detach(), k.detach(), v.detach(), mask)
-        do = _randn(*o.shape, seed=case.seed + 5).to(case.dtype)
-        got = torch.autograd.grad(o, (q, k, v), do)
-        want = _grads(q, k, v, do, mask)
-        if _empty_rows(case.lq, case.lk, mask):
-            for name, t in zip(("output", "dq", "dk", "dv"), (o, *got)):
-                _no_nan(f"{name} ({what})", t, case.lq, case.lk)
-        # fp64: to fp64 precision; fp32: within 1e-5 (an fp32-accumulated answer is within ~1e-6 here, one that
-        # keeps a 16-bit running sum or drops the rescale is off by 1e-3 or more)
-        tol = 1e-9 if case.dtype == torch.float64 else 1e-5
-        expect_tensor_close(f"output ({what})", o, want_o.to(case.dtype), rtol=tol, atol=tol)
-        for name, g, w in zip(("dq", "dk", "dv"), got, want):
-            expect_tensor_close(f"{name} ({what})", g, w.to(case.dtype), rtol=tol, atol=tol)
-
-    # Lq > Lk with causal (rows that see no key), Lq != Lk both ways, fp32 and fp64, no mask, the lab's causal or
-    # SDPA's is_causal composed from it, head dims, batch and heads
-    edges = [dict(b=1, h=2, lk=lk, rel="Lq > Lk", lq=lq, d=8, dv=6, align=a, dtype=t, seed=lq)
-             for lq, lk, a, t in ((40, 24, "bottom_right", torch.float32), (17, 1, "bottom_right", torch.float64),
-                                  (33, 32, "bottom_right", torch.float32), (40, 24, "top_left", torch.float64))]
-    space = Space(b=ints(1, 2), h=ints(1, 2), lk=ints(1, 40), rel=one_of("Lq > Lk", "Lq <= Lk"),
-                  lq=lambda c: ints(c.lk + 1, c.lk + 24) if c.rel == "Lq > Lk" else ints(1, c.lk),
-                  d=ints(1, 12), dv=ints(1, 9), align=one_of("bottom_right", "none", "top_left"),
-                  dtype=one_of(torch.float64, torch.float32))
-    differential(space, run, edges=edges, examples=10)
     # tiles in both passes: no tensor as large as a quarter of the 2 heads' Lq x Lk matrices
     q, k, v = (t.requires_grad_(True) for t in _layouts(1, 2, 128, 128, 8, 8, seed=128))
     quarter = 2 * 128 * 128 // 4
