@@ -525,3 +525,68 @@ MUTANTS["09.optimizer_in_backward"] += [
     ("hook handles in a module-level list", in_backward_global_registry),
     ("parameters consumed with next() (generator assumed)", in_backward_module_only),
 ]
+
+
+# ----------------------------------------------------------------------------- issue 35: the kinds, labelled
+def predict_vocab_padded_to_64(tokens, vocab, dtype):
+    """The vocabulary rounded up to a multiple of 64 (as a padded embedding table would be): the loss's logits
+    have exactly vocab columns."""
+    padded = -(-vocab // 64) * 64
+    return 4 * tokens * padded + 8 * tokens, 12 * tokens * padded
+
+
+@triton.jit
+def lce_fwd_softcap_30(H, W, B, T, LSE, TGT, N, V, D, shn, swv, softcap,
+                       HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, PREC: tl.constexpr,
+                       BM: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr):
+    """The soft-cap written in as 30.0 (Gemma 2's final-logit cap) instead of the softcap argument."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    t = tl.load(T + rows, mask=rows < N, other=-1)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    s = tl.zeros([BM], tl.float32)
+    zt = tl.zeros([BM], tl.float32)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        z = tl.zeros([BM, BV], tl.float32)
+        for d0 in range(0, D, BD):
+            dims = d0 + tl.arange(0, BD)
+            h = tl.load(H + rows[:, None] * shn + dims[None, :], mask=(rows[:, None] < N) & (dims[None, :] < D),
+                        other=0.0)
+            wt = tl.load(W + cols[None, :] * swv + dims[:, None], mask=(cols[None, :] < V) & (dims[:, None] < D),
+                         other=0.0)
+            z += tl.dot(h, wt, input_precision=PREC)
+        if HAS_BIAS:
+            z += tl.load(B + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        if SOFTCAP:
+            e = tl.exp(-2.0 * tl.abs(z / 30.0))
+            z = 30.0 * tl.where(z < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+        z = tl.where(cols[None, :] < V, z, float("-inf"))
+        zt += tl.sum(tl.where(cols[None, :] == t[:, None], z, 0.0), 1)
+        m_new = tl.maximum(m, tl.max(z, 1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
+        m = m_new
+    tl.store(LSE + rows, m + tl.log(s), mask=rows < N)
+    tl.store(TGT + rows, zt, mask=rows < N)
+
+
+MUTANTS["09.predict_loss_bytes"] += [("vocabulary padded to a multiple of 64", predict_vocab_padded_to_64)]
+MUTANTS["09.triton_lce_forward"] += [("soft-cap 30 written in", lce_fwd_softcap_30)]
+
+KINDS = {
+    "09.predict_loss_bytes": {"hygiene": ["memoised in a module-level dict"],
+                              "constants": ["vocabulary padded to a multiple of 64"],
+                              "space": ["fp64 logits kept in fp64"]},
+    "09.fused_linear_cross_entropy": {"hygiene": ["ignored targets overwritten in place"],
+                                      "constants": ["-100 hard-coded"],
+                                      "space": ["the tail chunk left out", "hidden.view(-1, d)"]},
+    "09.triton_lce_forward": {"constants": ["soft-cap 30 written in"],
+                              "space": ["rows D elements apart (strides unread)", "vocabulary tail not masked"]},
+    "09.optimizer_in_backward": {"hygiene": ["hook handles in a module-level list"],
+                                 "constants": ["head.weight skipped by name (tied assumed)"],
+                                 "space": ["parameters consumed with next() (generator assumed)"]},
+}
+NOT_APPLICABLE = {
+    "09.triton_lce_forward": {"hygiene": "a Triton kernel keeps no Python state between launches and is passed to "
+                                         "the check as it is (its pointer arguments are not pictured call by call); "
+                                         "a kernel that stores into its inputs is the check's own comparison"},
+}
