@@ -476,3 +476,15 @@ def test_verify_refuses_a_module_name_holding_another_module(monkeypatch):
     assert verify_memlab_modules() == ""
     monkeypatch.setitem(sys.modules, "memlab.core.gpus", accounting)
     assert "memlab.core.gpus" in verify_memlab_modules()
+
+
+def test_grading_leaves_no_hypothesis_folder_in_the_learners_directory(tmp_path, monkeypatch):
+    """hypothesis caches (its unicode tables, the constants it collects) in ./.hypothesis: a learner's
+    labs folder gained one at every grading. The harness points it at the temporary directory."""
+    from memlab import quant
+    from memlab.course.grading import check
+
+    monkeypatch.chdir(tmp_path)
+    r = check("06.pack_nibbles", quant.pack_nibbles, quiet=True)
+    assert r.status == "pass", r.message
+    assert not (tmp_path / ".hypothesis").exists()

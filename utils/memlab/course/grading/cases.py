@@ -17,6 +17,8 @@ The API (the whole harness's is in :mod:`memlab.course.grading.harness`'s docstr
 """
 from __future__ import annotations
 
+import os
+
 import contextlib
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -115,6 +117,13 @@ def _hypothesis() -> Any:
     with needs("the grader's differential cases (memlab grade)"):
         import hypothesis
         from hypothesis import strategies
+        from hypothesis.configuration import set_hypothesis_home_dir
+    # hypothesis keeps caches (its unicode tables) in ./.hypothesis of the current directory: a learner's
+    # labs folder would gain one at every grading. They go to a folder of the temporary directory instead.
+    import tempfile
+    from pathlib import Path
+
+    set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"memlab-hypothesis-{os.getuid() if hasattr(os, 'getuid') else 0}")
     return hypothesis, strategies
 
 

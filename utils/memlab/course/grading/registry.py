@@ -190,10 +190,19 @@ def timeout_from_env() -> float | None:
     return parse_seconds(TIMEOUT_ENV, raw.strip())
 
 
-def shorten(msg: str, limit: int = 400) -> str:
-    """``msg`` on one line (whitespace collapsed), cut to ``limit`` characters ending in ``...``."""
+def shorten(msg: str, limit: int = 800) -> str:
+    """``msg`` on one line (whitespace collapsed), at most ``limit`` characters: a long one keeps its
+    start (the case a drawn input names) and its end (what was wrong and what is asked), with `` ... ``
+    for the middle it leaves out.
+
+    >>> shorten("case " + "x" * 500 + " the exercise asks for a derivation", 60)
+    'case xxxxxxxxxxxxxxxxx ... he exercise asks for a derivation'
+    """
     msg = " ".join(str(msg).split())
-    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+    if len(msg) <= limit:
+        return msg
+    head = (limit - 5) * 2 // 5
+    return msg[:head] + " ... " + msg[len(msg) - (limit - 5 - head):]
 
 
 def safe_str(exc: BaseException) -> str:
