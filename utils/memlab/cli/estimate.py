@@ -72,7 +72,7 @@ def _verdict(est: MemoryEstimate, args: argparse.Namespace) -> bool:
         return True
     if est.allocated_bytes <= usable:
         print(f"verdict: TIGHT: the allocated peak {format_bytes(est.allocated_bytes)} fits {format_bytes(usable)} but not "
-              f"with the fragmentation margin ({format_bytes(need)}); try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+              f"with the allocator's cached blocks ({format_bytes(need)} reserved, by the caching-allocator replay); try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
               f"or one of the techniques below")
     else:
         print(f"verdict: DOES NOT FIT in {format_bytes(usable)} usable: over by {format_bytes(need - usable)}")

@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{res.model} ({res.n_params / 1e9:.2f}B params), effective batch {res.batch_size} x seq {res.seq_len}, "
           f"for {target}")
     print(f"budget: {res.budget_label} ({res.budget:,} bytes); compared: "
-          + ("reserved estimate (tensors + cuBLAS workspaces, x fragmentation margin)" if res.device == "cuda"
+          + ("reserved estimate (tensors + cuBLAS workspaces, replayed through a model of the caching allocator)" if res.device == "cuda"
              else "traced tensor peak"))
     print(f"ranking: {'fidelity tier, then relative cost' if res.prefer == 'fidelity' else 'relative cost'} "
           f"(1.00 = the effective batch's 16-bit forward + backward at the cost model's MFU)\n")

@@ -24,8 +24,9 @@ class MemoryEstimate:
     ``phase_peaks`` the peak of each phase, so the effect of checkpointing stays visible when the
     optimizer step holds the peak. ``extras`` are bytes outside any tensor that the allocator
     still counts on the target (cuBLAS workspaces on CUDA): ``allocated_bytes = peak_bytes +
-    sum(extras)`` is the estimate of ``torch.cuda.max_memory_allocated``; ``reserved_bytes`` adds
-    the stated fragmentation margin. ``fake`` says whether the step ran on fake tensors (an
+    sum(extras)`` is the estimate of ``torch.cuda.max_memory_allocated``; ``reserved_bytes`` replays
+    the traced allocations through a model of the caching allocator (the stated fragmentation margin
+    where there is no replay). ``fake`` says whether the step ran on fake tensors (an
     estimate) or real ones (a measurement); ``notes`` lists anything modelled rather than traced.
     ``host_bytes`` (with ``optimizer="offload-adamw"``, or ``offload_checkpoints`` on a CUDA target) is host
     memory the optimizer or the offloaded layer inputs keep, split in ``host_breakdown``; it is counted, not
@@ -105,7 +106,7 @@ class MemoryEstimate:
         """Whether the step fits ``gpu``.
 
         On a CUDA target the comparison is honest: ``reserved_bytes`` (tensors + cuBLAS
-        workspaces + the fragmentation margin) against the card's memory minus the stated CUDA
+        workspaces, replayed through the caching-allocator model) against the card's memory minus the stated CUDA
         context reserve. On a CPU target, ``peak_bytes`` against ``gpu`` bytes as given.
 
         Args:
