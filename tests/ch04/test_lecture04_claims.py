@@ -30,12 +30,6 @@ def _code_with(needle: str):
     return found[0]
 
 
-def test_code_cells_are_short():
-    long = [(i, len(_src(c).splitlines())) for i, c in enumerate(_cells())
-            if c["cell_type"] == "code" and len(_src(c).splitlines()) > 40]
-    assert not long, f"code cells over 40 lines (index, lines): {long}"
-
-
 def test_every_timing_runs_at_one_thread_count_and_restores_it():
     """The setup fixes THREADS; the roofline and the kernel read it; the thread comparison puts it back."""
     setup = _code_with("THREADS = torch.get_num_threads()")

@@ -28,12 +28,6 @@ def _code_with(needle: str):
     return found[0]
 
 
-def test_code_cells_are_short():
-    long = [(i, len(_src(c).splitlines())) for i, c in enumerate(_cells())
-            if c["cell_type"] == "code" and len(_src(c).splitlines()) > 40]
-    assert not long, f"code cells over 40 lines (index, lines): {long}"
-
-
 def test_the_reference_runs_optimizer_and_bytes_per_adapter_parameter():
     """artidoro/qlora's qlora.py: --optim paged_adamw_32bit, --bf16 adapters: 2 + 2 + 8 = 12 B per adapter
     parameter. The old page said a paged 8-bit optimizer and 6 B."""

@@ -34,12 +34,6 @@ def _bytes(text: str) -> float:
     return float(value) * UNITS[unit]
 
 
-def test_code_cells_are_short():
-    long = [(i, len(_src(c).splitlines())) for i, c in enumerate(_cells())
-            if c["cell_type"] == "code" and len(_src(c).splitlines()) > 40]
-    assert not long, f"code cells over 40 lines (index, lines): {long}"
-
-
 def test_zero_stages_are_ordered_by_the_allocator_in_the_stored_tables():
     """The takeaway says each stage peaks lower than the one before by the allocator's events: both stored
     tables (the page's versions, section 4; memlab's and FSDP2, section 5) must show it for every rank."""

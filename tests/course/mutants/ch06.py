@@ -11,6 +11,13 @@ from torch import nn
 
 from memlab import quant
 from memlab.quant import lora
+import sys
+from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # mutant_helpers, beside this file
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutant_helpers import counted_on_the_class as _counted_on_the_class  # noqa: E402
+from mutant_helpers import memoised as _memoised  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- 06.nf4_codebook
@@ -589,28 +596,6 @@ MUTANTS["06.lora_linear"] += [("instances counted on the class", LoRACountedInst
 # ----------------------------------------------------------------------------- issue 35: one mutant of each kind
 # (tests/course/test_mutants.py: a hygiene mutant is caught by a hygiene probe, a constants or space mutant by the
 # drawn cases with the hand-picked edges off)
-def _memoised(fn, key=None):
-    """``fn`` with its answers memoised in a dict it keeps between calls (by ``key(*args)``, default the arguments'
-    repr): state that outlives the call."""
-    store: dict = {}
-
-    def memo(*args, **kwargs):
-        k = key(*args, **kwargs) if key is not None else repr((args, sorted(kwargs.items())))
-        if k not in store:
-            store[k] = fn(*args, **kwargs)
-        return store[k]
-
-    return memo
-
-
-def _counted_on_the_class(cls):
-    """``cls``, right, except that every instance is also counted on the class."""
-
-    def __init__(self, *args, **kwargs):
-        type(self).made += 1
-        cls.__init__(self, *args, **kwargs)
-
-    return type(f"Counted{cls.__name__}", (cls,), {"made": 0, "__init__": __init__})
 
 
 def codes_blocksize_64(w, blocksize=64):

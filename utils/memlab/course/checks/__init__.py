@@ -31,7 +31,7 @@ from memlab.course.grading.cases import (
 
 __all__ = ["register", "expect", "expect_equal", "expect_close", "expect_tensor_close", "expect_type",
            "exact_type", "same_value", "Space", "Case", "differential", "ints", "floats", "one_of", "flags",
-           "lists_of", "layouts", "LAYOUTS", "make_tensor", "current_pass", "BlockReuse"]
+           "lists_of", "layouts", "LAYOUTS", "make_tensor", "current_pass", "BlockReuse", "wrapped_as_drawn"]
 
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
 
@@ -248,3 +248,32 @@ class BlockReuse:
         t = torch.frombuffer(self._mem, dtype=dtype or torch.float32).view(*shape)
         self._last = weakref.ref(t.untyped_storage())
         return t
+
+
+def wrapped_as_drawn(f: Any, case: Any) -> Any:
+    """``f`` as a drawn case of 00.saved_bytes or 02.count_saved hands it over (``case.wrap``, ``rows``,
+    ``cols``, ``dtype``, ``seed``): a plain function; a module that first multiplies by its own weight (a
+    parameter saved for backward is not an activation); or a function that first saves three storages made
+    in turn, each freed before the next (an allocator reuses the block: one address, three storages)."""
+    import torch
+    from torch import nn
+    if case.wrap == "a module with a weight":
+        class Weighted(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.weight = nn.Parameter(make_tensor((case.cols, case.cols), case.dtype, "contiguous", case.seed + 1))
+
+            def forward(self, t):
+                return f(t @ self.weight)
+
+        return Weighted()
+    if case.wrap == "storages made in turn at one address":
+        pool = BlockReuse(case.rows * case.cols * torch.empty(0, dtype=case.dtype).element_size())
+
+        def reused(t):
+            for _ in range(3):
+                (t * pool.tensor(case.rows, case.cols, dtype=case.dtype)).float().sum()
+            return f(t)
+
+        return reused
+    return f

@@ -7,7 +7,7 @@ from torch import nn
 from memlab import accounting as ref
 from memlab.course.checks import (
     BlockReuse, Space, differential, expect, expect_equal, expect_type, flags, ints, layouts, lists_of, make_tensor,
-    one_of, register,
+    one_of, register, wrapped_as_drawn,
 )
 from memlab.course.grading.cases import expect_prediction
 
@@ -234,38 +234,12 @@ def _chain(ops):
     return f
 
 
-def _wrapped(f, case):
-    """``f`` as the drawn case hands it over: a plain function; a module that first multiplies by its own weight
-    (a parameter is not an activation); or a function that first saves three storages made in turn, each freed
-    before the next (an allocator reuses the block: one address, three storages)."""
-    if case.wrap == "a module with a weight":
-        class Weighted(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.weight = nn.Parameter(make_tensor((case.cols, case.cols), case.dtype, "contiguous", case.seed + 1))
-
-            def forward(self, t):
-                return f(t @ self.weight)
-
-        return Weighted()
-    if case.wrap == "storages made in turn at one address":
-        pool = BlockReuse(case.rows * case.cols * torch.empty(0, dtype=case.dtype).element_size())
-
-        def reused(t):
-            for _ in range(3):
-                (t * pool.tensor(case.rows, case.cols, dtype=case.dtype)).float().sum()
-            return f(t)
-
-        return reused
-    return f
-
-
 @register("00.saved_bytes", reference=lambda: ref.saved_activation_bytes, title="measure saved activations")
 def check_saved_bytes(fn):
     """Grade exercise ``00.saved_bytes``: measure saved activations."""
     def run(case) -> None:
         x = make_tensor((case.rows, case.cols), case.dtype, case.layout, case.seed).requires_grad_(True)
-        f = _wrapped(_chain(case.ops), case)
+        f = wrapped_as_drawn(_chain(case.ops), case)
         got, want = fn(f, x), ref.saved_activation_bytes(f, x)
         expect_equal(f"saved bytes of {' -> '.join(case.ops)} on a {case.rows} x {case.cols} {case.dtype} tensor "
                      f"({case.layout} in memory), {case.wrap}", got, want)

@@ -12,7 +12,7 @@ from memlab import checkpoint as ref
 from memlab.accounting import saved_activation_bytes
 from memlab.course.checks import (
     BlockReuse, Space, differential, expect, expect_equal, expect_type, floats, flags, ints, layouts, lists_of,
-    make_tensor, one_of, register,
+    make_tensor, one_of, register, wrapped_as_drawn,
 )
 from memlab.course.grading.cases import expect_prediction
 from memlab.models import TinyGPT, TinyGPTConfig
@@ -85,32 +85,6 @@ COUNT_SAVED_SPACE = Space(ops=lists_of(one_of(*_SAVING_OPS), 1, 4), rows=ints(1,
                           wrap=one_of("a function", "a module with a weight", "storages made in turn at one address"))
 
 
-def _wrapped(f, case):
-    """``f`` as the drawn case hands it over: a plain function; a module that first multiplies by its own weight
-    (a parameter saved for backward is not an activation); or a function that first saves three storages made in
-    turn, each freed before the next (an allocator reuses the block: one address, three storages)."""
-    if case.wrap == "a module with a weight":
-        class Weighted(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.weight = nn.Parameter(make_tensor((case.cols, case.cols), case.dtype, "contiguous", case.seed + 1))
-
-            def forward(self, t):
-                return f(t @ self.weight)
-
-        return Weighted()
-    if case.wrap == "storages made in turn at one address":
-        pool = BlockReuse(case.rows * case.cols * torch.empty(0, dtype=case.dtype).element_size())
-
-        def reused(t):
-            for _ in range(3):
-                (t * pool.tensor(case.rows, case.cols, dtype=case.dtype)).float().sum()
-            return f(t)
-
-        return reused
-    return f
-
-
 def _chain(ops):
     def f(t):
         outs = []
@@ -130,7 +104,7 @@ def check_count_saved(fn):
         if hasattr(case, "edge"):
             name, (f, args) = case.edge, edges[case.edge]
         else:
-            f = _wrapped(_chain(case.ops), case)
+            f = wrapped_as_drawn(_chain(case.ops), case)
             args = (make_tensor((case.rows, case.cols), case.dtype, case.layout, case.seed).requires_grad_(True),)
             name = (f"a chain of {' -> '.join(case.ops)} on a {case.rows} x {case.cols} {case.dtype} tensor ({case.layout}), "
                     f"{case.wrap}")
