@@ -44,7 +44,7 @@ def run_worst_batch(args: argparse.Namespace, run_kwargs: dict, adapter_kw: dict
     if args.max_batch_size and args.gpu is None:
         return _error("--max-batch-size needs --gpu (a card or a memory): the budget the worst batch must fit")
     try:
-        lengths = read_lengths(args.lengths)
+        lengths = read_lengths(args.lengths, tokenizer=getattr(args, "tokenizer", None))  # --tokenizer: args.py
         kw = _settings(args, run_kwargs, adapter_kw, overrides)
         shapes = batch_shapes(lengths, args.batch_size, args.collator, args.shuffle_seed)
         w = worst_batch(args.model, lengths, args.batch_size, args.collator, args.shuffle_seed,

@@ -1,6 +1,10 @@
 """The worst batch of a data set: every calculator assumes one sequence length, but a run pads each batch to its
 longest sample (or packs), so its peak is set by the worst batch the sampler draws in an epoch.
 
+:func:`read_lengths` reads the token counts: a file of counts, a ``.npy``, a ``.jsonl`` of ``input_ids``, a
+``.jsonl`` of texts with a local tokenizer (:func:`load_tokenizer`, offline), or a tokenized Hugging Face data set
+saved with ``datasets.Dataset.save_to_disk``.
+
 :func:`batch_shapes` lays out one epoch as a DataLoader would (``shuffle_seed``: the order of
 ``DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(seed))``'s first epoch: its iterator draws a
 base seed from the generator, then its RandomSampler a ``torch.randperm``;
@@ -22,31 +26,43 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from memlab.core.validation import check_positive_int, invalid
 
-__all__ = ["COLLATORS", "read_lengths", "parse_collator", "batch_shapes", "WorstBatch", "worst_batch",
+__all__ = ["COLLATORS", "read_lengths", "load_tokenizer", "parse_collator", "batch_shapes", "WorstBatch", "worst_batch",
            "max_batch_size"]
 
 COLLATORS = ("pad-longest", "pad-multiple:N", "pack:N")
 
 
-def read_lengths(path: str | Path) -> list[int]:
-    """Token counts, one per sample: a text file of one int per line (blank lines skipped), a 1-D ``.npy`` of ints,
-    or a tokenized data set as ``.jsonl`` (each line's ``input_ids`` counted).
+def read_lengths(path: str | Path, *, tokenizer: str | Path | None = None, text_field: str = "text") -> list[int]:
+    """Token counts, one per sample, from any of:
+
+    * a text file of one int per line (blank lines skipped), or a 1-D ``.npy`` of ints;
+    * a tokenized data set as ``.jsonl`` (each line's ``input_ids`` counted);
+    * a ``.jsonl`` of texts with ``tokenizer``, a LOCAL tokenizer (a folder saved with ``save_pretrained`` or a
+      ``tokenizer.json``; nothing is downloaded): each line's ``text_field`` tokenized, in batches;
+    * a folder holding a tokenized Hugging Face data set saved with ``datasets.Dataset.save_to_disk`` (read with
+      ``datasets.load_from_disk``; its ``input_ids`` column counted; a ``DatasetDict``'s ``train`` split).
 
     Raises:
-        ValueError: a line that is no int, a count below 1, an empty file, a ``.npy`` that is not 1-D ints (one line
-            naming the file and what was expected).
-        FileNotFoundError: no such file.
+        ValueError: a line that is no int, a count below 1, an empty file, a ``.npy`` that is not 1-D ints, a data
+            set or a JSONL line without ``input_ids`` (one line naming the file and what was expected).
+        FileNotFoundError: no such file, folder or tokenizer.
+        memlab.core.optional.MissingExtraError: a data set folder without the ``datasets`` package.
     """
     path = Path(path)
-    want = "one token count (an int >= 1) per line, or a 1-D .npy of ints"
+    want = ("one token count (an int >= 1) per line, a 1-D .npy of ints, a .jsonl of input_ids (or of texts with a "
+            "local tokenizer), or a tokenized data set folder (datasets.Dataset.save_to_disk)")
+    if tokenizer is not None and not (path.is_file() and path.suffix == ".jsonl"):
+        raise invalid("tokenizer", str(tokenizer), f"given only with a .jsonl of texts (lengths is {path})")
+    if path.is_dir():
+        return _dataset_lengths(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file; expected {want}")
+        raise FileNotFoundError(f"{path}: no such file or folder; expected {want}")
     if path.suffix == ".jsonl":
-        return _jsonl_lengths(path)
+        return _jsonl_lengths(path, tokenizer, text_field)
     if path.suffix == ".npy":
         import numpy as np
 
@@ -74,12 +90,69 @@ def read_lengths(path: str | Path) -> list[int]:
     return out
 
 
-def _jsonl_lengths(path: Path) -> list[int]:
-    """A tokenized data set as JSON lines: each line's ``input_ids`` (a list of ints) counted."""
+_TOKENIZER_WANT = ("a local tokenizer: a folder saved with save_pretrained (tokenizer_config.json, tokenizer.json, "
+                   "...) or a tokenizer.json file; nothing is downloaded")
+_BATCH = 1000  # texts tokenized at a time
+
+
+def load_tokenizer(tokenizer: str | Path) -> Callable[[list[str]], list[int]]:
+    """A function counting the tokens of each of a list of texts with a LOCAL tokenizer, offline: a ``tokenizer.json``
+    (the ``tokenizers`` library's ``Tokenizer.from_file``), or a folder (``transformers.AutoTokenizer.from_pretrained``
+    with ``local_files_only=True``; a folder holding only a ``tokenizer.json`` is read as that file). Special tokens
+    are added as the tokenizer adds them when a collator tokenizes (``add_special_tokens=True``).
+
+    Raises:
+        FileNotFoundError: no such file or folder (naming ``tokenizer`` and what was expected).
+        ValueError: a file or folder that holds no tokenizer.
+    """
+    p = Path(tokenizer)
+    if not p.exists():
+        raise FileNotFoundError(f"tokenizer={str(tokenizer)!r}: no such file or folder; expected {_TOKENIZER_WANT}")
+    if p.is_dir() and not (p / "tokenizer_config.json").is_file():
+        if not (p / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer={str(tokenizer)!r}: a folder without tokenizer_config.json or "
+                             f"tokenizer.json; expected {_TOKENIZER_WANT}")
+        p = p / "tokenizer.json"
+    if p.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(p))
+        except Exception as exc:  # the Rust parser's error: a file that is no tokenizer.json
+            raise ValueError(f"tokenizer={str(tokenizer)!r}: not a readable tokenizer.json "
+                             f"({str(exc).splitlines()[0][:120]}); expected {_TOKENIZER_WANT}") from None
+        return lambda texts: [len(e.ids) for e in tok.encode_batch(texts)]
+    from memlab.core.optional import needs
+
+    with needs("memlab estimate --tokenizer"):
+        from transformers import AutoTokenizer
+    try:
+        hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"tokenizer={str(tokenizer)!r}: transformers could not load it offline "
+                         f"({str(exc).splitlines()[0][:160]}); expected {_TOKENIZER_WANT}") from None
+    return lambda texts: [len(ids) for ids in hf(texts, add_special_tokens=True)["input_ids"]]
+
+
+def _jsonl_lengths(path: Path, tokenizer: str | Path | None = None, text_field: str = "text") -> list[int]:
+    """A tokenized data set as JSON lines (each line's ``input_ids`` counted), or with ``tokenizer`` a JSONL of
+    texts (each line's ``text_field`` tokenized, :data:`_BATCH` lines at a time)."""
     import json
 
-    want = "a JSON object with input_ids (a non-empty list of token ids) on every line"
-    out = []
+    count = load_tokenizer(tokenizer) if tokenizer is not None else None
+    want = (f"a JSON object with a string {text_field!r} on every line (tokenizer={str(tokenizer)!r})" if count else
+            "a JSON object with input_ids (a non-empty list of token ids) on every line, or texts with a local "
+            "tokenizer (tokenizer=, --tokenizer PATH)")
+    out: list[int] = []
+    texts: list[tuple[int, str]] = []
+
+    def flush() -> None:
+        for (n, _), k in zip(texts, count([t for _, t in texts])):
+            if k < 1:
+                raise ValueError(f"{path}: line {n}'s {text_field!r} is no token; expected {want}")
+            out.append(k)
+        texts.clear()
+
     for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
@@ -87,14 +160,63 @@ def _jsonl_lengths(path: Path) -> list[int]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise ValueError(f"{path}: line {n} is not JSON; expected {want}") from None
+        keys = sorted(row)[:6] if isinstance(row, dict) else type(row).__name__
+        if count is not None:
+            text = row.get(text_field) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}: line {n} has no string {text_field!r} (has {keys}); expected {want}")
+            texts.append((n, text))
+            if len(texts) >= _BATCH:
+                flush()
+            continue
         ids = row.get("input_ids") if isinstance(row, dict) else None
         if not isinstance(ids, list) or not ids:
-            keys = sorted(row)[:6] if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"{path}: line {n} has no input_ids (has {keys}); expected {want}")
         out.append(len(ids))
+    if texts:
+        flush()
     if not out:
         raise ValueError(f"{path}: no rows in it; expected {want}")
     return out
+
+
+def _dataset_lengths(folder: Path) -> list[int]:
+    """The ``input_ids`` lengths of a data set saved with ``save_to_disk`` (a ``DatasetDict``: its train split)."""
+    from memlab.core.optional import MissingExtraError
+
+    want = ("a tokenized data set saved with datasets.Dataset.save_to_disk: an input_ids column of non-empty "
+            "token id lists")
+    try:
+        import datasets
+    except ModuleNotFoundError:
+        raise MissingExtraError("memlab estimate --lengths DIR (a data set folder)", "datasets", "hf") from None
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise ValueError(f"{folder}: not a data set saved with save_to_disk ({str(exc).splitlines()[0][:160]}); "
+                         f"expected {want}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"{folder}: a DatasetDict with splits {sorted(ds)} and no 'train'; give one split's "
+                             f"folder ({folder}/NAME); expected {want}")
+        ds = ds["train"]
+    if "input_ids" not in ds.column_names:
+        raise ValueError(f"{folder}: a data set with columns {ds.column_names[:8]} and no input_ids; expected {want}")
+    import pyarrow.compute as pc
+
+    col = ds.with_format("arrow")["input_ids"]
+    try:
+        lengths = pc.list_value_length(col).to_pylist()
+    except Exception:  # noqa: BLE001 - pyarrow's type errors: a column that is no list
+        raise ValueError(f"{folder}: its input_ids column is {ds.features['input_ids']}, not lists of token ids; "
+                         f"expected {want}") from None
+    bad = next((i for i, v in enumerate(lengths) if not v), None)
+    if bad is not None:
+        raise ValueError(f"{folder}: row {bad}'s input_ids is {'missing' if lengths[bad] is None else 'empty'}; "
+                         f"expected {want}")
+    if not lengths:
+        raise ValueError(f"{folder}: no rows in it; expected {want}")
+    return lengths
 
 
 def parse_collator(collator: str) -> tuple[str, int]:
