@@ -100,10 +100,94 @@ def test_a_port_taken_meanwhile_is_retried(monkeypatch):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(world_size=0), "world_size=0"), (dict(world_size=2, timeout=0), "timeout=0"),
     (dict(world_size=2, start_method="nope"), "start_method='nope'"),
+    # every argument, each kind of bad value, refused before any process starts, named with what is allowed
+    (dict(world_size=True), "world_size=True is invalid; allowed: an int from 1"),
+    (dict(world_size=2.0), "world_size=2.0 is invalid"), (dict(world_size="2"), "world_size='2' is invalid"),
+    (dict(world_size=-1), "world_size=-1 is invalid"), (dict(world_size=10**30), "world_size=1000000000000000000000000000000 is"),
+    (dict(world_size=2, timeout=float("nan")), "timeout=nan is invalid; allowed: a finite number of seconds"),
+    (dict(world_size=2, timeout=float("inf")), "timeout=inf"), (dict(world_size=2, timeout=True), "timeout=True"),
+    (dict(world_size=2, timeout=10**400), "timeout=1000"), (dict(world_size=2, timeout="60"), "timeout='60'"),
+    (dict(world_size=2, timeout=-1), "timeout=-1"),
+    (dict(world_size=2, backend="nope"), "backend='nope' is invalid; allowed: 'gloo', 'nccl'"),
+    (dict(world_size=2, backend=5), "backend=5"), (dict(world_size=2, backend=""), "backend=''"),
+    (dict(world_size=2, start_method=5), "start_method=5"), (dict(world_size=2, start_method=["fork"]), "start_method=\\['fork'\\]"),
+    (dict(world_size=2, threads=0), "threads=0 is invalid; allowed: an int from 1 to 1,024"),
+    (dict(world_size=2, threads=1.5), "threads=1.5"), (dict(world_size=2, threads=True), "threads=True"),
+    (dict(world_size=2, threads=10**9), "threads=1000000000"), (dict(world_size=2, threads="4"), "threads='4'"),
 ])
-def test_launch_rejects_bad_arguments(kwargs, match):
+def test_launch_rejects_bad_arguments(kwargs, match, monkeypatch):
+    from memlab.distributed import launcher
+
+    def no_start(*a, **k):  # the error must come before any work: no rank is started for a bad argument
+        raise AssertionError("launch() started work before refusing a bad argument")
+
+    monkeypatch.setattr(launcher, "_launch", no_start)
+    t0 = time.monotonic()
     with pytest.raises(ValueError, match=match):
         D.launch(lambda r, w: r, **kwargs)
+    assert time.monotonic() - t0 < 5
+
+
+def test_launch_refuses_a_function_that_is_not_callable():
+    with pytest.raises(TypeError, match="fn=5 is invalid; allowed: a function"):
+        D.launch(5, 2)
+
+
+_ORPHANED = textwrap.dedent("""
+    import os, sys, time
+    from memlab import distributed as D
+    if sys.argv[2] == "pipe only":  # the watchdog pipe alone: no prctl(PR_SET_PDEATHSIG)
+        from memlab.core import procs
+        procs.parent_death_signal = lambda sig=None: False
+    def fn(rank, world_size, folder):
+        open(os.path.join(folder, f"rank{rank}.pid.tmp"), "w").write(str(os.getpid()))
+        os.replace(os.path.join(folder, f"rank{rank}.pid.tmp"), os.path.join(folder, f"rank{rank}.pid"))
+        time.sleep(300)
+    D.launch(fn, 2, sys.argv[1], timeout=600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"  # a zombie has died; only its exit status is left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process table from /proc")
+@pytest.mark.parametrize("how", ["prctl and pipe", "pipe only"])
+def test_ranks_die_with_the_launching_process_when_it_is_killed(tmp_path, how):
+    """SIGKILL of the process that called launch() (no cleanup code of its own runs): both ranks are gone within
+    a few seconds (a deadline polled, not a speed test), by PR_SET_PDEATHSIG and, alone, by the watchdog pipe."""
+    import signal
+
+    script = tmp_path / "orphaned.py"
+    script.write_text(_ORPHANED)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path), how], env=env)
+    pids: list[int] = []
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and len(pids) < 2:
+            pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2) if (tmp_path / f"rank{r}.pid").exists()]
+            assert launcher.poll() is None, "the launching process ended before its ranks started"
+            time.sleep(0.1)
+        assert len(pids) == 2, "the ranks did not start within 120 s"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        end = time.monotonic() + 20
+        while time.monotonic() < end and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], f"ranks {pids} outlived the process that launched them ({how})"
+    finally:
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
 
 
 @pytest.mark.slow

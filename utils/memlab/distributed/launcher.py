@@ -20,13 +20,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from memlab.core.validation import check_choice, check_number, check_positive_int, invalid
-from memlab.core.procs import child_subreaper, descendants, own_children
+from memlab.core.validation import check_choice, check_int, check_number, check_positive_int, invalid
+from memlab.core.procs import child_subreaper, descendants, die_with_parent, own_children
 
-__all__ = ["launch", "RankError", "in_torchrun", "free_port", "MAX_LAUNCH_TIMEOUT"]
+__all__ = ["launch", "RankError", "in_torchrun", "free_port", "MAX_LAUNCH_TIMEOUT", "MAX_LOCAL_RANKS", "BACKENDS"]
 
 #: the longest ``timeout`` launch() accepts, in seconds (a week)
 MAX_LAUNCH_TIMEOUT = 7 * 86400.0
+#: the most processes launch() starts on this machine (torchrun's world may be larger)
+MAX_LOCAL_RANKS = 256
+#: the most torch threads per rank launch() accepts
+MAX_THREADS = 1024
+#: the torch.distributed backends launch() accepts
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
 class RankError(RuntimeError):
@@ -74,7 +80,11 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
     Errors: when a rank raises, the others are terminated (a rank blocked in a collective would
     wait for its peer until the group's timeout) and :class:`RankError` is raised with that rank's
     traceback; a rank that dies without a word (``os._exit``, a signal) or a launch that exceeds
-    ``timeout`` seconds is a :class:`RankError` too. No process outlives the call.
+    ``timeout`` seconds is a :class:`RankError` too. No process outlives the call, and the ranks die with
+    the process that launched them even when it is killed outright (SIGKILL: no cleanup of its own runs):
+    each rank sets ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux) and a watchdog thread that ends it when the
+    launcher's end of a pipe closes, or, without one (spawn), when its parent changes
+    (:func:`memlab.core.procs.die_with_parent`).
 
     Under ``torchrun`` (``torchrun --nproc-per-node 2 train.py``, whose ``__main__`` calls
     ``launch(fn, 2)``), nothing is started: this process joins the group torchrun set up
@@ -86,10 +96,12 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
 
     Args:
         fn: ``fn(rank, world_size, *args)``; what it returns must pickle.
-        backend: the ``torch.distributed`` backend ("gloo" on CPU, "nccl" on GPUs under torchrun).
+        world_size: processes (1 to :data:`MAX_LOCAL_RANKS` here; under torchrun, torchrun's WORLD_SIZE).
+        backend: the ``torch.distributed`` backend, one of :data:`BACKENDS` ("gloo" on CPU, "nccl" on GPUs
+            under torchrun).
         timeout: seconds for the whole launch and for each collective (at most a week).
         start_method: "fork", "spawn" or "forkserver" (None: fork on Linux, spawn elsewhere).
-        threads: torch threads per rank (None: the cores shared out between the ranks).
+        threads: torch threads per rank, 1 to 1024 (None: the cores shared out between the ranks).
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
@@ -100,14 +112,7 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
         TypeError: ``fn`` is not callable.
         RankError: a rank raised, died or timed out.
     """
-    check_positive_int("world_size", world_size)
-    if not callable(fn):
-        raise TypeError(str(invalid("fn", fn, "a function fn(rank, world_size, *args)")))
-    try:
-        check_number("timeout", timeout, minimum=0.0, strict_minimum=True, maximum=MAX_LAUNCH_TIMEOUT)
-    except ValueError:  # say it in seconds
-        raise invalid("timeout", timeout, f"a finite number of seconds > 0 and <= {MAX_LAUNCH_TIMEOUT:g} "
-                                          f"(a week)") from None
+    _check_launch_args(fn, world_size, args, backend, timeout, start_method, threads)
     if in_torchrun():
         return _run_under_torchrun(fn, world_size, args, backend, timeout)
     for attempt in range(3):
@@ -119,9 +124,36 @@ def launch(fn: Callable[..., Any], world_size: int = 2, *args: Any, backend: str
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _check_launch_args(fn: Any, world_size: Any, args: Any, backend: Any, timeout: Any, start_method: Any,
+                       threads: Any) -> None:
+    # every argument, before any work (memlab.core.validation's one error format: name, value, what is allowed)
+    if not callable(fn):
+        raise TypeError(str(invalid("fn", fn, "a function fn(rank, world_size, *args)")))
+    check_positive_int("world_size", world_size, maximum=None if in_torchrun() else MAX_LOCAL_RANKS)
+    check_choice("backend", backend, BACKENDS)
+    try:
+        check_number("timeout", timeout, minimum=0.0, strict_minimum=True, maximum=MAX_LAUNCH_TIMEOUT)
+    except (ValueError, OverflowError):  # say it in seconds (an int beyond a float's range overflows in isfinite)
+        raise invalid("timeout", timeout, f"a finite number of seconds > 0 and <= {MAX_LAUNCH_TIMEOUT:g} "
+                                          f"(a week)") from None
+    if start_method is not None:
+        import multiprocessing as mp
+
+        check_choice("start_method", start_method, mp.get_all_start_methods())
+    if threads is not None:
+        check_int("threads", threads, minimum=1, maximum=MAX_THREADS)
+
+
 def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, port: int, timeout: float,
-           threads: int, queue: Any) -> None:
-    # one rank's process: join the group, run ``fn``, report its result or traceback through ``queue``
+           threads: int, queue: Any, parent: int | None = None, watch: tuple[int, int] | None = None) -> None:
+    # one rank's process: die with the launching process (however it dies), join the group, run ``fn``, report
+    # its result or traceback through ``queue``. ``parent``: the launching process's pid (fork; else this
+    # process's parent at start), ``watch``: the (read, write) ends of the launcher's watchdog pipe (fork only)
+    read_end = None
+    if watch is not None:
+        read_end, write_end = watch
+        os.close(write_end)  # only the launcher holds the write end: its death closes the pipe
+    die_with_parent(parent if parent is not None else os.getppid(), read_end)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:  # a process group of its own: the parent kills it, and whatever fn started in it, on every exit path
@@ -215,21 +247,41 @@ def _launch_ranks(ctx: Any, fn: Callable, world_size: int, args: tuple, backend:
 
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, backend, port, timeout, threads, queue),
+    # the watchdog pipe: a forked rank inherits both ends and closes the write end; the launcher keeps it until
+    # the ranks are gone, and its death (however it dies) closes it: each rank's watchdog thread then ends it
+    watch = os.pipe() if start_method == "fork" else None
+    parent = os.getpid() if start_method == "fork" else None
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, backend, port, timeout, threads, queue,
+                                              parent, watch),
                          name=f"memlab-rank{r}", daemon=True) for r in range(world_size)]
     try:
-        for p in procs:
-            p.start()
-    except BaseException as exc:  # a rank could not start: the ranks already started must not outlive the call
-        started = [p for p in procs if p.pid is not None]
-        _kill_ranks(started, adopted())
-        for p in started:
-            p.join(timeout=2)
-        queue.close()
-        if not isinstance(exc, (AttributeError, TypeError, pickle.PicklingError)):  # spawn pickles fn and args
-            raise
-        raise ValueError(f"fn={getattr(fn, '__qualname__', fn)!r} or its args cannot be sent to a {start_method!r} child "
-                         f"({exc}); allowed: a module-level function and picklable args, or start_method='fork'") from None
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if watch is not None:
+                os.close(watch[0])  # the launcher never reads; its write end stays open until the ranks are gone
+        return _collect(procs, queue, world_size, timeout, start_method, adopted)
+    except BaseException as exc:
+        if any(p.pid is None for p in procs):  # a rank could not start: those started must not outlive the call
+            started = [p for p in procs if p.pid is not None]
+            _kill_ranks(started, adopted())
+            for p in started:
+                p.join(timeout=2)
+            queue.close()
+            if isinstance(exc, (AttributeError, TypeError, pickle.PicklingError)):  # spawn pickles fn and args
+                raise ValueError(f"fn={getattr(fn, '__qualname__', fn)!r} or its args cannot be sent to a "
+                                 f"{start_method!r} child ({exc}); allowed: a module-level function and picklable "
+                                 f"args, or start_method='fork'") from None
+        raise
+    finally:
+        if watch is not None:
+            os.close(watch[1])
+
+
+def _collect(procs: list[Any], queue: Any, world_size: int, timeout: float, start_method: str,
+             adopted: Callable[[], set[int]]) -> list[Any]:
+    # wait for every rank's report (or a failure, or the deadline); on every exit path no rank is left alive
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     error: RankError | None = None
