@@ -138,9 +138,7 @@ def test_timeline_pickle_gives_the_trackers_breakdown(tmp_path):
     e = explain(p)
     bd = tl.tracker.breakdown("peak")
     assert e.kind == "memlab timeline" and e.allocated_bytes == tl.tracker.peak_bytes == e.reserved_bytes
-    for k in ("parameters", "gradients", "optimizer"):
-        assert e.by_category.get(k, 0) == bd[k], k
-    assert sum(e.by_category.values()) == sum(bd.values())
+    assert e.by_category == {k: v for k, v in bd.items() if v}  # every category, activations and other included
 
 
 def test_oom_messages(tmp_path):

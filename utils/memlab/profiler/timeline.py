@@ -139,18 +139,30 @@ class Timeline:
         self._live: dict[int, tuple[Allocation, weakref.ref]] = {}
         self._ops = 0
         self._inside = False
-        self._in_fwd = 0
+        self._last = "other"  # the phase the tracker is in (its rules, see _phase)
         self._in_opt = 0
+        self._opt_before: set[int] = set()
+        self._continues: dict[int, int] = {}  # an allocation's index -> the index of the band it carries on
+        self._index: dict[int, int] = {}  # id(an allocation) -> its index in allocations
         self._handles: list[Any] = []
         self._recorder = _Recorder(self)
 
     # ------------------------------------------------------------------ recording
     def _phase(self) -> str:
+        # MemoryTracker's rules, so that a band's category is the one the tracker gives its storage: optimizer step >
+        # autograd engine running > the engine has just finished (other) > the last phase started; the forward
+        # phase starts with the model's own forward and lasts until the backward (the loss made outside the model
+        # is an activation, as the tracker counts it)
         if self._in_opt:
-            return "optimizer"
-        if torch._C._current_graph_task_id() != -1:
-            return "backward"
-        return "forward" if self._in_fwd else "other"
+            p = "optimizer"
+        elif torch._C._current_graph_task_id() != -1:
+            p = "backward"
+        elif self._last == "backward":
+            p = "other"
+        else:
+            p = self._last
+        self._last = p
+        return p
 
     def _add(self, t: torch.Tensor, category: str, op: str, phase: str, relabel: bool = False) -> None:
         try:
@@ -160,8 +172,8 @@ class Timeline:
         key = st._cdata
         entry = self._live.get(key)
         if entry is not None:
-            if relabel:
-                entry[0].category = category
+            if relabel and entry[0].category != category:
+                self._relabel(key, category)
             return
         if self._device_type is not None and t.device.type != self._device_type:
             return
@@ -173,15 +185,16 @@ class Timeline:
         start = 0 if op == "(before)" else (self._ops if self._inside else self._ops + 1)
         a = Allocation(start, None, n, category, op, tuple(t.shape), str(t.dtype).replace("torch.", ""),
                        phase, str(t.device))
+        self._index[id(a)] = len(self.allocations)
         self.allocations.append(a)
 
-        def free(ref: weakref.ref, key: int = key, a: Allocation = a) -> None:
+        def free(ref: weakref.ref, key: int = key) -> None:
             e = self._live.get(key)
             if e is not None and e[1] is ref:
                 del self._live[key]
                 # freed inside op k: gone at k; freed between ops k and k+1: alive at k (as the tracker,
                 # which reads its totals after each op)
-                a.end = self._ops if self._inside else self._ops + 1
+                e[0].end = self._ops if self._inside else self._ops + 1
 
         self._live[key] = (a, weakref.ref(st, free))
 
@@ -205,15 +218,40 @@ class Timeline:
                     for t in _outputs(v):
                         self._add(t, "optimizer", op, "optimizer", relabel=True)
 
+    def _not_state(self) -> None:
+        """As the tracker does after a step: what the step allocated and still holds outside ``optimizer.state`` is
+        not optimizer state but ``other``, from the next op on (its band ends; a band of ``other`` carries on)."""
+        state = set()
+        for st in self.optimizer.state.values():
+            for v in (st.values() if isinstance(st, dict) else []):
+                state.update(k for k in (_key(t) for t in _outputs(v)) if k is not None)
+        for key, (a, _) in list(self._live.items()):
+            if a.category == "optimizer" and key not in state and key not in self._opt_before:
+                self._relabel(key, "other")
+
+    def _relabel(self, key: int, category: str) -> None:
+        """A live storage changes category between two ops (a gradient autograd just handed over, state the
+        optimizer made): as the tracker counts it, the new category from the next op on. Its band ends there and a
+        band of the new category carries on (at the same address in :meth:`snapshot`)."""
+        a, ref = self._live[key]
+        at = self._ops if self._inside else self._ops + 1
+        if a.start >= at:  # made since the last op: it has the new category from its start
+            a.category = category
+            return
+        a.end = at
+        b = Allocation(at, None, a.nbytes, category, a.op, a.shape, a.dtype, a.phase, a.device)
+        self._continues[len(self.allocations)] = self._index[id(a)]
+        self._index[id(b)] = len(self.allocations)
+        self.allocations.append(b)
+        self._live[key] = (b, ref)
+
     def _install(self) -> None:
         if self.model is not None:
-            def pre(mod, args):
-                self._in_fwd += 1
+            def pre(mod, args):  # the model's own forward starts outside the engine: the forward phase
+                if not self._in_opt and torch._C._current_graph_task_id() == -1:
+                    self._last = "forward"
 
-            def post(mod, args, out):
-                self._in_fwd = max(0, self._in_fwd - 1)
-
-            self._handles += [self.model.register_forward_pre_hook(pre), self.model.register_forward_hook(post)]
+            self._handles.append(self.model.register_forward_pre_hook(pre))
             for p in self.model.parameters():
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(
@@ -221,10 +259,14 @@ class Timeline:
         if self.optimizer is not None:
             def opt_pre(opt, args, kwargs):
                 self._in_opt += 1
+                self._opt_before = {k for k, e in self._live.items() if e[0].category == "optimizer"}
 
             def opt_post(opt, args, kwargs):
                 self._in_opt = max(0, self._in_opt - 1)
                 self._state("optimizer state")
+                self._not_state()
+                if not self._in_opt:
+                    self._last = "other"
 
             self._handles += [self.optimizer.register_step_pre_hook(opt_pre),
                               self.optimizer.register_step_post_hook(opt_post)]
@@ -276,6 +318,9 @@ class Timeline:
         A dict with ``segments`` and ``device_traces``."""
         addr, next_addr = {}, 0
         for i, a in enumerate(self.allocations):
+            if i in self._continues:  # a relabelled storage: the same block
+                addr[i] = addr[self._continues[i]]
+                continue
             addr[i] = next_addr
             next_addr += max(CUDA_BLOCK_BYTES, math.ceil(a.nbytes / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES)
 
@@ -300,9 +345,7 @@ class Timeline:
                 trace.append({"action": "free_requested", **base})
                 trace.append({"action": "free_completed", **base})
         blocks, cursor = [], 0
-        for i, a in enumerate(self.allocations):
-            if a.end is not None:
-                continue
+        for i, a in sorted(((i, a) for i, a in enumerate(self.allocations) if a.end is None), key=lambda ia: addr[ia[0]]):
             if addr[i] > cursor:
                 blocks.append({"size": addr[i] - cursor, "state": "inactive"})
             blocks.append({"size": a.nbytes, "requested_size": a.nbytes, "state": "active_allocated",
