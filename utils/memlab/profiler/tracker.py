@@ -43,7 +43,7 @@ from memlab.core.vocab import Category, Phase
 from memlab.profiler.allocator import DEFAULT_BLOCK_BYTES, allocator_bytes
 from memlab.profiler.report import format_report, plot_timeline
 from memlab.profiler.storage import (BREAKDOWN_AT, CATEGORIES, FRESH_ALIAS_OPS, PHASES, Event, LiveStorage,
-                                     optimizer_tensors, phase_peaks, tensors_in)
+                                     optimizer_tensors, tensors_in)
 
 __all__ = ["MemoryTracker"]
 
@@ -74,20 +74,45 @@ class _Peak:
     module: str | None
 
 
-_MUTATES: dict[Any, bool] = {}
+# per op, computed once from its schema: bit 1, it writes into an argument (in place or out=), so
+# it can resize a storage the tracker has not met yet and sizes are read before it runs; bit 2, it
+# may return an alias of an argument (a view, the tensor an in-place op returns). An op with neither
+# returns fresh storages only, and its arguments are never walked (most ops of a step)
+_WRITES, _ALIASES = 1, 2
+_KINDS: dict[int, int] = {}
+_KIND_OPS: list[Any] = []
+# returns with no alias annotation that are views all the same (autograd's reasons, see native_functions.yaml)
+_UNANNOTATED_VIEWS = frozenset(("_unsafe_view",))
 
 
-def _mutates(func: Any) -> bool:
-    # whether an op writes into one of its arguments (in place or out=): such an op can resize a
-    # storage the tracker has not met yet, so its size is read before the op runs
-    m = _MUTATES.get(func)
-    if m is None:
+def _op_kind(func: Any) -> int:
+    # keyed by id (an OpOverload's __hash__ is Python code); _KIND_OPS keeps each op, so its id stays its own
+    k = _KINDS.get(id(func))
+    if k is None:
         try:
-            m = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-        except AttributeError:  # not an OpOverload: assume it may
-            m = True
-        _MUTATES[func] = m
-    return m
+            schema = func._schema
+            k = _WRITES if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments) else 0
+            if (any(r.alias_info is not None for r in schema.returns)
+                    or schema.name.split("::")[-1] in _UNANNOTATED_VIEWS):
+                k |= _ALIASES
+        except AttributeError:  # not an OpOverload: assume it may do both
+            k = _WRITES | _ALIASES
+        _KINDS[id(func)] = k
+        _KIND_OPS.append(func)
+    return k
+
+
+def _arg_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    # tensors_in((args, kwargs)), without the walk for the usual flat argument tuple
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            tensors_in(a, 2, out)
+    if kwargs:
+        tensors_in(kwargs, 1, out)
+    return out
 
 
 class _ModuleFrames:
@@ -96,8 +121,9 @@ class _ModuleFrames:
 
     Forward hooks push and pop module frames; in backward, the module whose output gradient arrived
     last is running (with its parents) until the next one starts. Backward attribution is by
-    output-gradient arrival (``torch.autograd.graph.register_multi_grad_hook(mode="any")`` on each
-    module's outputs), exact for sequential models and approximate where modules interleave.
+    output-gradient arrival (a hook on each module's outputs that runs for the first of their
+    gradients in each backward, as ``torch.autograd.graph.register_multi_grad_hook(mode="any")``
+    does), exact for sequential models and approximate where modules interleave.
 
     A frame is ``[qualified name, max total while active, is_backward_frame]``. ``total`` reads the
     tracker's current bytes; ``on_root_forward`` runs when the model's own forward starts outside
@@ -176,8 +202,27 @@ class _ModuleFrames:
                     break
             if torch.is_grad_enabled() and _graph_task_id() == -1:
                 ts = [t for t in tensors_in(output) if t.requires_grad]
-                if ts:
-                    torch.autograd.graph.register_multi_grad_hook(ts, self._pre_backward(name), mode="any")
+                if len(ts) == 1:  # the usual case: one hook on the one output
+                    ts[0].register_hook(self._pre_backward(name))
+                elif ts:
+                    hook = self._first_grad_only(self._pre_backward(name))
+                    for t in ts:
+                        t.register_hook(hook)
+
+        return hook
+
+    @staticmethod
+    def _first_grad_only(fn: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        # torch.autograd.graph.register_multi_grad_hook(mode="any") without its lock and wrappers
+        # (a tenth of the tracker's cost, registered after every module's forward): ``fn`` runs for
+        # the first of the outputs' gradients in each backward pass
+        seen: set[int] = set()
+
+        def hook(grad: torch.Tensor) -> None:
+            task = _graph_task_id()
+            if task not in seen:
+                seen.add(task)
+                fn(grad)
 
         return hook
 
@@ -293,6 +338,10 @@ class MemoryTracker(TorchDispatchMode):
         self._peak = _Peak(0, (0, 0, 0, 0, 0), 0, "other", None)
         self._end: tuple[int, ...] | None = None
         self._frames = _ModuleFrames(lambda: self._total, self._root_forward_starts)
+        self._frame_stack = self._frames.stack  # the same list, read after every op
+        # the peak of each phase (-1: not seen yet) and the phases in the order they first occurred
+        self._phase_peak = [-1] * len(PHASES)
+        self._phase_order: list[int] = []
         self._handles: list[Any] = []
         self._depth = 0
         self._in_opt = 0
@@ -444,7 +493,7 @@ class MemoryTracker(TorchDispatchMode):
             return inputs
         if inputs is None:
             inputs = []
-            for t in tensors_in((args, kwargs)):
+            for t in _arg_tensors(args, kwargs):
                 if self._unwrap is not None:
                     t = self._unwrap(t)
                 try:
@@ -460,11 +509,28 @@ class MemoryTracker(TorchDispatchMode):
             self._new_entry(st, key, dev, cat, None)
         return inputs
 
+    def _track_fresh(self, o: torch.Tensor, cat: int) -> None:
+        # an output of an op that returns no alias of its arguments: a storage not met yet is new
+        if self._unwrap is not None:
+            o = self._unwrap(o)
+        try:
+            st = o.untyped_storage()
+        except (NotImplementedError, RuntimeError, TypeError):
+            return
+        key = st._cdata
+        e = self._live.get(key)
+        if e is not None:
+            self._resize_entry(e, st.nbytes())
+            return
+        if self._device_type is not None and o.device.type != self._device_type:
+            return
+        self._new_entry(st, key, o.device.type, cat, None)
+
     def _untracked_sizes(self, args: Any, kwargs: Any) -> dict[int, tuple]:
         # before an op that writes into its arguments: the allocator bytes of each argument storage
         # the tracker has not met, so that a resize by the op is charged (from this size)
         out: dict[int, tuple] = {}
-        for t in tensors_in((args, kwargs)):
+        for t in _arg_tensors(args, kwargs):
             if self._unwrap is not None:
                 t = self._unwrap(t)
             try:
@@ -510,9 +576,21 @@ class MemoryTracker(TorchDispatchMode):
             self._track(t, _O, relabel=True)
 
     # ------------------------------------------------------------------ the dispatch hook
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo unless this says False:
+        # two eval-frame switches and two wrapper calls per op, a tenth of the tracker's cost. Nothing
+        # is compiled inside the hook; a torch.compile'd function called in the block is not traced
+        # into it either (dynamo treats an active dispatch mode as a graph break)
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        before = self._untracked_sizes(args, kwargs) if _mutates(func) else None
+        if kwargs is None:
+            kwargs = {}
+        kind = _KINDS.get(id(func))
+        if kind is None:
+            kind = _op_kind(func)
+        before = self._untracked_sizes(args, kwargs) if kind & _WRITES else None
         out = func(*args, **kwargs)
         if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
             outs: Any = (out,)
@@ -533,22 +611,35 @@ class MemoryTracker(TorchDispatchMode):
             if phase != self._phase:
                 self._set_phase(phase)
             cat = _A if (phase == _FWD or phase == _BWD) else (_O if phase == _OPT else _X)
-            inputs = () if func in FRESH_ALIAS_OPS else None
-            bsizes = {k: v[0] for k, v in before.items()} if before else None
-            for o in outs:
-                if isinstance(o, torch.Tensor):
-                    inputs = self._track_output(o, cat, inputs, args, kwargs, bsizes)
-                elif isinstance(o, (tuple, list)):
-                    for oo in o:
-                        if isinstance(oo, torch.Tensor):
-                            inputs = self._track_output(oo, cat, inputs, args, kwargs, bsizes)
-            if before:  # an argument the tracker had not met, resized by the op and not returned
-                for key, (n, st, dev) in before.items():
-                    if key not in self._live and self.allocated_bytes(st.nbytes(), dev) != n:
-                        self._new_entry(st, key, dev, cat, n)
+            if kind & _ALIASES or before:
+                self._track_outputs(func, outs, cat, args, kwargs, before)
+            else:  # fresh storages only
+                for o in outs:
+                    if isinstance(o, torch.Tensor):
+                        self._track_fresh(o, cat)
+                    elif isinstance(o, (tuple, list)):
+                        for oo in o:
+                            if isinstance(oo, torch.Tensor):
+                                self._track_fresh(oo, cat)
         self._ops += 1
         self._after_op()
         return out
+
+    def _track_outputs(self, func: Any, outs: Any, cat: int, args: Any, kwargs: Any, before: dict | None) -> None:
+        # the outputs of an op that may alias an argument or writes into one
+        inputs = () if func in FRESH_ALIAS_OPS else None
+        bsizes = {k: v[0] for k, v in before.items()} if before else None
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                inputs = self._track_output(o, cat, inputs, args, kwargs, bsizes)
+            elif isinstance(o, (tuple, list)):
+                for oo in o:
+                    if isinstance(oo, torch.Tensor):
+                        inputs = self._track_output(oo, cat, inputs, args, kwargs, bsizes)
+        if before:  # an argument the tracker had not met, resized by the op and not returned
+            for key, (n, st, dev) in before.items():
+                if key not in self._live and self.allocated_bytes(st.nbytes(), dev) != n:
+                    self._new_entry(st, key, dev, cat, n)
 
     def _after_op(self) -> None:
         if self.resizes:
@@ -556,12 +647,19 @@ class MemoryTracker(TorchDispatchMode):
         if self._hook is not None and self._hook() is False:
             return
         total = self._total
-        self._frames.see(total)
-        if total > self._peak.total:
-            self._peak = _Peak(total, tuple(self._cur), self._ops, PHASES[self._phase], self._frames.innermost)
+        frames = self._frame_stack  # _ModuleFrames.see, inlined (it runs after every op)
+        if frames and total > frames[-1][1]:
+            frames[-1][1] = total
+        phase = self._phase
+        if total > self._phase_peak[phase]:
+            if self._phase_peak[phase] < 0:
+                self._phase_order.append(phase)
+            self._phase_peak[phase] = total
+            if total > self._peak.total:
+                self._peak = _Peak(total, tuple(self._cur), self._ops, PHASES[phase], self._frames.innermost)
         if self._dirty and self._record:
             c = self._cur
-            self._events.append((self._ops, self._phase, c[0], c[1], c[2], c[3], c[4]))
+            self._events.append((self._ops, phase, c[0], c[1], c[2], c[3], c[4]))
         self._dirty = False
 
     def _set_phase(self, phase: int) -> None:
@@ -731,8 +829,9 @@ class MemoryTracker(TorchDispatchMode):
         return [Event(e[0], PHASES[e[1]], dict(zip(CATEGORIES, e[2:]))) for e in self._events]
 
     def phase_peaks(self) -> dict[str, int]:
-        """Peak total bytes in each phase that occurred, in the order the phases first occurred."""
-        return phase_peaks(self.timeline)
+        """Peak total bytes in each phase that occurred, in the order the phases first occurred (kept
+        after every op, so with ``timeline=False`` too; equal to ``phase_peaks(self.timeline)``)."""
+        return {PHASES[p]: self._phase_peak[p] for p in self._phase_order}
 
     def report(self, top: int = 5) -> str:
         """A text table (:func:`memlab.profiler.format_report`): categories at the peak and at the
