@@ -5,6 +5,7 @@ step, read the peak, its breakdown and each phase's peak. Also runs the same ste
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -16,7 +17,8 @@ from memlab.core.units import format_bytes
 from memlab.core.validation import check_choice
 from memlab.core.vocab import CATEGORIES, Recipe
 from memlab.estimate.attention import UnpackedPositions, attention_plan, make_tracker
-from memlab.estimate.model import ModelSpec, enable_checkpointing, largest_layer_params, vocab_size
+from memlab.estimate.model import (ModelSpec, enable_checkpointing, largest_layer_params, traceable_build,
+                                   untraceable, vocab_size)
 from memlab.estimate.optim import bnb_state_bytes, import_bitsandbytes, paged_state_bytes, step_optimizer
 from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CUBLAS_THREADS, LOSSES, MIXED, OPTIMIZER_IMPLS,
                                      cublas_workspace)
@@ -276,7 +278,16 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
             from memlab.estimate.cuda_rules import checkpoint_context_fn
 
             ctx_fn = checkpoint_context_fn(s.cuda_rules)
-        model = spec.build(step.dtype, build_attn).train()
+        with traceable_build(s.traced_on) if fake else contextlib.nullcontext():
+            try:
+                model = spec.build(step.dtype, build_attn).train()
+            except (ValueError, TypeError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # a builder of yours that fake tensors cannot run: its line, and what works
+                err = untraceable(spec.fn, exc) if (fake and spec.fn is not None) else None
+                if err is None:
+                    raise
+                raise err from None
         if step.offload_checkpoints:
             s.offload = offload_inputs(model, s, fake)
         elif step.checkpointing:
@@ -298,10 +309,13 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
 
 
 def _is_hf_model(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except Exception:  # pragma: no cover
+    """A transformers model, or peft's wrapper of one (``get_peft_model``: its forward takes ``labels`` too)."""
+    if "transformers" not in sys.modules:  # nothing built by transformers in this process
         return False
+    from transformers import PreTrainedModel
+
+    if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
     return isinstance(model, PreTrainedModel)
 
 
