@@ -50,6 +50,8 @@ DTYPES: dict[torch.dtype, str] = {
 }
 _FROM_NAME = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * MiB  # safetensors' own limit on the header's size
+_MAX_DIMS = 64  # more dimensions than torch.Tensor takes
+_INT64_MAX = 2**63 - 1
 _TEMP_RE = re.compile(r"^\..+\.tmp-[0-9]+-[0-9a-f]+$")
 
 
@@ -147,8 +149,8 @@ def _parse(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, Any], int
                               f"{n - 8} after the length field; refusing to load")
     try:
         header = json.loads(data[8:8 + hlen].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{where}: corrupted header (not JSON: {exc}); refusing to load") from None
+    except ValueError as exc:  # not UTF-8, not JSON, or an int of more digits than Python converts
+        raise CheckpointError(f"{where}: corrupted header (not JSON: {str(exc)[:200]}); refusing to load") from None
     except RecursionError:
         raise CheckpointError(f"{where}: malformed header (JSON nested too deeply to read); refusing to load") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
@@ -160,21 +162,15 @@ def _parse(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, Any], int
     sha = meta.pop(_SHA_KEY, None)
     start = 8 + hlen
     end = 0
-    for name, info in header.items():
-        ok = (isinstance(info, dict) and info.get("dtype") in _FROM_NAME and isinstance(info.get("shape"), list)
-              and all(isinstance(s, int) and s >= 0 for s in info["shape"])
-              and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
-              and all(isinstance(o, int) for o in info["data_offsets"]))
-        if not ok:
-            raise CheckpointError(f"{where}: corrupted tensor entry {name!r}: {str(info)[:120]}; refusing to load")
-        lo, hi = info["data_offsets"]
-        numel = 1
-        for s in info["shape"]:
-            numel *= s
-        if not 0 <= lo <= hi or hi - lo != numel * _FROM_NAME[info["dtype"]].itemsize:
-            raise CheckpointError(f"{where}: corrupted tensor entry {name!r} (offsets {lo}..{hi} do not hold "
-                                  f"{info['shape']} x {info['dtype']}); refusing to load")
-        end = max(end, hi)
+    try:
+        ranges = sorted(_check_entry(name, info, where, n - start) for name, info in header.items())
+    except RecursionError:  # an entry nested too deeply to describe
+        raise CheckpointError(f"{where}: malformed tensor table (nested too deeply); refusing to load") from None
+    for lo, hi in ranges:
+        if lo != end:  # safetensors' layout: the byte ranges tile the data, in order, with no gap or overlap
+            raise CheckpointError(f"{where}: corrupted tensor table (a byte range starts at {lo}, expected {end}: "
+                                  "ranges overlap or leave a gap); refusing to load")
+        end = hi
     if start + end != n:
         what = "truncated" if start + end > n else "has trailing bytes"
         raise CheckpointError(f"{where}: {what}: {n} bytes, the header describes {start + end}; refusing to load")
@@ -184,6 +180,37 @@ def _parse(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, Any], int
         raise CheckpointError(f"{where}: checksum mismatch (stored sha256 {str(sha)[:16]}..., computed "
                               f"{digest.hexdigest()[:16]}...): the file is corrupted; refusing to load")
     return meta, header, start
+
+
+def _check_entry(name: str, info: Any, where: str, size: int) -> tuple[int, int]:
+    # One tensor's entry of the table, checked field by field (a crafted file may hold any JSON there):
+    # its byte range (lo, hi) within the ``size`` data bytes, or a CheckpointError naming the entry.
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: corrupted tensor entry {name[:80]!r}: {why}; refusing to load")
+
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        keys = sorted(map(str, info))[:5] if isinstance(info, dict) else type(info).__name__
+        raise bad(f"expected the keys dtype, shape, data_offsets, got {keys}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _FROM_NAME:
+        raise bad(f"dtype={str(dtype)[:40]!r}; allowed: {', '.join(_FROM_NAME)}")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(s) for s in shape):
+        raise bad(f"shape={str(shape)[:60]}; allowed: a list of at most {_MAX_DIMS} ints from 0 to 2**63 - 1")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise bad(f"data_offsets={str(offsets)[:60]}; allowed: [begin, end], two ints from 0 to 2**63 - 1")
+    lo, hi = offsets
+    numel, extent = 1, 1  # extent: the product of the non-zero dimensions (what a stride must hold)
+    for s in shape:
+        numel, extent = numel * s, extent * max(s, 1)
+        if extent > _INT64_MAX:
+            raise bad(f"shape={shape} has more than 2**63 - 1 elements")
+    if not lo <= hi <= size or hi - lo != numel * _FROM_NAME[dtype].itemsize:
+        raise bad(f"data_offsets {lo}..{hi} do not hold {shape} x {dtype} within the file's {size} data bytes")
+    return lo, hi
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _INT64_MAX
 
 
 def deserialize(data: bytes, where: str = "<bytes>", *, device: str | torch.device = "cpu") -> Any:

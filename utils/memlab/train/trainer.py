@@ -66,28 +66,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from memlab.train import state as training_state
-from memlab.core.units import MiB, format_bytes, parse_size
-from memlab.core.validation import check_bool, check_int, check_number, check_positive_int, invalid
+from memlab.core.units import MiB, format_bytes
 from memlab.models import decoder_layers
 from memlab.offload.in_backward import OptimizerInBackward, optimizer_in_backward
 from memlab.plan import Stack
 from memlab.profiler import MemoryTracker
+from memlab.train.arguments import check_arguments, check_batch, check_corpus, check_steps, vocab_size
 from memlab.train.budget import BudgetTracker
+from memlab.train.lock import DirectoryLock
+from memlab.train.resume import FORMAT, ForeignCheckpointError, check_trainer_state, model_config
 from memlab.train.stacks import SUPPORTED, Backoff, back_off_chain
 
 __all__ = ["BudgetTrainer"]
 
 _CKPT_GLOB = "step-*.safetensors"
-
-
-def _parse_budget(budget: Any) -> int | None:
-    if budget is None:
-        return None
-    if isinstance(budget, str):
-        return parse_size(budget, name="budget")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise invalid("budget", budget, "None, an int number of bytes >= 1, or a size such as '64 MiB'")
-    return budget
 
 
 def _set_attention(model: nn.Module, attention: str) -> None:
@@ -110,13 +102,8 @@ def _corpus_data(corpus: torch.Tensor, seq_len: int, effective_batch: int, seed:
     # data(step) -> (x, y): effective_batch windows of the corpus' train split, a pure function of step
     from memlab.models.corpus import split_bounds
 
-    if corpus.dim() != 1:
-        raise ValueError(f"data: a corpus must be a 1-D tensor of token ids, got shape {tuple(corpus.shape)}")
-    lo, hi = split_bounds(corpus.numel(), "train")
+    lo, hi = split_bounds(corpus.numel(), "train")  # memlab.train.arguments checked its shape and length
     train = corpus[lo:hi]
-    if train.numel() < seq_len + 2:
-        raise ValueError(f"data: the train split has {train.numel()} tokens; seq_len={seq_len} needs at least "
-                         f"{seq_len + 2}")
     window = torch.arange(seq_len + 1)
     n_starts = train.numel() - seq_len
 
@@ -170,44 +157,45 @@ class BudgetTrainer:
                  stacks: Sequence[Stack] | Stack, data: Any = None, effective_batch: int, seq_len: int,
                  ckpt_dir: str | Path | None = None, seed: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
                  ckpt_interval: int = 1, keep: int = 2, progress: bool = False, fresh: bool = False) -> None:
-        self.effective_batch = check_positive_int("effective_batch", effective_batch)
-        self.seq_len = check_positive_int("seq_len", seq_len)
-        self.ckpt_interval = check_positive_int("ckpt_interval", ckpt_interval)
-        self.keep = check_int("keep", keep, minimum=2)  # the newest and a fallback
-        self.seed = check_int("seed", seed, minimum=0)
-        check_number("lr", lr, minimum=0, strict_minimum=True)
-        check_number("weight_decay", weight_decay, minimum=0)
-        check_bool("fresh", fresh)
-        self.lr, self.weight_decay = float(lr), float(weight_decay)
-        self.budget = _parse_budget(budget)
+        args = check_arguments(model=model, budget=budget, data=data, effective_batch=effective_batch,
+                               seq_len=seq_len, ckpt_dir=ckpt_dir, seed=seed, lr=lr, weight_decay=weight_decay,
+                               ckpt_interval=ckpt_interval, keep=keep, progress=progress, fresh=fresh)
+        self.effective_batch, self.seq_len, self.seed = args["effective_batch"], args["seq_len"], args["seed"]
+        self.ckpt_interval, self.keep, self.progress = args["ckpt_interval"], args["keep"], args["progress"]
+        self.lr, self.weight_decay, self.budget = args["lr"], args["weight_decay"], args["budget"]
         self.stacks = self._check_stacks(stacks)
-        self.progress = bool(progress)
+        self._check_model_runs(model, self.stacks)  # every argument is checked before any work below
 
         from memlab.config import seed_everything
 
-        seed_everything(seed)
+        seed_everything(self.seed)
         if model is None:
             from memlab.models import TinyGPT, TinyGPTConfig
 
-            model = TinyGPT(TinyGPTConfig(block_size=max(seq_len, 64), n_layer=2, n_head=2, n_embd=64))
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+            model = TinyGPT(TinyGPTConfig(block_size=max(self.seq_len, 64), n_layer=2, n_head=2, n_embd=64))
         self.model = model
         self.model.train()
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
-        self._check_model_runs(self.model, self.stacks)
+        self._vocab = vocab_size(self.model)
         self._batch = self._make_data(data)
 
         self._tmp = None
-        if ckpt_dir is None:
+        if args["ckpt_dir"] is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="memlab-ckpt-")
-            ckpt_dir = self._tmp.name
-        self.ckpt_dir = Path(ckpt_dir)
+        self.ckpt_dir = Path(self._tmp.name) if self._tmp is not None else args["ckpt_dir"]
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        # temp files of a writer that was killed (the directory is this trainer's alone)
-        self.stale_temps_removed = training_state.remove_stale_temps(self.ckpt_dir)
+        # the directory is this trainer's alone (memlab.train.lock): another live trainer there is refused
+        self._lock = DirectoryLock(self.ckpt_dir).acquire()
+        try:
+            self._open(fresh)
+        except BaseException:
+            self._lock.release()
+            raise
 
+    def _open(self, fresh: bool) -> None:
+        # Take over the directory: remove a killed writer's temp files, resume the newest valid checkpoint.
+        self.stale_temps_removed = training_state.remove_stale_temps(self.ckpt_dir)
         self.step = 0
         self.losses: list[float] = []
         self.backoffs: list[Backoff] = []
@@ -232,6 +220,14 @@ class BudgetTrainer:
                 f"ckpt_dir={str(self.ckpt_dir)!r}: no checkpoint there verifies ({len(self.rejected)} rejected: "
                 f"{lines}); refusing to restart from step 0 over them. Restore a good copy, or pass fresh=True "
                 "(--fresh) to set them aside and start from step 0")
+        if self._data_fn:  # a data function: its first batch now, each later one as it is drawn
+            x, y = self._batch(self.step)
+            check_batch(self.step, x, y, (self.effective_batch, self.seq_len), self._vocab)
+
+    def close(self) -> None:
+        """Give the checkpoint directory up (its lock), so that another trainer may open it; also done when
+        the trainer is garbage collected or the process exits."""
+        self._lock.release()
 
     # -------------------------------------------------------------- arguments
     @staticmethod
@@ -259,11 +255,14 @@ class BudgetTrainer:
         return out
 
     @staticmethod
-    def _check_model_runs(model: nn.Module, stacks: Sequence[Stack]) -> None:
+    def _check_model_runs(model: nn.Module | None, stacks: Sequence[Stack]) -> None:
         # chapter 09's losses replace a transformers causal LM's head + loss (memlab.loss): refuse other models
         for i, s in enumerate(stacks):
             if s.loss == "default":
                 continue
+            if model is None:
+                raise ValueError(f"stacks[{i}].loss={s.loss!r} needs a transformers causal LM; the default model is a "
+                                 "TinyGPT; allowed for it: loss='default'")
             if s.loss == "fused":
                 from memlab.loss.hf import causal_lm_head
 
@@ -284,12 +283,14 @@ class BudgetTrainer:
             from memlab.models.corpus import stdlib_corpus
 
             data = stdlib_corpus(max_bytes=pick(full=None, small=MiB))
-        if isinstance(data, torch.Tensor):
-            return _corpus_data(data, self.seq_len, self.effective_batch, self.seed)
-        if callable(data):
+        self._data_fn = not isinstance(data, torch.Tensor)  # check_arguments allowed a tensor or a function
+        if self._data_fn:
             return data
-        raise TypeError(f"data: expected None, a 1-D tensor of token ids or a function step -> (x, y), got "
-                        f"{type(data).__name__}")
+        from memlab.models.corpus import split_bounds
+
+        lo, hi = split_bounds(data.numel(), "train")
+        check_corpus(data[lo:hi], self._vocab, offset=lo)  # the windows are drawn from the train split only
+        return _corpus_data(data, self.seq_len, self.effective_batch, self.seed)
 
     # -------------------------------------------------------------- stacks
     @property
@@ -383,7 +384,7 @@ class BudgetTrainer:
         RNG states, step, losses, stacks and back-offs."""
         assert self.optimizer is not None
         return {
-            "format": "memlab.train/1",
+            "format": FORMAT,
             "step": self.step,
             "losses": list(self.losses),
             "step_peaks": list(self.step_peaks),
@@ -394,6 +395,7 @@ class BudgetTrainer:
             "data": {"position": self.step, "seed": self.seed, "effective_batch": self.effective_batch,
                      "seq_len": self.seq_len},
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "model_config": model_config(self.model),  # tells a 4-head model from a 2-head one of the same shapes
             "optimizer": self._optimizer_state(),
             "rng": training_state.rng_state(),
         }
@@ -403,7 +405,14 @@ class BudgetTrainer:
         checkpoints of the highest steps up to this one (by step number). The one just written is
         never deleted; if it does not verify, nothing older is deleted either; a file of a higher
         step (one this run did not write since it resumed) is never deleted. Returns the path written.
+
+        Raises:
+            memlab.train.lock.DirectoryInUseError: a newer trainer of this process took ``ckpt_dir`` over.
         """
+        with self._lock.busy():
+            return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path:
         path = training_state.save(self.state(), self._ckpt_path(self.step))
         try:  # read back and verified before any older checkpoint goes
             training_state.read_state_json(path)
@@ -431,64 +440,31 @@ class BudgetTrainer:
         self.set_aside.append(target)
 
     def _latest_checkpoint(self) -> dict[str, Any] | None:
-        # The newest checkpoint that verifies; newer ones that fail are renamed ``<name>.corrupt``
-        # once a verified one is found (so the keep rule never weighs them against new ones).
+        # The newest checkpoint that verifies and holds a well-formed state of this run (memlab.train.resume);
+        # newer ones that fail are renamed ``<name>.corrupt`` once a good one is found (so the keep rule never
+        # weighs them against new ones). A valid checkpoint of another run or model is refused, not skipped.
         bad: list[Path] = []
         for path in training_state.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB):
             try:
                 state = training_state.load(path)
+                check_trainer_state(state, model=self.model, effective_batch=self.effective_batch,
+                                    seq_len=self.seq_len, seed=self.seed, where=path)
+            except ForeignCheckpointError:
+                raise
             except training_state.CheckpointError as exc:
                 self.rejected.append((path, str(exc)))
                 bad.append(path)
                 warnings.warn(f"skipping a checkpoint that failed verification: {exc}", stacklevel=3)
                 continue
-            if not isinstance(state, dict):
-                raise training_state.CheckpointError(f"{path}: not a BudgetTrainer checkpoint (its state is a "
-                                            f"{type(state).__name__}); use another ckpt_dir, or fresh=True")
             for b in bad:
                 self._set_aside(b, "corrupt")
             state["__path__"] = path
             return state
         return None
 
-    def _check_state(self, state: dict[str, Any]) -> None:
-        # Refuse a verified checkpoint of another run before anything is loaded from it.
-        where = state.get("__path__")
-        fix = "use another ckpt_dir, or fresh=True (--fresh) to set its checkpoints aside"
-        if state.get("format") != "memlab.train/1":
-            raise training_state.CheckpointError(f"{where}: not a BudgetTrainer checkpoint (format={state.get('format')!r}, "
-                                        f"expected 'memlab.train/1'); {fix}")
-        need = {"step": int, "losses": list, "step_peaks": list, "stack": dict, "backoffs": list, "data": dict,
-                "model": dict, "optimizer": dict, "rng": dict}
-        for key, typ in need.items():
-            if not isinstance(state.get(key), typ) or isinstance(state.get(key), bool):
-                raise training_state.CheckpointError(f"{where}: malformed BudgetTrainer checkpoint: {key!r} is "
-                                            f"{type(state.get(key)).__name__}, expected {typ.__name__}; {fix}")
-        data = state["data"]
-        got = tuple(data.get(k) for k in ("effective_batch", "seq_len", "seed"))
-        if got != (self.effective_batch, self.seq_len, self.seed):
-            raise training_state.CheckpointError(
-                f"{where}: checkpoint of effective_batch={got[0]}, seq_len={got[1]}, seed={got[2]}; this trainer "
-                f"has {self.effective_batch}, {self.seq_len}, {self.seed}; {fix}")
-        mine = self.model.state_dict()
-        theirs = state["model"]
-        missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
-        if missing or extra:
-            raise training_state.CheckpointError(f"{where}: checkpoint of another model (missing tensors {missing[:3]}, "
-                                        f"unexpected {extra[:3]}); {fix}")
-        for k, v in mine.items():
-            t = theirs[k]
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(v.shape):
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise training_state.CheckpointError(f"{where}: checkpoint of another model shape: {k} is {shape} there, "
-                                            f"{tuple(v.shape)} in this model; {fix}")
-        if not (0 <= state["step"] == len(state["losses"]) == len(state["step_peaks"])):
-            raise training_state.CheckpointError(f"{where}: malformed BudgetTrainer checkpoint: step={state['step']} with "
-                                        f"{len(state['losses'])} losses; {fix}")
-
     def _restore(self, state: dict[str, Any], resume: bool) -> None:
-        # Load ``state``; on ``resume`` (a new trainer) also its stack and back-off history.
-        self._check_state(state)
+        # Load ``state`` (checked by _latest_checkpoint); on ``resume`` (a new trainer) also its stack and
+        # back-off history.
         try:
             self._load_state(state, resume)
         except training_state.CheckpointError:
@@ -537,9 +513,9 @@ class BudgetTrainer:
         # One optimizer step of ``stack`` on the batch of ``step``; the mean loss (a 0-d tensor).
         assert self.optimizer is not None
         x_all, y_all = self._batch(step)
-        if tuple(x_all.shape) != (self.effective_batch, self.seq_len) or x_all.shape != y_all.shape:
-            raise ValueError(f"data({step}) returned x {tuple(x_all.shape)}, y {tuple(y_all.shape)}; expected both "
-                             f"({self.effective_batch}, {self.seq_len})")
+        # a data function's ids against the vocabulary (a corpus was checked whole when the trainer started)
+        vocab = getattr(self, "_vocab", None) if getattr(self, "_data_fn", False) else None
+        check_batch(step, x_all, y_all, (self.effective_batch, self.seq_len), vocab)
         x_all, y_all = x_all.to(self.device), y_all.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         mb, k = stack.micro_batch, stack.grad_accum
@@ -569,7 +545,7 @@ class BudgetTrainer:
         Raises:
             ValueError: ``step`` < 0, or a ``stack`` this trainer cannot run.
         """
-        check_int("step", step, minimum=0)
+        check_steps("step", step)
         if stack is None:
             return self._optimizer_step(step, self.stack)
         self._check_stacks([stack])
@@ -621,8 +597,13 @@ class BudgetTrainer:
 
         Raises:
             torch.OutOfMemoryError: a step does not fit even the last stack.
+            memlab.train.lock.DirectoryInUseError: a newer trainer of this process took ``ckpt_dir`` over.
         """
-        check_int("steps", steps, minimum=0)
+        check_steps("steps", steps)
+        with self._lock.busy():  # no other trainer object of this process takes the directory meanwhile
+            return self._train(steps)
+
+    def _train(self, steps: int) -> list[float]:
         if not any(True for _ in training_state.iter_checkpoints(self.ckpt_dir, _CKPT_GLOB)):
             self.save_checkpoint()  # the starting point, so that an OOM in the first step can restore it
         bar = None
