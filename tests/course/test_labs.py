@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
-
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -406,6 +407,7 @@ def test_symlinks_in_work_are_never_followed(tmp_path, capsys):
     nb = json.loads(fresh.read_text())
     nb["cells"].append({"cell_type": "markdown", "metadata": {}, "source": "my notes"})
     fresh.write_text(json.dumps(nb))
+    os.utime(fresh, (time.time() - 60, time.time() - 60))  # saved a minute ago (a reset refuses a file changed just now)
     (root / "work" / "backups").symlink_to(outside, target_is_directory=True)
     rc, err = _cli(root, "reset", "00", capsys=capsys)
     assert rc == 1 and "backups: is a symbolic link" in err[0], err

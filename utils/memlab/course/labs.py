@@ -7,7 +7,9 @@ line ``# NBVAL_CHECK_OUTPUT`` moved into the cell tag ``nbval-check-output``, ou
 metadata cleared, and the metadata JupyterLab writes on opening added (opening and saving a lab
 changes nothing). Building is deterministic (``memlab labs check`` compares bytes), all or
 nothing, and never overwrites a learner's code without ``force=True``. ``memlab labs start``
-copies the labs into ``work/`` without overwriting; ``reset NN`` backs the learner's copy up first.
+copies the labs into ``work/`` without overwriting; ``reset NN`` moves the learner's copy into
+``work/backups/`` (one rename; refused while a save may be under way) and copies a fresh one.
+Exit codes: 0 done, 1 a file problem or drift, 2 a bad argument (a chapter with no lab).
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from memlab.course.workspace import (  # the workspace is part of memlab.course.labs' API
-    BACKUPS, WORK, LabFileError, default_notebooks, fix_for_os_error, is_complete_notebook, lab_file_errors, refuse_link,
-    reset, start,
+    BACKUPS, WORK, LabArgumentError, LabFileError, default_notebooks, fix_for_os_error, is_complete_notebook,
+    lab_file_errors, refuse_link, reset, start, unchanged_since_copy,
 )
 from memlab.core.optional import needs
 
@@ -52,7 +54,8 @@ LANGUAGE_INFO: dict[str, Any] = {
 __all__ = [
     "BEGIN", "END", "SOLUTION_ONLY", "KERNELSPEC", "LANGUAGE_INFO", "LabBuildError", "stub_line", "build_lab",
     "render", "expected_lab", "find_markers", "learner_exercises", "LabFileError", "is_complete_notebook", "build",
-    "drift", "start", "reset", "default_notebooks", "main", "WORK", "BACKUPS",
+    "drift", "start", "reset", "default_notebooks", "main", "WORK", "BACKUPS", "LabArgumentError",
+    "unchanged_since_copy",
 ]
 
 
@@ -355,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="memlab labs",
         description=(
             "build: generate labs/ from solutions/; check: report drift and leaked solution markers; "
-            f"start: copy the labs you do not have yet into {WORK}/; reset NN: back up {WORK}/NN_* and copy a fresh one"
+            f"start: copy the labs you do not have yet into {WORK}/; reset NN: move {WORK}/NN_* into "
+            f"{WORK}/{BACKUPS}/ and copy a fresh one (refused while it is being saved). Exit codes: 0 done, "
+            "1 a file problem or drift, 2 a bad argument"
         ),
     )
     ap.add_argument("action", choices=["build", "check", "start", "reset"])
@@ -400,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             exc = LabFileError(exc.errno, f"{exc.filename or args.root}: {exc.strerror or exc}; {fix_for_os_error(exc)}")
         for line in str(exc).splitlines():
             print(f"memlab labs {args.action}: {line}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, LabArgumentError) else 1
     for p in problems:
         print(p)
     if not problems:
