@@ -238,3 +238,60 @@ def test_command_line_ranks_the_fixes_with_a_model(tmp_path, capsys):
     with pytest.raises(SystemExit):
         memlab_main(["explain", str(msg), "--batch-size", "4"])  # estimate's flags without --model
     assert "need --model" in capsys.readouterr().err
+
+
+def _timeline_step():
+    from memlab.profiler.timeline import Timeline
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 2000), torch.nn.ReLU(), torch.nn.Linear(2000, 64))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(512, 64)
+    for _ in range(2):  # the second step: optimizer state exists before it
+        with Timeline(model, opt) as tl:
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return tl
+
+
+def test_a_timeline_gets_the_caching_allocator_models_prediction(tmp_path, capsys):
+    import functools
+
+    from memlab.estimate.allocator_replay import replay
+
+    tl = _timeline_step()
+    p = tl.save_snapshot(tmp_path / "tl.pickle")
+    # the timeline's allocations in time order, built from its bands (not from the pickle): the storages alive
+    # before the step first, then each op's frees before its allocations
+    allocs = tl.allocations
+    before = [("alloc", i, a.nbytes) for i, a in enumerate(allocs) if a.start == 0 and a.op == "(before)"]
+    timed = sorted([(a.start, 1, i) for i, a in enumerate(allocs) if not (a.start == 0 and a.op == "(before)")]
+                   + [(a.end, 0, i) for i, a in enumerate(allocs) if a.end is not None])
+    events = before + [("alloc", i, allocs[i].nbytes) if k else ("free", i) for _, k, i in timed]
+    for conf in (None, "expandable_segments:True"):
+        want = replay(events, conf)
+        e = explain(p, allocator=functools.partial(replay, config=conf))
+        assert e.kind == "memlab timeline" and e.allocated_bytes == tl.tracker.peak_bytes == e.reserved_bytes
+        assert (e.predicted_reserved_bytes, e.predicted_allocated_bytes, e.predicted_max_reserved_bytes) == (
+            want.reserved_at_peak, want.allocated_at_peak, want.max_reserved)
+        assert e.predicted_reserved_bytes > e.predicted_allocated_bytes >= e.allocated_bytes  # blocks of 512 bytes
+        assert e.predicted_by.endswith(want.config.describe())
+    text = e.text()
+    assert "caching-allocator model (memlab.estimate.caching_allocator, PYTORCH_CUDA_ALLOC_CONF=" in text
+    assert "the model's prediction for a CUDA card, not a measurement" in text
+    assert not explain(p).predicted_by  # no allocator given: the timeline alone, as before
+    # a real CUDA snapshot keeps its measured segments: the model is not used
+    real = explain(_dump(tmp_path, "snap.pickle", snapshot()), allocator=replay)
+    assert not real.predicted_by and real.reserved_bytes == 22 * MiB and real.segments
+    # the command passes the model (and its settings)
+    assert memlab_main(["explain", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "caching-allocator model (memlab.estimate.caching_allocator, PyTorch's default allocator settings)" in out
+    assert memlab_main(["explain", str(p), "--alloc-conf", "expandable_segments:True"]) == 0
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in capsys.readouterr().out
+    assert memlab_main(["explain", str(p), "--alloc-conf", "garbage:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("memlab explain: error: --alloc-conf: ")
+    assert memlab_main(["explain", str(_dump(tmp_path, "snap.pickle", snapshot()))]) == 0
+    assert "caching-allocator model" not in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """``memlab explain FILE [--model MODEL [memlab estimate's flags]]``: what held the memory at the peak, from a CUDA
-memory snapshot, a memlab timeline pickle or a pasted OOM message (:mod:`memlab.profiler.explain`); with
+memory snapshot, a memlab timeline pickle (with the reserved memory and fragmentation a model of the caching allocator
+predicts for it, :mod:`memlab.estimate.allocator_replay`) or a pasted OOM message (:mod:`memlab.profiler.explain`); with
 ``--model`` and the run's settings, the fixes ranked by their traced peak with the command for each (``memlab
 estimate``'s suggestions, for the card of the snapshot or message unless ``--gpu`` is given)."""
 from __future__ import annotations
@@ -24,6 +25,9 @@ def explain_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE", help="snapshot pickle, timeline pickle, or OOM message text")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON instead of text")
     p.add_argument("--model", default=None, help="the run's model (as memlab estimate takes it): rank the fixes")
+    p.add_argument("--alloc-conf", default=None, metavar="CONF",
+                   help="for a memlab timeline: the PYTORCH_CUDA_ALLOC_CONF settings (e.g. expandable_segments:True) "
+                        "of the caching-allocator model that predicts its reserved memory (default: PyTorch's)")
     return p
 
 
@@ -40,10 +44,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         est_argv = [args.model, *rest]
         parse_estimate(est_argv)
+    import functools
+
+    from memlab.estimate.allocator_replay import replay
+    from memlab.estimate.caching_allocator import AllocatorConfig
     from memlab.profiler.explain import SnapshotError, explain
 
     try:
-        e = explain(args.file)
+        conf = AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf is not None else None
+    except ValueError as exc:
+        print(f"memlab explain: error: --alloc-conf: {exc}", file=sys.stderr)
+        return 2
+    try:  # a timeline (no allocator behind it) gets the caching-allocator model's prediction; a snapshot its segments
+        e = explain(args.file, allocator=functools.partial(replay, config=conf))
     except (SnapshotError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         print(f"memlab explain: error: {exc}", file=sys.stderr)
         return 2

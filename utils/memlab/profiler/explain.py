@@ -20,6 +20,12 @@ taken. Fragmentation is PyTorch's own reading of a segment: its free blocks (``i
 unallocated; ``expandable_segments:True`` (PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``) lets a segment grow in place, so it
 helps when a request failed while the cached free bytes could have held it but no one free block could.
 
+memlab's timeline has no allocator (its segments are made up): given ``allocator`` (a replay of allocation events,
+:func:`memlab.estimate.allocator_replay.replay`, which ``memlab explain`` passes; this package sits below
+``memlab.estimate`` and does not import it), :func:`explain` replays the timeline's allocations through that model
+of PyTorch's caching allocator and reports the reserved bytes and the fragmentation it predicts, marked as the
+model's prediction; a real CUDA snapshot keeps its measured segments.
+
 A user's file is read with a restricted unpickler that builds only the builtin containers and scalars this format
 holds (dict, list, tuple, str, bytes, int, float, bool, None) and refuses every class or function a pickle names.
 """
@@ -31,12 +37,12 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from memlab.core.units import format_bytes
 
 __all__ = ["SnapshotError", "TensorBlock", "Explanation", "explain", "read_snapshot", "parse_oom_message",
-           "explain_snapshot"]
+           "explain_snapshot", "allocation_events"]
 
 _TOP = 10
 # frames inside these paths say how PyTorch got there, not who asked: the first frame outside them names the maker
@@ -80,6 +86,11 @@ class Explanation:
     at an OOM), 0 if unknown. ``by_category`` and ``by_source`` split the live bytes at the peak by category (from a
     memlab timeline's frames, or read from the stack frames) and by where they were made; ``largest`` the ten
     largest live blocks. ``when`` says which moment the figures are from; ``notes`` what could not be known.
+
+    ``predicted_*`` (a memlab timeline explained with an ``allocator``; 0 and ``predicted_by`` "" otherwise): what a
+    model of PyTorch's caching allocator predicts for the timeline's allocations on a CUDA card, a prediction and
+    not a measurement: reserved and allocated (in blocks) at the allocated peak, the most reserved over the trace,
+    and ``predicted_by`` the model and its settings.
     """
 
     source: str
@@ -98,6 +109,10 @@ class Explanation:
     largest: list[TensorBlock] = field(default_factory=list)
     expandable_segments: str = ""
     notes: list[str] = field(default_factory=list)
+    predicted_reserved_bytes: int = 0
+    predicted_allocated_bytes: int = 0
+    predicted_max_reserved_bytes: int = 0
+    predicted_by: str = ""
 
     def text(self) -> str:
         """The post-mortem as plain text."""
@@ -118,6 +133,13 @@ class Explanation:
                            f"(largest block {format_bytes(big)})")
         if self.expandable_segments:
             out.append(f"expandable_segments: {self.expandable_segments}")
+        if self.predicted_by:
+            frag = self.predicted_reserved_bytes - self.predicted_allocated_bytes
+            out.append(f"caching-allocator model ({self.predicted_by}): the model's prediction for a CUDA card, not a "
+                       f"measurement: reserved {format_bytes(self.predicted_reserved_bytes)} at the allocated peak "
+                       f"(allocated {format_bytes(self.predicted_allocated_bytes)} in blocks), fragmentation "
+                       f"{format_bytes(frag)} (reserved but unallocated there); max reserved over the trace "
+                       f"{format_bytes(self.predicted_max_reserved_bytes)}")
         for title, table in (("by category", self.by_category), ("by where it was made", self.by_source)):
             if table:
                 out.append(f"live at the peak, {title}:")
@@ -351,9 +373,48 @@ def _fragmentation(segments: list[dict]) -> tuple[int, int, list[tuple[int, int,
     return free_total, largest, rows
 
 
-def explain_snapshot(snapshot: dict, source: str = "snapshot") -> Explanation:
+def allocation_events(snapshot: dict, device: int = 0) -> list[tuple]:
+    """The allocations of ``device``'s trace as :func:`memlab.estimate.allocator_replay.replay` takes them: first an
+    ``("alloc", address, size)`` for each block live before the trace (found by replaying it backwards from the
+    segments, in address order), then the trace's ``alloc`` and ``free_completed`` events (``("free", address)``)."""
+    segs = [s for s in snapshot["segments"] if int(s.get("device", 0)) == device]
+    traces = snapshot.get("device_traces") or []
+    trace = [e for e in (traces[device] if device < len(traces) else []) if isinstance(e, dict)]
+    start = _live_at(_end_state(segs), trace, 0)
+    out: list[tuple] = [("alloc", a, int(start[a]["size"])) for a in sorted(start)]
+    live = set(start)
+    for ev in trace:
+        act, addr = ev.get("action"), ev.get("addr")
+        if act == "alloc" and addr not in live:
+            live.add(addr)
+            out.append(("alloc", addr, int(ev.get("size", 0))))
+        elif act == "free_completed" and addr in live:
+            live.discard(addr)
+            out.append(("free", addr))
+    return out
+
+
+def _predict(e: Explanation, snapshot: dict, allocator: Callable[[list[tuple]], Any], device: int) -> None:
+    """Fill ``e.predicted_*`` with ``allocator``'s replay of the snapshot's allocations on ``device``."""
+    r = allocator(allocation_events(snapshot, device))
+    e.predicted_reserved_bytes, e.predicted_allocated_bytes = int(r.reserved_at_peak), int(r.allocated_at_peak)
+    e.predicted_max_reserved_bytes = int(r.max_reserved)
+    conf = getattr(getattr(r, "config", None), "describe", None)
+    e.predicted_by = "memlab.estimate.caching_allocator" + (f", {conf()}" if conf else "")
+
+
+def explain_snapshot(snapshot: dict, source: str = "snapshot",
+                     allocator: Callable[[list[tuple]], Any] | None = None) -> Explanation:
     """:class:`Explanation` of a snapshot dict (:func:`read_snapshot`): the device with the most reserved memory,
-    at the peak of allocated memory its trace reaches."""
+    at the peak of allocated memory its trace reaches.
+
+    Args:
+        allocator: for a memlab timeline (no real allocator behind it): a function replaying
+            :func:`allocation_events` through a caching-allocator model, returning an object with
+            ``reserved_at_peak``, ``allocated_at_peak`` and ``max_reserved`` (such as
+            :func:`memlab.estimate.allocator_replay.replay`, or a ``functools.partial`` of it with a config); its
+            prediction fills ``predicted_*``. Not used for a CUDA snapshot, whose segments are measured.
+    """
     segments = snapshot["segments"]
     devices = defaultdict(int)
     for seg in segments:
@@ -397,7 +458,14 @@ def explain_snapshot(snapshot: dict, source: str = "snapshot") -> Explanation:
         e.notes.append(f"{len(devices)} devices in the snapshot; explained: device {device} (the most reserved)")
     if timeline:
         e.expandable_segments = ""
-        e.notes.append("a memlab timeline counts tensors, not an allocator: reserved is allocated, no fragmentation")
+        if allocator is not None:
+            _predict(e, snapshot, allocator, device)
+            e.notes.append("a memlab timeline counts tensors, not an allocator: reserved is allocated here; the "
+                           "caching-allocator line is the model's prediction for a CUDA card")
+        else:
+            e.notes.append("a memlab timeline counts tensors, not an allocator: reserved is allocated, no "
+                           "fragmentation (explain(path, allocator=memlab.estimate.allocator_replay.replay) or the "
+                           "memlab explain command adds the caching-allocator model's prediction)")
     elif index != len(trace) and trace:
         e.notes.append("the segments (fragmentation) are as the snapshot was taken; the live blocks as at the peak")
     if not any(_frames(b) for b in live.values()):
@@ -405,8 +473,9 @@ def explain_snapshot(snapshot: dict, source: str = "snapshot") -> Explanation:
     return e
 
 
-def explain(path: str | Path) -> Explanation:
+def explain(path: str | Path, allocator: Callable[[list[tuple]], Any] | None = None) -> Explanation:
     """Explain the file at ``path``: a CUDA memory snapshot pickle, a memlab timeline pickle or an OOM message.
+    ``allocator``: as :func:`explain_snapshot` takes it (a memlab timeline's predicted reserved memory).
 
     Raises:
         SnapshotError: anything else, a truncated pickle, a pickle naming a class (one line naming the file and
@@ -418,7 +487,7 @@ def explain(path: str | Path) -> Explanation:
         raise FileNotFoundError(f"{path}: no such file; {_EXPECTED}")
     data = path.read_bytes()
     if data[:1] == b"\x80" or data[:1] in (b"}", b"]", b"("):  # a pickle (protocol 2+, or 0/1's first opcode)
-        return explain_snapshot(_snapshot_from_bytes(str(path), data), source=str(path))
+        return explain_snapshot(_snapshot_from_bytes(str(path), data), source=str(path), allocator=allocator)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

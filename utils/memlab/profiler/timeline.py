@@ -29,7 +29,10 @@ Usage::
     tl.save_html("timeline.html"); tl.save_snapshot("step.pickle")   # for pytorch.org/memory_viz
 
 The peak of the bands equals ``tl.tracker.peak_bytes``, to the byte: the
-timeline is the tracker's count, tensor by tensor.
+timeline is the tracker's count, tensor by tensor. Each band's category is the
+one the tracker gives its storage at that moment (the same phase rules); when the
+tracker relabels a storage (a gradient autograd hands over, a buffer an optimizer
+step keeps outside its state), its band ends and one of the new category carries on.
 """
 from __future__ import annotations
 
