@@ -38,36 +38,46 @@ endef
 
 # JupyterLab rooted at the repository, so the lectures (notebooks/) and your labs (work/) sit side by
 # side, opened on docs/start.md (rendered: .jupyter/lab/settings/overrides.json opens Markdown as a
-# preview). No news pop-up or update checks (.jupyter/labconfig/page_config.json disables the
-# announcements plugin); of the server's start-up banner only the URL to open is printed
-# (LAB_FILTER; later warnings pass through; one Ctrl-C stops it: answer_yes), and its terminals find `memlab`, `python` and
-# `jupyter` from .venv (PATH is set for the server, and its terminals start a plain, not a login,
-# shell: a login shell's /etc/profile may reset PATH).
+# preview) with the file browser left at the root (`?file-browser-path=/`: a /lab/tree URL otherwise
+# moves the browser into the file's folder, docs/). No news pop-up or update checks
+# (.jupyter/labconfig/page_config.json disables the announcements plugin); of the server's output only
+# the URL to open is printed (LAB_FILTER: the banner's other lines and the known noise of opening a
+# notebook are dropped: "not trusted", the kernel's TCP-without-encryption note, tornado's websocket
+# ping note, which .jupyter/jupyter_server_config.json also avoids; other warnings pass through). One
+# Ctrl-C stops it (answer_yes) and ends with one line, not make's "Interrupt" (the recipe's trap).
+# Its terminals find `memlab`, `python` and `jupyter` from .venv (PATH is set for the server, and its
+# terminals start a plain, not a login, shell: a login shell's /etc/profile may reset PATH).
 JUPYTER_ENV  := PATH="$(CURDIR)/$(BIN):$$PATH" \
 	JUPYTER_CONFIG_PATH="$(CURDIR)/.jupyter$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}"
 LAB_START    := docs/start.md
 # `make lab LAB_IP=0.0.0.0` on a remote machine (then mind the token; an ssh tunnel is safer)
 LAB_IP       ?= 127.0.0.1
-JUPYTER_OPTS := --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/$(LAB_START) \
+JUPYTER_OPTS := --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url='/lab/tree/$(LAB_START)?file-browser-path=/' \
 	--LabApp.app_settings_dir="$(CURDIR)/.jupyter/lab/settings" \
 	--ServerApp.ip=$(LAB_IP) --ServerApp.log_format="%(message)s" \
 	--LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate \
 	--ServerApp.log_level=WARN --LabApp.log_level=WARN \
 	--ServerApp.terminado_settings=shell_command="$${SHELL:-/bin/sh}" --ServerApp.answer_yes=True
-# keeps the banner's first http URL, drops its other lines (a shell loop: awk and sed buffer a
-# pipe); ignores Ctrl-C so that JupyterLab's own shutdown messages still get through
+# keeps the banner's first http URL (its "?token=" made "&token=" after the default URL's own query),
+# drops its other lines and the noise below (a shell loop: awk and sed buffer a pipe); ignores Ctrl-C
+# so that JupyterLab's own shutdown messages still get through
+LAB_NOISE := *"is not trusted"*|*"Kernel is running over TCP without encryption"*|*websocket_ping_timeout*|*"No session ID specified"*
 LAB_FILTER := trap '' INT; set -f; url=; while IFS= read -r line; do set -- $$line; [ $$\# -gt 0 ] || continue; \
 	case "$$line" in \
 	(*"To access the server"*|*"open this file in a browser"*|*"copy and paste one of these"*|*file://*|*"No web browser found"*) ;; \
-	(*http://*|*https://*) [ -n "$$url" ] || { url=1; echo "JupyterLab (Ctrl-C to stop): $$1"; } ;; \
+	($(LAB_NOISE)) ;; \
+	(*http://*|*https://*) [ -n "$$url" ] || { url=1; u=$$1; case "$$u" in (*\?*\?token=*) u="$${u%\?token=*}&token=$${u\#\#*\?token=}" ;; esac; \
+		echo "JupyterLab (Ctrl-C to stop): $$u"; } ;; \
 	(*) printf '%s\n' "$$line" ;; \
 	esac; done
+LAB_STOPPED := echo "JupyterLab stopped. Your notebooks are in work/; make lab opens them again."
 
-.PHONY: help setup torch torch-cmd lab test labs check-labs grade notebooks doctor estimate clean
+.PHONY: help setup torch torch-cmd lab test test-quick labs check-labs grade notebooks doctor estimate clean
 
 help:
 	@echo "make lab                      set up .venv, copy labs/ into work/ (never overwriting), open JupyterLab on the lectures and labs"
-	@echo "make test                     set up .venv, run every test (unit, grading, lab drift, notebooks)"
+	@echo "make test                     set up .venv, run every test (unit, grading, lab drift, notebooks): ~11 min"
+	@echo "make test-quick               set up .venv, check the set-up works (lecture 00, lab 00, memlab's units): ~2 min"
 	@echo "make grade [LAB=04]           grade your notebooks in work/ (labs/ when there is no work/): the table"
 	@echo "make doctor                   environment report for bug reports"
 	@echo "make estimate ARGS='MODEL ...' will this fine-tune fit? e.g. ARGS='llama-2-7b --gpu 24GB'"
@@ -100,14 +110,25 @@ setup: $(STAMP)
 
 lab: setup
 	@$(BIN)/memlab labs start >/dev/null
-	@$(JUPYTER_ENV) $(BIN)/jupyter lab $(JUPYTER_OPTS) $(if $(filter 0,$(shell id -u)),--allow-root,) 2>&1 | ($(LAB_FILTER))
+	@trap '$(LAB_STOPPED); exit 0' INT; \
+	$(JUPYTER_ENV) $(BIN)/jupyter lab $(JUPYTER_OPTS) $(if $(filter 0,$(shell id -u)),--allow-root,) 2>&1 | ($(LAB_FILTER)); \
+	$(LAB_STOPPED)
 
 # nbval runs the lectures; each solution runs once, through the grader
 # (tests/course/test_course.py: no cell fails, full marks, the NBVAL_CHECK_OUTPUT cells' stored outputs)
+PYTEST := MEMLAB_SMALL=1 OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -n $(JOBS) --dist loadscope \
+	--nbval-lax --nbval-current-env --sanitize-with tests/nbval_sanitize.cfg
 test: setup
-	MEMLAB_SMALL=1 OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -n $(JOBS) --dist loadscope \
-		--nbval-lax --nbval-current-env --sanitize-with tests/nbval_sanitize.cfg \
-		tests notebooks
+	@echo "make test: about 11 minutes on 2 idle cores (CI, set-up included), longer on a busy machine; no test"
+	@echo "depends on the clock, so a slow run is slower, never red. Progress: the percentage at each line's end."
+	$(PYTEST) tests notebooks
+
+# the set-up works: memlab's chapter-00 units, the package and the doctor, lecture 00 run by nbval, solution 00
+# graded (its test in tests/course/test_course.py); under 3 minutes on 2 cores
+QUICK := tests/ch00 tests/meta/test_packaging.py tests/course/test_doctor.py notebooks/00_where_the_memory_goes.ipynb
+test-quick: setup
+	@echo "make test-quick: about 1-2 minutes on 2 cores (make test runs everything)"
+	$(PYTEST) $(QUICK) "tests/course/test_course.py::test_solution_runs_clean_and_scores_full_marks[00_where_the_memory_goes]"
 
 labs: setup
 	$(BIN)/memlab labs build

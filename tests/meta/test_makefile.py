@@ -117,7 +117,8 @@ def test_make_lab_roots_jupyterlab_at_the_repository_with_venv_on_path(tmp_path)
     assert f'--ServerApp.root_dir="{ROOT}"' in line, line
     assert "root_dir=work" not in line
     assert f'PATH="{ROOT}/.venv/bin:$PATH"' in line, line
-    assert "--LabApp.default_url=/lab/tree/docs/start.md" in line
+    # the start page, the file browser kept at the root (a /lab/tree URL alone moves it into docs/)
+    assert "--LabApp.default_url='/lab/tree/docs/start.md?file-browser-path=/'" in line
     assert (ROOT / "docs" / "start.md").is_file()
     assert 'shell_command="${SHELL:-/bin/sh}"' in line
     assert "--ServerApp.answer_yes=True" in line  # one Ctrl-C stops it (the y/n prompt would be hidden by the filter)
@@ -131,19 +132,23 @@ def test_make_lab_prints_only_the_url(tmp_path):
     stamp.touch()
     out = _dry_run("lab", f"STAMP={stamp}")
     pipeline = next(ln for ln in out.splitlines() if "jupyter lab" in ln)
-    filt = pipeline.split("2>&1 | ", 1)[1]
+    filt = pipeline.split("2>&1 | ", 1)[1].rstrip(" \\").rstrip(";")  # the filter's subshell, not the line after
     banner = (
         "No web browser found: Error('could not locate runnable browser').\n\n    \n"
         "    To access the server, open this file in a browser:\n"
         "        file:///root/.local/share/jupyter/runtime/jpserver-1-open.html\n"
         "    Or copy and paste one of these URLs:\n"
-        "        http://127.0.0.1:8888/lab/tree/docs/start.md?token=abc123\n"
-        "        http://localhost:8888/lab/tree/docs/start.md?token=abc123\n"
+        "        http://127.0.0.1:8888/lab/tree/docs/start.md?file-browser-path=/?token=abc123\n"
+        "        http://localhost:8888/lab/tree/docs/start.md?file-browser-path=/?token=abc123\n"
+        "Notebook notebooks/00_where_the_memory_goes.ipynb is not trusted\n"
+        "[IPKernelApp] WARNING | Kernel is running over TCP without encryption. All communication ...\n"
+        "The websocket_ping_timeout (90000) cannot be longer than the websocket_ping_interval (30000).\n"
+        "    Setting websocket_ping_timeout=30000\n"
         "Kernel restarted: something worth seeing\n"
     )
     proc = subprocess.run(["sh", "-c", filt], input=banner, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
-        "JupyterLab (Ctrl-C to stop): http://127.0.0.1:8888/lab/tree/docs/start.md?token=abc123",
+        "JupyterLab (Ctrl-C to stop): http://127.0.0.1:8888/lab/tree/docs/start.md?file-browser-path=/&token=abc123",
         "Kernel restarted: something worth seeing",
     ]
