@@ -611,7 +611,26 @@ class MemoryTracker(TorchDispatchMode):
             if phase != self._phase:
                 self._set_phase(phase)
             cat = _A if (phase == _FWD or phase == _BWD) else (_O if phase == _OPT else _X)
-            if kind & _ALIASES or before:
+            if type(out) is torch.Tensor and self._unwrap is None and before is None and kind != _WRITES | _ALIASES:
+                # one plain tensor out of an op that writes nothing (most ops): _track_fresh, or a view
+                # of a storage already counted (a view never resizes it), inlined
+                try:
+                    st = out.untyped_storage()
+                except (NotImplementedError, RuntimeError, TypeError):
+                    st = None
+                if st is not None:
+                    key = st._cdata
+                    e = self._live.get(key)
+                    if e is not None:
+                        if not kind:
+                            self._resize_entry(e, st.nbytes())
+                    elif kind:
+                        self._track_outputs(func, outs, cat, args, kwargs, None)
+                    else:
+                        dev = out.device.type
+                        if self._device_type is None or dev == self._device_type:
+                            self._new_entry(st, key, dev, cat, None)
+            elif kind & _ALIASES or before:
                 self._track_outputs(func, outs, cat, args, kwargs, before)
             else:  # fresh storages only
                 for o in outs:
@@ -622,7 +641,26 @@ class MemoryTracker(TorchDispatchMode):
                             if isinstance(oo, torch.Tensor):
                                 self._track_fresh(oo, cat)
         self._ops += 1
-        self._after_op()
+        if self.resizes or self._hook is not None:
+            self._after_op()
+            return out
+        # _after_op without the resizes and the hook, inlined (it runs after every op)
+        total = self._total
+        frames = self._frame_stack
+        if frames and total > frames[-1][1]:
+            frames[-1][1] = total
+        phase = self._phase
+        if total > self._phase_peak[phase]:
+            if self._phase_peak[phase] < 0:
+                self._phase_order.append(phase)
+            self._phase_peak[phase] = total
+            if total > self._peak.total:
+                self._peak = _Peak(total, tuple(self._cur), self._ops, PHASES[phase], self._frames.innermost)
+        if self._dirty:
+            if self._record:
+                c = self._cur
+                self._events.append((self._ops, phase, c[0], c[1], c[2], c[3], c[4]))
+            self._dirty = False
         return out
 
     def _track_outputs(self, func: Any, outs: Any, cat: int, args: Any, kwargs: Any, before: dict | None) -> None:
