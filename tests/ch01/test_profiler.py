@@ -795,3 +795,30 @@ def test_peak_beside_allocator_warms_up_the_profiler_for_a_step_that_frees_the_l
     step()  # gradients made outside a profiler again
     warm = peak_beside_allocator(step, m, opt)
     assert abs(warm.gap) <= 64 and abs(warm.untracked - warm.allocator) <= 64
+
+
+@pytest.mark.parametrize("build", [gpt, llama], ids=["tinygpt", "llama"])
+def test_peak_only_mode_answers_as_the_timeline_mode(build):
+    # timeline=False records no events, yet its peak, categories, phase peaks and module peaks are the
+    # timeline mode's (Llama's attention modules return several tensors: the first gradient frames them)
+    results = []
+    for timeline in (True, False):
+        model, opt = setup(build)
+        x, y = batch(model)
+        if y is None or build is gpt:
+            step = lambda: train_step(model, opt, x, y)  # noqa: E731
+        else:
+            step = lambda: (model(input_ids=x, labels=y).loss.backward(), opt.step(), opt.zero_grad())  # noqa: E731
+        tr = MemoryTracker(model, opt, timeline=timeline)
+        with tr:
+            step()
+            step()
+        if timeline:
+            assert tr.phase_peaks() == phase_peaks(tr.timeline) and len(tr.timeline) > 10
+        else:
+            assert tr.timeline == []
+        results.append((tr.peak_bytes, tr.breakdown("peak"), tr.breakdown("end"), tr.peak_phase, tr.peak_module,
+                        tr.phase_peaks(), tr.module_peaks, tr.peak_event))
+    assert results[0] == results[1]
+    assert set(results[1][5]) >= {"forward", "backward", "optimizer"}
+    assert any(name.endswith("self_attn") for name in results[1][6]) or build is gpt
