@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any, Callable, Sequence
 
 from memlab.core.vocab import OPTIMIZER_ALIASES, RECIPE_ALIASES, Optimizer, Recipe
@@ -93,21 +94,44 @@ def _positive_int(text: str) -> int:
 
 class GpuArg(tuple):
     """``--gpu`` parsed: ``(label, usable bytes)`` as :func:`memlab.estimate.resolve_gpu` gives, with
-    ``card``, the card's name of :mod:`memlab.core.gpus` (None for a size)."""
+    ``card``, the card's name of :mod:`memlab.core.gpus` (None for a size), and ``text``, what was given (a card
+    or a size: the estimate's ``gpu=``, so the output names it)."""
 
     card: str | None = None
+    text: str = ""
 
 
 def _gpu(text: str) -> tuple[str, int]:
     from memlab.core import gpus
-    from memlab.estimate import resolve_gpu  # torch: only when a --gpu is given
 
     try:
-        out = GpuArg(resolve_gpu(text))
+        card, _ = gpus.parse_gpu(text)  # torch-free: a bad --gpu is refused before torch is imported
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    out.card = text if gpus.find_gpu(text) is not None else None
+    from memlab.estimate import resolve_gpu  # torch: only when a --gpu is given
+
+    out = GpuArg(resolve_gpu(text))
+    out.card, out.text = card, text
     return out
+
+
+def _finite(lo: float, hi: float | None, what: str) -> Callable[[str], float]:
+    """A float flag that is finite and within ``lo`` (excluded when ``hi`` is None: ``> lo``) and ``hi`` (excluded)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not math.isfinite(v) or not ((v > lo) if hi is None else (lo <= v < hi)):
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is invalid; allowed: {what}")
+        return v
+    return parse
+
+
+def _seed(text: str) -> int:
+    if len(text) > 20 or not text.strip().isdigit() or int(text) > 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"{text[:30]!r} is invalid; allowed: an int from 0 to 2**63 - 1")
+    return int(text)
 
 
 def _override(text: str) -> tuple[str, Any]:
@@ -190,8 +214,7 @@ def estimate_parser() -> argparse.ArgumentParser:
                         help="allow --seq-len beyond max_position_embeddings (RoPE scaling and the like)")
     parser.add_argument("--no-extrapolate", action="store_true",
                         help="trace every decoder layer instead of two depths extrapolated by layer count")
-    parser.add_argument("--gpu", type=_gpu, default=None,
-                        help="a card (" + ", ".join(gpus.gpu_names()) + ") or its memory (24GiB, 24GB, 80GiB)")
+    parser.add_argument("--gpu", type=_gpu, default=None, help=gpus.allowed_text())
     parser.add_argument("--world-size", type=_bounded_int(MAX_WORLD_SIZE), default=1,
                         help="data-parallel ranks: the estimate is per rank, --batch-size being one rank's batch")
     parser.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), default=0,
@@ -199,10 +222,12 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--adapter", choices=list(ADAPTERS), default=None,
                         help="train LoRA adapters on a frozen 16-bit base (lora) or on an NF4 base (qlora)")
     parser.add_argument("--lora-r", type=_positive_int, default=16, help="adapter rank (default 16)")
-    parser.add_argument("--lora-alpha", type=float, default=None, help="adapter scale numerator (default 2 x rank)")
+    parser.add_argument("--lora-alpha", type=_finite(0.0, None, "a finite number > 0"), default=None,
+                        help="adapter scale numerator (default 2 x rank)")
     parser.add_argument("--target-modules", default=None, metavar="NAMES",
                         help="comma-separated linear layer names (e.g. q_proj,v_proj) or all-linear (default)")
-    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    parser.add_argument("--lora-dropout", type=_finite(0.0, 1.0, "a finite number in [0, 1)"), default=0.0,
+                        help="dropout on the adapters' input (default 0)")
     parser.add_argument("--adapter-dtype", choices=list(ADAPTER_DTYPES), default=None,
                         help="the adapters' dtype (default fp32; bf16 with --dtype bf16-pure)")
     parser.add_argument("--compare", action="store_true",
@@ -214,7 +239,7 @@ def estimate_parser() -> argparse.ArgumentParser:
                              "one --seq-len")
     parser.add_argument("--collator", type=_collator, default="pad-longest",
                         help="with --lengths: pad-longest, pad-multiple:N or pack:N (default pad-longest)")
-    parser.add_argument("--shuffle-seed", type=int, default=None,
+    parser.add_argument("--shuffle-seed", type=_seed, default=None,
                         help="with --lengths: the order of DataLoader(shuffle=True, generator=torch.Generator()"
                              ".manual_seed(SEED)); default: the file's order")
     parser.add_argument("--max-batch-size", action="store_true",

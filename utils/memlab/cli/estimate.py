@@ -4,6 +4,7 @@ side (``--compare``) and the published comparisons (``--validate``). The parser 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any, Sequence
 
@@ -14,7 +15,7 @@ from memlab.estimate.step import load_step
 from memlab.estimate.suggest import Suggestion, suggestions
 
 # The order in which to try techniques: least change to the training run first.
-_TRY_ORDER = ("fused AdamW", "fused linear cross-entropy", "gradient checkpointing", "offloaded checkpoint inputs",
+_TRY_ORDER = ("fused AdamW", "fused linear cross-entropy", "chunked cross-entropy", "gradient checkpointing", "offloaded checkpoint inputs",
               "optimizer step in backward", "8-bit AdamW", "gradient checkpointing + 8-bit AdamW",
               "CPU-offloaded AdamW", "pure bf16", "LoRA", "QLoRA", "batch size", "sequence length")
 
@@ -25,7 +26,9 @@ def _intrusiveness(technique: str) -> int:
 
 
 def _error(msg: Any) -> int:
-    print(f"memlab estimate: error: {msg}", file=sys.stderr)
+    """One line on stderr, exit code 2; the API's ``config_overrides['KEY']=`` is the CLI's ``--set KEY=``."""
+    text = re.sub(r"config_overrides\['([^']+)'\]=", r"--set \1=", " ".join(str(msg).split()))
+    print(f"memlab estimate: error: {text}", file=sys.stderr)
     return 2
 
 
@@ -35,7 +38,7 @@ def _keywords(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
                       offload_checkpoints=args.offload_checkpoints, optimizer_in_backward=args.optimizer_in_backward,
                       attn_implementation=args.attn, allow_longer_seq=args.allow_longer_seq,
                       extrapolate=not args.no_extrapolate,
-                      gpu=getattr(args.gpu, "card", None))  # a card (not a size) sets the cuBLAS workspace
+                      gpu=getattr(args.gpu, "text", None) or None)  # a card or a size: the API's gpu=, named in the output
     adapter_kw = dict(adapter=args.adapter, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                       target_modules=args.target_modules, lora_dropout=args.lora_dropout,
                       adapter_dtype=args.adapter_dtype)

@@ -23,10 +23,13 @@ CONTEXT_RESERVE_SOURCE = "measured on an H100 80GB, torch 2.11, CUDA 13 (results
 
 @dataclass(frozen=True)
 class GPU:
+    """One card: its name, its memory as ``nvidia-smi`` prints it (``smi_mib``, MiB), where that figure is
+    from, PyTorch's own total where measured, and its CUDA compute capability ``sm``."""
     name: str
-    smi_mib: int  # memory.total as nvidia-smi prints it
+    smi_mib: int  # memory.total as nvidia-smi prints it (or torch's total in MiB where that is the source)
     source: str
     torch_total_bytes: int | None = None  # torch.cuda.get_device_properties().total_memory, where measured
+    sm: tuple[int, int] = (0, 0)  # compute capability (NVIDIA CUDA GPUs list, developer.nvidia.com/cuda-gpus)
 
     @property
     def total_bytes(self) -> int:
@@ -39,23 +42,35 @@ class GPU:
         return self.total_bytes - CONTEXT_RESERVE_BYTES
 
 
+_YOLO = ("torch.cuda.get_device_properties(0) as printed in public YOLOv5 set-up logs "
+         "(_CudaDeviceProperties(..., total_memory=%dMB): MiB, rounded down)")
+
+#: THE table of cards: every list of cards (``memlab estimate --help``, ``memlab plan --help``, every error,
+#: the API's ``gpu=``) is derived from it. Memory from the source named; compute capability from NVIDIA's list.
 GPUS: dict[str, GPU] = {
-    "t4": GPU("Tesla T4 (16 GB)", 15360, "https://github.com/aws/sagemaker-huggingface-inference-toolkit/pull/103"),
-    "l4": GPU("NVIDIA L4 (24 GB)", 23034, "https://github.com/NVIDIA/TensorRT-LLM/issues/2398"),
-    "rtx3090": GPU("GeForce RTX 3090 (24 GB)", 24576, "https://github.com/noonghunna/club-3090/issues/1128"),
-    "rtx4090": GPU("GeForce RTX 4090 (24 GB)", 24564, "https://github.com/RLinf/RLinf/issues/255"),
-    "rtx5090": GPU("GeForce RTX 5090 (32 GB)", 32607, "https://github.com/noonghunna/club-3090/issues/1261"),
+    # torch's own total for a Tesla V100-SXM2-16GB (sm 7.0, no bf16)
+    "v100": GPU("Tesla V100-SXM2-16GB", 16160, _YOLO % 16160, 16160 * MiB, (7, 0)),
+    "t4": GPU("Tesla T4 (16 GB)", 15360, "https://github.com/aws/sagemaker-huggingface-inference-toolkit/pull/103",
+              sm=(7, 5)),
+    # torch's own total for a GeForce RTX 2080 Ti (sm 7.5, no bf16)
+    "rtx2080ti": GPU("GeForce RTX 2080 Ti (11 GB)", 11019, _YOLO % 11019, 11019 * MiB, (7, 5)),
+    "l4": GPU("NVIDIA L4 (24 GB)", 23034, "https://github.com/NVIDIA/TensorRT-LLM/issues/2398", sm=(8, 9)),
+    "rtx3090": GPU("GeForce RTX 3090 (24 GB)", 24576, "https://github.com/noonghunna/club-3090/issues/1128", sm=(8, 6)),
+    "rtx4090": GPU("GeForce RTX 4090 (24 GB)", 24564, "https://github.com/RLinf/RLinf/issues/255", sm=(8, 9)),
+    "rtx5090": GPU("GeForce RTX 5090 (32 GB)", 32607, "https://github.com/noonghunna/club-3090/issues/1261",
+                   sm=(12, 0)),
     # deviceQuery: "40339 MBytes (42298834944 bytes)" = 40339 MiB
-    "a100-40gb": GPU("A100-SXM4-40GB", 40339, "https://github.com/bottlerocket-os/bottlerocket/pull/3873"),
+    "a100-40gb": GPU("A100-SXM4-40GB", 40339, "https://github.com/bottlerocket-os/bottlerocket/pull/3873", sm=(8, 0)),
     # an A800-SXM4-80GB (the A100 80GB board for China) on driver 535; older drivers printed 81252 MiB
-    "a100-80gb": GPU("A100-SXM4-80GB", 81920, "https://github.com/dexmal/dexbotic/issues/41"),
+    "a100-80gb": GPU("A100-SXM4-80GB", 81920, "https://github.com/dexmal/dexbotic/issues/41", sm=(8, 0)),
     # nvidia-smi --query-gpu=name,memory.total on driver 595.71: "NVIDIA L40S, 46068 MiB"
-    "l40s": GPU("NVIDIA L40S (48 GB)", 46068, "https://github.com/akash-network/provider-configs/pull/99"),
+    "l40s": GPU("NVIDIA L40S (48 GB)", 46068, "https://github.com/akash-network/provider-configs/pull/99", sm=(8, 9)),
     "h100-80gb": GPU("H100 80GB HBM3", 81559, "measured: results/h100/estimator_probe_smi.txt",
-                     torch_total_bytes=85_017_493_504),
+                     torch_total_bytes=85_017_493_504, sm=(9, 0)),
 }
 
-ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "4090": "rtx4090", "3090": "rtx3090", "5090": "rtx5090"}
+ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "4090": "rtx4090", "3090": "rtx3090", "5090": "rtx5090",
+           "2080ti": "rtx2080ti", "v100-16gb": "v100"}
 
 
 @dataclass(frozen=True)
@@ -71,20 +86,8 @@ class Capability:
         return self.sm >= (8, 0)
 
 
-# cards the planner knows, with the cards in GPUS and older ones without bf16 (fp16 mixed precision there)
-CAPABILITIES: dict[str, Capability] = {
-    "v100": Capability("Tesla V100", (7, 0)),
-    "t4": Capability("Tesla T4", (7, 5)),
-    "rtx2080ti": Capability("GeForce RTX 2080 Ti", (7, 5)),
-    "a100-40gb": Capability("A100 40GB", (8, 0)),
-    "a100-80gb": Capability("A100 80GB", (8, 0)),
-    "rtx3090": Capability("GeForce RTX 3090", (8, 6)),
-    "l4": Capability("NVIDIA L4", (8, 9)),
-    "rtx4090": Capability("GeForce RTX 4090", (8, 9)),
-    "l40s": Capability("NVIDIA L40S", (8, 9)),
-    "h100-80gb": Capability("H100 80GB", (9, 0)),
-    "rtx5090": Capability("GeForce RTX 5090", (12, 0)),
-}
+# derived from GPUS (one table): the compute capability of every card
+CAPABILITIES: dict[str, Capability] = {k: Capability(g.name, g.sm) for k, g in GPUS.items()}
 
 
 def _key(name: str) -> str:
@@ -101,7 +104,7 @@ def capability(name: str) -> Capability | None:
 
 
 def gpu_names() -> list[str]:
-    """The names of every GPU preset, sorted."""
+    """The names of every card of :data:`GPUS`, sorted: the one list ``--help``, errors and the API give."""
     return sorted(GPUS)
 
 
@@ -115,3 +118,39 @@ def suggest(name: str) -> str:
     ``" (did you mean a, b?)"``, or ``""`` when nothing is close."""
     close = difflib.get_close_matches(str(name).lower(), list(GPUS) + list(ALIASES), n=3, cutoff=0.5)
     return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+#: sizes ``gpu=`` accepts: from 1 GiB (a bare ``0.4`` is a mistake, not a card) to 16 TiB (no card comes near)
+MIN_GPU_BYTES = GiB
+MAX_GPU_BYTES = 16 * 1024 * GiB
+
+
+def allowed_text() -> str:
+    """What ``gpu=`` / ``--gpu`` accepts, in words: every card of :data:`GPUS` and a size."""
+    return f"a card ({', '.join(gpu_names())}) or a size such as 24GiB (24 x 2**30) or 24GB (24 x 10**9)"
+
+
+def parse_gpu(value: object, name: str = "gpu") -> tuple[str | None, int]:
+    """``(card key or None, total bytes)`` of a card name (aliases as :func:`find_gpu`) or a size (``"24GiB"``,
+    ``"24GB"``, an int of bytes): the one reading of ``gpu=`` for the API and ``--gpu`` for the CLI (torch-free).
+
+    Raises:
+        ValueError: ``name=value is invalid; allowed:`` the cards of :data:`GPUS` and sizes, with the closest card.
+    """
+    from memlab.core.units import parse_size
+    from memlab.core.validation import invalid
+
+    if isinstance(value, str):
+        key = _key(value)
+        if key in GPUS:
+            return key, GPUS[key].total_bytes
+    total = None
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        try:
+            total = parse_size(value, name=name)
+        except (ValueError, OverflowError):
+            total = None
+    if total is None or not MIN_GPU_BYTES <= total <= MAX_GPU_BYTES:
+        hint = suggest(value) if isinstance(value, str) and total is None else ""
+        raise invalid(name, value, allowed_text() + (f", from 1 GiB to 16 TiB" if total is not None else "") + hint)
+    return None, total

@@ -6,9 +6,10 @@ value fails at once with a message that names the argument, the value and what w
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
-__all__ = ["invalid", "check_int", "check_positive_int", "check_number", "check_choice", "check_bool"]
+__all__ = ["invalid", "check_int", "check_positive_int", "check_number", "check_choice", "check_bool", "check_str",
+           "check_mapping", "check_schema", "finite"]
 
 T = TypeVar("T")
 
@@ -49,7 +50,7 @@ def check_number(name: str, value: Any, *, minimum: float | None = None, maximum
                  strict_minimum: bool = False) -> float:
     """``float(value)`` if it is a finite int or float (not a bool) within ``[minimum, maximum]``
     (None: unbounded; ``strict_minimum``: ``> minimum``), else :func:`invalid`."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = finite(value)
     if ok and minimum is not None:
         ok = value > minimum if strict_minimum else value >= minimum
     if ok and maximum is not None:
@@ -62,6 +63,17 @@ def check_number(name: str, value: Any, *, minimum: float | None = None, maximum
     if maximum is not None:
         parts.append(f"<= {maximum}")
     raise invalid(name, value, "a finite number" + (" " + " and ".join(parts) if parts else ""))
+
+
+def finite(value: Any) -> bool:
+    """Whether ``value`` is an int or float (not a bool) that is finite as a float: ``10**400`` is not (no
+    float holds it), nor ``nan`` or ``inf``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def check_choice(name: str, value: T, allowed: Iterable[T]) -> T:
@@ -80,3 +92,32 @@ def check_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     raise invalid(name, value, "True or False")
+
+
+def check_str(name: str, value: Any, allowed: str = "a non-empty string") -> str:
+    """``value`` if it is a non-empty str (not only spaces), else :func:`invalid` saying ``allowed``."""
+    if isinstance(value, str) and value.strip():
+        return value
+    raise invalid(name, value, allowed)
+
+
+def check_mapping(name: str, value: Any, allowed: str = "a dict with str keys, or None") -> dict:
+    """``dict(value)`` if it is None (an empty dict) or a mapping whose keys are non-empty strings, else
+    :func:`invalid`."""
+    from collections.abc import Mapping
+
+    if value is None:
+        return {}
+    if isinstance(value, Mapping) and all(isinstance(k, str) and k.strip() for k in value):
+        return dict(value)
+    raise invalid(name, value, allowed)
+
+
+def check_schema(values: Mapping[str, Any], schema: Mapping[str, Callable[[str, Any], Any]]) -> None:
+    """Check each of ``values`` that ``schema`` names with its checker ``check(name, value)`` (which raises
+    :func:`invalid`'s ValueError, or a TypeError, naming the argument); keys the schema lacks are left to
+    the caller. The one place an entry point's arguments meet their rules, before any work."""
+    for key, value in values.items():
+        check = schema.get(key)
+        if check is not None:
+            check(key, value)

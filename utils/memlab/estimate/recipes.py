@@ -75,15 +75,15 @@ def cublas_workspace(gpu: str | None = None, env: Mapping[str, str] | None = Non
     """The bytes of one cuBLAS workspace on the target card, and where the figure comes from.
 
     Args:
-        gpu: a card name of :mod:`memlab.core.gpus` (its compute capability picks PyTorch's default),
-            or None (no card known: the Hopper figure, 32 MiB).
+        gpu: a card name of :mod:`memlab.core.gpus` (its compute capability picks PyTorch's default), a size
+            (``"24GB"``: no card known, the Hopper figure, said so) or None (no card known: the Hopper figure, 32 MiB).
         env: the environment to read ``CUBLAS_WORKSPACE_CONFIG`` from (default ``os.environ``).
 
     Returns:
         ``(bytes, why)``; ``why`` says which rule gave the figure.
 
     Raises:
-        ValueError: a card name :mod:`memlab.core.gpus` does not know, naming the cards it knows.
+        ValueError: neither a card of :mod:`memlab.core.gpus` nor a size, naming the cards it knows.
     """
     from memlab.core import gpus
 
@@ -95,9 +95,11 @@ def cublas_workspace(gpu: str | None = None, env: Mapping[str, str] | None = Non
             return sum(int(a) * int(b) for a, b in pairs) * KiB, f"CUBLAS_WORKSPACE_CONFIG={config}"
     if gpu is None:
         return CUBLAS_WORKSPACE_BYTES, "no card given: Hopper's"
-    cap = gpus.capability(gpu)
+    cap = gpus.capability(gpu) if isinstance(gpu, str) else None
     if cap is None:
-        raise invalid("gpu", gpu, f"a card of memlab.core.gpus ({', '.join(sorted(gpus.CAPABILITIES))}) or None")
+        gpus.parse_gpu(gpu)  # a size is a GPU too (the same answer as --gpu); anything else is refused, named
+        return CUBLAS_WORKSPACE_BYTES, (f"gpu={gpu!r} is a size, not a card: Hopper's 32 MiB (8.125 MiB before "
+                                        f"compute capability 9.0; name the card for its own)")
     if cap.sm >= (9, 0):
         return CUBLAS_WORKSPACE_BYTES, f"{cap.name}, compute capability {cap.sm[0]}.{cap.sm[1]}: 32 MiB"
     return CUBLAS_WORKSPACE_PRE_HOPPER_BYTES, (f"{cap.name}, compute capability {cap.sm[0]}.{cap.sm[1]}: "

@@ -95,13 +95,13 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
                 **run_kwargs: Any) -> list[Suggestion]:
     """Techniques that lower ``base``'s peak, each with its estimated peak.
 
-    Options the estimator has (checkpointing, the fused linear cross-entropy, offloaded checkpoint
+    Options the estimator has (checkpointing, the fused linear and the chunked cross-entropy, offloaded checkpoint
     inputs, the optimizer step in backward, 8-bit AdamW, the fused AdamW where the foreach one's
     temporaries set the peak, pure bf16, a smaller batch or sequence) are re-estimated ("traced"); the others use a byte formula ("formula"): CPU-offloaded AdamW (chapter 04)
     removes the optimizer state and the fp32 master copy from the GPU; LoRA (chapter 06) keeps
     the frozen weights in 16 bits with no gradients or optimizer state for them; QLoRA stores
     them in NF4. LoRA and QLoRA (rank 16, every linear layer but the head, :mod:`memlab.estimate.adapters`)
-    are traced where ``base`` is a full fine-tune; each traced row carries the ``memlab estimate``
+    are traced where ``base`` is a full fine-tune, QLoRA with the same adapters where it is a LoRA run; each traced row carries the ``memlab estimate``
     command that reproduces it (``Suggestion.command``).
 
     ``model``, ``config_overrides`` and ``run_kwargs`` (device, loss, attention, adapter settings ...) are
@@ -125,6 +125,8 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
         traced("gradient checkpointing", "02", checkpointing=True)
     if base.loss in ("hf", "chunked"):  # a transformers model's loss: the logits and their fp32 copies go
         traced("fused linear cross-entropy (logits never materialised)", "09", loss="fused")
+    if base.loss == "hf":  # the logits made a chunk of tokens at a time (memlab.loss.chunked_cross_entropy)
+        traced("chunked cross-entropy (logits a chunk of tokens at a time)", "09", loss="chunked")
     if base.checkpointing and not base.offload_checkpoints and base.device.startswith("cuda"):
         traced("offloaded checkpoint inputs (host memory)", "09", offload_checkpoints=True)
     if not base.optimizer_in_backward and base.optimizer != "offload-adamw" and run_kwargs.get("grad_accum", 1) == 1 \
@@ -153,6 +155,8 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
                           "peak - optimizer state at peak" + (" - 2 bytes/param (fp32 weights kept as 16-bit)" if master else ""),
                           extra_bytes=extra))
     if base.adapter:
+        if base.adapter.startswith("lora"):  # the same adapters on an NF4 base (QLoRA, chapter 06)
+            traced("QLoRA (the same adapters on NF4 frozen weights)", "06", adapter="qlora")
         return out
     # LoRA / QLoRA traced (memlab.estimate.adapters): a 16-bit recipe (bf16 mixed for an fp32 run), AdamW on the adapters
     ad_kw = dict(dtype=Recipe.BF16_MIXED.value if base.dtype == Recipe.FP32 else base.dtype,
