@@ -138,7 +138,9 @@ check-labs: setup
 
 # The table is the result: exit 0 whether or not every exercise passes (a lab in progress is not
 # a failure of make); non-zero only when the grader could not grade (memlab grade's exit 2: a
-# missing or unreadable notebook, a bad argument) or crashed. `make grade LAB=04` grades one lab.
+# missing or unreadable notebook, a bad argument, said in one line with the allowed chapters, above
+# make's own "Error 2") or crashed. `make grade LAB=04` grades one lab; with no LAB, the labs of
+# work/ changed since `memlab labs start` copied them (`.venv/bin/memlab grade --all`: every one).
 grade: setup
 	@$(BIN)/memlab grade $(LAB); rc=$$?; [ $$rc -le 1 ] || exit $$rc
 

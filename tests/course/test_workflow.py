@@ -4,10 +4,12 @@ work/, the drift checks stay green, ``memlab labs build`` leaves work/ and labs/
 ``memlab labs reset`` keeps a backup. Also: README and packaging facts that must stay true."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -74,21 +76,26 @@ def test_learner_workflow(tmp_path):
     # 3. a second start copies only what is missing and never overwrites the learner's copy
     for p in work.glob("*.ipynb"):
         if p.name != CHAPTER:
-            p.unlink()  # (also keeps the grade below to one notebook)
+            p.unlink()
     again = _memlab("labs", "start", cwd=root)
     assert again.returncode == 0 and f"kept   work/{CHAPTER}" in again.stdout, again.stdout
+    assert f"copied work/{CHAPTER}" not in again.stdout and again.stdout.count("copied work/") == len(labs_before) - 1
     assert (work / CHAPTER).read_bytes() == solved
-    for p in work.glob("*.ipynb"):
-        if p.name != CHAPTER:
-            p.unlink()
 
-    # 4. grade with no path: work/ is graded, the solved exercise passes, the others are todo
+    # 4. grade with no path: work/ is graded, only the lab changed since it was copied; its solved
+    # exercise passes, the others are todo; the labs left as copied are named, not run (issue 40)
     graded = _memlab("grade", cwd=root)
     assert f"work/{CHAPTER}" in graded.stdout and "labs/" not in graded.stdout, graded.stdout + graded.stderr
     rows = _rows(graded.stdout)
     assert rows.pop(exercise) == "PASS", graded.stdout
     assert rows and set(rows.values()) == {"TODO"}, graded.stdout
+    assert {r[:2] for r in rows} == {CHAPTER[:2]}, graded.stdout  # no other lab was run
+    (skipped,) = [ln for ln in graded.stdout.splitlines() if ln.startswith("not graded, unchanged since copied")]
+    assert all(name in skipped for name in labs_before if name != CHAPTER) and CHAPTER not in skipped
     assert graded.returncode == 1  # not full marks yet
+    for p in work.glob("*.ipynb"):
+        if p.name != CHAPTER:
+            p.unlink()
 
     # 5. the drift checks stay green: labs/ is untouched
     check = _memlab("labs", "check", cwd=root)
@@ -102,6 +109,7 @@ def test_learner_workflow(tmp_path):
     assert (work / CHAPTER).read_bytes() == solved
 
     # 7. reset: the solved copy is backed up with a timestamp, a fresh lab takes its place
+    _saved_a_minute_ago(work / CHAPTER)
     reset = _memlab("labs", "reset", "00", cwd=root)
     assert reset.returncode == 0, reset.stderr
     (backup,) = (work / "backups").glob("00_where_the_memory_goes.*.ipynb")
@@ -112,16 +120,29 @@ def test_learner_workflow(tmp_path):
     assert _memlab("labs", "reset", "0", cwd=root).returncode == 0
     assert len(list((work / "backups").glob("00_where_the_memory_goes.*.ipynb"))) == 1
     (work / CHAPTER).write_bytes(solved)
+    just_saved = _memlab("labs", "reset", "0", cwd=root)  # a file changed a moment ago may be being saved
+    assert just_saved.returncode == 1 and "s ago (a save may be under way)" in just_saved.stderr, just_saved.stderr
+    assert (work / CHAPTER).read_bytes() == solved
+    _saved_a_minute_ago(work / CHAPTER)
     assert _memlab("labs", "reset", "0", cwd=root).returncode == 0
     assert len(list((work / "backups").glob("00_where_the_memory_goes.*.ipynb"))) == 2
 
 
-def test_reset_names_the_allowed_chapters(tmp_path):
+def _saved_a_minute_ago(path: Path) -> None:
+    """Date ``path`` a minute back: a reset refuses a file changed in the last seconds (a save under way)."""
+    old = time.time() - 60
+    os.utime(path, (old, old))
+
+
+@pytest.mark.parametrize("chapter", ["42", "99", "²", "xx"])
+def test_reset_names_the_allowed_chapters(tmp_path, chapter):
+    """An argument error exits 2 (README), in one line naming the value and the chapters there are."""
     shutil.copytree(ROOT / "labs", tmp_path / "labs")
-    proc = _memlab("labs", "reset", "42", cwd=tmp_path)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    proc = _memlab("labs", "reset", chapter, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert "chapter='42' names no lab; allowed: 00, 01" in line, line
+    assert f"chapter={chapter!r} names no lab; allowed: 00, 01" in line, line
+    assert "invalid literal" not in line
     assert not (tmp_path / "work").exists() or not list((tmp_path / "work").glob("*.ipynb"))
 
 

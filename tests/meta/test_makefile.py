@@ -152,3 +152,19 @@ def test_make_lab_prints_only_the_url(tmp_path):
         "JupyterLab (Ctrl-C to stop): http://127.0.0.1:8888/lab/tree/docs/start.md?file-browser-path=/&token=abc123",
         "Kernel restarted: something worth seeing",
     ]
+
+
+@pytest.mark.parametrize("lab", ["xx", "²", "99"])
+def test_make_grade_with_a_bad_lab_says_the_allowed_chapters(tmp_path, lab):
+    """``make grade LAB=xx``: one line from memlab naming the value and the chapters there are, no
+    table, no traceback; make exits 2 (its own ``Error 2`` line follows memlab's)."""
+    stamp = tmp_path / "stamp"
+    stamp.touch()  # set-up done
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
+    proc = subprocess.run([MAKE, "-s", "--no-print-directory", "-C", str(ROOT), "grade", f"LAB={lab}", f"STAMP={stamp}"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    memlab_lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("make")]
+    assert len(memlab_lines) == 1 and repr(lab) in memlab_lines[0], proc.stderr
+    assert "allowed: 00, 01, 02" in memlab_lines[0] and "invalid literal" not in memlab_lines[0], proc.stderr
