@@ -348,9 +348,15 @@ def test_a_truncated_copy_is_not_kept_as_yours(tmp_path, capsys):
     (root / "work").mkdir()
     full = (root / "labs" / LAB).read_bytes()
     (root / "work" / LAB).write_bytes(full[: len(full) // 2])  # what a full disk left behind
+    # just written: a save may be under way (JupyterLab rewrites the file in place): left to finish
     assert labs.main(["start", "--root", str(root)]) == 0
     out = capsys.readouterr().out
-    assert "not a complete notebook" in out
+    assert "not a complete notebook yet: changed" in out and "left as it is" in out, out
+    assert (root / "work" / LAB).read_bytes() == full[: len(full) // 2]
+    os.utime(root / "work" / LAB, (time.time() - 60, time.time() - 60))  # cut short a minute ago
+    assert labs.main(["start", "--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "not a complete notebook (cut short?)" in out
     assert (root / "work" / LAB).read_bytes() == full
     (backup,) = (root / "work" / "backups").glob("00_where_the_memory_goes.incomplete-*.ipynb")
     assert backup.read_bytes() == full[: len(full) // 2]  # nothing of the learner's is deleted

@@ -262,3 +262,13 @@ def test_reset_raced_against_jupyter_servers_save_loses_no_version(tmp_path, mon
             assert previous in versions, f"{where}: the previous version is lost"
         outcomes.append(f"{outcome} / save {'completed' if box['saved'] else 'interrupted'}")
     print("\n".join(outcomes), file=sys.stderr)
+
+
+def test_a_folder_in_place_of_the_notebook_is_not_moved(tmp_path, capsys):
+    root = _course(tmp_path)
+    (root / "work" / LAB).mkdir(parents=True)
+    (root / "work" / LAB / "mine.txt").write_text("x")
+    rc, err = _cli(root, "reset", "00", capsys=capsys)
+    assert rc == 1 and err == [f"memlab labs reset: {root / 'work' / LAB}: is a folder; it must be your notebook "
+                               "file (move the folder of that name away)"], err
+    assert (root / "work" / LAB / "mine.txt").read_text() == "x" and not (root / "work" / "backups").exists()

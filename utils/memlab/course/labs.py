@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "reset":
             fresh, backup = reset(args.chapter, args.root)
             if backup is not None:
-                print(f"kept your copy as {backup}")
+                print(f"moved your copy to {backup}")
             else:
                 print("no backup: there was no copy, or it still had the lab's cells as given")
             print(f"fresh copy: {fresh}")

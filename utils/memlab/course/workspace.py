@@ -202,7 +202,8 @@ def start(root: str | Path = ".", *, notes: list[str] | None = None) -> tuple[li
 
     A copy in ``work/`` that is not a complete notebook (cut short by a full disk or a crash) is
     not yours: it is moved to ``work/backups/NN_topic.incomplete-<time>.ipynb`` and replaced by a
-    fresh copy (``notes``, a list, gets a line saying so). A symbolic link in ``work/`` is refused,
+    fresh copy (``notes``, a list, gets a line saying so), unless it may be a save under way
+    (:func:`busy_reason`: left as it is, with a note). A symbolic link in ``work/`` is refused,
     never followed; every write is a temp file in the same folder, fsynced, then renamed.
     """
     root = Path(root)
@@ -221,6 +222,12 @@ def start(root: str | Path = ".", *, notes: list[str] | None = None) -> tuple[li
             if target.exists():
                 if is_complete_notebook(target):
                     kept.append(target)
+                    continue
+                why = busy_reason(target)
+                if why:  # half written because a save is under way: not cut short, left to finish
+                    kept.append(target)
+                    if notes is not None:
+                        notes.append(f"{target} is not a complete notebook yet: {why}; left as it is")
                     continue
                 stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
                 backup = _backup_path(work, lab.stem, stamp, "incomplete-")
@@ -402,6 +409,9 @@ def reset(chapter: str, root: str | Path = ".", *, now: _dt.datetime | None = No
         target = work / lab.name
         refuse_link(target)
         backup = None
+        if target.is_dir():
+            raise LabFileError(_errno.EISDIR, f"{target}: is a folder; it must be your notebook file "
+                                              "(move the folder of that name away)")
         if os.path.lexists(target):
             # a copy still as given may be new (just copied): only a changed one must be older than a few seconds
             why = busy_reason(target, recent=not _untouched(target, lab))
