@@ -96,6 +96,56 @@ def test_fast_step_bitwise_vs_eager_chunked_and_torch_fused(n, one_thread):
     assert torch.allclose(loop[0], fast[0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_eager_chunked_step_is_the_same_at_any_thread_count_and_restores_torch_threads(threads):
+    # the chunks are split between worker threads, never inside an op: the result is the one-thread
+    # result, and the caller's intra-op thread count is back after the step
+    from memlab.offload import kernel as K
+
+    torch.manual_seed(0)
+    n = 10 * 1000 + 17
+    bufs = [torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)]
+    ref = [t.clone() for t in bufs]
+    before = torch.get_num_threads()
+    seen = []
+    real = K._chunked_range
+
+    def spy(*a, **kw):
+        seen.append(torch.get_num_threads())
+        return real(*a, **kw)
+
+    K._chunked_range = spy
+    try:
+        for step in (1, 2):
+            O.adamw_step_eager_chunked_(*bufs, step, chunk=1000, threads=threads, **HP)
+            O.adamw_step_eager_chunked_(*ref, step, chunk=1000, threads=1, **HP)
+    finally:
+        K._chunked_range = real
+    assert all(torch.equal(a, b) for a, b in zip(bufs, ref))
+    assert seen and set(seen) == {1}, seen  # no op inside a chunk is split across threads
+    assert len(seen) == 2 * (threads + 1)  # threads ranges, then one, each step
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads"):
+        O.adamw_step_eager_chunked_(*bufs, 1, threads=0, **HP)
+
+
+def test_intra_op_threads_nests_and_restores():
+    before = torch.get_num_threads()
+    with O.intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+        with O.intra_op_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="boom"):
+        with O.intra_op_threads(1):
+            raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="n"):
+        with O.intra_op_threads(0):
+            pass
+
+
 def test_eager_fallback_is_named(monkeypatch):
     assert "C++" in O.load_kernel() or "eager" in O.load_kernel()
     try:

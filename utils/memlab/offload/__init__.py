@@ -19,7 +19,8 @@ The modules, in the order the chapter builds them:
   and :func:`pack` (one contiguous fp32 buffer with a view per parameter);
 * :mod:`~memlab.offload.kernel`: :func:`adamw_step_flat_`, the fast CPU step over flat buffers
   (C++/OpenMP from ``adamw.cpp``, built with g++ and loaded with ctypes; an eager chunked torch
-  fallback), rounding like torch's fused CPU AdamW;
+  fallback, its chunks stepped with torch's intra-op threads held at 1 by :func:`intra_op_threads`),
+  rounding like torch's fused CPU AdamW;
 * :mod:`~memlab.offload.streaming`: :func:`install_grad_hooks` (gradients to the host during
   backward) and :class:`StreamedSequential` (inference with layers streamed to the device);
 * :mod:`~memlab.offload.optimizer`: :class:`OffloadedAdamW`, a ``torch.optim.Optimizer``
@@ -31,7 +32,7 @@ The modules, in the order the chapter builds them:
 """
 from memlab.offload.in_backward import OptimizerInBackward, optimizer_in_backward
 from memlab.offload.kernel import (DEFAULT_CHUNK, KERNEL_PATH, KERNEL_SOURCE, adamw_step_eager_chunked_,
-                                   adamw_step_flat_, kernel_name, load_kernel)
+                                   adamw_step_flat_, intra_op_threads, kernel_name, load_kernel)
 from memlab.offload.memory import DEVICE_RECIPES, OFFLOAD_RECIPES, device_host_bytes, predict_device_bytes
 from memlab.offload.optimizer import OffloadedAdamW
 from memlab.offload.streaming import StreamedSequential, install_grad_hooks
@@ -44,6 +45,7 @@ __all__ = [
     "pack",
     "adamw_step_flat_",
     "adamw_step_eager_chunked_",
+    "intra_op_threads",
     "kernel_name",
     "load_kernel",
     "KERNEL_SOURCE",

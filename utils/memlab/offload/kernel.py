@@ -8,13 +8,15 @@ kernel needs only pointers). Without a compiler an eager chunked torch step roun
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -22,7 +24,7 @@ from memlab.core.validation import check_choice, check_positive_int
 from memlab.offload.update import bias_corrections, check_hparams
 
 __all__ = ["KERNEL_PATH", "KERNEL_SOURCE", "DEFAULT_CHUNK", "load_kernel", "kernel_name", "adamw_step_flat_",
-           "adamw_step_eager_chunked_"]
+           "adamw_step_eager_chunked_", "intra_op_threads"]
 
 DEFAULT_CHUNK = 16384  # floats: 4 arrays x 64 KiB = 256 KiB in flight, about an L2 cache
 
@@ -104,9 +106,55 @@ def _check_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
             raise ValueError(f"{name} has {t.numel()} elements; param has {param.numel()}")
 
 
+_THREADS_LOCK = threading.Lock()
+_THREADS_HELD = [0, 0]  # [callers inside intra_op_threads, the count to restore when the last leaves]
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count at ``n`` inside the block, the caller's count restored after it.
+
+    For loops of small ops (a cache-sized chunk of an AdamW step): torch splits an op across its
+    threads, and on a machine whose cores are busy each split op waits for a thread to be
+    scheduled, once per op (chapter 04 measured the chunked step 20-60x slower at two threads than at
+    one). Nested and concurrent blocks (a step on a worker thread beside another) share one saved
+    count, restored when the last block ends.
+
+    Raises:
+        ValueError: ``n`` is not an int >= 1.
+    """
+    check_positive_int("n", n)
+    with _THREADS_LOCK:
+        if _THREADS_HELD[0] == 0:
+            _THREADS_HELD[1] = torch.get_num_threads()
+        _THREADS_HELD[0] += 1
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        with _THREADS_LOCK:
+            _THREADS_HELD[0] -= 1
+            if _THREADS_HELD[0] == 0 and torch.get_num_threads() != _THREADS_HELD[1]:
+                torch.set_num_threads(_THREADS_HELD[1])
+
+
+def _chunked_range(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lo: int, hi: int, chunk: int,
+                   decay: float, w1: float, beta2: float, step_size: float, bc2_sqrt: float, eps: float) -> None:
+    for a in range(lo, hi, chunk):
+        b = min(hi, a + chunk)
+        pc, gc, mc, vc = p[a:b], g[a:b], m[a:b], v[a:b]
+        if decay != 1:
+            pc.mul_(decay)
+        mc.lerp_(gc, w1)
+        vc.mul_(beta2).addcmul_(gc, gc, value=1 - beta2)
+        denom = vc.double().sqrt_().float().div_(bc2_sqrt).add_(eps)
+        pc.addcdiv_(mc, denom, value=-step_size)
+
+
 def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                               step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                              chunk: int = DEFAULT_CHUNK) -> None:
+                              chunk: int = DEFAULT_CHUNK, threads: int | None = None) -> None:
     """The fallback fast step: the update with torch ops on cache-sized slices of flat buffers.
 
     One difference from :func:`memlab.offload.adamw_step_`: the square root is correctly rounded
@@ -115,25 +163,48 @@ def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: 
     x86 builds), which is not correctly rounded: that is why ``AdamW(fused=True)`` and
     ``AdamW(foreach=False)`` do not agree bitwise on a CPU.
 
-    The four tensors are contiguous float32 CPU tensors of one size; ``chunk`` is elements per slice.
+    Threads as the C++ kernel uses them, one parallel region over chunks: the buffers are cut into
+    ``threads`` ranges of whole chunks, each stepped by its own Python thread (torch's ops release
+    the GIL) while torch's intra-op threads are held at 1 (:func:`intra_op_threads`), so that no
+    chunk-sized op is split again. The result does not depend on ``threads``.
+
+    The four tensors are contiguous float32 CPU tensors of one size; ``chunk`` is elements per slice;
+    ``threads`` None is ``torch.get_num_threads()``.
 
     Raises:
-        ValueError: a bad hyper-parameter or step, or a tensor that is not contiguous float32 on the CPU.
+        ValueError: a bad hyper-parameter, step, chunk or thread count, or a tensor that is not
+            contiguous float32 on the CPU.
     """
     check_hparams(lr, beta1, beta2, eps, weight_decay)
     check_positive_int("step", step)
+    check_positive_int("chunk", chunk)
+    if threads is not None:
+        check_positive_int("threads", threads)
     _check_flat(param, grad, exp_avg, exp_avg_sq)
     bc1, bc2 = bias_corrections(step, beta1, beta2)
-    step_size, bc2_sqrt = lr / bc1, bc2**0.5
     p, g, m, v = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))
-    for lo in range(0, p.numel(), chunk):
-        pc, gc, mc, vc = (t[lo:lo + chunk] for t in (p, g, m, v))
-        if weight_decay != 0:
-            pc.mul_(1 - lr * weight_decay)
-        mc.lerp_(gc, 1 - beta1)
-        vc.mul_(beta2).addcmul_(gc, gc, value=1 - beta2)
-        denom = vc.double().sqrt_().float().div_(bc2_sqrt).add_(eps)
-        pc.addcdiv_(mc, denom, value=-step_size)
+    n = p.numel()
+    nchunks = -(-n // chunk)
+    workers = max(1, min(threads or torch.get_num_threads(), nchunks))
+    per = -(-nchunks // workers) * chunk  # elements per worker, whole chunks
+    args = (chunk, 1 - lr * weight_decay if weight_decay != 0 else 1, 1 - beta1, beta2, lr / bc1, bc2**0.5, eps)
+    errors: list[BaseException] = []
+
+    def run(lo: int) -> None:
+        try:
+            _chunked_range(p, g, m, v, lo, min(n, lo + per), *args)
+        except BaseException as exc:  # re-raised on the calling thread
+            errors.append(exc)
+
+    with intra_op_threads(1):
+        pool = [threading.Thread(target=run, args=(lo,), daemon=True) for lo in range(per, n, per)]
+        for t in pool:
+            t.start()
+        run(0)
+        for t in pool:
+            t.join()
+    if errors:
+        raise errors[0]
 
 
 def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -147,7 +218,7 @@ def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
         param, grad, exp_avg, exp_avg_sq: contiguous float32 CPU tensors of one size; param and the
             moments are updated in place.
         chunk: elements per chunk (one OpenMP work item).
-        threads: OpenMP threads; None uses ``torch.get_num_threads()``.
+        threads: OpenMP threads (the eager fallback's worker threads); None uses ``torch.get_num_threads()``.
 
     Raises:
         ValueError: a bad hyper-parameter, step or chunk, or a tensor that is not contiguous float32 on the CPU.
@@ -159,7 +230,7 @@ def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     kernel_name()
     if _KERNEL is None:
         adamw_step_eager_chunked_(param, grad, exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                  weight_decay=weight_decay, chunk=chunk)
+                                  weight_decay=weight_decay, chunk=chunk, threads=threads)
         return
     bc1, bc2 = bias_corrections(step, beta1, beta2)
     w1 = 1 - beta1
