@@ -13,7 +13,7 @@ import json
 import os
 import stat as _stat
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -119,18 +119,54 @@ def check_overrides(cfg: Any, overrides: Mapping[str, Any], what: str) -> None:
         raise ValueError(f"config_overrides key {key!r} is not a field of {type(cfg).__name__} ({what}){hint}")
 
 
-@dataclass
+@dataclass(init=False)
 class ModelSpec:
-    """What to build: a display name, and either a transformers config or a plain callable."""
+    """What to build: a display name, and either a transformers config or a plain callable.
+
+    A preset resolved without overrides keeps its name in ``preset`` and builds its transformers config on first
+    use of :attr:`config` (so an answer read from the trace cache never imports transformers)."""
 
     name: str
-    config: Any = None
     fn: Callable[[], nn.Module] | None = None
     adapter: Any = None  # a memlab.estimate.adapters.AdapterSpec: LoRA / QLoRA built on the base (memlab.estimate.adapters)
+    preset: str | None = None  # a preset of memlab.models.PRESETS, its config built when first read
+    _config: Any = field(default=None, repr=False)
+
+    def __init__(self, name: str, config: Any = None, fn: Callable[[], nn.Module] | None = None, adapter: Any = None,
+                 preset: str | None = None, _config: Any = None) -> None:
+        self.name, self.fn, self.adapter, self.preset = name, fn, adapter, preset
+        self._config = config if config is not None else _config
+
+    @property
+    def config(self) -> Any:
+        """The transformers config (a preset's built now if it was not yet), or None for a callable."""
+        if self._config is None and self.preset is not None:
+            from memlab.models import preset_config
+
+            self._config = preset_config(self.preset)
+        return self._config
 
     @property
     def is_hf(self) -> bool:
-        return self.config is not None
+        return self._config is not None or self.preset is not None
+
+    def fields(self) -> dict[str, Any] | None:
+        """The config's fields without building it where that is possible (a preset's published dimensions,
+        ``model_type`` its family), else the built config's; None for a callable."""
+        if self._config is None and self.preset is not None:
+            from memlab.models import PRESETS
+
+            entry = PRESETS[self.preset]
+            return {**{k: v for k, v in entry.items() if k not in ("family", "hf_id")}, "model_type": entry["family"]}
+        return None if self.config is None else {**vars(self.config), "model_type": getattr(self.config, "model_type", "")}
+
+    def cache_key(self) -> str | None:
+        """What identifies the model in the trace cache (its name, config, adapter), or None for a callable."""
+        if self.fn is not None or not self.is_hf:
+            return None
+        cfg = repr(sorted(self.fields().items())) if self._config is None else self._config.to_json_string(use_diff=False)
+        return repr((self.name, type(self._config).__name__ if self._config is not None else self.preset, cfg,
+                     self.adapter))
 
     def layers(self) -> tuple[str, int] | None:
         """``(the config's layer-count field, its value)``, or None for a callable or a config without one."""
@@ -168,7 +204,7 @@ class ModelSpec:
 
     def with_adapter(self, adapter: Any) -> "ModelSpec":
         """The same model with LoRA / QLoRA adapters (a :class:`memlab.estimate.adapters.AdapterSpec`, or None)."""
-        return ModelSpec(self.name, config=self.config, fn=self.fn, adapter=adapter)
+        return ModelSpec(self.name, config=self._config, fn=self.fn, adapter=adapter, preset=self.preset)
 
     def build(self, dtype: str, attn: str | None) -> nn.Module:
         """Build the model, adapters applied when the spec has them (call it inside a fake mode for a trace).
@@ -221,8 +257,9 @@ def resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> Mod
         from memlab.models import PRESETS, UnknownPresetError, preset_config
 
         if model in PRESETS:
-            if overrides:
-                check_overrides(preset_config(model), overrides, f"preset {model!r}")
+            if not overrides:  # its transformers config built when first needed (not for a cached answer)
+                return ModelSpec(model, preset=model)
+            check_overrides(preset_config(model), overrides, f"preset {model!r}")
             cfg = preset_config(model, **overrides)
             return ModelSpec(model, config=cfg)
         from memlab.estimate import hub
@@ -283,20 +320,28 @@ def check_positions(spec: ModelSpec, seq_len: int, allow_longer_seq: bool) -> No
     Raises:
         ValueError: naming ``seq_len``, the model's position field and its size.
     """
-    if spec.config is None:
+    if not spec.is_hf:
         return
+    # a preset not built yet answers from its published dimensions (no transformers import), else the config
+    lazy = spec.fields() if spec._config is None else None
+    cfg = None if lazy is not None else spec.config
+    given = lazy if lazy is not None else vars(cfg)
+
+    def get(name: str) -> Any:
+        return lazy.get(name) if lazy is not None else getattr(cfg, name, None)
+
     for f in _POSITION_FIELDS:
-        n = getattr(spec.config, f, None)
+        n = get(f)
         if isinstance(n, int) and n > 0:
             break
     else:
         return
     if seq_len <= n:
         return
-    learned = ("n_positions" in vars(spec.config) or getattr(spec.config, "model_type", "") in _LEARNED_POSITIONS
-               or getattr(spec.config, "position_embedding_type", None) == "absolute")
+    learned = ("n_positions" in given or (get("model_type") or "") in _LEARNED_POSITIONS
+               or get("position_embedding_type") == "absolute")
     if learned:
-        f = "n_positions" if "n_positions" in vars(spec.config) else f
+        f = "n_positions" if "n_positions" in given else f
     if learned:
         raise ValueError(f"seq_len={seq_len} exceeds {spec.name}'s {f}={n}: its position table has {n} rows; "
                          f"allowed: seq_len <= {n} (or a larger {f} in config_overrides, a different model)")
