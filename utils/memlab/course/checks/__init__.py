@@ -31,7 +31,7 @@ from memlab.course.grading.cases import (
 
 __all__ = ["register", "expect", "expect_equal", "expect_close", "expect_tensor_close", "expect_type",
            "exact_type", "same_value", "Space", "Case", "differential", "ints", "floats", "one_of", "flags",
-           "lists_of", "layouts", "LAYOUTS", "make_tensor", "current_pass", "BlockReuse", "wrapped_as_drawn"]
+           "lists_of", "layouts", "LAYOUTS", "make_tensor", "current_pass", "BlockReuse", "wrapped_as_drawn", "own_copies"]
 
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
 
@@ -248,6 +248,16 @@ class BlockReuse:
         t = torch.frombuffer(self._mem, dtype=dtype or torch.float32).view(*shape)
         self._last = weakref.ref(t.untyped_storage())
         return t
+
+
+def own_copies(*objs: Any) -> tuple[Any, ...]:
+    """Deep copies of ``objs`` for the reference (tensors keep their storage, offset, strides and
+    ``requires_grad``; modules their parameters; a function is itself): a check runs the reference FIRST, on
+    its own copies, then the answer on the originals, so that an answer that changes what it was given (a
+    module's ``forward``, a function's code) cannot change what the reference measures."""
+    import copy
+
+    return copy.deepcopy(objs)
 
 
 def wrapped_as_drawn(f: Any, case: Any) -> Any:

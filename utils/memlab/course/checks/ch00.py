@@ -7,7 +7,7 @@ from torch import nn
 from memlab import accounting as ref
 from memlab.course.checks import (
     BlockReuse, Space, differential, expect, expect_equal, expect_type, flags, ints, layouts, lists_of, make_tensor,
-    one_of, register, wrapped_as_drawn,
+    one_of, own_copies, register, wrapped_as_drawn,
 )
 from memlab.course.grading.cases import expect_prediction
 
@@ -240,7 +240,8 @@ def check_saved_bytes(fn):
     def run(case) -> None:
         x = make_tensor((case.rows, case.cols), case.dtype, case.layout, case.seed).requires_grad_(True)
         f = wrapped_as_drawn(_chain(case.ops), case)
-        got, want = fn(f, x), ref.saved_activation_bytes(f, x)
+        want = ref.saved_activation_bytes(*own_copies(f, x))  # the reference first, on its own copies
+        got = fn(f, x)
         expect_equal(f"saved bytes of {' -> '.join(case.ops)} on a {case.rows} x {case.cols} {case.dtype} tensor "
                      f"({case.layout} in memory), {case.wrap}", got, want)
 
@@ -248,7 +249,8 @@ def check_saved_bytes(fn):
     torch.manual_seed(0)
     x = torch.randn(4, 16, 32, requires_grad=True)
     block = _Block()
-    got, want = fn(block, x), ref.saved_activation_bytes(block, x)
+    want = ref.saved_activation_bytes(*own_copies(block, x))  # the reference first, on its own copies
+    got = fn(block, x)
     expect(type(got) is int, f"saved_bytes: expected an int number of bytes, got {type(got).__name__}")
     expect_equal("saved bytes of a LayerNorm + MLP block (its weights are not activations)", got, want)
 
@@ -257,21 +259,24 @@ def check_saved_bytes(fn):
     def shared(t: torch.Tensor) -> torch.Tensor:  # t and t.T are one storage: count it once
         return (t @ t.T).sum() + (t * 2).sum()
 
-    got, want = fn(shared, w), ref.saved_activation_bytes(shared, w)
+    want = ref.saved_activation_bytes(*own_copies(shared, w))  # the reference first, on its own copies
+    got = fn(shared, w)
     expect_equal("saved bytes when a tensor and its transpose are both saved (one storage)", got, want)
 
     def sliced(t: torch.Tensor) -> torch.Tensor:  # saves a view of 4 rows at offset 28: its whole storage is kept
         u = t[28:]
         return (u * u).sum()
 
-    got, want = fn(sliced, w), ref.saved_activation_bytes(sliced, w)
+    want = ref.saved_activation_bytes(*own_copies(sliced, w))  # the reference first, on its own copies
+    got = fn(sliced, w)
     expect_equal("saved bytes when the saved tensor is the last 4 rows of a 32-row tensor (its whole storage "
                  "is kept, not the bytes from the view's offset on)", got, want)
 
     def view_first(t: torch.Tensor) -> torch.Tensor:  # a view at an offset is saved before its whole buffer
         return (t[8:].exp() * t[8:]).sum() + (t * t).sum()
 
-    got, want = fn(view_first, w), ref.saved_activation_bytes(view_first, w)
+    want = ref.saved_activation_bytes(*own_copies(view_first, w))  # the reference first, on its own copies
+    got = fn(view_first, w)
     expect_equal("saved bytes when a view at row 8 is saved before the whole tensor (one storage; key storages, "
                  "not a tensor's data_ptr(), which includes the view's offset)", got, want)
 
@@ -284,7 +289,8 @@ def check_saved_bytes(fn):
             (t * pool.tensor(32, 32)).sum()  # saves the new tensor; this graph, and its storage, dies at once
         return (t * 2).sum()
 
-    got, want = fn(reused, w), ref.saved_activation_bytes(reused, w)
+    want = ref.saved_activation_bytes(*own_copies(reused, w))  # the reference first, on its own copies
+    got = fn(reused, w)
     expect_equal("saved bytes of three storages saved in turn, each freed before the next is made (an allocator "
                  "reuses a freed block at once: each saved storage counts once, told apart by the storage itself, "
                  "or by its address while you hold what you counted)", got, want)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memlab.course.reference import ch01 as ref
-from memlab.course.checks import BlockReuse, Space, differential, expect, expect_equal, expect_type, flags, ints, lists_of, one_of, register
+from memlab.course.checks import BlockReuse, Space, differential, expect, expect_equal, expect_type, flags, ints, lists_of, one_of, own_copies, register
 
 
 # ---------------------------------------------------------------------------- 01.live_bytes
@@ -382,7 +382,8 @@ def check_phase_peaks(fn):
         timeline = [_ev(3 * i + rng.randint(0, 2), rng.choice(phases),
                         **{c: rng.choice([0, rng.randint(1, case.scale)]) for c in ref.CATEGORIES})
                     for i in range(case.events)]
-        got, want = fn(timeline), ref.phase_peaks(timeline)
+        want = ref.phase_peaks(*own_copies(timeline))  # the reference first, on its own copies
+        got = fn(timeline)
         expect_equal(f"phase_peaks of a timeline of {case.events} events in phases {phases} ({case})", got, want)
 
     # any length (one event, none), any subset of the phases (a phase that never occurs is not in the answer),

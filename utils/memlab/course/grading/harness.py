@@ -75,6 +75,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from memlab.course.grading.cases import running
+from memlab.course.grading.provenance import (
+    grader_state, grader_state_changed, mark_boundary, reference_functions, reference_swapped,
+)
 from memlab.course.grading.registry import is_learner_file
 from memlab.course.grading.snapshots import difference, learner_classes, snapshot
 
@@ -234,6 +237,23 @@ class _Session:
     alive: list[tuple[str, Any]] = field(default_factory=list)  # (what, weakref)
     answer: Any = None  # the learner's object, for the state it names
     state: dict[str, Any] | None = None  # its class and global state before the check
+    reference: dict[Any, str] = field(default_factory=dict)  # the reference's functions, swapped while it runs
+    grader: dict[str, Any] | None = None  # the check's and the reference's modules before the check
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        # the answer itself runs here, memlab's reference made observable (provenance.reference_swapped): a
+        # reference called from this frame is the answer (a callable object whose __call__ is the reference)
+        with reference_swapped(self.reference):
+            return fn(*args, **kwargs)
+
+    def grader_changed(self, where: str) -> None:
+        """HygieneError when the answer changed the check's or the reference's code (``where``: which call)."""
+        if self.grader is None:
+            return
+        changed = grader_state_changed(self.grader, grader_state(self.ex))
+        if changed:
+            raise HygieneError(f"hygiene (the grader's own code): {where} changed {changed}: an answer must not "
+                               f"change the check or memlab's reference (the check measures with them)")
 
     def _bind(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
         if self.signature is not None:
@@ -251,10 +271,11 @@ class _Session:
         self.tensors_seen = self.tensors_seen or any(True for _, v in named for _ in _flat(v))
         # every call while a check's first 64 calls last, then one in 16 (a check that asks thousands of times)
         if not self.probes or not (n <= 64 or n % 16 == 0):
-            return fn(*args, **kwargs)
+            return self._run(fn, args, kwargs)
         before = {name: snapshot(value) for name, value in named if name not in self.mutates}
-        result = fn(*args, **kwargs)
+        result = self._run(fn, args, kwargs)
         where = f"call #{n} of your {self._what()}"
+        self.grader_changed(where)
         for name, value in named:
             if name in before:
                 d = difference(before[name], snapshot(value), name)
@@ -355,6 +376,7 @@ def _held_from(roots: dict[int, str], targets: dict[int, str], depth: int = 6, b
 
 
 _NAMESPACES: dict[int, Any] = {}
+mark_boundary(_Session._run.__code__)
 
 
 def _by_id(i: int) -> Any:
@@ -411,10 +433,13 @@ def _one_pass(ex: Any, obj: Any, p: int) -> _Session:
     session = _Session(ex, frozenset(getattr(ex, "mutates", ())), frozenset(getattr(ex, "keeps", ())), signature,
                        probes=p == 0, roots=_answer_roots(obj), answer=obj,
                        state=_state_snapshot(obj) if p == 0 and not isinstance(obj, type) else None)
+    session.reference = reference_functions(ex) if not isinstance(obj, type) else {}
+    session.grader = grader_state(ex)
     answer = _wrap(obj, session)
     with running(ex.id, p):
         for check_fn in ex.checks:
             check_fn(answer)
+    session.grader_changed("your answer, during the check,")
     return session
 
 

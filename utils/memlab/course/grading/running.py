@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from memlab.course.grading.harness import run_exercise
+from memlab.course.grading.provenance import reference_hits, reset_hits, wrapped_reference
 from memlab.course.grading.registry import (
     MEMLAB_DIR, is_learner_file, is_library_file,
     CHECKS_PACKAGE, GRADING_ENV, RESULTS, WALL_FACTOR, CheckResult, Exercise, chapter_exercises, get_exercise, parse_seconds,
@@ -267,15 +268,23 @@ def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
 
 def run_checks_watched(ex: Exercise, obj: Any, limit: float | None) -> tuple[str, str, str]:
     """:func:`_run_checks` under ``limit`` seconds: (status, message, note); the note is '' unless the
-    answer is (or calls) memlab's reference."""
+    answer is, wraps or calls memlab's reference: by name (:func:`_reference_note`), by what it wraps
+    (:func:`~.provenance.wrapped_reference`: a cloned code object, a callable object), by the reference's code
+    running while the answer runs (:func:`~.provenance.reference_swapped`, in the harness: a worker thread,
+    tracing switched off), or by a call the trace function saw."""
     found: list[str] = []
+    reset_hits()
     with _watch_reference(ex, found):
         status, message = _run_checks(ex, obj, limit)
     note = ""
     if status == "pass":
         note = _reference_note(obj, ex)
-        if not note and found:
-            note = f"calls the reference implementation ({found[0]}) from your code: no points"
+        wrapped = wrapped_reference(obj, ex) if not note else None
+        if wrapped:
+            note = f"uses the reference implementation ({wrapped}), not your own code: no points"
+        ran = reference_hits()
+        if not note and (ran or found):
+            note = f"calls the reference implementation ({(ran or found)[0]}) from your code: no points"
     return status, message, note
 
 
@@ -341,7 +350,8 @@ def chapter_fingerprint(chapter: str) -> str:
     h = hashlib.sha256()
     h.update(_source(helpers).encode())
     h.update(_source(_run_checks).encode())
-    for module in ("memlab.course.grading.harness", "memlab.course.grading.cases", "memlab.course.grading.snapshots"):
+    for module in ("memlab.course.grading.harness", "memlab.course.grading.cases", "memlab.course.grading.snapshots",
+                   "memlab.course.grading.provenance"):
         h.update(_source(importlib.import_module(module)).encode())
     for ex in chapter_exercises(chapter):
         h.update(json.dumps([ex.id, ex.points, ex.timeout, list(ex.mutates), list(ex.keeps), ex.rerun]).encode())

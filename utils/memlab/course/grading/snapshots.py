@@ -4,7 +4,8 @@ class attribute, and :func:`difference` of two pictures in words.
 A tensor is pictured by its dtype, shape, strides, storage offset, ``requires_grad``, the bytes of its whole
 storage (read with ``ctypes.string_at``: no torch op, so a check's dispatch modes, trackers and allocator profiles
 see nothing) and its ``.grad``; a list, tuple or dict by its contents; a module by its parameters, buffers,
-gradients, training flag and hooks; an optimizer by its groups, parameters and state; a dataclass by its fields;
+gradients, training flag, hooks and the callables set on its instances (a ``forward``); a function by its code
+and defaults; an optimizer by its groups, parameters and state; a dataclass by its fields;
 an instance of a class the learner wrote by its attributes; anything else by its identity.
 """
 from __future__ import annotations
@@ -96,13 +97,16 @@ def snapshot(x: Any, depth: int = 0) -> Any:
         if isinstance(x, torch.nn.Module):
             return ("module", type(x), x.training, _hooks(x),
                     tuple((n, snapshot(p, depth + 1)) for n, p in x.named_parameters(remove_duplicate=False)),
-                    tuple((n, snapshot(b, depth + 1)) for n, b in x.named_buffers(remove_duplicate=False)))
+                    tuple((n, snapshot(b, depth + 1)) for n, b in x.named_buffers(remove_duplicate=False)),
+                    _module_methods(x))
         if isinstance(x, torch.optim.Optimizer):
             groups = tuple(tuple(sorted((k, snapshot(v, depth + 1) if k != "params" else tuple(map(id, v)))
                                         for k, v in g.items())) for g in x.param_groups)
             params = tuple(snapshot(p, depth + 1) for g in x.param_groups for p in g["params"])
             state = tuple((id(p), snapshot(dict(s), depth + 1)) for p, s in x.state.items())
             return ("optimizer", type(x), groups, params, state)
+    if isinstance(x, types.FunctionType):  # what it runs: its code and defaults (a rewritten __code__ shows)
+        return ("function", id(x), id(x.__code__), x.__defaults__ is None or tuple(map(id, x.__defaults__)))
     if type(x) in (list, tuple) or (isinstance(x, tuple) and hasattr(x, "_fields")):
         if len(x) > 4096:
             return ("seq", type(x), len(x), tuple(map(id, x)))
@@ -121,6 +125,13 @@ def snapshot(x: Any, depth: int = 0) -> Any:
         # an instance of a class the learner wrote (a cache object, a counter): its attributes
         return ("instance", type(x), id(x), tuple((k, snapshot(v, depth + 1)) for k, v in vars(x).items()))
     return ("object", type(x), id(x))
+
+
+def _module_methods(module: Any) -> tuple:
+    """(submodule path, attribute, identity) of every callable set on a module's (or a submodule's) instance: a
+    ``forward`` put on the instance replaces what the module computes."""
+    return tuple((name, k, id(v)) for name, m in module.named_modules() for k, v in vars(m).items()
+                 if not k.startswith("_") and callable(v))
 
 
 def _tensor_change(before: tuple, after: tuple) -> str:
@@ -176,6 +187,9 @@ def difference(before: Any, after: Any, path: str = "") -> str | None:
             d = difference(b, a, f"{path}.{n}")
             if d:
                 return d
+        if len(before) > 6 and before[6] != after[6]:
+            changed = sorted({f"{m + '.' if m else ''}{k}" for m, k, _ in set(before[6]) ^ set(after[6])})
+            return f"{path}: {', '.join(changed)} was set, replaced or removed on it (what the module computes)"
         return f"{path}: its parameters or buffers changed"
     if kind == "optimizer":
         if before[2] != after[2]:
@@ -192,6 +206,8 @@ def difference(before: Any, after: Any, path: str = "") -> str | None:
             d = difference(b, a, f"{path}.{n}")
             if d:
                 return d
+    if kind == "function":
+        return f"{path}: its code or defaults were replaced (what the function computes)"
     if kind == "dataclass":
         for (n, b), (_, a) in zip(before[2], after[2]):
             d = difference(b, a, f"{path}.{n}")

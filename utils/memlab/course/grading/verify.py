@@ -75,12 +75,14 @@ def _code_table(path: str) -> dict[str, Any]:
     return table
 
 
-def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+def same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    """Whether two code objects compute the same: bytecode, names and constants (nested code compared alike);
+    line numbers, file and variable names aside."""
     if a.co_code != b.co_code or a.co_names != b.co_names or len(a.co_consts) != len(b.co_consts):
         return False
     for x, y in zip(a.co_consts, b.co_consts):
         if isinstance(x, types.CodeType) or isinstance(y, types.CodeType):
-            if not (isinstance(x, types.CodeType) and isinstance(y, types.CodeType) and _same_code(x, y)):
+            if not (isinstance(x, types.CodeType) and isinstance(y, types.CodeType) and same_code(x, y)):
                 return False
         elif type(x) is not type(y) or x != y:
             return False
@@ -100,7 +102,7 @@ def _function_ok(obj: Any, qualname: str, table: dict[str, Any]) -> bool:
             return False
         if isinstance(inner, types.FunctionType):
             want = table["codes"].get(qualname)
-            return want is not None and inner.__qualname__ == qualname and _same_code(inner.__code__, want)
+            return want is not None and inner.__qualname__ == qualname and same_code(inner.__code__, want)
     return True  # not a Python function (a C object made by a decorator): nothing to compare
 
 

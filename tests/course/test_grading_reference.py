@@ -1,0 +1,94 @@
+"""The grader judges what an answer computes, not whether it names memlab's reference (issue 41, point 4).
+
+Each trick hands memlab's own implementation in as the learner's answer in a way the reference watch of
+``running.py`` (identity, a trace function, the caller's frame) did not see: a code object cloned into a new
+function, a callable object, a worker thread, tracing switched off, a copy of the reference's globals. Each must
+earn no points. The course's own solutions (and answers that use memlab's other helpers) keep theirs.
+"""
+from __future__ import annotations
+
+import pytest
+
+from memlab.course.grading import check
+
+SETUP = "import sys, types, functools, threading\nfrom memlab import accounting\nref = accounting.model_state_bytes\n"
+
+TRICKS = {
+    "a cloned code object": "model_state_bytes = types.FunctionType(ref.__code__, ref.__globals__, 'model_state_bytes',"
+                            " ref.__defaults__, ref.__closure__)",
+    "a clone with a copy of the globals": "model_state_bytes = types.FunctionType(ref.__code__, dict(ref.__globals__), "
+                                          "'model_state_bytes')",
+    "a clone made inside the call": "def model_state_bytes(n, r):\n"
+                                    "    f = types.FunctionType(accounting.model_state_bytes.__code__, "
+                                    "dict(vars(accounting)))\n    return f(n, r)",
+    "a clone kept in a global list": "_kept = [types.FunctionType(ref.__code__, dict(ref.__globals__))]\n"
+                                     "def model_state_bytes(n, r):\n    return _kept[0](n, r)",
+    "a callable object": "class A:\n    __call__ = staticmethod(ref)\nmodel_state_bytes = A()",
+    "a callable object with a cloned method": "class A:\n    def __call__(self, n, r):\n        return 0\n"
+                                              "A.__call__ = staticmethod(types.FunctionType(ref.__code__, ref.__globals__))\n"
+                                              "model_state_bytes = A()",
+    "a bound method": "class A:\n    pass\nmodel_state_bytes = types.MethodType(lambda self, n, r: ref(n, r), A())",
+    "a worker thread": "from concurrent.futures import ThreadPoolExecutor\n_pool = ThreadPoolExecutor(1)\n"
+                       "def model_state_bytes(n, r):\n    return _pool.submit(ref, n, r).result()",
+    "a plain thread": "def model_state_bytes(n, r):\n    out = []\n"
+                      "    def work():\n        try:\n            out.append((accounting.model_state_bytes(n, r), None))\n"
+                      "        except Exception as e:\n            out.append((None, e))\n"
+                      "    t = threading.Thread(target=work)\n    t.start(); t.join()\n"
+                      "    if out[0][1] is not None:\n        raise out[0][1]\n    return out[0][0]",
+    # only the reference made unavailable while the answer runs sees this one: no name of it in the code
+    "a name built at run time, in a worker thread, tracing off": (
+        "from concurrent.futures import ThreadPoolExecutor\n_pool = ThreadPoolExecutor(1)\n"
+        "def model_state_bytes(n, r):\n    sys.settrace(None)\n    f = getattr(accounting, 'model_' + 'state_bytes')\n"
+        "    return _pool.submit(f, n, r).result()"),
+    "tracing switched off": "def model_state_bytes(n, r):\n    old = sys.gettrace()\n    sys.settrace(None)\n"
+                            "    try:\n        return ref(n, r)\n    finally:\n        sys.settrace(old)",
+    "tracing switched off for good": "def model_state_bytes(n, r):\n    sys.settrace(None)\n    threading.settrace(None)\n"
+                                     "    return ref(n, r)",
+}
+
+
+@pytest.mark.parametrize("trick", list(TRICKS))
+def test_memlab_s_reference_passed_off_as_the_answer_earns_no_points(trick):
+    ns: dict = {}
+    exec(compile(SETUP + TRICKS[trick], "<notebook cell>", "exec"), ns)
+    r = check("00.model_state_bytes", ns["model_state_bytes"], quiet=True)
+    assert r.points == 0, (trick, str(r))
+    assert "reference implementation" in r.message and "model_state_bytes" in r.message, (trick, str(r))
+
+
+_ZERO = """
+import torch
+def _zero_code(n):  # a code object that saves nothing, with n free variables (a closure's __code__ takes it)
+    names = [f"v{i}" for i in range(n)]
+    src = ("def outer():\\n" + "".join(f"    {v} = None\\n" for v in names) + "    def g(t):\\n"
+           + (f"        {', '.join(names)}\\n" if names else "") + "        return t.sum() * 0\\n    return g\\n")
+    ns = {}
+    exec(src, ns)
+    return ns["outer"]().__code__
+"""
+
+
+@pytest.mark.parametrize("how", ["what it was given", "the check's module"])
+def test_an_answer_that_rewrites_what_the_reference_measures_fails(how):
+    """A stub that returns 0 and, before the reference runs, rewrites the measured module's ``forward`` and the
+    drawn function's code (or the check's module's name for the reference module), so that the reference measures nothing
+    too, must fail: the check runs the reference first, on its own copies; the harness pictures a function
+    argument's code, the callables set on a module argument, and the check's and reference's modules."""
+    if how == "what it was given":
+        body = ("def saved_bytes(f, x):\n    if isinstance(f, torch.nn.Module):\n        for m in f.modules():\n"
+                "            m.forward = lambda *a, **k: a[0].sum() * 0\n"
+                "    else:\n        f.__code__ = _zero_code(len(f.__code__.co_freevars))\n    return 0\n")
+    else:
+        body = ("import types\nfrom memlab.course.checks import ch00\n"
+                "def saved_bytes(f, x):\n"
+                "    ch00.ref = types.SimpleNamespace(saved_activation_bytes=lambda f, x: 0)\n    return 0\n")
+    ns: dict = {}
+    exec(compile(_ZERO + body, "<notebook cell>", "exec"), ns)
+    from memlab.course.checks import ch00
+
+    module = ch00.ref
+    try:
+        r = check("00.saved_bytes", ns["saved_bytes"], quiet=True)
+    finally:
+        ch00.ref = module
+    assert r.status == "fail" and r.points == 0, str(r)

@@ -1,0 +1,370 @@
+"""Whose code an answer runs: memlab's reference passed off as the learner's, found by what the answer computes
+with rather than by its name (issue 41).
+
+Three looks, each covering what the others miss (README, "Threat model", says what they still cannot promise):
+
+- **What the answer wraps** (:func:`wrapped_reference`, before the check): the answer is unwrapped (partials,
+  bound methods, ``staticmethod``/``classmethod``, ``__wrapped__``, a callable object's ``__call__``, a class's
+  methods) and followed into its closure cells, defaults and the globals its code names (lists, tuples, dicts
+  and instances of the learner's classes too, a few levels deep); every code object reached is compared with the
+  reference's: the same object (a function cloned with ``types.FunctionType(ref.__code__, ...)``), or the same
+  bytecode, names and constants (:func:`~.verify.same_code`) outside the learner's files. A memlab module the
+  answer's code names, with the reference's name among its attribute names, counts too.
+- **The reference unavailable while the answer runs** (:func:`reference_swapped`, around each call of a function
+  answer by the harness): the reference function's ``__code__`` is swapped for a stand-in that notes the call and
+  then runs memlab's code. Whatever route reaches the reference's function object (a callable object, a worker
+  thread, tracing switched off with ``sys.settrace(None)``, a clone made during the call from
+  ``ref.__code__``) runs the stand-in; the call counts when the first frame above it that is not a library's is
+  the learner's, the harness's own call of the answer, or none (a thread the answer started), not when it is
+  memlab's (a check's callback, a helper of memlab's that the answer may use).
+- **The grader's own state** (:func:`grader_state`): the functions, classes and function tables of the check's
+  module and of the reference's module, pictured before an answer call and compared after it (an answer that
+  rewrites the check's ``forward`` or its table of ops before the reference runs).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import types
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from memlab.course.grading.registry import MEMLAB_DIR, is_learner_file, is_library_file
+from memlab.course.grading.verify import same_code
+
+__all__ = ["reference_functions", "reference_codes", "wrapped_reference", "reference_swapped", "reference_hits",
+           "reset_hits", "grader_state", "grader_state_changed"]
+
+_HOOK = "__memlab_reference_call__"  # the name the stand-in code calls, set in the reference's globals meanwhile
+_HITS: list[str] = []  # the reference parts the answer ran, in this process, since reset_hits()
+_LOCK = threading.Lock()
+
+
+# ----------------------------------------------------------------------------- the reference's code
+def _name(f: Any) -> str:
+    return f"{getattr(f, '__module__', None) or 'memlab'}.{getattr(f, '__qualname__', type(f).__name__)}"
+
+
+def _unwrapped(f: Any) -> list[Any]:
+    """``f`` and what it wraps: ``__func__``, ``fget``/``fset``, the ``__wrapped__`` chain, a partial's func."""
+    out, todo = [], [f]
+    while todo:
+        g = todo.pop()
+        if g is None or any(g is o for o in out) or len(out) > 32:
+            continue
+        out.append(g)
+        todo += [getattr(g, "__func__", None), getattr(g, "fget", None), getattr(g, "fset", None),
+                 getattr(g, "__wrapped__", None), g.func if isinstance(g, functools.partial) else None]
+    return out
+
+
+def reference_functions(ex: Any) -> dict[types.FunctionType, str]:
+    """The Python functions of exercise ``ex``'s reference (the function and what it wraps; a class's methods),
+    each with a name for the message."""
+    if ex.reference is None:
+        return {}
+    try:
+        ref = ex.reference()
+    except Exception:  # noqa: BLE001 - a reference that needs an optional extra
+        return {}
+    parts = [(v, f"{_name(ref)}.{k}") for k, v in vars(ref).items()] if isinstance(ref, type) else [(ref, _name(ref))]
+    out: dict[types.FunctionType, str] = {}
+    for value, where in parts:
+        for f in _unwrapped(value):
+            if isinstance(f, types.FunctionType) and not is_learner_file(f.__code__.co_filename):
+                out.setdefault(f, where)
+    return out
+
+
+def reference_codes(ex: Any) -> dict[types.CodeType, str]:
+    """Every code object of the reference's functions, nested ones (lambdas, inner functions) included."""
+    out: dict[types.CodeType, str] = {}
+    for f, where in reference_functions(ex).items():
+        stack = [f.__code__]
+        while stack:
+            c = stack.pop()
+            if c not in out:
+                out[c] = where
+                stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return out
+
+
+# ----------------------------------------------------------------------------- what the answer wraps
+def _is_library_object(x: Any) -> bool:
+    """A module's class or function that is not the learner's (a library's or memlab's): not walked into."""
+    mod = sys.modules.get(str(getattr(x, "__module__", "") or ""))
+    file = getattr(mod, "__file__", None)
+    return str(getattr(x, "__module__", "")).startswith("memlab") or (isinstance(file, str) and not is_learner_file(file))
+
+
+def _matches(code: types.CodeType, codes: dict[types.CodeType, str]) -> str | None:
+    if code in codes:
+        return codes[code]
+    if is_learner_file(code.co_filename):
+        return None  # the learner's own code: an honest answer may compile to memlab's bytecode
+    return next((where for c, where in codes.items() if same_code(code, c)), None)
+
+
+def wrapped_reference(obj: Any, ex: Any, *, depth: int = 5, budget: int = 5000) -> str | None:
+    """The reference part (its qualified name) that the answer ``obj`` wraps or names, or None (module
+    docstring, first look). Never raises."""
+    try:
+        codes = reference_codes(ex)
+        funcs = reference_functions(ex)
+        if not codes:
+            return None
+        names = {f.__name__ for f in funcs}
+        return _walk(obj, codes, funcs, names, depth, budget)
+    except Exception:  # noqa: BLE001 - a hostile object must not break the row
+        return None
+
+
+def _walk(obj: Any, codes: dict, funcs: dict, names: set[str], depth: int, budget: int) -> str | None:
+    seen: set[int] = set()
+    level = [obj]
+    for _ in range(depth):
+        nxt: list[Any] = []
+        for x in level:
+            if id(x) in seen or len(seen) > budget:
+                continue
+            seen.add(id(x))
+            if isinstance(x, types.FunctionType) and x in funcs:
+                return funcs[x]
+            if isinstance(x, types.CodeType):
+                hit = _matches(x, codes)
+                if hit:
+                    return hit
+                nxt += [k for k in x.co_consts if isinstance(k, types.CodeType)]
+                continue
+            nxt += _inside(x, names, codes)
+            hit = next((h for h in nxt if isinstance(h, str)), None)
+            if hit:
+                return hit
+        level = [x for x in nxt if not isinstance(x, str)]
+    return None
+
+
+def _inside(x: Any, names: set[str], codes: dict) -> list[Any]:
+    """What ``x`` holds that could run: wrapped callables, code, closure cells, defaults, the globals its code
+    names, containers' items, an instance's class and attributes (a string: a reference named through a module)."""
+    out: list[Any] = []
+    if isinstance(x, functools.partial):
+        out += [x.func, *x.args, *x.keywords.values()]
+    elif isinstance(x, (staticmethod, classmethod)):
+        out.append(x.__func__)
+    elif isinstance(x, property):
+        out += [x.fget, x.fset, x.fdel]
+    elif isinstance(x, types.MethodType):
+        out += [x.__func__, x.__self__]
+    elif isinstance(x, types.FunctionType):
+        out += [x.__code__, getattr(x, "__wrapped__", None), *(x.__defaults__ or ()), *(x.__kwdefaults__ or {}).values()]
+        if is_learner_file(x.__code__.co_filename):  # a library's or memlab's function: its code alone
+            for cell in x.__closure__ or ():
+                try:
+                    out.append(cell.cell_contents)
+                except ValueError:
+                    pass
+            out += _named_globals(x, names)
+    elif isinstance(x, type):
+        if not _is_library_object(x):
+            out += [v for k, v in vars(x).items() if k not in ("__dict__", "__weakref__", "__doc__", "__module__")]
+            out += [b for b in x.__bases__ if b is not object]
+    elif type(x) in (list, tuple, set, frozenset):
+        out += list(x)[:256]
+    elif type(x) is dict:
+        out += list(x.values())[:256]
+    elif isinstance(x, types.ModuleType) or x is None or type(x) in (int, float, str, bytes, bool):
+        pass
+    elif not _is_library_object(type(x)):  # an instance of the learner's class (a callable object)
+        out.append(type(x))
+        d = getattr(x, "__dict__", None)
+        if isinstance(d, dict):
+            out += list(d.values())[:256]
+    return [o for o in out if o is not None]
+
+
+def _named_globals(f: types.FunctionType, names: set[str]) -> list[Any]:
+    """The globals ``f``'s code (nested code too) names; for a memlab module among them, the reference's function
+    when the code also names its attribute (``accounting.model_state_bytes(...)``), as its message."""
+    g = f.__globals__
+    co_names: set[str] = set()
+    stack = [f.__code__]
+    while stack:
+        c = stack.pop()
+        co_names |= set(c.co_names)
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    out: list[Any] = []
+    for n in co_names:
+        if n not in g:
+            continue
+        v = g[n]
+        if isinstance(v, types.ModuleType):
+            if str(v.__name__).startswith("memlab"):
+                out += [f"{_name(getattr(v, a))}" for a in co_names & names
+                        if isinstance(getattr(v, a, None), types.FunctionType) and _name(getattr(v, a)).startswith("memlab")
+                        and getattr(v, a).__code__.co_filename.startswith(MEMLAB_DIR) and _is_ref(getattr(v, a), names)]
+            continue
+        out.append(v)
+    return out
+
+
+def _is_ref(f: Any, names: set[str]) -> bool:
+    return getattr(f, "__name__", None) in names
+
+
+# ----------------------------------------------------------------------------- the reference unavailable
+def reset_hits() -> None:
+    """Forget the reference calls noted so far (the grader calls it before each exercise)."""
+    with _LOCK:
+        _HITS.clear()
+
+
+def reference_hits() -> list[str]:
+    """The reference parts the learner's code ran while :func:`reference_swapped` was on, since :func:`reset_hits`."""
+    with _LOCK:
+        return list(_HITS)
+
+
+_STAND_IN: dict[types.CodeType, tuple[int, types.CodeType]] = {}  # a reference's code -> (key, its stand-in)
+_REAL: dict[int, tuple[types.FunctionType, str]] = {}  # key -> (memlab's function as it is, its name)
+_BOUNDARY: set[types.CodeType] = set()  # the harness's frames that call the answer itself
+
+
+def mark_boundary(code: types.CodeType) -> None:
+    """Declare ``code`` (the harness's call of the answer) as the answer's own frame: the reference called
+    right from it is the answer itself (a callable object whose ``__call__`` is the reference)."""
+    _BOUNDARY.add(code)
+
+
+def _stand_in(code: types.CodeType) -> tuple[int, types.CodeType]:
+    """(key, a code object with ``code``'s number of free variables that calls the hook with key, args, kwargs)."""
+    if code not in _STAND_IN:
+        key = len(_STAND_IN) + 1
+        free = [f"_f{i}" for i in range(len(code.co_freevars))]
+        call = f"{_HOOK}({key}, args, kwargs)"
+        body = ("    def stand_in(*args, **kwargs):\n"
+                + (f"        {', '.join(free)}\n" if free else "")
+                + (f"        yield from {call}\n" if code.co_flags & 0x20 else f"        return {call}\n"))
+        src = "def outer():\n" + "".join(f"    {v} = None\n" for v in free) + body + "    return stand_in\n"
+        ns: dict[str, Any] = {}
+        exec(compile(src, _STAND_IN_FILE, "exec"), ns)  # noqa: S102 - our own fixed source
+        _STAND_IN[code] = (key, ns["outer"]().__code__)
+    return _STAND_IN[code]
+
+
+_STAND_IN_FILE = "<memlab reference stand-in>"
+
+
+def _counts(frame: Any) -> bool:
+    """Whether the call whose caller is ``frame`` is the learner's doing (module docstring, second look)."""
+    f = frame
+    while f is not None:
+        code = f.f_code
+        if code in _BOUNDARY:
+            return True
+        filename = code.co_filename
+        if is_learner_file(filename) and filename != _STAND_IN_FILE:
+            return True
+        if not (is_library_file(filename) or filename.startswith("<frozen") or filename == _STAND_IN_FILE):
+            return False  # memlab's own code (a check's callback, a helper) made the call
+        f = f.f_back
+    return True  # only library frames: a thread the answer started
+
+
+def _hook(key: int, args: tuple, kwargs: dict) -> Any:
+    real, where = _REAL[key]
+    if _counts(sys._getframe(1).f_back):
+        with _LOCK:
+            if where not in _HITS:
+                _HITS.append(where)
+    return real(*args, **kwargs)
+
+
+@contextmanager
+def reference_swapped(functions: dict[types.FunctionType, str]) -> Iterator[None]:
+    """While inside, each of ``functions`` runs a stand-in that notes a call the learner's code made and then
+    runs memlab's code (module docstring, second look). Nested uses leave an outer swap as it is."""
+    swapped: list[tuple[types.FunctionType, types.CodeType, dict, bool, Any]] = []
+    try:
+        for f, where in functions.items():
+            code = f.__code__
+            if code.co_filename == _STAND_IN_FILE:
+                continue  # already swapped by an outer call
+            key, stand_in = _stand_in(code)
+            real = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+            real.__kwdefaults__, real.__qualname__ = f.__kwdefaults__, f.__qualname__
+            _REAL[key] = (real, where)
+            g = f.__globals__
+            had, old = _HOOK in g, g.get(_HOOK)
+            g[_HOOK] = _hook
+            f.__code__ = stand_in
+            swapped.append((f, code, g, had, old))
+        yield
+    finally:
+        for f, code, g, had, old in reversed(swapped):
+            f.__code__ = code
+            if had:
+                g[_HOOK] = old
+            else:
+                g.pop(_HOOK, None)
+
+
+# ----------------------------------------------------------------------------- the grader's own state
+def _modules_of(ex: Any) -> list[types.ModuleType]:
+    """The modules of the exercise's checks and of its reference's functions (memlab's, by file)."""
+    mods: list[types.ModuleType] = []
+    objs = list(ex.checks) + list(reference_functions(ex))
+    for f in objs:
+        m = sys.modules.get(str(getattr(f, "__module__", "") or ""))
+        if isinstance(m, types.ModuleType) and m not in mods and str(getattr(m, "__file__", "")).startswith(MEMLAB_DIR):
+            mods.append(m)
+    return mods
+
+
+def _code_of(v: Any) -> Any:
+    f = getattr(v, "__func__", v)
+    return (id(f), id(getattr(f, "__code__", None)), id(getattr(f, "__defaults__", None)))
+
+
+def _picture(value: Any, home: str) -> Any:
+    """A function by its identity and code; a class of the module by its methods; a dict, list or tuple by its
+    callables (a table of ops); anything else (data, caches a check fills) is not pictured."""
+    if isinstance(value, (types.FunctionType, staticmethod, classmethod)):
+        return _code_of(value)
+    if isinstance(value, type) and getattr(value, "__module__", None) == home:
+        return {k: _code_of(v) for k, v in vars(value).items()
+                if isinstance(v, (types.FunctionType, staticmethod, classmethod, property))}
+    if type(value) in (dict, list, tuple):
+        items = value.items() if type(value) is dict else enumerate(value)
+        return {k: _code_of(v) for k, v in list(items)[:512] if callable(v)}
+    if isinstance(value, types.ModuleType):
+        return id(value)
+    return None
+
+
+def grader_state(ex: Any) -> dict[str, Any]:
+    """A picture of the check's and the reference's modules (module docstring, third look), by qualified name."""
+    out: dict[str, Any] = {}
+    for m in _modules_of(ex):
+        for k, v in list(vars(m).items()):
+            if k.startswith("__"):
+                continue
+            pic = _picture(v, m.__name__)
+            if pic is not None and pic != {}:
+                out[f"{m.__name__}.{k}"] = pic
+    return out
+
+
+def grader_state_changed(before: dict[str, Any], after: dict[str, Any]) -> str | None:
+    """The first name whose picture changed (replaced or deleted; a method of its class, an entry of its table
+    rewritten or deleted: entries a check adds to its own tables later are not a change), or None."""
+    for k, v in before.items():
+        now = after.get(k)
+        if isinstance(v, dict) and isinstance(now, dict):
+            entry = next((e for e, c in v.items() if now.get(e) != c), None)
+            if entry is not None:
+                return f"{k} (its {entry!r})"
+        elif now != v:
+            return k
+    return None
