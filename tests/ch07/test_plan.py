@@ -86,6 +86,8 @@ def test_pick_is_the_cheapest_stack_that_fits(brute, quantile, prefer):
             assert r.peak_bytes == peaks[r.stack] and r.fits == (peaks[r.stack] <= budget)
         elif r.status == "exceeds":
             assert peaks[r.stack] > budget
+        elif r.status == "fits":  # decided by a traced neighbour that needs at least its memory
+            assert peaks[r.stack] <= r.upper_bytes <= budget
     assert res.traces < len(peaks)  # it pruned something
 
 
@@ -130,11 +132,18 @@ def test_infeasible_budget_says_so():
                         "checkpointing": ["full"], "loss": ["default"], "optimizer_in_backward": [False]})
     assert res.pick is None and res.feasible == []
     assert res.verdict.startswith("nothing fits 64.00 KiB")
-    # the floor of the accumulating stacks (mb 1 x 2) does not fit, which rules nothing else out: the stack
-    # without accumulation (mb 2 x 1) grows its gradients during backward instead of holding them from a first
-    # micro-batch, so it is traced too
-    assert res.traces == 2
-    assert all(r.fits is False for r in res.rows)
+    # 53,536 bf16 parameters: weights, gradients and AdamW's two moments alone are 428 KB: both stacks are ruled
+    # out by the lower bound, untraced, and the verdict says by what
+    assert res.traces == 0 and res.below == 2 and "alone" in res.verdict
+    assert all(r.fits is False and r.lower_bytes > 64 * 1024 for r in res.rows)
+    # without pruning: the floor of the accumulating stacks (mb 1 x 2) does not fit, which rules nothing else out:
+    # the stack without accumulation (mb 2 x 1) grows its gradients during backward instead of holding them from a
+    # first micro-batch, so it is traced too
+    full = P.plan(tiny_cfg(), "64KiB", batch_size=2, seq_len=SEQ, device="cpu", lora_r=4, prune=False,
+                  allow={"precision": ["bf16-pure"], "optimizer": ["adamw-fused"], "adapter": ["full"],
+                         "checkpointing": ["full"], "loss": ["default"], "optimizer_in_backward": [False]})
+    assert full.traces == 2 and full.pick is None
+    assert all(r.fits is False and r.status == "traced" for r in full.rows)
 
 
 def test_budget_from_a_card():

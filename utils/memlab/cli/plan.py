@@ -6,6 +6,7 @@ import sys
 from typing import Sequence
 
 from memlab.plan.planner import plan
+from memlab.plan.result import format_count
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,18 +31,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"memlab plan: error: {str(exc).splitlines()[0][:300]}", file=sys.stderr)
         return 2
     target = f"{args.gpu} (CUDA)" if args.gpu else ("a CUDA GPU" if args.device == "cuda" else "the CPU")
-    print(f"{res.model} ({res.n_params / 1e9:.2f}B params), effective batch {res.batch_size} x seq {res.seq_len}, "
+    print(f"{res.model} ({format_count(res.n_params)} params), effective batch {res.batch_size} x seq {res.seq_len}, "
           f"for {target}")
     print(f"budget: {res.budget_label} ({res.budget:,} bytes); compared: "
           + ("reserved estimate (tensors + cuBLAS workspaces, replayed through a model of the caching allocator)" if res.device == "cuda"
              else "traced tensor peak"))
     print(f"ranking: {'fidelity tier, then relative cost' if res.prefer == 'fidelity' else 'relative cost'} "
-          f"(1.00 = the effective batch's 16-bit forward + backward at the cost model's MFU)\n")
+          f"(1.00 = the effective batch's 16-bit forward + backward at the cost model's MFU)")
+    print(f"costs: {res.cost_basis}\n")
     print(res.table(limit=None if args.all else 12))
+    print("\ncolumns:")
+    for line in res.legend():
+        print(f"  {line}")
     print()
     for n in res.notes:
         print(f"note: {n}")
-    print(f"\n{res.traces} stacks traced on fake tensors in {res.seconds:.1f} s (of {len(res.rows)} candidates)")
+    print(f"\n{res.summary}")
     print(res.verdict)
     return 0 if res.pick is not None else 1
 

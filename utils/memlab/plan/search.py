@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from memlab.core.units import format_bytes
+from memlab.plan.bounds import fits_by_neighbour, host_lower_bound, lower_bound
 from memlab.plan.result import PlanRow
 from memlab.plan.stack import (ALLOWED_VALUES, OPTIMIZER_GE, DEFAULT_ALLOW, Stack, canonical_in_backward,
                                canonical_precision, canonical_stack_optimizer)
@@ -178,22 +179,63 @@ def needs_at_least(c: Stack, d: Stack, n_layers: int) -> bool:
 
 # ----------------------------------------------------------------------------- the search
 class Search:
-    """The traces of one plan: which rows fit (``fitted``), which do not (``failed``), how many were
-    traced (``traces``); ``budget`` and ``host_budget`` in bytes, ``host_budget`` None for no bound."""
+    """The traces of one plan: which rows fit (``fitted``), which do not (``failed``), how many stacks were
+    estimated (``traces``: ``fresh`` traced now, ``cached`` read from the trace cache), how many were decided by a
+    bound (``below``: the lower bound, :func:`memlab.plan.bounds.lower_bound`, exceeds the budget; ``above``: a traced
+    neighbour that fits needs at least their memory, :func:`memlab.plan.bounds.fits_by_neighbour`); ``budget`` and
+    ``host_budget`` in bytes, ``host_budget`` None for no bound. ``counts`` (:class:`memlab.plan.bounds.ParamCounts`)
+    None or ``prune`` False: no lower bound."""
 
     def __init__(self, name: str, cfg: Any, n_layers: int, *, seq_len: int, device: str, lora_r: int, loss: str,
-                 budget: int, host_budget: int | None) -> None:
+                 budget: int, host_budget: int | None, counts: Any = None, prune: bool = True) -> None:
         self.name, self.cfg, self.L = name, cfg, n_layers
         self.kw = dict(seq_len=seq_len, device=device, lora_r=lora_r, loss=loss)
         self.device, self.budget, self.host_budget = device, budget, host_budget
+        self.counts, self.prune, self.lora_r = counts, prune, lora_r
         self.failed: list[PlanRow] = []
         self.fitted: list[PlanRow] = []
-        self.traces = 0
+        self.traces = self.fresh = self.cached = self.below = self.above = 0
+
+    def lower(self, r: PlanRow) -> int | None:
+        """``r``'s lower bound in bytes (None without ``counts``), kept in ``r.lower_bytes``."""
+        if self.counts is None:
+            return None
+        if r.lower_bytes is None:
+            r.lower_bytes = lower_bound(r.stack, self.counts, self.lora_r)
+        return r.lower_bytes
+
+    def _below(self, r: PlanRow) -> bool:
+        # decided by the lower bound: its weights, gradients and optimizer state alone exceed the budget (a stack
+        # that needs at least its memory exceeds it too), or an offloaded optimizer's host buffers the host budget
+        # (which says nothing of the device memory of others)
+        if not self.prune or self.counts is None:
+            return False
+        lb = self.lower(r)
+        host = host_lower_bound(r.stack, self.counts)
+        if lb > self.budget:
+            r.notes = f"weights + gradients + optimizer state alone: {format_bytes(lb)} > budget: not traced"
+            self.failed.append(r)
+        elif self.host_budget is not None and host > self.host_budget:
+            r.notes = (f"host: the offloaded optimizer's fp32 weights, gradients and moments alone: {format_bytes(host)} "
+                       f"> host budget {format_bytes(self.host_budget)}: not traced")
+        else:
+            return False
+        r.fits, r.status = False, "exceeds"
+        self.below += 1
+        return True
 
     def trace(self, r: PlanRow) -> None:
-        """Trace ``r``'s stack (:func:`memlab.plan.stacks.cached_estimate`) and record its peak and fit in ``r``."""
-        est = cached_estimate(self.name, self.cfg, r.stack, **self.kw)
+        """Trace ``r``'s stack (:func:`memlab.plan.stacks.cached_estimate`) and record its peak and fit in ``r``;
+        with ``prune``, a stack whose lower bound exceeds the budget is recorded as not fitting, untraced."""
+        if self._below(r):
+            return
+        origin: list[str] = []
+        est = cached_estimate(self.name, self.cfg, r.stack, **self.kw, origin=origin)
         self.traces += 1
+        if origin == ["traced"]:
+            self.fresh += 1
+        else:
+            self.cached += 1
         need = est.reserved_bytes if self.device == "cuda" else est.peak_bytes
         r.peak_bytes, r.fits, r.status = int(need), need <= self.budget, "traced"
         r.host_bytes, r.phase = est.host_bytes, est.peak_phase
@@ -205,17 +247,31 @@ class Search:
             r.fits = False
             r.notes += f"; host {format_bytes(r.host_bytes)} > host budget {format_bytes(self.host_budget)}"
 
+    def neighbour(self, r: PlanRow) -> PlanRow | None:
+        """A traced row that fits and needs at least ``r``'s memory, device and host (so ``r`` fits), or None."""
+        return next((d for d in self.fitted if fits_by_neighbour(r.stack, d.stack, self.L)), None)
+
     def known(self, r: PlanRow) -> bool | None:
-        """Whether r fits, as far as the traces so far decide it (None: not decided)."""
-        if r.status == "traced":
+        """Whether r fits, as far as the bounds and the traces so far decide it (None: not decided)."""
+        if r.status in ("traced", "exceeds", "fits"):
             return r.fits
+        if self._below(r):
+            return False
         for f in self.failed:
             if needs_at_least(r.stack, f.stack, self.L):
-                r.fits, r.status, r.notes = False, "exceeds", f"needs at least the peak of #{f.stack_id} (> budget): not traced"
+                r.fits, r.status, r.notes = False, "exceeds", f"needs at least the memory of #{f.stack_id} (> budget): not traced"
                 return False
-        if any(needs_at_least(d.stack, r.stack, self.L) for d in self.fitted):
-            return True
-        return None
+        return True if self.neighbour(r) is not None else None
+
+    def bound_fit(self, r: PlanRow) -> bool:
+        """Record ``r`` as fitting by a traced neighbour (:meth:`neighbour`), untraced; False where none decides it."""
+        d = self.neighbour(r)
+        if d is None:
+            return False
+        r.fits, r.status, r.upper_bytes, r.host_bytes = True, "fits", d.peak_bytes, d.host_bytes
+        r.notes = f"needs no more than #{d.stack_id} ({format_bytes(d.peak_bytes)}, fits): not traced"
+        self.above += 1
+        return True
 
 
 def live_rows(rows: list[PlanRow], L: int) -> list[PlanRow]:
@@ -232,29 +288,58 @@ def live_rows(rows: list[PlanRow], L: int) -> list[PlanRow]:
     return live
 
 
-def _trace_family_floors(search: Search, live: list[PlanRow]) -> None:
+def _family_floors(live: list[PlanRow], L: int) -> dict[tuple, PlanRow | None]:
     # The floor of each family (the smallest micro-batch, the most checkpointing, the leanest optimizer):
     # every member needs at least its memory, so if it does not fit, none does (only where offload-adamw is
-    # allowed: the one optimizer below all others).
-    L = search.L
+    # allowed: the one optimizer below all others); None where no member is below all the others.
     families: dict[tuple, list[PlanRow]] = {}
     for r in live:
         families.setdefault(_family(r.stack), []).append(r)
-    for members in sorted(families.values(), key=lambda m: min(r.key for r in m)):
+    out: dict[tuple, PlanRow | None] = {}
+    for fam, members in families.items():
         floor = min(members, key=lambda r: (r.stack.micro_batch, -len(_ckpt_set(r.stack, L)),
                                              r.stack.optimizer != "offload-adamw"))
-        if all(needs_at_least(o.stack, floor.stack, L) for o in members):
-            search.trace(floor)
+        out[fam] = floor if all(needs_at_least(o.stack, floor.stack, L) for o in members) else None
+    return out
+
+
+def _next_on_line(search: Search, line: list[PlanRow], target: PlanRow) -> PlanRow:
+    # The member of a line (one family, optimizer and checkpointing; micro-batches ascending) to trace next:
+    # the largest open micro-batch whose predicted peak fits -- if it does, every smaller one fits with it (the
+    # memory order) -- else the smallest open one -- if it does not fit, no larger one does. The prediction only
+    # chooses what to trace, it decides nothing: a line's traced peaks, linear in the micro-batch through the two
+    # nearest (or through one and the lower bound, the micro-batch-free part). With no trace on the line yet:
+    # ``target`` (the stack being decided) where its lower bound is under a quarter of the budget (a small model
+    # on a large card), else the smallest micro-batch.
+    open_ = [m for m in line if search.known(m) is None]
+    points = sorted((m.stack.micro_batch, m.peak_bytes) for m in line if m.status == "traced")
+    if not points:
+        lb = search.lower(target)
+        return target if lb is not None and 4 * lb <= search.budget and target in open_ else open_[0]
+
+    def predict(m: PlanRow) -> float:
+        x = m.stack.micro_batch
+        if len(points) == 1:
+            (x1, y1), base = points[0], search.lower(m) or 0
+            return base + (y1 - base) * x / x1
+        (x1, y1), (x2, y2) = sorted(points, key=lambda p: (abs(p[0] - x), p[0]))[:2]
+        return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
+
+    fit = [m for m in open_ if predict(m) <= search.budget]
+    return fit[-1] if fit else open_[0]
 
 
 def run_search(search: Search, live: list[PlanRow], top: int, bar: Any = None) -> None:
     """Decide the ``live`` rows (not dominated, in ranking order) cheapest first until ``top`` fit; the rows
     decided along the way are updated in place and ``search`` holds the traces taken.
 
-    A stack not yet decided is decided by tracing, in this order, the floor of its family and optimizer
+    A stack not yet decided is decided by its lower bound (:func:`memlab.plan.bounds.lower_bound`) or by
+    tracing, in this order, the floor of its family, the floor of its family and optimizer
     (the smallest micro-batch, the most checkpointing), then its line (the same family, optimizer and
-    checkpointing; micro-batches ascending, monotone in memory): the smallest micro-batch first, then by
-    bisection. ``bar``: a tqdm progress bar or None.
+    checkpointing; micro-batches ascending, monotone in memory): the smallest micro-batch first, then the one a
+    prediction from the line's traced peaks points at (:func:`_next_on_line`). Of the stacks that fit, the first
+    (the pick) is traced; the others are traced only where no traced neighbour decides them. ``bar``: a tqdm
+    progress bar or None.
     """
     L = search.L
     lines: dict[tuple, list[PlanRow]] = {}
@@ -262,7 +347,7 @@ def run_search(search: Search, live: list[PlanRow], top: int, bar: Any = None) -
         lines.setdefault((_family(r.stack), r.stack.optimizer, r.stack.checkpointing, r.stack.ckpt_every), []).append(r)
     for members in lines.values():
         members.sort(key=lambda r: r.stack.micro_batch)
-    _trace_family_floors(search, live)
+    floors = _family_floors(live, L)
     groups: dict[tuple, list[PlanRow]] = {}
     for r in live:
         groups.setdefault((_family(r.stack), r.stack.optimizer), []).append(r)
@@ -271,16 +356,21 @@ def run_search(search: Search, live: list[PlanRow], top: int, bar: Any = None) -
         if found >= top:
             break
         while search.known(r) is None:
+            floor = floors[_family(r.stack)]  # traced when the search first reaches its family
+            if floor is not None and search.known(floor) is None:
+                search.trace(floor)
+                continue
             group = groups[(_family(r.stack), r.stack.optimizer)]
             floor = min(group, key=lambda m: (m.stack.micro_batch, -len(_ckpt_set(m.stack, L))))
             if all(needs_at_least(m.stack, floor.stack, L) for m in group) and search.known(floor) is None:
                 search.trace(floor)
                 continue
             line = lines[(_family(r.stack), r.stack.optimizer, r.stack.checkpointing, r.stack.ckpt_every)]
-            open_ = [m for m in line if search.known(m) is None]
-            search.trace(open_[0] if open_[0] is line[0] else open_[len(open_) // 2])
+            search.trace(_next_on_line(search, line, r))
         if r.status != "traced" and search.known(r):
-            search.trace(r)
+            # the pick is traced (its peak is the plan's answer); the others that fit by a traced neighbour are not
+            if not found or not search.prune or not search.bound_fit(r):
+                search.trace(r)
         found += bool(r.fits)
         if bar is not None:
             bar.update(1)

@@ -59,6 +59,27 @@ def _adapter_spec(stack: Stack, lora_r: int) -> Any:
     return adapters.adapter_spec(stack.adapter, recipe=stack.precision, lora_r=lora_r)
 
 
+def weight_dtype(stack: Stack) -> Any:
+    """The torch dtype :func:`model_builder` builds ``stack``'s base weights in: the frozen base's
+    (:func:`memlab.estimate.adapters.base_dtype`) under LoRA/QLoRA, bf16 for "bf16-pure", else fp32 (the mixed
+    recipes keep fp32 weights and run under autocast)."""
+    import torch
+
+    if stack.adapter != "full":
+        from memlab.estimate import adapters
+
+        return adapters.base_dtype(stack.precision)
+    return torch.bfloat16 if stack.precision == Recipe.BF16_PURE else torch.float32
+
+
+def adapter_dtype(stack: Stack, lora_r: int) -> Any:
+    """The torch dtype of ``stack``'s LoRA/QLoRA adapters (None for a full fine-tune)."""
+    from memlab.estimate import adapters
+
+    spec = _adapter_spec(stack, lora_r)
+    return None if spec is None else adapters.ADAPTER_DTYPES[spec.dtype]
+
+
 def model_builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
     """A callable that builds ``stack``'s model from ``cfg``: its dtype, attention, LoRA/QLoRA adapters of rank
     ``lora_r`` and checkpointing (called inside the estimator's fake mode, or on the meta device)."""
@@ -73,10 +94,7 @@ def model_builder(cfg: Any, stack: Stack, lora_r: int) -> Callable[[], Any]:
         from memlab.estimate import adapters
 
         spec = _adapter_spec(stack, lora_r)
-        if spec is not None:
-            dtype = adapters.base_dtype(stack.precision)
-        else:
-            dtype = torch.bfloat16 if stack.precision == Recipe.BF16_PURE else torch.float32
+        dtype = weight_dtype(stack)
         attn = "sdpa" if stack.attention == "flash" else stack.attention
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -171,13 +189,15 @@ def _disk_path(key: tuple) -> Path | None:
 
 
 def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int,
-                    extrapolate: bool = True, loss: str = "auto") -> Any:
+                    extrapolate: bool = True, loss: str = "auto", origin: list[str] | None = None) -> Any:
     """:func:`estimate_stack` of a resolved ``(name, cfg)``, cached by (config, stack, seq_len, ...) in memory
     and on disk (:func:`trace_cache_dir`, keyed also by the versions and memlab's source), so a second
     identical ``memlab plan`` reads its traces instead of tracing again.
 
     With accumulation the first micro-batch's gradients stay allocated through the second, and later
     ones repeat it: a ``grad_accum`` above 2 is keyed as 2. ``name`` is not in the key (the config is).
+    ``origin``: a list that gets where the estimate came from appended: "memory", "disk" (the two caches) or
+    "traced" (traced now).
     """
     import pickle
 
@@ -185,6 +205,8 @@ def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: 
     key = (cfg.to_json_string(use_diff=False), dataclasses.replace(stack, grad_accum=min(stack.grad_accum, 2)),
            seq_len, device, lora_r, extrapolate, loss)
     if key in _CACHE:
+        if origin is not None:
+            origin.append("memory")
         return _CACHE[key]
     path = _disk_path(key)
     est = None
@@ -194,6 +216,8 @@ def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: 
                 est = pickle.load(f)
         except Exception:  # noqa: BLE001  (a torn or stale file: trace again)
             est = None
+    if origin is not None:
+        origin.append("disk" if est is not None else "traced")
     if est is None:
         est = _trace(cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate, loss=loss)
         if path is not None:
