@@ -361,11 +361,14 @@ def estimate_one_rank(spec: ModelSpec, step: StepSpec, extrapolate: bool | str =
 
 # ---- the trace cache of the `memlab estimate` command ------------------------------------------------------------
 # An extrapolated estimate (its numbers and notes; no timeline) keyed by the model's config, the step, and
-# everything outside them that changes a trace: the source of every memlab module, the versions of torch,
+# everything outside them that changes a trace: the source of the memlab modules a trace runs, the versions of torch,
 # transformers, peft and bitsandbytes. Off by default (a test that patches memlab's code must trace); the command
 # line turns it on (enable_disk_cache), MEMLAB_CACHE_DIR=none turns it off.
 _DISK_CACHE = [False]
 _VERSIONS: list[str] = []
+# memlab's modules a trace runs (the planner's list, and FSDP2's): edited code re-traces
+_TRACED_SOURCES = ("estimate/*.py", "profiler/*.py", "core/*.py", "quant/*.py", "models/*.py", "checkpoint/*.py",
+                   "attention/*.py", "offload/*.py", "loss/*.py", "distributed/*.py", "accounting.py", "config.py")
 CACHE_NOTE = "read from the trace cache"
 
 
@@ -394,7 +397,7 @@ def _versions() -> str:
 
         here = Path(__file__).resolve().parents[1]  # the memlab package
         h = hashlib.sha256()
-        for f in sorted(here.rglob("*.py")):
+        for f in sorted(f for pattern in _TRACED_SOURCES for f in here.glob(pattern)):
             h.update(str(f.relative_to(here)).encode() + b"\0" + f.read_bytes())
         vers = []
         for dist in ("transformers", "peft", "bitsandbytes"):
