@@ -157,3 +157,22 @@ def test_readme_example_runs_and_fails_on_a_regression(tmp_path, monkeypatch):
         ns["test_no_memory_regression"]()
     shown = readme[at:].split("```text\n", 1)[1].split("```", 1)[0]
     assert str(err.value).splitlines()[:2] == shown.splitlines()[:2]  # the README shows this run's message
+
+
+def test_the_step_function_may_be_given_as_step(cfg):
+    """``assert_peak(model, step=fn)``: a training step function is the StepSpec's ``step`` field, not the settings
+    (a StepSpec is still taken as the settings)."""
+    from memlab.estimate import StepSpec
+
+    def summed_logits(model, batch):  # a step that keeps every logit: its peak differs from the default loss's
+        return model(input_ids=batch["input_ids"]).logits.float().pow(2).sum()
+
+    kw = dict(batch_size=2, seq_len=32, optimizer="sgd", device="cpu")
+    want = estimate_training_memory(cfg, step=summed_logits, **kw).peak_bytes
+    assert want != estimate_training_memory(cfg, **kw).peak_bytes
+    for est in (assert_peak(cfg, summed_logits, at_most=want, **kw), assert_peak(cfg, step=summed_logits, at_most=want, **kw)):
+        assert est.peak_bytes == want
+    with pytest.raises(AssertionError, match="exceeds at_most"):
+        assert_peak(cfg, step=summed_logits, at_most=want - 1, **kw)
+    spec = StepSpec(batch_size=2, seq_len=32, optimizer="sgd", device="cpu")
+    assert assert_peak(cfg, spec, at_most=10**12).peak_bytes == estimate_training_memory(cfg, spec).peak_bytes

@@ -155,9 +155,14 @@ def peak_record(model: Any, step: Any = None, **overrides: Any) -> tuple[PeakRec
     """Trace one step of ``model`` (as :func:`memlab.estimate.estimate_training_memory` takes it: a preset, a
     config, a config.json, a callable) and return its :class:`PeakRecord` and the estimate.
 
-    ``gpu=`` (a card) makes the target CUDA (``device="cuda"``) unless ``device`` is given, and the compared
-    figure its reserved memory.
+    ``step``: a :class:`memlab.estimate.StepSpec`, or the training step itself (a ``step(model, batch) -> loss``
+    function or a loss name, :class:`~memlab.estimate.StepSpec`'s ``step`` field), or None. ``gpu=`` (a card) makes
+    the target CUDA (``device="cuda"``) unless ``device`` is given, and the compared figure its reserved memory.
     """
+    from memlab.estimate import StepSpec
+
+    if step is not None and not isinstance(step, StepSpec):  # the step function (or loss name), not the settings
+        step, overrides = None, {**overrides, "step": step}
     if overrides.get("gpu") is not None:
         overrides.setdefault("device", "cuda")
     card = overrides.get("gpu") is not None
@@ -188,7 +193,8 @@ def assert_peak(model: Any, step: Any = None, *, at_most: int | str | None = Non
     Args:
         model: a preset name, a transformers config, a config.json path or a callable building an ``nn.Module``.
         step: a :class:`memlab.estimate.StepSpec`, or None to build one from ``overrides`` (``batch_size``,
-            ``seq_len``, ``checkpointing``, ``dtype``, ``optimizer``, ...).
+            ``seq_len``, ``checkpointing``, ``dtype``, ``optimizer``, ...); or the training step itself, a
+            ``step(model, batch) -> loss`` function (the StepSpec's ``step`` field).
         at_most: a size (``"20GiB"``, ``"18GB"``, bytes); with ``gpu`` it may be left out: the card's usable memory.
         gpu: a card (``"a100-40gb"``, :mod:`memlab.core.gpus`): the step is traced for CUDA and the compared figure
             is its reserved memory (what ``max_memory_reserved`` would show), as :meth:`MemoryEstimate.fits` does.
