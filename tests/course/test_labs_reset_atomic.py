@@ -75,7 +75,7 @@ def test_reset_refuses_a_file_changed_in_the_last_seconds(tmp_path, capsys):
     assert path.read_bytes() == mine and not (root / "work" / "backups").exists()
     # an untouched fresh copy is no save to protect: resetting it at once is fine
     path.write_bytes((root / "labs" / LAB).read_bytes())
-    assert labs.reset("00", root)[1] is None
+    assert labs.reset("00", root)[1] is None and not (root / "work" / "backups").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/self/fdinfo").is_dir(), reason="needs Linux's /proc")

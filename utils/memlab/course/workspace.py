@@ -418,12 +418,16 @@ def reset(chapter: str, root: str | Path = ".", *, now: _dt.datetime | None = No
             if why:
                 raise LabFileError(_errno.EBUSY, f"{target}: {why}; nothing was changed")
             stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+            had_backups = os.path.lexists(work / BACKUPS)
             backup = _backup_path(work, lab.stem, stamp)
             # the one rename: the learner's file moves as it is, with a writer still holding it
             os.replace(target, backup)
             if _untouched(backup, lab) and not open_for_writing(backup):
-                os.unlink(backup)
+                os.unlink(backup)  # the lab as given: nothing worth a backup
                 backup = None
+                if not had_backups:
+                    with contextlib.suppress(OSError):
+                        (work / BACKUPS).rmdir()
         try:
             _place_new(lab, target)
         except LabFileError as exc:
