@@ -537,3 +537,23 @@ def test_nf4_codebook_is_fp32_whatever_the_default_dtype():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(Q.__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("n", [64 * 5, 64 * 5 + 32, 64 * 5 + 7, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("blocksize", [64, 128])
+def test_dequantize_nf4_is_the_definition_on_every_path(n, dtype, blocksize):
+    # the byte-pair table path (even counts), the row-gather path (odd counts) and the fake-tensor path
+    # (memlab.estimate's traces) all give codebook[code] * absmax rounded once to dtype
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, generator=g)
+    packed, absmax = Q.quantize_nf4(w, blocksize=blocksize)
+    codes = Q.unpack_nibbles(packed.reshape(-1), n)
+    want = (Q.nf4_codebook()[codes.long()] * absmax.float().repeat_interleave(blocksize)[:n]).to(dtype)
+    got = Q.dequantize_nf4(packed, absmax, (n,), dtype, blocksize)
+    assert got.dtype == dtype and got.shape == (n,) and torch.equal(got, want)
+    with FakeTensorMode() as mode:
+        fake = Q.dequantize_nf4(mode.from_tensor(packed), mode.from_tensor(absmax), (n,), dtype, blocksize)
+    assert fake.shape == (n,) and fake.dtype == dtype
