@@ -78,7 +78,7 @@ help:
 	@echo "make lab                      set up .venv, copy labs/ into work/ (never overwriting), open JupyterLab on the lectures and labs"
 	@echo "make test                     set up .venv, run every test (unit, grading, lab drift, notebooks): ~11 min"
 	@echo "make test-quick               set up .venv, check the set-up works (lecture 00, lab 00, memlab's units): ~2 min"
-	@echo "make grade [LAB=04]           grade your notebooks in work/ (labs/ when there is no work/): the table"
+	@echo "make grade [LAB=04]           grade the notebooks in work/ you changed (labs/ when there is no work/): the table"
 	@echo "make doctor                   environment report for bug reports"
 	@echo "make estimate ARGS='MODEL ...' will this fine-tune fit? e.g. ARGS='llama-2-7b --gpu 24GB'"
 	@echo "make setup                    only create .venv and install (torch first: CPU or CUDA build)"
