@@ -184,3 +184,19 @@ def test_validation_meets_the_targets(all_rows, capsys):
     assert out.count("undecided: at or below it for a longest batch of at most") == len(KNOWN_UNDECIDED)
     assert out.count("undecided (met for a longest batch of <= ") == len(KNOWN_UNDECIDED)
     assert f"{len(PP.NOT_EXPRESSIBLE)} published figures the estimator cannot express" in out
+    # the caching-allocator model's prediction beside every reserved / nvidia-smi / unstated figure, from the
+    # estimate's own reserved_bytes (the replay), with the source's context where the figure includes one
+    resv = [r for r in rows if r["figure"].metric != "allocated"]
+    for r in rows:
+        f, est = r["figure"], r["estimate"]
+        if f.metric == "allocated":
+            assert r["reserved_bytes"] is None and r["reserved_error"] is None
+            continue
+        assert est.reserved_replay_bytes is not None and est.reserved_bytes >= est.allocated_bytes
+        assert r["reserved_bytes"] == est.reserved_bytes + (f.context_bytes if f.metric == "nvidia-smi" else 0)
+        assert r["reserved_error"] == pytest.approx(r["reserved_bytes"] / f.measured_bytes - 1)
+    assert out.count("   caching-allocator model: ") == len(resv)
+    errs = [abs(r["reserved_error"]) for r in resv]
+    assert (f"caching-allocator model on the {len(resv)} reserved / nvidia-smi / unstated figures: median |error| "
+            f"{100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%, "
+            f"{sum(e <= 0.05 for e in errs)} of {len(resv)} within 5%") in out
