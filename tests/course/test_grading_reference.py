@@ -92,3 +92,37 @@ def test_an_answer_that_rewrites_what_the_reference_measures_fails(how):
     finally:
         ch00.ref = module
     assert r.status == "fail" and r.points == 0, str(r)
+
+
+def test_a_class_answer_that_delegates_to_the_reference_class_with_tracing_off_earns_no_points():
+    """A class answer has no call of its own: the reference's methods are swapped for the whole check, and a call
+    from the learner's methods counts (the check's own calls of the reference do not)."""
+    src = ("import sys\nfrom memlab.course.reference import ch01 as R\n"
+           "class LiveBytes:\n"
+           "    def __init__(self):\n        sys.settrace(None)\n        self._inner = R.LiveBytes()\n"
+           "    def track(self, t):\n        sys.settrace(None)\n        return self._inner.track(t)\n"
+           "    def __getattr__(self, k):\n        if k == '_inner':\n            raise AttributeError(k)\n"
+           "        return getattr(self._inner, k)\n")
+    ns: dict = {}
+    exec(compile(src, "<notebook cell>", "exec"), ns)
+    r = check("01.live_bytes", ns["LiveBytes"], quiet=True)
+    assert r.points == 0 and "reference implementation" in r.message and "LiveBytes" in r.message, str(r)
+
+
+def test_the_reference_is_restored_and_an_own_answer_keeps_its_points():
+    """After grading, memlab's reference runs its own code again (nothing of the stand-in is left), and the
+    course's own solutions, which use memlab's other helpers, keep their points."""
+    import nbformat
+    from pathlib import Path
+
+    from memlab import accounting
+
+    code = accounting.model_state_bytes.__code__
+    cell = next(c.source for c in nbformat.read(Path(__file__).resolve().parents[2] / "solutions" /
+                                                "00_where_the_memory_goes.ipynb", as_version=4).cells
+                if c.cell_type == "code" and "def model_state_bytes(" in c.source)
+    ns: dict = {}
+    exec(compile(cell, "<notebook cell>", "exec"), ns)
+    r = check("00.model_state_bytes", ns["model_state_bytes"], quiet=True)
+    assert r.status == "pass" and r.points == 1 and r.message == "", str(r)
+    assert accounting.model_state_bytes.__code__ is code and "__memlab_reference_call__" not in vars(accounting)

@@ -209,7 +209,39 @@ def test_a_failure_is_shrunk_to_a_small_case_within_a_budget():
     with pytest.raises(AssertionError) as err:
         C.differential(SPACE, run, examples=40)
     assert "n=9, dtype=torch.float16, layout='contiguous', k=1, seed=0" in str(err.value)
+    assert str(err.value).startswith("on the smallest failing input found: differs on n=9"), str(err.value)
     assert len(runs) <= 40 + C.SHRINK_BUDGET + 5
+
+
+def test_a_fail_row_states_the_smallest_input_on_which_the_answer_differs():
+    """Issue 40.6: the FAIL message starts with the shrunk input (the check's own message said only the call),
+    a hand-picked input is named as such, and a case run in other processes (08's ranks) states its input too."""
+    from memlab import accounting
+    from memlab.course.grading import check
+
+    def model_state_bytes(n_params, recipe="fp32-adamw"):  # wrong for SGD from 1,234 parameters up to 2**31
+        r = accounting.RECIPES[recipe]
+        out = {"weights": int(r.weights * n_params), "gradients": int(r.gradients * n_params),
+               "optimizer": int(r.optimizer * n_params) + (1234 <= n_params < 2**31 and recipe == "fp32-sgd")}
+        out["total"] = sum(out.values())
+        return out
+
+    r = check("00.model_state_bytes", model_state_bytes, quiet=True)
+    assert r.status == "fail", r
+    assert r.message.startswith("on the smallest failing input found (n='small', m=1234, recipe='fp32-sgd', seed=0): "), r.message
+
+    def no_message(case):
+        raise AssertionError("got 1, expected 0")
+
+    with C.running("99.edge", 0), pytest.raises(AssertionError, match=r"^on the hand-picked input \(n=3, k=1, seed=0\): got 1"):
+        C.differential(C.Space(n=C.ints(1, 9), k=1), no_message, edges=[dict(n=3, k=1)], examples=3)
+
+    from memlab.course.checks import ch08
+
+    case = C.Case(numel=7, ws=3, seed=5)
+    with pytest.raises(AssertionError, match=r"^on the smallest failing input of those run together on the ranks "
+                                             r"\(numel=7, ws=3, seed=5\): rank 1 differs"):
+        ch08._judged(case, [], lambda c: (_ for _ in ()).throw(AssertionError("rank 1 differs")))
 
 
 def test_an_answer_that_depends_on_earlier_calls_is_named():

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from memlab import distributed as D
-from memlab.course.checks import (Space, differential, expect, expect_type, flags, ints, layouts, make_tensor, one_of,
+from memlab.course.checks import (Case, Space, differential, expect, expect_type, flags, ints, layouts, make_tensor, one_of,
                                   register)
-from memlab.course.grading.cases import note_failure
+from memlab.course.grading.cases import note_failure, state_input
 
 WORLD_SIZE = 2
 
@@ -100,9 +100,10 @@ def _judged(case: Any, edges: list, judge: Any, *args: Any) -> None:
     a failure is recorded as the edge's or, for a case of the space (swept or drawn), as drawn."""
     try:
         judge(case, *args)
-    except BaseException:
+    except BaseException as exc:
         note_failure(case, edges)
-        raise
+        edge = case in [Case(**{**e, "seed": e.get("seed", 0)}) for e in edges]
+        raise state_input(exc, case, "the hand-picked input" if edge else "the smallest failing input of those run together on the ranks")
 
 
 def _placed(t: torch.Tensor, layout: str) -> torch.Tensor:

@@ -11,7 +11,8 @@ The API (the whole harness's is in :mod:`memlab.course.grading.harness`'s docstr
   two small fields not yet seen together (at most ``SWEEP_ROWS`` cases), then on N cases hypothesis
   draws (fixed seed, no database: the same cases on every
   machine; other ones on the harness's second pass). ``run`` raises AssertionError naming the case; a
-  failure is shrunk (within :data:`SHRINK_BUDGET` runs) and the smallest case's error is raised.
+  failure is shrunk (within :data:`SHRINK_BUDGET` runs) and the smallest case's error is raised, its message
+  starting with that input (:func:`state_input`): ``on the smallest failing input found (n=1, seed=0): ...``.
 - ``make_tensor(shape, dtype, layout, seed)``: values from a seed, in a memory layout of :data:`LAYOUTS`.
 - ``current_pass()`` (0, or 1 on the second run), ``cases_run()`` (cases per exercise, for the report).
 """
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 __all__ = ["Space", "Case", "differential", "ints", "floats", "one_of", "flags", "lists_of", "layouts", "LAYOUTS",
            "make_tensor", "current_pass", "cases_run", "coverage", "running", "SHRINK_BUDGET", "failures", "drawn_only",
-           "note_failure", "expect_prediction"]
+           "note_failure", "expect_prediction", "state_input"]
 
 # the run in progress: which pass, which exercise, how many cases each exercise drew, which case failed where
 _STATE: dict[str, Any] = {"pass": 0, "cases": {}, "exercise": None, "seen": {}, "failures": {}, "drawn_only": False}
@@ -246,15 +247,29 @@ def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[An
     return count
 
 
+def state_input(exc: BaseException, case: Any, how: str = "input") -> BaseException:
+    """``exc`` (a check's AssertionError) with the input it failed on at the start of its message:
+    ``on <how> (<case>): <message>``, or ``on <how>: <message>`` when the message already shows the case (a
+    hygiene probe's message is left as it is). Returns ``exc``, changed in place (its type and traceback kept)."""
+    if not isinstance(exc, AssertionError) or type(exc).__name__ == "HygieneError" or getattr(exc, "_memlab_input", False):
+        return exc
+    text = str(exc.args[0]) if exc.args else ""
+    shown = repr(case)
+    exc.args = ((f"on {how}: {text}" if shown in text else f"on {how} ({shown}): {text}"), *exc.args[1:])
+    exc._memlab_input = True  # type: ignore[attr-defined]
+    return exc
+
+
 def _noted(origin: str, run: Callable[[Case], Any]) -> Callable[[Case], Any]:
-    """``run``, recording in :func:`failures` the case on which it raises (first pass only)."""
+    """``run``, recording in :func:`failures` the case on which it raises (first pass only) and stating it in the
+    error (:func:`state_input`)."""
 
     def noted(case: Case) -> Any:
         try:
             return run(case)
-        except BaseException:
+        except BaseException as exc:
             _failed(origin, case)
-            raise
+            raise state_input(exc, case, "the hand-picked input" if origin == "edge" else "input")
 
     return noted
 
@@ -392,6 +407,8 @@ def _drawn(space: Space, run: Callable[[Case], Any], examples: int, seed: int) -
     failing: dict[str, BaseException] = {}
     runs = {"all": 0, "after_failure": 0}
 
+    last: list[Case] = []  # the last case that failed: hypothesis replays the smallest one at the end
+
     def prop(case: Case) -> None:
         key = repr(case)
         if failing and key not in failing:
@@ -403,6 +420,7 @@ def _drawn(space: Space, run: Callable[[Case], Any], examples: int, seed: int) -
             run(case)
         except Exception as exc:
             failing.setdefault(key, exc)
+            last[:] = [case]
             raise
 
     test = settings(max_examples=examples, database=None, deadline=None, derandomize=False,
@@ -419,9 +437,11 @@ def _drawn(space: Space, run: Callable[[Case], Any], examples: int, seed: int) -
                              f"earlier calls)") from None
     except BaseException as exc:
         if failing:
-            _failed("drawn", min(failing, key=len))  # the smallest failing case hypothesis found
+            _failed("drawn", last[0] if last else min(failing, key=len))  # the smallest failing case found
         if hasattr(exc, "__notes__"):
             exc.__notes__ = [n for n in exc.__notes__ if "Falsifying" not in n and "hypothesis" not in n.lower()]
+        if last:
+            raise state_input(exc, last[0], "the smallest failing input found")
         raise
     return runs["all"]
 

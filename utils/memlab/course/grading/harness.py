@@ -65,6 +65,7 @@ Differential cases, for a check author (from ``memlab.course.checks``, defined i
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
@@ -433,10 +434,12 @@ def _one_pass(ex: Any, obj: Any, p: int) -> _Session:
     session = _Session(ex, frozenset(getattr(ex, "mutates", ())), frozenset(getattr(ex, "keeps", ())), signature,
                        probes=p == 0, roots=_answer_roots(obj), answer=obj,
                        state=_state_snapshot(obj) if p == 0 and not isinstance(obj, type) else None)
-    session.reference = reference_functions(ex) if not isinstance(obj, type) else {}
+    session.reference = reference_functions(ex)
     session.grader = grader_state(ex)
     answer = _wrap(obj, session)
-    with running(ex.id, p):
+    # a class answer has no call of its own to swap the reference around: swapped for the whole check (a call
+    # the check makes counts not, one from the learner's methods or a thread they start does)
+    with running(ex.id, p), (reference_swapped(session.reference) if answer is obj else contextlib.nullcontext()):
         for check_fn in ex.checks:
             check_fn(answer)
     session.grader_changed("your answer, during the check,")

@@ -138,16 +138,21 @@ def _walk(obj: Any, codes: dict, funcs: dict, names: set[str], depth: int, budge
                 nxt += [k for k in x.co_consts if isinstance(k, types.CodeType)]
                 continue
             nxt += _inside(x, names, codes)
-            hit = next((h for h in nxt if isinstance(h, str)), None)
+            hit = next((h for h in nxt if type(h) is _Named), None)
             if hit:
-                return hit
-        level = [x for x in nxt if not isinstance(x, str)]
+                return str(hit)
+        level = [x for x in nxt if type(x) is not _Named]
     return None
+
+
+class _Named(str):
+    """A reference function that the answer's code names through a memlab module (its qualified name)."""
 
 
 def _inside(x: Any, names: set[str], codes: dict) -> list[Any]:
     """What ``x`` holds that could run: wrapped callables, code, closure cells, defaults, the globals its code
-    names, containers' items, an instance's class and attributes (a string: a reference named through a module)."""
+    names, containers' items, an instance's class and attributes (a :class:`_Named`: a reference named through a
+    module)."""
     out: list[Any] = []
     if isinstance(x, functools.partial):
         out += [x.func, *x.args, *x.keywords.values()]
@@ -201,7 +206,7 @@ def _named_globals(f: types.FunctionType, names: set[str]) -> list[Any]:
         v = g[n]
         if isinstance(v, types.ModuleType):
             if str(v.__name__).startswith("memlab"):
-                out += [f"{_name(getattr(v, a))}" for a in co_names & names
+                out += [_Named(_name(getattr(v, a))) for a in co_names & names
                         if isinstance(getattr(v, a, None), types.FunctionType) and _name(getattr(v, a)).startswith("memlab")
                         and getattr(v, a).__code__.co_filename.startswith(MEMLAB_DIR) and _is_ref(getattr(v, a), names)]
             continue
