@@ -170,7 +170,8 @@ def test_the_step_function_may_be_given_as_step(cfg):
     kw = dict(batch_size=2, seq_len=32, optimizer="sgd", device="cpu")
     want = estimate_training_memory(cfg, step=summed_logits, **kw).peak_bytes
     assert want != estimate_training_memory(cfg, **kw).peak_bytes
-    for est in (assert_peak(cfg, summed_logits, at_most=want, **kw), assert_peak(cfg, step=summed_logits, at_most=want, **kw)):
+    for est in (assert_peak(cfg, summed_logits, at_most=want, **kw),
+                assert_peak(cfg, step=summed_logits, at_most=want, **kw)):
         assert est.peak_bytes == want
     with pytest.raises(AssertionError, match="exceeds at_most"):
         assert_peak(cfg, step=summed_logits, at_most=want - 1, **kw)

@@ -6,7 +6,7 @@ blocks tile them (``active_allocated`` or ``inactive``), and a device trace of `
 ``free_requested`` and ``free_completed`` events, each with a Python stack of eight frames, as
 ``_record_memory_history(stacks="python")`` records. Its allocations are drawn with a fixed seed: sizes from 512 bytes
 to 64 MiB (most small, as a training step's), a quarter of the allocations still live at the end, one in three freed
-soon after. The command ``memlab explain FILE`` then runs in a fresh process (``python -m memlab explain``); the
+soon after. The command ``memlab explain FILE`` then runs in a fresh interpreter (``memlab.cli.main``); the
 process's wall time (interpreter start and imports included) and its peak resident memory (``ru_maxrss`` of
 ``resource.getrusage``, read in that process) are compared with the targets: under 10 s and under 2 GB.
 ``--small`` (a 2 MB snapshot) checks the bench itself cheaply; its verdicts say nothing about the target.
@@ -47,7 +47,8 @@ print(json.dumps(dict(code=code, seconds=t1 - t0, maxrss_kb=ru.ru_maxrss, cpu_s=
 """
 
 _FILES = ["/usr/lib/python3/site-packages/torch/nn/modules/module.py", "/srv/train/model/modeling_llama.py",
-          "/usr/lib/python3/site-packages/torch/autograd/graph.py", "/usr/lib/python3/site-packages/torch/optim/adamw.py",
+          "/usr/lib/python3/site-packages/torch/autograd/graph.py",
+          "/usr/lib/python3/site-packages/torch/optim/adamw.py",
           "/srv/train/train.py", "/usr/lib/python3/site-packages/torch/nn/functional.py"]
 _NAMES = ["forward", "_call_impl", "_wrapped_call_impl", "backward", "_engine_run_backward", "step", "main", "linear"]
 
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
               (r["maxrss_bytes"] < RSS_TARGET_BYTES, f"peak RSS {r['maxrss_bytes'] / GB:.2f} GB "
                                                        f"(target < {RSS_TARGET_BYTES / GB:g} GB)")]
     print()
-    scale = "" if r["file_bytes"] >= 100 * MB else f" [a {r['file_bytes'] / MB:.1f} MB snapshot: the target is for 100 MB]"
+    scale = ("" if r["file_bytes"] >= 100 * MB else
+             f" [a {r['file_bytes'] / MB:.1f} MB snapshot: the target is for 100 MB]")
     for ok, text in checks:
         print(f"{'TARGET MET' if ok else 'TARGET MISSED'}: {text}{scale}")
     print(f"host: {device_name('cpu')}; load average {_load()} (a busy host stretches the wall time past the CPU "

@@ -6,8 +6,8 @@ temporary folder, and in a fresh process reads them (:func:`memlab.estimate.batc
 shuffled epoch (``--batch-size``, ``--collator``) and traces its worst batch for ``--model`` (default the Llama-2-7B
 preset; bf16, AdamW, gradient checkpointing) with :func:`memlab.estimate.batches.worst_batch`. The process's wall
 time (interpreter start and imports included) is compared with the target: under 30 s for 100,000 lengths and a 7B
-preset on 2 cores. ``--small`` (1,000 lengths of at most 128 tokens, the GPT-2 preset) checks the bench itself cheaply; its verdict says
-nothing about the target.
+preset on 2 cores. ``--small`` (1,000 lengths of at most 128 tokens, the GPT-2 preset) checks the bench itself
+cheaply; its verdict says nothing about the target.
 """
 from __future__ import annotations
 

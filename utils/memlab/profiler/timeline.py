@@ -348,7 +348,8 @@ class Timeline:
                 trace.append({"action": "free_requested", **base})
                 trace.append({"action": "free_completed", **base})
         blocks, cursor = [], 0
-        for i, a in sorted(((i, a) for i, a in enumerate(self.allocations) if a.end is None), key=lambda ia: addr[ia[0]]):
+        alive = [(i, a) for i, a in enumerate(self.allocations) if a.end is None]
+        for i, a in sorted(alive, key=lambda ia: addr[ia[0]]):  # a relabelled storage keeps its earlier address
             if addr[i] > cursor:
                 blocks.append({"size": addr[i] - cursor, "state": "inactive"})
             blocks.append({"size": a.nbytes, "requested_size": a.nbytes, "state": "active_allocated",
