@@ -150,7 +150,9 @@ def parse_gpu(value: object, name: str = "gpu") -> tuple[str | None, int]:
             total = parse_size(value, name=name)
         except (ValueError, OverflowError):
             total = None
-    if total is None or not MIN_GPU_BYTES <= total <= MAX_GPU_BYTES:
-        hint = suggest(value) if isinstance(value, str) and total is None else ""
-        raise invalid(name, value, allowed_text() + (f", from 1 GiB to 16 TiB" if total is not None else "") + hint)
+    if total is None:
+        raise invalid(name, value, allowed_text() + (suggest(value) if isinstance(value, str) else ""))
+    if not MIN_GPU_BYTES <= total <= MAX_GPU_BYTES:
+        raise invalid(name, value, f"{allowed_text()}, from 1 GiB to 16 TiB ({total:,} bytes is "
+                                   f"{'less than 1 GiB' if total < MIN_GPU_BYTES else 'more than 16 TiB'})")
     return None, total
