@@ -21,7 +21,7 @@ buffers alone (:func:`host_lower_bound`: 16 B per trainable parameter) exceed th
 peak: the bound is only used to rule out, and :mod:`tests.ch07.test_plan_bounds` checks it is at or below
 the traced peak of every kind of stack.
 
-**Upper bound** (:func:`fits_by_neighbour`). :func:`memlab.plan.search.needs_at_least` orders two stacks
+**Upper bound** (:func:`fits_by_neighbour`). :func:`needs_at_least` orders two stacks
 of one family (adapter, precision, attention, loss, step in backward): ``c`` needs at least ``d``'s memory
 when its micro-batch is at least d's, it accumulates if d does, it checkpoints a subset of d's layers
 and its optimizer keeps at least what d's keeps (foreach AdamW >= fused AdamW, every optimizer >=
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memlab.plan.stack import Stack
+from memlab.plan.stack import OPTIMIZER_GE, Stack
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,38 @@ def host_lower_bound(stack: Stack, counts: ParamCounts) -> int:
     return 16 * sum(counts.full if stack.adapter == "full" else counts.adapters)
 
 
+def _opt_ge(a: str, b: str) -> bool:
+    return a == b or (a, b) in OPTIMIZER_GE
+
+
+def ckpt_set(s: Stack, n_layers: int) -> frozenset:
+    """The indices of the decoder layers ``s`` checkpoints, of ``n_layers``."""
+    if s.checkpointing == "full":
+        return frozenset(range(n_layers))
+    if s.checkpointing == "every-k":
+        return frozenset(range(0, n_layers, s.ckpt_every))
+    return frozenset()
+
+
+def family(s: Stack) -> tuple:
+    """The knobs two stacks must share to be ordered by memory: adapter, precision, attention, loss, step in backward."""
+    # the loss and the optimizer step in backward hold no memory order against their alternatives (the fused
+    # loss keeps an fp32 head gradient and chunk tiles; a step in backward its temporaries while activations live)
+    return (s.adapter, s.precision, s.attention, s.loss, s.optimizer_in_backward)
+
+
+def needs_at_least(c: Stack, d: Stack, n_layers: int) -> bool:
+    """True when ``c`` holds at least ``d``'s device memory by construction: the same family, a
+    micro-batch at least as large, accumulation if d accumulates (its gradients stay through the
+    next micro-batch), a subset of d's checkpointed layers, an optimizer that keeps at least as much."""
+    return (family(c) == family(d) and c.micro_batch >= d.micro_batch
+            and (c.grad_accum > 1 or d.grad_accum == 1)
+            and ckpt_set(c, n_layers) <= ckpt_set(d, n_layers)
+            and _opt_ge(c.optimizer, d.optimizer))
+
+
 def fits_by_neighbour(d: Stack, c: Stack, n_layers: int) -> bool:
     """True when ``d`` fits whenever the traced ``c`` fits, device and host: ``c`` needs at least ``d``'s device memory
-    (:func:`memlab.plan.search.needs_at_least`) and both keep their optimizer on the host or neither does (an
+    (:func:`needs_at_least`) and both keep their optimizer on the host or neither does (an
     offloaded optimizer's host memory is the same for every stack of one family)."""
-    from memlab.plan.search import needs_at_least
-
     return needs_at_least(c, d, n_layers) and ((c.optimizer == "offload-adamw") == (d.optimizer == "offload-adamw"))

@@ -1,12 +1,14 @@
 """:func:`plan`: the cheapest training stacks whose traced peak fits a memory budget (chapter 07)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Mapping
 
 from memlab.core.units import format_bytes, parse_size
 from memlab.core.validation import (check_bool, check_choice, check_mapping, check_positive_int, check_schema,
                                     check_str, invalid)
+from memlab.plan import memo
 from memlab.plan.bounds import param_counts
 from memlab.plan.budget import allow_for_card, host_available_bytes, resolve_budget
 from memlab.plan.cost import CostModel, cost_model_for, model_shape, stack_cost
@@ -17,8 +19,7 @@ from memlab.plan.stacks import layer_count, resolve_config
 
 
 def _check_arguments(args: dict[str, Any]) -> None:
-    # every argument's rule, before any work (memlab.core.validation's one error format)
-    from memlab.estimate import check_input_bounds
+    # every argument's rule, before any work (memlab.core.validation's one error format); torch-free
 
     def card(name: str, value: Any) -> None:
         if value is not None:
@@ -45,7 +46,6 @@ def _check_arguments(args: dict[str, Any]) -> None:
         "config_overrides": lambda n, v: check_mapping(n, v, "a dict of config fields to change, or None"),
         "gpu": card, "budget": size, "host_budget": host, "cost": cost_model,
     })
-    check_input_bounds(args["batch_size"], args["seq_len"])  # before any work: a huge batch or sequence is refused here
     if args["gpu"] is not None and args["device"] != "cuda":
         raise ValueError(f"gpu={args['gpu']!r} with device={args['device']!r}: a card is a CUDA target; "
                          "allowed: device='cuda'")
@@ -154,11 +154,19 @@ def plan(model: Any, budget: int | str | None = None, *, batch_size: int, seq_le
         ValueError, TypeError, FileNotFoundError: a bad argument, named with what is allowed.
     """
     t0 = time.perf_counter()
-    _check_arguments(dict(budget=budget, batch_size=batch_size, seq_len=seq_len, gpu=gpu, device=device, top=top,
-                          prefer=prefer, cost=cost, lora_r=lora_r, config_overrides=config_overrides,
-                          host_budget=host_budget, loss=loss, progress=progress, prune=prune))
-    budget_bytes, budget_label = resolve_budget(budget, gpu, device)
+    args = dict(budget=budget, batch_size=batch_size, seq_len=seq_len, gpu=gpu, device=device, top=top, prefer=prefer,
+                cost=cost, lora_r=lora_r, config_overrides=config_overrides, host_budget=host_budget, loss=loss,
+                progress=progress, prune=prune, allow=allow)
+    _check_arguments(args)
     host_budget_bytes, host_note = _host_budget(host_budget)
+    key = memo.plan_key(model, {k: v for k, v in args.items() if k != "progress"})
+    seen = memo.load(key, host_budget_bytes)
+    if seen is not None:  # the same plan, made before (memlab.plan.memo): read, torch never imported
+        return _remembered(seen, host_note, t0)
+    from memlab.estimate import check_input_bounds
+
+    check_input_bounds(batch_size, seq_len)  # before any work: a huge batch or sequence is refused here
+    budget_bytes, budget_label = resolve_budget(budget, gpu, device)
     given = cost is not None
     cost, cost_note = cost_model_for(gpu if gpu is not None else budget) if cost is None else (cost, None)
     given = given or cost_note is None
@@ -173,21 +181,50 @@ def plan(model: Any, budget: int | str | None = None, *, batch_size: int, seq_le
         notes.append(cost_note)
     notes.append(f"cost constants: {cost.name}: {cost.source}; mfu {cost.mfu}, host {cost.host / 1e9:.0f} GB/s, "
                  f"kernel launch {cost.launch * 1e6:.0f} us x {cost.kernels_per_layer} per layer and pass (assumptions)")
+    rows = _rows(stacks, shape, seq_len, cost, prefer)
+    search = Search(name, cfg, L, seq_len=seq_len, device=device, lora_r=lora_r, loss=loss, budget=budget_bytes,
+                    host_budget=host_budget_bytes, counts=param_counts(cfg, lora_r) if prune else None, prune=prune)
+    _run(search, rows, top, progress)
+    result = PlanResult(model=name, n_params=shape.all_params, batch_size=batch_size, seq_len=seq_len,
+                        budget=budget_bytes, budget_label=budget_label, device=device, cost_model=cost,
+                        rows=_ranked(rows), notes=notes, seconds=time.perf_counter() - t0, traces=search.traces,
+                        prefer=prefer, fresh=search.fresh, cached=search.cached, below=search.below,
+                        above=search.above, pruned=prune, cost_basis=_cost_basis(cost, device, given))
+    memo.save(key, result, search.host_compared, host_budget_bytes)
+    return result
+
+
+def _rows(stacks: list[Stack], shape: Any, seq_len: int, cost: CostModel, prefer: str) -> list[PlanRow]:
+    # a row per stack with its cost and ranking key, in the ranking order
     rows = []
     for s in stacks:
         c, terms = stack_cost(s, shape, seq_len, cost)
         tier = fidelity_tier(s)
         rows.append(PlanRow(stack=s, cost=c, tier=tier, terms=terms, key=(tier if prefer == "fidelity" else 0, c)))
-    rows.sort(key=lambda r: r.key)
-    search = Search(name, cfg, L, seq_len=seq_len, device=device, lora_r=lora_r, loss=loss, budget=budget_bytes,
-                    host_budget=host_budget_bytes, counts=param_counts(cfg, lora_r) if prune else None, prune=prune)
-    live = live_rows(rows, L) if prune else _numbered(rows)
+    return sorted(rows, key=lambda r: r.key)
+
+
+def _remembered(seen: PlanResult, host_note: str | None, t0: float) -> PlanResult:
+    # a plan read from the plan cache, with today's host-budget note and the time it took to read
+    notes = [host_note if (host_note and n.startswith("host budget ")) else n for n in seen.notes]
+    return dataclasses.replace(seen, notes=notes, seconds=time.perf_counter() - t0, fresh=0, cached=seen.traces,
+                               remembered=True)
+
+
+def _run(search: Search, rows: list[PlanRow], top: int, progress: bool) -> None:
+    # the search over the ranked rows (numbered, the dominated set aside), or with prune=False every row traced
+    if search.prune:
+        live = live_rows(rows, search.L)
+    else:
+        live = rows
+        for i, r in enumerate(rows):
+            r.stack_id = i + 1
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(live), desc=f"plan {name}", unit="stack", leave=False)
-    if prune:
+        bar = tqdm(total=len(live), desc=f"plan {search.name}", unit="stack", leave=False)
+    if search.prune:
         run_search(search, live, top, bar)
     else:
         for r in live:
@@ -199,14 +236,3 @@ def plan(model: Any, budget: int | str | None = None, *, batch_size: int, seq_le
     for r in live:
         if r.status == "not needed":
             r.notes = "not traced: ranked below the stacks found"
-    return PlanResult(model=name, n_params=shape.all_params, batch_size=batch_size, seq_len=seq_len,
-                      budget=budget_bytes, budget_label=budget_label, device=device, cost_model=cost,
-                      rows=_ranked(rows), notes=notes, seconds=time.perf_counter() - t0, traces=search.traces,
-                      prefer=prefer, fresh=search.fresh, cached=search.cached, below=search.below,
-                      above=search.above, pruned=prune, cost_basis=_cost_basis(cost, device, given))
-
-
-def _numbered(rows: list[PlanRow]) -> list[PlanRow]:
-    for i, r in enumerate(rows):
-        r.stack_id = i + 1
-    return rows

@@ -59,7 +59,7 @@ class PlanResult:
     ``traces``: stacks estimated, ``fresh`` of them traced now and ``cached`` read from the trace cache;
     ``below`` / ``above``: stacks decided untraced by the lower bound / by a traced neighbour that fits;
     ``pruned``: False for the exhaustive planner (``plan(prune=False)``); ``cost_basis``: whose constants the
-    relative costs use."""
+    relative costs use; ``remembered``: the whole plan was read from the plan cache (:mod:`memlab.plan.memo`)."""
 
     model: str
     n_params: int
@@ -80,6 +80,7 @@ class PlanResult:
     above: int = 0
     pruned: bool = True
     cost_basis: str = ""
+    remembered: bool = False
 
     @property
     def pick(self) -> PlanRow | None:
@@ -118,8 +119,9 @@ class PlanResult:
         decided = (f"{self.below} ruled out untraced by a lower bound (weights + gradients + optimizer state, or an "
                    f"offloaded optimizer's host buffers), {self.above} decided to fit by a traced stack that needs at least "
                    f"their memory" if self.pruned else "exhaustive: no bound, no early stop")
+        memo = "; the plan read whole from the plan cache" if self.remembered else ""
         return (f"{len(self.rows)} candidates: {self.fresh} stacks traced on fake tensors, {self.cached} read from the "
-                f"trace cache; {decided}; {self.seconds:.1f} s")
+                f"trace cache; {decided}{memo}; {self.seconds:.1f} s")
 
     def legend(self) -> list[str]:
         """One line per column of :meth:`table`, saying what it shows."""

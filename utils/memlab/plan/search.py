@@ -1,14 +1,15 @@
-"""The planner's search: the candidates (every stack ``allow`` admits), the memory order between stacks
-that rules one out without tracing it, and the search that traces as few stacks as it can (rule out by the
-memory order, trace each family's floor first, bisect micro-batches), cheapest first, until ``top`` fit."""
+"""The planner's search: the candidates (every stack ``allow`` admits) and the search that traces as few stacks
+as it can, cheapest first, until ``top`` fit: rule out by the bounds and the memory order of
+:mod:`memlab.plan.bounds`, trace a family's floor when the search reaches it, then walk each line of
+micro-batches where a prediction from its traced peaks points."""
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 from memlab.core.units import format_bytes
-from memlab.plan.bounds import fits_by_neighbour, host_lower_bound, lower_bound
+from memlab.plan.bounds import ckpt_set, family, fits_by_neighbour, host_lower_bound, lower_bound, needs_at_least
 from memlab.plan.result import PlanRow
-from memlab.plan.stack import (ALLOWED_VALUES, OPTIMIZER_GE, DEFAULT_ALLOW, Stack, canonical_in_backward,
+from memlab.plan.stack import (ALLOWED_VALUES, DEFAULT_ALLOW, Stack, canonical_in_backward,
                                canonical_precision, canonical_stack_optimizer)
 from memlab.plan.stacks import cached_estimate
 
@@ -148,35 +149,6 @@ def enumerate_stacks(batch_size: int, n_layers: int, allow: Mapping[str, Any] | 
     return out, notes
 
 
-# ----------------------------------------------------------------------------- the memory order
-def _opt_ge(a: str, b: str) -> bool:
-    return a == b or (a, b) in OPTIMIZER_GE
-
-
-def _ckpt_set(s: Stack, n_layers: int) -> frozenset:
-    if s.checkpointing == "full":
-        return frozenset(range(n_layers))
-    if s.checkpointing == "every-k":
-        return frozenset(range(0, n_layers, s.ckpt_every))
-    return frozenset()
-
-
-def _family(s: Stack) -> tuple:
-    # the loss and the optimizer step in backward hold no memory order against their alternatives (the fused
-    # loss keeps an fp32 head gradient and chunk tiles; a step in backward its temporaries while activations live)
-    return (s.adapter, s.precision, s.attention, s.loss, s.optimizer_in_backward)
-
-
-def needs_at_least(c: Stack, d: Stack, n_layers: int) -> bool:
-    """True when ``c`` holds at least ``d``'s device memory by construction: the same family, a
-    micro-batch at least as large, accumulation if d accumulates (its gradients stay through the
-    next micro-batch), a subset of d's checkpointed layers, an optimizer that keeps at least as much."""
-    return (_family(c) == _family(d) and c.micro_batch >= d.micro_batch
-            and (c.grad_accum > 1 or d.grad_accum == 1)
-            and _ckpt_set(c, n_layers) <= _ckpt_set(d, n_layers)
-            and _opt_ge(c.optimizer, d.optimizer))
-
-
 # ----------------------------------------------------------------------------- the search
 class Search:
     """The traces of one plan: which rows fit (``fitted``), which do not (``failed``), how many stacks were
@@ -195,6 +167,7 @@ class Search:
         self.failed: list[PlanRow] = []
         self.fitted: list[PlanRow] = []
         self.traces = self.fresh = self.cached = self.below = self.above = 0
+        self.host_compared: list[int] = []  # every host size compared with host_budget (memlab.plan.memo)
 
     def lower(self, r: PlanRow) -> int | None:
         """``r``'s lower bound in bytes (None without ``counts``), kept in ``r.lower_bytes``."""
@@ -215,7 +188,7 @@ class Search:
         if lb > self.budget:
             r.notes = f"weights + gradients + optimizer state alone: {format_bytes(lb)} > budget: not traced"
             self.failed.append(r)
-        elif self.host_budget is not None and host > self.host_budget:
+        elif self.host_budget is not None and host and (self.host_compared.append(host) or host > self.host_budget):
             r.notes = (f"host: the offloaded optimizer's fp32 weights, gradients and moments alone: {format_bytes(host)} "
                        f"> host budget {format_bytes(self.host_budget)}: not traced")
         else:
@@ -241,6 +214,8 @@ class Search:
         r.host_bytes, r.phase = est.host_bytes, est.peak_phase
         r.notes = f"peak in {est.peak_phase}" + (", extrapolated" if est.extrapolated_from else "")
         (self.fitted if r.fits else self.failed).append(r)
+        if r.fits and self.host_budget is not None:
+            self.host_compared.append(r.host_bytes)
         if r.fits and self.host_budget is not None and r.host_bytes > self.host_budget:
             # fits the device, not the host: the device-memory order says nothing about it
             self.fitted.remove(r)
@@ -294,10 +269,10 @@ def _family_floors(live: list[PlanRow], L: int) -> dict[tuple, PlanRow | None]:
     # allowed: the one optimizer below all others); None where no member is below all the others.
     families: dict[tuple, list[PlanRow]] = {}
     for r in live:
-        families.setdefault(_family(r.stack), []).append(r)
+        families.setdefault(family(r.stack), []).append(r)
     out: dict[tuple, PlanRow | None] = {}
     for fam, members in families.items():
-        floor = min(members, key=lambda r: (r.stack.micro_batch, -len(_ckpt_set(r.stack, L)),
+        floor = min(members, key=lambda r: (r.stack.micro_batch, -len(ckpt_set(r.stack, L)),
                                              r.stack.optimizer != "offload-adamw"))
         out[fam] = floor if all(needs_at_least(o.stack, floor.stack, L) for o in members) else None
     return out
@@ -344,28 +319,28 @@ def run_search(search: Search, live: list[PlanRow], top: int, bar: Any = None) -
     L = search.L
     lines: dict[tuple, list[PlanRow]] = {}
     for r in live:
-        lines.setdefault((_family(r.stack), r.stack.optimizer, r.stack.checkpointing, r.stack.ckpt_every), []).append(r)
+        lines.setdefault((family(r.stack), r.stack.optimizer, r.stack.checkpointing, r.stack.ckpt_every), []).append(r)
     for members in lines.values():
         members.sort(key=lambda r: r.stack.micro_batch)
     floors = _family_floors(live, L)
     groups: dict[tuple, list[PlanRow]] = {}
     for r in live:
-        groups.setdefault((_family(r.stack), r.stack.optimizer), []).append(r)
+        groups.setdefault((family(r.stack), r.stack.optimizer), []).append(r)
     found = 0
     for r in live:
         if found >= top:
             break
         while search.known(r) is None:
-            floor = floors[_family(r.stack)]  # traced when the search first reaches its family
+            floor = floors[family(r.stack)]  # traced when the search first reaches its family
             if floor is not None and search.known(floor) is None:
                 search.trace(floor)
                 continue
-            group = groups[(_family(r.stack), r.stack.optimizer)]
-            floor = min(group, key=lambda m: (m.stack.micro_batch, -len(_ckpt_set(m.stack, L))))
+            group = groups[(family(r.stack), r.stack.optimizer)]
+            floor = min(group, key=lambda m: (m.stack.micro_batch, -len(ckpt_set(m.stack, L))))
             if all(needs_at_least(m.stack, floor.stack, L) for m in group) and search.known(floor) is None:
                 search.trace(floor)
                 continue
-            line = lines[(_family(r.stack), r.stack.optimizer, r.stack.checkpointing, r.stack.ckpt_every)]
+            line = lines[(family(r.stack), r.stack.optimizer, r.stack.checkpointing, r.stack.ckpt_every)]
             search.trace(_next_on_line(search, line, r))
         if r.status != "traced" and search.known(r):
             # the pick is traced (its peak is the plan's answer); the others that fit by a traced neighbour are not
