@@ -458,3 +458,26 @@ def test_each_ported_exercise_draws_every_corner_of_its_declared_space():
                 missed.append(f"{exercise}: field {field!r} drew only {seen}")
     assert not missed, missed
     assert len(ported) >= 14, ported
+
+
+def test_a_fail_row_from_the_kernel_states_the_smallest_input(tmp_path):
+    """The same statement when `memlab grade` runs the check inside the notebook's kernel (issue 40.6)."""
+    import nbformat
+
+    from memlab.course.grading import grade_notebook
+
+    answer = ("from memlab import accounting\n"
+              "def model_state_bytes(n_params, recipe='fp32-adamw'):\n"
+              "    r = accounting.RECIPES[recipe]\n"
+              "    out = {'weights': int(r.weights * n_params), 'gradients': int(r.gradients * n_params),\n"
+              "           'optimizer': int(r.optimizer * n_params) + (1234 <= n_params < 2**31 and recipe == 'fp32-sgd')}\n"
+              "    out['total'] = sum(out.values())\n    return out")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in
+                ("from memlab.course.grading import check", answer, "check('00.model_state_bytes', model_state_bytes)")]
+    path = tmp_path / "00_shrunk.ipynb"
+    nbformat.write(nb, path)
+    rows = {r.exercise: r for r in grade_notebook(path, timeout=120)}
+    row = rows["00.model_state_bytes"]
+    assert row.status == "fail", row
+    assert row.message.startswith("on the smallest failing input found (n='small', m=1234, recipe='fp32-sgd', seed=0): "), row.message

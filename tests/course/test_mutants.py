@@ -108,3 +108,5 @@ def test_each_kind_is_caught_by_its_mechanism(exercise, kind, name):
 def test_right_answers_written_another_way_pass(exercise, name, fn):
     r = check(exercise, fn, quiet=True)
     assert r.status == "pass", f"{exercise}: the right answer {name!r} got {r.status}: {r.message[:300]}"
+    # and its points: an own answer is not taken for memlab's reference (issue 41.4's provenance looks)
+    assert r.points == r.max_points and r.message == "", f"{exercise}: the right answer {name!r}: {r.message[:300]}"

@@ -327,6 +327,9 @@ def _modules_of(ex: Any) -> list[types.ModuleType]:
     return mods
 
 
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial, type)
+
+
 def _code_of(v: Any) -> Any:
     f = getattr(v, "__func__", v)
     return (id(f), id(getattr(f, "__code__", None)), id(getattr(f, "__defaults__", None)))
@@ -342,7 +345,7 @@ def _picture(value: Any, home: str) -> Any:
                 if isinstance(v, (types.FunctionType, staticmethod, classmethod, property))}
     if type(value) in (dict, list, tuple):
         items = value.items() if type(value) is dict else enumerate(value)
-        return {k: _code_of(v) for k, v in list(items)[:512] if callable(v)}
+        return {k: _code_of(v) for k, v in list(items)[:512] if isinstance(v, _FUNCTIONS)}
     if isinstance(value, types.ModuleType):
         return id(value)
     return None

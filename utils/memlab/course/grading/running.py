@@ -279,12 +279,12 @@ def run_checks_watched(ex: Exercise, obj: Any, limit: float | None) -> tuple[str
     note = ""
     if status == "pass":
         note = _reference_note(obj, ex)
-        wrapped = wrapped_reference(obj, ex) if not note else None
-        if wrapped:
-            note = f"uses the reference implementation ({wrapped}), not your own code: no points"
         ran = reference_hits()
         if not note and (ran or found):
             note = f"calls the reference implementation ({(ran or found)[0]}) from your code: no points"
+        wrapped = wrapped_reference(obj, ex) if not note else None
+        if wrapped:
+            note = f"uses the reference implementation ({wrapped}), not your own code: no points"
     return status, message, note
 
 
