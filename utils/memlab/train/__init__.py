@@ -3,7 +3,10 @@
 Modules: :mod:`~memlab.train.trainer` (:class:`BudgetTrainer`), :mod:`~memlab.train.budget` (the
 CPU budget, :class:`BudgetTracker`), :mod:`~memlab.train.stacks` (the knobs it runs and the
 back-off), :mod:`~memlab.train.peaks` (a stack's peak, predicted and measured),
-:mod:`~memlab.train.bucketing` (length bucketing), :mod:`~memlab.train.state` (checkpoint files, RNG states).
+:mod:`~memlab.train.bucketing` (length bucketing), :mod:`~memlab.train.state` (checkpoint files, RNG states),
+:mod:`~memlab.train.resume` (what a checkpoint must hold to be resumed, and whose it is),
+:mod:`~memlab.train.lock` (one trainer per checkpoint directory), :mod:`~memlab.train.arguments` (the
+trainer's arguments and data, checked before any work).
 """
 from memlab.train.bucketing import bucket_batches, pad_batch, padding_stats, random_batches
 from memlab.train.budget import BudgetTracker

@@ -74,7 +74,10 @@ def _budget(budget: Any) -> int | None:
     if budget is None:
         return None
     if isinstance(budget, str):
-        b = parse_size(budget, name="budget")
+        try:
+            b = parse_size(budget, name="budget")
+        except OverflowError:  # parse_size("1e300 GiB"): a finite number of units, more bytes than a float holds
+            b = INT64_MAX + 1
         if b > INT64_MAX:
             raise invalid("budget", budget, _BUDGET_ALLOWED)
         return b
@@ -190,7 +193,7 @@ def check_corpus(corpus: torch.Tensor, vocab: int | None, *, offset: int = 0) ->
     found = _first_outside(corpus, vocab, ignore=False)
     if found is not None:
         pos, tok = found[0] + offset, found[1]
-        raise invalid(f"data[{pos:,}]", tok, f"token ids 0 to {vocab - 1} (the model's vocabulary has {vocab:,}); "
+        raise invalid(f"data[{pos}]", tok, f"token ids 0 to {vocab - 1} (the model's vocabulary has {vocab:,}); "
                                             "the corpus holds an id the model cannot embed")
 
 

@@ -133,7 +133,10 @@ class BudgetTrainer:
         ckpt_dir: where checkpoints go (a temporary directory when ``None``); the newest complete
             checkpoint there is resumed, with its stack and back-off history when that stack is
             in ``stacks`` (else from ``stacks[0]``). The directory belongs to one trainer at a
-            time: leftover temp files of a killed writer are removed when a trainer opens it.
+            time (:mod:`memlab.train.lock`: a lock file with the owner's pid; another live trainer there
+            is refused with :class:`~memlab.train.lock.DirectoryInUseError`, the lock of a dead one taken
+            over, a newer trainer object of this process supersedes an idle older one; :meth:`close`
+            gives it up): leftover temp files of a killed writer are removed when a trainer opens it.
         seed: seeds the default model, the data order and the RNGs at the start.
         lr, weight_decay: AdamW's.
         ckpt_interval: optimizer steps between checkpoints (also one at the start and at the end).
@@ -145,10 +148,18 @@ class BudgetTrainer:
             fail verification is refused (:class:`memlab.train.state.CheckpointError`), so that a
             corruption never silently restarts a run from step 0.
 
-    Checkpoints that fail verification are skipped (newest first) and renamed to
-    ``<name>.corrupt``; one that verifies but belongs to another run (another model's tensors,
-    another ``effective_batch``/``seq_len``/``seed``, not a trainer's state) raises
-    :class:`~memlab.train.state.CheckpointError` naming the file. Resuming with another ``lr`` or
+    Every argument is checked before any work (:mod:`memlab.train.arguments`: types, finiteness,
+    ranges, in memlab's one error format), and the data against the model's vocabulary: a corpus whole
+    at the start, a data function's batch at the start and each one as it is drawn (a token id the
+    model cannot embed is named by step, row and position, not an ``IndexError``).
+
+    Checkpoints that fail verification, or whose state is malformed (:mod:`memlab.train.resume`
+    checks every field before anything is loaded), are skipped (newest first) and renamed to
+    ``<name>.corrupt``: the newest valid one is resumed. One that is valid but belongs to another run
+    (another model's config -- stored in each checkpoint, so a 4-head model is told from a 2-head one
+    of the same shapes --, its tensors, another ``effective_batch``/``seq_len``/``seed``, not a
+    trainer's state) raises :class:`~memlab.train.resume.ForeignCheckpointError` (a
+    :class:`~memlab.train.state.CheckpointError`) in one line naming the file and the difference. Resuming with another ``lr`` or
     ``weight_decay`` than the checkpoint's applies the new value to the optimizer and warns
     (``hparams_applied`` lists what changed).
     """
