@@ -452,3 +452,30 @@ def test_cuda_peak_is_linear_in_seq(name):
     assert large <= 4.2 * small, (small, large)
     naive_small, naive_large = peak(att.naive_attention, 1024), peak(att.naive_attention, 4096)
     assert naive_large >= 12 * naive_small, (naive_small, naive_large)
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_flash_split_across_threads_equals_one_thread(causal, monkeypatch):
+    # on a CPU the batch-and-heads rows are split between Python threads (one intra-op thread each): the
+    # output and the gradients are those of one thread, bit for bit, and torch's thread count is restored
+    import memlab.attention.flash as fl
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 40, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 33 if causal == "bottom_right" else 40, 16, generator=g, requires_grad=True)
+            for _ in range(2))
+    do = torch.randn(2, 4, 40, 16, generator=g)
+    results = []
+    before = torch.get_num_threads()
+    for threads, min_work in ((1, 1 << 40), (3, 1)):
+        monkeypatch.setattr(fl, "MIN_WORK_PER_THREAD", min_work)
+        torch.set_num_threads(threads)
+        try:
+            q.grad = k.grad = v.grad = None
+            o = att.flash_attention(q, k, v, causal=causal, block_q=8, block_k=16)
+            o.backward(do)
+            results.append([o.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()])
+        finally:
+            torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert torch.get_num_threads() == before

@@ -60,10 +60,15 @@ def _mask(mode: str | None, qs: int, qe: int, ks: int, ke: int, lq: int, lk: int
     return mask
 
 
-def _split(n: int, device: torch.device, work: Callable[[int, int], None]) -> None:
-    # work(lo, hi) over [0, n) of the batch-and-heads dim: on a CPU in torch.get_num_threads() Python
-    # threads at one intra-op thread each, elsewhere at once
-    workers = min(n, torch.get_num_threads()) if device.type == "cpu" else 1
+#: multiply-adds of score blocks a CPU worker thread gets at least (a few milliseconds): below it, starting a
+#: thread and waiting for it to be scheduled on a busy machine costs more than it saves
+MIN_WORK_PER_THREAD = 1 << 24
+
+
+def _split(n: int, device: torch.device, work: Callable[[int, int], None], per_row: int) -> None:
+    # work(lo, hi) over [0, n) of the batch-and-heads dim (per_row multiply-adds each): on a CPU in up to
+    # torch.get_num_threads() Python threads at one intra-op thread each, elsewhere at once
+    workers = min(n, torch.get_num_threads(), n * per_row // MIN_WORK_PER_THREAD) if device.type == "cpu" else 1
     if workers <= 1:
         if device.type == "cpu":
             with intra_op_threads(1):
@@ -76,7 +81,8 @@ def _split(n: int, device: torch.device, work: Callable[[int, int], None]) -> No
 
     def run(i: int) -> None:
         try:
-            work(bounds[i], bounds[i + 1])
+            with torch.no_grad():  # grad mode is per thread: the workers' in-place ops on views of q, k, v
+                work(bounds[i], bounds[i + 1])
         except BaseException as exc:  # re-raised on the calling thread
             errors.append(exc)
 
@@ -143,7 +149,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         o = torch.zeros(n, lq * g, v.shape[-1], dtype=acc, device=q.device)
         lse = torch.empty(n, lq * g, dtype=acc, device=q.device)
         _split(n, q.device, lambda lo, hi: _forward_rows(qr[lo:hi], kr[lo:hi], vr[lo:hi], o[lo:hi], lse[lo:hi],
-                                                         mode, g, lq, block_q, block_k))
+                                                         mode, g, lq, block_q, block_k),
+               qr.shape[1] * kr.shape[1] * (qr.shape[2] + vr.shape[2]))
         return _unrows(o, b, h, g).to(q.dtype), _unrows(lse, b, h, g)
 
 
@@ -199,7 +206,8 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         dk, dv = torch.zeros_like(kr), torch.zeros_like(vr)
         _split(n, q.device, lambda lo, hi: _backward_rows(qr[lo:hi], kr[lo:hi], vr[lo:hi], dor[lo:hi], lser[lo:hi],
                                                           delta[lo:hi], dq[lo:hi], dk[lo:hi], dv[lo:hi], mode, g, lq,
-                                                          block_q, block_k))
+                                                          block_q, block_k),
+               2 * qr.shape[1] * kr.shape[1] * (qr.shape[2] + vr.shape[2]))
         dq.mul_(scale)  # dQ = scale * dS K
         return (_unrows(dq, b, h, g).to(q.dtype), dk.reshape(k.shape).to(k.dtype),
                 dv.reshape(v.shape).to(v.dtype))

@@ -1,8 +1,12 @@
 """``memlab bench NAME``: each chapter's from-scratch code against the production reference.
 
 A benchmark is a module ``memlab.bench.<name>`` with a ``main(argv) -> int``. The helpers here
-keep every table alike: warm-up runs, CUDA synchronisation before reading the clock, medians,
-ratios against the reference measured in the same run, and the device named in the header.
+keep every table alike: warm-up runs, CUDA synchronisation before reading the clock, the variants
+of one comparison timed in turns, round by round, with medians (:func:`interleaved_medians`: a busy
+moment of a shared machine slows every variant alike), ratios against the reference measured in
+the same run, the device named in the header, and one verdict line per target
+(:func:`report_targets`: ``TARGET MET: ...`` / ``TARGET MISSED: ...``; with ``--strict``, added by
+:func:`add_strict`, a missed target makes the exit code 1).
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from memlab.core.validation import check_positive_int
+from memlab.core.validation import check_int, check_positive_int
 
 
 def available() -> list[str]:
@@ -70,8 +74,26 @@ def time_median(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1, devi
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], Any]], repeat: int, device: Any = None) -> dict[str, float]:
-    """The median seconds of each function, timed in turns (a busy moment slows every implementation alike)."""
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeat: int, device: Any = None, *,
+                        warmup: int = 0) -> dict[str, float]:
+    """The median seconds of each function, timed in turns: round ``r`` calls every function once, in
+    order, so a busy moment of a shared machine slows every variant alike (timing one variant after
+    another lands a load drift on one of them).
+
+    Args:
+        fns: name -> the call to time.
+        repeat: rounds (>= 1).
+        device: the device to synchronise before reading the clock.
+        warmup: untimed rounds first (>= 0).
+
+    Raises:
+        ValueError: for a ``repeat`` below 1 or a negative ``warmup``.
+    """
+    check_positive_int("repeat", repeat)
+    check_int("warmup", warmup, minimum=0)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
@@ -97,19 +119,33 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], devi
     return "\n".join(out)
 
 
-def report_targets(checks: Sequence[tuple[str, float, bool]], device: Any = None, *, strict: bool = False) -> int:
-    """Print ``(text, ratio, holds)`` targets as holds / MISSED under the device's name; return the exit
-    code: 1 when a target is missed and ``strict`` (timings on a shared machine are noisy), else 0.
+def verdict(text: str, holds: bool, ratio: float | None = None) -> str:
+    """One target's line, the same in every bench: ``TARGET MET: text (ratio 0.812)`` or
+    ``TARGET MISSED: ...`` (the ratio left out when None)."""
+    shown = "" if ratio is None else f" (ratio {ratio:.3f})"
+    return f"{'TARGET MET' if holds else 'TARGET MISSED'}: {text}{shown}"
+
+
+def report_targets(checks: Sequence[tuple[str, float | None, bool]], device: Any = None, *, strict: bool = False) -> int:
+    """Print ``(text, ratio, holds)`` targets as :func:`verdict` lines under the device's name; return the
+    exit code: 1 when a target is missed and ``strict``, else 0 (timings on a shared machine are noisy:
+    without ``--strict`` a miss is reported, not failed).
     """
     if checks:
         print()
         print(f"targets ({device_name(device)}):")
         for text, ratio, ok in checks:
-            print(f"  {'holds ' if ok else 'MISSED'}  ratio {ratio:.3f}  {text}")
+            print(verdict(text, ok, ratio))
     missed = sum(not ok for _, _, ok in checks)
     if missed:
-        print(f"{missed} target(s) missed; timings on a shared machine are noisy: rerun with more --repeat")
+        print(f"{missed} target(s) missed; timings on a shared machine are noisy: rerun with more --repeat"
+              f"{'' if strict else ' (exit code 0 without --strict)'}")
     return 1 if (missed and strict) else 0
+
+
+def add_strict(parser: Any) -> None:
+    """Give an ``argparse`` parser the common ``--strict`` flag (exit 1 when a target is missed)."""
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
 
 
 def _fmt(x: Any) -> str:

@@ -106,6 +106,10 @@ def _check_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
             raise ValueError(f"{name} has {t.numel()} elements; param has {param.numel()}")
 
 
+#: elements a worker thread of the eager chunked step gets at least (a few milliseconds of work): below
+#: it, starting a thread and waiting for it to be scheduled on a busy machine costs more than it saves
+MIN_PER_WORKER = 1 << 20
+
 _THREADS_LOCK = threading.Lock()
 _THREADS_HELD = [0, 0]  # [callers inside intra_op_threads, the count to restore when the last leaves]
 
@@ -164,9 +168,10 @@ def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: 
     ``AdamW(foreach=False)`` do not agree bitwise on a CPU.
 
     Threads as the C++ kernel uses them, one parallel region over chunks: the buffers are cut into
-    ``threads`` ranges of whole chunks, each stepped by its own Python thread (torch's ops release
-    the GIL) while torch's intra-op threads are held at 1 (:func:`intra_op_threads`), so that no
-    chunk-sized op is split again. The result does not depend on ``threads``.
+    ``threads`` ranges of whole chunks (fewer when a range would hold under :data:`MIN_PER_WORKER`
+    elements), each stepped by its own Python thread (torch's ops release the GIL) while torch's
+    intra-op threads are held at 1 (:func:`intra_op_threads`), so that no chunk-sized op is split
+    again. The result does not depend on ``threads``.
 
     The four tensors are contiguous float32 CPU tensors of one size; ``chunk`` is elements per slice;
     ``threads`` None is ``torch.get_num_threads()``.
@@ -185,7 +190,7 @@ def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: 
     p, g, m, v = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))
     n = p.numel()
     nchunks = -(-n // chunk)
-    workers = max(1, min(threads or torch.get_num_threads(), nchunks))
+    workers = max(1, min(threads or torch.get_num_threads(), nchunks, n // MIN_PER_WORKER))
     per = -(-nchunks // workers) * chunk  # elements per worker, whole chunks
     args = (chunk, 1 - lr * weight_decay if weight_decay != 0 else 1, 1 - beta1, beta2, lr / bc1, bc2**0.5, eps)
     errors: list[BaseException] = []
