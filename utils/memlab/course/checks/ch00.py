@@ -173,12 +173,12 @@ def check_activation_bytes(fn):
     def run(case) -> None:
         s, b, h, a = case.s, case.b, case.h, case.a
         if case.e is None:
+            want = ref.korthikanti_bytes_per_layer(s, b, h, a)  # the reference first
             got = fn(s, b, h, a)
-            want = ref.korthikanti_bytes_per_layer(s, b, h, a)
             expect_equal(f"activation_bytes_per_layer({s}, {b}, {h}, {a}) with 16-bit activations and 1-byte masks", got, want)
             return
+        want = ref.activation_bytes_per_layer(s, b, h, a, act_bytes=case.e, mask_bytes=case.m)  # the reference first
         got = fn(s, b, h, a, act_bytes=case.e, mask_bytes=case.m)
-        want = ref.activation_bytes_per_layer(s, b, h, a, act_bytes=case.e, mask_bytes=case.m)
         expect_equal(f"activation_bytes_per_layer({s}, {b}, {h}, {a}, act_bytes={case.e}, mask_bytes={case.m})"
                      + (" (no dropout: the softmax output is saved once)" if case.m == 0 else ""), got, want)
 

@@ -231,7 +231,9 @@ def reference_hits() -> list[str]:
         return list(_HITS)
 
 
-_STAND_IN: dict[types.CodeType, tuple[int, types.CodeType]] = {}  # a reference's code -> (key, its stand-in)
+# a reference function (id) -> (the function, key, its stand-in): one key per function object, not per code (two
+# functions a factory made share one code object with other closures)
+_STAND_IN: dict[int, tuple[types.FunctionType, int, types.CodeType]] = {}
 _REAL: dict[int, tuple[types.FunctionType, str]] = {}  # key -> (memlab's function as it is, its name)
 _BOUNDARY: set[types.CodeType] = set()  # the harness's frames that call the answer itself
 
@@ -242,10 +244,13 @@ def mark_boundary(code: types.CodeType) -> None:
     _BOUNDARY.add(code)
 
 
-def _stand_in(code: types.CodeType) -> tuple[int, types.CodeType]:
-    """(key, a code object with ``code``'s number of free variables that calls the hook with key, args, kwargs)."""
-    if code not in _STAND_IN:
-        key = len(_STAND_IN) + 1
+def _stand_in(f: types.FunctionType, code: types.CodeType) -> tuple[int, types.CodeType]:
+    """(key, a code object with ``code``'s number of free variables that calls the hook with key, args, kwargs)
+    for the function ``f`` whose code is ``code``."""
+    known = _STAND_IN.get(id(f))
+    if known is None or known[0] is not f or known[2].co_flags & 0x20 != code.co_flags & 0x20 \
+            or len(known[2].co_freevars) != len(code.co_freevars):
+        key = len(_REAL) + 1
         free = [f"_f{i}" for i in range(len(code.co_freevars))]
         call = f"{_HOOK}({key}, args, kwargs)"
         body = ("    def stand_in(*args, **kwargs):\n"
@@ -254,8 +259,10 @@ def _stand_in(code: types.CodeType) -> tuple[int, types.CodeType]:
         src = "def outer():\n" + "".join(f"    {v} = None\n" for v in free) + body + "    return stand_in\n"
         ns: dict[str, Any] = {}
         exec(compile(src, _STAND_IN_FILE, "exec"), ns)  # noqa: S102 - our own fixed source
-        _STAND_IN[code] = (key, ns["outer"]().__code__)
-    return _STAND_IN[code]
+        _STAND_IN[id(f)] = (f, key, ns["outer"]().__code__)
+        _REAL[key] = (f, "")  # the key is taken
+    _, key, stand_in = _STAND_IN[id(f)]
+    return key, stand_in
 
 
 _STAND_IN_FILE = "<memlab reference stand-in>"
@@ -296,7 +303,7 @@ def reference_swapped(functions: dict[types.FunctionType, str]) -> Iterator[None
             code = f.__code__
             if code.co_filename == _STAND_IN_FILE:
                 continue  # already swapped by an outer call
-            key, stand_in = _stand_in(code)
+            key, stand_in = _stand_in(f, code)
             real = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
             real.__kwdefaults__, real.__qualname__ = f.__kwdefaults__, f.__qualname__
             _REAL[key] = (real, where)
@@ -331,7 +338,14 @@ _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, f
 
 
 def _code_of(v: Any) -> Any:
+    # the innermost function: a library may wrap a class's method once (torch.optim.Optimizer wraps a subclass's
+    # step() in a profiling hook the first time one is made, functools.wraps keeps the original as __wrapped__)
     f = getattr(v, "__func__", v)
+    for _ in range(8):
+        inner = getattr(f, "__wrapped__", None)
+        if inner is None:
+            break
+        f = inner
     return (id(f), id(getattr(f, "__code__", None)), id(getattr(f, "__defaults__", None)))
 
 
