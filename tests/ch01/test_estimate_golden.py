@@ -36,10 +36,10 @@ def test_suggestions_equal_the_fixture():
 
 
 def test_the_trace_cache_answers_the_same(tmp_path, monkeypatch):
-    from memlab.estimate import extrapolate
+    from memlab.estimate import extrapolate, trace_cache
 
     monkeypatch.setenv("MEMLAB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(extrapolate, "_DISK_CACHE", [True])
+    monkeypatch.setattr(trace_cache, "_DISK_CACHE", [True])
     name, model, kw = G.CASES[2]  # llama-2-7b with LoRA
     first = G.one_case(model, kw)
     files = list((tmp_path / "estimates").glob("*.pkl"))
@@ -49,14 +49,14 @@ def test_the_trace_cache_answers_the_same(tmp_path, monkeypatch):
     again = G.one_case(model, kw)
     assert json.loads(json.dumps(again)) == json.loads(json.dumps(first)) == EXPECTED["cases"][name]
     monkeypatch.setattr(extrapolate, "trace_step", traced)
-    monkeypatch.setattr(extrapolate, "_DISK_CACHE", [False])  # off (the API's default): traced, nothing read
+    monkeypatch.setattr(trace_cache, "_DISK_CACHE", [False])  # off (the API's default): traced, nothing read
     assert G.one_case(model, dict(kw, lora_r=8))["peak_bytes"] != first["peak_bytes"]
     assert len(list((tmp_path / "estimates").glob("*.pkl"))) == 1
 
 
 def test_a_cached_preset_answer_imports_no_transformers(tmp_path):
-    code = ("import sys, json; from memlab.estimate import extrapolate, estimate_training_memory as e; "
-            "extrapolate.enable_disk_cache(); r = e('llama-2-7b', batch_size=1, seq_len=256); "
+    code = ("import sys, json; from memlab.estimate import trace_cache, estimate_training_memory as e; "
+            "trace_cache.enable_disk_cache(); r = e('llama-2-7b', batch_size=1, seq_len=256); "
             "print(json.dumps([r.peak_bytes, 'transformers' in sys.modules, any('trace cache' in n for n in r.notes)]))")
     env = {**os.environ, "MEMLAB_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     runs = [json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -35,18 +35,50 @@ The command line is :mod:`memlab.cli.estimate`.
 """
 from __future__ import annotations
 
-from memlab.core.vocab import CATEGORIES
-from memlab.estimate.recipes import DTYPES, OPTIMIZERS, check_input_bounds
-from memlab.estimate.result import MemoryEstimate, resolve_gpu
-from memlab.estimate.model import ModelSpec, check_positions, load_config, resolve_model
-from memlab.estimate.step import StepSpec, training_step
-from memlab.estimate.sharding import fsdp_units, shard_estimate
-from memlab.estimate.extrapolate import extrapolate_by_depth
-from memlab.estimate.api import estimate_step, estimate_training_memory, make_step, measure_training_memory
-from memlab.estimate.suggest import suggestions
-from memlab.estimate.peers import accelerate_estimate, deepspeed_zero_estimate
-from memlab.estimate.caching_allocator import AllocatorConfig
-from memlab.estimate.allocator_replay import estimate_reserved, replay
+import importlib
+from typing import Any
+
+# Each public name from the module that defines it, imported when first asked for: ``import memlab.estimate`` and
+# ``memlab estimate``'s argument checks and preset resolution import neither torch nor transformers.
+_WHERE = {
+    "CATEGORIES": "memlab.core.vocab",
+    "DTYPES": "memlab.estimate.recipes", "OPTIMIZERS": "memlab.estimate.recipes",
+    "check_input_bounds": "memlab.estimate.recipes",
+    "MemoryEstimate": "memlab.estimate.result", "resolve_gpu": "memlab.estimate.result",
+    "ModelSpec": "memlab.estimate.model", "check_positions": "memlab.estimate.model",
+    "load_config": "memlab.estimate.model", "resolve_model": "memlab.estimate.model",
+    "StepSpec": "memlab.estimate.step", "training_step": "memlab.estimate.step",
+    "fsdp_units": "memlab.estimate.sharding", "shard_estimate": "memlab.estimate.sharding",
+    "extrapolate_by_depth": "memlab.estimate.extrapolate",
+    "estimate_step": "memlab.estimate.api", "estimate_training_memory": "memlab.estimate.api",
+    "make_step": "memlab.estimate.api", "measure_training_memory": "memlab.estimate.api",
+    "suggestions": "memlab.estimate.suggest",
+    "accelerate_estimate": "memlab.estimate.peers", "deepspeed_zero_estimate": "memlab.estimate.peers",
+    "AllocatorConfig": "memlab.estimate.caching_allocator",
+    "estimate_reserved": "memlab.estimate.allocator_replay", "replay": "memlab.estimate.allocator_replay",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (imported from its module now), or a submodule (``memlab.estimate.trace``)."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+    elif not name.startswith("__"):
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "estimate_training_memory",

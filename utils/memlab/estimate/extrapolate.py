@@ -4,13 +4,10 @@ its end, :func:`aligned_peaks`) extended exactly to the full depth; and its FSDP
 phase extrapolated, checked against a third depth)."""
 from __future__ import annotations
 
-import hashlib
-import os
-import pickle
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from memlab.estimate import trace_cache
 from memlab.estimate.model import ModelSpec
 from memlab.core.vocab import CATEGORIES
 from memlab.estimate.result import MemoryEstimate, PhaseSummary
@@ -340,111 +337,21 @@ def estimate_one_rank(spec: ModelSpec, step: StepSpec, extrapolate: bool | str =
                       fsdp_world_size: int = 0) -> MemoryEstimate:
     """One rank's traced step, extrapolated by depth where that is exact (``extrapolate``: see
     :func:`extrapolated`); ``fsdp_world_size`` > 0 traces FSDP2 under the fake process group of that many ranks.
-    With :func:`enable_disk_cache`, an extrapolated estimate is read from (or written to) the trace cache."""
+    With :func:`memlab.estimate.trace_cache.enable_disk_cache`, an extrapolated estimate is read from (or written
+    to) the trace cache."""
     if fsdp_world_size:
         if extrapolate and spec.is_hf and spec.homogeneous() and spec.layers()[1] > max(FSDP_EXTRAPOLATION_DEPTHS):
             est = extrapolated_fsdp(spec, step, fsdp_world_size)
             if est is not None:
                 return est
         return trace_step(spec, step, fsdp_world_size=fsdp_world_size)
-    path = _cache_path(spec, step, extrapolate)
-    cached = _cache_read(path) if path is not None else None
+    path = trace_cache.cache_path(spec, step, extrapolate)
+    cached = trace_cache.read(path) if path is not None else None
     if cached is not None:
         return cached
     est = extrapolated(spec, step, extrapolate)
     if est is None:
         return trace_step(spec, step)
-    if path is not None:
-        _cache_write(path, est)
+    if path is not None and isinstance(est.tracker, PhaseSummary):  # a whole trace keeps its timeline in memory only
+        trace_cache.write(path, est)
     return est
-
-
-# ---- the trace cache of the `memlab estimate` command ------------------------------------------------------------
-# An extrapolated estimate (its numbers and notes; no timeline) keyed by the model's config, the step, and
-# everything outside them that changes a trace: the source of the memlab modules a trace runs, the versions of torch,
-# transformers, peft and bitsandbytes. Off by default (a test that patches memlab's code must trace); the command
-# line turns it on (enable_disk_cache), MEMLAB_CACHE_DIR=none turns it off.
-_DISK_CACHE = [False]
-_VERSIONS: list[str] = []
-# memlab's modules a trace runs (the planner's list, and FSDP2's): edited code re-traces
-_TRACED_SOURCES = ("estimate/*.py", "profiler/*.py", "core/*.py", "quant/*.py", "models/*.py", "checkpoint/*.py",
-                   "attention/*.py", "offload/*.py", "loss/*.py", "distributed/*.py", "accounting.py", "config.py")
-CACHE_NOTE = "read from the trace cache"
-
-
-def enable_disk_cache(on: bool = True) -> None:
-    """Let :func:`estimate_one_rank` keep extrapolated estimates on disk, in :func:`estimate_cache_dir` (the
-    ``memlab estimate`` command turns it on: a repeated estimate, and the suggestions a run shares with the last,
-    answer without tracing and without importing transformers)."""
-    _DISK_CACHE[0] = bool(on)
-
-
-def estimate_cache_dir() -> Path | None:
-    """``$MEMLAB_CACHE_DIR/estimates`` (None when ``MEMLAB_CACHE_DIR`` is ``none``: no disk cache), else
-    ``$XDG_CACHE_HOME/memlab/traces/estimates``, else ``~/.cache/memlab/traces/estimates`` (beside the planner's)."""
-    env = os.environ.get("MEMLAB_CACHE_DIR")
-    if env is not None:
-        return None if env.strip().lower() in ("", "none", "off") else Path(env).expanduser() / "estimates"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "memlab" / "traces" / "estimates"
-
-
-def _versions() -> str:
-    if not _VERSIONS:
-        import importlib.metadata as md
-
-        import torch
-
-        here = Path(__file__).resolve().parents[1]  # the memlab package
-        h = hashlib.sha256()
-        for f in sorted(f for pattern in _TRACED_SOURCES for f in here.glob(pattern)):
-            h.update(str(f.relative_to(here)).encode() + b"\0" + f.read_bytes())
-        vers = []
-        for dist in ("transformers", "peft", "bitsandbytes"):
-            try:
-                vers.append(f"{dist} {md.version(dist)}")
-            except md.PackageNotFoundError:
-                vers.append(f"{dist} -")
-        _VERSIONS.append(f"memlab src {h.hexdigest()[:20]} torch {torch.__version__} {' '.join(vers)}")
-    return _VERSIONS[0]
-
-
-def _cache_path(spec: ModelSpec, step: StepSpec, extrapolate: bool | str) -> Path | None:
-    if not _DISK_CACHE[0] or not extrapolate or step.step is not None:  # a step function of yours: not keyed
-        return None
-    d, key = estimate_cache_dir(), spec.cache_key()
-    if d is None or key is None:
-        return None
-    return d / (hashlib.sha256(repr((key, repr(step), extrapolate, _versions())).encode()).hexdigest()[:32] + ".pkl")
-
-
-def _cache_read(path: Path) -> MemoryEstimate | None:
-    t0 = time.perf_counter()
-    try:
-        with open(path, "rb") as f:
-            est = pickle.load(f)
-    except Exception:  # noqa: BLE001  (missing, torn or stale: trace again)
-        return None
-    if not isinstance(est, MemoryEstimate):
-        return None
-    traced_in = est.seconds
-    est.seconds = time.perf_counter() - t0
-    est.notes.append(f"{CACHE_NOTE} ({path.parent}; MEMLAB_CACHE_DIR=none turns it off): traced in {traced_in:.1f} s "
-                     f"by this memlab source, torch and transformers")
-    return est
-
-
-def _cache_write(path: Path, est: MemoryEstimate) -> None:
-    if not isinstance(est.tracker, PhaseSummary):  # a whole trace keeps its timeline in memory only
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            pickle.dump(est, f)
-        os.replace(tmp, path)
-    except Exception:  # noqa: BLE001  (read-only home, unpicklable: the cache is only a speed-up)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass

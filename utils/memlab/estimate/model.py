@@ -12,13 +12,14 @@ import functools
 import json
 import os
 import stat as _stat
+import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
+if TYPE_CHECKING:  # pragma: no cover - imported where used: resolving a preset needs no torch
+    import torch
+    from torch import nn
 
 from memlab.core.optional import needs
 from memlab.core.units import MiB
@@ -213,6 +214,8 @@ class ModelSpec:
             dtype: the canonical recipe; it alone sets the weights' dtype.
             attn: transformers' ``attn_implementation``, or None for its default.
         """
+        import torch
+
         if self.adapter is not None:  # the one builder of adapted models (estimate, CLI and plan)
             from memlab.estimate import adapters
 
@@ -296,7 +299,7 @@ def resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> Mod
             setattr(cfg, k, v)
         validate_config(cfg, type(cfg).__name__)
         return ModelSpec(type(cfg).__name__, config=cfg)
-    if isinstance(model, nn.Module):
+    if _is_module(model):
         raise TypeError(
             f"model={type(model).__name__} instance: pass a function that builds it instead "
             f"(e.g. lambda: {type(model).__name__}(...)), so it can be built on fake tensors"
@@ -352,6 +355,8 @@ def check_positions(spec: ModelSpec, seq_len: int, allow_longer_seq: bool) -> No
 
 def vocab_size(model: nn.Module) -> int:
     """The vocabulary size of a built model: its config's ``vocab_size``, else its (first) embedding's rows."""
+    from torch import nn
+
     cfg = getattr(model, "config", None)
     v = getattr(cfg, "vocab_size", None)
     if isinstance(v, int) and v > 0:
@@ -375,6 +380,8 @@ def enable_checkpointing(model: nn.Module, context_fn: Callable[[], tuple] | Non
     Raises:
         ValueError: a model without ``gradient_checkpointing_enable()``.
     """
+    from torch.utils.checkpoint import checkpoint
+
     from memlab.models import TinyGPT
 
     kwargs = None if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
@@ -397,6 +404,8 @@ def enable_checkpointing(model: nn.Module, context_fn: Callable[[], tuple] | Non
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
+    import torch
+
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -408,12 +417,16 @@ def _default_dtype(dtype: torch.dtype):
 def _build(builder: Callable[[], nn.Module], dtype: str) -> nn.Module:
     """Build the model; for "bf16-pure" directly in bf16 (created, not converted: converting
     fake parameters in place is refused, and building in bf16 never holds an fp32 copy)."""
+    import torch
+
     if dtype != Recipe.BF16_PURE:
         return builder()
     return _build_in(builder, torch.bfloat16)
 
 
 def _build_in(builder: Callable[[], nn.Module], param_dtype: torch.dtype) -> nn.Module:
+    import torch
+
     if param_dtype == torch.float32:
         return builder()
     with _default_dtype(param_dtype):
@@ -430,74 +443,6 @@ def largest_layer_params(model: nn.Module) -> int:
     for m in model.modules():
         best = max(best, sum(p.numel() for p in m.parameters(recurse=False)))
     return best
-
-
-class _CudaToTraced(torch.overrides.TorchFunctionMode):
-    """Inside a fake build on a machine without CUDA: ``.to("cuda")``, ``.cuda()`` and ``device="cuda"`` go to the
-    device the trace runs on (a CPU-only torch cannot make CUDA tensors, not even fake ones); the target's CUDA
-    rules are applied by the trace itself (memlab.estimate.cuda_rules)."""
-
-    def __init__(self, traced_on: str) -> None:
-        super().__init__()
-        self.traced_on = torch.device(traced_on)
-
-    def _map(self, v: Any) -> Any:
-        if isinstance(v, (str, torch.device)) and not isinstance(v, bool):
-            try:
-                d = torch.device(v)
-            except (RuntimeError, TypeError):
-                return v
-            return self.traced_on if d.type == "cuda" else v
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-        return v
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0].to(self.traced_on, **{k: v for k, v in kwargs.items() if k == "non_blocking"})
-        if "device" in kwargs:
-            kwargs["device"] = self._map(kwargs["device"])
-        if func is torch.Tensor.to and len(args) > 1:
-            args = (args[0], self._map(args[1]), *args[2:])
-        return func(*args, **kwargs)
-
-
-def _swap_or_set(original: Callable) -> Callable:
-    """``torch.utils.swap_tensors`` for a fake build: a fake parameter that the fake mode's converter memoises (a
-    weak reference) cannot be swapped, so ``nn.Module._apply`` (``.to(device/dtype)``, ``.half()``, peft moving its
-    adapters to the base layer's device) would fail with "Couldn't swap Linear.weight"; it gets ``.data`` set
-    instead, as ``_apply`` does for real tensors (the same Parameter object, so tied weights stay tied)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        try:
-            return original(t1, t2)
-        except RuntimeError:
-            if not (isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor)):
-                raise
-            with torch.no_grad():
-                t1.data = t2.detach()
-            t1.requires_grad_(t2.requires_grad)
-            return None
-
-    return swap
-
-
-@contextlib.contextmanager
-def traceable_build(traced_on: str):
-    """The context a model is built in for a fake trace (inside the fake mode): a builder as a user writes it runs
-    there, ``.to(device/dtype)``, ``.cuda()``, ``peft.get_peft_model``, ``prepare_model_for_kbit_training`` and
-    ``from_config(..., torch_dtype=...)`` included (see :func:`_swap_or_set` and :class:`_CudaToTraced`)."""
-    original = torch.utils.swap_tensors
-    torch.utils.swap_tensors = _swap_or_set(original)
-    cuda = _CudaToTraced(traced_on) if (torch.device(traced_on).type != "cuda" and not torch.cuda.is_available()) \
-        else contextlib.nullcontext()
-    try:
-        with cuda:
-            yield
-    finally:
-        torch.utils.swap_tensors = original
 
 
 class UntraceableBuilder(RuntimeError):
@@ -532,3 +477,9 @@ def untraceable(builder: Callable, exc: BaseException) -> UntraceableBuilder | N
                              f"{type(exc).__name__}{': ' + msg[:200] if msg else ''}; what works: {_WHAT_WORKS}")
     err.original = exc
     return err
+
+
+def _is_module(obj: Any) -> bool:
+    """An ``nn.Module`` instance (none can exist before torch is imported: it is not imported for the check)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)

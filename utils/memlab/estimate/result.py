@@ -7,8 +7,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from memlab.core.units import GiB, format_bytes, parse_size
 from memlab.core.vocab import CATEGORIES
 from memlab.estimate.recipes import DTYPES, FRAGMENTATION_MARGIN
@@ -85,7 +83,7 @@ class MemoryEstimate:
         """The estimate of ``max_memory_reserved`` on CUDA targets: the caching allocator's replay of the traced
         allocations (``reserved_replay_bytes``) where there is one, else ``allocated_bytes`` times the stated
         fragmentation margin; ``allocated_bytes`` elsewhere."""
-        if torch.device(self.device).type != "cuda":
+        if _device_type(self.device) != "cuda":
             return self.allocated_bytes
         if self.reserved_replay_bytes:
             return max(self.reserved_replay_bytes, self.allocated_bytes)
@@ -97,10 +95,10 @@ class MemoryEstimate:
         (:data:`memlab.core.gpus.CONTEXT_RESERVE_BYTES`, :data:`memlab.core.gpus.CONTEXT_RESERVE_SOURCE`)."""
         from memlab.core.gpus import CONTEXT_RESERVE_BYTES
 
-        return self.reserved_bytes + (CONTEXT_RESERVE_BYTES if torch.device(self.device).type == "cuda" else 0)
+        return self.reserved_bytes + (CONTEXT_RESERVE_BYTES if _device_type(self.device) == "cuda" else 0)
 
     def _budget(self, gpu: Any) -> int:
-        return resolve_gpu(gpu)[1] if torch.device(self.device).type == "cuda" else parse_size(gpu)
+        return resolve_gpu(gpu)[1] if _device_type(self.device) == "cuda" else parse_size(gpu)
 
     def fits(self, gpu: int | str) -> bool:
         """Whether the step fits ``gpu``.
@@ -113,12 +111,12 @@ class MemoryEstimate:
             gpu: a card name (``"h100-80gb"``, :mod:`memlab.core.gpus`) or a memory (``"24GiB"``,
                 ``"24GB"``, an int of bytes).
         """
-        need = self.reserved_bytes if torch.device(self.device).type == "cuda" else self.peak_bytes
+        need = self.reserved_bytes if _device_type(self.device) == "cuda" else self.peak_bytes
         return need <= self._budget(gpu)
 
     def headroom(self, gpu: int | str) -> int:
         """Budget minus what :meth:`fits` compares: the bytes to spare (negative when it does not fit)."""
-        need = self.reserved_bytes if torch.device(self.device).type == "cuda" else self.peak_bytes
+        need = self.reserved_bytes if _device_type(self.device) == "cuda" else self.peak_bytes
         return self._budget(gpu) - need
 
     def describe(self) -> str:
@@ -182,7 +180,7 @@ class MemoryEstimate:
             lines.append(f"+ {label}: {format_bytes(b)}")
         if self.extras:
             lines.append(f"allocated (max_memory_allocated): {format_bytes(self.allocated_bytes)}")
-        if torch.device(self.device).type == "cuda":
+        if _device_type(self.device) == "cuda":
             from memlab.core.gpus import CONTEXT_RESERVE_BYTES
 
             how = (f"the caching allocator's model, {format_bytes(self.fragmentation_bytes)} cached at the allocated peak"
@@ -268,3 +266,6 @@ def resolve_gpu(gpu: Any) -> tuple[str, int]:
     return f"{label} - CUDA context {format_bytes(gpus.CONTEXT_RESERVE_BYTES)} = {format_bytes(usable)} usable", usable
 
 
+def _device_type(device: str) -> str:
+    """``torch.device(device).type`` of a device string ("cuda:1" -> "cuda"), without importing torch."""
+    return str(device).split(":", 1)[0]

@@ -8,14 +8,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from memlab.core import vocab
 from memlab.core.vocab import Recipe
 from memlab.core.validation import check_bool
-from memlab.estimate.adapters import AdapterSpec, adapter_spec
 from memlab.estimate.recipes import LOSS_ALIASES, MIXED, cublas_workspace
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class StepSpec:
         object.__setattr__(self, "optimizer", vocab.canonical_optimizer(self.optimizer))
         if isinstance(self.loss, str) and self.loss in LOSS_ALIASES:
             object.__setattr__(self, "loss", LOSS_ALIASES[self.loss])
+        from memlab.estimate.adapters import AdapterSpec, adapter_spec
+
         if not isinstance(self.adapter, AdapterSpec):
             object.__setattr__(self, "adapter", adapter_spec(self.adapter, recipe=self.dtype))
         if self.gpu is not None:
@@ -124,6 +128,8 @@ class StepSpec:
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
           step: Callable[[nn.Module, dict], torch.Tensor] | None) -> torch.Tensor:
+    import torch
+
     from memlab.models import lm_loss
 
     if step is not None:
@@ -200,6 +206,8 @@ def training_step(
     Raises:
         ValueError: an unknown recipe; TypeError: a ``step`` that returns no scalar tensor.
     """
+    import torch
+
     dtype = vocab.canonical_recipe(dtype, argument="dtype")
     optimizer.zero_grad(set_to_none=True)
     for _ in range(micro_batches):

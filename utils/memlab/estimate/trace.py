@@ -17,8 +17,8 @@ from memlab.core.units import format_bytes
 from memlab.core.validation import check_choice
 from memlab.core.vocab import CATEGORIES, Recipe
 from memlab.estimate.attention import UnpackedPositions, attention_plan, make_tracker
-from memlab.estimate.model import (ModelSpec, enable_checkpointing, largest_layer_params, traceable_build,
-                                   untraceable, vocab_size)
+from memlab.estimate.model import (ModelSpec, enable_checkpointing, largest_layer_params, untraceable,
+                                   vocab_size)
 from memlab.estimate.optim import bnb_state_bytes, import_bitsandbytes, paged_state_bytes, step_optimizer
 from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CUBLAS_THREADS, LOSSES, MIXED, OPTIMIZER_IMPLS,
                                      cublas_workspace)
@@ -46,6 +46,74 @@ class _Setup:
     cuda_rules: Any = None
     notes: list[str] = field(default_factory=list)
     offload: Any = None  # the OffloadedCheckpoints handle of offload_checkpoints=True
+
+
+class _CudaToTraced(torch.overrides.TorchFunctionMode):
+    """Inside a fake build on a machine without CUDA: ``.to("cuda")``, ``.cuda()`` and ``device="cuda"`` go to the
+    device the trace runs on (a CPU-only torch cannot make CUDA tensors, not even fake ones); the target's CUDA
+    rules are applied by the trace itself (memlab.estimate.cuda_rules)."""
+
+    def __init__(self, traced_on: str) -> None:
+        super().__init__()
+        self.traced_on = torch.device(traced_on)
+
+    def _map(self, v: Any) -> Any:
+        if isinstance(v, (str, torch.device)) and not isinstance(v, bool):
+            try:
+                d = torch.device(v)
+            except (RuntimeError, TypeError):
+                return v
+            return self.traced_on if d.type == "cuda" else v
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        return v
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0].to(self.traced_on, **{k: v for k, v in kwargs.items() if k == "non_blocking"})
+        if "device" in kwargs:
+            kwargs["device"] = self._map(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], self._map(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _swap_or_set(original: Callable) -> Callable:
+    """``torch.utils.swap_tensors`` for a fake build: a fake parameter that the fake mode's converter memoises (a
+    weak reference) cannot be swapped, so ``nn.Module._apply`` (``.to(device/dtype)``, ``.half()``, peft moving its
+    adapters to the base layer's device) would fail with "Couldn't swap Linear.weight"; it gets ``.data`` set
+    instead, as ``_apply`` does for real tensors (the same Parameter object, so tied weights stay tied)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        try:
+            return original(t1, t2)
+        except RuntimeError:
+            if not (isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor)):
+                raise
+            with torch.no_grad():
+                t1.data = t2.detach()
+            t1.requires_grad_(t2.requires_grad)
+            return None
+
+    return swap
+
+
+@contextlib.contextmanager
+def traceable_build(traced_on: str):
+    """The context a model is built in for a fake trace (inside the fake mode): a builder as a user writes it runs
+    there, ``.to(device/dtype)``, ``.cuda()``, ``peft.get_peft_model``, ``prepare_model_for_kbit_training`` and
+    ``from_config(..., torch_dtype=...)`` included (see :func:`_swap_or_set` and :class:`_CudaToTraced`)."""
+    original = torch.utils.swap_tensors
+    torch.utils.swap_tensors = _swap_or_set(original)
+    cuda = _CudaToTraced(traced_on) if (torch.device(traced_on).type != "cuda" and not torch.cuda.is_available()) \
+        else contextlib.nullcontext()
+    try:
+        with cuda:
+            yield
+    finally:
+        torch.utils.swap_tensors = original
 
 
 def offload_inputs(model: nn.Module, s: _Setup, fake: bool) -> Any:

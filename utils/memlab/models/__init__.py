@@ -11,17 +11,47 @@
 * :mod:`memlab.models.corpus` -- the byte-level corpus they train on (the standard library's
   own source, no download) and its tokenizer.
 
-``transformers`` is imported lazily, so ``TinyGPT`` works with PyTorch alone.
+``transformers`` is imported lazily, so ``TinyGPT`` works with PyTorch alone; each name is imported from its
+module when first used, so the presets' table is read without torch.
 """
 
 from __future__ import annotations
 
-from memlab.models.common import NoDecoderLayersError, count_parameters, decoder_layers, lm_loss
-from memlab.models.llama import TINY_LLAMA_DEFAULTS, tiny_llama, tiny_llama_config
-from memlab.models.presets import (CONFIG_LIMITS, PRESETS, UnknownPresetError, build_preset, preset_config,
-                                   preset_parameter_count, validate_config)
-from memlab.models.tinygpt import (ATTENTION_IMPLEMENTATIONS, MLP, Block, CausalSelfAttention, TinyGPT,
-                                   TinyGPTConfig)
+import importlib
+from typing import Any
+
+# Each public name from its module, imported when first asked for: the presets' table (memlab.models.presets) is
+# read without importing torch or transformers (memlab estimate resolves a preset before either).
+_WHERE = {
+    **{n: "memlab.models.common" for n in ("NoDecoderLayersError", "count_parameters", "decoder_layers", "lm_loss")},
+    **{n: "memlab.models.llama" for n in ("TINY_LLAMA_DEFAULTS", "tiny_llama", "tiny_llama_config")},
+    **{n: "memlab.models.presets" for n in ("CONFIG_LIMITS", "PRESETS", "UnknownPresetError", "build_preset",
+                                            "preset_config", "preset_parameter_count", "validate_config")},
+    **{n: "memlab.models.tinygpt" for n in ("ATTENTION_IMPLEMENTATIONS", "MLP", "Block", "CausalSelfAttention",
+                                            "TinyGPT", "TinyGPTConfig")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (imported from its module now), or a submodule (``memlab.models.corpus``)."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+    elif not name.startswith("__"):
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "validate_config",

@@ -7,9 +7,10 @@ functions build a ``transformers`` config or a randomly initialised model from t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.nn as nn
+if TYPE_CHECKING:  # pragma: no cover
+    import torch.nn as nn
 
 from memlab.core.validation import invalid
 from memlab.core.optional import needs

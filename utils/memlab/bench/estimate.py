@@ -1,0 +1,119 @@
+"""``memlab bench estimate``: how long ``memlab estimate`` makes its user wait, as fresh processes (issue 42).
+
+Three commands, each run as a new ``python -m memlab estimate ...`` process and timed from start to exit (imports
+included, as a user waits for them):
+
+* ``llama-2-7b`` (target 4 s);
+* ``llama-2-70b`` (target 4 s);
+* ``llama-2-7b --gpu rtx4090``: the estimate and all its suggestions, traced (target 6 s).
+
+Each is timed twice over: *cold* (``MEMLAB_CACHE_DIR`` a new empty folder: every trace made, a first run) and
+*warm* (a folder that one untimed run filled: the answers read from the trace cache, where the command keeps it,
+:func:`memlab.estimate.trace_cache.enable_disk_cache`). The commands run in turns, round by round (a busy moment
+slows each alike), and each figure is the median of ``--repeat`` rounds. Every run must exit 0 and print a peak.
+The targets were set for two idle cores; on a shared machine the figures are noisy: say so beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Sequence
+
+#: (name, ``memlab estimate`` arguments, target seconds)
+CASES: tuple[tuple[str, tuple[str, ...], float], ...] = (
+    ("7B", ("llama-2-7b",), 4.0),
+    ("70B", ("llama-2-70b",), 4.0),
+    ("7B + all suggestions", ("llama-2-7b", "--gpu", "rtx4090"), 6.0),
+)
+MODES = ("cold", "warm")
+
+Runner = Callable[[Sequence[str], str], float]
+
+
+def run_process(args: Sequence[str], cache_dir: str) -> float:
+    """Wall seconds of ``python -m memlab estimate ARGS`` in a new process with ``MEMLAB_CACHE_DIR=cache_dir``.
+
+    Raises:
+        RuntimeError: the command failed or printed no peak (its last lines quoted).
+    """
+    env = {**os.environ, "MEMLAB_CACHE_DIR": cache_dir}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "memlab", "estimate", *args], env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0 or "peak:" not in proc.stdout:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"memlab estimate {' '.join(args)} exited {proc.returncode}: {tail}")
+    return seconds
+
+
+def measure(repeat: int, runner: Runner = run_process, cases=CASES) -> dict[tuple[str, str], list[float]]:
+    """Seconds of every case in both modes, ``repeat`` rounds, interleaved: {(case, mode): [seconds, ...]}."""
+    times: dict[tuple[str, str], list[float]] = {(name, m): [] for name, _, _ in cases for m in MODES}
+    with tempfile.TemporaryDirectory(prefix="memlab-bench-estimate-") as root:
+        warm = os.path.join(root, "warm")
+        for _, args, _ in cases:  # fill the warm cache (untimed)
+            runner(args, warm)
+        for r in range(repeat):
+            for name, args, _ in cases:
+                times[(name, "cold")].append(runner(args, os.path.join(root, f"cold-{r}-{len(times)}-{name}")))
+                times[(name, "warm")].append(runner(args, warm))
+    return times
+
+
+def report(times: dict[tuple[str, str], list[float]], cases=CASES) -> tuple[list[str], int]:
+    """The table and one verdict line per case and mode (``TARGET MET`` / ``TARGET MISSED``); the misses."""
+    lines = [f"{'command':<24}{'cold (s)':>10}{'warm (s)':>10}{'target (s)':>12}   runs",
+             "-" * 64]
+    verdicts, missed = [], 0
+    for name, args, target in cases:
+        med = {m: statistics.median(times[(name, m)]) for m in MODES}
+        runs = len(times[(name, "cold")])
+        lines.append(f"{name:<24}{med['cold']:>10.2f}{med['warm']:>10.2f}{target:>12.1f}   {runs}")
+        for m in MODES:
+            ok = med[m] <= target
+            missed += not ok
+            what = "first run, every trace made" if m == "cold" else "repeat, read from the trace cache"
+            verdicts.append(f"TARGET {'MET' if ok else 'MISSED'}  memlab estimate {' '.join(args)} ({what}): "
+                            f"median {med[m]:.2f} s, target {target:.1f} s")
+    return lines + [""] + verdicts, missed
+
+
+def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
+    """``memlab bench estimate [--repeat N] [--strict]``: the table and the verdicts; exit 1 on a missed target
+    with ``--strict``, else 0."""
+    p = argparse.ArgumentParser(prog="memlab bench estimate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds of each command (default 3; the median)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat={args.repeat} is invalid; allowed: an int >= 1")
+    import platform
+
+    print(f"memlab estimate as fresh processes: CPU {platform.machine()} ({os.cpu_count()} cores), "
+          f"Python {platform.python_version()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
+          f"median of {args.repeat} interleaved round(s); wall time, imports included")
+    try:
+        times = measure(args.repeat, runner)
+    except RuntimeError as exc:
+        print(f"memlab bench estimate: error: {exc}", file=sys.stderr)
+        return 1
+    lines, missed = report(times)
+    print("\n".join(lines))
+    try:
+        load = os.getloadavg()[0]
+        print(f"load average over the last minute: {load:.1f} on {os.cpu_count()} cores"
+              + (" (a busy machine: these figures are slower than on idle cores)" if load > 1.0 else ""))
+    except OSError:  # pragma: no cover - not on every platform
+        pass
+    if missed:
+        print(f"{missed} target(s) missed")
+    return 1 if (missed and args.strict) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))
