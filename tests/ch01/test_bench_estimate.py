@@ -10,12 +10,12 @@ import pytest
 from memlab.bench import estimate as B
 
 
-def _runner(seconds):
+def _runner(seconds, cached=True):
     calls = []
 
     def run(args, cache_dir):
         calls.append((tuple(args), cache_dir))
-        return seconds[" ".join(args)]
+        return seconds[" ".join(args)], cached and "warm" in cache_dir
 
     return run, calls
 
@@ -29,7 +29,7 @@ def test_table_and_verdicts(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^7B\s+1\.50\s+1\.50\s+4\.0\s+2$", out, re.M)
     assert re.search(r"^7B \+ all suggestions\s+5\.00\s+5\.00\s+6\.0\s+2$", out, re.M)
-    verdicts = re.findall(r"^TARGET (MET|MISSED)  memlab estimate (.+) \((first run|repeat)", out, re.M)
+    verdicts = re.findall(r"^TARGET (MET|MISSED): memlab estimate (.+) \((first run|repeat).*\(ratio [\d.]+\)$", out, re.M)
     assert len(verdicts) == 6 and {v[0] for v in verdicts} == {"MET"}
     # three untimed runs fill the warm cache, then 2 rounds x 3 commands x (cold, warm)
     assert len(calls) == 3 + 2 * 3 * 2
@@ -42,9 +42,19 @@ def test_a_missed_target_is_said_and_strict_fails(capsys):
     run, _ = _runner({**FAST, "llama-2-70b": 9.0})
     assert B.main(["--repeat", "1"], runner=run) == 0
     out = capsys.readouterr().out
-    assert "TARGET MISSED  memlab estimate llama-2-70b (first run, every trace made): median 9.00 s, target 4.0 s" in out
+    assert ("TARGET MISSED: memlab estimate llama-2-70b (first run, every trace made): median 9.00 s <= 4.0 s "
+            "(ratio 2.250)") in out
     assert "2 target(s) missed" in out
     assert B.main(["--repeat", "1", "--strict"], runner=run) == 1
+
+
+def test_warm_runs_that_read_no_cache_are_said(capsys):
+    run, _ = _runner(FAST, cached=False)
+    B.main(["--repeat", "1"], runner=run)
+    assert "the warm runs did not read the trace cache" in capsys.readouterr().out
+    run, _ = _runner(FAST)
+    B.main(["--repeat", "1"], runner=run)
+    assert "did not read" not in capsys.readouterr().out
 
 
 def test_a_failing_command_is_an_error_not_a_time(capsys):

@@ -24,6 +24,8 @@ import tempfile
 import time
 from typing import Callable, Sequence
 
+from memlab.bench import add_strict, report_targets
+
 #: (name, ``memlab estimate`` arguments, target seconds)
 CASES: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("7B", ("llama-2-7b",), 4.0),
@@ -32,11 +34,12 @@ CASES: tuple[tuple[str, tuple[str, ...], float], ...] = (
 )
 MODES = ("cold", "warm")
 
-Runner = Callable[[Sequence[str], str], float]
+Runner = Callable[[Sequence[str], str], "tuple[float, bool]"]
 
 
-def run_process(args: Sequence[str], cache_dir: str) -> float:
-    """Wall seconds of ``python -m memlab estimate ARGS`` in a new process with ``MEMLAB_CACHE_DIR=cache_dir``.
+def run_process(args: Sequence[str], cache_dir: str) -> tuple[float, bool]:
+    """(wall seconds, whether it read the trace cache) of ``python -m memlab estimate ARGS`` in a new process with
+    ``MEMLAB_CACHE_DIR=cache_dir``.
 
     Raises:
         RuntimeError: the command failed or printed no peak (its last lines quoted).
@@ -48,47 +51,47 @@ def run_process(args: Sequence[str], cache_dir: str) -> float:
     if proc.returncode != 0 or "peak:" not in proc.stdout:
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
         raise RuntimeError(f"memlab estimate {' '.join(args)} exited {proc.returncode}: {tail}")
-    return seconds
+    return seconds, "read from the trace cache" in proc.stdout
 
 
-def measure(repeat: int, runner: Runner = run_process, cases=CASES) -> dict[tuple[str, str], list[float]]:
-    """Seconds of every case in both modes, ``repeat`` rounds, interleaved: {(case, mode): [seconds, ...]}."""
+def measure(repeat: int, runner: Runner = run_process, cases=CASES) -> tuple[dict[tuple[str, str], list[float]], bool]:
+    """Seconds of every case in both modes, ``repeat`` rounds, interleaved: {(case, mode): [seconds, ...]}, and
+    whether every warm run read the trace cache."""
     times: dict[tuple[str, str], list[float]] = {(name, m): [] for name, _, _ in cases for m in MODES}
+    cached = True
     with tempfile.TemporaryDirectory(prefix="memlab-bench-estimate-") as root:
         warm = os.path.join(root, "warm")
         for _, args, _ in cases:  # fill the warm cache (untimed)
             runner(args, warm)
         for r in range(repeat):
             for name, args, _ in cases:
-                times[(name, "cold")].append(runner(args, os.path.join(root, f"cold-{r}-{len(times)}-{name}")))
-                times[(name, "warm")].append(runner(args, warm))
-    return times
+                times[(name, "cold")].append(runner(args, os.path.join(root, f"cold-{r}-{name}"))[0])
+                seconds, read = runner(args, warm)
+                times[(name, "warm")].append(seconds)
+                cached = cached and read
+    return times, cached
 
 
-def report(times: dict[tuple[str, str], list[float]], cases=CASES) -> tuple[list[str], int]:
-    """The table and one verdict line per case and mode (``TARGET MET`` / ``TARGET MISSED``); the misses."""
-    lines = [f"{'command':<24}{'cold (s)':>10}{'warm (s)':>10}{'target (s)':>12}   runs",
-             "-" * 64]
-    verdicts, missed = [], 0
+def report(times: dict[tuple[str, str], list[float]], cases=CASES) -> tuple[list[str], list[tuple[str, float, bool]]]:
+    """The table, and one ``(text, seconds / target, holds)`` target per case and mode (memlab.bench's verdicts)."""
+    lines = [f"{'command':<24}{'cold (s)':>10}{'warm (s)':>10}{'target (s)':>12}   runs", "-" * 64]
+    checks = []
     for name, args, target in cases:
         med = {m: statistics.median(times[(name, m)]) for m in MODES}
-        runs = len(times[(name, "cold")])
-        lines.append(f"{name:<24}{med['cold']:>10.2f}{med['warm']:>10.2f}{target:>12.1f}   {runs}")
+        lines.append(f"{name:<24}{med['cold']:>10.2f}{med['warm']:>10.2f}{target:>12.1f}   {len(times[(name, 'cold')])}")
         for m in MODES:
-            ok = med[m] <= target
-            missed += not ok
             what = "first run, every trace made" if m == "cold" else "repeat, read from the trace cache"
-            verdicts.append(f"TARGET {'MET' if ok else 'MISSED'}  memlab estimate {' '.join(args)} ({what}): "
-                            f"median {med[m]:.2f} s, target {target:.1f} s")
-    return lines + [""] + verdicts, missed
+            checks.append((f"memlab estimate {' '.join(args)} ({what}): median {med[m]:.2f} s <= {target:.1f} s",
+                           med[m] / target, med[m] <= target))
+    return lines, checks
 
 
 def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
     """``memlab bench estimate [--repeat N] [--strict]``: the table and the verdicts; exit 1 on a missed target
-    with ``--strict``, else 0."""
+    with ``--strict`` or a failed command, else 0."""
     p = argparse.ArgumentParser(prog="memlab bench estimate", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of each command (default 3; the median)")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_strict(p)
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat={args.repeat} is invalid; allowed: an int >= 1")
@@ -98,21 +101,22 @@ def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
           f"Python {platform.python_version()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
           f"median of {args.repeat} interleaved round(s); wall time, imports included")
     try:
-        times = measure(args.repeat, runner)
+        times, cached = measure(args.repeat, runner)
     except RuntimeError as exc:
         print(f"memlab bench estimate: error: {exc}", file=sys.stderr)
         return 1
-    lines, missed = report(times)
+    lines, checks = report(times)
     print("\n".join(lines))
+    if not cached:
+        print("the warm runs did not read the trace cache: this memlab estimate does not turn it on "
+              "(memlab.estimate.trace_cache.enable_disk_cache), so warm = another first run")
     try:
         load = os.getloadavg()[0]
         print(f"load average over the last minute: {load:.1f} on {os.cpu_count()} cores"
               + (" (a busy machine: these figures are slower than on idle cores)" if load > 1.0 else ""))
     except OSError:  # pragma: no cover - not on every platform
         pass
-    if missed:
-        print(f"{missed} target(s) missed")
-    return 1 if (missed and args.strict) else 0
+    return report_targets(checks, "cpu", strict=args.strict)
 
 
 if __name__ == "__main__":  # pragma: no cover
