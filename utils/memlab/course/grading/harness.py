@@ -117,7 +117,7 @@ def _codes(obj: Any) -> list[types.CodeType]:
 
 def _class_snap(cls: type) -> dict[str, Any]:
     skip = {"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__annotations__", "_abc_impl",
-            "__parameters__", "__orig_bases__"}
+            "__parameters__", "__orig_bases__", "__slotnames__"}  # __slotnames__: copyreg's cache (a deepcopy sets it)
     # a function a library put on the class is the library's (torch.optim.Optimizer wraps a subclass's step() in
     # a profiling hook the first time one is made): not the learner's state
     return {k: snapshot(v, 4) for k, v in vars(cls).items() if k not in skip and not
