@@ -3,7 +3,8 @@
 Three tables, each measured in one run on the current device:
 
 1. NF4 quantize and dequantize of one weight matrix: memlab.quant vs bitsandbytes.functional
-   (time medians, bytes stored, and whether the bytes are equal);
+   (medians of interleaved rounds, bytes stored, and whether the bytes are equal; target: >= 0.5x
+   bitsandbytes' speed, printed as TARGET MET / MISSED, exit 1 on a miss with ``--strict``);
 2. a 4-bit linear layer's forward: memlab.quant.Linear4bit vs bitsandbytes.nn.Linear4bit;
 3. one training step of tiny_llama (forward, backward, AdamW step): full fine-tune in fp32,
    LoRA (memlab.quant.lora on the fp32 model) and QLoRA (memlab.quant.lora.qlora_model: NF4 base, bf16
@@ -18,8 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlab.bench import device_name, table, time_median
+from memlab.bench import add_strict, device_name, interleaved_medians, report_targets, table
 from memlab.core.units import MiB
+
+
+NF4_TARGET = 0.5  # memlab's NF4 quantize / dequantize speed vs bitsandbytes' (issue 42)
 
 
 def _bnb():
@@ -29,6 +33,28 @@ def _bnb():
     except Exception as exc:  # noqa: BLE001
         raise SystemExit(f"memlab bench qlora needs bitsandbytes: {exc}") from None
     return bitsandbytes, F
+
+
+def nf4_dequantize_times(ours: tuple[torch.Tensor, torch.Tensor], ref_packed: torch.Tensor, ref_state: Any,
+                         shape: Any, dtype: torch.dtype, repeat: int, device: Any) -> tuple[float, float]:
+    """Median seconds of memlab's NF4 dequantize of ``ours`` (packed, absmax) and bitsandbytes' of
+    ``ref_packed`` / ``ref_state``, interleaved round by round (one warm-up round)."""
+    from memlab import quant
+
+    _, F = _bnb()
+    med = interleaved_medians({"ours": lambda: quant.dequantize_nf4(ours[0], ours[1], shape, dtype),
+                               "ref": lambda: F.dequantize_4bit(ref_packed, ref_state)}, repeat, device, warmup=1)
+    return med["ours"], med["ref"]
+
+
+def nf4_dequantize_ratio(size: int, dtype: torch.dtype, repeat: int, device: Any = "cpu") -> tuple[float, float]:
+    """(memlab seconds, bitsandbytes seconds) to dequantize a random ``size`` x ``size`` NF4 matrix (blocksize 64)."""
+    from memlab import quant
+
+    _, F = _bnb()
+    w = torch.randn((size, size), generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
+    ref_packed, st = F.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    return nf4_dequantize_times(quant.quantize_nf4(w), ref_packed, st, w.shape, dtype, repeat, device)
 
 
 def bench_nf4(rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.device, repeat: int) -> list[list[Any]]:
@@ -46,8 +72,9 @@ def bench_nf4(rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.devi
     ours = quant.quantize_nf4(w)
     ref_packed, st = F.quantize_4bit(w, blocksize=64, quant_type="nf4")
     same = torch.equal(ours[0], ref_packed) and torch.equal(ours[1], st.absmax)
-    t_q = time_median(lambda: quant.quantize_nf4(w), repeat=repeat, device=device)
-    t_q_ref = time_median(lambda: F.quantize_4bit(w, blocksize=64, quant_type="nf4"), repeat=repeat, device=device)
+    t_q, t_q_ref = interleaved_medians({"ours": lambda: quant.quantize_nf4(w),
+                                        "ref": lambda: F.quantize_4bit(w, blocksize=64, quant_type="nf4")},
+                                       repeat, device, warmup=1).values()
     deq = quant.dequantize_nf4(ours[0], ours[1], w.shape, dtype)
     ref_deq = F.dequantize_4bit(ref_packed, st).reshape(-1)
     same_d = torch.equal(deq.reshape(-1), ref_deq)
@@ -56,8 +83,7 @@ def bench_nf4(rows_cols: tuple[int, int], dtype: torch.dtype, device: torch.devi
         definition = (quant.nf4_codebook()[codes] * st.absmax.cpu().float().repeat_interleave(64)[: w.numel()]).to(dtype)
         if torch.equal(deq.reshape(-1).cpu(), definition) and not torch.equal(ref_deq.cpu(), definition):
             same_d = "bnb kernel wrong"
-    t_d = time_median(lambda: quant.dequantize_nf4(ours[0], ours[1], w.shape, dtype), repeat=repeat, device=device)
-    t_d_ref = time_median(lambda: F.dequantize_4bit(ref_packed, st), repeat=repeat, device=device)
+    t_d, t_d_ref = nf4_dequantize_times(ours, ref_packed, st, w.shape, dtype, repeat, device)
     b_ours = ours[0].numel() + 4 * ours[1].numel()
     b_ref = ref_packed.numel() * ref_packed.element_size() + st.absmax.numel() * 4
     n = w.numel()
@@ -90,8 +116,8 @@ def bench_linear(shape: tuple[int, int], batch: int, device: torch.device, repea
         ours = quant.Linear4bit.from_linear(lin, compute_dtype=cd, double_quant=True).to(device)
         x = torch.randn(batch, shape[1], device=device)
         with torch.no_grad():
-            t = time_median(lambda: ours(x), repeat=repeat, device=device)
-            t_ref = time_median(lambda: ref(x), repeat=repeat, device=device)
+            t, t_ref = interleaved_medians({"ours": lambda: ours(x), "ref": lambda: ref(x)}, repeat, device,
+                                           warmup=1).values()
             err = (ours(x) - ref(x)).abs().max().item()
         rows.append([f"forward, compute {str(cd).replace('torch.', '')}", t * 1e3, t_ref * 1e3, t_ref / t, err])
     return rows
@@ -140,20 +166,26 @@ def bench_steps(device: torch.device, batch: int, seq: int) -> list[list[Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its three tables; returns 0."""
+    """Run the benchmark and print its three tables and the targets (NF4 quantize and dequantize >= 0.5x
+    bitsandbytes' speed, issue 42); exit code 0, or 1 with ``--strict`` when a target is missed."""
     from memlab.config import DEVICE, SMALL
 
     ap = argparse.ArgumentParser(prog="memlab bench qlora", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=None, help="weight matrix is size x size (default 4096 on CUDA, 1024 small)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--skip-steps", action="store_true", help="leave out the training-step table")
+    add_strict(ap)
     args = ap.parse_args(argv)
     size = args.size or (1024 if SMALL else 4096)
     if size < 1 or args.repeat < 1:
         ap.error("--size and --repeat must be >= 1")
     header = ["op", "memlab (ms)", "bitsandbytes (ms)", "speed vs bnb", "Gweights/s", "bytes memlab", "bytes bnb", "bit-exact"]
+    checks: list[tuple[str, float | None, bool]] = []
     for dtype in (torch.float32, torch.bfloat16):
         rows = bench_nf4((size, size), dtype, DEVICE, args.repeat)
+        for r in rows:
+            checks.append((f"NF4 {r[0]} {size}x{size} {str(dtype).replace('torch.', '')} >= {NF4_TARGET:g}x bitsandbytes' "
+                           f"speed (shown: speed ratio)", r[3], r[3] >= NF4_TARGET))
         print(table(f"memlab bench qlora: NF4 blocksize 64 of a {size}x{size} {str(dtype).replace('torch.', '')} matrix",
                     header, rows, DEVICE))
         print()
@@ -169,4 +201,4 @@ def main(argv: list[str] | None = None) -> int:
                     ["recipe", "trainable", "stored model (MiB)", "peak (MiB)", "params (MiB)", "grads (MiB)", "optimizer (MiB)",
                      "activations (MiB)"], rows, DEVICE))
     print(f"\nspeed vs bnb > 1: memlab faster. Device: {device_name(DEVICE)}")
-    return 0
+    return report_targets(checks, DEVICE, strict=args.strict)
