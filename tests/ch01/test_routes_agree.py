@@ -59,7 +59,7 @@ def test_every_card_of_the_table_is_a_gpu_everywhere(card):
 
 
 def _listed(text):
-    m = re.search(r"a card \(([^)]*)\)", text)
+    m = re.search(r"a card[^(]*\(([^)]*)\)", text)
     assert m, text
     return m.group(1).split(", ")
 

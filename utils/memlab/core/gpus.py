@@ -127,7 +127,8 @@ MAX_GPU_BYTES = 16 * 1024 * GiB
 
 def allowed_text() -> str:
     """What ``gpu=`` / ``--gpu`` accepts, in words: every card of :data:`GPUS` and a size."""
-    return f"a card ({', '.join(gpu_names())}) or a size such as 24GiB (24 x 2**30) or 24GB (24 x 10**9)"
+    return (f"a card of memlab.core.gpus ({', '.join(gpu_names())}) or a size such as 24GiB (24 x 2**30) "
+            f"or 24GB (24 x 10**9)")
 
 
 def parse_gpu(value: object, name: str = "gpu") -> tuple[str | None, int]:

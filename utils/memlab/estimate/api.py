@@ -122,7 +122,12 @@ def _lora_alpha(name: str, v: Any) -> None:
 
 def _dropout(name: str, v: Any) -> None:
     if not finite(v) or not 0 <= v < 1:
-        raise invalid(name, v, "a finite number in [0, 1)")
+        raise invalid(name, v, "a number in [0, 1)")
+
+
+def _lora_r(name: str, v: Any) -> None:
+    check_int(name, v, minimum=1)  # (the message adapter_spec gives too)
+    check_int(name, v, minimum=1, maximum=MAX_LORA_R)
 
 
 # optimizer keywords memlab knows the type of (the optimizer itself refuses the others, named)
@@ -180,7 +185,7 @@ STEP_SCHEMA: dict[str, Callable[[str, Any], Any]] = {
     "grad_accum": _int(1, MAX_GRAD_ACCUM),
     "offload_checkpoints": check_bool,
     "optimizer_in_backward": check_bool,
-    "lora_r": _int(1, MAX_LORA_R),
+    "lora_r": _lora_r,
     "lora_alpha": _lora_alpha,
     "target_modules": _target_modules,
     "lora_dropout": _dropout,
