@@ -23,6 +23,12 @@ argument <name>...``):
   an autograd graph torch keeps itself, is not counted.)
 - **no class or global state**: the attributes of the learner's classes (the answer, and classes its code names),
   the globals its code names and its closure cells are pictured before the check and compared after it.
+- **the grader's own code**: the functions, classes and function tables of the check's module and of the
+  reference's module are pictured before the check and compared after each probed call and at its end
+  (:mod:`.provenance`): an answer that rewrites what the check or the reference measures with fails.
+- **memlab's reference, unavailable to the answer**: while a function answer runs (a class answer: while its
+  check runs), the reference's ``__code__`` is a stand-in that notes a call from the learner's code
+  (:func:`~.provenance.reference_swapped`); ``check()`` then gives no points.
 - **a second run**: where state could hide (a class answer, or calls that took tensors or modules) the whole check
   runs again, fresh instances, :func:`current_pass` 1 (so :func:`differential` draws other cases and runs the
   edges in reverse order), probes off, and must pass again: a cache keyed by shape or the first call's dtype
@@ -77,7 +83,7 @@ from typing import Any, Callable, Iterator
 
 from memlab.course.grading.cases import running
 from memlab.course.grading.provenance import (
-    grader_state, grader_state_changed, mark_boundary, reference_functions, reference_swapped,
+    grader_modules, grader_state, grader_state_changed, mark_boundary, reference_functions, reference_swapped,
 )
 from memlab.course.grading.registry import is_learner_file
 from memlab.course.grading.snapshots import difference, learner_classes, snapshot
@@ -240,6 +246,7 @@ class _Session:
     state: dict[str, Any] | None = None  # its class and global state before the check
     reference: dict[Any, str] = field(default_factory=dict)  # the reference's functions, swapped while it runs
     grader: dict[str, Any] | None = None  # the check's and the reference's modules before the check
+    grader_mods: list[Any] = field(default_factory=list)  # those modules
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         # the answer itself runs here, memlab's reference made observable (provenance.reference_swapped): a
@@ -251,7 +258,7 @@ class _Session:
         """HygieneError when the answer changed the check's or the reference's code (``where``: which call)."""
         if self.grader is None:
             return
-        changed = grader_state_changed(self.grader, grader_state(self.ex))
+        changed = grader_state_changed(self.grader, grader_state(self.grader_mods))
         if changed:
             raise HygieneError(f"hygiene (the grader's own code): {where} changed {changed}: an answer must not "
                                f"change the check or memlab's reference (the check measures with them)")
@@ -435,7 +442,8 @@ def _one_pass(ex: Any, obj: Any, p: int) -> _Session:
                        probes=p == 0, roots=_answer_roots(obj), answer=obj,
                        state=_state_snapshot(obj) if p == 0 and not isinstance(obj, type) else None)
     session.reference = reference_functions(ex)
-    session.grader = grader_state(ex)
+    session.grader_mods = grader_modules(ex, session.reference)
+    session.grader = grader_state(session.grader_mods)
     answer = _wrap(obj, session)
     # a class answer has no call of its own to swap the reference around: swapped for the whole check (a call
     # the check makes counts not, one from the learner's methods or a thread they start does)

@@ -34,7 +34,7 @@ from memlab.course.grading.registry import MEMLAB_DIR, is_learner_file, is_libra
 from memlab.course.grading.verify import same_code
 
 __all__ = ["reference_functions", "reference_codes", "wrapped_reference", "reference_swapped", "reference_hits",
-           "reset_hits", "grader_state", "grader_state_changed"]
+           "reset_hits", "grader_modules", "grader_state", "grader_state_changed", "mark_boundary"]
 
 _HOOK = "__memlab_reference_call__"  # the name the stand-in code calls, set in the reference's globals meanwhile
 _HITS: list[str] = []  # the reference parts the answer ran, in this process, since reset_hits()
@@ -323,10 +323,11 @@ def reference_swapped(functions: dict[types.FunctionType, str]) -> Iterator[None
 
 
 # ----------------------------------------------------------------------------- the grader's own state
-def _modules_of(ex: Any) -> list[types.ModuleType]:
-    """The modules of the exercise's checks and of its reference's functions (memlab's, by file)."""
+def grader_modules(ex: Any, functions: dict | None = None) -> list[types.ModuleType]:
+    """The modules of the exercise's checks and of its reference's ``functions`` (default:
+    :func:`reference_functions`), memlab's by file: what :func:`grader_state` pictures."""
     mods: list[types.ModuleType] = []
-    objs = list(ex.checks) + list(reference_functions(ex))
+    objs = list(ex.checks) + list(reference_functions(ex) if functions is None else functions)
     for f in objs:
         m = sys.modules.get(str(getattr(f, "__module__", "") or ""))
         if isinstance(m, types.ModuleType) and m not in mods and str(getattr(m, "__file__", "")).startswith(MEMLAB_DIR):
@@ -365,10 +366,11 @@ def _picture(value: Any, home: str) -> Any:
     return None
 
 
-def grader_state(ex: Any) -> dict[str, Any]:
-    """A picture of the check's and the reference's modules (module docstring, third look), by qualified name."""
+def grader_state(modules: list[types.ModuleType]) -> dict[str, Any]:
+    """A picture of the check's and the reference's ``modules`` (:func:`grader_modules`; module docstring, third
+    look), by qualified name."""
     out: dict[str, Any] = {}
-    for m in _modules_of(ex):
+    for m in modules:
         for k, v in list(vars(m).items()):
             if k.startswith("__"):
                 continue
