@@ -24,7 +24,7 @@ are against ``sdpa-flash`` in the same run:
 GPU also TFLOP/s, counted as FlashAttention-2's benchmark does: forward 4*b*h*s^2*d, backward
 2.5x the forward (the recomputation not counted), halved by the causal mask: 7*b*h*s^2*d.
 
-Targets (issue 13), printed as holds / MISSED: flash (PyTorch) fwd+bwd >= 0.5x SDPA on CPU; on a
+Targets (issue 13), printed as TARGET MET / TARGET MISSED lines: flash (PyTorch) fwd+bwd >= 0.5x SDPA on CPU; on a
 GPU, triton >= 0.7x SDPA's flash backend at seq 4096, bf16.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from memlab.bench import interleaved_medians, report_targets, sync, table
+from memlab.bench import add_strict, interleaved_medians, report_targets, sync, table
 from memlab.core.validation import check_positive_int
 
 IMPLS = ("naive", "chunked", "flash", "triton", "sdpa-math", "sdpa-flash")
@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", type=str, default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
     p.add_argument("--max-naive-seq", type=int, default=None,
                    help="skip naive/chunked/sdpa-math above this length (default 4096 on GPU, none on CPU)")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_strict(p)
     return p
 
 

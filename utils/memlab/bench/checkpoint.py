@@ -10,35 +10,19 @@ One training step (forward + backward) of a TinyGPT with ``--layers`` blocks, ru
   by ``memlab.checkpoint.selective_checkpoint`` (matmul outputs kept).
 
 Memory: ``memlab.profiler.MemoryTracker``'s activation peak; time: the median over ``--repeat``
-interleaved rounds. The targets (printed as holds / MISSED) are stated in :func:`_targets`.
+interleaved rounds. The targets (printed as TARGET MET / TARGET MISSED lines) are stated in :func:`_targets`.
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 
-from memlab.bench import report_targets, sync, table
-
-
-def _interleaved_medians(fns: dict[str, Callable[[], None]], repeat: int, device: torch.device) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up
-        fn()
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+from memlab.bench import add_strict, interleaved_medians, report_targets, table
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +36,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1, help="dropout (default 0.1)")
     p.add_argument("--repeat", type=int, default=None, help="timed rounds (default 21 on CPU, 10 on GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_strict(p)
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error(f"--layers={args.layers} must be >= 1")
@@ -189,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return max(e.bytes["activations"] + e.bytes["other"] for e in tracker.timeline)
 
     peaks = {name: activation_peak(fn) for name, fn in configs.items()}
-    times = _interleaved_medians(configs, repeat, dev)
+    times = interleaved_medians(configs, repeat, dev, warmup=1)
 
     hid0 = torch.randn(b, s, h, device=dev, requires_grad=True)
     layer = saved_activation_bytes(model.blocks[0], hid0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memlab.bench import report_targets, table
+from memlab.bench import add_strict, report_targets, table
 from memlab.core.units import format_bytes
 from memlab.core.validation import check_int, check_positive_int
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=2, help="batch per rank")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Llama")
-    ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_strict(ap)
     args = ap.parse_args(argv)
     steps = args.steps if args.steps is not None else pick(full=7, small=5)
     try:  # argparse's usage line, then the one memlab error format

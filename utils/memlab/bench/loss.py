@@ -20,7 +20,7 @@ inputs): on CPU rebuilt from its events (``memlab.profiler.allocator_peak``), on
 its time / ours, ``mem`` = our peak / its peak. A size whose ``N x V`` fp32 logits pass
 ``--max-logits-gib`` is left out (the materialised loss keeps several such tensors at once).
 
-Targets (issue 37), printed as holds / MISSED: at a vocabulary of 128k or more, the fused loss's
+Targets (issue 37), printed as TARGET MET / TARGET MISSED lines: at a vocabulary of 128k or more, the fused loss's
 peak <= 0.1x the materialised loss's and its time <= 1.5x.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from memlab.bench import interleaved_medians, report_targets, sync, table
+from memlab.bench import add_strict, interleaved_medians, report_targets, sync, table
 from memlab.core.validation import check_positive_int
 
 IMPLS = ("materialized", "chunked", "torchtune", "fused", "triton", "liger")
@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logits-gib", type=float, default=None,
                    help="skip sizes whose N x V fp32 logits pass this (default 2 on CPU, 16 on GPU)")
     p.add_argument("--only", type=str, default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_strict(p)
     return p
 
 

@@ -56,7 +56,7 @@ print(json.dumps(dict(import_s=t1 - t0, estimate_s=t2 - t1, total_s=t2 - t0, n_s
 def tracker_steps(model_name: str, batch_size: int, seq_len: int, torch_reference: bool = True
                   ) -> dict[str, Callable[[], None]]:
     """One training step of ``model_name`` (``"tinygpt"`` or ``"tiny_llama"``, AdamW) as the calls to time:
-    ``untracked``, ``MemoryTracker``, ``MemoryTracker(timeline=False)`` and (``torch_reference``) torch's
+    ``untracked``, ``memlab MemoryTracker``, ``memlab MemoryTracker(timeline=False)`` and (``torch_reference``) torch's
     ``MemTracker`` when this torch build has it; each tracked call enters a fresh tracker."""
     from memlab.models import TinyGPT, TinyGPTConfig, lm_loss, tiny_llama
     from memlab.profiler import MemoryTracker
@@ -82,8 +82,8 @@ def tracker_steps(model_name: str, batch_size: int, seq_len: int, torch_referenc
                 step()
         return run
 
-    fns: dict[str, Callable[[], None]] = {"untracked": step, "MemoryTracker": tracked(),
-                                          "MemoryTracker(timeline=False)": tracked(timeline=False)}
+    fns: dict[str, Callable[[], None]] = {"untracked": step, "memlab MemoryTracker": tracked(),
+                                          "memlab MemoryTracker(timeline=False)": tracked(timeline=False)}
     if torch_reference:
         try:
             from torch.distributed._tools.mem_tracker import MemTracker
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     ("variant", "ms / step", "x untracked"), [(k, t * 1e3, t / base) for k, t in med.items()],
                     device="cpu"))
         print()
-        for k in ("MemoryTracker", "MemoryTracker(timeline=False)"):
+        for k in ("memlab MemoryTracker", "memlab MemoryTracker(timeline=False)"):
             r = med[k] / base
             checks.append((f"{k} overhead on the {name} step <= {OVERHEAD_TARGET:g}x (shown: tracked / untracked)",
                            r, r <= OVERHEAD_TARGET))

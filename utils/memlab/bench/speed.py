@@ -53,7 +53,7 @@ def tracker_figure(repeat: int, batch: int, seq: int) -> tuple[list[list[Any]], 
     for name in MODELS:
         med = tracker_overhead(name, repeat, batch, seq, torch_reference=False)
         base = med["untracked"]
-        for k in ("MemoryTracker", "MemoryTracker(timeline=False)"):
+        for k in ("memlab MemoryTracker", "memlab MemoryTracker(timeline=False)"):
             r = med[k] / base
             rows.append([f"{name}: {k}", med[k] * 1e3, base * 1e3, r])
             checks.append((f"{k} overhead on the {name} step (batch {batch} x {seq}, 1 thread) <= {TRACKER_TARGET:g}x "
