@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from memlab.bench import device_name, table, time_median
+from memlab.bench import device_name, interleaved_medians, table
 from memlab.core.units import MiB
 from memlab.core.validation import check_choice, check_positive_int
 
@@ -90,11 +90,11 @@ def make_step(model_name: str, recipe: str, device: torch.device, seq_len: int) 
 def measure(model_name: str, recipe: str, device: torch.device, batch_size: int, seq_len: int, repeat: int) -> dict[str, Any]:
     """Peak memory (and on CUDA the speed) of one step of :func:`make_step`, after three warm-up steps.
 
-    ``repeat``: timed steps on CUDA (the median is reported).
+    ``repeat``: unused (main times the recipes' steps interleaved, ``repeat`` rounds).
 
     Returns:
-        ``peak`` and ``breakdown`` (MemoryTracker's, at the peak); on CUDA also ``cuda_peak``,
-        ``seconds`` and ``tokens_per_s``.
+        ``peak`` and ``breakdown`` (MemoryTracker's, at the peak); on CUDA also ``cuda_peak`` and
+        ``step``, the call that runs one more step (to time).
     """
     from memlab.profiler import MemoryTracker
 
@@ -113,8 +113,7 @@ def measure(model_name: str, recipe: str, device: torch.device, batch_size: int,
         step(x, y)
         torch.cuda.synchronize()
         out["cuda_peak"] = torch.cuda.max_memory_allocated(device)
-        out["seconds"] = time_median(lambda: step(x, y), repeat=repeat, warmup=2, device=device)
-        out["tokens_per_s"] = batch_size * seq_len / out["seconds"]
+        out["step"] = lambda: step(x, y)  # timed by main, interleaved with the other recipes
     return out
 
 
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="tinygpt,tiny_llama", help="comma-separated: tinygpt, tiny_llama")
     ap.add_argument("--batch-size", type=int, default=None, help="default: 32 on CUDA, 4 on CPU")
     ap.add_argument("--seq-len", type=int, default=None, help="default: 256 on CUDA, 64 on CPU")
-    ap.add_argument("--repeat", type=int, default=10, help="timed steps per recipe (CUDA), median reported")
+    ap.add_argument("--repeat", type=int, default=10, help="interleaved rounds of timed steps (CUDA), medians reported")
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated subset of: {', '.join(RECIPES)}")
     args = ap.parse_args(argv)
     cuda = DEVICE.type == "cuda"
@@ -149,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
 
     for model_name in models:
         results = {r: measure(model_name, r, DEVICE, batch, seq, args.repeat) for r in recipes}
+        if cuda:  # the recipes in turns, round by round: a busy moment slows every recipe alike
+            secs = interleaved_medians({r: res.pop("step") for r, res in results.items()}, args.repeat, DEVICE, warmup=2)
+            for r, res in results.items():
+                res["seconds"], res["tokens_per_s"] = secs[r], batch * seq / secs[r]
         base = results.get("fp32") or next(iter(results.values()))
         header = ["recipe", "peak (MiB)", "vs fp32", "activations (MiB)", "params+grads+opt (MiB)"]
         if cuda:
