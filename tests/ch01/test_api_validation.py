@@ -160,6 +160,12 @@ def test_big_work_is_bounded_before_it_starts(sources):
         E.estimate_training_memory(sources["preset"], batch_size=1, seq_len=8, warmup_steps=10**9)
 
 
+def test_tracing_every_layer_is_bounded_before_it_starts():
+    with pytest.raises(ValueError, match=r"extrapolate=False with num_hidden_layers=1000 is invalid.*at most 128"):
+        E.estimate_training_memory("llama-2-7b", batch_size=1, seq_len=8, extrapolate=False,
+                                   config_overrides={"num_hidden_layers": 1000})
+
+
 def test_good_overrides_still_pass_the_checks():
     cfg = E.resolve_model("llama-2-7b", None).config
     api.check_config_overrides(cfg, {"num_hidden_layers": 2, "hidden_act": "gelu", "rms_norm_eps": 1e-6,

@@ -41,6 +41,9 @@ MAX_WARMUP_STEPS = 16  # untracked steps before the tracked one: from the second
 MAX_GRAD_ACCUM = 2**16  # micro-batches per optimizer step (two are traced; later ones repeat the second)
 MAX_LORA_R = 2**16  # an adapter's rank (no layer is wider than memlab.models.CONFIG_LIMITS' 2**17)
 MAX_SEED = 2**63 - 1  # torch.manual_seed's range
+# layers a trace takes one by one (extrapolate=False, or layers that differ): about 0.2 s each for a small model on a
+# loaded 2-core CPU, so 128 (more than any published model: Llama 3.1 405B has 126) is half a minute, 1024 three
+MAX_TRACED_LAYERS = 128
 _DEVICE = re.compile(r"^(cpu|cuda|meta)(:[0-9]{1,4})?$")
 ADAPTER_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -386,6 +389,26 @@ def resolve_for_step(model: Any, step: "StepSpec", config_overrides: Mapping[str
     return spec
 
 
+def check_depth(spec: "ModelSpec", extrapolate: bool | str) -> None:
+    """Refuse, before any trace, a model whose every layer would be traced when it has more than
+    :data:`MAX_TRACED_LAYERS`: ``extrapolate=False``, or layers that differ (no extrapolation by depth).
+
+    Raises:
+        ValueError: naming the layer field, its value and the ways that are allowed.
+    """
+    layers = spec.layers()
+    if layers is None or layers[1] <= MAX_TRACED_LAYERS:
+        return
+    field, n = layers
+    if extrapolate is False:
+        raise ValueError(f"extrapolate=False with {field}={n} is invalid: every layer would be traced one by one "
+                         f"(minutes); allowed: extrapolate='auto' (exact for identical layers) or at most "
+                         f"{MAX_TRACED_LAYERS} layers")
+    if not spec.homogeneous():
+        raise ValueError(f"{field}={n} with layers that differ is invalid: they cannot be extrapolated by depth and "
+                         f"every layer would be traced (minutes); allowed: at most {MAX_TRACED_LAYERS} layers")
+
+
 def make_step(spec: "StepSpec | None" = None, **overrides: Any) -> "StepSpec":
     """``spec`` with ``overrides``, or a new :class:`StepSpec` of them: the one place keywords become a step.
 
@@ -440,6 +463,7 @@ def estimate_step(model: Any, step: "StepSpec", *, config_overrides: Mapping[str
     check_input_bounds(step.batch_size, step.seq_len, step.world_size)
     check_zero(step.world_size, step.zero_stage, step.optimizer)
     spec = resolve_for_step(model, step, config_overrides, allow_longer_seq)
+    check_depth(spec, extrapolate)
     why = ""
     if step.zero_stage == 3:
         traced, why = trace_fsdp(spec, step, extrapolate)
