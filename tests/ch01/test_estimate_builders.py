@@ -96,6 +96,18 @@ def test_builders_equal_the_config_route_where_there_is_one():
     # bf16-pure builds the weights in bf16 and keeps that buffer fp32): 32 bytes apart, both equal their real step
     conv = estimate_training_memory(to_bf16, **pure).peak_bytes
     assert conv == measure_training_memory(to_bf16, dtype="bf16-pure", **STEP).peak_bytes
+    assert estimate_training_memory(half_then_float, **kw).peak_bytes == estimate_training_memory(_cfg(), **kw).peak_bytes
+
+
+def test_prepare_model_for_kbit_training_has_no_config_route_and_says_why():
+    # on a model that is not quantized, peft's prepare_model_for_kbit_training upcasts every 16-bit parameter to
+    # fp32 (and turns on gradient checkpointing): an fp32 frozen base under bf16 autocast, which no adapter= route
+    # builds (adapter="lora" keeps the base in bf16 under bf16-mixed). Its weights are those of the fp32 route's.
+    kw = dict(kernel_scratch=False, **STEP)
+    kbit = estimate_training_memory(peft_kbit, **kw)
+    fp32 = estimate_training_memory(_cfg(), adapter="lora", lora_r=8, **dict(kw, dtype="fp32"))
+    assert kbit.breakdown["parameters"] == fp32.breakdown["parameters"]
+    assert kbit.peak_bytes != estimate_training_memory(_cfg(), adapter="lora", lora_r=8, **kw).peak_bytes
 
 
 def test_to_cuda_on_a_cpu_only_machine_traces_the_cuda_target():
