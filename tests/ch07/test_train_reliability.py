@@ -287,6 +287,41 @@ def test_a_second_live_trainer_is_refused_and_the_first_ones_temp_file_survives(
     assert t.stale_temps_removed == 1 and (d / LOCK_NAME).read_text().strip() == str(os.getpid())
 
 
+@needs_fork
+@pytest.mark.parametrize("start", ["no lock", "a stale lock"])
+def test_of_six_processes_racing_for_a_directory_exactly_one_gets_it(tmp_path, start):
+    from memlab.train.lock import DirectoryLock
+
+    d = tmp_path / "d"
+    d.mkdir()
+    if start == "a stale lock":
+        (d / LOCK_NAME).write_text(f"{_dead_pid()}\n")
+    t0 = time.time() + 0.5
+    pids = []
+    for i in range(6):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                while time.time() < t0:  # a simultaneous start
+                    pass
+                try:
+                    held = DirectoryLock(d).acquire()  # noqa: F841 (collected, it would be released)
+                    (tmp_path / f"{i}.won").write_text("")
+                    deadline = time.monotonic() + 60
+                    while len(list(tmp_path.glob("*.won")) + list(tmp_path.glob("*.lost"))) < 6 and \
+                            time.monotonic() < deadline:
+                        time.sleep(0.01)  # hold it until every other one has tried
+                except DirectoryInUseError:
+                    (tmp_path / f"{i}.lost").write_text("")
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    assert len(list(tmp_path.glob("*.won"))) == 1 and len(list(tmp_path.glob("*.lost"))) == 5
+    assert not list(d.glob(LOCK_NAME + ".*"))  # no takeover guard left behind
+
+
 def test_stale_locks_are_taken_over(tmp_path):
     dead = _dead_pid()
     (tmp_path / LOCK_NAME).write_text(f"{dead}\n")

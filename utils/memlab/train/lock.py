@@ -10,8 +10,9 @@ deleting checkpoints by the keep rule. :class:`DirectoryLock` makes the director
 * **refused**: while that pid is a live process, another process gets :class:`DirectoryInUseError`
   naming the directory and the pid;
 * **taken over**: the lock of a process that is gone (killed, ``kill -9``, a crash: nothing removed
-  the file) is stale. The lock file is renamed aside first (one rename: of two processes taking it
-  over at once, one wins), checked to be the stale one, removed, and created anew.
+  the file) is stale. It is removed by one taker at a time, under a second ``O_EXCL`` file (the
+  takeover guard), after reading it again, and then created anew by ``O_EXCL`` as above: of several
+  processes taking a stale lock over at once, exactly one gets it.
 * **in one process** the newest trainer object on a directory owns it (a notebook re-runs a cell:
   the old object is superseded, and refuses to write afterwards), unless the owner is training at
   that moment (another thread), which is refused like another process.
@@ -19,12 +20,11 @@ deleting checkpoints by the keep rule. :class:`DirectoryLock` makes the director
 A process is alive when ``os.kill(pid, 0)`` finds it and it is not a zombie (``/proc/<pid>/stat``).
 Limits: pids are a machine's, so a directory shared between machines (NFS) is not protected, and a
 pid the system reused for an unrelated process keeps a stale lock (the error names the file to
-remove).
+remove; on Windows every recorded pid counts as alive, so a stale lock there is removed by hand).
 """
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 import time
 import weakref
@@ -35,6 +35,7 @@ __all__ = ["LOCK_NAME", "DirectoryInUseError", "DirectoryLock", "pid_alive"]
 
 LOCK_NAME = ".memlab-trainer.lock"
 _STARTING_S = 2.0  # a lock file younger than this with no pid in it yet: its creator is writing the pid
+_GUARD_STALE_S = 10.0  # a takeover guard older than this belongs to a taker that died under it
 
 # this process's owners: resolved directory -> the lock object that owns it (weakly held)
 _OWNERS: dict[str, tuple["weakref.ref[DirectoryLock]", object]] = {}
@@ -49,6 +50,8 @@ def pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` runs on this machine (a zombie, dead but not yet reaped, does not)."""
     if pid <= 0:
         return False
+    if os.name == "nt":  # signal 0 is CTRL_C_EVENT there, not a probe: every pid counts as alive
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -155,22 +158,33 @@ class DirectoryLock:
         return False
 
     def _remove_stale(self, pid: int | None) -> None:
-        # Rename the stale lock aside (one rename: a concurrent taker's fresh lock is never deleted unseen),
-        # check that what moved is the stale one, delete it; a fresh lock moved by mistake goes back.
-        aside = self.directory / f"{LOCK_NAME}.stale-{os.getpid()}-{secrets.token_hex(4)}"
+        # Remove the stale lock of ``pid`` (None: an empty one), one taker at a time: under the takeover guard
+        # (itself an O_EXCL file) the lock is read again and removed only if it is still that stale one. No
+        # fresh lock can appear meanwhile: the name is taken by the stale file, which only a guard holder removes.
+        guard = self.directory / f"{LOCK_NAME}.takeover"
         try:
-            os.rename(self.path, aside)
+            fd = os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:  # a taker killed inside its few microseconds under the guard leaves it: old means dead
+                if time.time() - guard.stat().st_mtime > _GUARD_STALE_S:
+                    guard.unlink()
+            except FileNotFoundError:
+                pass
+            time.sleep(0.005)
+            return
+        try:
+            still = _read_pid(self.path)
+            if still == pid and (pid is not None or self._old_enough()):
+                self.path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+            guard.unlink(missing_ok=True)
+
+    def _old_enough(self) -> bool:
+        try:
+            return time.time() - self.path.stat().st_mtime >= _STARTING_S
         except FileNotFoundError:
-            return
-        moved = _read_pid(aside)
-        if moved == pid:
-            aside.unlink(missing_ok=True)
-            return
-        try:  # someone's fresh lock: back under the name, unless a newer one is there already
-            os.link(aside, self.path)
-        except OSError:
-            pass
-        aside.unlink(missing_ok=True)
+            return False
 
     # ------------------------------------------------------------------ holding it
     @property
