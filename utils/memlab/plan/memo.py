@@ -7,7 +7,8 @@ The file sits next to the trace cache (:func:`memlab.plan.stacks.trace_cache_dir
 when that cache is off), keyed by every argument that shapes the plan: the model (a preset's name, a config
 file's bytes, a transformers config's JSON; a Hub id is not remembered, its config can change), the budget,
 card, batch, sequence, ``allow``, device, ``top``, ranking, cost constants, LoRA rank, loss, pruning and host
-budget; and by the source of every memlab module and the versions of torch and transformers. The host budget
+budget; by ``CUBLAS_WORKSPACE_CONFIG``; and by the source of every memlab module and the versions of torch,
+transformers, peft and bitsandbytes. The host budget
 ``"auto"`` (this machine's available memory) changes from run to run: the plan keeps each host size its search
 compared with the host budget, and is read back only when each comparison comes out the same with today's
 budget (so it would have searched the same way).
@@ -72,7 +73,8 @@ def plan_key(model: Any, arguments: dict[str, Any]) -> str | None:
     args["allow"] = None if allow is None else sorted((str(k), repr(v)) for k, v in dict(allow).items())
     overrides = args.pop("config_overrides", None)
     args["config_overrides"] = None if overrides is None else sorted((str(k), repr(v)) for k, v in dict(overrides).items())
-    text = repr((mk, sorted((k, repr(v)) for k, v in args.items()), _source_hash()))
+    env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")  # the cuBLAS workspaces of a CUDA target's reserved estimate
+    text = repr((mk, sorted((k, repr(v)) for k, v in args.items()), env, _source_hash()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

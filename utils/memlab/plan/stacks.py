@@ -202,8 +202,10 @@ def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: 
     import pickle
 
     # accumulation's count beyond 2 does not change the peak (the second micro-batch and later ones are alike)
+    # CUBLAS_WORKSPACE_CONFIG sets the cuBLAS workspaces a CUDA target's reserved estimate counts
     key = (cfg.to_json_string(use_diff=False), dataclasses.replace(stack, grad_accum=min(stack.grad_accum, 2)),
-           seq_len, device, lora_r, extrapolate, loss)
+           seq_len, device, lora_r, extrapolate, loss) + (
+        (os.environ.get("CUBLAS_WORKSPACE_CONFIG"),) if device == "cuda" else ())
     if key in _CACHE:
         if origin is not None:
             origin.append("memory")
