@@ -81,26 +81,36 @@ def test_one_card_list_in_help_errors_and_api(capsys):
 # ---------------------------------------------------------------- Hub ids without network
 
 
-def test_hub_id_without_network_reads_the_cache_once_and_names_the_nearest_preset(monkeypatch, tmp_path):
+def test_hub_id_without_network_reads_the_cache_only_and_names_the_nearest_preset(monkeypatch, tmp_path):
     import transformers
 
     calls = []
+    real = transformers.AutoConfig.from_pretrained.__func__
 
-    def from_pretrained(repo, **kw):
+    def from_pretrained(cls, repo, **kw):
         calls.append(kw)
-        raise OSError("not in the cache")
+        return real(cls, repo, **kw)
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setattr(hub, "_offline", lambda: False)
     monkeypatch.setattr(hub, "hub_reachable", lambda timeout=hub.CONNECT_TIMEOUT_S: False)
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", classmethod(from_pretrained))
     with pytest.raises(hub.HubConfigError) as exc:
         E.estimate_training_memory("meta-llama/Llama-3.1-8B", batch_size=1, seq_len=8)
     msg = str(exc.value)
-    assert len(calls) == 1 and calls[0]["local_files_only"] is True  # the cache only: no request, no retries
+    assert calls == []  # no copy in the cache: refused before the Hub client (or transformers) is asked
     assert "cannot be reached" in msg and "nearest preset: llama-3-8b" in msg and "\n" not in msg
+    sha = "0123456789abcdef0123456789abcdef01234567"  # a cached copy: read from the cache, no request
+    root = tmp_path / "hub" / "models--acme--tiny-llama"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(sha)
+    (root / "snapshots" / sha).mkdir(parents=True)
+    (root / "snapshots" / sha / "config.json").write_text(json.dumps(TINY))
+    cfg = hub.load_hub_config("acme/tiny-llama")
+    assert cfg.hidden_size == 64 and len(calls) == 1 and calls[0]["local_files_only"] is True
 
 
 def test_hub_reachable_probes_one_connection(monkeypatch):

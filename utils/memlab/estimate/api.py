@@ -506,8 +506,22 @@ def estimate_training_memory(model: Any, spec: "StepSpec | None" = None, *,
     """
     check_schema(dict(config_overrides=config_overrides, allow_longer_seq=allow_longer_seq, extrapolate=extrapolate),
                  ENTRY_SCHEMA)
+    check_schema(overrides, STEP_SCHEMA)  # torch-free: every keyword before anything is imported or read
+    _read_hub_config_first(model)
     return estimate_step(model, make_step(spec, **overrides), config_overrides=config_overrides,
                          allow_longer_seq=allow_longer_seq, extrapolate=extrapolate)
+
+
+def _read_hub_config_first(model: Any) -> None:
+    """A Hub id's config.json read (and kept) before torch is imported: one that cannot be had is refused in a
+    second, not after the imports a step needs (:mod:`memlab.estimate.hub`)."""
+    from memlab.estimate import hub
+
+    if hub.looks_like_repo_id(model):
+        from memlab.models import PRESETS
+
+        if model not in PRESETS:
+            hub.load_hub_config(model)
 
 
 def measure_training_memory(model: Any, spec: "StepSpec | None" = None, *,

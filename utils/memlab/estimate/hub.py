@@ -130,6 +130,16 @@ def nearest_preset(repo_id: str) -> str | None:
     return names[close[0]] if close else None
 
 
+def _cached(repo_id: str, revision: str | None) -> bool:
+    """Whether the Hub cache holds this model's config.json (huggingface_hub's own lookup, no request)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json", cache_dir=_cache_dir(), revision=revision), str)
+    except Exception:  # noqa: BLE001  (an older huggingface_hub: let transformers look)
+        return True
+
+
 def load_hub_config(repo_id: str, revision: str | None = None) -> Any:
     """The transformers config of a Hub model (its config.json only, through transformers' cache).
 
@@ -148,6 +158,8 @@ def load_hub_config(repo_id: str, revision: str | None = None) -> Any:
     offline = _offline()
     unreachable = not offline and not hub_reachable()
     try:
+        if (offline or unreachable) and not _cached(repo_id, revision):
+            raise OSError("no cached config.json")  # said at once: transformers' import alone takes seconds
         from transformers import AutoConfig
 
         with warnings.catch_warnings():
