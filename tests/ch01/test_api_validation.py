@@ -11,7 +11,7 @@ import pytest
 
 from memlab import cli
 from memlab import estimate as E
-from memlab.estimate import api, hub
+from memlab.estimate import api
 
 KINDS = {
     "wrong type": object(),

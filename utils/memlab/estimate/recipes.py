@@ -12,7 +12,6 @@ import re
 from typing import Any, Mapping
 
 from memlab.core.units import KiB, MiB
-from memlab.core.validation import invalid
 from memlab.core.vocab import RECIPE_ALIASES, Recipe
 
 # canonical recipe -> what it keeps in which dtype (printed by the CLI and MemoryEstimate.table)
