@@ -142,6 +142,29 @@ def test_an_untraceable_builder_is_one_line_naming_its_line_and_what_works():
     assert isinstance(info.value.original, RuntimeError)
 
 
+def test_from_pretrained_runs_and_4bit_loading_names_the_route_that_works(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf().save_pretrained(tmp_path)
+
+    def local():
+        return AutoModelForCausalLM.from_pretrained(tmp_path)
+
+    def four_bit():
+        quant = BitsAndBytesConfig(load_in_4bit=True)
+        return AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant)
+
+    assert (estimate_training_memory(local, kernel_scratch=False, **STEP).peak_bytes
+            == measure_training_memory(local, **STEP).peak_bytes)
+    with pytest.raises(UntraceableBuilder) as info:
+        estimate_training_memory(four_bit, **STEP)
+    msg = str(info.value)
+    assert "\n" not in msg and "quantization_config=quant" in msg and "adapter='qlora'" in msg
+
+
 def test_our_own_errors_pass_through_unchanged():
     with pytest.raises(ValueError, match="target_modules"):
         estimate_training_memory(to_cpu, adapter="lora", target_modules="nope", **STEP)
