@@ -4,6 +4,11 @@ Each trick hands memlab's own implementation in as the learner's answer in a way
 ``running.py`` (identity, a trace function, the caller's frame) did not see: a code object cloned into a new
 function, a callable object, a worker thread, tracing switched off, a copy of the reference's globals. Each must
 earn no points. The course's own solutions (and answers that use memlab's other helpers) keep theirs.
+
+On the code before issue 41.4, the callable objects, the worker threads, tracing switched off, a clone renamed as
+the notebook's, the class answer and both rewrites earned full marks (those tests fail there); the plain clones,
+the bound method and the plain thread were already caught (by the clone's ``__module__`` or the trace function)
+and stay here so that the new looks keep catching them.
 """
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ SETUP = "import sys, types, functools, threading\nfrom memlab import accounting\
 TRICKS = {
     "a cloned code object": "model_state_bytes = types.FunctionType(ref.__code__, ref.__globals__, 'model_state_bytes',"
                             " ref.__defaults__, ref.__closure__)",
+    "a cloned code object renamed as the notebook's": (
+        "model_state_bytes = types.FunctionType(ref.__code__, ref.__globals__, 'model_state_bytes', ref.__defaults__)\n"
+        "model_state_bytes.__module__ = '__main__'\nmodel_state_bytes.__qualname__ = 'model_state_bytes'"),
     "a clone with a copy of the globals": "model_state_bytes = types.FunctionType(ref.__code__, dict(ref.__globals__), "
                                           "'model_state_bytes')",
     "a clone made inside the call": "def model_state_bytes(n, r):\n"
