@@ -29,6 +29,7 @@ from memlab.train.state import CheckpointError
 CFG = dict(block_size=16, n_layer=1, n_head=2, n_embd=16)
 E, T = 4, 16
 B = Stack(micro_batch=2, grad_accum=2)
+RESUMED_MUTANTS = 15  # accepted mutated states that the test resumes and trains (all 60 do)
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs os.fork (Linux)")
 
 
@@ -178,8 +179,10 @@ def _resave(path, change):
 MALFORMED_STATES = [
     ("a list as a tensor dtype", _poison_table),
     ("a string loss", lambda p: _resave(p, lambda s: s["losses"].__setitem__(0, "x"))),
-    ("a truncated torch RNG state", lambda p: _resave(p, lambda s: s["rng"].__setitem__("torch", s["rng"]["torch"][:9]))),
-    ("a python RNG state of the wrong length", lambda p: _resave(p, lambda s: s["rng"].__setitem__("python", (3, (1, 2, 3), None)))),
+    ("a truncated torch RNG state",
+     lambda p: _resave(p, lambda s: s["rng"].__setitem__("torch", s["rng"]["torch"][:9]))),
+    ("a python RNG state of the wrong length",
+     lambda p: _resave(p, lambda s: s["rng"].__setitem__("python", (3, (1, 2, 3), None)))),
     ("an optimizer moment of another shape",
      lambda p: _resave(p, lambda s: s["optimizer"]["state"][0].__setitem__("exp_avg", torch.zeros(3)))),
     ("betas as a string", lambda p: _resave(p, lambda s: s["optimizer"]["param_groups"][0].__setitem__("betas", "x"))),
@@ -212,6 +215,53 @@ def test_the_trainer_falls_back_past_a_malformed_newest_checkpoint(tmp_path, thr
     assert [p.name for p in t.set_aside] == ["step-00000003.safetensors.corrupt"]
     assert any("step-00000003" in str(x.message) for x in w)
     assert t.train(3) == losses  # the step is re-run, bitwise
+
+
+def test_random_mutations_of_a_trainer_state_are_refused_or_resume_and_train(tmp_path, three_steps):
+    """300 states with one node replaced by a hostile value: each is refused as a CheckpointError or, if
+    accepted, resumes and trains on -- never another exception, never a crash in a later step."""
+    import copy
+
+    from memlab.train.resume import check_trainer_state
+
+    src, _ = three_steps
+    good = ckpt.load(src / "step-00000003.safetensors")
+    hostile = [None, True, -1, 0, 10**40, 1.5, float("nan"), "", "x", [], [1, "a"], {}, {"a": 1}, torch.zeros(3),
+               torch.zeros(2, 2, dtype=torch.bool)]
+    rng = random.Random(7)
+    m = model()
+    outcomes = {"accepted": 0, "another run's": 0, "malformed": 0}
+    accepted = []
+    for _ in range(300):
+        st = copy.deepcopy(good)
+        node = st
+        while True:  # down a random path; replace a node on it
+            keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+            k = rng.choice(keys)
+            child = node[k]
+            if isinstance(child, (dict, list)) and child and rng.random() < 0.7:
+                node = child
+                continue
+            node[k] = rng.choice(hostile)
+            break
+        try:
+            check_trainer_state(st, model=m, effective_batch=E, seq_len=T, seed=0, where="mutant")
+            outcomes["accepted"] += 1
+            accepted.append(st)
+        except ForeignCheckpointError:
+            outcomes["another run's"] += 1
+        except CheckpointError:
+            outcomes["malformed"] += 1
+    print(f"300 mutated trainer states: {outcomes}")
+    assert outcomes["malformed"] >= 100
+    for i, st in enumerate(accepted[:RESUMED_MUTANTS]):  # accepted means resumable
+        d = tmp_path / f"a{i}"
+        d.mkdir()
+        ckpt.save(st, d / "step-00000003.safetensors")
+        t = trainer(d)
+        assert t.step == 3
+        assert len(t.train(4)) == 4
+        del t
 
 
 # ----------------------------------------------------------------------------- another model's config

@@ -88,13 +88,19 @@ def config_difference(saved: dict[str, Any], mine: dict[str, Any], limit: int = 
     """``None`` when the two :func:`model_config` dicts agree, else the differing fields in words:
     ``n_head=4 in the checkpoint, n_head=2 in this model`` (up to ``limit`` of them)."""
     absent = "<absent>"
-    keys = [k for k in sorted(set(saved) | set(mine)) if saved.get(k, absent) != mine.get(k, absent)]
+    keys = [k for k in sorted(set(saved) | set(mine), key=str)  # compared as plain values: a tensor equals nothing
+            if _plain(saved.get(k, absent)) != _plain(mine.get(k, absent))]
     if not keys:
         return None
-    parts = [f"{k}={saved.get(k, absent)!r} in the checkpoint, {k}={mine.get(k, absent)!r} in this model"
-             for k in keys[:limit]]
+    parts = [f"{k}={_brief(saved.get(k, absent))} in the checkpoint, {k}={_brief(mine.get(k, absent))} "
+             "in this model" for k in keys[:limit]]
     more = f" (and {len(keys) - limit} more)" if len(keys) > limit else ""
     return "; ".join(parts) + more
+
+
+def _brief(v: Any) -> str:
+    text = repr(v) if not isinstance(v, str) or v != "<absent>" else v
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # ----------------------------------------------------------------------------- the state, field by field
@@ -119,8 +125,21 @@ def check_trainer_state(state: Any, *, model: nn.Module, effective_batch: int, s
         ForeignCheckpointError: not a BudgetTrainer state, or one of another model or data settings.
         CheckpointError: a BudgetTrainer state with a malformed field.
     """
+    try:
+        _check_state(state, model, effective_batch, seq_len, seed, where)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError,
+            RuntimeError) as exc:  # RuntimeError: torch's, e.g. the truth value of a tensor put where a number was
+        # a crafted state this check did not foresee field by field: malformed all the same
+        raise CheckpointError(f"{where}: malformed BudgetTrainer checkpoint ({type(exc).__name__}: "
+                              f"{str(exc)[:160]}); {_FIX}") from None
+
+
+def _check_state(state: Any, model: nn.Module, effective_batch: int, seq_len: int, seed: int, where: Any) -> None:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        what = f"format={state.get('format')!r}" if isinstance(state, dict) else f"its state is a {type(state).__name__}"
+        what = (f"format={_brief(state.get('format'))}" if isinstance(state, dict)
+                else f"its state is a {type(state).__name__}")
         raise ForeignCheckpointError(f"{where}: not a BudgetTrainer checkpoint ({what}, expected {FORMAT!r}); {_FIX}")
 
     def bad(why: str) -> CheckpointError:
@@ -153,7 +172,7 @@ def _check_run(state: dict[str, Any], where: Any, model: nn.Module, effective_ba
     # Another run's state: other data settings, another model's config, tensor names or shapes.
     data = state["data"]
     got = tuple(data.get(k) for k in ("effective_batch", "seq_len", "seed"))
-    if got != (effective_batch, seq_len, seed):
+    if _plain(list(got)) != [effective_batch, seq_len, seed]:
         raise ForeignCheckpointError(
             f"{where}: checkpoint of effective_batch={got[0]}, seq_len={got[1]}, seed={got[2]}; this trainer "
             f"has {effective_batch}, {seq_len}, {seed}; {_FIX}")
@@ -161,7 +180,7 @@ def _check_run(state: dict[str, Any], where: Any, model: nn.Module, effective_ba
     if diff is not None:
         raise ForeignCheckpointError(f"{where}: checkpoint of another model config: {diff}; {_FIX}")
     mine, theirs = model.state_dict(), state["model"]
-    missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+    missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine), key=repr)
     if missing or extra:
         raise ForeignCheckpointError(f"{where}: checkpoint of another model (missing tensors {missing[:3]}, "
                                      f"unexpected {extra[:3]}); {_FIX}")

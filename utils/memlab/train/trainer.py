@@ -159,9 +159,9 @@ class BudgetTrainer:
     (another model's config -- stored in each checkpoint, so a 4-head model is told from a 2-head one
     of the same shapes --, its tensors, another ``effective_batch``/``seq_len``/``seed``, not a
     trainer's state) raises :class:`~memlab.train.resume.ForeignCheckpointError` (a
-    :class:`~memlab.train.state.CheckpointError`) in one line naming the file and the difference. Resuming with another ``lr`` or
-    ``weight_decay`` than the checkpoint's applies the new value to the optimizer and warns
-    (``hparams_applied`` lists what changed).
+    :class:`~memlab.train.state.CheckpointError`) in one line naming the file and the difference.
+    Resuming with another ``lr`` or ``weight_decay`` than the checkpoint's applies the new value to the
+    optimizer and warns (``hparams_applied`` lists what changed).
     """
 
     def __init__(self, model: nn.Module | None = None, budget: int | str | None = None, *,
