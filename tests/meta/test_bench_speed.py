@@ -29,6 +29,7 @@ def test_bench_speed_tiny_prints_every_figure_and_one_verdict_each(capsys):
     out = capsys.readouterr().out
     assert out.startswith("memlab bench speed: issue 42's figures, medians of 1 interleaved rounds (--tiny: toy sizes)")
     assert re.search(r"^device: CPU .*torch threads\); torch ", out, re.M)
+    assert re.search(r"^machine load: (load average [\d.]+ \(1 min\) on \d+ cores|unknown)$", out, re.M), out
     for figure, names in ROWS.items():
         for name in names:
             assert re.search(rf"^{re.escape(name)}\s+{NUM}\s+{NUM}\s+{NUM}$", out, re.M), (figure, name, out)

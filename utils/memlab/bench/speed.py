@@ -124,6 +124,16 @@ def nf4_figure(repeat: int, size: int) -> tuple[list[list[Any]], list[tuple[str,
     return rows, checks
 
 
+def _load() -> str:
+    # the 1-minute load average against the core count: a ratio measured on a busy machine says so
+    import os
+
+    try:
+        return f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores"
+    except OSError:  # pragma: no cover - no getloadavg on this platform
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the figures and print one table and the targets; exit code 0, or 1 with ``--strict`` when a
     target is missed (2 for bad arguments)."""
@@ -157,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["figure", "ours (ms)", "reference (ms)", "ratio"], rows, "cpu"))
     print("ratio: tracked / untracked time for the tracker; ours' speed / the reference's otherwise "
           "(references: the untracked step, the 1-thread step, SDPA's flash backend, bitsandbytes)")
+    print(f"machine load: {_load()}")
     return report_targets(checks, "cpu", strict=args.strict)
 
 
