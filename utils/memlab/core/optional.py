@@ -29,6 +29,7 @@ EXTRAS: dict[str, str] = {
     "peft": "hf",
     "accelerate": "hf",
     "bitsandbytes": "hf",
+    "datasets": "hf",
     "nbformat": "grade",
     "nbclient": "grade",
     "jupyter_client": "grade",

@@ -38,6 +38,7 @@ MINIMUMS: dict[str, tuple[int, ...]] = {
     "nbclient": (0, 8),
     "ipykernel": (6, 0),
     "hypothesis": (6, 100),
+    "datasets": (2, 14),
 }
 
 
