@@ -39,7 +39,8 @@ def test_parse_size(text, want):
     assert parse_size(text) == want
 
 
-@pytest.mark.parametrize("bad", ["", "GB", "12 parsecs", "-1GB", "0", 0, float("nan"), float("inf"), True, "1e999"])
+@pytest.mark.parametrize("bad", ["", "GB", "12 parsecs", "-1GB", "0", 0, float("nan"), float("inf"), True, "1e999",
+                                 "1e300 GiB", 10**400, -(10**400)])  # beyond a float: not an OverflowError
 def test_parse_size_names_the_argument(bad):
     with pytest.raises(ValueError, match=r"^budget=.* is invalid; allowed: "):
         parse_size(bad, name="budget")

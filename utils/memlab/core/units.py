@@ -59,13 +59,18 @@ def parse_size(text: str | int | float, *, name: str = "size") -> int:
     """
     if isinstance(text, bool):
         raise ValueError(f"{name}={text!r} is invalid; allowed: {_SIZE_ALLOWED}")
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        m = _SIZE_RE.match(str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{name}={text!r} is invalid; allowed: {_SIZE_ALLOWED}")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={text!r} is invalid; allowed: a positive size, {_SIZE_ALLOWED}")
-    return int(round(value * _UNITS[unit]))
+    shown = text if not isinstance(text, int) or text.bit_length() < 64 else f"<an int of {text.bit_length()} bits>"
+    try:
+        if isinstance(text, (int, float)):
+            value, unit = float(text), ""
+        else:
+            m = _SIZE_RE.match(str(text))
+            if not m or m.group(2).lower() not in _UNITS:
+                raise ValueError(f"{name}={text!r} is invalid; allowed: {_SIZE_ALLOWED}")
+            value, unit = float(m.group(1)), m.group(2).lower()
+        nbytes = value * _UNITS[unit]
+    except OverflowError:  # an int beyond a float (10**400), a product beyond one ("1e300 TiB")
+        nbytes = math.inf
+    if not math.isfinite(nbytes) or nbytes <= 0:
+        raise ValueError(f"{name}={shown!r} is invalid; allowed: a positive size, {_SIZE_ALLOWED}")
+    return int(round(nbytes))
