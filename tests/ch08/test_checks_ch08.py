@@ -76,3 +76,24 @@ def test_comm_counter_counts_the_list_all_gather_and_refuses_what_it_does_not_kn
     out = D.launch(_comm_worker, 2, timeout=60)[0]
     assert out["counted"] == ({"all-gather": 32.0}, {"all-gather": 1, "barrier": 1})
     assert "c10d::alltoall_base_" in out["refused"] and "not one it can count" in out["refused"]
+
+
+def test_a_fail_on_the_ranks_states_the_smallest_failing_input_of_every_launch():
+    """Issue 40.6: cases run on the ranks are not shrunk, but the one reported is the smallest that fails over every
+    launch (world size), not the first launch's, and the message starts with it."""
+    def reduce_scatter(flat_grad, group=None):  # the sum, not the mean: wrong on every case of more than one rank
+        import torch
+
+        ws = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        n = -(-flat_grad.numel() // ws)
+        padded = torch.zeros(n * ws, dtype=flat_grad.dtype)
+        padded[:flat_grad.numel()] = flat_grad
+        out = torch.empty(n, dtype=flat_grad.dtype)
+        dist.reduce_scatter_tensor(out, padded, group=group)
+        return out
+
+    r = check("08.reduce_scatter", reduce_scatter, quiet=True)
+    assert r.status == "fail", r
+    assert r.message.startswith("on the smallest failing input of those run on the ranks") and "numel=1," in r.message, r.message
+    assert not multiprocessing.active_children()

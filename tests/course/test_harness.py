@@ -239,7 +239,7 @@ def test_a_fail_row_states_the_smallest_input_on_which_the_answer_differs():
     from memlab.course.checks import ch08
 
     case = C.Case(numel=7, ws=3, seed=5)
-    with pytest.raises(AssertionError, match=r"^on the smallest failing input of those run together on the ranks "
+    with pytest.raises(AssertionError, match=r"^on the smallest failing input of those run on the ranks "
                                              r"\(numel=7, ws=3, seed=5\): rank 1 differs"):
         ch08._judged(case, [], lambda c: (_ for _ in ()).throw(AssertionError("rank 1 differs")))
 

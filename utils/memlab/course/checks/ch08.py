@@ -103,7 +103,8 @@ def _judged(case: Any, edges: list, judge: Any, *args: Any) -> None:
     except BaseException as exc:
         note_failure(case, edges)
         edge = case in [Case(**{**e, "seed": e.get("seed", 0)}) for e in edges]
-        raise state_input(exc, case, "the hand-picked input" if edge else "the smallest failing input of those run together on the ranks")
+        raise state_input(exc, case, "the hand-picked input" if edge else
+                          "the smallest failing input of those run on the ranks")
 
 
 def _placed(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -218,15 +219,14 @@ def check_reduce_scatter(fn) -> None:
                   dtype=one_of(torch.float32, torch.bfloat16, torch.float16, torch.float64),
                   layout=layouts("contiguous", "offset"))
     differential(space, cases.append, edges=edges, examples=24)  # drawn here, run on the ranks in one launch per size
+    results = []
     for size in sorted({RS_GROUPS[c.group][0] for c in cases}):
         mine = [c for c in cases if RS_GROUPS[c.group][0] == size]
         ranks = _launch(_rs_worker, size, fn, mine)
-        # the smallest failing case first (the drawn cases are not shrunk across processes)
-        order = sorted(range(len(mine)), key=lambda i: (mine[i].numel, i))
-        for i in order:
-            for rank, got in enumerate(ranks):
-                if got[i] is not None:
-                    _judged(mine[i], edges, _check_rs_case, rank, got[i])
+        results += [(c, rank, got[i]) for i, c in enumerate(mine) for rank, got in enumerate(ranks) if got[i] is not None]
+    # the smallest failing case of every launch first (cases run in other processes are not shrunk)
+    for case, rank, got in sorted(results, key=lambda r: (r[0].numel, RS_GROUPS[r[0].group][0])):
+        _judged(case, edges, _check_rs_case, rank, got)
 
 
 # ----------------------------------------------------------------------------- 08.zero1_step
@@ -319,12 +319,14 @@ def check_zero1_step(fn) -> None:
     space = Space(ws=one_of(3, 5, 2, 4), numel=ints(1, 60), optim=one_of(*_OPTIMIZERS),
                   dtype=one_of(torch.float32, torch.float64, torch.bfloat16), steps=ints(1, 3))
     differential(space, cases.append, edges=edges, examples=16)  # drawn here, run on the ranks in one launch per size
+    results = []
     for ws in sorted({c.ws for c in cases}):
         mine = [c for c in cases if c.ws == ws]
         ranks = _launch(_zero_worker, ws, fn, mine)
-        for i in sorted(range(len(mine)), key=lambda i: (mine[i].numel, mine[i].steps, i)):
-            for rank, got in enumerate(ranks):
-                _judged(mine[i], edges, _check_zero_case, rank, got[i])
+        results += [(c, rank, got[i]) for i, c in enumerate(mine) for rank, got in enumerate(ranks)]
+    # the smallest failing case of every launch first (cases run in other processes are not shrunk)
+    for case, rank, got in sorted(results, key=lambda r: (r[0].numel, r[0].steps, r[0].ws)):
+        _judged(case, edges, _check_zero_case, rank, got)
 
 
 # ----------------------------------------------------------------------------- 08.predict_rank_bytes
