@@ -146,7 +146,10 @@ def test_the_attention_requests_the_text_names(rerun):
     lengths = ns["lengths"]
     assert big == [8 * 4 * t * t * 4 for t in lengths]  # 8 texts x 4 heads x T x T floats, nothing else over 10 MiB
     named = ", ".join(f"{n / MiB:g}" for n in big[:-1]) + f" and {big[-1] / MiB:g} MiB"
-    assert named in _src(cells["alloc-model-shapes-notes"])
+    assert named in " ".join(_src(cells["alloc-model-shapes-notes"]).split())
+    # "max_split_size_mb changes nothing here: ... no block here is that large" (64 MiB; a segment is at most
+    # its request rounded up to 2 MiB, or 20 MiB)
+    assert max(big) < 64 * MiB and "max_split_size_mb:64" in ns["confs"]
     assert f"padded to {', '.join(map(str, lengths[:-1]))}" in " ".join(_src(cells["alloc-model-step-notes"]).split())
 
 
