@@ -284,7 +284,9 @@ class MemoryTracker(TorchDispatchMode):
         optimizer: its ``state`` tensors are counted from ``__enter__`` and after every ``step``.
         device: count only storages on this device type (``"cuda"``, ``"cpu"``, ``"meta"``; for
             fake tensors their fake device); ``None`` counts all.
-        timeline: record the timeline (cheap; turn off for the lowest overhead).
+        timeline: record the timeline (an event after each op that changed something). False is the
+            peak-only mode: the peak, its categories, phase and module peaks and the end breakdown are
+            the same, :attr:`timeline` is empty and :meth:`plot` has nothing to draw.
         block_bytes: the rounding policy, device type -> the allocator's block size (every
             storage is charged its size rounded up to a multiple of it); default
             :data:`DEFAULT_BLOCK_BYTES` (CUDA's 512-byte blocks, other devices as asked).
