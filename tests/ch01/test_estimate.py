@@ -326,7 +326,8 @@ def test_bench_profiler_runs(capsys):
     code = bench.main(["--repeat", "1", "--batch-size", "1", "--seq-len", "16", "--skip-estimate"])
     out = capsys.readouterr().out
     assert "memlab MemoryTracker" in out and "torch MemTracker" in out
-    assert ("PASS" in out) == (code == 0)
+    # without --strict a missed target is reported, not failed (timings on a shared machine are noisy)
+    assert code == 0 and ("TARGET MET" in out or "TARGET MISSED" in out)
 
 
 # ---------------------------------------------------------------- issue 10: the step people run
