@@ -217,3 +217,11 @@ def test_cli_set_is_checked_by_memlabs_rules_for_every_source(sources, source, k
             continue
         code, err = _run(["estimate", sources[source], "--seq-len", "8", "--set", f"{key}={value}"], capsys)
         assert code == 2 and len(err) == 1 and f"--set {key}=" in err[0] and "allowed" in err[0], (value, err)
+
+
+def test_plan_set_refuses_what_no_config_holds_in_one_line(capsys):
+    """memlab plan's --set has the same parser: NaN, Infinity and numbers no float holds are one line, exit 2."""
+    for value in ("NaN", "Infinity", "-Infinity", "1e400"):
+        code, err = _run(["plan", "llama-2-7b", "--batch-size", "1", "--seq-len", "8", "--set", f"hidden_size={value}"],
+                         capsys)
+        assert code == 2 and len(err) == 1 and "--set hidden_size=" in err[0], err

@@ -134,13 +134,37 @@ def _seed(text: str) -> int:
     return int(text)
 
 
+class _NotFinite(ValueError):
+    pass
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise _NotFinite(text)
+    return v
+
+
+def _no_constant(text: str) -> Any:
+    raise _NotFinite(text)
+
+
 def _override(text: str) -> tuple[str, Any]:
+    """``--set KEY=VALUE`` (``memlab estimate`` and ``memlab plan``): VALUE as JSON (``2``, ``1e-5``, ``true``,
+    ``"silu"``), else the text itself; NaN, Infinity and numbers no float holds are refused here, one line, for both
+    commands (the values are then checked against the config by :func:`memlab.estimate.api.check_config_overrides`)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: KEY=VALUE (e.g. num_hidden_layers=2)")
     try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
+        parsed = json.loads(value, parse_float=_finite_float, parse_constant=_no_constant)
+    except _NotFinite:
+        raise argparse.ArgumentTypeError(f"--set {key.strip()}={value[:40]} is invalid; allowed: a finite value (a "
+                                         f"number, true/false, a string; NaN and Infinity are no setting)") from None
+    except ValueError:  # not JSON (a bare word such as silu), or an int of thousands of digits
+        if value.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"--set {key.strip()}={value[:40]}... is invalid; allowed: a number of "
+                                             f"at most a few thousand digits") from None
         parsed = value
     return key.strip(), parsed
 
