@@ -9,7 +9,7 @@ Three looks, each covering what the others miss (README, "Threat model", says wh
   and instances of the learner's classes too, a few levels deep); every code object reached is compared with the
   reference's: the same object (a function cloned with ``types.FunctionType(ref.__code__, ...)``), or the same
   bytecode, names and constants (:func:`~.verify.same_code`) outside the learner's files. A memlab module the
-  answer's code names, with the reference's name among its attribute names, counts too.
+  answer's code names, with the reference function among the attributes the code names, counts too.
 - **The reference unavailable while the answer runs** (:func:`reference_swapped`, around each call of a function
   answer by the harness): the reference function's ``__code__`` is swapped for a stand-in that notes the call and
   then runs memlab's code. Whatever route reaches the reference's function object (a callable object, a worker
@@ -114,13 +114,12 @@ def wrapped_reference(obj: Any, ex: Any, *, depth: int = 5, budget: int = 5000) 
         funcs = reference_functions(ex)
         if not codes:
             return None
-        names = {f.__name__ for f in funcs}
-        return _walk(obj, codes, funcs, names, depth, budget)
+        return _walk(obj, codes, funcs, depth, budget)
     except Exception:  # noqa: BLE001 - a hostile object must not break the row
         return None
 
 
-def _walk(obj: Any, codes: dict, funcs: dict, names: set[str], depth: int, budget: int) -> str | None:
+def _walk(obj: Any, codes: dict, funcs: dict, depth: int, budget: int) -> str | None:
     seen: set[int] = set()
     level = [obj]
     for _ in range(depth):
@@ -137,7 +136,7 @@ def _walk(obj: Any, codes: dict, funcs: dict, names: set[str], depth: int, budge
                     return hit
                 nxt += [k for k in x.co_consts if isinstance(k, types.CodeType)]
                 continue
-            nxt += _inside(x, names, codes)
+            nxt += _inside(x, funcs)
             hit = next((h for h in nxt if type(h) is _Named), None)
             if hit:
                 return str(hit)
@@ -149,7 +148,7 @@ class _Named(str):
     """A reference function that the answer's code names through a memlab module (its qualified name)."""
 
 
-def _inside(x: Any, names: set[str], codes: dict) -> list[Any]:
+def _inside(x: Any, funcs: dict) -> list[Any]:
     """What ``x`` holds that could run: wrapped callables, code, closure cells, defaults, the globals its code
     names, containers' items, an instance's class and attributes (a :class:`_Named`: a reference named through a
     module)."""
@@ -170,7 +169,7 @@ def _inside(x: Any, names: set[str], codes: dict) -> list[Any]:
                     out.append(cell.cell_contents)
                 except ValueError:
                     pass
-            out += _named_globals(x, names)
+            out += _named_globals(x, funcs)
     elif isinstance(x, type):
         if not _is_library_object(x):
             out += [v for k, v in vars(x).items() if k not in ("__dict__", "__weakref__", "__doc__", "__module__")]
@@ -189,9 +188,9 @@ def _inside(x: Any, names: set[str], codes: dict) -> list[Any]:
     return [o for o in out if o is not None]
 
 
-def _named_globals(f: types.FunctionType, names: set[str]) -> list[Any]:
+def _named_globals(f: types.FunctionType, funcs: dict) -> list[Any]:
     """The globals ``f``'s code (nested code too) names; for a memlab module among them, the reference's function
-    when the code also names its attribute (``accounting.model_state_bytes(...)``), as its message."""
+    when the code also names it as that module's attribute (``accounting.model_state_bytes(...)``), as its name."""
     g = f.__globals__
     co_names: set[str] = set()
     stack = [f.__code__]
@@ -206,16 +205,11 @@ def _named_globals(f: types.FunctionType, names: set[str]) -> list[Any]:
         v = g[n]
         if isinstance(v, types.ModuleType):
             if str(v.__name__).startswith("memlab"):
-                out += [_Named(_name(getattr(v, a))) for a in co_names & names
-                        if isinstance(getattr(v, a, None), types.FunctionType) and _name(getattr(v, a)).startswith("memlab")
-                        and getattr(v, a).__code__.co_filename.startswith(MEMLAB_DIR) and _is_ref(getattr(v, a), names)]
+                attrs = [vars(v).get(a) for a in co_names]  # no module __getattr__ (a lazy import) is run
+                out += [_Named(funcs[a]) for a in attrs if isinstance(a, types.FunctionType) and a in funcs]
             continue
         out.append(v)
     return out
-
-
-def _is_ref(f: Any, names: set[str]) -> bool:
-    return getattr(f, "__name__", None) in names
 
 
 # ----------------------------------------------------------------------------- the reference unavailable
