@@ -481,3 +481,19 @@ def test_a_fail_row_from_the_kernel_states_the_smallest_input(tmp_path):
     row = rows["00.model_state_bytes"]
     assert row.status == "fail", row
     assert row.message.startswith("on the smallest failing input found (n='small', m=1234, recipe='fp32-sgd', seed=0): "), row.message
+
+
+def test_a_failing_swept_case_is_made_smaller_before_it_is_stated():
+    """Hypothesis shrinks only what it draws; a case of the sweep that fails is made smaller by the harness (its
+    seed, and in a space with no computed field, earlier options of the small fields) and stated as such."""
+    space = C.Space(dtype=C.one_of(torch.float32, torch.float16, torch.bfloat16), layout=C.layouts(), n=C.ints(1, 50))
+
+    def run(c):
+        if c.dtype != torch.float32 and c.layout == "strided":  # (no assert: pytest would show the case itself)
+            raise AssertionError(f"differs for {c.dtype} in a strided layout")
+
+    with C.running("99.sweep", 0), pytest.raises(AssertionError) as err:
+        C.differential(space, run, examples=5)
+    assert str(err.value).startswith("on the smallest failing input found (dtype=torch.float16, layout='strided', "
+                                     "n=1, seed=0): differs"), str(err.value)
+    assert C.failures()["99.sweep"] == ("sweep", "dtype=torch.float16, layout='strided', n=1, seed=0")

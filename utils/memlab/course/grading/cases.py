@@ -235,7 +235,15 @@ def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[An
         count += 1
     if examples > 0 and current_pass() == 0:
         for case in _sweep(space):  # every option of every small field, at least once
-            _noted("sweep", _recorded(space, run))(case)
+            try:
+                _recorded(space, run)(case)
+            except AssertionError as exc:  # made smaller where the space allows it, then stated
+                small, small_exc = _smaller(space, run, case, exc)
+                _failed("sweep", small)
+                raise state_input(small_exc, small, "the smallest failing input found") from None
+            except BaseException:
+                _failed("sweep", case)
+                raise
             count += 1
     if current_pass() == 1 and examples > 0:  # the second run looks for state kept across calls: fewer, other cases
         examples = max(3, examples // 3)
@@ -245,6 +253,39 @@ def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[An
     if ex is not None and current_pass() == 0:
         _STATE["cases"][ex] = _STATE["cases"].get(ex, 0) + count
     return count
+
+
+def _smaller(space: Space, run: Callable[[Case], Any], case: Case, exc: AssertionError,
+             budget: int = 16) -> tuple[Case, AssertionError]:
+    """A smaller failing case than the swept ``case`` (hypothesis does not shrink a case it did not draw): greedily
+    ``seed`` 0 (unless the space declares its own) and, in a space with no field computed from others, each
+    small field's earlier options, within ``budget`` runs. Returns (the smallest failing case, its error)."""
+    hyp, st = _hypothesis()
+    fields = space.fields
+    dependent = any(callable(v) and not isinstance(v, st.SearchStrategy) for v in fields.values())
+    choices: list[tuple[str, list]] = [] if "seed" in fields else [("seed", [0])]
+    if not dependent:
+        choices += [(n, list(v.elements)) for n, v in fields.items()
+                    if isinstance(v, st.SearchStrategy) and hasattr(v, "elements") and len(v.elements) <= 64]
+    runs, improved = 0, True
+    while improved and runs < budget:
+        improved = False
+        for name, options in choices:
+            now = getattr(case, name, None)
+            earlier = options[:options.index(now)] if now in options else (options if name == "seed" and now else [])
+            for value in earlier:
+                candidate = case.replace(**{name: value})
+                if space.where is not None and not space.where(candidate):
+                    continue
+                runs += 1
+                try:
+                    run(candidate)
+                except AssertionError as e:
+                    case, exc, improved = candidate, e, True
+                    break
+                if runs >= budget:
+                    return case, exc
+    return case, exc
 
 
 def state_input(exc: BaseException, case: Any, how: str = "input") -> BaseException:
