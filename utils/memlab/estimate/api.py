@@ -362,6 +362,8 @@ def _resolve(model: Any, overrides: Mapping[str, Any]) -> "ModelSpec":
     except (ValueError, TypeError, FileNotFoundError):
         raise
     except Exception as exc:  # e.g. huggingface_hub's StrictDataclassFieldValidationError on a setattr
+        if not overrides or type(exc).__module__.split(".")[0] not in ("huggingface_hub", "transformers"):
+            raise  # (a missing optional package, an interrupt ...: not the overrides' fault)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])
         raise ValueError(f"config_overrides={dict(overrides)!r} is invalid ({' '.join(s.strip() for s in first[:2])}); "
                          f"allowed: values of each field's type") from None
