@@ -11,8 +11,8 @@ times its wall clock and CPU time (user + sys, of the process):
 The caches live in a temporary folder (``MEMLAB_CACHE_DIR``), never the user's. The plan's own summary line
 says how many stacks it traced, read from the cache, or decided by a bound; the table shows it. The targets
 are for 2 idle cores: the host's load average is printed, and a busy host stretches the wall time past the
-CPU time. ``--small`` runs the worked case on a two-layer tiny config instead of Llama-3-8B: it checks the
-bench itself cheaply, and its verdicts say nothing about the targets.
+CPU time. ``--small`` runs the worked case on a two-layer tiny config (batch 4 x 128) instead of Llama-3-8B: it
+checks the bench itself cheaply, and its verdicts say nothing about the targets.
 """
 from __future__ import annotations
 
@@ -91,14 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="memlab-bench-plan-") as tmp:
         root = Path(tmp)
         if "worked" in cases:
-            worked = ([_tiny_config(root, layers=2)] + WORKED[1:]) if args.small else WORKED
+            worked = ([_tiny_config(root, layers=2), "--gpu", "rtx4090", "--seq-len", "128", "--batch-size", "4"]
+                      if args.small else WORKED)
             cache = str(root / "cache-worked")
             results["worked, first run"] = run_plan(worked, cache)
             results["worked, repeat"] = run_plan(worked, cache)
         if "tiny" in cases:
             tiny = [_tiny_config(root), "--gpu", "rtx4090", "--batch-size", "8", "--seq-len", "256"]
             results["tiny, first run"] = run_plan(tiny, str(root / "cache-tiny"))
-    what = "a 2-layer tiny config in place of llama-3-8b (--small)" if args.small else " ".join(WORKED)
+    what = "a 2-layer tiny config, batch 4 x 128, in place of llama-3-8b (--small)" if args.small else " ".join(WORKED)
     print(table(f"memlab plan as a fresh process (imports included); worked case: {what}",
                 ("case", "wall (s)", "CPU (s)", "candidates", "traced", "from cache", "lower bound", "fit by neighbour",
                  "exit"),

@@ -53,11 +53,14 @@ class ParamCounts:
 def param_counts(cfg: Any, lora_r: int) -> ParamCounts:
     """:class:`ParamCounts` of ``cfg`` with adapters of rank ``lora_r``, from the planner's own builder
     (:func:`memlab.plan.stacks.model_builder`) on the meta device: no memory, no trace."""
+    import copy
+
     import torch
     from torch import nn
 
     from memlab.plan.stacks import model_builder
 
+    cfg = copy.deepcopy(cfg)  # building from a config sets fields on it (the attention kernel, the dtype)
     with torch.device("meta"):
         full = model_builder(cfg, Stack(precision="bf16-mixed"), lora_r)()
         lora = model_builder(cfg, Stack(precision="bf16-mixed", adapter="lora"), lora_r)()
