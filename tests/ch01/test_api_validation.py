@@ -114,7 +114,7 @@ TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], _name_or_pat
             max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
             attention_dropout=0.0)
 OVERRIDE_KEYS = ["hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings", "hidden_act",
-                 "rms_norm_eps", "torch_dtype", "attention_dropout", "initializer_range", "use_cache"]
+                 "rms_norm_eps", "torch_dtype", "attention_dropout", "initializer_range", "use_cache", "pad_token_id"]
 BOOL_FIELDS = {"tie_word_embeddings", "use_cache"}
 
 
@@ -170,7 +170,8 @@ def test_good_overrides_still_pass_the_checks():
     cfg = E.resolve_model("llama-2-7b", None).config
     api.check_config_overrides(cfg, {"num_hidden_layers": 2, "hidden_act": "gelu", "rms_norm_eps": 1e-6,
                                      "tie_word_embeddings": True, "torch_dtype": "bfloat16", "attention_dropout": 0.1,
-                                     "num_key_value_heads": None, "rope_theta": 500000.0})
+                                     "num_key_value_heads": None, "rope_theta": 500000.0,
+                                     "pad_token_id": 0, "eos_token_id": [1, 2]})
 
 
 # ---------------------------------------------------------------- the CLI: one line on stderr, exit 2

@@ -275,6 +275,12 @@ def _check_override(key: str, value: Any, current: Any) -> None:
         if value is not None:
             check_choice(name, value, _CONFIG_DTYPES)
         return
+    if key.endswith("_token_id"):  # a token id, none, or a list of them (eos_token_id)
+        ids = value if isinstance(value, list) and value else [value]
+        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < _MAX_CONFIG_INT
+                                         for i in ids):
+            raise invalid(name, value, "a token id (an int >= 0), a list of them, or None")
+        return
     rule = _number_rule(key)
     if rule is not None and not (value is None and current is None):
         lo, hi, strict = rule
