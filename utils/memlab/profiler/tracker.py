@@ -81,6 +81,8 @@ class _Peak:
 _WRITES, _ALIASES = 1, 2
 _KINDS: dict[int, int] = {}
 _KIND_OPS: list[Any] = []
+# per op that writes into arguments, the ones it writes: (position or None, name); absent: unknown, all
+_WRITTEN: dict[int, tuple[tuple[int | None, str], ...]] = {}
 # returns with no alias annotation that are views all the same (autograd's reasons, see native_functions.yaml)
 _UNANNOTATED_VIEWS = frozenset(("_unsafe_view",))
 
@@ -91,7 +93,11 @@ def _op_kind(func: Any) -> int:
     if k is None:
         try:
             schema = func._schema
-            k = _WRITES if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments) else 0
+            written = tuple((None if a.kwarg_only else i, a.name) for i, a in enumerate(schema.arguments)
+                            if a.alias_info is not None and a.alias_info.is_write)
+            k = _WRITES if written else 0
+            if written:
+                _WRITTEN[id(func)] = written
             if (any(r.alias_info is not None for r in schema.returns)
                     or schema.name.split("::")[-1] in _UNANNOTATED_VIEWS):
                 k |= _ALIASES
@@ -100,6 +106,21 @@ def _op_kind(func: Any) -> int:
         _KINDS[id(func)] = k
         _KIND_OPS.append(func)
     return k
+
+
+def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    # the tensors an op writes into (only these can grow); every argument tensor when the schema is unknown
+    written = _WRITTEN.get(id(func))
+    if written is None:
+        return _arg_tensors(args, kwargs)
+    out: list[torch.Tensor] = []
+    for i, name in written:
+        a = args[i] if i is not None and i < len(args) else kwargs.get(name)
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            tensors_in(a, 2, out)
+    return out
 
 
 def _arg_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -528,11 +549,11 @@ class MemoryTracker(TorchDispatchMode):
             return
         self._new_entry(st, key, o.device.type, cat, None)
 
-    def _untracked_sizes(self, args: Any, kwargs: Any) -> dict[int, tuple]:
-        # before an op that writes into its arguments: the allocator bytes of each argument storage
+    def _untracked_sizes(self, func: Any, args: Any, kwargs: Any) -> dict[int, tuple]:
+        # before an op that writes into its arguments: the allocator bytes of each storage it writes that
         # the tracker has not met, so that a resize by the op is charged (from this size)
         out: dict[int, tuple] = {}
-        for t in _arg_tensors(args, kwargs):
+        for t in _written_tensors(func, args, kwargs):
             if self._unwrap is not None:
                 t = self._unwrap(t)
             try:
@@ -592,7 +613,7 @@ class MemoryTracker(TorchDispatchMode):
         kind = _KINDS.get(id(func))
         if kind is None:
             kind = _op_kind(func)
-        before = self._untracked_sizes(args, kwargs) if kind & _WRITES else None
+        before = self._untracked_sizes(func, args, kwargs) if kind & _WRITES else None
         out = func(*args, **kwargs)
         if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
             outs: Any = (out,)
