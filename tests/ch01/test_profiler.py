@@ -822,3 +822,13 @@ def test_peak_only_mode_answers_as_the_timeline_mode(build):
     assert results[0] == results[1]
     assert set(results[1][5]) >= {"forward", "backward", "optimizer"}
     assert any(name.endswith("self_attn") for name in results[1][6]) or build is gpt
+
+
+def test_a_compiled_function_in_the_block_runs_and_is_counted():
+    # the hook is not wrapped in torch._disable_dynamo (a per-op cost): torch.compile inside the block still works
+    f = torch.compile(lambda x: (x * 2).sin() + 1, backend="eager")
+    x = torch.randn(1000)
+    with MemoryTracker() as tr:
+        y = f(x)
+    assert torch.allclose(y, (x * 2).sin() + 1)
+    assert tr.peak_bytes >= 2 * 4000 and tr.current_bytes >= 4000  # x * 2 (freed after sin), then y alive

@@ -603,8 +603,8 @@ class MemoryTracker(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo unless this says False:
         # two eval-frame switches and two wrapper calls per op, a tenth of the tracker's cost. Nothing
-        # is compiled inside the hook; a torch.compile'd function called in the block is not traced
-        # into it either (dynamo treats an active dispatch mode as a graph break)
+        # is compiled inside the hook, and a torch.compile'd function called in the block still runs
+        # with its ops counted (tests/ch01/test_profiler.py)
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
