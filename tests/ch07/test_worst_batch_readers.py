@@ -172,3 +172,25 @@ def test_command_line_passes_a_tokenizer_when_the_flag_is_there(tmp_path, capsys
     assert run_worst_batch(args, {"device": "cpu"}, {}, None) == 0
     out = capsys.readouterr().out
     assert "5 samples, tokens min 1 / median 3 / max 8" in out and "2 x 8 tokens padded" in out
+
+
+def test_command_line_tokenizes_a_jsonl_of_texts_with_a_local_tokenizer(tmp_path, capsys):
+    """``memlab estimate CONFIG --lengths texts.jsonl --tokenizer tokenizer.json`` end to end, offline."""
+    pytest.importorskip("transformers")
+    from memlab.cli import main as memlab_main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+                                   max_position_embeddings=256)))
+    _tokenizer().save(str(tmp_path / "tokenizer.json"))
+    p = _jsonl(tmp_path / "texts.jsonl", [{"text": t} for t in TEXTS])
+    argv = ["estimate", str(cfg), "--lengths", str(p), "--tokenizer", str(tmp_path / "tokenizer.json"),
+            "--batch-size", "2", "--device", "cpu", "--optimizer", "sgd"]
+    assert memlab_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "5 samples, tokens min 1 / median 3 / max 8" in out and "2 x 8 tokens padded" in out
+    argv[argv.index("--tokenizer") + 1] = str(tmp_path / "no-such-tokenizer.json")
+    assert memlab_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no-such-tokenizer.json" in err

@@ -258,7 +258,8 @@ def estimate_parser() -> argparse.ArgumentParser:
                         help="print accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers beside memlab's")
     parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
     parser.add_argument("--lengths", default=None, metavar="FILE",
-                        help="a data set's token counts (one per line, a .npy, or a .jsonl of input_ids): the peak "
+                        help="a data set's token counts (one per line, a .npy, a .jsonl of input_ids or of texts "
+                             "with --tokenizer, or a folder saved with datasets' save_to_disk): the peak "
                              "of the worst batch of an epoch (--batch-size, --collator, --shuffle-seed) instead of "
                              "one --seq-len")
     parser.add_argument("--collator", type=_collator, default="pad-longest",
@@ -270,6 +271,9 @@ def estimate_parser() -> argparse.ArgumentParser:
                         help="with --lengths and --gpu: the largest micro-batch whose worst batch fits the card")
     parser.add_argument("--exact-shapes", action="store_true",
                         help="with --lengths: trace every distinct batch shape, also those a larger one covers")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="with --lengths FILE.jsonl of texts: a LOCAL tokenizer (a save_pretrained folder or a "
+                             "tokenizer.json; offline, nothing downloaded) that counts each line's 'text'")
     parser.add_argument("--validate", action="store_true",
                         help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
     return parser

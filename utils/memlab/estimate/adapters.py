@@ -25,6 +25,7 @@ What is built, and why (the usual Hugging Face + peft recipe):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -109,7 +110,7 @@ def adapter_spec(adapter: str | AdapterSpec | None, *, recipe: str = "bf16-mixed
         raise invalid("adapter", adapter, "None, 'lora', 'qlora'")
     check_positive_int("lora_r", lora_r)
     alpha = 2 * lora_r if lora_alpha is None else lora_alpha
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _finite(alpha) or not alpha > 0:
         raise invalid("lora_alpha", lora_alpha, "a number > 0 (default 2 x lora_r)")
     if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
         raise invalid("lora_dropout", lora_dropout, "a number in [0, 1)")
@@ -128,6 +129,14 @@ def adapter_spec(adapter: str | AdapterSpec | None, *, recipe: str = "bf16-mixed
     if adapter_dtype not in ADAPTER_DTYPES:
         raise invalid("adapter_dtype", adapter_dtype, ", ".join(map(repr, ADAPTER_DTYPES)))
     return AdapterSpec(adapter, lora_r, float(alpha), targets, float(lora_dropout), adapter_dtype)
+
+
+def _finite(x: float) -> bool:
+    """A finite number, an int beyond a float's range (10**400) included as not finite (no OverflowError)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def base_dtype(recipe: str) -> torch.dtype:

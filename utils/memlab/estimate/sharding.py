@@ -24,7 +24,7 @@ def check_zero(world_size: Any, zero_stage: Any, optimizer: str) -> None:
     estimator cannot model."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is invalid; allowed: an int >= 1")
-    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage={zero_stage!r} is invalid; allowed: 0 (data parallel), 1 (optimizer state "
                          f"sharded), 2 (and gradients), 3 (and parameters: FSDP)")
     if zero_stage and optimizer in ("offload-adamw", "paged-adamw32bit", "paged-adamw8bit"):
