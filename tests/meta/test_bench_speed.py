@@ -12,7 +12,8 @@ from memlab.bench import speed
 
 NUM = r"[\d.,]+(?:e[-+]?\d+)?"
 ROWS = {  # figure -> the rows it prints at --tiny sizes
-    "tracker": [f"{m}: memlab {k}" for m in ("tinygpt", "tiny_llama") for k in ("MemoryTracker", "MemoryTracker(timeline=False)")],
+    "tracker": [f"{m}: memlab {k}" for m in ("tinygpt", "tiny_llama")
+                for k in ("MemoryTracker", "MemoryTracker(timeline=False)")],
     "adamw": ["chunked eager AdamW, 1 thread(s)"],
     "flash": ["flash attention fwd+bwd, seq 64", "flash attention fwd+bwd, seq 128"],
     "nf4": ["NF4 dequantize 64x64 float32", "NF4 dequantize 64x64 bfloat16"],

@@ -126,7 +126,8 @@ def verdict(text: str, holds: bool, ratio: float | None = None) -> str:
     return f"{'TARGET MET' if holds else 'TARGET MISSED'}: {text}{shown}"
 
 
-def report_targets(checks: Sequence[tuple[str, float | None, bool]], device: Any = None, *, strict: bool = False) -> int:
+def report_targets(checks: Sequence[tuple[str, float | None, bool]], device: Any = None, *,
+                   strict: bool = False) -> int:
     """Print ``(text, ratio, holds)`` targets as :func:`verdict` lines under the device's name; return the
     exit code: 1 when a target is missed and ``strict``, else 0 (timings on a shared machine are noisy:
     without ``--strict`` a miss is reported, not failed).

@@ -164,7 +164,8 @@ def chunked_step_threads(n: int, repeat: int = 5, threads: tuple[int, ...] | Non
         def run() -> None:
             torch.set_num_threads(k)
             try:
-                offload.adamw_step_eager_chunked_(*bufs, 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
+                offload.adamw_step_eager_chunked_(*bufs, 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                                  weight_decay=1e-2)
             finally:
                 torch.set_num_threads(before)
         return run
@@ -286,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     rates = chunked_step_threads(chunk_n, repeat=args.repeat)
     one = rates[min(rates)]
     print()
-    print(table(f"memlab bench offload: chapter 04's chunked eager AdamW step, {chunk_n:,} params, by torch thread count "
-                f"(medians of {args.repeat} interleaved rounds)", ["threads", "ms", "Mparam/s", "vs 1 thread"],
+    print(table(f"memlab bench offload: chapter 04's chunked eager AdamW step, {chunk_n:,} params, by torch "
+                f"thread count (medians of {args.repeat} interleaved rounds)", ["threads", "ms", "Mparam/s", "vs 1 thread"],
                 [[k, t * 1e3, chunk_n / t / 1e6, one / t] for k, t in rates.items()], "cpu"))
     for k, t in rates.items():
         if k > 1:

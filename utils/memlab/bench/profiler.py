@@ -129,7 +129,8 @@ def _estimator_cost(model: str, seq_len: int, batch_size: int, dtype: str, optim
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its tables and targets; exit code 0, or 1 with ``--strict`` when a target is missed."""
+    """Run the benchmark and print its tables and targets; exit code 0, or 1 with ``--strict`` when a target is
+    missed."""
     parser = argparse.ArgumentParser(prog="memlab bench profiler", description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=11, help="interleaved rounds per variant (median)")
     parser.add_argument("--batch-size", type=int, default=8, help="batch size of the tracked steps")
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             device="cpu",
         ))
         checks.append((f"{args.suggest_model} estimate with all suggestions < {SUGGEST_TARGET_S:g} s (shown: seconds; "
-                       f"process {s['wall_s']:.1f} s with imports)", s["estimate_s"], s["estimate_s"] < SUGGEST_TARGET_S))
+                       f"process {s['wall_s']:.1f} s with imports)", s["estimate_s"],
+                       s["estimate_s"] < SUGGEST_TARGET_S))
     return report_targets(checks, "cpu", strict=args.strict)
 
 

@@ -184,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (torch.float32, torch.bfloat16):
         rows = bench_nf4((size, size), dtype, DEVICE, args.repeat)
         for r in rows:
-            checks.append((f"NF4 {r[0]} {size}x{size} {str(dtype).replace('torch.', '')} >= {NF4_TARGET:g}x bitsandbytes' "
-                           f"speed (shown: speed ratio)", r[3], r[3] >= NF4_TARGET))
+            name = str(dtype).replace("torch.", "")
+            checks.append((f"NF4 {r[0]} {size}x{size} {name} >= {NF4_TARGET:g}x bitsandbytes' speed "
+                           f"(shown: speed ratio)", r[3], r[3] >= NF4_TARGET))
         print(table(f"memlab bench qlora: NF4 blocksize 64 of a {size}x{size} {str(dtype).replace('torch.', '')} matrix",
                     header, rows, DEVICE))
         print()

@@ -119,7 +119,8 @@ def nf4_figure(repeat: int, size: int) -> tuple[list[list[Any]], list[tuple[str,
         ours, ref = nf4_dequantize_ratio(size, dtype, repeat)
         name = str(dtype).replace("torch.", "")
         rows.append([f"NF4 dequantize {size}x{size} {name}", ours * 1e3, ref * 1e3, ref / ours])
-        checks.append((f"NF4 dequantize {size}x{size} {name} >= {NF4_TARGET:g}x bitsandbytes' speed (shown: speed ratio)",
+        checks.append((f"NF4 dequantize {size}x{size} {name} >= {NF4_TARGET:g}x bitsandbytes' speed "
+                       f"(shown: speed ratio)",
                        ref / ours, ref / ours >= NF4_TARGET))
     return rows, checks
 
