@@ -216,6 +216,8 @@ class _ModuleFrames:
         return hook
 
     def _post_forward(self, name: str):
+        backward_hook = self._pre_backward(name)  # built once per module, not once per forward
+
         def hook(module, args, output):
             for i in range(len(self.stack) - 1, -1, -1):
                 if self.stack[i][0] == name and not self.stack[i][2]:
@@ -224,11 +226,11 @@ class _ModuleFrames:
             if torch.is_grad_enabled() and _graph_task_id() == -1:
                 ts = [t for t in tensors_in(output) if t.requires_grad]
                 if len(ts) == 1:  # the usual case: one hook on the one output
-                    ts[0].register_hook(self._pre_backward(name))
+                    ts[0].register_hook(backward_hook)
                 elif ts:
-                    hook = self._first_grad_only(self._pre_backward(name))
+                    first = self._first_grad_only(backward_hook)
                     for t in ts:
-                        t.register_hook(hook)
+                        t.register_hook(first)
 
         return hook
 
