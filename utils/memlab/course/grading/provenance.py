@@ -98,12 +98,16 @@ def _is_library_object(x: Any) -> bool:
     return str(getattr(x, "__module__", "")).startswith("memlab") or (isinstance(file, str) and not is_learner_file(file))
 
 
-def _matches(code: types.CodeType, codes: dict[types.CodeType, str]) -> str | None:
+def _matches(code: types.CodeType, codes: dict[types.CodeType, str], funcs: dict) -> str | None:
+    """The reference part ``code`` is: one of its code objects (nested ones too), or, outside the learner's files,
+    a copy of a reference function's own code (same name, bytecode, names and constants: ``code.replace(...)``);
+    not a nested lambda that merely compiles alike."""
     if code in codes:
         return codes[code]
     if is_learner_file(code.co_filename):
         return None  # the learner's own code: an honest answer may compile to memlab's bytecode
-    return next((where for c, where in codes.items() if same_code(code, c)), None)
+    return next((where for f, where in funcs.items()
+                 if f.__code__.co_qualname == code.co_qualname and same_code(code, f.__code__)), None)
 
 
 def wrapped_reference(obj: Any, ex: Any, *, depth: int = 5, budget: int = 5000) -> str | None:
@@ -131,7 +135,7 @@ def _walk(obj: Any, codes: dict, funcs: dict, depth: int, budget: int) -> str | 
             if isinstance(x, types.FunctionType) and x in funcs:
                 return funcs[x]
             if isinstance(x, types.CodeType):
-                hit = _matches(x, codes)
+                hit = _matches(x, codes, funcs)
                 if hit:
                     return hit
                 nxt += [k for k in x.co_consts if isinstance(k, types.CodeType)]
