@@ -69,6 +69,43 @@ _SENT = (("c0", "0: data parallel"), ("c1", "1: ZeRO-1 (memlab)"), ("c2", "2: Ze
 _R3 = (("f", "fp32"), ("h", "fp16 + scaler"), ("b", "bf16"), ("m", "fp16 master weights + scaler"))
 _LOSS9 = (("d", "transformers' loss"), ("c", "chunked (autograd)"), ("f", "fused"), ("o", "fused + offload + opt. in bwd"))
 
+# the speed rows of `memlab bench speed`, read from its stored output (issue 42.6)
+SPEED = "results/cpu/bench_speed.txt"
+
+ROW_01_OVERHEAD = Row("01", (
+    "tracker overhead, TinyGPT / tiny Llama step 8x128 with AdamW, 1 thread, medians of interleaved rounds "
+    "(`memlab bench speed`, {load})",
+    "`MemoryTracker` {tg} / {tl} ms; `timeline=False` {tgn} / {tln} ms", "untracked {tgu} / {tlu} ms",
+    "{tgr}x / {tlr}x; `timeline=False` {tgnr}x / {tlnr}x (target <= 1.2x)"),
+    (Found(SPEED, "^tinygpt: memlab MemoryTracker {tg} {tgu} {tgr}"),
+     Found(SPEED, "^tinygpt: memlab MemoryTracker(timeline=False) {tgn} {tgu2} {tgnr}"),
+     Found(SPEED, "^tiny_llama: memlab MemoryTracker {tl} {tlu} {tlr}"),
+     Found(SPEED, "^tiny_llama: memlab MemoryTracker(timeline=False) {tln} {tlu2} {tlnr}"),
+     Found(SPEED, "machine load: {load:text}")), device=CPU)
+
+ROW_04_THREADS = Row("04", (
+    "chapter 04's chunked eager AdamW step ({n} params) at 2 threads vs 1 thread, interleaved (`memlab bench speed`, "
+    "{load})", "2 threads {t2} ms", "1 thread {t1} ms", "{r}x the 1-thread speed (target >= 1x)"),
+    (Found(SPEED, "^chunked eager AdamW, 1 thread(s) {t1} {t1b} {r1}"),
+     Found(SPEED, "^chunked eager AdamW, 2 thread(s) {t2} {t1c} {r}"),
+     Found(SPEED, "chunked eager AdamW step ({n} params) at 2 threads"),
+     Found(SPEED, "machine load: {load:text}")), device=CPU)
+
+ROW_05_FLASH = Row("05", (
+    "causal fwd+bwd 1x4x{{512,1024,2048}}x64 fp32, flash (PyTorch) vs SDPA's flash backend, interleaved "
+    "(`memlab bench speed`, {load})", "flash (PyTorch) {f512} / {f1024} / {f2048} ms",
+    "SDPA flash backend {s512} / {s1024} / {s2048} ms", "{r512}x / {r1024}x / {r2048}x SDPA speed (target >= 0.5x)"),
+    tuple(Found(SPEED, f"^flash attention fwd+bwd, seq {s} {{f{s}}} {{s{s}}} {{r{s}}}") for s in (512, 1024, 2048))
+    + (Found(SPEED, "machine load: {load:text}"),), device=CPU)
+
+ROW_06_DEQUANT = Row("06", (
+    "NF4 dequantize 1024x1024, fp32 / bf16, interleaved (`memlab bench speed`, {load})", "{o32} / {o16} ms",
+    "bitsandbytes C kernel {b32} / {b16} ms", "{r32}x / {r16}x (target >= 0.5x)"),
+    (Found(SPEED, "^NF4 dequantize 1024x1024 float32 {o32} {b32} {r32}"),
+     Found(SPEED, "^NF4 dequantize 1024x1024 bfloat16 {o16} {b16} {r16}"),
+     Found(SPEED, "machine load: {load:text}")), device=CPU)
+
+
 ROWS: list[Row | Recorded] = [
     Row("00", ("bytes one TinyGPT block saves for backward (s=64, b=4, h=128, fp32, dropout on)",
                "formula: {f1} B", "`saved_tensors_hooks` tape: {t1} B; memlab: {m1} B", "{v}"),
@@ -102,7 +139,7 @@ ROWS: list[Row | Recorded] = [
                + "\n^by the allocator: step peak {ap} B = {ar} x (states + saved activations)"))),
     Recorded("01-memtracker"),
     Recorded("01-allocator-tests"),
-    Recorded("01-bench-overhead"),
+    ROW_01_OVERHEAD,
     Recorded("01-bench-70b"),
     Recorded("01-bench-7b-suggestions"),
     Row("01", ("estimate vs published peaks (`memlab estimate --validate`, `memlab/estimate/validate.py`; every figure "
@@ -222,6 +259,7 @@ ROWS: list[Row | Recorded] = [
     Recorded("04-adamw-exact"),
     Recorded("04-cpp-fused"),
     Recorded("04-bench-cpu"),
+    ROW_04_THREADS,
     Row("04", ("CPU AdamW step on the GPU machine's {cores} cores (`memlab bench offload`), 10M / 100M params",
                "{m10} / {m100} Gparam/s", "torch fused {f10} / {f100}", "{r10}x ({v10}: thread start-up dominates a "
                "{ms10} ms step) / {r100}x ({v100}); {bw100}% of a 128 MiB `a += b` copy's bandwidth at 100M (the bench "
@@ -262,7 +300,7 @@ ROWS: list[Row | Recorded] = [
                              f"B) | allocator without the tracker {{{k}u}} B ({{{k}d}} B)")
               for k, name in (("n", "naive"), ("c", "chunked (autograd)"), ("f", "flash (PyTorch)"), ("s", "SDPA")))
         + (Found(N["05"], "under a do-nothing mode 0 in place, {n_sum} out of place"),)),
-    Recorded("05-bench-attention"),
+    ROW_05_FLASH,
     Row("05", ("tiny_llama, 3 AdamW steps and a 4th measured beside the allocator: memlab attention vs sdpa vs "
                "eager (lecture 05)", "losses {ml}; activation peak (tracker) {mp} MiB; 4th step: tracker {mt} B, "
                "allocator same run {ma} B, allocator without the tracker {mu} B", "sdpa {sp} MiB, 4th step "
@@ -282,7 +320,7 @@ ROWS: list[Row | Recorded] = [
         {"v": Derived(("nf4", "int4", "fp4"), lambda f: "NF4 lowest" if num(f["nf4"]) < min(num(f["int4"]), num(
             f["fp4"])) else "NF4 not the lowest")}),
     Recorded("06-bench-quantize"),
-    Recorded("06-bench-dequantize"),
+    ROW_06_DEQUANT,
     Recorded("06-bench-linear4bit"),
     Row("06", ("tiny_llama step, `MemoryTracker` peak: full fine-tune (fp32, AdamW) / LoRA r=8 (fp32 base) / QLoRA r=8 "
                "(NF4 base, bf16 compute)", "{ft_pk} / {lo_pk} / {ql_pk} MiB (stored model {ft_st} / {lo_st} / {ql_st} "
