@@ -94,8 +94,9 @@ def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2:
 
 def online_softmax_forward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str | None, scale: float,
                            q_chunk: int, kv_chunk: int, lq: int, lk: int) -> tuple[list, list]:
-    """The online softmax over key blocks on grouped queries ``(B, Hkv, G, Lq, D)``, shared by
-    :func:`chunked_attention` and the flash forward; per query chunk, the output and logsumexp (acc dtype)."""
+    """The online softmax over key blocks on grouped queries ``(B, Hkv, G, Lq, D)``, used by
+    :func:`chunked_attention` (the flash forward has its own batched loop); per query chunk, the output and
+    logsumexp (acc dtype)."""
     acc = accumulation_dtype(q5.dtype)
     outs, lses = [], []
     for qs in range(0, lq, q_chunk):
