@@ -15,7 +15,7 @@ def _runner(seconds, cached=True):
 
     def run(args, cache_dir):
         calls.append((tuple(args), cache_dir))
-        return seconds[" ".join(args)], cached and "warm" in cache_dir
+        return seconds[" ".join(args)], cached and "warm" in cache_dir, seconds[" ".join(args)] / 2
 
     return run, calls
 
@@ -27,8 +27,8 @@ def test_table_and_verdicts(capsys):
     run, calls = _runner(FAST)
     assert B.main(["--repeat", "2", "--strict"], runner=run) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^7B\s+1\.50\s+1\.50\s+4\.0\s+2$", out, re.M)
-    assert re.search(r"^7B \+ all suggestions\s+5\.00\s+5\.00\s+6\.0\s+2$", out, re.M)
+    assert re.search(r"^7B\s+1\.50\s+0\.75\s+1\.50\s+0\.75\s+4\.0\s+2$", out, re.M)
+    assert re.search(r"^7B \+ all suggestions\s+5\.00\s+2\.50\s+5\.00\s+2\.50\s+6\.0\s+2$", out, re.M)
     verdicts = re.findall(r"^TARGET (MET|MISSED): memlab estimate (.+) \((first run|repeat).*\(ratio [\d.]+\)$", out, re.M)
     assert len(verdicts) == 6 and {v[0] for v in verdicts} == {"MET"}
     # three untimed runs fill the warm cache, then 2 rounds x 3 commands x (cold, warm)

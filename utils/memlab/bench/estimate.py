@@ -34,30 +34,37 @@ CASES: tuple[tuple[str, tuple[str, ...], float], ...] = (
 )
 MODES = ("cold", "warm")
 
-Runner = Callable[[Sequence[str], str], "tuple[float, bool]"]
+Runner = Callable[[Sequence[str], str], "tuple[float, bool, float]"]
 
 
-def run_process(args: Sequence[str], cache_dir: str) -> tuple[float, bool]:
-    """(wall seconds, whether it read the trace cache) of ``python -m memlab estimate ARGS`` in a new process with
-    ``MEMLAB_CACHE_DIR=cache_dir``.
+def run_process(args: Sequence[str], cache_dir: str) -> tuple[float, bool, float]:
+    """(wall seconds, whether it read the trace cache, CPU seconds: user + system) of ``python -m memlab estimate
+    ARGS`` in a new process with ``MEMLAB_CACHE_DIR=cache_dir``. The command runs one thread at a time, so on idle
+    cores its wall time is about its CPU time; on a busy machine the CPU time is the steadier figure.
 
     Raises:
         RuntimeError: the command failed or printed no peak (its last lines quoted).
     """
+    import resource
+
     env = {**os.environ, "MEMLAB_CACHE_DIR": cache_dir}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "memlab", "estimate", *args], env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode != 0 or "peak:" not in proc.stdout:
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
         raise RuntimeError(f"memlab estimate {' '.join(args)} exited {proc.returncode}: {tail}")
-    return seconds, "read from the trace cache" in proc.stdout
+    return seconds, "read from the trace cache" in proc.stdout, cpu
 
 
 def measure(repeat: int, runner: Runner = run_process, cases=CASES) -> tuple[dict[tuple[str, str], list[float]], bool]:
-    """Seconds of every case in both modes, ``repeat`` rounds, interleaved: {(case, mode): [seconds, ...]}, and
-    whether every warm run read the trace cache."""
-    times: dict[tuple[str, str], list[float]] = {(name, m): [] for name, _, _ in cases for m in MODES}
+    """Seconds of every case in both modes, ``repeat`` rounds, interleaved: {(case, mode): [seconds, ...]} (wall;
+    the CPU seconds under ``(case, mode + " cpu")``), and whether every warm run read the trace cache."""
+    times: dict[tuple[str, str], list[float]] = {(name, m): [] for name, _, _ in cases for m in (*MODES, "cold cpu",
+                                                                                                  "warm cpu")}
     cached = True
     with tempfile.TemporaryDirectory(prefix="memlab-bench-estimate-") as root:
         warm = os.path.join(root, "warm")
@@ -65,24 +72,31 @@ def measure(repeat: int, runner: Runner = run_process, cases=CASES) -> tuple[dic
             runner(args, warm)
         for r in range(repeat):
             for name, args, _ in cases:
-                times[(name, "cold")].append(runner(args, os.path.join(root, f"cold-{r}-{name}"))[0])
-                seconds, read = runner(args, warm)
+                seconds, _, cpu = runner(args, os.path.join(root, f"cold-{r}-{name}"))
+                times[(name, "cold")].append(seconds)
+                times[(name, "cold cpu")].append(cpu)
+                seconds, read, cpu = runner(args, warm)
                 times[(name, "warm")].append(seconds)
+                times[(name, "warm cpu")].append(cpu)
                 cached = cached and read
     return times, cached
 
 
 def report(times: dict[tuple[str, str], list[float]], cases=CASES) -> tuple[list[str], list[tuple[str, float, bool]]]:
     """The table, and one ``(text, seconds / target, holds)`` target per case and mode (memlab.bench's verdicts)."""
-    lines = [f"{'command':<24}{'cold (s)':>10}{'warm (s)':>10}{'target (s)':>12}   runs", "-" * 64]
+    lines = [f"{'command':<24}{'cold (s)':>10}{'cpu':>7}{'warm (s)':>10}{'cpu':>7}{'target (s)':>12}   runs",
+             "-" * 78]
     checks = []
     for name, args, target in cases:
-        med = {m: statistics.median(times[(name, m)]) for m in MODES}
-        lines.append(f"{name:<24}{med['cold']:>10.2f}{med['warm']:>10.2f}{target:>12.1f}   {len(times[(name, 'cold')])}")
+        med = {m: statistics.median(times[(name, m)]) for m in (*MODES, "cold cpu", "warm cpu")}
+        lines.append(f"{name:<24}{med['cold']:>10.2f}{med['cold cpu']:>7.2f}{med['warm']:>10.2f}{med['warm cpu']:>7.2f}"
+                     f"{target:>12.1f}   {len(times[(name, 'cold')])}")
         for m in MODES:
             what = "first run, every trace made" if m == "cold" else "repeat, read from the trace cache"
             checks.append((f"memlab estimate {' '.join(args)} ({what}): median {med[m]:.2f} s <= {target:.1f} s",
                            med[m] / target, med[m] <= target))
+    lines.append("(wall time, the targets' measure; cpu: user + system seconds of the process, about its wall time "
+                 "on idle cores)")
     return lines, checks
 
 
