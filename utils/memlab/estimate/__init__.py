@@ -17,6 +17,7 @@ One concern per module:
 * :mod:`~memlab.estimate.attention`: which attention kernel the target runs, and the tracker;
 * :mod:`~memlab.estimate.trace`: tracing one step (:func:`~memlab.estimate.trace.trace_step`);
 * :mod:`~memlab.estimate.extrapolate`: the one extrapolation by depth (also the planner's);
+* :mod:`~memlab.estimate.trace_cache`: the ``memlab estimate`` command's cache of extrapolated estimates on disk;
 * :mod:`~memlab.estimate.sharding`: ZeRO stages and FSDP2 per rank;
 * :mod:`~memlab.estimate.api`: :func:`estimate_training_memory`, :func:`measure_training_memory`;
 * :mod:`~memlab.estimate.result`: :class:`MemoryEstimate` and :func:`resolve_gpu`;
