@@ -238,6 +238,9 @@ def differential(space: Space, run: Callable[[Case], Any], *, edges: Iterable[An
             try:
                 _recorded(space, run)(case)
             except AssertionError as exc:  # made smaller where the space allows it, then stated
+                if _is_hygiene(exc):  # a probe's finding names its call: as it was raised
+                    _failed("sweep", case)
+                    raise
                 small, small_exc = _smaller(space, run, case, exc)
                 _failed("sweep", small)
                 raise state_input(small_exc, small, "the smallest failing input found") from None
@@ -281,6 +284,8 @@ def _smaller(space: Space, run: Callable[[Case], Any], case: Case, exc: Assertio
                 try:
                     run(candidate)
                 except AssertionError as e:
+                    if _is_hygiene(e):
+                        return case, exc  # a probe's finding on a later call: the case found so far stands
                     case, exc, improved = candidate, e, True
                     break
                 if runs >= budget:
@@ -288,11 +293,15 @@ def _smaller(space: Space, run: Callable[[Case], Any], case: Case, exc: Assertio
     return case, exc
 
 
+def _is_hygiene(exc: BaseException) -> bool:
+    return type(exc).__name__ == "HygieneError"  # harness.HygieneError (the harness imports this module)
+
+
 def state_input(exc: BaseException, case: Any, how: str = "input") -> BaseException:
     """``exc`` (a check's AssertionError) with the input it failed on at the start of its message:
     ``on <how> (<case>): <message>``, or ``on <how>: <message>`` when the message already shows the case (a
     hygiene probe's message is left as it is). Returns ``exc``, changed in place (its type and traceback kept)."""
-    if not isinstance(exc, AssertionError) or type(exc).__name__ == "HygieneError" or getattr(exc, "_memlab_input", False):
+    if not isinstance(exc, AssertionError) or _is_hygiene(exc) or getattr(exc, "_memlab_input", False):
         return exc
     text = str(exc.args[0]) if exc.args else ""
     shown = repr(case)
