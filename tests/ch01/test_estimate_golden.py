@@ -64,3 +64,27 @@ def test_a_cached_preset_answer_imports_no_transformers(tmp_path):
     assert runs[0][0] == runs[1][0]
     assert runs[0][1:] == [True, False]  # the first traced (transformers built the model)
     assert runs[1][1:] == [False, True]  # the second read the cache: transformers never imported
+
+
+def test_a_preset_answers_from_its_dimensions_as_its_config_does():
+    """A preset resolved without building its transformers config (ModelSpec.preset) gives the same layer field,
+    position checks and cache key inputs as the built config: transformers' attribute_map included."""
+    from memlab.estimate.model import ModelSpec, check_positions
+    from memlab.models import PRESETS, preset_config
+
+    for name in PRESETS:
+        lazy, built = ModelSpec(name, preset=name), ModelSpec(name, config=preset_config(name))
+        assert lazy.layers() == built.layers() and lazy._config is None
+        for f in ("max_position_embeddings", "n_positions", "hidden_size", "num_attention_heads", "vocab_size"):
+            assert lazy.fields().get(f) == getattr(built.config, f, None), (name, f)
+        assert lazy.fields()["model_type"] == built.config.model_type
+        for seq, allow in ((2**20, False), (2**20, True), (128, False)):
+            errors = []
+            for spec in (lazy, built):
+                try:
+                    check_positions(spec, seq, allow)
+                    errors.append(None)
+                except ValueError as exc:
+                    errors.append(str(exc))
+            assert errors[0] == errors[1], (name, seq, allow)
+        assert lazy._config is None  # none of it built the config

@@ -45,6 +45,9 @@ _REQUIRED_DIMS = (
 )
 _LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions")
+# transformers' attribute_map of the preset families' config classes (only GPT2Config has one): another name of a field
+_ATTRIBUTE_MAPS = {"gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
+                            "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}}
 # position tables of learned rows: no flag makes a longer sequence meaningful
 _LEARNED_POSITIONS = ("gpt2", "gpt_neo", "gpt_bigcode", "opt", "bert", "roberta")
 
@@ -158,7 +161,10 @@ class ModelSpec:
             from memlab.models import PRESETS
 
             entry = PRESETS[self.preset]
-            return {**{k: v for k, v in entry.items() if k not in ("family", "hf_id")}, "model_type": entry["family"]}
+            out = {**{k: v for k, v in entry.items() if k not in ("family", "hf_id")}, "model_type": entry["family"]}
+            # the names GPT2Config also answers to (its attribute_map), as getattr on the built config does
+            out.update({k: out[v] for k, v in _ATTRIBUTE_MAPS.get(entry["family"], {}).items() if v in out})
+            return out
         return None if self.config is None else {**vars(self.config), "model_type": getattr(self.config, "model_type", "")}
 
     def cache_key(self) -> str | None:
@@ -171,8 +177,12 @@ class ModelSpec:
 
     def layers(self) -> tuple[str, int] | None:
         """``(the config's layer-count field, its value)``, or None for a callable or a config without one."""
+        lazy = self.fields() if (self._config is None and self.preset is not None) else None  # no config built
         for f in _LAYER_FIELDS:
-            v = getattr(self.config, f, None) if self.config is not None else None
+            if lazy is not None:
+                v = lazy.get(f)
+            else:
+                v = getattr(self.config, f, None) if self.config is not None else None
             if isinstance(v, int) and v > 0:
                 return f, v
         return None
