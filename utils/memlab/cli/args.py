@@ -257,6 +257,14 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", action="store_true",
                         help="print accelerate's, DeepSpeed's and the bytes-per-parameter rule's answers beside memlab's")
     parser.add_argument("--no-suggest", action="store_true", help="skip what-would-make-it-fit")
+    _add_worst_batch_args(parser)
+    parser.add_argument("--validate", action="store_true",
+                        help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
+    return parser
+
+
+def _add_worst_batch_args(parser: argparse.ArgumentParser) -> None:
+    """The worst batch of a data set (memlab.estimate.batches): --lengths and the flags that go with it."""
     parser.add_argument("--lengths", default=None, metavar="FILE",
                         help="a data set's token counts (one per line, a .npy, a .jsonl of input_ids or of texts "
                              "with --tokenizer, or a folder saved with datasets' save_to_disk): the peak "
@@ -274,9 +282,6 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="with --lengths FILE.jsonl of texts: a LOCAL tokenizer (a save_pretrained folder or a "
                              "tokenizer.json; offline, nothing downloaded) that counts each line's 'text'")
-    parser.add_argument("--validate", action="store_true",
-                        help="compare the estimate with published, measured peaks of real fine-tunes (offline)")
-    return parser
 
 
 def parse_estimate(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
