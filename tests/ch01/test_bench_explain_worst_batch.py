@@ -45,6 +45,7 @@ def test_bench_explain_small(capsys):
     verdicts = re.findall(r"^TARGET (MET|MISSED): (.*)$", out, re.M)
     assert len(verdicts) == 2 and "target < 10 s" in verdicts[0][1] and "target < 2 GB" in verdicts[1][1]
     assert all("the target is for 100 MB" in v for _, v in verdicts)  # a small run says it is not the target's
+    assert all(re.search(r" \(ratio [\d.]+\)$", v) for _, v in verdicts)  # memlab.bench.verdict's one format
     assert "CUDA memory snapshot; at the peak of allocated memory" in out  # the command's own first line
 
 
@@ -58,7 +59,8 @@ def test_bench_worst_batch_small(capsys):
     assert re.search(r"worst batch\s+#\d+: 8 x \d+ tokens", out)
     assert re.search(r"batches in the epoch\s+125\b", out)
     verdict = re.findall(r"^TARGET (MET|MISSED): the worst batch in [\d.]+ s \(target < 30 s, process wall time\)"
-                         r" \[1,000 lengths, gpt2: the target is for 100,000 lengths and a 7B preset\]$", out, re.M)
+                         r" \[1,000 lengths, gpt2: the target is for 100,000 lengths and a 7B preset\]"
+                         r" \(ratio [\d.]+\)$", out, re.M)  # memlab.bench.verdict's line, the time / target as ratio
     assert len(verdict) == 1
 
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from memlab.bench import device_name, table
+from memlab.bench import add_strict, device_name, report_targets, table
 from memlab.core.units import GB, MiB
 
 MB = 10**6
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mb", type=float, default=100.0, help="the snapshot's size in MB (default 100)")
     p.add_argument("--small", action="store_true", help="a 2 MB snapshot: checks the bench, not the target")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    add_strict(p)
     args = p.parse_args(list(argv or []))
     if args.size_mb <= 0:
         p.error(f"--size-mb={args.size_mb:g} must be > 0")
@@ -183,19 +183,16 @@ def main(argv: list[str] | None = None) -> int:
                  ("memlab explain: process CPU time, user + sys (s)", r["cpu_s"]),
                  ("peak RSS of that process (GB)", r["maxrss_bytes"] / GB)], device="cpu"))
     print("its first lines: " + " | ".join(r["head"]))
-    checks = [(r["process_s"] < TIME_TARGET_S, f"memlab explain {r['process_s']:.1f} s (target < {TIME_TARGET_S:g} s, "
-                                                 f"process wall time)"),
-              (r["maxrss_bytes"] < RSS_TARGET_BYTES, f"peak RSS {r['maxrss_bytes'] / GB:.2f} GB "
-                                                       f"(target < {RSS_TARGET_BYTES / GB:g} GB)")]
-    print()
     scale = ("" if r["file_bytes"] >= 100 * MB else
              f" [a {r['file_bytes'] / MB:.1f} MB snapshot: the target is for 100 MB]")
-    for ok, text in checks:
-        print(f"{'TARGET MET' if ok else 'TARGET MISSED'}: {text}{scale}")
+    checks = [(f"memlab explain {r['process_s']:.1f} s (target < {TIME_TARGET_S:g} s, process wall time){scale}",
+               r["process_s"] / TIME_TARGET_S, r["process_s"] < TIME_TARGET_S),
+              (f"peak RSS {r['maxrss_bytes'] / GB:.2f} GB (target < {RSS_TARGET_BYTES / GB:g} GB){scale}",
+               r["maxrss_bytes"] / RSS_TARGET_BYTES, r["maxrss_bytes"] < RSS_TARGET_BYTES)]
+    code = report_targets(checks, "cpu", strict=args.strict)
     print(f"host: {device_name('cpu')}; load average {_load()} (a busy host stretches the wall time past the CPU "
           f"time)")
-    missed = sum(not ok for ok, _ in checks)
-    return 1 if (missed and args.strict) else 0
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

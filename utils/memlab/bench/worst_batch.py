@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from memlab.bench import device_name, table
+from memlab.bench import add_strict, device_name, report_targets, table
 from memlab.core.units import GB, GiB
 
 TIME_TARGET_S = 30.0
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=4096, help="the longest sample (default 4096)")
     p.add_argument("--small", action="store_true", help="1,000 lengths and the GPT-2 preset: checks the bench only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
+    add_strict(p)
     args = p.parse_args(list(argv or []))
     for name in ("samples", "batch_size", "max_len"):
         if getattr(args, name) < 1:
@@ -112,14 +112,14 @@ def main(argv: list[str] | None = None) -> int:
                  ("tracing the worst batch (s)", r["trace_s"]), ("process wall time (s)", r["process_s"]),
                  ("process CPU time, user + sys (s)", r["cpu_s"]),
                  ("peak RSS (GB)", r["maxrss_bytes"] / GB)], device="cpu"))
-    ok = r["process_s"] < TIME_TARGET_S
     scale = "" if (samples >= 100_000 and not args.small) else \
         f" [{samples:,} lengths, {model}: the target is for 100,000 lengths and a 7B preset]"
-    print(f"\n{'TARGET MET' if ok else 'TARGET MISSED'}: the worst batch in {r['process_s']:.1f} s "
-          f"(target < {TIME_TARGET_S:g} s, process wall time){scale}")
+    code = report_targets([(f"the worst batch in {r['process_s']:.1f} s (target < {TIME_TARGET_S:g} s, process wall "
+                            f"time){scale}", r["process_s"] / TIME_TARGET_S, r["process_s"] < TIME_TARGET_S)],
+                          "cpu", strict=args.strict)
     print(f"host: {device_name('cpu')}; load average {_load()} (a busy host stretches the wall time past the CPU "
           f"time)")
-    return 1 if (not ok and args.strict) else 0
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover
