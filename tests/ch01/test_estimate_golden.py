@@ -25,6 +25,7 @@ def test_estimate_equals_the_fixture(name, model, kw):
     assert got == EXPECTED["cases"][name]
 
 
+@pytest.mark.slow
 def test_suggestions_equal_the_fixture():
     # the numbers of each technique the fixture has (the list itself may grow: memlab.estimate.suggest's own)
     numbers = ("peak_bytes", "how", "phase", "fwd_bwd_peak", "extra_bytes", "reserved_replay_bytes")
