@@ -27,7 +27,8 @@ def test_bench_plan_small(capsys):
     assert first[2] == again[2] and first[-1] == again[-1] == "0"  # the same candidates, a stack fits
     assert re.search(r"^  worked, repeat: pick: .*\[the whole plan from the plan cache\]$", out, re.M)
     verdicts = re.findall(r"^TARGET (MET|MISSED): (worked, first run|worked, repeat) in [\d.]+ s \(target <= (\d+) s, "
-                          r"process wall time; CPU [\d.]+ s\) \[--small: a tiny config, says nothing about the target\]$",
+                          r"process wall time; CPU [\d.]+ s\) \[--small: a tiny config, says nothing about the target\]"
+                          r" \(ratio [\d.]+\)$",
                           out, re.M)
     assert [(v[1], v[2]) for v in verdicts] == [("worked, first run", "30"), ("worked, repeat", "3")]
     assert re.search(r"^host: CPU .*; load average .* before, .* after", out, re.M)
