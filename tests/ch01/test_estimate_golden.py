@@ -89,3 +89,28 @@ def test_a_preset_answers_from_its_dimensions_as_its_config_does():
                     errors.append(str(exc))
             assert errors[0] == errors[1], (name, seq, allow)
         assert lazy._config is None  # none of it built the config
+
+
+def test_the_command_turns_the_disk_cache_on_for_its_own_run_only(tmp_path, monkeypatch, capsys):
+    """``memlab estimate`` reads and writes the trace cache while it runs; a process that called it (a test, a
+    notebook) keeps its own setting afterwards, so a later in-process estimate is traced, not read back."""
+    from memlab.cli import main as memlab_main
+    from memlab.estimate import trace_cache
+
+    monkeypatch.setenv("MEMLAB_CACHE_DIR", str(tmp_path))
+    seen = []
+    real = trace_cache.enable_disk_cache
+
+    def spy(on: bool = True) -> None:
+        seen.append(on)
+        real(on)
+
+    monkeypatch.setattr(trace_cache, "enable_disk_cache", spy)
+    assert memlab_main(["estimate", "gpt2", "--seq-len", "128", "--no-suggest", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert seen == [True]  # on for the command's run
+    with trace_cache.disk_cache():
+        pass  # the same context the command uses: it restores what was there before
+    assert list((tmp_path / "estimates").iterdir())  # the command's run wrote its estimate
+    off_before = not trace_cache._DISK_CACHE[0]
+    assert off_before  # and left the process's setting as it found it (off by default)

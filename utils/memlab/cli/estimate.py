@@ -114,6 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from memlab.cli.args import parse_estimate
 
     _, args = parse_estimate(argv)
+    from memlab.estimate.trace_cache import disk_cache
+
+    with disk_cache():  # a repeated estimate (and its suggestions) read from the trace cache, in this run only
+        return _run(args)
+
+
+def _run(args: Any) -> int:
     if args.validate:
         from memlab.estimate import validate
 

@@ -8,12 +8,13 @@ read from the cache imports neither torch's tracing machinery nor transformers.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from memlab.estimate.model import ModelSpec
@@ -33,6 +34,18 @@ def enable_disk_cache(on: bool = True) -> None:
     :func:`estimate_cache_dir` (the ``memlab estimate`` command turns it on: a repeated estimate, and the
     suggestions a run shares with the last, answer without tracing and without importing transformers)."""
     _DISK_CACHE[0] = bool(on)
+
+
+@contextlib.contextmanager
+def disk_cache(on: bool = True) -> Iterator[None]:
+    """:func:`enable_disk_cache` for a ``with`` block only, the previous setting restored after it (the command
+    turns the cache on for its own run, not for the rest of a process that called it, such as a test)."""
+    before = _DISK_CACHE[0]
+    enable_disk_cache(on)
+    try:
+        yield
+    finally:
+        _DISK_CACHE[0] = before
 
 
 def estimate_cache_dir() -> Path | None:
