@@ -136,7 +136,11 @@ def _run(args: Any) -> int:
     if isinstance(est, int):
         return est
     print(est.table())
-    print(f"estimated in {est.seconds:.1f} s on fake tensors (nothing allocated)")
+    from memlab.estimate.trace_cache import CACHE_NOTE
+
+    cached = any(n.startswith(CACHE_NOTE) for n in est.notes)
+    print(f"estimated in {est.seconds:.1f} s on fake tensors (nothing allocated)"
+          + (f"; {CACHE_NOTE}, see the notes" if cached else ""))
     if args.compare:
         from memlab.estimate import peers
 
