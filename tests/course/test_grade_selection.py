@@ -150,3 +150,10 @@ def test_argument_errors_exit_2_naming_the_allowed_chapters(course, graded, arg)
 def test_a_missing_notebook_path_is_still_a_row_of_the_batch(course, graded):
     rc, out, err = _main("work/00_nope.ipynb", "labs/" + LABS[0])
     assert rc == 2 and "00_nope.ipynb: no such notebook file" in out and graded == [Path("labs") / LABS[0]]
+
+
+@pytest.mark.parametrize("lab", sorted((ROOT / "labs").glob("*.ipynb")), ids=lambda p: p.name[:2])
+def test_registry_order_is_the_notebook_order(lab):
+    """The registry lists a chapter's exercises in its lab's order (grade_notebook's rows follow it; lab 02's
+    rng_replay comes before checkpoint_function)."""
+    assert [e.id for e in chapter_exercises(lab.name[:2])] == [ex for ex, _ in exercises_in(nbformat.read(lab, as_version=4))]

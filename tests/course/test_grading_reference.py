@@ -134,3 +134,31 @@ def test_the_reference_is_restored_and_an_own_answer_keeps_its_points():
     r = check("00.model_state_bytes", ns["model_state_bytes"], quiet=True)
     assert r.status == "pass" and r.points == 1 and r.message == "", str(r)
     assert accounting.model_state_bytes.__code__ is code and "__memlab_reference_call__" not in vars(accounting)
+
+
+def test_an_own_class_whose_methods_a_library_decorates_keeps_its_points():
+    """Lecture 06's own LoRA layer: its merge and unmerge are ``@torch.no_grad()`` methods, as memlab's are. Every
+    function that decorator wraps shares one code object (torch's ``decorate_context``): that code is the library's,
+    not the reference's, so an answer that uses the decorator too is judged by what it computes (it read as
+    memlab's ``LoRALinear.merge`` and lost its point)."""
+    src = ("import math, torch\nfrom torch import nn\n"
+           "class LoRALinear(nn.Module):\n"
+           "    def __init__(self, base, r=8, alpha=16, scale_by_r=True):\n"
+           "        super().__init__()\n        self.base = base.requires_grad_(False)\n"
+           "        self.scaling = alpha / r if scale_by_r else alpha\n"
+           "        self.lora_A = nn.Linear(base.in_features, r, bias=False)\n"
+           "        self.lora_B = nn.Linear(r, base.out_features, bias=False)\n"
+           "        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))\n"
+           "        nn.init.zeros_(self.lora_B.weight)\n        self.merged = False\n"
+           "    def forward(self, x):\n        y = self.base(x)\n"
+           "        return y if self.merged else y + self.lora_B(self.lora_A(x)) * self.scaling\n"
+           "    @torch.no_grad()\n    def merge(self):\n"
+           "        self.base.weight += (self.lora_B.weight @ self.lora_A.weight) * self.scaling\n"
+           "        self.merged = True\n"
+           "    @torch.no_grad()\n    def unmerge(self):\n"
+           "        self.base.weight -= (self.lora_B.weight @ self.lora_A.weight) * self.scaling\n"
+           "        self.merged = False\n")
+    ns: dict = {}
+    exec(compile(src, "<notebook cell>", "exec"), ns)
+    r = check("06.lora_linear", ns["LoRALinear"], quiet=True)
+    assert r.status == "pass" and r.points == 1, str(r)

@@ -134,58 +134,6 @@ def _block(width: tuple[int, int], dropout: float, dtype: torch.dtype, seed: int
     return TinyGPT(TinyGPTConfig(n_layer=1, n_embd=h, n_head=a, block_size=16, dropout=dropout)).blocks[0].to(dtype)
 
 
-@register("02.checkpoint_function", reference=lambda: ref.checkpoint_reentrant,
-          title="checkpoint as an autograd.Function")
-def check_checkpoint_function(fn):
-    """Grade exercise ``02.checkpoint_function``: checkpoint as an autograd.Function."""
-
-    def run(case) -> None:
-        block = _block(case.width, case.dropout, case.dtype, case.seed % 7).train()
-        x = make_tensor((case.batch, case.seq, case.width[0]), case.dtype, case.layout, case.seed).requires_grad_(True)
-        where = f"fn(block, x) ({case})"
-        torch.manual_seed(7)
-        plain = block(x)
-        torch.manual_seed(7)
-        out = fn(block, x)
-        expect_type(where, out, torch.Tensor)
-        expect(isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction),
-               f"{where}: .grad_fn is {type(out.grad_fn).__name__}; expected the backward of your "
-               f"torch.autograd.Function subclass (call YourFunction.apply(...))")
-        expect(torch.equal(out, plain), f"{where}: not equal to block(x) (the same seed, so the same dropout masks)")
-        del out, plain
-        if case.dropout == 0.0:
-            kept = saved_activation_bytes(lambda t: fn(block, t), x)
-            nbytes = x.untyped_storage().nbytes()
-            expect(kept <= nbytes, f"{where}: keeps {kept:,} bytes for backward; a checkpoint keeps only its input "
-                                   f"({nbytes:,} bytes): run fn under torch.no_grad() in forward")
-        # with dropout the recomputation must draw the same masks as the forward, and leave the outer RNG alone
-        block.zero_grad(set_to_none=True)
-        x.grad = None
-        torch.manual_seed(7)
-        out = block(x)
-        torch.rand(100)
-        out.square().sum().backward()
-        after_plain = torch.rand(8)  # where the RNG stream is after a step without checkpointing
-        want = _grads(block.parameters(), x)
-        block.zero_grad(set_to_none=True)
-        x.grad = None
-        torch.manual_seed(7)
-        out = fn(block, x)
-        torch.rand(100)  # other random draws between forward and backward, as a real training step makes
-        out.square().sum().backward()
-        _same_grads(f"{where}: gradients of the block's parameters and of x"
-                    + (" (save the RNG state in forward, restore it for the recomputation)" if case.dropout else ""),
-                    _grads(block.parameters(), x), want)
-        expect(torch.equal(torch.rand(8), after_plain),
-               f"{where}: after backward the RNG stream is not where it would be without checkpointing: the "
-               "recomputation must leave the outer RNG state as it found it (save torch.get_rng_state() before "
-               "replaying, put it back after); otherwise the next step's dropout masks repeat or shift")
-
-    edges = [dict(width=(32, 4), dropout=0.0, batch=2, seq=16, dtype=torch.float32, layout="contiguous"),
-             dict(width=(32, 4), dropout=0.3, batch=2, seq=16, dtype=torch.float32, layout="contiguous")]
-    differential(CHECKPOINT_SPACE, run, edges=edges, examples=8)
-
-
 # ----------------------------------------------------------------------------- 02.rng_replay
 @register("02.rng_replay", reference=lambda: ref.RNGState, title="RNG snapshot and replay")
 def check_rng_replay(cls):
@@ -361,6 +309,58 @@ _SEQUENTIAL_EDGES = [dict(n=n, k=k, input_grad=True, dropout=0.2, dtype=torch.fl
 # an input that does not require grad (the embeddings of a frozen base, as in LoRA): the layers' parameters
 # still need their gradients (use_reentrant=True loses them)
 _SEQUENTIAL_EDGES.append(dict(_SEQUENTIAL_EDGES[0], input_grad=False))
+
+
+@register("02.checkpoint_function", reference=lambda: ref.checkpoint_reentrant,
+          title="checkpoint as an autograd.Function")
+def check_checkpoint_function(fn):
+    """Grade exercise ``02.checkpoint_function``: checkpoint as an autograd.Function."""
+
+    def run(case) -> None:
+        block = _block(case.width, case.dropout, case.dtype, case.seed % 7).train()
+        x = make_tensor((case.batch, case.seq, case.width[0]), case.dtype, case.layout, case.seed).requires_grad_(True)
+        where = f"fn(block, x) ({case})"
+        torch.manual_seed(7)
+        plain = block(x)
+        torch.manual_seed(7)
+        out = fn(block, x)
+        expect_type(where, out, torch.Tensor)
+        expect(isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction),
+               f"{where}: .grad_fn is {type(out.grad_fn).__name__}; expected the backward of your "
+               f"torch.autograd.Function subclass (call YourFunction.apply(...))")
+        expect(torch.equal(out, plain), f"{where}: not equal to block(x) (the same seed, so the same dropout masks)")
+        del out, plain
+        if case.dropout == 0.0:
+            kept = saved_activation_bytes(lambda t: fn(block, t), x)
+            nbytes = x.untyped_storage().nbytes()
+            expect(kept <= nbytes, f"{where}: keeps {kept:,} bytes for backward; a checkpoint keeps only its input "
+                                   f"({nbytes:,} bytes): run fn under torch.no_grad() in forward")
+        # with dropout the recomputation must draw the same masks as the forward, and leave the outer RNG alone
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(7)
+        out = block(x)
+        torch.rand(100)
+        out.square().sum().backward()
+        after_plain = torch.rand(8)  # where the RNG stream is after a step without checkpointing
+        want = _grads(block.parameters(), x)
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(7)
+        out = fn(block, x)
+        torch.rand(100)  # other random draws between forward and backward, as a real training step makes
+        out.square().sum().backward()
+        _same_grads(f"{where}: gradients of the block's parameters and of x"
+                    + (" (save the RNG state in forward, restore it for the recomputation)" if case.dropout else ""),
+                    _grads(block.parameters(), x), want)
+        expect(torch.equal(torch.rand(8), after_plain),
+               f"{where}: after backward the RNG stream is not where it would be without checkpointing: the "
+               "recomputation must leave the outer RNG state as it found it (save torch.get_rng_state() before "
+               "replaying, put it back after); otherwise the next step's dropout masks repeat or shift")
+
+    edges = [dict(width=(32, 4), dropout=0.0, batch=2, seq=16, dtype=torch.float32, layout="contiguous"),
+             dict(width=(32, 4), dropout=0.3, batch=2, seq=16, dtype=torch.float32, layout="contiguous")]
+    differential(CHECKPOINT_SPACE, run, edges=edges, examples=8)
 
 
 @register("02.checkpoint_sequential", reference=lambda: ref.checkpoint_sequential,

@@ -8,9 +8,10 @@ verified against their source before and after (:func:`verify_memlab_modules`); 
 also runs the cells after the last check and returns the notebook as it ran.
 
 Threat model: tampering from the notebook (a redefined ``check``, forged rows or answers, IPython
-hooks, deleted check cells, an ``int`` whose ``==`` is always true, a patched or wrapped reference,
-a loop that swallows interrupts, processes left running) has no effect on the grade. A learner who
-patches the interpreter itself is not stopped.
+hooks, deleted check cells, an ``int`` whose ``==`` is always true, a patched, wrapped or cloned reference
+(a cloned code object, a callable object, a worker thread, tracing switched off), a loop that swallows
+interrupts, processes left running) has no effect on the grade. A learner who patches the interpreter itself
+is not stopped.
 
 Statuses: ``pass``, ``fail`` (a check's assertion did not hold), ``todo`` (the stub still raises
 NotImplementedError), ``error``, ``timeout``; ``memlab grade`` adds ``missing`` (no check cell) and
@@ -18,7 +19,8 @@ NotImplementedError), ``error``, ``timeout``; ``memlab grade`` adds ``missing`` 
 
 Modules: :mod:`.registry` (exercises, rows), :mod:`.running` (``check``), :mod:`.harness` (the hygiene probes
 and the second run every check goes through), :mod:`.cases` (differential cases from a declared input space),
-:mod:`.verify`,
+:mod:`.verify`, :mod:`.provenance` (memlab's reference found by what an answer computes with: code
+objects, a stand-in while it runs, the grader's own modules),
 :mod:`.inkernel` (the requests run in the kernel), :mod:`.kernel` (the kernel from outside),
 :mod:`.notebook` (``grade_notebook``), :mod:`.command` (``memlab grade``).
 """

@@ -24,6 +24,7 @@ Three looks, each covering what the others miss (README, "Threat model", says wh
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import types
@@ -72,9 +73,16 @@ def reference_functions(ex: Any) -> dict[types.FunctionType, str]:
     out: dict[types.FunctionType, str] = {}
     for value, where in parts:
         for f in _unwrapped(value):
-            if isinstance(f, types.FunctionType) and not is_learner_file(f.__code__.co_filename):
+            if isinstance(f, types.FunctionType) and _is_memlab_file(f.__code__.co_filename):
                 out.setdefault(f, where)
     return out
+
+
+def _is_memlab_file(filename: str) -> bool:
+    """memlab's own source: a library's wrapper around a reference (``torch.no_grad()``'s ``decorate_context``, one
+    code object for every function it decorates) is not the reference's code, or a learner's ``@torch.no_grad()``
+    method would read as memlab's."""
+    return os.path.realpath(filename).startswith(MEMLAB_DIR + os.sep)
 
 
 def reference_codes(ex: Any) -> dict[types.CodeType, str]:
