@@ -144,6 +144,17 @@ def report_targets(checks: Sequence[tuple[str, float | None, bool]], device: Any
     return 1 if (missed and strict) else 0
 
 
+def load_average() -> str:
+    """The 1, 5 and 15-minute load averages (``"0.8 1.2 2.7"``), or ``"unknown"`` where the platform has none: a
+    timing taken on a busy machine says so beside it."""
+    import os
+
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover - no load average on this platform
+        return "unknown"
+
+
 def add_strict(parser: Any) -> None:
     """Give an ``argparse`` parser the common ``--strict`` flag (exit 1 when a target is missed)."""
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from memlab.bench import add_strict, device_name, report_targets, table
+from memlab.bench import add_strict, device_name, load_average, report_targets, table
 from memlab.core.units import GB, MiB
 
 MB = 10**6
@@ -152,15 +152,6 @@ def run(size_bytes: int, seed: int = 0) -> dict:
                 process_s=wall, cpu_s=r["cpu_s"], maxrss_bytes=r["maxrss_kb"] * 1024, head=r["head"])
 
 
-def _load() -> str:
-    import os
-
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:  # pragma: no cover - no load average on this platform
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the bench and print its table and a TARGET MET / TARGET MISSED line per target; exit code 0, or 1 with
     ``--strict`` when a target is missed."""
@@ -190,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
               (f"peak RSS {r['maxrss_bytes'] / GB:.2f} GB (target < {RSS_TARGET_BYTES / GB:g} GB){scale}",
                r["maxrss_bytes"] / RSS_TARGET_BYTES, r["maxrss_bytes"] < RSS_TARGET_BYTES)]
     code = report_targets(checks, "cpu", strict=args.strict)
-    print(f"host: {device_name('cpu')}; load average {_load()} (a busy host stretches the wall time past the CPU "
+    print(f"host: {device_name('cpu')}; load average {load_average()} (a busy host stretches the wall time past the CPU "
           f"time)")
     return code
 

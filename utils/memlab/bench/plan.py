@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from memlab.bench import add_strict, device_name, report_targets, table
+from memlab.bench import add_strict, device_name, load_average, report_targets, table
 
 TARGETS_S = {"worked, first run": 30.0, "worked, repeat": 3.0, "tiny, first run": 10.0}
 WORKED = ["llama-3-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "16"]
@@ -66,13 +66,6 @@ def _tiny_config(folder: Path, layers: int | None = None) -> str:
     return str(path / "config.json")
 
 
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:  # pragma: no cover - no load average on this platform
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the cases, print their table and a TARGET MET / TARGET MISSED line each; exit code 0, or 1 with
     ``--strict`` when a target is missed."""
@@ -87,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not cases:
         p.error(f"--cases={args.cases!r} is invalid; allowed: a comma-separated subset of worked, tiny")
     results: dict[str, dict] = {}
-    load_before = _load()
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="memlab-bench-plan-") as tmp:
         root = Path(tmp)
         if "worked" in cases:
@@ -116,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         checks.append((f"{name} in {r['wall_s']:.1f} s (target <= {target:g} s, process wall time; CPU "
                        f"{r['cpu_s']:.1f} s){scale}", r["wall_s"] / target, r["wall_s"] <= target))
     code = report_targets(checks, "cpu", strict=args.strict)
-    print(f"host: {device_name('cpu')}; load average {load_before} before, {_load()} after (the targets are for 2 idle "
-          f"cores: a busy host stretches the wall time past the CPU time)")
+    print(f"host: {device_name('cpu')}; load average {load_before} before, {load_average()} after (the targets are "
+          f"for 2 idle cores: a busy host stretches the wall time past the CPU time)")
     return code
 
 

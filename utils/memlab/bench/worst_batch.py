@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from memlab.bench import add_strict, device_name, report_targets, table
+from memlab.bench import add_strict, device_name, load_average, report_targets, table
 from memlab.core.units import GB, GiB
 
 TIME_TARGET_S = 30.0
@@ -73,15 +73,6 @@ def run(samples: int, model: str, batch_size: int, collator: str, max_len: int, 
     return r
 
 
-def _load() -> str:
-    import os
-
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:  # pragma: no cover - no load average on this platform
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the bench and print its table and a TARGET MET / TARGET MISSED line; exit code 0, or 1 with ``--strict``
     when the target is missed."""
@@ -117,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     code = report_targets([(f"the worst batch in {r['process_s']:.1f} s (target < {TIME_TARGET_S:g} s, process wall "
                             f"time){scale}", r["process_s"] / TIME_TARGET_S, r["process_s"] < TIME_TARGET_S)],
                           "cpu", strict=args.strict)
-    print(f"host: {device_name('cpu')}; load average {_load()} (a busy host stretches the wall time past the CPU "
+    print(f"host: {device_name('cpu')}; load average {load_average()} (a busy host stretches the wall time past the CPU "
           f"time)")
     return code
 
