@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["EXTRAS", "MissingExtraError", "needs", "require_installed", "extra_for", "missing_optional"]
+__all__ = ["EXTRAS", "MissingExtraError", "needs", "require_installed", "extra_for", "missing_optional",
+           "lazy_attributes"]
 
 #: top-level module -> the extra of ``memlab`` that installs it
 EXTRAS: dict[str, str] = {
@@ -112,3 +113,31 @@ def require_installed(module: str, feature: str) -> None:
         raise ValueError(f"module={module!r} is not an optional dependency; allowed: {', '.join(EXTRAS)}")
     if not _installed(module):
         raise MissingExtraError(feature, module, extra)
+
+
+def lazy_attributes(package: str, where: dict[str, str], namespace: dict) -> tuple[Any, Any]:
+    """A package's PEP 562 ``__getattr__`` and ``__dir__``: a public name in ``where`` (name -> module) is imported
+    from its module when first used, any other name as a submodule (``memlab.estimate.trace``), and kept in
+    ``namespace`` (the package's globals) after. ``__getattr__, __dir__ = lazy_attributes(__name__, _WHERE,
+    globals())``: importing the package imports none of its modules (no torch, no transformers)."""
+    import importlib
+
+    def __getattr__(name: str) -> Any:
+        if name in where:
+            value = getattr(importlib.import_module(where[name]), name)
+        elif not name.startswith("__"):
+            try:
+                value = importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{package}.{name}":
+                    raise
+                raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(where))
+
+    return __getattr__, __dir__

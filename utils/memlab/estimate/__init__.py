@@ -36,8 +36,7 @@ The command line is :mod:`memlab.cli.estimate`.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from memlab.core.optional import lazy_attributes
 
 # Each public name from the module that defines it, imported when first asked for: ``import memlab.estimate`` and
 # ``memlab estimate``'s argument checks and preset resolution import neither torch nor transformers.
@@ -60,25 +59,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """A public name (imported from its module now), or a submodule (``memlab.estimate.trace``)."""
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-    elif not name.startswith("__"):
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, globals())
 
 
 __all__ = [

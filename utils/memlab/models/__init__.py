@@ -17,8 +17,7 @@ module when first used, so the presets' table is read without torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from memlab.core.optional import lazy_attributes
 
 # Each public name from its module, imported when first asked for: the presets' table (memlab.models.presets) is
 # read without importing torch or transformers (memlab estimate resolves a preset before either).
@@ -32,25 +31,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """A public name (imported from its module now), or a submodule (``memlab.models.corpus``)."""
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-    elif not name.startswith("__"):
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, globals())
 
 
 __all__ = [
