@@ -162,3 +162,30 @@ def test_an_own_class_whose_methods_a_library_decorates_keeps_its_points():
     exec(compile(src, "<notebook cell>", "exec"), ns)
     r = check("06.lora_linear", ns["LoRALinear"], quiet=True)
     assert r.status == "pass" and r.points == 1, str(r)
+
+
+_RNG_OWN = ("import torch\nfrom contextlib import contextmanager\n"
+            "class RNGSnapshot:\n    def __init__(self):\n        self.state = torch.get_rng_state()\n"
+            "    @contextmanager\n    def replay(self):\n        now = torch.get_rng_state()\n"
+            "        torch.set_rng_state(self.state)\n        try:\n            yield\n        finally:\n"
+            "            torch.set_rng_state(now)\n")
+
+
+def test_an_own_context_manager_class_keeps_its_points_while_the_reference_is_swapped():
+    """02.rng_replay's right answer (the solution's RNGSnapshot): the check runs memlab's RNGState.replay, a
+    generator behind @contextmanager, through the grader's stand-in; the stand-in's frame is the grader's, not the
+    learner's, so the trace watch does not read the check's own call as the answer's (it did: 0 points)."""
+    ns: dict = {}
+    exec(compile(_RNG_OWN, "<notebook cell>", "exec"), ns)
+    r = check("02.rng_replay", ns["RNGSnapshot"], quiet=True)
+    assert r.status == "pass" and r.points == 1, str(r)
+
+
+def test_a_context_manager_class_that_delegates_to_the_reference_earns_no_points():
+    src = ("from memlab.checkpoint.recompute import RNGState\n"
+           "class RNGSnapshot:\n    def __init__(self):\n        self._inner = RNGState()\n"
+           "    def replay(self):\n        return self._inner.replay()\n")
+    ns: dict = {}
+    exec(compile(src, "<notebook cell>", "exec"), ns)
+    r = check("02.rng_replay", ns["RNGSnapshot"], quiet=True)
+    assert r.points == 0 and "reference implementation" in r.message, str(r)

@@ -31,7 +31,7 @@ import types
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from memlab.course.grading.registry import MEMLAB_DIR, is_learner_file, is_library_file
+from memlab.course.grading.registry import MEMLAB_DIR, STAND_IN_FILE, is_learner_file, is_library_file
 from memlab.course.grading.verify import same_code
 
 __all__ = ["reference_functions", "reference_codes", "wrapped_reference", "reference_swapped", "reference_hits",
@@ -271,7 +271,7 @@ def _stand_in(f: types.FunctionType, code: types.CodeType) -> tuple[int, types.C
     return key, stand_in
 
 
-_STAND_IN_FILE = "<memlab reference stand-in>"
+_STAND_IN_FILE = STAND_IN_FILE
 
 
 def _counts(frame: Any) -> bool:

@@ -241,8 +241,14 @@ def is_library_file(filename: str) -> bool:
     return ("site-packages/" in f or "dist-packages/" in f or "/lib/python3" in f) and MEMLAB_DIR not in filename
 
 
+#: the file name of the stand-in code the grader swaps into memlab's reference while an answer runs
+#: (memlab.course.grading.provenance): memlab's, never the learner's
+STAND_IN_FILE = "<memlab reference stand-in>"
+
+
 def is_learner_file(filename: str) -> bool:
     """Whether a code object's file name is code the learner wrote (a notebook cell, a script):
-    neither memlab's nor a library's."""
+    neither memlab's (its files, the grader's stand-in) nor a library's."""
     f = filename.replace("\\", "/")
-    return not (f.startswith("<frozen") or is_library_file(filename) or os.path.realpath(filename).startswith(MEMLAB_DIR + os.sep))
+    return not (f.startswith("<frozen") or filename == STAND_IN_FILE or is_library_file(filename)
+                or os.path.realpath(filename).startswith(MEMLAB_DIR + os.sep))

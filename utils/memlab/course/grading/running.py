@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping
 from memlab.course.grading.harness import run_exercise
 from memlab.course.grading.provenance import reference_hits, reset_hits, wrapped_reference
 from memlab.course.grading.registry import (
-    MEMLAB_DIR, is_learner_file, is_library_file,
+    MEMLAB_DIR, STAND_IN_FILE, is_learner_file, is_library_file,
     CHECKS_PACKAGE, GRADING_ENV, RESULTS, WALL_FACTOR, CheckResult, Exercise, chapter_exercises, get_exercise, parse_seconds,
     safe_str, shorten, timeout_from_env,
 )
@@ -220,6 +220,9 @@ def _reference_codes(ex: Exercise) -> dict[types.CodeType, str]:
     return codes
 
 
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 @contextmanager
 def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
     """Note in ``found`` when the learner's code calls the exercise's reference, however wrapped.
@@ -238,16 +241,25 @@ def _watch_reference(ex: Exercise, found: list[str]) -> Iterator[None]:
         yield
         return
 
+    started: set[int] = set()  # generator frames already judged at their first entry
+
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event != "call" or found or frame.f_code not in codes:
             return
+        if frame.f_code.co_flags & _RESUMABLE:
+            # a generator's frame gets a "call" event at every resume, and at its close when it is collected,
+            # whichever frame runs then (a learner's, for a context manager the check made and left): only its
+            # first entry, by the frame that started it, is a call
+            if id(frame) in started:
+                return
+            started.add(id(frame))
         f = frame.f_back
         while f is not None:
             filename = f.f_code.co_filename
             if is_learner_file(filename):
                 found.append(codes[frame.f_code])
                 return
-            if not (is_library_file(filename) or filename.startswith("<frozen")):
+            if not (is_library_file(filename) or filename.startswith("<frozen") or filename == STAND_IN_FILE):
                 return  # memlab's own code (a check, or a helper) made the call
             f = f.f_back
 
