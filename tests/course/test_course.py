@@ -95,11 +95,12 @@ def _as_nbval_compares(outputs: list, patterns: list[tuple[str, str]]) -> dict[s
     return dict(found)
 
 
-def test_make_test_leaves_solutions_to_the_grader():
+def test_make_test_leaves_solutions_to_the_grader(tmp_path):
     """nbval executes the lectures; the solutions execute once, in the test below."""
     import subprocess
 
-    stamp = ROOT / "Makefile"  # any existing file: set-up counts as done, the dry run shows the test's commands
+    stamp = tmp_path / "stamp"  # set-up counts as done: the dry run shows the test's own commands (never the
+    stamp.touch()               # Makefile itself as the stamp: make would remake it, recursively, even under -n)
     recipe = subprocess.run(["make", "-n", "-C", str(ROOT), "test", f"STAMP={stamp}"], capture_output=True, text=True,
                             env={k: v for k, v in __import__("os").environ.items() if k not in ("MAKEFLAGS", "MFLAGS")},
                             timeout=60).stdout
