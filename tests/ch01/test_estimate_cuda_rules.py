@@ -180,8 +180,9 @@ def test_nf4_rule_charges_only_the_dequantized_weight():
     # bitsandbytes' dequantize_4bit on CUDA: the fp32 absmax of the 16,384 blocks (64 KiB) alive while the kernel
     # writes the bf16 weight (2 MiB); then F.linear's 16 KiB output beside the weight
     assert _forward_rise(True) == 2 * 2**20 + 64 * 2**10
-    # memlab's own dequantize on a CPU trace: int64 indices, fp32 values and their scaled copy (~8+ bytes a weight)
-    assert _forward_rise(False) >= 8 * 2**20
+    # memlab's own dequantize on a CPU trace: int32 indices of the packed bytes (2 B a weight), the fp32 values
+    # (4 B a weight) and the bf16 output beside them: at least three times what bitsandbytes' kernel holds
+    assert _forward_rise(False) >= 3 * 2 * 2**20
 
 
 def test_nf4_rule_computes_what_the_layer_computes():
