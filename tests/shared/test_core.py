@@ -141,3 +141,17 @@ def test_units_module_has_no_local_copies_elsewhere():
 
     assert accounting.format_bytes is units.format_bytes
     assert validation.check_positive_int is check_positive_int
+
+
+def test_write_cache_file_is_atomic_and_silent_on_failure(tmp_path):
+    """memlab's caches write one way: whole or not at all, no temporary file left, no exception."""
+    import pickle
+
+    from memlab.core.cachefile import write_cache_file
+
+    path = tmp_path / "a" / "b" / "entry.pkl"
+    assert write_cache_file(path, {"x": 1}) is True
+    assert pickle.loads(path.read_bytes()) == {"x": 1}
+    assert write_cache_file(path, lambda: None) is False  # a lambda does not pickle: the old entry stays whole
+    assert pickle.loads(path.read_bytes()) == {"x": 1}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["entry.pkl"]

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from memlab.core.cachefile import write_cache_file
+
 if TYPE_CHECKING:  # pragma: no cover
     from memlab.estimate.model import ModelSpec
     from memlab.estimate.result import MemoryEstimate
@@ -104,14 +106,6 @@ def read(path: Path) -> MemoryEstimate | None:
 
 
 def write(path: Path, est: MemoryEstimate) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            pickle.dump(est, f)
-        os.replace(tmp, path)
-    except Exception:  # noqa: BLE001  (read-only home, unpicklable: the cache is only a speed-up)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+    """Keep ``est`` in the cache at ``path`` (:func:`memlab.core.cachefile.write_cache_file`: atomic, silent on
+    failure)."""
+    write_cache_file(path, est)

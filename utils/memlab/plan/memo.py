@@ -22,6 +22,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from memlab.core.cachefile import write_cache_file
+
 _SOURCE: list[str] = []
 
 
@@ -109,15 +111,5 @@ def save(key: str | None, result: Any, host_compared: list[int], host_budget: in
     path = _path(key) if key else None
     if path is None:
         return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            pickle.dump(dict(result=dataclasses.replace(result), host_compared=list(host_compared),
-                             host_budget=host_budget), f)
-        os.replace(tmp, path)
-    except Exception:  # noqa: BLE001
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+    write_cache_file(path, dict(result=dataclasses.replace(result), host_compared=list(host_compared),
+                                host_budget=host_budget))

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from memlab.core.cachefile import write_cache_file
 from memlab.core.vocab import Recipe
 from memlab.plan.stack import ESTIMATOR_OPTIMIZER, Stack
 
@@ -223,19 +224,8 @@ def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: 
     if est is None:
         est = _trace(cfg, stack, seq_len=seq_len, device=device, lora_r=lora_r, extrapolate=extrapolate, loss=loss)
         if path is not None:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                # the tracker (the trace's timeline, a local class) stays in memory; the numbers go to disk
-                on_disk = dataclasses.replace(est, tracker=None) if dataclasses.is_dataclass(est) else est
-                with open(tmp, "wb") as f:
-                    pickle.dump(on_disk, f)
-                os.replace(tmp, path)
-            except Exception:  # noqa: BLE001  (read-only home, unpicklable: the cache is only a speed-up)
-                try:
-                    tmp.unlink(missing_ok=True)
-                except OSError:
-                    pass
+            # the tracker (the trace's timeline, a local class) stays in memory; the numbers go to disk
+            write_cache_file(path, dataclasses.replace(est, tracker=None) if dataclasses.is_dataclass(est) else est)
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[key] = est
