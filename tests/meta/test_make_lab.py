@@ -46,7 +46,10 @@ class _Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: make, as a session leader on the pty (Ctrl-C reaches its whole group)
             os.chdir(ROOT)
-            os.environ.pop("MAKEFLAGS", None)
+            # a learner types make lab in a shell: no outer make's level or flags (under make test, MAKELEVEL=1
+            # makes this make print "make[1]: Entering directory", which a learner never sees)
+            for name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "MAKE_TERMOUT", "MAKE_TERMERR"):
+                os.environ.pop(name, None)
             os.environ["JUPYTER_PORT"] = str(port)
             os.environ["BROWSER"] = "true"  # no browser is opened (it would find none anyway)
             os.execvp(MAKE, [MAKE, "lab", f"STAMP={stamp}"])
