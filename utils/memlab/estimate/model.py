@@ -123,23 +123,80 @@ def check_overrides(cfg: Any, overrides: Mapping[str, Any], what: str) -> None:
         raise ValueError(f"config_overrides key {key!r} is not a field of {type(cfg).__name__} ({what}){hint}")
 
 
+# A model factory: a callable with a keyword parameter of one of these names builds the model at that depth
+# (decoder layers); the estimator traces it at a few small depths and extrapolates (memlab.estimate.extrapolate).
+DEPTH_PARAMETERS = ("depth", "num_layers", "n_layers", "num_hidden_layers")
+
+
+def depth_parameter(fn: Callable) -> tuple[str, Any] | None:
+    """``(name, default)`` of ``fn``'s depth parameter (one of :data:`DEPTH_PARAMETERS`, taken by keyword), its default
+    ``inspect.Parameter.empty`` when it has none; None when ``fn`` has none, or its signature cannot be read.
+
+    Raises:
+        ValueError: ``fn`` takes more than one of them (which one sets the depth is not known).
+    """
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin, a C callable: no signature to read
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    found = [(n, p.default) for n, p in sig.parameters.items() if n in DEPTH_PARAMETERS and p.kind in kinds]
+    if len(found) > 1:
+        raise ValueError(f"model={getattr(fn, '__name__', type(fn).__name__)} takes {', '.join(n for n, _ in found)}: "
+                         f"which of them sets the depth is not known; allowed: a callable with one depth parameter "
+                         f"({', '.join(DEPTH_PARAMETERS)}), or one without any (traced at full depth)")
+    return found[0] if found else None
+
+
+class _AtDepth:
+    """A model factory called with its depth parameter set: a builder of no arguments that names the factory (its
+    ``__name__`` and ``__code__``, so an untraceable builder's error points at the factory's own line)."""
+
+    def __init__(self, factory: Callable[..., nn.Module], param: str, depth: int) -> None:
+        self.factory, self.param, self.depth = factory, param, depth
+        self.__name__ = getattr(factory, "__name__", type(factory).__name__)
+        code = getattr(factory, "__code__", None)
+        if code is not None:
+            self.__code__ = code
+
+    def __call__(self) -> nn.Module:
+        return self.factory(**{self.param: self.depth})
+
+    def __repr__(self) -> str:
+        return f"{self.__name__}({self.param}={self.depth})"
+
+
 @dataclass(init=False)
 class ModelSpec:
     """What to build: a display name, and either a transformers config or a plain callable.
 
     A preset resolved without overrides keeps its name in ``preset`` and builds its transformers config on first
-    use of :attr:`config` (so an answer read from the trace cache never imports transformers)."""
+    use of :attr:`config` (so an answer read from the trace cache never imports transformers).
+
+    A model factory (a callable taking a depth parameter, :data:`DEPTH_PARAMETERS`) keeps the factory in
+    ``factory``, the parameter's name in ``depth_param`` and the full depth in ``depth``; ``fn`` builds it at that
+    depth, :meth:`at_depth` at any other, :meth:`layers` answers ``(depth_param, depth)``."""
 
     name: str
     fn: Callable[[], nn.Module] | None = None
     adapter: Any = None  # a memlab.estimate.adapters.AdapterSpec: LoRA / QLoRA built on the base (memlab.estimate.adapters)
     preset: str | None = None  # a preset of memlab.models.PRESETS, its config built when first read
     _config: Any = field(default=None, repr=False)
+    factory: Callable[..., nn.Module] | None = None  # a model factory, called with depth_param=depth
+    depth_param: str | None = None
+    depth: int | None = None
+    depth_source: str = ""  # where the full depth came from (the factory's default, config_overrides)
 
     def __init__(self, name: str, config: Any = None, fn: Callable[[], nn.Module] | None = None, adapter: Any = None,
-                 preset: str | None = None, _config: Any = None) -> None:
+                 preset: str | None = None, _config: Any = None, factory: Callable[..., nn.Module] | None = None,
+                 depth_param: str | None = None, depth: int | None = None, depth_source: str = "") -> None:
         self.name, self.fn, self.adapter, self.preset = name, fn, adapter, preset
         self._config = config if config is not None else _config
+        self.factory, self.depth_param, self.depth, self.depth_source = factory, depth_param, depth, depth_source
+        if factory is not None and fn is None:
+            self.fn = _AtDepth(factory, depth_param, depth)
 
     @property
     def config(self) -> Any:
@@ -176,7 +233,10 @@ class ModelSpec:
                      self.adapter))
 
     def layers(self) -> tuple[str, int] | None:
-        """``(the config's layer-count field, its value)``, or None for a callable or a config without one."""
+        """``(the config's layer-count field, its value)``; a model factory's ``(its depth parameter, the full
+        depth)``; None for another callable or a config without one."""
+        if self.factory is not None:
+            return self.depth_param, self.depth
         lazy = self.fields() if (self._config is None and self.preset is not None) else None  # no config built
         for f in _LAYER_FIELDS:
             if lazy is not None:
@@ -203,7 +263,11 @@ class ModelSpec:
         return True
 
     def at_depth(self, depth: int) -> "ModelSpec":
-        """The same model with ``depth`` decoder layers (the config deep-copied; per-layer lists cut to ``depth``)."""
+        """The same model with ``depth`` decoder layers (the config deep-copied; per-layer lists cut to ``depth``; a
+        model factory called with its depth parameter set to ``depth``)."""
+        if self.factory is not None:
+            return ModelSpec(self.name, factory=self.factory, depth_param=self.depth_param, depth=depth,
+                             adapter=self.adapter, depth_source=self.depth_source)
         cfg = copy.deepcopy(self.config)
         f, n = self.layers()
         setattr(cfg, f, depth)
@@ -215,7 +279,9 @@ class ModelSpec:
 
     def with_adapter(self, adapter: Any) -> "ModelSpec":
         """The same model with LoRA / QLoRA adapters (a :class:`memlab.estimate.adapters.AdapterSpec`, or None)."""
-        return ModelSpec(self.name, config=self._config, fn=self.fn, adapter=adapter, preset=self.preset)
+        return ModelSpec(self.name, config=self._config, fn=None if self.factory is not None else self.fn,
+                         adapter=adapter, preset=self.preset, factory=self.factory, depth_param=self.depth_param,
+                         depth=self.depth, depth_source=self.depth_source)
 
     def build(self, dtype: str, attn: str | None) -> nn.Module:
         """Build the model, adapters applied when the spec has them (call it inside a fake mode for a trace).
@@ -256,8 +322,10 @@ def resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> Mod
     Args:
         model: a preset of :data:`memlab.models.PRESETS`, a config.json path (or its folder), a Hub
             model id ``org/name`` (its config.json only, :mod:`memlab.estimate.hub`), a transformers config,
-            or a callable returning an ``nn.Module``.
-        config_overrides: config fields to change (not for a callable).
+            or a callable returning an ``nn.Module`` (a model factory when it takes a depth parameter, one of
+            :data:`DEPTH_PARAMETERS`: built at its default depth, or the one ``config_overrides`` gives it).
+        config_overrides: config fields to change; for a model factory only its depth parameter
+            (``{"depth": 32}``), for another callable none.
 
     Raises:
         ValueError, TypeError, FileNotFoundError: an unknown name (with the closest preset), a bad
@@ -315,13 +383,48 @@ def resolve_model(model: Any, config_overrides: Mapping[str, Any] | None) -> Mod
             f"(e.g. lambda: {type(model).__name__}(...)), so it can be built on fake tensors"
         )
     if callable(model):
-        if overrides:
-            raise ValueError("config_overrides only apply to a preset, a config.json or a transformers config")
-        return ModelSpec(getattr(model, "__name__", type(model).__name__), fn=model)
+        return _resolve_callable(model, overrides)
     raise TypeError(
         f"model={model!r} is invalid; allowed: a preset name, a config.json path, a transformers "
         f"config, or a callable returning an nn.Module"
     )
+
+
+def _resolve_callable(model: Callable, overrides: dict[str, Any]) -> ModelSpec:
+    """A callable's spec: a model factory (a depth parameter, :func:`depth_parameter`) at the depth
+    ``config_overrides`` gives it, else at its default; another callable as it is (no overrides)."""
+    import inspect
+
+    from memlab.core.validation import check_int
+    from memlab.models.presets import CONFIG_LIMITS
+
+    name = getattr(model, "__name__", type(model).__name__)
+    found = depth_parameter(model)
+    if found is None:
+        if overrides:
+            raise ValueError(f"config_overrides={overrides!r} is invalid for model={name}: config_overrides only apply to "
+                             f"a preset, a config.json, a transformers config, or a model factory's depth parameter "
+                             f"(a callable taking one of {', '.join(DEPTH_PARAMETERS)}), e.g. {{'depth': 32}}")
+        return ModelSpec(name, fn=model)
+    param, default = found
+    for key in overrides:
+        if key != param:
+            raise ValueError(f"config_overrides key {key!r} is invalid for the model factory {name}({param}=...): "
+                             f"allowed: {{{param!r}: the depth}} (its other parameters: bind them in the callable, "
+                             f"e.g. functools.partial)")
+    _, lo, hi = CONFIG_LIMITS["layers"]
+    if param in overrides:
+        depth = check_int(f"config_overrides[{param!r}]", overrides[param], minimum=lo, maximum=hi)
+        source = f"config_overrides {{{param!r}: {depth}}}"
+    elif default is inspect.Parameter.empty:
+        raise ValueError(f"model={name} takes {param!r} without a default: the full depth is not known; allowed: "
+                         f"config_overrides={{{param!r}: N}} (N decoder layers), or a default for {param!r}")
+    elif isinstance(default, int) and not isinstance(default, bool):
+        depth = check_int(f"{name}()'s default {param}", default, minimum=lo, maximum=hi)
+        source = f"its default {param}={default}"
+    else:  # a default that is not a depth (None: decided inside): the callable as it is, at full depth
+        return ModelSpec(name, fn=model)
+    return ModelSpec(name, factory=model, depth_param=param, depth=depth, depth_source=source)
 
 
 def check_positions(spec: ModelSpec, seq_len: int, allow_longer_seq: bool) -> None:
