@@ -35,6 +35,19 @@ ADAPTER_DTYPES = ("fp32", "bf16", "fp16")
 MAX_BATCH = 2**20  # sequences per step (per rank)
 MAX_SEQ_LEN = 2**20  # tokens per sequence
 MAX_WORLD_SIZE = 1024  # ranks: stage 3 traces a fake process group of this many
+MAX_GRAD_ACCUM = 2**16  # = memlab.estimate.api.MAX_GRAD_ACCUM
+
+
+def _fsdp_version(text: str) -> int:
+    """``--fsdp-version``: checked by the API's own rule (memlab.estimate.step.check_fsdp_version, torch-free), the
+    same message under the option's name."""
+    from memlab.estimate.step import check_fsdp_version
+
+    value: Any = int(text) if text.strip().isdigit() and len(text) < 30 else text
+    try:
+        return check_fsdp_version("--fsdp-version", value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -243,6 +256,15 @@ def estimate_parser() -> argparse.ArgumentParser:
                         help="data-parallel ranks: the estimate is per rank, --batch-size being one rank's batch")
     parser.add_argument("--zero-stage", type=int, choices=list(ZERO_STAGES), default=0,
                         help="0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters (FSDP)")
+    parser.add_argument("--fsdp-version", type=_fsdp_version, default=2,
+                        help="with --zero-stage 3: 2 (fully_shard, default) or 1 (FullyShardedDataParallel with its "
+                             "FULL_SHARD defaults: flat parameters, the root unit gathered through forward and "
+                             "backward, accumulation under no_sync() keeping unsharded gradients)")
+    parser.add_argument("--grad-accum", type=_bounded_int(MAX_GRAD_ACCUM), default=1,
+                        help="micro-batches of --batch-size per optimizer step (gradient accumulation)")
+    parser.add_argument("--keep-previous-outputs", action="store_true",
+                        help="the loop keeps the previous step's outputs (out = model(...), kept for logging: its "
+                             "logits) alive through the next forward")
     parser.add_argument("--adapter", choices=list(ADAPTERS), default=None,
                         help="train LoRA adapters on a frozen 16-bit base (lora) or on an NF4 base (qlora)")
     parser.add_argument("--lora-r", type=_positive_int, default=16, help="adapter rank (default 16)")

@@ -39,6 +39,10 @@ def _keywords(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
                       attn_implementation=args.attn, allow_longer_seq=args.allow_longer_seq,
                       extrapolate=not args.no_extrapolate,
                       gpu=getattr(args.gpu, "text", None) or None)  # a card or a size: the API's gpu=, named in the output
+    # the loop's settings, passed only when set (so the worst-batch and suggestion routes see them too)
+    for key, default in (("grad_accum", 1), ("fsdp_version", 2), ("keep_previous_outputs", False)):
+        if getattr(args, key) != default:
+            run_kwargs[key] = getattr(args, key)
     adapter_kw = dict(adapter=args.adapter, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                       target_modules=args.target_modules, lora_dropout=args.lora_dropout,
                       adapter_dtype=args.adapter_dtype)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: the keywords that build a step's LoRA / QLoRA adapters with ``adapter`` (not fields of StepSpec)
 ADAPTER_KEYWORDS = ("lora_r", "lora_alpha", "target_modules", "lora_dropout", "adapter_dtype")
 # what a measurement does not take: it runs one process, with no modelled rule and no modelled card
-_NOT_MEASURED = ("kernel_scratch", "world_size", "zero_stage", "gpu")
+_NOT_MEASURED = ("kernel_scratch", "world_size", "zero_stage", "gpu", "fsdp_version")
 
 # Bounds on work: past them a trace runs for minutes (each warm-up step is a whole traced step) or no real run exists.
 MAX_WARMUP_STEPS = 16  # untracked steps before the tracked one: from the second on, nothing changes
@@ -160,6 +160,12 @@ def _zero_stage(name: str, v: Any) -> None:
                                "3 (and parameters: FSDP); an int")
 
 
+def _fsdp_version(name: str, v: Any) -> None:
+    from memlab.estimate.step import check_fsdp_version  # one message for the API, make_step, StepSpec and the CLI
+
+    check_fsdp_version(name, v)
+
+
 def _extrapolate(name: str, v: Any) -> None:
     if not (v is True or v is False or v == "auto" and isinstance(v, str)):
         raise invalid(name, v, "'auto', True, False")
@@ -188,6 +194,8 @@ STEP_SCHEMA: dict[str, Callable[[str, Any], Any]] = {
     "grad_accum": _int(1, MAX_GRAD_ACCUM),
     "offload_checkpoints": check_bool,
     "optimizer_in_backward": check_bool,
+    "fsdp_version": _fsdp_version,
+    "keep_previous_outputs": check_bool,
     "lora_r": _lora_r,
     "lora_alpha": _lora_alpha,
     "target_modules": _target_modules,

@@ -1,6 +1,28 @@
 """Per rank (chapter 08): ZeRO stages 1-3 applied to a traced step (Rajbhandari et al. 2020), and
 stage 3 traced with FSDP2 itself (``fully_shard`` on fake tensors under a fake process group, as
-PyTorch's ``FSDPMemTracker`` does)."""
+PyTorch's ``FSDPMemTracker`` does) or with FSDP1 (``fsdp_version=1``: ``FullyShardedDataParallel``).
+
+FSDP1's memory, as its sources in torch 2.13 (torch/distributed/fsdp) have it, and why it differs from FSDP2's:
+
+* ``_flat_param.py`` (``FlatParamHandle``): the parameters of a unit are one flat parameter, sharded in
+  ``world_size`` chunks with the last padded (``_get_shard``: ``F.pad`` to ``chunks[0].numel()``); the
+  gathered unit is one buffer of the padded size (``_full_param_padded``), freed by resizing its storage to 0.
+* ``_runtime_utils.py`` ``_post_forward_reshard``: the root's unsharded flat parameter is not freed after the
+  forward under FULL_SHARD (only non-root units are): the root's unit (what the auto-wrap policy leaves outside the decoder layers: embedding, final
+  norm, head) stays gathered from the forward through the backward.
+* ``_runtime_utils.py`` ``_post_backward_hook``: under ``no_sync()`` (``state._sync_gradients`` False) it
+  returns before the reduce-scatter, so the flat parameter keeps its unsharded ``.grad``;
+  ``_flat_param.py`` ``prepare_gradient_for_backward`` keeps it for the next backward to accumulate into:
+  with gradient accumulation every unit's full gradient lives from the first micro-batch's backward to the
+  last one's (``FullyShardedDataParallel.no_sync``'s docstring warns of the same: full gradients, not shards,
+  accumulate until the synchronising pass). ``_should_free_in_backward`` still frees the
+  gathered parameters in backward under FULL_SHARD.
+* ``_get_reduce_scatter_tensors``: a gradient whose numel is not a multiple of ``world_size`` is padded by a
+  copy (``F.pad``) before the reduce-scatter.
+
+These are traced, not modelled: FSDP1 runs on the fake tensors (its init and collectives under the fake
+process group), tracked as FSDP2 is (storage resizes watched).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -78,10 +100,27 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
     except Exception as exc:  # FSDP2 / DTensor on fake tensors: fall back to the model of the units
         return None, f"tracing FSDP2 failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     est.world_size, est.zero_stage = world_size, 3
+    if step.fsdp_version == 1:
+        est.notes = list(est.notes) + [fsdp1_note(world_size)]
+        return est, ""
     est.notes = list(est.notes) + [
         f"per rank of {world_size}, ZeRO stage 3: traced with FSDP2 (fully_shard on every decoder layer and the "
         f"root) on fake tensors under a fake process group, as rank 0; all-gathered units counted while alive"]
     return est, ""
+
+
+def fsdp1_note(world_size: int) -> str:
+    """What an FSDP1 trace runs and what it shows (the facts read in torch/distributed/fsdp of torch 2.13)."""
+    return (f"per rank of {world_size}, ZeRO stage 3: traced with FSDP1 (FullyShardedDataParallel, an auto-wrap unit "
+            f"per decoder layer, the rest the root's unit) on fake tensors under a fake process group, as rank 0, with "
+            f"PyTorch's defaults: FULL_SHARD, backward_prefetch=BACKWARD_PRE, forward_prefetch=False, "
+            f"limit_all_gathers=True, use_orig_params=False (True with adapters), no MixedPrecision policy (the "
+            f"recipe's autocast on gathered parameters of the recipe's dtype). Each unit is one flat parameter padded "
+            f"to a multiple of {world_size} (FlatParamHandle._get_shard); the root's unit is not freed after forward "
+            f"(_post_forward_reshard frees only non-root units under FULL_SHARD), so "
+            f"embedding, final norm and head stay gathered through forward and backward; a unit's gradient is its "
+            f"flat parameter's, made whole (the views' gradients concatenated) before it is reduce-scattered; "
+            f"SHARD_GRAD_OP, HYBRID_SHARD, forward prefetch or a MixedPrecision policy are other runs (not modelled)")
 
 
 def fsdp_units(model: Any, dtype: str = "bf16-mixed", config_overrides: Mapping[str, Any] | None = None) -> tuple[int, int]:

@@ -12,8 +12,21 @@ from typing import TYPE_CHECKING
 
 from memlab.core import vocab
 from memlab.core.vocab import Recipe
-from memlab.core.validation import check_bool
+from memlab.core.validation import check_bool, invalid
 from memlab.estimate.recipes import LOSS_ALIASES, MIXED, cublas_workspace
+
+#: the FSDP implementations a ZeRO stage 3 step can be traced with: 1 (``FullyShardedDataParallel``, flat
+#: parameters) and 2 (``fully_shard``, per-parameter DTensors; the default)
+FSDP_VERSIONS = (1, 2)
+
+
+def check_fsdp_version(name: str, value: Any) -> int:
+    """``value`` if it is 1 or 2 (an int, not a bool nor a str), else the named ValueError (every route: the API,
+    make_step, a StepSpec, the CLI)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in FSDP_VERSIONS:
+        raise invalid(name, value, "1 (FSDP1: FullyShardedDataParallel, flat parameters) or 2 (FSDP2: fully_shard); "
+                                   "an int")
+    return value
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -62,7 +75,14 @@ class StepSpec:
         gpu: the target card (a name of :mod:`memlab.core.gpus`) or None: on a CUDA target its compute
             capability sets the cuBLAS workspace (:func:`memlab.estimate.recipes.cublas_workspace`).
         grad_accum: micro-batches of ``batch_size`` per optimizer step; the gradients of the first stay
-            allocated through the next (two are traced: later ones repeat the second).
+            allocated through the next (two are traced: later ones repeat the second; three under FSDP1, whose
+            micro-batches but the last run under ``no_sync()``).
+        fsdp_version: with ``zero_stage=3``, the FSDP traced: 2 (``fully_shard``, the default) or 1
+            (``FullyShardedDataParallel`` with its FULL_SHARD defaults: one flat parameter per decoder layer and
+            one for the root, gradient accumulation under ``no_sync()``; :mod:`memlab.estimate.sharding`).
+        keep_previous_outputs: the loop keeps what the previous forward returned (``out = model(...)`` kept
+            for logging: transformers' output with its logits, else the loss) until the next forward has
+            returned; traced as two consecutive steps, the first one's outputs alive through the second's forward.
     """
 
     batch_size: int
@@ -86,6 +106,8 @@ class StepSpec:
     grad_accum: int = 1
     offload_checkpoints: bool = False
     optimizer_in_backward: bool = False
+    fsdp_version: int = 2
+    keep_previous_outputs: bool = False
 
     def __post_init__(self) -> None:
         # one vocabulary (frozen: set through object)
@@ -101,6 +123,11 @@ class StepSpec:
             cublas_workspace(self.gpu, env={})  # an unknown card is refused here, named
         check_bool("offload_checkpoints", self.offload_checkpoints)
         check_bool("optimizer_in_backward", self.optimizer_in_backward)
+        check_bool("keep_previous_outputs", self.keep_previous_outputs)
+        check_fsdp_version("fsdp_version", self.fsdp_version)
+        if self.fsdp_version == 1 and self.zero_stage != 3:
+            raise ValueError(f"fsdp_version=1 is invalid with zero_stage={self.zero_stage!r}: FSDP shards the "
+                             f"parameters (ZeRO stage 3); allowed: zero_stage=3 (CLI --zero-stage 3), or fsdp_version=2")
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints=True is invalid with checkpointing=False: it keeps the inputs of "
                              "checkpointed layers on the host; allowed: checkpointing=True (CLI --checkpointing)")
@@ -127,7 +154,9 @@ class StepSpec:
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
-          step: Callable[[nn.Module, dict], torch.Tensor] | None) -> torch.Tensor:
+          step: Callable[[nn.Module, dict], torch.Tensor] | None) -> tuple[torch.Tensor, Any]:
+    """(the loss, what the forward returned to the loop: transformers' output for "hf", "chunked", "fused",
+    else the loss itself)."""
     import torch
 
     from memlab.models import lm_loss
@@ -137,10 +166,12 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: str,
         if not isinstance(out, torch.Tensor) or out.dim() != 0:
             raise TypeError(f"step={getattr(step, '__name__', step)!r} returned {type(out).__name__}"
                             f"{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}; allowed: a scalar loss tensor")
-        return out
+        return out, out
     if loss in ("hf", "chunked", "fused"):  # chunked, fused: the model's own loss replaced (enable_chunked_loss,
-        return model(input_ids=x, labels=x, use_cache=False).loss  # memlab.loss.enable)
-    return lm_loss(model, x, y)
+        outputs = model(input_ids=x, labels=x, use_cache=False)  # memlab.loss.enable)
+        return outputs.loss, outputs
+    out = lm_loss(model, x, y)
+    return out, out
 
 
 def enable_chunked_loss(model: nn.Module) -> nn.Module:
@@ -182,6 +213,8 @@ def training_step(
     loss: str = "memlab",
     step: Callable[[nn.Module, dict], torch.Tensor] | None = None,
     micro_batches: int = 1,
+    no_sync: Callable[[], Any] | None = None,
+    previous: list | None = None,
 ) -> torch.Tensor:
     """One step as :func:`estimate_training_memory` runs it: zero_grad(set_to_none), forward and
     loss (under autocast for the mixed recipes), backward, optimizer.step(). With
@@ -199,6 +232,11 @@ def training_step(
             against ``y``; ``"chunked"``: the same call on a model :func:`enable_chunked_loss` changed.
         step: your ``step(model, {"input_ids": x, "labels": x}) -> loss``; overrides ``loss``.
         micro_batches: forward/backward passes before the optimizer step (gradient accumulation).
+        no_sync: FSDP1's ``model.no_sync``: every micro-batch but the last runs under it (the gradients are
+            reduced once, in the last backward), as PyTorch's FSDP documentation shows gradient accumulation.
+        previous: the loop's variable that holds the outputs of the last forward (a list, changed in place):
+            what it holds stays alive until the next forward has returned, then that forward's outputs replace
+            it (``out = model(...)`` in a loop that keeps ``out`` for logging); None keeps nothing.
 
     Returns:
         The (last micro-batch's) loss, detached.
@@ -209,15 +247,21 @@ def training_step(
     import torch
 
     dtype = vocab.canonical_recipe(dtype, argument="dtype")
+    import contextlib
+
     optimizer.zero_grad(set_to_none=True)
-    for _ in range(micro_batches):
+    for i in range(micro_batches):
         if dtype in MIXED:
             amp = torch.bfloat16 if dtype == Recipe.BF16_MIXED else torch.float16
             with torch.autocast(device_type=x.device.type, dtype=amp):
-                out = _loss(model, x, y, loss, step)
+                out, outputs = _loss(model, x, y, loss, step)
         else:
-            out = _loss(model, x, y, loss, step)
-        (out / micro_batches if micro_batches > 1 else out).backward()
+            out, outputs = _loss(model, x, y, loss, step)
+        if previous is not None:  # the new outputs replace the previous ones only now, after the forward
+            previous[:] = [outputs]
+        del outputs
+        with no_sync() if (no_sync is not None and i < micro_batches - 1) else contextlib.nullcontext():
+            (out / micro_batches if micro_batches > 1 else out).backward()
         if micro_batches > 1:
             out = out.detach()  # what a trainer keeps of a finished micro-batch: its loss value
     optimizer.step()

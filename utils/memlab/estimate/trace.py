@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -220,18 +221,28 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
            attn_ctx: Any, softmax_rule: bool, fake: bool, per_rank: bool) -> Any:
     """Warm up (untracked), then track one step; returns the tracker."""
 
+    fsdp1 = per_rank and step.fsdp_version == 1
+    # FSDP1's no_sync: the micro-batches but the last keep their unsharded gradients; with 3 or more, the second
+    # one (no_sync, the first one's gradients already there) is traced too, later ones repeat it
+    micro = min(step.grad_accum, 3 if fsdp1 else 2)
+    no_sync = model.no_sync if (fsdp1 and micro > 1) else None
+    previous: list | None = [] if step.keep_previous_outputs else None
+
     def one_step() -> None:
         x = torch.randint(0, vocab, (step.batch_size, step.seq_len), device=s.traced_on)
         y = torch.randint(0, vocab, (step.batch_size, step.seq_len), device=s.traced_on)
         with s.cuda_rules if s.cuda_rules is not None else contextlib.nullcontext():
-            training_step(model, opt, x, y, dtype=step.dtype, loss=loss, step=s.step_fn,
-                          micro_batches=min(step.grad_accum, 2))
+            training_step(model, opt, x, y, dtype=step.dtype, loss=loss, step=s.step_fn, micro_batches=micro,
+                          no_sync=no_sync, previous=previous)
 
     unpacked = UnpackedPositions()
     # a step that keeps its own state (the optimizer in backward, a step function of yours) is warmed up by a
     # full step: zero gradients and opt.step() would leave it without the state a real step leaves
     full = step.optimizer_in_backward or s.step_fn is not None
-    with mode, attn_ctx, unpacked:
+    quiet = warnings.catch_warnings()
+    with quiet, mode, attn_ctx, unpacked:
+        if fsdp1:  # FSDP1 reads its flat parameter's data_ptr (a no-op on fake tensors, warned about every step)
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         for _ in range(step.warmup_steps):  # untracked: afterwards the optimizer state exists
             if _FAST_WARMUP and fake and not full:
                 # what a first step leaves behind is the optimizer's state (created lazily in its
@@ -250,13 +261,26 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
         with tracker:
             if log:
                 tracker.allocation_log.start((st.storage, st.category) for st in tracker.live_storages())
+            if previous is not None:  # the step before, whose outputs the loop keeps through this one's forward
+                one_step()
             one_step()
         if hook is not None:
             hook.remove()
-    if step.grad_accum > 1:
+    if step.grad_accum > 1 and fsdp1:
+        s.notes.append(f"gradient accumulation over {step.grad_accum} micro-batches of {step.batch_size} under FSDP1: "
+                       f"each but the last under model.no_sync(), which keeps every unit's UNSHARDED gradient (the "
+                       f"flat parameter's .grad, full size) until the last backward reduce-scatters it; {micro} traced"
+                       + (" (later ones repeat the second)" if step.grad_accum > micro else ""))
+    elif step.grad_accum > 1:
         s.notes.append(f"gradient accumulation over {step.grad_accum} micro-batches of {step.batch_size}: "
                        f"{min(step.grad_accum, 2)} traced (the first one's gradients stay allocated through the next "
                        f"forward and backward; later micro-batches repeat the second)")
+    if previous is not None:
+        s.notes.append("keep_previous_outputs: the loop keeps what the forward returned ("
+                       + ("transformers' output: loss and logits" if loss in ("hf", "chunked", "fused") and
+                          s.step_fn is None else "the loss")
+                       + ") until the next forward has returned; traced as two consecutive steps, the first one's "
+                         "outputs alive through the second's forward (the peak is the second's)")
     if unpacked.calls:
         s.notes.append("batch traced as unpacked: transformers cannot read fake position ids and would assume packed "
                        "sequences (a full s x s mask, K/V repeated to every head); the trace answers as a real step "
@@ -329,6 +353,25 @@ def fully_shard_layers(model: nn.Module) -> None:
         raise NoFSDPUnits(str(exc)) from None
 
 
+def fsdp1_wrap(model: nn.Module, device: str, use_orig_params: bool = False) -> nn.Module:
+    """FSDP1 as a user writes it for a decoder: ``FullyShardedDataParallel`` over the model with an auto-wrap
+    policy that makes every decoder layer a unit, the rest (embedding, final norm, head) the root's unit, all
+    its other arguments PyTorch's defaults (FULL_SHARD, BACKWARD_PRE prefetch, no forward prefetch,
+    ``limit_all_gathers=True``, ``use_orig_params=False`` unless asked). Built inside the fake mode for a trace
+    (FSDP1 makes its gathered buffers with ``torch.empty``), under the caller's process group."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    from memlab.models import NoDecoderLayersError, decoder_layers
+
+    try:
+        units = {id(layer) for layer in decoder_layers(model)}
+    except NoDecoderLayersError as exc:
+        raise NoFSDPUnits(str(exc)) from None
+    return FullyShardedDataParallel(model, auto_wrap_policy=CustomPolicy(lambda m: id(m) in units),
+                                    device_id=torch.device(device), use_orig_params=use_orig_params)
+
+
 def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_world_size: int) -> tuple:
     """(model, fake mode or nullcontext, parameter count before sharding or None, vocabulary size)."""
     if fake:
@@ -367,7 +410,14 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
         elif step.loss == "chunked" and s.step_fn is None and _is_hf_model(model):
             enable_chunked_loss(model)
         vocab = vocab_size(model)
-    n_params = None
+        n_params = None
+        if fsdp_world_size and step.fsdp_version == 1:  # inside the fake mode (FSDP1 makes tensors of its own)
+            from memlab.models import count_parameters
+
+            n_params = count_parameters(model)
+            # frozen and trained parameters in one flat parameter need use_orig_params (peft's LoRA under FSDP1)
+            model = fsdp1_wrap(model, s.traced_on, use_orig_params=spec.adapter is not None)
+            return model, mode, n_params, vocab
     if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values
         from memlab.models import count_parameters
 
@@ -382,6 +432,8 @@ def _is_hf_model(model: nn.Module) -> bool:
         return False
     from transformers import PreTrainedModel
 
+    if type(model).__name__ == "FullyShardedDataParallel":  # FSDP1's wrapper (fsdp1_wrap): the model inside
+        model = model.module
     if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
         model = model.get_base_model()
     return isinstance(model, PreTrainedModel)
