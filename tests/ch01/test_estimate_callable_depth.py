@@ -289,3 +289,16 @@ def test_a_factorys_untraceable_line_is_named():
     with pytest.raises(UntraceableBuilder, match=r"broken\(\) cannot be traced on fake tensors: .* line \d+, "
                                                  r"`m.emb.weight.data\[0, 0\].item\(\)"):
         estimate_training_memory(broken, device="cpu", **STEP)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_a_factory_under_fsdp2_extrapolates_exactly():
+    def tiny(n_layers: int = 7):
+        return TinyGPT(TinyGPTConfig(n_layer=n_layers, n_embd=32, n_head=2, vocab_size=64, block_size=32))
+
+    kw = dict(batch_size=1, seq_len=16, device="cpu", world_size=2, zero_stage=3)
+    est = estimate_training_memory(tiny, **kw)
+    full = estimate_training_memory(tiny, extrapolate=False, **kw)
+    assert est.extrapolated_from and not full.extrapolated_from and exact(est) == exact(full)
+    assert any("FSDP2 per-rank trace: the extrapolation" in n for n in est.notes)
+    assert "model factory tiny(n_layers=...)" in route_note(est)
