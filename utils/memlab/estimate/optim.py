@@ -26,6 +26,90 @@ def import_bitsandbytes():
     return bitsandbytes
 
 
+def bitsandbytes_installed() -> bool:
+    """Whether bitsandbytes can be imported, asked without importing it (``importlib.util.find_spec``: a
+    millisecond, where the import takes about 2 s). A fake trace of 8-bit AdamW needs only its state layout
+    (:class:`AdamW8bitLayout`), so it imports nothing."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("bitsandbytes") is not None
+    except (ImportError, ValueError):  # pragma: no cover - a broken install
+        return False
+
+
+# bitsandbytes' dynamic quantization maps (functional.create_dynamic_map, signed and unsigned): 256 fp32 values each
+_QMAP_SIZE = 256
+
+
+class AdamW8bitLayout(torch.optim.Optimizer):
+    """bitsandbytes' ``AdamW8bit`` as a fake trace sees it, without importing bitsandbytes: the same keywords
+    (refused as it refuses them), the same state tensors made in the same order in the first ``step()``, and an
+    update that allocates nothing (its update kernel is fused: in place on the state; on fake tensors only the
+    shapes exist). For fake traces only: it does not update the weights.
+
+    The layout, per trainable parameter of ``n`` elements, in ``Optimizer2State.init_state``'s order (bitsandbytes
+    0.45-0.50, ``optim/optimizer.py``): ``step`` (an int); below :data:`BNB_MIN_8BIT_SIZE` elements two fp32
+    moments ``state1``, ``state2`` shaped as the parameter; from it on ``state1`` (uint8, the parameter's
+    shape), ``qmap1`` (the signed dynamic map, 256 fp32, made once per optimizer and shared), ``state2`` (uint8),
+    ``qmap2`` (the unsigned map), ``absmax1`` and ``absmax2`` (fp32, one per block of :data:`BNB_BLOCKSIZE`).
+    ``tests/ch01/test_estimate_speed_paths.py`` checks it against bitsandbytes' own optimizer, state by state and
+    estimate by estimate, to the byte.
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, optim_bits: int = 32, args: Any = None,
+                 min_8bit_size: int = BNB_MIN_8BIT_SIZE, is_paged: bool = False) -> None:
+        if amsgrad:
+            raise ValueError("AdamW8bit does not support amsgrad=True")
+        if optim_bits != 32:
+            raise ValueError("AdamW8bit only supports optim_bits=32 (default value for compatibility)")
+        if is_paged:
+            raise ValueError("is_paged=True is invalid for the 8-bit AdamW layout; allowed: optimizer='paged-adamw8bit'")
+        if args is not None:
+            raise ValueError("args is invalid for the 8-bit AdamW layout of a fake trace; allowed: None")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.min_8bit_size = min_8bit_size
+        self._qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        state = self.state[p]
+        state["step"] = 0
+        if p.numel() < self.min_8bit_size:
+            state["state1"] = torch.zeros_like(p, dtype=torch.float32, device=p.device)
+            state["state2"] = torch.zeros_like(p, dtype=torch.float32, device=p.device)
+            return
+        if self._qmaps is None:  # made once per optimizer, on the first 8-bit parameter's device
+            self._qmaps = (torch.zeros(_QMAP_SIZE, dtype=torch.float32), torch.zeros(_QMAP_SIZE, dtype=torch.float32))
+        self._qmaps = (self._qmaps[0].to(p.device), self._qmaps[1].to(p.device))
+        blocks = -(-p.numel() // BNB_BLOCKSIZE)
+        state["state1"] = torch.zeros_like(p, dtype=torch.uint8, device=p.device)
+        state["qmap1"] = self._qmaps[0]
+        state["state2"] = torch.zeros_like(p, dtype=torch.uint8, device=p.device)
+        state["qmap2"] = self._qmaps[1]
+        state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+        state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if len(self.state[p]) == 0:
+                    self._init_state(p)
+                state = self.state[p]
+                state["step"] += 1
+                # bitsandbytes' fused update is one op per parameter that writes its state in place and allocates
+                # nothing: one such op here too (a step of the tracked timeline, as its kernel is one)
+                state["state1"].add_(0)
+        return loss
+
+
 def _resolve_impl(impl: str, device: str) -> str:
     if impl == "auto":
         return "foreach" if torch.device(device).type == "cuda" else "for-loop"
@@ -33,7 +117,7 @@ def _resolve_impl(impl: str, device: str) -> str:
 
 
 def make_optimizer(
-    name: str, params: Any, *, impl: str = "auto", device: str = "cpu", **kwargs: Any
+    name: str, params: Any, *, impl: str = "auto", device: str = "cpu", fake: bool = False, **kwargs: Any
 ) -> torch.optim.Optimizer:
     """The optimizer ``name`` over ``params``, given its hyper-parameters ``kwargs``.
 
@@ -41,6 +125,8 @@ def make_optimizer(
         name: one of :data:`memlab.estimate.OPTIMIZERS`, any spelling (``"adam8bit"``).
         impl: torch's implementation: "auto" is what ``torch.optim.AdamW(params)`` picks on
             ``device`` (foreach on CUDA, the for-loop on CPU), or "for-loop" / "foreach" / "fused".
+        fake: for a fake trace: ``"adamw8bit"`` is :class:`AdamW8bitLayout` (bitsandbytes' state, to the byte,
+            without importing it); otherwise bitsandbytes' own ``AdamW8bit``.
 
     Raises:
         ValueError: an unknown ``name`` or ``impl``.
@@ -49,7 +135,7 @@ def make_optimizer(
     check_choice("optimizer_impl", impl, OPTIMIZER_IMPLS)
     params = list(params)
     if name == "adamw8bit":
-        return import_bitsandbytes().optim.AdamW8bit(params, **kwargs)
+        return AdamW8bitLayout(params, **kwargs) if fake else import_bitsandbytes().optim.AdamW8bit(params, **kwargs)
     if name in ("paged-adamw32bit", "paged-adamw8bit"):
         bnb = import_bitsandbytes().optim
         return (bnb.PagedAdamW32bit if name == "paged-adamw32bit" else bnb.PagedAdamW8bit)(params, **kwargs)
@@ -174,13 +260,13 @@ def step_optimizer(params: list, step: StepSpec, name: str, target: torch.device
         from memlab.offload import optimizer_in_backward
 
         def one(ps: list) -> torch.optim.Optimizer:
-            return make_optimizer(name, ps, impl=step.optimizer_impl, device=str(target), **kwargs)
+            return make_optimizer(name, ps, impl=step.optimizer_impl, device=str(target), fake=fake, **kwargs)
 
         notes.append("optimizer in backward (memlab.offload.optimizer_in_backward): one optimizer per parameter, "
                      "stepped by a post-accumulate-grad hook and its gradient freed at once (a gradient lives in the "
                      "backward phase, counted with the activations); warmed up by a full step")
         return optimizer_in_backward(params, one), f"{impl}, per parameter in backward", {}
-    opt = make_optimizer(name, params, impl=step.optimizer_impl, device=str(target), **kwargs)
+    opt = make_optimizer(name, params, impl=step.optimizer_impl, device=str(target), fake=fake, **kwargs)
     return opt, impl, {}
 
 

@@ -92,7 +92,7 @@ def _fwd_bwd(est: MemoryEstimate) -> int:
 
 
 def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[str, Any] | None = None,
-                **run_kwargs: Any) -> list[Suggestion]:
+                jobs: int | None = None, **run_kwargs: Any) -> list[Suggestion]:
     """Techniques that lower ``base``'s peak, each with its estimated peak.
 
     Options the estimator has (checkpointing, the fused linear and the chunked cross-entropy, offloaded checkpoint
@@ -106,45 +106,81 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
 
     ``model``, ``config_overrides`` and ``run_kwargs`` (device, loss, attention, adapter settings ...) are
     what ``base`` was estimated with. The suggestions come in the order they were tried.
+
+    ``jobs``: processes that trace the rows: None (the default) is 2 where this process may run on two CPUs or more
+    and can fork (a child of this process, with everything it has imported, traces about half of the rows while
+    this one traces the rest: :func:`_traced_in_two`), else 1; 1 traces them one after another here. The rows
+    are the same either way (``tests/ch01/test_estimate_speed_paths.py``).
     """
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"jobs={jobs!r} is invalid; allowed: None (2 where two CPUs are free to this process), "
+                         f"or an int >= 1")
     common = dict(batch_size=base.batch_size, seq_len=base.seq_len, dtype=base.dtype,
                   optimizer=base.optimizer, checkpointing=base.checkpointing,
                   config_overrides=config_overrides, **run_kwargs)
-    out: list[Suggestion] = []
     extra = sum(base.extras.values())
+    todo: list[tuple[str, str, dict[str, Any]]] = []  # (technique, chapter, the change), in the order tried
 
-    def traced(technique: str, chapter: str, **change: Any) -> MemoryEstimate:
-        kw = {**common, **change}
-        est = estimate_training_memory(model, **kw)
-        out.append(Suggestion(technique, est.peak_bytes, "traced", chapter,
-                              ", ".join(f"{k}={v}" for k, v in change.items()), est.peak_phase, _fwd_bwd(est), extra,
-                              command=estimate_command(model, **kw), reserved_replay_bytes=est.reserved_replay_bytes))
-        return est
+    def want(technique: str, chapter: str, **change: Any) -> None:
+        todo.append((technique, chapter, change))
 
     if not base.checkpointing:
-        traced("gradient checkpointing", "02", checkpointing=True)
+        want("gradient checkpointing", "02", checkpointing=True)
     if base.loss in ("hf", "chunked"):  # a transformers model's loss: the logits and their fp32 copies go
-        traced("fused linear cross-entropy (logits never materialised)", "09", loss="fused")
+        want("fused linear cross-entropy (logits never materialised)", "09", loss="fused")
     if base.loss == "hf":  # the logits made a chunk of tokens at a time (memlab.loss.chunked_cross_entropy)
-        traced("chunked cross-entropy (logits a chunk of tokens at a time)", "09", loss="chunked")
+        want("chunked cross-entropy (logits a chunk of tokens at a time)", "09", loss="chunked")
     if base.checkpointing and not base.offload_checkpoints and base.device.startswith("cuda"):
-        traced("offloaded checkpoint inputs (host memory)", "09", offload_checkpoints=True)
+        want("offloaded checkpoint inputs (host memory)", "09", offload_checkpoints=True)
     if not base.optimizer_in_backward and base.optimizer != "offload-adamw" and run_kwargs.get("grad_accum", 1) == 1 \
             and base.world_size == 1 and base.zero_stage == 0:
-        traced("optimizer step in backward (no whole gradient; no accumulation)", "09", optimizer_in_backward=True)
+        want("optimizer step in backward (no whole gradient; no accumulation)", "09", optimizer_in_backward=True)
     if base.optimizer == "adamw" and base.optimizer_impl == "foreach" and base.peak_phase == "optimizer":
-        traced("fused AdamW (no foreach temporaries)", "01", optimizer_impl="fused")
+        want("fused AdamW (no foreach temporaries)", "01", optimizer_impl="fused")
     if base.optimizer == "adamw":
-        traced("8-bit AdamW (bitsandbytes)", "06", optimizer="adamw8bit")
+        want("8-bit AdamW (bitsandbytes)", "06", optimizer="adamw8bit")
     if base.dtype != Recipe.BF16_PURE:
-        traced("pure bf16 weights and AdamW state (no fp32 master copy)", "03", dtype=Recipe.BF16_PURE.value)
+        want("pure bf16 weights and AdamW state (no fp32 master copy)", "03", dtype=Recipe.BF16_PURE.value)
     if not base.checkpointing and base.optimizer == "adamw":
-        traced("gradient checkpointing + 8-bit AdamW", "02+06", checkpointing=True, optimizer="adamw8bit")
+        want("gradient checkpointing + 8-bit AdamW", "02+06", checkpointing=True, optimizer="adamw8bit")
     if base.batch_size > 1:
-        traced(f"batch size {base.batch_size // 2} (x2 gradient accumulation)", "", batch_size=base.batch_size // 2)
+        want(f"batch size {base.batch_size // 2} (x2 gradient accumulation)", "", batch_size=base.batch_size // 2)
     if base.seq_len > 1:
-        traced(f"sequence length {base.seq_len // 2}", "", seq_len=base.seq_len // 2)
+        want(f"sequence length {base.seq_len // 2}", "", seq_len=base.seq_len // 2)
+    n_before_formula = len(todo)
+    if base.adapter:
+        if base.adapter.startswith("lora"):  # the same adapters on an NF4 base (QLoRA, chapter 06)
+            want("QLoRA (the same adapters on NF4 frozen weights)", "06", adapter="qlora")
+        adapters_optional = False
+    else:
+        # LoRA / QLoRA traced (memlab.estimate.adapters): a 16-bit recipe (bf16 mixed for an fp32 run), AdamW on the
+        # adapters; skipped for a model without linear layers to adapt (a ValueError)
+        ad_kw = dict(dtype=Recipe.BF16_MIXED.value if base.dtype == Recipe.FP32 else base.dtype,
+                     optimizer="adamw" if base.optimizer == "offload-adamw" else base.optimizer, optimizer_kwargs=None)
+        want("LoRA on 16-bit frozen weights (rank 16, all linear layers)", "06", adapter="lora", **ad_kw)
+        want("QLoRA (NF4 frozen weights, rank 16, all linear layers)", "06", adapter="qlora", **ad_kw)
+        adapters_optional = True
 
+    def row(i: int) -> Suggestion:
+        technique, chapter, change = todo[i]
+        kw = {**common, **change}
+        est = estimate_training_memory(model, **kw)
+        return Suggestion(technique, est.peak_bytes, "traced", chapter, ", ".join(f"{k}={v}" for k, v in change.items()),
+                          est.peak_phase, _fwd_bwd(est), extra, command=estimate_command(model, **kw),
+                          reserved_replay_bytes=est.reserved_replay_bytes)
+
+    n_jobs = _default_jobs() if jobs is None else jobs
+    done = _traced_in_two(row, len(todo), _weights(todo)) if n_jobs >= 2 and len(todo) >= 2 else {}
+
+    def result(i: int) -> Suggestion:  # a row traced in two processes, else traced now (in the order tried)
+        if i not in done:
+            return row(i)
+        r = done[i]
+        if isinstance(r, BaseException):
+            raise r
+        return r
+
+    out: list[Suggestion] = [result(i) for i in range(n_before_formula)]
     # Formulas, from the traced breakdowns.
     P = base.n_params
     opt_at_peak = base.breakdown.get("optimizer", 0)
@@ -154,18 +190,112 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
                           max(base.peak_bytes - opt_at_peak - master, 0), "formula", "04",
                           "peak - optimizer state at peak" + (" - 2 bytes/param (fp32 weights kept as 16-bit)" if master else ""),
                           extra_bytes=extra))
-    if base.adapter:
-        if base.adapter.startswith("lora"):  # the same adapters on an NF4 base (QLoRA, chapter 06)
-            traced("QLoRA (the same adapters on NF4 frozen weights)", "06", adapter="qlora")
-        return out
-    # LoRA / QLoRA traced (memlab.estimate.adapters): a 16-bit recipe (bf16 mixed for an fp32 run), AdamW on the adapters
-    ad_kw = dict(dtype=Recipe.BF16_MIXED.value if base.dtype == Recipe.FP32 else base.dtype,
-                 optimizer="adamw" if base.optimizer == "offload-adamw" else base.optimizer, optimizer_kwargs=None)
-    try:
-        traced("LoRA on 16-bit frozen weights (rank 16, all linear layers)", "06", adapter="lora", **ad_kw)
-        traced("QLoRA (NF4 frozen weights, rank 16, all linear layers)", "06", adapter="qlora", **ad_kw)
-    except ValueError:  # a model without linear layers to adapt
-        pass
+    for i in range(n_before_formula, len(todo)):
+        try:
+            out.append(result(i))
+        except ValueError:  # a model without linear layers to adapt: LoRA (and so QLoRA) not suggested
+            if not adapters_optional:
+                raise
+            if i == n_before_formula:
+                break
     return out
 
 
+# The relative cost of a traced row (the in-process seconds of each row of `memlab estimate llama-2-7b --gpu rtx4090`,
+# a plain row 1): the adapters build and quantize more modules, the optimizer in backward runs one optimizer per tensor.
+_ROW_WEIGHTS = (("adapter", 2.5), ("optimizer_in_backward", 2.0), ("checkpointing", 1.2))
+
+
+def _weights(todo: list[tuple[str, str, dict[str, Any]]]) -> list[float]:
+    return [max([w for key, w in _ROW_WEIGHTS if change.get(key)] or [1.0]) for _, _, change in todo]
+
+
+def _default_jobs() -> int:
+    """2 where this process may run on two CPUs or more and can fork, else 1."""
+    import os
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return 2 if cpus >= 2 and hasattr(os, "fork") else 1
+
+
+def _split(weights: list[float]) -> set[int]:
+    """The rows a second process traces: the last ones, until they weigh half of all (the adapters, which share
+    first-use work such as memlab.quant's codebooks, stay together at the end)."""
+    half, mine, total = sum(weights) / 2, set(), 0.0
+    for i in reversed(range(len(weights))):
+        if total >= half or len(mine) == len(weights) - 1:
+            break
+        mine.add(i)
+        total += weights[i]
+    return mine
+
+
+def _traced_in_two(row: Any, n: int, weights: list[float]) -> dict[int, Any]:
+    """{row index: its Suggestion, or the exception it raised} for rows ``0 .. n - 1``, traced by this process and
+    a forked child at once (the child inherits every import and the warm state, so it starts in milliseconds).
+
+    The child's rows come back through a pipe, pickled; if the child fails (killed, a row that cannot be pickled),
+    its rows are left out of the answer and traced here in order by the caller, so the rows are those of one
+    process in every case."""
+    import os
+    import pickle
+    import warnings
+
+    theirs = _split(weights)
+    ours = [i for i in range(n) if i not in theirs]
+    read_fd, write_fd = os.pipe()
+    with warnings.catch_warnings():  # (Python 3.12+ warns about fork with threads: the child runs only this one)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: trace its rows, send them, exit without running the parent's exit handlers
+        code = 1
+        try:
+            os.close(read_fd)
+            got: dict[int, Any] = {}
+            for i in sorted(theirs):
+                try:
+                    got[i] = row(i)
+                except Exception as exc:  # noqa: BLE001  (raised by the parent, in the order tried)
+                    got[i] = exc
+            try:
+                data = pickle.dumps(got)
+            except Exception:  # noqa: BLE001  (an exception that does not pickle: the parent traces these rows)
+                data = pickle.dumps({})
+            with os.fdopen(write_fd, "wb") as f:
+                f.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    done: dict[int, Any] = {}
+    try:
+        for i in ours:
+            try:
+                done[i] = row(i)
+            except Exception as exc:  # noqa: BLE001
+                done[i] = exc
+        with os.fdopen(read_fd, "rb") as f:
+            data = f.read()
+        read_fd = -1
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+        if status == 0 and data:
+            try:
+                done.update(pickle.loads(data))
+            except Exception:  # noqa: BLE001  (torn: these rows are traced here)
+                pass
+    finally:
+        if read_fd >= 0:
+            os.close(read_fd)
+        if pid:  # interrupted: the child is not wanted any more
+            import signal
+
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except OSError:  # pragma: no cover - already gone
+                pass
+    return done
