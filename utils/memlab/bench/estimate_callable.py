@@ -8,8 +8,9 @@ and extrapolated), a builder of no arguments returning ``AutoModelForCausalLM.fr
 route), and the same builder with ``extrapolate=False`` (every layer traced, what a callable got before). Each is
 one ``estimate_training_memory`` call at batch 1 x ``--seq-len`` on a CUDA target (bf16-mixed, AdamW), timed in
 turns round by round (:func:`memlab.bench.interleaved_medians`). The extrapolated peaks must equal the full
-trace's to the byte. Target: each extrapolated route at least 3x faster than the full trace at 32 layers (the
-traced depths are 3, 4 and 5: 12 layers traced, against 32). The load average is printed beside the figures.
+trace's to the byte. Target: each extrapolated route at least 2x faster than the full trace at 32 layers (the
+traced depths are 3, 4 and 5: 12 layers traced against 32, at most 2.7x for the layers, less the meta builds the
+routes check the model with; the gain grows with depth). The load average is printed beside the figures.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import warnings
 from typing import Any
 
 from memlab.bench import add_strict, interleaved_medians, load_average, report_targets, table
+
+SPEED_UP = 2.0  # the target: the extrapolated routes' speed-up over the full trace
 
 
 def builders(layers: int, hidden: int, intermediate: int, vocab: int) -> dict[str, Any]:
@@ -86,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         checks.append((f"{key} route: extrapolated from {est.extrapolated_from}, its peak and every phase's breakdown "
                        f"equal to the full trace's", None, bool(est.extrapolated_from) and same))
         speed = times[next(iter(calls))] / times[[n for n, k in keys.items() if k == key][0]]
-        checks.append((f"{key} route at least 3x faster than the full trace ({speed:.1f}x)", 3.0 / speed,
-                       speed >= 3.0))
+        checks.append((f"{key} route at least {SPEED_UP}x faster than the full trace ({speed:.1f}x)",
+                       SPEED_UP / speed, speed >= SPEED_UP))
     return report_targets(checks, "cpu", strict=args.strict)
 
 
