@@ -489,9 +489,10 @@ def estimate_step(model: Any, step: "StepSpec", *, config_overrides: Mapping[str
     if step.world_size == 1 and step.zero_stage == 0:
         return est
     units = fsdp_units(model, step.dtype, config_overrides) if step.zero_stage == 3 else None
-    out = shard_estimate(est, step.world_size, step.zero_stage, units=units)
+    out = shard_estimate(est, step.world_size, step.zero_stage, units=units, fsdp_version=step.fsdp_version,
+                         grad_accum=step.grad_accum)
     if why:
-        out.notes.append(f"FSDP2 not traced ({why}): its unsharded units are modelled")
+        out.notes.append(f"FSDP{step.fsdp_version} not traced ({why}): its unsharded units are modelled")
     return out
 
 

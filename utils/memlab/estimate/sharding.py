@@ -36,7 +36,7 @@ from memlab.core.vocab import CATEGORIES, Recipe
 from memlab.estimate.model import ModelSpec, resolve_model
 from memlab.estimate.recipes import ZERO_STAGES
 from memlab.estimate.result import MemoryEstimate, PhaseSummary
-from memlab.estimate.step import StepSpec
+from memlab.estimate.step import StepSpec, check_fsdp_version
 from memlab.estimate.trace import NoFSDPUnits
 from memlab.estimate.extrapolate import estimate_one_rank
 
@@ -98,10 +98,11 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
     except (ValueError, TypeError, KeyError, FileNotFoundError):
         raise  # bad arguments: the same errors as without ZeRO
     except Exception as exc:  # FSDP2 / DTensor on fake tensors: fall back to the model of the units
-        return None, f"tracing FSDP2 failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return None, f"tracing FSDP{step.fsdp_version} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     est.world_size, est.zero_stage = world_size, 3
-    if step.fsdp_version == 1:
-        est.notes = list(est.notes) + [fsdp1_note(world_size)]
+    if step.fsdp_version == 1:  # (the extrapolation's note names FSDP2's trace; here it is FSDP1's)
+        est.notes = [n.replace("FSDP2 per-rank trace", "FSDP1 per-rank trace") for n in est.notes]
+        est.notes.append(fsdp1_note(world_size))
         return est, ""
     est.notes = list(est.notes) + [
         f"per rank of {world_size}, ZeRO stage 3: traced with FSDP2 (fully_shard on every decoder layer and the "
@@ -156,12 +157,15 @@ def fsdp_units(model: Any, dtype: str = "bf16-mixed", config_overrides: Mapping[
 
 
 def _sharder(est: MemoryEstimate, world_size: int, zero_stage: int,
-             units: tuple[int, int] | None) -> Callable[..., dict[str, int]]:
+             units: tuple[int, int] | None, fsdp_version: int = 2, grad_accum: int = 1) -> Callable[..., dict[str, int]]:
     """The function that turns one traced breakdown into one rank's, for this stage."""
     N = world_size
 
     def S(x: int) -> int:
         return -(-int(x) // N)
+
+    def padded(n: int) -> int:  # FSDP1's flat parameter of n elements, padded to a multiple of N (_get_shard)
+        return S(n) * N
 
     bds = dict(est.phase_breakdowns) or {est.peak_phase or "other": dict(est.breakdown)}
     g_full = max((bd.get("gradients", 0) for bd in bds.values()), default=0)
@@ -171,8 +175,13 @@ def _sharder(est: MemoryEstimate, world_size: int, zero_stage: int,
         if units is None:
             raise ValueError("zero_stage=3 needs units=(parameters of one decoder layer, parameters of the root)")
         layer, root = units
-        extra_fwd = (root + 2 * layer) * p_bytes
-        extra_bwd = extra_fwd + layer * p_bytes
+        if fsdp_version == 1:  # the root and the running layer (no forward prefetch); in backward also the layer
+            extra_fwd = (padded(root) + padded(layer)) * p_bytes  # prefetched (BACKWARD_PRE) and one unit's gradient
+            extra_bwd = (padded(root) + 2 * padded(layer) + padded(layer)) * p_bytes
+        else:
+            extra_fwd = (root + 2 * layer) * p_bytes
+            extra_bwd = extra_fwd + layer * p_bytes
+    no_sync = zero_stage == 3 and fsdp_version == 1 and grad_accum > 1
 
     def one(bd: Mapping[str, int], phase: str, end: bool = False) -> dict[str, int]:
         b = {k: int(bd.get(k, 0)) for k in CATEGORIES}
@@ -183,7 +192,8 @@ def _sharder(est: MemoryEstimate, world_size: int, zero_stage: int,
         elif zero_stage == 2:
             b["gradients"] = S(g_full)
         elif zero_stage == 3:
-            b["gradients"] = S(b["gradients"])
+            if not (no_sync and not end and phase != "optimizer"):  # no_sync: unsharded until the step
+                b["gradients"] = S(b["gradients"])
             b["parameters"] = S(b["parameters"])
             if not end and phase == "forward":
                 b["parameters"] += extra_fwd
@@ -219,7 +229,7 @@ def _shard_phases(est: MemoryEstimate, one: Callable[..., dict[str, int]]) -> tu
 
 
 def shard_estimate(est: MemoryEstimate, world_size: int, zero_stage: int, *,
-                   units: tuple[int, int] | None = None) -> MemoryEstimate:
+                   units: tuple[int, int] | None = None, fsdp_version: int = 2, grad_accum: int = 1) -> MemoryEstimate:
     """One rank's share of a traced single-process step (``est``, traced with the batch of one rank).
 
     Traced: every phase's bytes by category. Sharded, per Rajbhandari et al. 2020 (ZeRO), with
@@ -233,7 +243,12 @@ def shard_estimate(est: MemoryEstimate, world_size: int, zero_stage: int, *,
     * stage 3 (FSDP2; the fallback where FSDP2 cannot be traced): parameters, gradients and optimizer
       state sharded; in forward and backward the unsharded units are *modelled*: the root's
       parameters, the running layer and the one prefetched, and in backward one layer's unsharded
-      gradients, in the parameters' dtype.
+      gradients, in the parameters' dtype;
+    * stage 3 with ``fsdp_version=1`` (the fallback where FSDP1 cannot be traced): the same shards, with FSDP1's
+      units: the root's flat parameter (padded to a multiple of ``world_size``) gathered through forward and
+      backward, the running layer (no forward prefetch), in backward the layer prefetched and one unit's unsharded
+      gradient; with ``grad_accum`` > 1 the gradients stay unsharded (``no_sync``) until the optimizer step (an
+      upper bound in the last backward, which reduce-scatters unit by unit).
 
     A full trace's timeline is sharded event by event; an extrapolated estimate has only its phase peaks.
 
@@ -242,17 +257,25 @@ def shard_estimate(est: MemoryEstimate, world_size: int, zero_stage: int, *,
         world_size: the ranks.
         zero_stage: 0, 1, 2 or 3.
         units: for stage 3, (parameters of one decoder layer, of the root): :func:`fsdp_units`.
+        fsdp_version: for stage 3, 2 (FSDP2) or 1 (FSDP1).
+        grad_accum: micro-batches per step (FSDP1 keeps unsharded gradients between them).
 
     Raises:
         ValueError: a bad stage or world size, or stage 3 without ``units``.
     """
     check_zero(world_size, zero_stage, est.optimizer)
-    one = _sharder(est, world_size, zero_stage, units)
+    check_fsdp_version("fsdp_version", fsdp_version)
+    one = _sharder(est, world_size, zero_stage, units, fsdp_version, grad_accum)
     phase_bd, phases, peak, peak_phase, at_peak = _shard_phases(est, one)
+    fsdp1 = zero_stage == 3 and fsdp_version == 1
     notes = list(est.notes) + [
         f"per rank of {world_size}, ZeRO stage {zero_stage}: the single-rank trace with parameters / gradients / "
         f"optimizer state sharded by stage (memlab.estimate.shard_estimate)"
-        + ("; FSDP's unsharded units in forward/backward modelled (root + 2 layers, + 1 layer of gradients)"
+        + ("; FSDP1's unsharded units modelled (FULL_SHARD defaults: the root gathered through forward and "
+           "backward, the running layer, in backward the prefetched layer and one unit's gradient"
+           + ("; no_sync: gradients unsharded until the optimizer step, an upper bound in the last backward)"
+              if grad_accum > 1 else ")") if fsdp1 else
+           "; FSDP's unsharded units in forward/backward modelled (root + 2 layers, + 1 layer of gradients)"
            if zero_stage == 3 else "")]
     out = copy.copy(est)
     out.peak_bytes, out.breakdown, out.breakdown_end = peak, at_peak, one(est.breakdown_end, "end", end=True)
