@@ -543,8 +543,9 @@ def test_nf4_codebook_is_fp32_whatever_the_default_dtype():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("blocksize", [64, 128])
 def test_dequantize_nf4_is_the_definition_on_every_path(n, dtype, blocksize):
-    # the byte-pair table path (even counts), the row-gather path (odd counts) and the fake-tensor path
-    # (memlab.estimate's traces) all give codebook[code] * absmax rounded once to dtype
+    # the gather straight into a float32 output (even counts), through the piece buffer (odd counts, float16 and
+    # bfloat16) and the fake-tensor path (memlab.estimate's traces, shapes only) all give codebook[code] * absmax
+    # rounded once to dtype (piece boundaries: tests/ch06/test_nf4_fast.py)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     g = torch.Generator().manual_seed(n)

@@ -12,10 +12,12 @@ blocksize 64) is itself quantized to 8 bits in blocks of 256 ("double quantizati
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor  # loaded by ``import torch`` already
 
 from memlab.core.validation import check_choice, check_positive_int, invalid
 from memlab.quant.codebooks import cached_codebook
@@ -164,6 +166,22 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
     return packed, absmax
 
 
+#: NF4 dequantize on a CPU works through the weight in pieces of at most this many packed bytes (two weights
+#: each): the int32 indices and the float32 values of one piece stay in the core's caches while they are gathered,
+#: scaled and (for float16 / bfloat16) cast, instead of two whole-weight temporaries (6 B a weight) round trips
+#: through memory. Other devices take the weight in one piece.
+NF4_DEQUANT_CHUNK_BYTES = 1 << 17
+
+
+def _dequant_piece(n: int, blocksize: int, device: torch.device) -> int:
+    # weights per piece: the whole weight off the CPU, else the most whole blocks (and an even count) that fit
+    # in NF4_DEQUANT_CHUNK_BYTES bytes, at least one such unit
+    if device.type != "cpu":
+        return n
+    unit = blocksize if blocksize % 2 == 0 else 2 * blocksize  # whole blocks and whole bytes
+    return min(n, unit * max(1, 2 * NF4_DEQUANT_CHUNK_BYTES // unit))
+
+
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int] | torch.Size,
                    dtype: torch.dtype = torch.float32, blocksize: int = 64) -> torch.Tensor:
     """Inverse of :func:`quantize_nf4`: ``code[q] * absmax`` in float32, cast to ``dtype`` (float32, float16
@@ -183,24 +201,55 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     p = p if p.dtype == torch.uint8 else p.view(torch.uint8)
     if 2 * p.numel() < n:
         raise invalid("dequantize_nf4: packed bytes", p.numel(), f">= {-(-n // 2)} for shape {tuple(shape)}")
-    pairs = cached_codebook("nf4_pairs", str(p.device), absmax)
-    if n != 2 * p.numel():  # an odd count: the (bytes, 2) row gather, cut to n
-        values = pairs.index_select(0, p.long()).reshape(-1)[:n]  # (bytes, 2) -> high, low, ...
-        return _scale_back(values, absmax, blocksize).reshape(tuple(shape)).to(dtype)
-    # each byte's two float32 values as one 8-byte word: a 256-entry table gathered by a 1-d index_select
-    # (a tight loop, 4-5x the (256, 2) row gather on a CPU), int32 indices (half the bytes of int64),
-    # then every block scaled in place
-    # then every block scaled, in place, or straight into a float16 / bfloat16 output (the product is
-    # computed in float32 and rounded once on the store, as ``.to(dtype)`` of it would)
-    values = pairs.view(torch.int64).view(256).index_select(0, p.int()).view(torch.float32)
-    out = values if dtype == torch.float32 else torch.empty(n, dtype=dtype, device=values.device)
-    full = n - n % blocksize
-    absmax = absmax.float()
-    torch.mul(values[:full].view(-1, blocksize), absmax[: full // blocksize].unsqueeze(1),
-              out=out[:full].view(-1, blocksize))
-    if full < n:
-        torch.mul(values[full:], absmax[full // blocksize], out=out[full:])
+    # Each byte becomes its two float32 values (high nibble, low nibble) as one 8-byte word of a 256-entry table,
+    # gathered by a 1-d index_select with int32 indices, piece by piece (NF4_DEQUANT_CHUNK_BYTES): the bytes
+    # converted to int32 into one reused index buffer, gathered straight into a float32 output (or into one reused
+    # float32 buffer), every block scaled in place by its absmax, and a float16 / bfloat16 piece rounded once on
+    # the copy into the output (float32 product, then the cast: what ``.to(dtype)`` of the product gives).
+    # Allocated: the output, the index buffer (4 B a byte of one piece) and, unless the output is float32 with an
+    # even count, the value buffer (8 B a byte of one piece).
+    step = _dequant_piece(n, blocksize, p.device)
+    piece_bytes = (step + 1) // 2
+    out = p.new_empty(n, dtype=dtype)  # new_empty: a fake output for a fake input, in or out of the fake mode
+    idx = p.new_empty(piece_bytes, dtype=torch.int32)
+    buf = None if dtype == torch.float32 and n % 2 == 0 else p.new_empty(piece_bytes, dtype=torch.int64)
+    if isinstance(p, FakeTensor) or isinstance(absmax, FakeTensor) or p.device.type == "meta":
+        return out.reshape(tuple(shape))  # a trace (memlab.estimate): the same allocations, nothing to compute
+    table = _nf4_pair_words(str(p.device))
+    am_rows = absmax.reshape(-1, 1).float()
+    for s in range(0, n, step):
+        m = min(step, n - s)  # weights in this piece: whole blocks (and even) but for the last piece
+        nb = (m + 1) // 2  # its bytes
+        i = idx if nb == piece_bytes else idx[:nb]
+        i.copy_(p[s // 2: s // 2 + nb])
+        if buf is None:  # float32, even count: gathered straight into the output
+            vals = out if m == n else out[s: s + m]
+            torch.index_select(table, 0, i, out=vals.view(torch.int64))
+        else:
+            words = buf if nb == piece_bytes else buf[:nb]
+            torch.index_select(table, 0, i, out=words)
+            vals = words.view(torch.float32)
+            vals = vals if 2 * nb == m else vals[:m]
+        full = m - m % blocksize
+        k = s // blocksize
+        if full:
+            (vals if full == m else vals[:full]).view(-1, blocksize).mul_(am_rows[k: k + full // blocksize])
+        if full < m:  # the trailing partial block (the last piece only)
+            vals[full:].mul_(am_rows[k + full // blocksize])
+        if buf is not None:
+            (out if m == n else out[s: s + m]).copy_(vals)
     return out.reshape(tuple(shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _nf4_pair_words(device: str) -> torch.Tensor:
+    # the cached byte -> (high, low) float32 pair table seen as 256 int64 words (a view: no copy), made outside
+    # every dispatch mode, as the table itself is (a MemoryTracker never sees it)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    table = cached_codebook("nf4_pairs", device)
+    with _disable_current_modes():
+        return table.view(torch.int64).view(256)
 
 
 def _scale_back(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
