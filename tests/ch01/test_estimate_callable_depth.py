@@ -302,3 +302,18 @@ def test_a_factory_under_fsdp2_extrapolates_exactly():
     assert est.extrapolated_from and not full.extrapolated_from and exact(est) == exact(full)
     assert any("FSDP2 per-rank trace: the extrapolation" in n for n in est.notes)
     assert "model factory tiny(n_layers=...)" in route_note(est)
+
+
+def test_bench_estimate_callable_runs_and_its_routes_agree(capsys):
+    from memlab.bench import estimate_callable
+
+    assert estimate_callable.main(["--layers", "6", "--hidden", "64", "--intermediate", "128", "--vocab", "256",
+                                   "--seq-len", "16", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    for route in ("factory", "config"):
+        assert (f"TARGET MET: {route} route: extrapolated from (3, 4), its peak and every phase's breakdown equal to "
+                f"the full trace's") in out
+    assert "load average (1, 5, 15 min)" in out
+    with pytest.raises(SystemExit):
+        estimate_callable.main(["--layers", "4"])
+    assert "--layers=4 is invalid" in capsys.readouterr().err
