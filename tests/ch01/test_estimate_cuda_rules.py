@@ -181,13 +181,13 @@ def test_nf4_rule_charges_only_the_dequantized_weight():
     # writes the bf16 weight (2 MiB); then F.linear's 16 KiB output beside the weight
     assert _forward_rise(True) == 2 * 2**20 + 64 * 2**10
     # memlab's own dequantize on a CPU trace works piece by piece (issue 42): the bf16 output (2 MiB), the fp32
-    # absmax, and one piece's int32 indices (4 B a packed byte) and fp32 values (8 B a packed byte); the whole
-    # weight's 2 B + 4 B a weight of the table lookup before it are gone, so only the piece buffers stay above
-    # what bitsandbytes' kernel holds
-    from memlab.quant.blockwise import NF4_DEQUANT_CHUNK_BYTES
+    # absmax (64 KiB) and the piece buffers, int32 indices and fp32 values of 128 KiB of packed bytes (1.5 MiB, the
+    # default NF4_DEQUANT_BUFFER_BYTES); the table lookup before it held the whole weight's int32 indices and fp32
+    # values (2 B + 4 B a weight, >= 6 MiB in all), so only the piece buffers now stay above bitsandbytes' kernel
+    from memlab.quant.blockwise import NF4_DEQUANT_BUFFER_BYTES
 
-    piece = min(NF4_DEQUANT_CHUNK_BYTES, 2**19)  # a 1024 x 1024 weight is 2**19 packed bytes
-    assert _forward_rise(False) == 2 * 2**20 + 64 * 2**10 + 12 * piece
+    assert NF4_DEQUANT_BUFFER_BYTES == 3 << 19
+    assert _forward_rise(False) == 2 * 2**20 + 64 * 2**10 + (3 << 19)
     assert _forward_rise(False) > _forward_rise(True)
 
 

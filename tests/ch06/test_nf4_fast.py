@@ -18,13 +18,14 @@ _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16:
 
 
 @contextlib.contextmanager
-def _piece_bytes(k: int):
-    old = B.NF4_DEQUANT_CHUNK_BYTES
-    B.NF4_DEQUANT_CHUNK_BYTES = k
+def _budget(k: int):
+    # the piece buffers' byte budget set to ``k`` (small ones: many pieces on small weights)
+    old = B.NF4_DEQUANT_BUFFER_BYTES
+    B.NF4_DEQUANT_BUFFER_BYTES = k
     try:
         yield
     finally:
-        B.NF4_DEQUANT_CHUNK_BYTES = old
+        B.NF4_DEQUANT_BUFFER_BYTES = old
 
 
 def _previous(packed: torch.Tensor, absmax: torch.Tensor, n: int, dtype: torch.dtype, blocksize: int) -> torch.Tensor:
@@ -66,11 +67,11 @@ def _case(n: int, blocksize: int, extra: int, seed: int, scale: str) -> tuple[to
 
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 3000), blocksize=st.sampled_from([64, 128, 256, 32, 1, 2, 3, 7, 33, 100, 4096]),
-       dtype=st.sampled_from(DTYPES), piece=st.sampled_from([1, 3, 32, 50, 96, 1 << 17]),
+       dtype=st.sampled_from(DTYPES), budget=st.sampled_from([1, 12, 100, 384, 600, 1000, 3 << 19]),
        extra=st.integers(0, 2), seed=st.integers(0, 2**31 - 1), scale=st.sampled_from(["unit", "tiny", "huge", "mixed"]))
-def test_pieces_bit_identical_to_the_previous_lookup_and_the_definition(n, blocksize, dtype, piece, extra, seed, scale):
+def test_pieces_bit_identical_to_the_previous_lookup_and_the_definition(n, blocksize, dtype, budget, extra, seed, scale):
     packed, absmax = _case(n, blocksize, extra, seed, scale)
-    with _piece_bytes(piece):
+    with _budget(budget):
         got = Q.dequantize_nf4(packed, absmax, (n,), dtype, blocksize)
     assert _same_bits(got, _previous(packed, absmax, n, dtype, blocksize))
     assert _same_bits(got, _definition(packed, absmax, n, dtype, blocksize))
@@ -80,7 +81,7 @@ def test_pieces_bit_identical_to_the_previous_lookup_and_the_definition(n, block
 @pytest.mark.parametrize("shape,blocksize", [((1024, 1024), 64), ((300, 257), 128), ((4097, 65), 256), ((513, 1), 64),
                                              ((3, 5, 7), 32)], ids=str)
 def test_real_weights_at_the_default_piece_size(shape, blocksize, dtype):
-    # quantized weights, several pieces (1024 x 1024 is four at the default), partial last blocks and odd counts
+    # quantized weights, several pieces (1024 x 1024: two at float32, four else), partial last blocks, odd counts
     w = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
     packed, absmax = Q.quantize_nf4(w, blocksize)
     n = w.numel()
@@ -91,34 +92,47 @@ def test_real_weights_at_the_default_piece_size(shape, blocksize, dtype):
 
 
 def _expected_bytes(n: int, dtype: torch.dtype, blocksize: int) -> int:
-    # the output, the int32 index buffer of one piece, and the float32 pair buffer of one piece unless the
-    # float32 output (even count) takes the gather itself
+    """The output, one piece's int32 indices (4 B a packed byte) and, unless a float32 output with an even count
+    takes the gather itself, one piece's float32 values (8 B a packed byte); pieces of whole blocks and whole bytes,
+    equal but for the last, as few as keep the buffers within the budget (a piece is never below one block)."""
+    direct = dtype == torch.float32 and n % 2 == 0
+    per_byte = 4 if direct else 12
     unit = blocksize if blocksize % 2 == 0 else 2 * blocksize
-    step = min(n, unit * max(1, 2 * B.NF4_DEQUANT_CHUNK_BYTES // unit))
+    most = unit * max(1, 2 * (B.NF4_DEQUANT_BUFFER_BYTES // per_byte) // unit)
+    step = n if n <= most else -(-n // (-(-n // most) * unit)) * unit
     piece = (step + 1) // 2
-    buffer = 0 if dtype == torch.float32 and n % 2 == 0 else 8 * piece
-    return n * torch.empty(0, dtype=dtype).element_size() + 4 * piece + buffer
+    assert per_byte * piece <= max(B.NF4_DEQUANT_BUFFER_BYTES, per_byte * (unit // 2 + 1))
+    return n * torch.empty(0, dtype=dtype).element_size() + per_byte * piece
 
 
-CASES = [(1 << 20, torch.bfloat16, 64, 1 << 17), (1 << 20, torch.float32, 64, 1 << 17), (1001, torch.float32, 64, 64),
-         (1001, torch.float16, 33, 50), (4096, torch.bfloat16, 128, 1 << 17), (777, torch.float32, 7, 1)]
+CASES = [(1 << 20, torch.bfloat16, 64, 3 << 19), (1 << 20, torch.float32, 64, 3 << 19), (1001, torch.float32, 64, 700),
+         (1001, torch.float16, 33, 600), (4096, torch.bfloat16, 128, 3 << 19), (777, torch.float32, 7, 1),
+         (5000, torch.bfloat16, 64, 5000)]
 
 
-@pytest.mark.parametrize("n,dtype,blocksize,piece", CASES, ids=str)
-def test_allocates_the_output_and_two_piece_buffers(n, dtype, blocksize, piece):
+@pytest.mark.parametrize("n,dtype,blocksize,budget", CASES, ids=str)
+def test_allocates_the_output_and_two_piece_buffers(n, dtype, blocksize, budget):
     """The CPU allocator's own events (torch.profiler): the peak of a real call is the output plus one piece's
     int32 indices and float32 values, never a whole-weight temporary (the replaced lookup held 6 B a weight)."""
     from memlab.profiler import allocator_peak
 
     packed, absmax = _case(n, blocksize, 0, n, "unit")
-    with _piece_bytes(piece):
+    with _budget(budget):
         Q.dequantize_nf4(packed, absmax, (n,), dtype, blocksize)  # the cached table, built once outside
         peak, end = allocator_peak(lambda: Q.dequantize_nf4(packed, absmax, (n,), dtype, blocksize))
         assert (peak, end) == (_expected_bytes(n, dtype, blocksize), 0)
 
 
-@pytest.mark.parametrize("n,dtype,blocksize,piece", CASES, ids=str)
-def test_fake_trace_allocates_what_the_real_call_allocates(n, dtype, blocksize, piece):
+def test_default_budget_on_a_1024_square_weight():
+    # bf16: four pieces of 128 KiB packed bytes, buffers 1.5 MiB beside the 2 MiB output; fp32: two pieces of
+    # 256 KiB, the index buffer 1 MiB beside the 4 MiB output
+    assert B.NF4_DEQUANT_BUFFER_BYTES == 3 << 19
+    assert _expected_bytes(1 << 20, torch.bfloat16, 64) == (2 << 20) + (3 << 19)
+    assert _expected_bytes(1 << 20, torch.float32, 64) == (4 << 20) + (1 << 20)
+
+
+@pytest.mark.parametrize("n,dtype,blocksize,budget", CASES, ids=str)
+def test_fake_trace_allocates_what_the_real_call_allocates(n, dtype, blocksize, budget):
     """memlab.estimate traces dequantize on fake tensors without computing: its tracker peak equals the
     allocator's peak of the real call (the QLoRA estimate on a CPU equals the real step)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -126,7 +140,7 @@ def test_fake_trace_allocates_what_the_real_call_allocates(n, dtype, blocksize, 
     from memlab.profiler import MemoryTracker, allocator_peak
 
     packed, absmax = _case(n, blocksize, 0, n, "unit")
-    with _piece_bytes(piece):
+    with _budget(budget):
         Q.dequantize_nf4(packed, absmax, (n,), dtype, blocksize)
         real, _ = allocator_peak(lambda: Q.dequantize_nf4(packed, absmax, (n,), dtype, blocksize))
         with FakeTensorMode() as mode:

@@ -166,20 +166,24 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
     return packed, absmax
 
 
-#: NF4 dequantize on a CPU works through the weight in pieces of at most this many packed bytes (two weights
-#: each): the int32 indices and the float32 values of one piece stay in the core's caches while they are gathered,
-#: scaled and (for float16 / bfloat16) cast, instead of two whole-weight temporaries (6 B a weight) round trips
-#: through memory. Other devices take the weight in one piece.
-NF4_DEQUANT_CHUNK_BYTES = 1 << 17
+#: NF4 dequantize on a CPU works through the weight in pieces whose buffers (int32 indices, 4 B a packed byte, and,
+#: unless a float32 output with an even count takes the gather itself, float32 values, 8 B a packed byte) hold at
+#: most this many bytes: a piece stays in the caches while it is gathered, scaled and (float16 / bfloat16) cast,
+#: and no call allocates whole-weight temporaries (6 B a weight), which a busy allocator returns to the system
+#: and faults in again page by page on the next call. Other devices take the weight in one piece.
+NF4_DEQUANT_BUFFER_BYTES = 3 << 19  # 1.5 MiB
 
 
-def _dequant_piece(n: int, blocksize: int, device: torch.device) -> int:
-    # weights per piece: the whole weight off the CPU, else the most whole blocks (and an even count) that fit
-    # in NF4_DEQUANT_CHUNK_BYTES bytes, at least one such unit
+def _dequant_piece(n: int, blocksize: int, device: torch.device, direct: bool) -> int:
+    # weights per piece: the whole weight off the CPU; else equal pieces of whole blocks (and an even count) with
+    # buffers within NF4_DEQUANT_BUFFER_BYTES (at least one such unit)
     if device.type != "cpu":
         return n
     unit = blocksize if blocksize % 2 == 0 else 2 * blocksize  # whole blocks and whole bytes
-    return min(n, unit * max(1, 2 * NF4_DEQUANT_CHUNK_BYTES // unit))
+    most = unit * max(1, 2 * (NF4_DEQUANT_BUFFER_BYTES // (4 if direct else 12)) // unit)
+    if n <= most:
+        return n
+    return -(-n // (-(-n // most) * unit)) * unit
 
 
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[int] | torch.Size,
@@ -202,17 +206,18 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     if 2 * p.numel() < n:
         raise invalid("dequantize_nf4: packed bytes", p.numel(), f">= {-(-n // 2)} for shape {tuple(shape)}")
     # Each byte becomes its two float32 values (high nibble, low nibble) as one 8-byte word of a 256-entry table,
-    # gathered by a 1-d index_select with int32 indices, piece by piece (NF4_DEQUANT_CHUNK_BYTES): the bytes
+    # gathered by a 1-d index_select with int32 indices, piece by piece (NF4_DEQUANT_BUFFER_BYTES): the bytes
     # converted to int32 into one reused index buffer, gathered straight into a float32 output (or into one reused
     # float32 buffer), every block scaled in place by its absmax, and a float16 / bfloat16 piece rounded once on
     # the copy into the output (float32 product, then the cast: what ``.to(dtype)`` of the product gives).
     # Allocated: the output, the index buffer (4 B a byte of one piece) and, unless the output is float32 with an
     # even count, the value buffer (8 B a byte of one piece).
-    step = _dequant_piece(n, blocksize, p.device)
+    direct = dtype == torch.float32 and n % 2 == 0
+    step = _dequant_piece(n, blocksize, p.device, direct)
     piece_bytes = (step + 1) // 2
     out = p.new_empty(n, dtype=dtype)  # new_empty: a fake output for a fake input, in or out of the fake mode
     idx = p.new_empty(piece_bytes, dtype=torch.int32)
-    buf = None if dtype == torch.float32 and n % 2 == 0 else p.new_empty(piece_bytes, dtype=torch.int64)
+    buf = None if direct else p.new_empty(piece_bytes, dtype=torch.int64)
     if isinstance(p, FakeTensor) or isinstance(absmax, FakeTensor) or p.device.type == "meta":
         return out.reshape(tuple(shape))  # a trace (memlab.estimate): the same allocations, nothing to compute
     table = _nf4_pair_words(str(p.device))
