@@ -102,7 +102,7 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
     est.world_size, est.zero_stage = world_size, 3
     if step.fsdp_version == 1:  # (the extrapolation's note names FSDP2's trace; here it is FSDP1's)
         est.notes = [n.replace("FSDP2 per-rank trace", "FSDP1 per-rank trace") for n in est.notes]
-        est.notes.append(fsdp1_note(world_size))
+        est.notes.append(fsdp1_note(world_size, adapters=spec.adapter is not None))
         return est, ""
     est.notes = list(est.notes) + [
         f"per rank of {world_size}, ZeRO stage 3: traced with FSDP2 (fully_shard on every decoder layer and the "
@@ -110,8 +110,11 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
     return est, ""
 
 
-def fsdp1_note(world_size: int) -> str:
+def fsdp1_note(world_size: int, adapters: bool = False) -> str:
     """What an FSDP1 trace runs and what it shows (the facts read in torch/distributed/fsdp of torch 2.13)."""
+    frozen = ("; with adapters (use_orig_params=True) a unit holds frozen and trained weights in one flat parameter, "
+              "so its gradient before the reduce-scatter is the whole flat parameter's, frozen weights included "
+              "(FSDP1 warns of it: _wrap_utils._validate_frozen_params)") if adapters else ""
     return (f"per rank of {world_size}, ZeRO stage 3: traced with FSDP1 (FullyShardedDataParallel, an auto-wrap unit "
             f"per decoder layer, the rest the root's unit) on fake tensors under a fake process group, as rank 0, with "
             f"PyTorch's defaults: FULL_SHARD, backward_prefetch=BACKWARD_PRE, forward_prefetch=False, "
@@ -121,7 +124,8 @@ def fsdp1_note(world_size: int) -> str:
             f"(_post_forward_reshard frees only non-root units under FULL_SHARD), so "
             f"embedding, final norm and head stay gathered through forward and backward; a unit's gradient is its "
             f"flat parameter's, made whole (the views' gradients concatenated) before it is reduce-scattered; "
-            f"SHARD_GRAD_OP, HYBRID_SHARD, forward prefetch or a MixedPrecision policy are other runs (not modelled)")
+            f"SHARD_GRAD_OP, HYBRID_SHARD, forward prefetch or a MixedPrecision policy are other runs (not modelled)"
+            + frozen)
 
 
 def fsdp_units(model: Any, dtype: str = "bf16-mixed", config_overrides: Mapping[str, Any] | None = None) -> tuple[int, int]:

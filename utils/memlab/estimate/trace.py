@@ -416,7 +416,9 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
 
             n_params = count_parameters(model)
             # frozen and trained parameters in one flat parameter need use_orig_params (peft's LoRA under FSDP1)
-            model = fsdp1_wrap(model, s.traced_on, use_orig_params=spec.adapter is not None)
+            with warnings.catch_warnings():  # FSDP1 warns of mixed frozen / trained units: said in the notes
+                warnings.filterwarnings("ignore", message=".*has both parameters with requires_grad=True and False")
+                model = fsdp1_wrap(model, s.traced_on, use_orig_params=spec.adapter is not None)
             return model, mode, n_params, vocab
     if fsdp_world_size:  # outside the fake mode: building the device mesh reads real values
         from memlab.models import count_parameters
