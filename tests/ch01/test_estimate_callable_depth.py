@@ -319,11 +319,9 @@ def test_bench_estimate_callable_runs_and_its_routes_agree(capsys):
     assert "--layers=4 is invalid" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="memlab.estimate.attention.attention_plan reads the grouped KV heads from "
-                   "spec.config, which a callable's spec has not: its full trace of an fp32 GQA model for a CUDA target "
-                   "models the memory-efficient kernel where CUDA runs the math one (the config route, right); fixed "
-                   "by reading the model's own config there (the diff is in the issue-38 report)")
 def test_an_fp32_gqa_callable_for_cuda_equals_its_full_trace():
+    # attention_plan reads the grouped KV heads from the model's own config where the spec (a callable's) has none:
+    # the full trace then models the math kernel CUDA runs for fp32 GQA, as the config route does
     kw = dict(device="cuda", dtype="fp32", **STEP)
     est = estimate_training_memory(hf_llama_7, **kw)
     assert est.extrapolated_from and exact(est) == exact(estimate_training_memory(hf_llama_7, extrapolate=False, **kw))

@@ -44,7 +44,7 @@ def attention_plan(model: nn.Module, spec: ModelSpec, requested: str, dtype: str
         return f"manual (softmax materialised: b x h x s x s probabilities kept for backward{extra})", contextlib.nullcontext(), cuda
     if not cuda:
         return "sdpa on CPU (flash kernel for CPU: keeps output + logsumexp)", contextlib.nullcontext(), False
-    cfg = spec.config
+    cfg = spec.config if spec.config is not None else getattr(model, "config", None)  # a callable's: its model's
     heads = getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     gqa = bool(heads and kv and kv < heads)
