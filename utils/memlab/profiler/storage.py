@@ -67,7 +67,16 @@ def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
     then those its ``extra_state_tensors()`` method returns, if it has one (buffers kept outside
     ``state``: memlab.offload's OffloadedAdamW keeps its host gradient slots and pinned staging there).
     """
-    out = [t for st in optimizer.state.values() for t in tensors_in(st)]
+    out: list[torch.Tensor] = []
+    for st in optimizer.state.values():  # tensors_in(st) for each, its first level inlined
+        if isinstance(st, dict):
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    out.append(v)
+                elif isinstance(v, (tuple, list, dict)):
+                    tensors_in(v, 1, out)
+        else:
+            tensors_in(st, 0, out)
     extra = getattr(optimizer, "extra_state_tensors", None)
     if callable(extra):
         out += [t for t in extra() if isinstance(t, torch.Tensor)]

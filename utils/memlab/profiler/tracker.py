@@ -31,7 +31,6 @@ choice is made in C++ before the op reaches the mode. The tracker is exact for t
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -53,32 +52,38 @@ _graph_task_id = torch._C._current_graph_task_id
 _P, _G, _O, _A, _X = (CATEGORIES.index(c.value) for c in (
     Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER, Category.ACTIVATIONS, Category.OTHER))
 _FWD, _BWD, _OPT, _OTH = (PHASES.index(p.value) for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.OTHER))
+# what a new storage is, by the phase it is born in: activations in forward and backward, optimizer
+# state in the optimizer step, other otherwise
+_PHASE_CAT = [0] * len(PHASES)
+_PHASE_CAT[_FWD] = _PHASE_CAT[_BWD] = _A
+_PHASE_CAT[_OPT] = _O
+_PHASE_CAT[_OTH] = _X
+_PHASE_CAT = tuple(_PHASE_CAT)
 
 
-class _Entry:
-    """One live storage: charged bytes, category index, weak reference, its block, and ``base``,
-    the allocator bytes it held before the tracker met it (never charged)."""
+class _Entry(weakref.ref):
+    """One live storage: the weak reference to it (calling the entry gives the storage, or None
+    once it died), its key, charged bytes, category index, its block, and ``base``, the allocator
+    bytes it held before the tracker met it (never charged).
 
-    __slots__ = ("nbytes", "cat", "ref", "block", "base")
+    One object per storage, made without a Python ``__init__``, whose callback is the tracker's one
+    bound ``_free`` (no closure per storage): the tracker makes one for most ops of a step, and the
+    garbage collector runs once per 700 such objects alive."""
 
-    def __init__(self, nbytes: int, cat: int, ref: weakref.ref, block: int, base: int) -> None:
-        self.nbytes, self.cat, self.ref, self.block, self.base = nbytes, cat, ref, block, base
+    __slots__ = ("key", "nbytes", "cat", "block", "base")
 
 
-@dataclass(frozen=True)
-class _Peak:
-    total: int
-    counts: tuple[int, ...]
-    event: int
-    phase: str
-    module: str | None
+# a timeline event is _EVENT_WIDTH ints in one flat list: op index, phase index, bytes per category
+_EVENT_WIDTH = 2 + len(CATEGORIES)
 
 
 # per op, computed once from its schema: bit 1, it writes into an argument (in place or out=), so
 # it can resize a storage the tracker has not met yet and sizes are read before it runs; bit 2, it
-# may return an alias of an argument (a view, the tensor an in-place op returns). An op with neither
-# returns fresh storages only, and its arguments are never walked (most ops of a step)
-_WRITES, _ALIASES = 1, 2
+# may return an alias of an argument (a view, the tensor an in-place op returns); bit 4, the one
+# argument it writes is its first, ``self`` (``add_``, ``mul_``: the optimizer's ops), so a tracked
+# ``self`` is all it takes to know that no size needs reading before it runs. An op with neither
+# of the first two returns fresh storages only, and its arguments are never walked (most ops of a step)
+_WRITES, _ALIASES, _SELF = 1, 2, 4
 _KINDS: dict[int, int] = {}
 _KIND_OPS: list[Any] = []
 # per op that writes into arguments, the ones it writes: (position or None, name); absent: unknown, all
@@ -98,6 +103,8 @@ def _op_kind(func: Any) -> int:
             k = _WRITES if written else 0
             if written:
                 _WRITTEN[id(func)] = written
+                if written == ((0, "self"),):
+                    k |= _SELF
             if (any(r.alias_info is not None for r in schema.returns)
                     or schema.name.split("::")[-1] in _UNANNOTATED_VIEWS):
                 k |= _ALIASES
@@ -106,6 +113,25 @@ def _op_kind(func: Any) -> int:
         _KINDS[id(func)] = k
         _KIND_OPS.append(func)
     return k
+
+
+# per op: (its kind, the callable that runs it). For an OpOverload that is its ``_op``, the builtin its
+# ``__call__`` calls (one Python frame less per op); anything else (a TorchBindOpOverload, a higher-order
+# op) is called as it is
+_INFO: dict[int, tuple[int, Any]] = {}
+
+
+def _op_info(func: Any) -> tuple[int, Any]:
+    info = _INFO.get(id(func))
+    if info is None:
+        call = func
+        if type(func) is torch._ops.OpOverload and type(func).__call__ is _OVERLOAD_CALL:
+            call = getattr(func, "_op", func)
+        info = _INFO[id(func)] = (_op_kind(func), call)  # _op_kind keeps func alive, so its id stays its own
+    return info
+
+
+_OVERLOAD_CALL = torch._ops.OpOverload.__call__
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -134,6 +160,20 @@ def _arg_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     if kwargs:
         tensors_in(kwargs, 1, out)
     return out
+
+
+_CHAINS: dict[str, tuple[str, ...]] = {}
+
+
+def _chain(name: str) -> tuple[str, ...]:
+    # a module's qualified name and those of its parents, the root ("") first
+    c = _CHAINS.get(name)
+    if c is None:
+        c = (name,) if name == "" else ("",) + tuple(
+            ".".join(name.split(".")[: i + 1]) for i in range(name.count(".") + 1))
+        if len(_CHAINS) < 100_000:
+            _CHAINS[name] = c
+    return c
 
 
 class _ModuleFrames:
@@ -250,11 +290,14 @@ class _ModuleFrames:
         return hook
 
     def _pre_backward(self, name: str):
-        chain = [name] if name == "" else [""] + [".".join(name.split(".")[: i + 1]) for i in range(name.count(".") + 1)]
+        chain: Any = None  # the names from the root to this module, made at the first backward
 
         def hook(grad):
+            nonlocal chain
             if not self._active:
                 return
+            if chain is None:
+                chain = _chain(name)
             # keep the longest common prefix of the backward frames, push the rest of the chain
             base = 0
             while base < len(self.stack) and not self.stack[base][2]:
@@ -358,9 +401,12 @@ class MemoryTracker(TorchDispatchMode):
         self._total = 0
         self._phase = _OTH
         self._ops = 0
-        self._events: list[tuple] = []
+        self._events: list[int] = []  # flat: _EVENT_WIDTH ints per event
         self._dirty = True
-        self._peak = _Peak(0, (0, 0, 0, 0, 0), 0, "other", None)
+        # the peak: its total, and (bytes per category, op index, phase index, innermost module)
+        self._peak_total = 0
+        self._peak: tuple = (tuple(self._cur), 0, _OTH, None)
+        self._free_cb = self._free  # one bound method, the callback of every entry
         self._end: tuple[int, ...] | None = None
         self._frames = _ModuleFrames(lambda: self._total, self._root_forward_starts)
         self._frame_stack = self._frames.stack  # the same list, read after every op
@@ -375,6 +421,7 @@ class MemoryTracker(TorchDispatchMode):
         cls = type(self)
         self._unwrap = None if cls.counted_tensor is MemoryTracker.counted_tensor else self.counted_tensor
         self._hook = None if cls.after_op is MemoryTracker.after_op else self.after_op
+        self._slow_after = True  # _after_op in full after each op (resizes or a hook): set on entering
 
     # ------------------------------------------------------------------ the extension API
     def counted_tensor(self, t: torch.Tensor) -> torch.Tensor:
@@ -404,10 +451,10 @@ class MemoryTracker(TorchDispatchMode):
             if isinstance(storage, torch.Tensor):
                 storage = (self._unwrap(storage) if self._unwrap else storage).untyped_storage()
             e = self._live.get(storage._cdata)
-            entries = [e] if e is not None and e.ref() is storage else []
+            entries = [e] if e is not None and e() is storage else []
         change = 0
         for e in entries:
-            st = e.ref()
+            st = e()
             if st is not None:
                 change += self._resize_entry(e, st.nbytes())
         return change
@@ -416,7 +463,7 @@ class MemoryTracker(TorchDispatchMode):
         """The storages the tracker holds now, one :class:`LiveStorage` each."""
         out = []
         for key, e in list(self._live.items()):
-            st = e.ref()
+            st = e()
             if st is not None:
                 out.append(LiveStorage(key, st, e.nbytes, CATEGORIES[e.cat]))
         return out
@@ -450,7 +497,9 @@ class MemoryTracker(TorchDispatchMode):
         if block > 1:
             n = -(-n // block) * block
         b = 0 if base is None else base
-        self._live[key] = _Entry(n - b, cat, weakref.ref(st, self._make_free(key)), block, b)
+        e = _Entry(st, self._free_cb)
+        e.key, e.nbytes, e.cat, e.block, e.base = key, n - b, cat, block, b
+        self._live[key] = e
         if n != b:
             self._cur[cat] += n - b
             self._total += n - b
@@ -567,38 +616,67 @@ class MemoryTracker(TorchDispatchMode):
                 out[key] = (self.allocated_bytes(st.nbytes(), t.device), st, t.device.type)
         return out
 
-    def _make_free(self, key: int):
-        def free(ref: weakref.ref) -> None:
-            e = self._live.get(key)
-            if e is None or e.ref is not ref:
-                return
-            del self._live[key]
+    def _free(self, e: _Entry) -> None:
+        # an entry's callback: its storage died (an entry replaced under its key is no longer counted)
+        live = self._live
+        if live.get(e.key) is e:
+            del live[e.key]
             self._cur[e.cat] -= e.nbytes
             self._total -= e.nbytes
             self._dirty = True
 
-        return free
-
     def _track_state(self) -> None:
-        # label what the model and the optimizer hold right now
+        # label what the model and the optimizer hold right now: buffers, then each parameter and its
+        # gradient, then the optimizer's state (a tensor met twice is labelled by its first meeting)
         params: list[torch.Tensor] = []
         if self.model is not None:
             params.extend(self.model.parameters())
-            for b in self.model.buffers():
-                self._track(b, _P, relabel=True)
+            self._track_owned(self.model.buffers(), _P)
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 params.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
+        seen: set[int] = set()
         for p in params:
-            self._track(p, _P, relabel=True)
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            self._track_owned((p,), _P)
             if p.grad is not None:
-                self._track(p.grad, _G, relabel=True)
+                self._track_owned((p.grad,), _G)
         if self.optimizer is not None:
             self._track_optimizer(self.optimizer)
 
     def _track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        for t in optimizer_tensors(optimizer):
-            self._track(t, _O, relabel=True)
+        self._track_owned(optimizer_tensors(optimizer), _O)
+
+    def _track_owned(self, tensors: Any, cat: int) -> None:
+        # _track(t, cat, relabel=True) for each tensor, inlined (enter and exit label a few hundred)
+        live, unwrap, device_type = self._live, self._unwrap, self._device_type
+        for t in tensors:
+            if unwrap is not None:
+                t = unwrap(t)
+            try:
+                st = t.untyped_storage()
+            except (NotImplementedError, RuntimeError, TypeError):  # sparse, mkldnn, opaque subclasses
+                continue
+            key = st._cdata
+            e = live.get(key)
+            if e is None:
+                dev = t.device.type
+                if device_type is None or dev == device_type:
+                    self._new_entry(st, key, dev, cat, None)
+                continue
+            n = st.nbytes()
+            if e.block > 1:
+                n = -(-n // e.block) * e.block
+            d = n - e.base - e.nbytes
+            if d:
+                self._cur[e.cat] += d
+                self._total += d
+                e.nbytes += d
+                self._dirty = True
+            if e.base or e.cat != cat:
+                self._track(t, cat, relabel=True)
 
     # ------------------------------------------------------------------ the dispatch hook
     @classmethod
@@ -610,63 +688,83 @@ class MemoryTracker(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # _dispatch_general with two fast paths, equal to it in every count, event and peak
+        # (tests/ch01/test_tracker_fastpath.py): an op that writes only into a tracked ``self`` reads
+        # no size before it runs; one tensor out is counted here, without the general walk
         if kwargs is None:
             kwargs = {}
-        kind = _KINDS.get(id(func))
-        if kind is None:
-            kind = _op_kind(func)
-        before = self._untracked_sizes(func, args, kwargs) if kind & _WRITES else None
-        out = func(*args, **kwargs)
-        if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
-            outs: Any = (out,)
-        elif isinstance(out, (tuple, list)):
-            outs = out
-        else:  # no tensor out (e.g. the profiler's record_function ops): nothing to allocate
-            outs = ()
-        if outs or before:
-            # the phase: optimizer step > autograd engine running > the last phase started
+        info = _INFO.get(id(func))
+        if info is None:
+            info = _op_info(func)
+        kind = info[0]
+        if not kind & _WRITES:
+            before = None
+        elif kind & _SELF and self._unwrap is None and args and isinstance(args[0], torch.Tensor):
+            # _untracked_sizes of an op that writes its self only: nothing to read when self is tracked
+            try:
+                tracked = args[0].untyped_storage()._cdata in self._live
+            except (NotImplementedError, RuntimeError, TypeError):
+                tracked = True  # no storage: _untracked_sizes skips it too
+            before = {} if tracked else self._untracked_sizes(func, args, kwargs)
+        else:
+            before = self._untracked_sizes(func, args, kwargs)
+        out = info[1](*args, **kwargs)
+        if not before and self._unwrap is None and isinstance(out, torch.Tensor):
+            # one tensor out and no size read before: _count_outputs inlined
+            phase = self._phase
             if self._in_opt:
-                phase = _OPT
+                if phase != _OPT:
+                    self._set_phase(_OPT)
+                    phase = _OPT
             elif _graph_task_id() != -1:
-                phase = _BWD
-            elif self._phase == _BWD:  # the engine has finished
+                if phase != _BWD:
+                    self._set_phase(_BWD)
+                    phase = _BWD
+            elif phase == _BWD:
+                self._set_phase(_OTH)
                 phase = _OTH
-            else:
-                phase = self._phase
-            if phase != self._phase:
-                self._set_phase(phase)
-            cat = _A if (phase == _FWD or phase == _BWD) else (_O if phase == _OPT else _X)
-            if type(out) is torch.Tensor and self._unwrap is None and before is None and kind != _WRITES | _ALIASES:
-                # one plain tensor out of an op that writes nothing (most ops): _track_fresh, or a view
-                # of a storage already counted (a view never resizes it), inlined
-                try:
-                    st = out.untyped_storage()
-                except (NotImplementedError, RuntimeError, TypeError):
-                    st = None
-                if st is not None:
-                    key = st._cdata
-                    e = self._live.get(key)
-                    if e is not None:
-                        if not kind:
-                            self._resize_entry(e, st.nbytes())
-                    elif kind:
-                        self._track_outputs(func, outs, cat, args, kwargs, None)
-                    else:
-                        dev = out.device.type
-                        if self._device_type is None or dev == self._device_type:
-                            self._new_entry(st, key, dev, cat, None)
-            elif kind & _ALIASES or before:
-                self._track_outputs(func, outs, cat, args, kwargs, before)
-            else:  # fresh storages only
-                for o in outs:
-                    if isinstance(o, torch.Tensor):
-                        self._track_fresh(o, cat)
-                    elif isinstance(o, (tuple, list)):
-                        for oo in o:
-                            if isinstance(oo, torch.Tensor):
-                                self._track_fresh(oo, cat)
+            try:
+                st = out.untyped_storage()
+            except (NotImplementedError, RuntimeError, TypeError):
+                st = None
+            if st is not None:
+                key = st._cdata
+                live = self._live
+                e = live.get(key)
+                if e is not None:
+                    # a storage already counted; a view never resizes it, any other op may (_resize_entry inlined)
+                    if kind != _ALIASES:
+                        n = st.nbytes()
+                        if e.block > 1:
+                            n = -(-n // e.block) * e.block
+                        d = n - e.base - e.nbytes
+                        if d:
+                            self._cur[e.cat] += d
+                            self._total += d
+                            e.nbytes += d
+                            self._dirty = True
+                elif kind & _ALIASES:  # perhaps an alias of an argument born before tracking
+                    self._track_outputs(func, (out,), _PHASE_CAT[phase], args, kwargs, before)
+                else:  # a new storage: _new_entry inlined
+                    dev = "cpu" if type(out) is torch.Tensor and out.is_cpu else out.device.type
+                    if self._device_type is None or dev == self._device_type:
+                        block = self.block_bytes.get(dev, 1)
+                        n = st.nbytes()
+                        if block > 1:
+                            n = -(-n // block) * block
+                        cat = _PHASE_CAT[phase]
+                        e = _Entry(st, self._free_cb)
+                        e.key, e.nbytes, e.cat, e.block, e.base = key, n, cat, block, 0
+                        live[key] = e
+                        if n:
+                            self._cur[cat] += n
+                            self._total += n
+                            self._dirty = True
+        else:
+            self._count_outputs(func, kind, out, args, kwargs, before)
+            phase = self._phase
         self._ops += 1
-        if self.resizes or self._hook is not None:
+        if self._slow_after:
             self._after_op()
             return out
         # _after_op without the resizes and the hook, inlined (it runs after every op)
@@ -674,19 +772,67 @@ class MemoryTracker(TorchDispatchMode):
         frames = self._frame_stack
         if frames and total > frames[-1][1]:
             frames[-1][1] = total
-        phase = self._phase
         if total > self._phase_peak[phase]:
             if self._phase_peak[phase] < 0:
                 self._phase_order.append(phase)
             self._phase_peak[phase] = total
-            if total > self._peak.total:
-                self._peak = _Peak(total, tuple(self._cur), self._ops, PHASES[phase], self._frames.innermost)
+            if total > self._peak_total:
+                self._peak_total = total
+                self._peak = (tuple(self._cur), self._ops, phase, frames[-1][0] if frames else None)
         if self._dirty:
             if self._record:
-                c = self._cur
-                self._events.append((self._ops, phase, c[0], c[1], c[2], c[3], c[4]))
+                ev = self._events
+                ev.append(self._ops)
+                ev.append(phase)
+                ev += self._cur
             self._dirty = False
         return out
+
+    def _dispatch_general(self, func, types, args=(), kwargs=None):
+        # every op the general way, the reference of __torch_dispatch__'s fast paths (a subclass of the
+        # tests uses it as its __torch_dispatch__)
+        if kwargs is None:
+            kwargs = {}
+        kind = _op_info(func)[0]
+        before = self._untracked_sizes(func, args, kwargs) if kind & _WRITES else None
+        out = func(*args, **kwargs)
+        self._count_outputs(func, kind, out, args, kwargs, before)
+        self._ops += 1
+        self._after_op()
+        return out
+
+    def _count_outputs(self, func: Any, kind: int, out: Any, args: Any, kwargs: Any, before: dict | None) -> None:
+        # the op ran: start the phase it ran in, count its outputs (and the arguments it resized)
+        if isinstance(out, torch.Tensor):
+            outs: Any = (out,)
+        elif isinstance(out, (tuple, list)):
+            outs = out
+        else:  # no tensor out (e.g. the profiler's record_function ops): nothing to allocate
+            outs = ()
+        if not (outs or before):
+            return
+        # the phase: optimizer step > autograd engine running > the last phase started
+        if self._in_opt:
+            phase = _OPT
+        elif _graph_task_id() != -1:
+            phase = _BWD
+        elif self._phase == _BWD:  # the engine has finished
+            phase = _OTH
+        else:
+            phase = self._phase
+        if phase != self._phase:
+            self._set_phase(phase)
+        cat = _PHASE_CAT[phase]
+        if kind & _ALIASES or before:
+            self._track_outputs(func, outs, cat, args, kwargs, before)
+        else:  # fresh storages only
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    self._track_fresh(o, cat)
+                elif isinstance(o, (tuple, list)):
+                    for oo in o:
+                        if isinstance(oo, torch.Tensor):
+                            self._track_fresh(oo, cat)
 
     def _track_outputs(self, func: Any, outs: Any, cat: int, args: Any, kwargs: Any, before: dict | None) -> None:
         # the outputs of an op that may alias an argument or writes into one
@@ -718,11 +864,14 @@ class MemoryTracker(TorchDispatchMode):
             if self._phase_peak[phase] < 0:
                 self._phase_order.append(phase)
             self._phase_peak[phase] = total
-            if total > self._peak.total:
-                self._peak = _Peak(total, tuple(self._cur), self._ops, PHASES[phase], self._frames.innermost)
+            if total > self._peak_total:
+                self._peak_total = total
+                self._peak = (tuple(self._cur), self._ops, phase, frames[-1][0] if frames else None)
         if self._dirty and self._record:
-            c = self._cur
-            self._events.append((self._ops, phase, c[0], c[1], c[2], c[3], c[4]))
+            ev = self._events
+            ev.append(self._ops)
+            ev.append(phase)
+            ev += self._cur
         self._dirty = False
 
     def _set_phase(self, phase: int) -> None:
@@ -803,7 +952,7 @@ class MemoryTracker(TorchDispatchMode):
         # UntypedStorage.resize_ ran: charge the change now
         key = st._cdata
         e = self._live.get(key)
-        if e is not None and e.ref() is st:
+        if e is not None and e() is st:
             self._resize_entry(e, st.nbytes())
             return
         dev = st.device.type
@@ -815,6 +964,7 @@ class MemoryTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "MemoryTracker":
         if self._depth == 0:
+            self._slow_after = bool(self.resizes or self._hook is not None)
             self._track_state()
             self._install_hooks()
             if self.resizes:
@@ -848,7 +998,7 @@ class MemoryTracker(TorchDispatchMode):
     @property
     def peak_bytes(self) -> int:
         """Largest total of live tracked bytes seen after any op (or at enter/exit)."""
-        return self._peak.total
+        return self._peak_total
 
     @property
     def current_bytes(self) -> int:
@@ -858,17 +1008,17 @@ class MemoryTracker(TorchDispatchMode):
     @property
     def peak_phase(self) -> str:
         """The phase running at the peak."""
-        return self._peak.phase
+        return PHASES[self._peak[2]]
 
     @property
     def peak_module(self) -> str | None:
         """Qualified name of the innermost module running at the peak ("" is the model itself)."""
-        return self._peak.module
+        return self._peak[3]
 
     @property
     def peak_event(self) -> int:
         """The index of the op after which the peak was reached."""
-        return self._peak.event
+        return self._peak[1]
 
     @property
     def module_peaks(self) -> dict[str, int]:
@@ -883,13 +1033,14 @@ class MemoryTracker(TorchDispatchMode):
             ValueError: ``at`` is neither.
         """
         check_choice("at", at, BREAKDOWN_AT)
-        counts = self._peak.counts if at == "peak" else (self._end if self._end is not None else self._cur)
+        counts = self._peak[0] if at == "peak" else (self._end if self._end is not None else self._cur)
         return dict(zip(CATEGORIES, counts))
 
     @property
     def timeline(self) -> list[Event]:
         """``Event(index, phase, bytes)`` after each op that changed something (and at enter/exit)."""
-        return [Event(e[0], PHASES[e[1]], dict(zip(CATEGORIES, e[2:]))) for e in self._events]
+        ev, w = self._events, _EVENT_WIDTH
+        return [Event(ev[i], PHASES[ev[i + 1]], dict(zip(CATEGORIES, ev[i + 2:i + w]))) for i in range(0, len(ev), w)]
 
     def phase_peaks(self) -> dict[str, int]:
         """Peak total bytes in each phase that occurred, in the order the phases first occurred (kept
@@ -911,4 +1062,6 @@ class MemoryTracker(TorchDispatchMode):
         Returns:
             The Axes.
         """
-        return plot_timeline(self._events, self.peak_event, self.peak_bytes, ax=ax, title=title, unit=unit)
+        ev, w = self._events, _EVENT_WIDTH
+        events = [tuple(ev[i:i + w]) for i in range(0, len(ev), w)]
+        return plot_timeline(events, self.peak_event, self.peak_bytes, ax=ax, title=title, unit=unit)
