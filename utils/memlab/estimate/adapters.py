@@ -27,20 +27,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Callable
 
 from memlab.core import vocab
 from memlab.core.validation import check_positive_int, invalid
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
 
 __all__ = ["ADAPTERS", "ADAPTER_DTYPES", "AdapterSpec", "adapter_spec", "base_dtype", "apply_adapter",
            "warm_quant", "linear_targets"]
 
 ADAPTERS = ("lora", "qlora")
-ADAPTER_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: the adapters' dtypes by name (``ADAPTER_DTYPES``, name -> torch dtype, is made when first asked for: a step's
+#: settings are checked, and an estimate read from the trace cache, without importing torch)
+ADAPTER_DTYPE_NAMES = ("fp32", "bf16", "fp16")
 ALL_LINEAR = "all-linear"
+
+
+def _adapter_dtypes() -> dict[str, torch.dtype]:
+    if "ADAPTER_DTYPES" not in globals():
+        import torch
+
+        globals()["ADAPTER_DTYPES"] = dict(zip(ADAPTER_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
+    return globals()["ADAPTER_DTYPES"]
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: ADAPTER_DTYPES made (torch imported) when first asked for
+    if name == "ADAPTER_DTYPES":
+        return _adapter_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -126,8 +143,8 @@ def adapter_spec(adapter: str | AdapterSpec | None, *, recipe: str = "bf16-mixed
             raise invalid("target_modules", target_modules, "'all-linear' or module names such as 'q_proj,v_proj'")
     if adapter_dtype is None:
         adapter_dtype = "bf16" if vocab.recipe(recipe) == vocab.Recipe.BF16_PURE else "fp32"
-    if adapter_dtype not in ADAPTER_DTYPES:
-        raise invalid("adapter_dtype", adapter_dtype, ", ".join(map(repr, ADAPTER_DTYPES)))
+    if adapter_dtype not in ADAPTER_DTYPE_NAMES:
+        raise invalid("adapter_dtype", adapter_dtype, ", ".join(map(repr, ADAPTER_DTYPE_NAMES)))
     return AdapterSpec(adapter, lora_r, float(alpha), targets, float(lora_dropout), adapter_dtype)
 
 
@@ -142,12 +159,16 @@ def _finite(x: float) -> bool:
 def base_dtype(recipe: str) -> torch.dtype:
     """The frozen base's dtype under a training recipe, any spelling (see the module docstring): fp32 for
     "fp32", fp16 for "fp16-mixed", else bf16."""
+    import torch
+
     r = vocab.recipe(recipe)
     return {vocab.Recipe.FP16_MIXED: torch.float16, vocab.Recipe.FP32: torch.float32}.get(r, torch.bfloat16)
 
 
 def linear_targets(model: nn.Module) -> list[str]:
     """The sorted leaf names of every linear layer but the output head (peft's ``"all-linear"``)."""
+    from torch import nn
+
     from memlab.quant import Linear4bit
 
     head = _head_names(model)
@@ -171,6 +192,9 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec, recipe: str) -> nn.Module
     Raises:
         ValueError: no target found, naming the linear layers there are.
     """
+    import torch
+    from torch import nn
+
     from memlab.quant.lora import LoRALinear
     from memlab.quant import Linear4bit
 
@@ -188,7 +212,7 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec, recipe: str) -> nn.Module
         if name and name.rsplit(".", 1)[-1] in targets and isinstance(m, (nn.Linear, Linear4bit)):
             found.append(name)
             _replace(model, name, LoRALinear(m, r=spec.r, alpha=spec.alpha, dropout=spec.dropout,
-                                             dtype=ADAPTER_DTYPES[spec.dtype]))
+                                             dtype=_adapter_dtypes()[spec.dtype]))
     if not found:
         raise ValueError(f"target_modules={','.join(sorted(targets))!r} matches no linear layer of "
                          f"{type(model).__name__}; allowed: 'all-linear' or some of {', '.join(linear_targets(model))}")
@@ -211,6 +235,9 @@ def warm_quant() -> None:
     """
     global _QUANT_WARM
     if not _QUANT_WARM:
+        import torch
+        from torch import nn
+
         from memlab.quant import Linear4bit
 
         with torch.no_grad():
