@@ -91,6 +91,20 @@ def test_a_fake_8bit_optimizer_imports_no_bitsandbytes():
     assert out == ["AdamW8bitLayout", "False", "True"]
 
 
+def test_a_step_with_adapters_is_made_and_checked_without_torch():
+    code = ("import sys; from memlab.estimate.api import make_step; "
+            "s = make_step(batch_size=1, seq_len=8, adapter='qlora', lora_r=4, adapter_dtype='bf16'); "
+            "print('torch' in sys.modules, s.adapter.r, s.adapter.dtype); "
+            "from memlab.estimate import adapters; import torch; print(adapters.ADAPTER_DTYPES['bf16'] is torch.bfloat16)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "4", "bf16", "True"]
+    with pytest.raises(ValueError, match="adapter_dtype='int8' is invalid; allowed: 'fp32', 'bf16', 'fp16'"):
+        from memlab.estimate.adapters import adapter_spec
+
+        adapter_spec("lora", adapter_dtype="int8")
+
+
 CASES = [(m, dict(batch_size=2, seq_len=64, gpu="rtx4090")) for m in SMALL] + [
     ("llama-2-7b", dict(batch_size=2, seq_len=64, checkpointing=True, gpu="rtx4090")),
     ("llama-2-7b", dict(batch_size=2, seq_len=64, optimizer_in_backward=True)),
