@@ -94,7 +94,9 @@ def test_real_weights_at_the_default_piece_size(shape, blocksize, dtype):
 def _expected_bytes(n: int, dtype: torch.dtype, blocksize: int) -> int:
     """The output, one piece's int32 indices (4 B a packed byte) and, unless a float32 output with an even count
     takes the gather itself, one piece's float32 values (8 B a packed byte); pieces of whole blocks and whole bytes,
-    equal but for the last, as few as keep the buffers within the budget (a piece is never below one block)."""
+    equal but for the last, as few as keep the buffers within the budget (a piece is never below one block). A
+    weight in one piece through the value buffer holds at most indices + values, then values + output (the
+    whole-weight lookup's peak before the pieces: never more)."""
     direct = dtype == torch.float32 and n % 2 == 0
     per_byte = 4 if direct else 12
     unit = blocksize if blocksize % 2 == 0 else 2 * blocksize
@@ -102,12 +104,15 @@ def _expected_bytes(n: int, dtype: torch.dtype, blocksize: int) -> int:
     step = n if n <= most else -(-n // (-(-n // most) * unit)) * unit
     piece = (step + 1) // 2
     assert per_byte * piece <= max(B.NF4_DEQUANT_BUFFER_BYTES, per_byte * (unit // 2 + 1))
-    return n * torch.empty(0, dtype=dtype).element_size() + per_byte * piece
+    output = n * torch.empty(0, dtype=dtype).element_size()
+    if step == n and not direct:  # one piece through the value buffer: indices freed before the output comes
+        return 8 * piece + max(4 * piece, output)
+    return output + per_byte * piece
 
 
 CASES = [(1 << 20, torch.bfloat16, 64, 3 << 19), (1 << 20, torch.float32, 64, 3 << 19), (1001, torch.float32, 64, 700),
          (1001, torch.float16, 33, 600), (4096, torch.bfloat16, 128, 3 << 19), (777, torch.float32, 7, 1),
-         (5000, torch.bfloat16, 64, 5000)]
+         (5000, torch.bfloat16, 64, 5000), (4096, torch.float16, 64, 3 << 19), (4097, torch.float32, 64, 3 << 19)]
 
 
 @pytest.mark.parametrize("n,dtype,blocksize,budget", CASES, ids=str)

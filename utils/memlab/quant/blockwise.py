@@ -211,17 +211,33 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     # float32 buffer), every block scaled in place by its absmax, and a float16 / bfloat16 piece rounded once on
     # the copy into the output (float32 product, then the cast: what ``.to(dtype)`` of the product gives).
     # Allocated: the output, the index buffer (4 B a byte of one piece) and, unless the output is float32 with an
-    # even count, the value buffer (8 B a byte of one piece).
+    # even count, the value buffer (8 B a byte of one piece). A weight that is one piece and goes through the value
+    # buffer frees its indices before its output is allocated (peak: the larger of indices + values and values +
+    # output, as the whole-weight lookup before the pieces had).
     direct = dtype == torch.float32 and n % 2 == 0
     step = _dequant_piece(n, blocksize, p.device, direct)
     piece_bytes = (step + 1) // 2
-    out = p.new_empty(n, dtype=dtype)  # new_empty: a fake output for a fake input, in or out of the fake mode
+    one = step == n and not direct
+    # new_empty: fake buffers for a fake input, in or out of the fake mode
+    out = None if one else p.new_empty(n, dtype=dtype)
     idx = p.new_empty(piece_bytes, dtype=torch.int32)
     buf = None if direct else p.new_empty(piece_bytes, dtype=torch.int64)
     if isinstance(p, FakeTensor) or isinstance(absmax, FakeTensor) or p.device.type == "meta":
-        return out.reshape(tuple(shape))  # a trace (memlab.estimate): the same allocations, nothing to compute
+        if one:  # a trace (memlab.estimate): the same allocations and frees, nothing computed
+            del idx
+            out = p.new_empty(n, dtype=dtype)
+        return out.reshape(tuple(shape))
     table = _nf4_pair_words(str(p.device))
     am_rows = absmax.reshape(-1, 1).float()
+    if one:
+        idx.copy_(p[:piece_bytes])
+        torch.index_select(table, 0, idx, out=buf)
+        del idx
+        vals = buf.view(torch.float32)
+        _scale_blocks_(vals if 2 * piece_bytes == n else vals[:n], am_rows, 0, blocksize)
+        out = p.new_empty(n, dtype=dtype)
+        out.copy_(vals if 2 * piece_bytes == n else vals[:n])
+        return out.reshape(tuple(shape))
     for s in range(0, n, step):
         m = min(step, n - s)  # weights in this piece: whole blocks (and even) but for the last piece
         nb = (m + 1) // 2  # its bytes
@@ -235,15 +251,20 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
             torch.index_select(table, 0, i, out=words)
             vals = words.view(torch.float32)
             vals = vals if 2 * nb == m else vals[:m]
-        full = m - m % blocksize
-        k = s // blocksize
-        if full:
-            (vals if full == m else vals[:full]).view(-1, blocksize).mul_(am_rows[k: k + full // blocksize])
-        if full < m:  # the trailing partial block (the last piece only)
-            vals[full:].mul_(am_rows[k + full // blocksize])
+        _scale_blocks_(vals, am_rows, s // blocksize, blocksize)
         if buf is not None:
             (out if m == n else out[s: s + m]).copy_(vals)
     return out.reshape(tuple(shape))
+
+
+def _scale_blocks_(vals: torch.Tensor, am_rows: torch.Tensor, k: int, blocksize: int) -> None:
+    # ``vals`` (float32, starting at block ``k``) times each value's absmax, in place; ``am_rows``: absmax as a column
+    m = vals.numel()
+    full = m - m % blocksize
+    if full:
+        (vals if full == m else vals[:full]).view(-1, blocksize).mul_(am_rows[k: k + full // blocksize])
+    if full < m:  # the trailing partial block (the weight's last)
+        vals[full:].mul_(am_rows[k + full // blocksize])
 
 
 @functools.lru_cache(maxsize=None)
