@@ -169,8 +169,9 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
 #: NF4 dequantize on a CPU works through the weight in pieces whose buffers (int32 indices, 4 B a packed byte, and,
 #: unless a float32 output with an even count takes the gather itself, float32 values, 8 B a packed byte) hold at
 #: most this many bytes: a piece stays in the caches while it is gathered, scaled and (float16 / bfloat16) cast,
-#: and no call allocates whole-weight temporaries (6 B a weight), which a busy allocator returns to the system
-#: and faults in again page by page on the next call. Other devices take the weight in one piece.
+#: and a large weight allocates no whole-weight temporaries (the lookup before the pieces held 6 B a weight beside
+#: a float16 / bfloat16 output), which a busy allocator returns to the system and faults in again page by page on
+#: the next call. Other devices take the weight in one piece.
 NF4_DEQUANT_BUFFER_BYTES = 3 << 19  # 1.5 MiB
 
 
