@@ -39,8 +39,10 @@ Runner = Callable[[Sequence[str], str], "tuple[float, bool, float]"]
 
 def run_process(args: Sequence[str], cache_dir: str) -> tuple[float, bool, float]:
     """(wall seconds, whether it read the trace cache, CPU seconds: user + system) of ``python -m memlab estimate
-    ARGS`` in a new process with ``MEMLAB_CACHE_DIR=cache_dir``. The command runs one thread at a time, so on idle
-    cores its wall time is about its CPU time; on a busy machine the CPU time is the steadier figure.
+    ARGS`` in a new process with ``MEMLAB_CACHE_DIR=cache_dir``. The CPU time counts the process and its children:
+    the suggestions are traced in two processes where it may run on two CPUs (:func:`memlab.estimate.suggest.suggestions`),
+    so on idle cores it exceeds the wall time there; the estimate itself runs one thread, its CPU time about its wall
+    time. On a busy machine the CPU time is the steadier figure.
 
     Raises:
         RuntimeError: the command failed or printed no peak (its last lines quoted).
@@ -95,8 +97,8 @@ def report(times: dict[tuple[str, str], list[float]], cases=CASES) -> tuple[list
             what = "first run, every trace made" if m == "cold" else "repeat, read from the trace cache"
             checks.append((f"memlab estimate {' '.join(args)} ({what}): median {med[m]:.2f} s <= {target:.1f} s",
                            med[m] / target, med[m] <= target))
-    lines.append("(wall time, the targets' measure; cpu: user + system seconds of the process, about its wall time "
-                 "on idle cores)")
+    lines.append("(wall time, the targets' measure; cpu: user + system seconds of the process and its children: the "
+                 "suggestions are traced in two processes, so their cpu exceeds their wall time on idle cores)")
     return lines, checks
 
 

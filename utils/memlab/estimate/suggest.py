@@ -113,7 +113,7 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     are the same either way (``tests/ch01/test_estimate_speed_paths.py``).
     """
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise ValueError(f"jobs={jobs!r} is invalid; allowed: None (2 where two CPUs are free to this process), "
+        raise ValueError(f"jobs={jobs!r} is invalid; allowed: None (2 where this process may run on two CPUs), "
                          f"or an int >= 1")
     common = dict(batch_size=base.batch_size, seq_len=base.seq_len, dtype=base.dtype,
                   optimizer=base.optimizer, checkpointing=base.checkpointing,
