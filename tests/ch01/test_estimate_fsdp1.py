@@ -269,3 +269,11 @@ def test_fsdp1_accumulation_by_depth_equals_every_layer_traced():
     full = estimate_training_memory(cfg, **kw)
     assert (ext.peak_bytes, ext.peak_phase, ext.breakdown) == (full.peak_bytes, full.peak_phase, full.breakdown)
     assert ext.phase_peaks == full.phase_peaks
+
+
+def test_fsdp1_refuses_two_dtypes_in_one_unit_by_name():
+    """fp32 adapters on a bf16 base in one flat parameter: FSDP1 itself refuses it; memlab names the settings."""
+    with pytest.raises(ValueError, match=r"fsdp_version=1 is invalid with parameters of two dtypes.*allowed: "
+                                         r"adapter_dtype equal"):
+        estimate_training_memory(tiny_llama_config(), world_size=2, zero_stage=3, fsdp_version=1, adapter="lora",
+                                 adapter_dtype="fp32", **{**KW, "dtype": "bf16-pure"})

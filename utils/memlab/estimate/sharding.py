@@ -95,7 +95,15 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
             est = estimate_one_rank(spec, step, extrapolate, fsdp_world_size=world_size)
     except NoFSDPUnits as exc:
         return None, str(exc)
-    except (ValueError, TypeError, KeyError, FileNotFoundError):
+    except ValueError as exc:
+        if step.fsdp_version == 1 and str(exc).startswith("Must flatten tensors with uniform dtype"):
+            # (FSDP1 itself refuses it, in FlatParamHandle: a real run of these settings fails the same way)
+            raise ValueError(f"fsdp_version=1 is invalid with parameters of two dtypes in one unit ({exc}): FSDP1 "
+                             f"flattens each unit into one tensor of one dtype; allowed: adapter_dtype equal to the "
+                             f"frozen base's dtype (e.g. adapter_dtype='bf16' with dtype='bf16-pure'), or "
+                             f"fsdp_version=2") from None
+        raise  # bad arguments: the same errors as without ZeRO
+    except (TypeError, KeyError, FileNotFoundError):
         raise  # bad arguments: the same errors as without ZeRO
     except Exception as exc:  # FSDP2 / DTensor on fake tensors: fall back to the model of the units
         return None, f"tracing FSDP{step.fsdp_version} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -114,7 +122,8 @@ def fsdp1_note(world_size: int, adapters: bool = False) -> str:
     """What an FSDP1 trace runs and what it shows (the facts read in torch/distributed/fsdp of torch 2.13)."""
     frozen = ("; with adapters (use_orig_params=True) a unit holds frozen and trained weights in one flat parameter, "
               "so its gradient before the reduce-scatter is the whole flat parameter's, frozen weights included "
-              "(FSDP1 warns of it: _wrap_utils._validate_frozen_params)") if adapters else ""
+              "(FSDP1 warns of it: _wrap_utils._validate_frozen_params; peft's fsdp_auto_wrap_policy, which makes every "
+              "adapter module a unit of its own, avoids it: not what is traced here)") if adapters else ""
     return (f"per rank of {world_size}, ZeRO stage 3: traced with FSDP1 (FullyShardedDataParallel, an auto-wrap unit "
             f"per decoder layer, the rest the root's unit) on fake tensors under a fake process group, as rank 0, with "
             f"PyTorch's defaults: FULL_SHARD, backward_prefetch=BACKWARD_PRE, forward_prefetch=False, "
