@@ -28,6 +28,20 @@ and its optimizer keeps at least what d's keeps (foreach AdamW >= fused AdamW, e
 offload-adamw). So if a traced ``c`` fits, every such ``d`` fits too, untraced; its host memory is c's only when both
 offload (or neither does), so an offloading ``d`` is decided only by an offloading ``c``. The same tests
 check the order against full traces for every pair the planner can use on a small model.
+
+**Accumulation** (:func:`needs_at_least_less_kept`, :func:`accumulation_lower_bound`). The order above leaves out a
+stack ``c`` that does not accumulate (one micro-batch per step) against a ``d`` that does, however small d's
+micro-batch: d keeps its first micro-batch's gradients through the next forward and backward. That is all it
+keeps: its step is c's step (the same model, optimizer and checkpointing; c's micro-batch at least d's) run
+twice, the first pass's gradients and loss value still alive through the second (the estimator traces two
+micro-batches: :func:`memlab.estimate.step.training_step`; later ones repeat the second), then the same
+optimizer step. So c's traced tensor peak is at least d's traced tensor peak less the gradients d keeps
+(:func:`kept_gradient_bytes`: every trainable parameter's gradient, counted whatever the optimizer does with it)
+and less :data:`ACCUMULATION_SLACK` (the kept loss value and its scaled copy, scalars); c's reserved estimate is
+at least its tensor peak. With LoRA/QLoRA the kept gradients are the adapters' (160 MiB for an 8B model at
+r=16), so one traced accumulating stack that exceeds the budget rules out the same line's one-micro-batch stack
+(``mb 16x1``), whose trace costs as much as the others'. :mod:`tests.ch07.test_plan_bounds` checks the bound
+against the traced peaks of every pair it relates.
 """
 from __future__ import annotations
 
@@ -151,6 +165,41 @@ def needs_at_least(c: Stack, d: Stack, n_layers: int) -> bool:
             and (c.grad_accum > 1 or d.grad_accum == 1)
             and ckpt_set(c, n_layers) <= ckpt_set(d, n_layers)
             and _opt_ge(c.optimizer, d.optimizer))
+
+
+#: bytes left for what an accumulating step keeps besides its gradients: the first micro-batch's loss value (a
+#: detached scalar) and the scaled loss its backward starts from (a scalar), 4 B each, 512 B each as the caching
+#: allocator rounds them; 4 KiB covers both with room
+ACCUMULATION_SLACK = 4096
+
+
+def kept_gradient_bytes(stack: Stack, counts: ParamCounts, lora_r: int = 16) -> int:
+    """The gradient bytes an accumulating ``stack`` can keep between its micro-batches: one gradient per trainable
+    parameter in its dtype (the full model's under a full fine-tune, the adapters' under LoRA/QLoRA), counted
+    whatever the optimizer does with them (more than an offloaded optimizer keeps on the device: the bound that
+    subtracts them stays below); 0 for a stack that does not accumulate."""
+    from memlab.plan.stacks import adapter_dtype, weight_dtype
+
+    if stack.grad_accum <= 1:
+        return 0
+    if stack.adapter == "full":
+        return sum(counts.full) * _size(weight_dtype(stack))
+    return sum(counts.adapters) * _size(adapter_dtype(stack, lora_r))
+
+
+def needs_at_least_less_kept(c: Stack, d: Stack, n_layers: int) -> bool:
+    """True when ``c`` holds at least ``d``'s device memory less what d keeps between micro-batches
+    (:func:`accumulation_lower_bound`): the order of :func:`needs_at_least` but for accumulation, ``c`` one
+    micro-batch per step and ``d`` accumulating."""
+    return (c.grad_accum == 1 and d.grad_accum > 1 and family(c) == family(d) and c.micro_batch >= d.micro_batch
+            and ckpt_set(c, n_layers) <= ckpt_set(d, n_layers) and _opt_ge(c.optimizer, d.optimizer))
+
+
+def accumulation_lower_bound(d: Stack, d_tensor_peak: int, counts: ParamCounts, lora_r: int = 16) -> int:
+    """A lower bound of the traced tensor peak (so of the reserved estimate too) of every stack ``c`` with
+    :func:`needs_at_least_less_kept` (c, d): d's traced tensor peak less the gradients it keeps
+    (:func:`kept_gradient_bytes`) and :data:`ACCUMULATION_SLACK`."""
+    return d_tensor_peak - kept_gradient_bytes(d, counts, lora_r) - ACCUMULATION_SLACK
 
 
 def fits_by_neighbour(d: Stack, c: Stack, n_layers: int) -> bool:

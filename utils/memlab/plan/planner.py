@@ -128,8 +128,11 @@ def plan(model: Any, budget: int | str | None = None, *, batch_size: int, seq_le
     :func:`fidelity_tier` first, then by :func:`stack_cost`; ``prefer="cost"`` by the cost alone. The search
     traces as little as it can (:func:`memlab.plan.search.run_search`): a candidate whose weights, gradients and
     optimizer state alone exceed the budget (:func:`memlab.plan.bounds.lower_bound`), or that needs at least the
-    memory of a stack that did not fit, is ruled out untraced; one that needs no more than a traced stack that fits
-    is decided "fits" untraced (the pick is always traced); it stops after ``top`` stacks fit.
+    memory of a stack that did not fit (or, one micro-batch per step, that memory less the gradients an accumulating
+    stack keeps: :func:`memlab.plan.bounds.accumulation_lower_bound`), is ruled out untraced; one that needs no more
+    than a traced stack that fits is decided "fits" untraced (the pick is always traced); it stops after ``top``
+    stacks fit. On two or more CPUs a second process traces ahead the stack the search likely asks for next
+    (:mod:`memlab.plan.ahead`; ``MEMLAB_PLAN_AHEAD=0``: one process): the same rows, sooner.
 
     Args:
         model: a preset, a config.json path, a Hub model id (``org/name``: its config.json only) or a
@@ -189,7 +192,8 @@ def plan(model: Any, budget: int | str | None = None, *, batch_size: int, seq_le
                         budget=budget_bytes, budget_label=budget_label, device=device, cost_model=cost,
                         rows=_ranked(rows), notes=notes, seconds=time.perf_counter() - t0, traces=search.traces,
                         prefer=prefer, fresh=search.fresh, cached=search.cached, below=search.below,
-                        above=search.above, pruned=prune, cost_basis=_cost_basis(cost, device, given))
+                        above=search.above, pruned=prune, cost_basis=_cost_basis(cost, device, given),
+                        ahead=search.ahead_used, ahead_unused=search.ahead_unused)
     memo.save(key, result, search.host_compared, host_budget_bytes)
     return result
 

@@ -16,9 +16,10 @@ class PlanRow:
     ``status``: "traced" (estimated), "fits" (not traced: a traced stack that fits needs at least its
     memory, :func:`memlab.plan.bounds.fits_by_neighbour`; ``upper_bytes`` is that stack's peak), "exceeds" (not traced: its
     weights, gradients and optimizer state alone, ``lower_bytes``, exceed the budget, or it needs at least the memory of a
-    stack that does not fit), "dominated" (not traced: a stack of the same family needs no more memory and ranks
-    no lower) or "not needed" (not traced: ranked below the stacks found). ``stack_id`` is its place in the order
-    of the ranking key (the table's "id", which notes name as #id)."""
+    stack that does not fit, or a traced one's tensor peak less the gradients that one keeps between micro-batches,
+    :func:`memlab.plan.bounds.accumulation_lower_bound`, then ``lower_bytes``), "dominated" (not traced: a stack of the
+    same family needs no more memory and ranks no lower) or "not needed" (not traced: ranked below the stacks found).
+    ``stack_id`` is its place in the order of the ranking key (the table's "id", which notes name as #id)."""
 
     stack: Stack
     cost: float
@@ -32,8 +33,13 @@ class PlanRow:
     terms: dict[str, float] = field(default_factory=dict, repr=False)
     stack_id: int = 0  # its place in the order of the ranking key (the table's "id")
     key: tuple[int, float] = (0, 0.0)  # the ranking key: (fidelity tier, cost), or (0, cost) with prefer="cost"
-    lower_bytes: int | None = None  # weights + gradients + optimizer state (memlab.plan.bounds.lower_bound), if computed
+    # weights + gradients + optimizer state (memlab.plan.bounds.lower_bound), if computed; or the larger accumulation
+    # bound that decided the row (memlab.plan.bounds.accumulation_lower_bound)
+    lower_bytes: int | None = None
     upper_bytes: int | None = None  # status "fits": the peak of the traced stack that needs at least its memory
+    # status "traced": the traced tensor peak (on a CUDA target below ``peak_bytes``, the reserved estimate), which
+    # memlab.plan.bounds.accumulation_lower_bound starts from
+    tensor_peak_bytes: int | None = None
 
 
 
@@ -59,7 +65,9 @@ class PlanResult:
     ``traces``: stacks estimated, ``fresh`` of them traced now and ``cached`` read from the trace cache;
     ``below`` / ``above``: stacks decided untraced by the lower bound / by a traced neighbour that fits;
     ``pruned``: False for the exhaustive planner (``plan(prune=False)``); ``cost_basis``: whose constants the
-    relative costs use; ``remembered``: the whole plan was read from the plan cache (:mod:`memlab.plan.memo`)."""
+    relative costs use; ``remembered``: the whole plan was read from the plan cache (:mod:`memlab.plan.memo`);
+    ``ahead``: of the ``fresh`` traces, those made ahead, two at a time (:mod:`memlab.plan.ahead`), ``ahead_unused``:
+    traces made ahead that the search never asked for (not in ``traces``)."""
 
     model: str
     n_params: int
@@ -81,6 +89,8 @@ class PlanResult:
     pruned: bool = True
     cost_basis: str = ""
     remembered: bool = False
+    ahead: int = 0
+    ahead_unused: int = 0
 
     @property
     def pick(self) -> PlanRow | None:
@@ -120,8 +130,12 @@ class PlanResult:
                    f"offloaded optimizer's host buffers), {self.above} decided to fit by a traced stack that needs at least "
                    f"their memory" if self.pruned else "exhaustive: no bound, no early stop")
         memo = "; the plan read whole from the plan cache" if self.remembered else ""
+        ahead = ""
+        if (self.ahead or self.ahead_unused) and not self.remembered:
+            ahead = (f"; {self.ahead} of the traces made ahead, two at a time (and {self.ahead_unused} made ahead not "
+                     f"needed)")
         return (f"{len(self.rows)} candidates: {self.fresh} stacks traced on fake tensors, {self.cached} read from the "
-                f"trace cache; {decided}{memo}; {self.seconds:.1f} s")
+                f"trace cache; {decided}{memo}{ahead}; {self.seconds:.1f} s")
 
     def legend(self) -> list[str]:
         """One line per column of :meth:`table`, saying what it shows."""
@@ -134,7 +148,8 @@ class PlanResult:
             "[chapter 09: 'fused loss', 'opt-in-bwd'] 'mb MxA': micro-batches of M sequences, A accumulated per "
             "optimizer step (M x A = the effective batch)",
             f"peak       {peak}, compared with the budget; '<= X': not traced, at most the peak X of a traced stack that "
-            "fits; '>= X': not traced, its weights + gradients + optimizer state alone",
+            "fits; '>= X': not traced, at least X: its weights + gradients + optimizer state alone, or a traced stack's peak "
+            "less the gradients that stack keeps between micro-batches",
             "fits       yes / no within the budget; '?': not decided (not needed, or never better than a stack above)",
             f"rel. cost  seconds per optimizer step / the ideal 16-bit forward + backward of the effective batch at the "
             f"cost model's MFU ({self.cost_basis or self.cost_model.name}); compares stacks, not a measurement",

@@ -4,10 +4,12 @@ as it can, cheapest first, until ``top`` fit: rule out by the bounds and the mem
 micro-batches where a prediction from its traced peaks points."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from memlab.core.units import format_bytes
-from memlab.plan.bounds import ckpt_set, family, fits_by_neighbour, host_lower_bound, lower_bound, needs_at_least
+from memlab.plan.bounds import (accumulation_lower_bound, ckpt_set, family, fits_by_neighbour, host_lower_bound,
+                                lower_bound, needs_at_least, needs_at_least_less_kept)
 from memlab.plan.result import PlanRow
 from memlab.plan.stack import (ALLOWED_VALUES, DEFAULT_ALLOW, Stack, canonical_in_backward,
                                canonical_precision, canonical_stack_optimizer)
@@ -168,6 +170,14 @@ class Search:
         self.fitted: list[PlanRow] = []
         self.traces = self.fresh = self.cached = self.below = self.above = 0
         self.host_compared: list[int] = []  # every host size compared with host_budget (memlab.plan.memo)
+        # tracing ahead (memlab.plan.ahead; run_search sets it up): the child process, the estimates the search has
+        # (by stack), those traced ahead and not asked for yet, the rows as the search started (for next_after)
+        self.ahead: Any = None
+        self.estimates: dict[Stack, Any] = {}
+        self.spare: dict[Stack, tuple[Any, str]] = {}
+        self.ahead_used = self.ahead_unused = 0
+        self._start: list[PlanRow] = []
+        self._top = 0
 
     def lower(self, r: PlanRow) -> int | None:
         """``r``'s lower bound in bytes (None without ``counts``), kept in ``r.lower_bytes``."""
@@ -202,15 +212,20 @@ class Search:
         with ``prune``, a stack whose lower bound exceeds the budget is recorded as not fitting, untraced."""
         if self._below(r):
             return
-        origin: list[str] = []
-        est = cached_estimate(self.name, self.cfg, r.stack, **self.kw, origin=origin)
+        est, origin = self._estimate(r.stack)
         self.traces += 1
-        if origin == ["traced"]:
+        if origin == "traced":
             self.fresh += 1
         else:
             self.cached += 1
+        self._record(r, est)
+
+    def _record(self, r: PlanRow, est: Any) -> None:
+        # a traced estimate's peak and fit in r
+        self.estimates[r.stack] = est
         need = est.reserved_bytes if self.device == "cuda" else est.peak_bytes
         r.peak_bytes, r.fits, r.status = int(need), need <= self.budget, "traced"
+        r.tensor_peak_bytes = int(est.peak_bytes)
         r.host_bytes, r.phase = est.host_bytes, est.peak_phase
         r.notes = f"peak in {est.peak_phase}" + (", extrapolated" if est.extrapolated_from else "")
         (self.fitted if r.fits else self.failed).append(r)
@@ -221,6 +236,84 @@ class Search:
             self.fitted.remove(r)
             r.fits = False
             r.notes += f"; host {format_bytes(r.host_bytes)} > host budget {format_bytes(self.host_budget)}"
+
+    def _here(self, stack: Stack) -> tuple[Any, str]:
+        # the estimate of stack made (or read from the trace cache) in this process, and where it came from
+        origin: list[str] = []
+        est = cached_estimate(self.name, self.cfg, stack, **self.kw, origin=origin)
+        return est, origin[0]
+
+    def _estimate(self, stack: Stack) -> tuple[Any, str]:
+        # stack's estimate and its origin ("traced": traced now, here or ahead in the child; else a cache's): taken
+        # from what was traced ahead, else traced here -- the child meanwhile tracing the stack likely asked next
+        self.collect()
+        if stack in self.spare:
+            self.ahead_used += 1
+            return self.spare.pop(stack)
+        ahead = self.ahead
+        if ahead is not None and ahead.busy and ahead.stack == stack:
+            if not ahead.done():  # while the child finishes it, trace here what comes after it
+                guess = self.next_after(stack)
+                if guess is not None:
+                    try:
+                        self.spare[guess] = self._here(guess)
+                    except Exception:  # noqa: BLE001 (a guess the search may never ask for: its error waits till then)
+                        pass
+            got = ahead.take()
+            if got is not None:
+                self._from_child(stack, got)
+                self.ahead_used += 1
+                return self.spare.pop(stack)
+        elif ahead is not None and not ahead.busy:
+            guess = self.next_after(stack)
+            if guess is not None:
+                try:
+                    ahead.start(guess)
+                except OSError:  # no process to be had (memory, limits): one process from here on
+                    self.ahead = None
+        return self._here(stack)
+
+    def _from_child(self, stack: Stack, got: tuple[Any, str]) -> None:
+        # a child's estimate: kept in the memory cache (the child wrote the disk cache) and with the spare ones
+        from memlab.plan.stacks import remember_estimate
+
+        remember_estimate(self.cfg, stack, got[0], **self.kw)
+        self.spare[stack] = got
+
+    def collect(self) -> None:
+        """Take a finished child's result (a stack traced ahead) into the spare ones; call between traces."""
+        if self.ahead is not None and self.ahead.busy and self.ahead.done():
+            stack = self.ahead.stack
+            got = self.ahead.take()
+            if got is not None:
+                self._from_child(stack, got)
+
+    def close_ahead(self) -> None:
+        """Stop tracing ahead: a child still running is stopped; what was traced ahead and never asked for is
+        counted in ``ahead_unused``."""
+        if self.ahead is not None:
+            self.ahead_unused += int(self.ahead.busy)
+            self.ahead.close()
+        self.ahead_unused += len(self.spare)
+        self.spare.clear()
+        self.ahead = None
+
+    def next_after(self, stack: Stack) -> Stack | None:
+        """The stack the search would trace next after ``stack``, or None: the search run again from its start on
+        copies of its rows (:func:`run_search`), the estimates it has answering its traces and ``stack`` assumed far
+        over the budget (most traced stacks are: the search goes cheapest first); where the search would then ask for
+        nothing more, assumed just within the budget, then just over it. None: nothing more under any of these, or
+        the next stack is in the trace cache, traced ahead already or in the child."""
+        for peak in (1 << 62, self.budget, self.budget + 1):
+            shadow = _Shadow(self, stack, _Assumed(peak_bytes=peak, reserved_bytes=peak))
+            try:
+                run_search(shadow, [dataclasses.replace(r) for r in self._start], self._top)
+            except _Next as nxt:
+                busy = self.ahead is not None and self.ahead.busy and self.ahead.stack == nxt.stack
+                return None if (busy or nxt.stack in self.spare) else nxt.stack
+            except Exception:  # noqa: BLE001 (a guess only orders the tracing: without one the search traces as asked)
+                return None
+        return None
 
     def neighbour(self, r: PlanRow) -> PlanRow | None:
         """A traced row that fits and needs at least ``r``'s memory, device and host (so ``r`` fits), or None."""
@@ -236,7 +329,26 @@ class Search:
             if needs_at_least(r.stack, f.stack, self.L):
                 r.fits, r.status, r.notes = False, "exceeds", f"needs at least the memory of #{f.stack_id} (> budget): not traced"
                 return False
+        if self._below_accumulating(r):
+            return False
         return True if self.neighbour(r) is not None else None
+
+    def _below_accumulating(self, r: PlanRow) -> bool:
+        # decided by a traced accumulating stack that does not fit and that r, one micro-batch per step, needs at
+        # least the memory of less the gradients it keeps (memlab.plan.bounds.accumulation_lower_bound)
+        if not self.prune or self.counts is None or r.stack.grad_accum != 1:
+            return False
+        for f in self.failed:
+            if f.tensor_peak_bytes is None or not needs_at_least_less_kept(r.stack, f.stack, self.L):
+                continue
+            lb = accumulation_lower_bound(f.stack, f.tensor_peak_bytes, self.counts, self.lora_r)
+            if lb > self.budget:
+                r.lower_bytes = max(lb, self.lower(r))
+                r.fits, r.status = False, "exceeds"
+                r.notes = (f"needs at least #{f.stack_id}'s traced tensor peak less the gradients it keeps between "
+                           f"micro-batches: {format_bytes(lb)} > budget: not traced")
+                return True
+        return False
 
     def bound_fit(self, r: PlanRow) -> bool:
         """Record ``r`` as fitting by a traced neighbour (:meth:`neighbour`), untraced; False where none decides it."""
@@ -247,6 +359,49 @@ class Search:
         r.notes = f"needs no more than #{d.stack_id} ({format_bytes(d.peak_bytes)}, fits): not traced"
         self.above += 1
         return True
+
+
+class _Next(Exception):
+    # the first stack a shadow search (Search.next_after) would trace that no estimate answers
+    def __init__(self, stack: Stack) -> None:
+        super().__init__(stack)
+        self.stack = stack
+
+
+@dataclasses.dataclass
+class _Assumed:
+    # the estimate a shadow search assumes for the stack being traced (Search.next_after)
+    peak_bytes: int
+    reserved_bytes: int
+    host_bytes: int = 0
+    peak_phase: str = "assumed"
+    extrapolated_from: Any = None
+
+
+class _Shadow(Search):
+    # a copy of a search that traces nothing: its traces are answered by the estimates the search has, the trace
+    # cache, or (the stack being traced) an assumed estimate; the first one none answers stops it (_Next)
+    def __init__(self, real: Search, stack: Stack, assumed: _Assumed) -> None:  # noqa: D107  (a copy: no __init__)
+        self.__dict__.update(real.__dict__)
+        self.failed, self.fitted, self.host_compared = [], [], []
+        self.ahead, self.spare = None, {}
+        self.estimates = dict(real.estimates)
+        self.estimates.setdefault(stack, assumed)
+        self.real = real
+
+    def trace(self, r: PlanRow) -> None:
+        if self._below(r):
+            return
+        est = self.estimates.get(r.stack)
+        if est is None and r.stack in self.real.spare:
+            est = self.real.spare[r.stack][0]
+        if est is None:
+            from memlab.plan.stacks import lookup_estimate
+
+            est = lookup_estimate(self.cfg, r.stack, **self.kw)
+        if est is None:
+            raise _Next(r.stack)
+        self._record(r, est)
 
 
 def live_rows(rows: list[PlanRow], L: int) -> list[PlanRow]:
@@ -315,7 +470,27 @@ def run_search(search: Search, live: list[PlanRow], top: int, bar: Any = None) -
     prediction from the line's traced peaks points at (:func:`_next_on_line`). Of the stacks that fit, the first
     (the pick) is traced; the others are traced only where no traced neighbour decides them. ``bar``: a tqdm
     progress bar or None.
+
+    Where :func:`memlab.plan.ahead.ahead_possible`, a forked process traces ahead the stack the search will likely
+    ask for next (:meth:`Search.next_after`) while this one traces the stack asked for; the rows are those of the
+    search without it (every estimate is that stack's trace; only the order of the tracing changes).
     """
+    if isinstance(search, _Shadow) or not search.prune:
+        _search(search, live, top, bar)
+        return
+    from memlab.plan.ahead import TraceAhead, ahead_possible
+
+    search._start, search._top = [dataclasses.replace(r) for r in live], top
+    if ahead_possible():
+        search.ahead = TraceAhead(search._here)
+    try:
+        _search(search, live, top, bar)
+    finally:
+        search.close_ahead()
+
+
+def _search(search: Search, live: list[PlanRow], top: int, bar: Any) -> None:
+    # run_search's loop
     L = search.L
     lines: dict[tuple, list[PlanRow]] = {}
     for r in live:

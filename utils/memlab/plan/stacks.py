@@ -189,6 +189,52 @@ def _disk_path(key: tuple) -> Path | None:
     return d / (hashlib.sha256(repr((key, _versions())).encode()).hexdigest()[:32] + ".pkl")
 
 
+def _cache_key(cfg: Any, stack: Stack, seq_len: int, device: str, lora_r: int, extrapolate: bool, loss: str) -> tuple:
+    # accumulation's count beyond 2 does not change the peak (the second micro-batch and later ones are alike)
+    # CUBLAS_WORKSPACE_CONFIG sets the cuBLAS workspaces a CUDA target's reserved estimate counts
+    return (cfg.to_json_string(use_diff=False), dataclasses.replace(stack, grad_accum=min(stack.grad_accum, 2)),
+            seq_len, device, lora_r, extrapolate, loss) + (
+        (os.environ.get("CUBLAS_WORKSPACE_CONFIG"),) if device == "cuda" else ())
+
+
+def _remember(key: tuple, est: Any) -> None:
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = est
+
+
+def _read_disk(path: Path | None) -> Any:
+    import pickle
+
+    if path is None or not path.exists():
+        return None
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception:  # noqa: BLE001  (a torn or stale file: trace again)
+        return None
+
+
+def lookup_estimate(cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int, extrapolate: bool = True,
+                    loss: str = "auto") -> Any:
+    """The estimate :func:`cached_estimate` would read from its memory or disk cache, or None where it would trace
+    (nothing is traced here)."""
+    key = _cache_key(cfg, stack, seq_len, device, lora_r, extrapolate, loss)
+    if key in _CACHE:
+        return _CACHE[key]
+    est = _read_disk(_disk_path(key))
+    if est is not None:
+        _remember(key, est)
+    return est
+
+
+def remember_estimate(cfg: Any, stack: Stack, est: Any, *, seq_len: int, device: str, lora_r: int,
+                      extrapolate: bool = True, loss: str = "auto") -> None:
+    """Keep ``est`` (made in another process, :mod:`memlab.plan.ahead`, which wrote the disk cache) in the memory
+    cache, as :func:`cached_estimate` keeps what it traces."""
+    _remember(_cache_key(cfg, stack, seq_len, device, lora_r, extrapolate, loss), est)
+
+
 def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: str, lora_r: int,
                     extrapolate: bool = True, loss: str = "auto", origin: list[str] | None = None) -> Any:
     """:func:`estimate_stack` of a resolved ``(name, cfg)``, cached by (config, stack, seq_len, ...) in memory
@@ -200,25 +246,13 @@ def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: 
     ``origin``: a list that gets where the estimate came from appended: "memory", "disk" (the two caches) or
     "traced" (traced now).
     """
-    import pickle
-
-    # accumulation's count beyond 2 does not change the peak (the second micro-batch and later ones are alike)
-    # CUBLAS_WORKSPACE_CONFIG sets the cuBLAS workspaces a CUDA target's reserved estimate counts
-    key = (cfg.to_json_string(use_diff=False), dataclasses.replace(stack, grad_accum=min(stack.grad_accum, 2)),
-           seq_len, device, lora_r, extrapolate, loss) + (
-        (os.environ.get("CUBLAS_WORKSPACE_CONFIG"),) if device == "cuda" else ())
+    key = _cache_key(cfg, stack, seq_len, device, lora_r, extrapolate, loss)
     if key in _CACHE:
         if origin is not None:
             origin.append("memory")
         return _CACHE[key]
     path = _disk_path(key)
-    est = None
-    if path is not None and path.exists():
-        try:
-            with open(path, "rb") as f:
-                est = pickle.load(f)
-        except Exception:  # noqa: BLE001  (a torn or stale file: trace again)
-            est = None
+    est = _read_disk(path)
     if origin is not None:
         origin.append("disk" if est is not None else "traced")
     if est is None:
@@ -226,9 +260,7 @@ def cached_estimate(name: str, cfg: Any, stack: Stack, *, seq_len: int, device: 
         if path is not None:
             # the tracker (the trace's timeline, a local class) stays in memory; the numbers go to disk
             write_cache_file(path, dataclasses.replace(est, tracker=None) if dataclasses.is_dataclass(est) else est)
-    if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = est
+    _remember(key, est)
     return est
 
 
