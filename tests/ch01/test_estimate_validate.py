@@ -26,6 +26,13 @@ from memlab.core.units import GiB
 KNOWN_OFF = {"torchtune optimization flags: + Packed Dataset, Llama 3.2 3B, batch 2 x 4096",
              "torchtune optimization flags: + Chunked Cross Entropy, Llama 3.2 3B, batch 2 x 4096",
              "torchtune optimization flags: + Fuse optimizer step into backward, Llama 3.2 3B, batch 2 x 4096"}
+# litgpt's own GPT against transformers' (issue 38, point 2): LoRA on every projection and the head of Gemma-2B and
+# TinyLlama's full fine-tune are under their figures by more than 3% for the reason their `off` states
+LITGPT_OFF = {"litgpt config_hub on A10G: gemma-2b/lora.yaml, LoRA r8 on every projection and the head, Gemma-2B, "
+              "micro-batch 2",
+              "litgpt config_hub on A10G: tiny-llama/full.yaml, full fine-tuning, TinyLlama-1.1B, micro-batch 4"}
+TORCHTUNE_OFF = set(KNOWN_OFF)
+KNOWN_OFF = TORCHTUNE_OFF | LITGPT_OFF
 KNOWN_UNDECIDED = {"PEFT MetaMathQA: LoRA r32 q,v, Llama-3.2-3B", "PEFT MetaMathQA: LoRA r64 q,v, Llama-3.2-3B",
                    "PEFT MetaMathQA: rsLoRA r64 q,v, Llama-3.2-3B", "PEFT MetaMathQA: LoRA r10 MLP, Llama-3.2-3B"}
 
@@ -60,10 +67,10 @@ def test_figures_are_documented():
 
 def test_the_chunked_loss_rows_meet_their_target_or_say_how_far_off_and_why(capsys):
     rows = {r["figure"].name: r for r in PP.validate("torchtune optimization flags")}
-    assert len(rows) == 4 and set(rows) > KNOWN_OFF
-    (met,) = [r for name, r in rows.items() if name not in KNOWN_OFF]
+    assert len(rows) == 4 and set(rows) > TORCHTUNE_OFF
+    (met,) = [r for name, r in rows.items() if name not in TORCHTUNE_OFF]
     assert met["ok"] is True and met["figure"].settings["loss"] == "chunked" and abs(met["error"]) <= 0.03
-    for name in KNOWN_OFF:
+    for name in TORCHTUNE_OFF:
         r = rows[name]
         assert r["explained"] and r["ok"] is False and abs(r["error"]) > 0.03
     # the compiled run with the chunked loss is over the figure (compile shrinks what eager PyTorch keeps), the eager
@@ -72,7 +79,7 @@ def test_the_chunked_loss_rows_meet_their_target_or_say_how_far_off_and_why(caps
     ce = rows["torchtune optimization flags: + Chunked Cross Entropy, Llama 3.2 3B, batch 2 x 4096"]
     assert plain["error"] < 0 < ce["error"] and ce["compared_bytes"] < plain["compared_bytes"]
     sm = PP.summary(list(rows.values()))
-    assert sm["failed"] == [] and set(sm["explained"]) == KNOWN_OFF and sm["allocated_n"] == 1
+    assert sm["failed"] == [] and set(sm["explained"]) == TORCHTUNE_OFF and sm["allocated_n"] == 1
     PP.main("torchtune optimization flags")
     out = capsys.readouterr().out
     assert "1 of 4 comparable figures meet their target; 3 off for a stated reason" in out
@@ -200,3 +207,20 @@ def test_validation_meets_the_targets(all_rows, capsys):
     assert (f"caching-allocator model on the {len(resv)} reserved / nvidia-smi / unstated figures: median |error| "
             f"{100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%, "
             f"{sum(e <= 0.05 for e in errs)} of {len(resv)} within 5%") in out
+
+
+def test_litgpt_rows_trace_litgpt_loop_and_untied_head():
+    """litgpt's table (A10G, LoRA on every projection and the head): the rows trace litgpt's loss and untied head;
+    TinyLlama's LoRA row meets its figure, the two rows of LITGPT_OFF say why they miss theirs."""
+    rows = {r["figure"].name: r for r in PP.validate("litgpt config_hub")}
+    assert len(rows) == 3 and set(rows) > LITGPT_OFF
+    for r in rows.values():
+        f = r["figure"]
+        assert f.model[1]["tie_word_embeddings"] is False and f.settings["step"] in (PP._litgpt_step, PP._litgpt_full_step)
+        assert f.metric == "allocated" and f.measured_bytes % 10_000_000 == 0  # printed in GB of 1e9 bytes
+    (met,) = [r for name, r in rows.items() if name not in LITGPT_OFF]
+    assert met["ok"] is True and abs(met["error"]) <= 0.03 and met["figure"].settings["target_modules"].endswith("lm_head")
+    for name in LITGPT_OFF:
+        assert rows[name]["explained"] and rows[name]["error"] < -0.03  # under the figure: litgpt's model keeps more
+    qlora = [n for n, *_ in PP.NOT_EXPRESSIBLE if n.startswith("litgpt config_hub") and "QLoRA" in n]
+    assert len(qlora) == 3

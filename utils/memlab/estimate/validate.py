@@ -160,7 +160,7 @@ def _fms_fsdp(batch: int, measured: int) -> Figure:
                      f"per_device_train_batch_size {batch})",
         model="mistral-7b",
         settings=dict(batch_size=batch, seq_len=512, dtype="bf16-pure", optimizer="adamw", checkpointing=True,
-                      world_size=2, zero_stage=3),
+                      world_size=2, zero_stage=3, fsdp_version=1),
         card="a100-80gb",
         gpu="A100 80GB x 2, accelerate FSDP1 FULL_SHARD over 2 ranks, HF Trainer, torch per refs/requirements.txt",
         differs="FSDP1 shards each unit as one flat parameter; the estimate traces FSDP2 (a shard of every parameter, "
@@ -345,6 +345,104 @@ FIGURES += (
                     "post-accumulate-grad hook (torchtune's create_optim_in_bwd_wrapper), as the estimator's setting"),
 )
 
+# litgpt's config_hub table (config_hub/finetune/README.md, "Peak memory" column): each run is litgpt's finetune
+# script (litgpt/finetune/lora.py, full.py at the pinned commit) on Alpaca2k, bf16-true (every weight in bf16, the
+# adapters too), torch.optim.AdamW, max_seq_length 512; the figure is `torch.cuda.max_memory_allocated() / 1e9`
+# printed at the end of the run ("Memory used: ... GB"). litgpt runs its own GPT, not transformers': the estimate
+# traces the transformers model of the same dimensions with litgpt's head and loss (_litgpt_step) and litgpt's
+# untied head (the checkpoint converter copies the embedding's values into a separate lm_head.weight,
+# scripts/convert_hf_checkpoint.py), so tie_word_embeddings=False for every model here.
+_LITGPT_C = "bc3c337f5956b86dec0f56a73ca07b7ea21c0041"
+_LITGPT = f"https://github.com/Lightning-AI/litgpt/blob/{_LITGPT_C}/config_hub/finetune/"
+_LITGPT_GPU = ("NVIDIA A10G (24 GB), Lightning AI Studio, litgpt of March 2024 (commit bc3c337f), torch 2.2, bitsandbytes "
+               "0.42; traced for memlab's rtx3090 card (sm 8.6, the A10G's GA102 chip: memlab.core.gpus has no A10G)")
+_LITGPT_DIFFERS = ("litgpt's own GPT against transformers' model of the same dimensions: a fused qkv linear (its LoRA "
+                   "zero-pads the q, k and v updates into one qkv-sized tensor), K and V expanded to every head before "
+                   "SDPA (is_causal, no mask), RoPE from a cos/sin cache; the loss as litgpt's (traced): the head run a "
+                   "128-token chunk at a time, every chunk's bf16 logits kept, cross-entropy per chunk on bf16 logits "
+                   "(no fp32 upcast); batches padded to their longest sample, at most 512 tokens (Alpaca2k: the run "
+                   "logs the longest, not recorded here; traced at the cap, where the under-estimate is the largest it "
+                   "can be); evaluation under no_grad every 25 steps is below the training step")
+# Gemma-2B (https://huggingface.co/google/gemma-2b/blob/main/config.json) and TinyLlama-1.1B
+# (https://huggingface.co/TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T/blob/main/config.json), untied as litgpt
+GEMMA_2B = ("GemmaConfig", dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
+                                num_key_value_heads=1, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+                                rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False))
+TINY_LLAMA = ("LlamaConfig", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
+                                  rms_norm_eps=1e-5, tie_word_embeddings=False))
+_ALL_HEAD = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
+
+
+def _litgpt_step(model, batch):
+    """litgpt's training step (finetune/lora.py at the pinned commit) on a transformers causal LM, as memory sees it:
+    ``model(input_ids, lm_head_chunk_size=128)`` (the head run on 128-token chunks of the last hidden state, every
+    chunk's logits kept), the last chunk's last position dropped, ``chunked_cross_entropy``: one bf16
+    cross-entropy (reduction "none") per chunk, concatenated, summed, divided by the count of targets."""
+    import torch
+    import torch.nn.functional as F
+
+    x = batch["input_ids"]
+    h = model.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
+    logits = [model.lm_head(c) for c in h.split(128, dim=1)]
+    logits[-1] = logits[-1][..., :-1, :]
+    y = x[..., 1:]
+    losses = [F.cross_entropy(c.reshape(-1, c.size(-1)), t.reshape(-1), ignore_index=-100, reduction="none")
+              for c, t in zip(logits, y.split(128, dim=1))]
+    loss = torch.cat(losses).sum() / (y != -100).sum().clamp(min=1)
+    loss.memlab_outputs = tuple(logits)  # the loop's `logits` stays referenced through backward and the step
+    return loss
+
+
+def _litgpt_full_step(model, batch):
+    """litgpt's full fine-tuning step (finetune/full.py): the whole head at once, then ``chunked_cross_entropy`` of
+    ``logits[..., :-1, :]``, whose reshape copies the sliced logits, one bf16 cross-entropy per 128 rows."""
+    import torch
+    import torch.nn.functional as F
+
+    x = batch["input_ids"]
+    logits = model(input_ids=x, use_cache=False).logits
+    flat = logits[..., :-1, :].reshape(-1, logits.size(-1))
+    y = x[..., 1:].reshape(-1)
+    losses = [F.cross_entropy(c, t, ignore_index=-100, reduction="none") for c, t in zip(flat.split(128), y.split(128))]
+    loss = torch.cat(losses).sum() / (y != -100).sum().clamp(min=1)
+    loss.memlab_outputs = (logits,)  # the loop's `logits` stays referenced through backward and the step
+    return loss
+
+
+_LITGPT_OFF = ("litgpt's own GPT against transformers' (the estimator traces transformers models): the estimate is under "
+               "the figure with the loop's head, loss and untied head traced as litgpt runs them, and the CPU trace of "
+               "the transformers step equals its allocator (tests/ch01/test_estimate_lora_head.py); not traced: litgpt's "
+               "attention (q, K and V copied to every head by reshape, RoPE's cat), its fused-qkv LoRA's zero-padded "
+               "update, and the previous step's logits its loop keeps alive through the next forward (`logits` is "
+               "rebound only when the new forward returns: a step option the estimator lacks); which of them makes the "
+               "difference needs litgpt's model traced, or a GPU run, not done")
+
+
+def _litgpt(cfg: str, model: Any, gb: float, kind: str, note: str = "", off: str = "", **settings: Any) -> Figure:
+    r = settings.pop("row")
+    return Figure(
+        name=f"litgpt config_hub on A10G: {cfg}, {r}", source=_LITGPT + "README.md",
+        measured_bytes=round(gb * 1e9), metric="allocated",
+        as_published=f"Peak memory {gb:.2f} GB (row {cfg}, 1xA10G; yaml: {_LITGPT}{cfg})", model=model,
+        settings=dict(seq_len=512, dtype="bf16-pure", optimizer="adamw",
+                      step=_litgpt_full_step if kind == "full" else _litgpt_step, **settings),
+        gpu=_LITGPT_GPU, card="rtx3090", differs=_LITGPT_DIFFERS + note, kind=kind, off=off)
+
+
+FIGURES += (
+    _litgpt("gemma-2b/lora.yaml", GEMMA_2B, 12.62, "lora", row="LoRA r8 on every projection and the head, Gemma-2B, "
+            "micro-batch 2", batch_size=2, grad_accum=3, adapter="lora", lora_r=8, lora_alpha=16, lora_dropout=0.1,
+            target_modules=_ALL_HEAD, adapter_dtype="bf16", off=_LITGPT_OFF),
+    _litgpt("tiny-llama/lora.yaml", TINY_LLAMA, 13.50, "lora", row="LoRA r32 on every projection and the head, "
+            "TinyLlama-1.1B, micro-batch 8", batch_size=8, adapter="lora", lora_r=32, lora_alpha=16,
+            lora_dropout=0.05, target_modules=_ALL_HEAD, adapter_dtype="bf16"),
+    _litgpt("tiny-llama/full.yaml", TINY_LLAMA, 14.10, "full", row="full fine-tuning, TinyLlama-1.1B, micro-batch 4",
+            batch_size=4, grad_accum=8,
+            off=_LITGPT_OFF, note="; one device: no FSDP, no checkpointing (full.py wraps in FSDP only for devices > 1); "
+                                  "global batch 32: 8 micro-batches per optimizer step (grad_accum=8)"),
+)
+
 # (name, source, published figure with its metric, why the estimator cannot express the run)
 NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
     ("PEFT MetaMathQA: DoRA r32 q,v, Llama-3.2-3B", _PEFT + "lora--llama-3.2-3B-rank32-dora.json",
@@ -395,6 +493,15 @@ NOT_EXPRESSIBLE: tuple[tuple[str, str, str, str], ...] = (
      "https://github.com/Lightning-AI/litgpt/blob/main/tutorials/resource-tables.md", "21.30 GB (max allocated)",
      "litgpt's own Llama and LoRA modules (fused qkv), Alpaca samples of varying length; not a transformers model"),
 )
+NOT_EXPRESSIBLE += tuple(
+    (f"litgpt config_hub on A10G: {cfg}, QLoRA (bnb.nf4) r{r} on every projection and the head, {m}, micro-batch {b}",
+     _LITGPT + "README.md", f"{gb} GB (max_memory_allocated / 1e9)",
+     "litgpt quantizes the head too (finetune/lora.py passes Lightning's BitsandbytesPrecision('nf4') no ignore_modules: "
+     "every nn.Linear, the LoRA'd lm_head's included, becomes bitsandbytes Linear4bit), where memlab's qlora keeps the "
+     "head 16-bit as transformers' BitsAndBytesConfig does; and litgpt's own GPT, as the LoRA rows")
+    for cfg, r, m, b, gb in (("gemma-2b/qlora.yaml", 16, "Gemma-2B", 2, "11.51"),
+                             ("tiny-llama/qlora.yaml", 32, "TinyLlama-1.1B", 8, "16.24"),
+                             ("llama-2-7b/qlora.yaml", 32, "Llama-2-7B", 2, "13.68")))
 NOT_COMPARABLE = tuple((n, u, why) for n, u, _, why in NOT_EXPRESSIBLE)  # the old name, kept
 
 
@@ -421,6 +528,11 @@ def _model(fig: Figure) -> tuple[Any, dict]:
         from transformers import LlamaConfig
 
         return LlamaConfig(**fig.model), {}
+    if isinstance(fig.model, tuple):  # (a transformers config class's name, its fields)
+        import transformers
+
+        name, fields = fig.model
+        return getattr(transformers, name)(**fields), {}
     if fig.model == "bert-large-cls":
         return _bert_cls, {"step": _bert_cls_step}
     return fig.model, {}
