@@ -9,7 +9,9 @@ times its wall clock and CPU time (user + sys, of the process):
   same card with an empty cache, batch 8 x 256 tokens (target: 10 s).
 
 The caches live in a temporary folder (``MEMLAB_CACHE_DIR``), never the user's. The plan's own summary line
-says how many stacks it traced, read from the cache, or decided by a bound; the table shows it. The targets
+says how many stacks it traced, read from the cache, or decided by a bound, and how many of its traces were made
+ahead, two at a time (:mod:`memlab.plan.ahead`; "ahead unused": traced ahead, never asked for); the table shows it.
+The CPU time is the process's and its children's (a process tracing ahead is a child). The targets
 are for 2 idle cores: the host's load average is printed, and a busy host stretches the wall time past the
 CPU time. ``--small`` runs the worked case on a two-layer tiny config (batch 4 x 128) instead of Llama-3-8B: it
 checks the bench itself cheaply, and its verdicts say nothing about the targets.
@@ -32,6 +34,7 @@ TARGETS_S = {"worked, first run": 30.0, "worked, repeat": 3.0, "tiny, first run"
 WORKED = ["llama-3-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "16"]
 _SUMMARY = re.compile(r"(\d+) candidates: (\d+) stacks traced on fake tensors, (\d+) read from the trace cache; "
                       r"(\d+) ruled out untraced by a lower bound.*?, (\d+) decided to fit")
+_AHEAD = re.compile(r"; (\d+) of the traces made ahead, two at a time \(and (\d+) made ahead not needed\)")
 
 
 def run_plan(argv: list[str], cache_dir: str) -> dict:
@@ -50,9 +53,11 @@ def run_plan(argv: list[str], cache_dir: str) -> dict:
     if m is None:
         raise RuntimeError(f"memlab plan printed no summary line:\n{proc.stdout[-2000:]}")
     candidates, fresh, cached, below, above = map(int, m.groups())
+    ahead = _AHEAD.search(proc.stdout)
     verdict = next((line for line in proc.stdout.splitlines() if line.startswith(("pick:", "nothing fits"))), "?")
     return dict(wall_s=wall, cpu_s=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
                 code=proc.returncode, candidates=candidates, fresh=fresh, cached=cached, below=below, above=above,
+                ahead=int(ahead.group(1)) if ahead else 0, ahead_unused=int(ahead.group(2)) if ahead else 0,
                 remembered="read whole from the plan cache" in proc.stdout, verdict=verdict)
 
 
@@ -95,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     what = "a 2-layer tiny config, batch 4 x 128, in place of llama-3-8b (--small)" if args.small else " ".join(WORKED)
     print(table(f"memlab plan as a fresh process (imports included); worked case: {what}",
                 ("case", "wall (s)", "CPU (s)", "candidates", "traced", "from cache", "lower bound", "fit by neighbour",
-                 "exit"),
+                 "traced ahead", "ahead unused", "exit"),
                 [(name, r["wall_s"], r["cpu_s"], r["candidates"], r["fresh"], r["cached"], r["below"], r["above"],
-                  r["code"]) for name, r in results.items()], device="cpu"))
+                  r["ahead"], r["ahead_unused"], r["code"]) for name, r in results.items()], device="cpu"))
     print()
     for name, r in results.items():
         print(f"  {name}: {r['verdict']}" + (" [the whole plan from the plan cache]" if r["remembered"] else ""))
