@@ -258,12 +258,21 @@ class _ModuleFrames:
     def _post_forward(self, name: str):
         backward_hook = self._pre_backward(name)  # built once per module, not once per forward
 
+        stack = self.stack  # the same list for the frames' life
+
         def hook(module, args, output):
-            for i in range(len(self.stack) - 1, -1, -1):
-                if self.stack[i][0] == name and not self.stack[i][2]:
-                    self.pop_to(i)
-                    break
+            if stack and stack[-1][0] == name and not stack[-1][2]:  # the usual case: this module's frame is on top
+                self.pop_to(len(stack) - 1)
+            else:
+                for i in range(len(stack) - 1, -1, -1):
+                    if stack[i][0] == name and not stack[i][2]:
+                        self.pop_to(i)
+                        break
             if torch.is_grad_enabled() and _graph_task_id() == -1:
+                if type(output) is torch.Tensor:  # tensors_in's answer for one plain tensor
+                    if output.requires_grad:
+                        output.register_hook(backward_hook)
+                    return
                 ts = [t for t in tensors_in(output) if t.requires_grad]
                 if len(ts) == 1:  # the usual case: one hook on the one output
                     ts[0].register_hook(backward_hook)
@@ -767,6 +776,10 @@ class MemoryTracker(TorchDispatchMode):
         if self._slow_after:
             self._after_op()
             return out
+        if not self._dirty:
+            # nothing changed since the last _after_op (every change of a count or the phase sets _dirty, and
+            # a frame starts at the current total): its peaks and frames stand, and there is no event
+            return out
         # _after_op without the resizes and the hook, inlined (it runs after every op)
         total = self._total
         frames = self._frame_stack
@@ -779,13 +792,12 @@ class MemoryTracker(TorchDispatchMode):
             if total > self._peak_total:
                 self._peak_total = total
                 self._peak = (tuple(self._cur), self._ops, phase, frames[-1][0] if frames else None)
-        if self._dirty:
-            if self._record:
-                ev = self._events
-                ev.append(self._ops)
-                ev.append(phase)
-                ev += self._cur
-            self._dirty = False
+        if self._record:
+            ev = self._events
+            ev.append(self._ops)
+            ev.append(phase)
+            ev += self._cur
+        self._dirty = False
         return out
 
     def _dispatch_general(self, func, types, args=(), kwargs=None):
