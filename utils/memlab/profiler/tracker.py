@@ -248,10 +248,12 @@ class _ModuleFrames:
         self.stack.append([name, self._total(), backward])
 
     def _pre_forward(self, name: str):
+        stack, total = self.stack, self._total
+
         def hook(module, args):
             if name == "" and _graph_task_id() == -1:
                 self._on_root_forward()
-            self._push(name)
+            stack.append([name, total(), False])  # _push, inlined
 
         return hook
 
@@ -645,25 +647,34 @@ class MemoryTracker(TorchDispatchMode):
             for group in self.optimizer.param_groups:
                 params.extend(p for p in group["params"] if isinstance(p, torch.Tensor))
         seen: set[int] = set()
+        owned: list[torch.Tensor] = []  # each parameter, then its gradient
+        cats: list[int] = []
         for p in params:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            self._track_owned((p,), _P)
-            if p.grad is not None:
-                self._track_owned((p.grad,), _G)
+            owned.append(p)
+            cats.append(_P)
+            g = p.grad
+            if g is not None:
+                owned.append(g)
+                cats.append(_G)
+        self._track_owned(owned, cats)
         if self.optimizer is not None:
             self._track_optimizer(self.optimizer)
 
     def _track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._track_owned(optimizer_tensors(optimizer), _O)
 
-    def _track_owned(self, tensors: Any, cat: int) -> None:
-        # _track(t, cat, relabel=True) for each tensor, inlined (enter and exit label a few hundred)
+    def _track_owned(self, tensors: Any, cats: int | list[int]) -> None:
+        # _track(t, cat, relabel=True) for each tensor, inlined (enter and exit label a few hundred); cats: one
+        # category for all, or a list, one per tensor
         live, unwrap, device_type = self._live, self._unwrap, self._device_type
-        for t in tensors:
-            if unwrap is not None:
-                t = unwrap(t)
+        cat = cats
+        for j, owned in enumerate(tensors):
+            if type(cats) is list:
+                cat = cats[j]
+            t = owned if unwrap is None else unwrap(owned)
             try:
                 st = t.untyped_storage()
             except (NotImplementedError, RuntimeError, TypeError):  # sparse, mkldnn, opaque subclasses
@@ -685,7 +696,7 @@ class MemoryTracker(TorchDispatchMode):
                 e.nbytes += d
                 self._dirty = True
             if e.base or e.cat != cat:
-                self._track(t, cat, relabel=True)
+                self._track(owned, cat, relabel=True)
 
     # ------------------------------------------------------------------ the dispatch hook
     @classmethod
