@@ -510,11 +510,16 @@ def estimate_training_memory(model: Any, spec: "StepSpec | None" = None, *,
 
     Args:
         model: a preset of :data:`memlab.models.PRESETS`, a config.json path, a Hub id (config.json only),
-            a transformers config, or a callable returning an ``nn.Module`` (built inside the fake mode).
+            a transformers config, or a callable returning an ``nn.Module`` (built inside the fake mode): a model
+            factory (a keyword parameter ``depth``, ``num_layers``, ``n_layers`` or ``num_hidden_layers``) is
+            traced at 3, 4 and 5 layers and extrapolated to its default depth; a builder returning
+            ``AutoModelForCausalLM.from_config(config)`` unchanged takes the config's route; any other callable
+            is traced at full depth (:func:`memlab.estimate.extrapolate.callable_route`; the notes say which).
         spec: the step; None: built from ``overrides``.
-        config_overrides: config fields to change (unknown keys are errors; values checked by memlab's rules).
+        config_overrides: config fields to change (unknown keys are errors; values checked by memlab's rules);
+            for a model factory, only its depth parameter (``{"depth": 80}``).
         allow_longer_seq: allow ``seq_len`` beyond the model's positions (RoPE scaling).
-        extrapolate: "auto" and True trace a homogeneous stack of 4+ layers (5+ with adapters) at three depths
+        extrapolate: "auto" and True trace a homogeneous stack of 6+ layers (EXTRAPOLATE_MIN_LAYERS) at three depths
             and extrapolate exactly by layer count (:mod:`memlab.estimate.extrapolate`); False traces every layer.
         gpu (keyword): the target card (:data:`memlab.core.gpus.GPUS`) or a size (``"24GB"``, ``"24GiB"``, bytes).
 
