@@ -224,3 +224,17 @@ def test_litgpt_rows_trace_litgpt_loop_and_untied_head():
         assert rows[name]["explained"] and rows[name]["error"] < -0.03  # under the figure: litgpt's model keeps more
     qlora = [n for n, *_ in PP.NOT_EXPRESSIBLE if n.startswith("litgpt config_hub") and "QLoRA" in n]
     assert len(qlora) == 3
+
+
+def test_fms_fsdp_rows_trace_fsdp1_as_the_source_ran():
+    """fms-acceleration's 2-GPU rows ran accelerate's FSDP1 (FULL_SHARD): traced with fsdp_version=1; FSDP2 (the
+    estimator's default) lands within the target too, the peak (the optimizer step over each rank's shard) being
+    the same bytes but for FSDP1's flat-parameter bookkeeping."""
+    figs = [f for f in PP.FIGURES if f.name.startswith("fms-acceleration: FSDP over 2 GPUs")]
+    assert len(figs) == 2
+    for f in figs:
+        assert f.settings["fsdp_version"] == 1 and f.settings["world_size"] == 2 and f.settings["zero_stage"] == 3
+        v1, v2 = PP._estimate(f), PP._estimate(f, fsdp_version=2)
+        for est in (v1, v2):
+            assert abs(est.allocated_bytes / f.measured_bytes - 1) <= 0.03 and est.peak_phase == "optimizer"
+        assert abs(v1.allocated_bytes - v2.allocated_bytes) < 1 * 2**20

@@ -163,11 +163,11 @@ def _fms_fsdp(batch: int, measured: int) -> Figure:
                       world_size=2, zero_stage=3, fsdp_version=1),
         card="a100-80gb",
         gpu="A100 80GB x 2, accelerate FSDP1 FULL_SHARD over 2 ranks, HF Trainer, torch per refs/requirements.txt",
-        differs="FSDP1 shards each unit as one flat parameter; the estimate traces FSDP2 (a shard of every parameter, "
-                "memlab's ZeRO-3 route), which holds the same bytes per rank at the peak: the optimizer step over half "
-                "of the bf16 parameters, gradients and moments plus foreach AdamW's temporary (FSDP1's padding of a flat "
-                "parameter to an even split is negligible); the sequence length (Alpaca, padded per batch, not recorded) "
-                "does not enter that peak: the estimate uses 512",
+        differs="traced as the source ran it, FSDP1 (fsdp_version=1: each unit one flat parameter, sharded); FSDP2 "
+                "(a shard of every parameter) holds the same bytes per rank at the peak, 1,032 B more: the optimizer "
+                "step over half of the bf16 parameters, gradients and moments plus foreach AdamW's temporary (FSDP1's "
+                "padding of a flat parameter to an even split is negligible); the sequence length (Alpaca, padded per "
+                "batch, not recorded) does not enter that peak: the estimate uses 512",
     )
 
 
@@ -410,13 +410,23 @@ def _litgpt_full_step(model, batch):
     return loss
 
 
-_LITGPT_OFF = ("litgpt's own GPT against transformers' (the estimator traces transformers models): the estimate is under "
-               "the figure with the loop's head, loss and untied head traced as litgpt runs them, and the CPU trace of "
-               "the transformers step equals its allocator (tests/ch01/test_estimate_lora_head.py); not traced: litgpt's "
-               "attention (q, K and V copied to every head by reshape, RoPE's cat), its fused-qkv LoRA's zero-padded "
-               "update, and the previous step's logits its loop keeps alive through the next forward (`logits` is "
-               "rebound only when the new forward returns: a step option the estimator lacks); which of them makes the "
-               "difference needs litgpt's model traced, or a GPU run, not done")
+# Both `off` rows were checked against litgpt's own model: litgpt/model.py and lora.py at the pinned commit (copied
+# outside the repository, with a two-function stand-in for litgpt.utils) traced through the estimator's callable
+# route at 2 and 3 layers, on fake tensors for the same card, with litgpt's step; the slope and intercept give the
+# full depth.
+_LITGPT_OFF_GEMMA = (
+    "not litgpt's model: litgpt's own GPT and LoRA, traced through the estimator's callable route at 2 and 3 layers "
+    "with litgpt's step, keep 4.2 MB less per layer than transformers' Gemma with memlab's LoRA (71 MB less at 18 "
+    "layers), and the CPU trace of this step equals the allocator (tests/ch01/test_estimate_lora_head.py). Of the "
+    "1.29 GB missing, the loop explains 0.52 GB: litgpt's `logits` (every chunk, 524 MB) is rebound only when the next "
+    "forward returns, so the previous step's logits live through the whole next forward (a step option the estimator "
+    "lacks; at the forward's end 11.19 + 0.52 = 11.71 GB, -7.2%); the other 0.9 GB is in no op a CPU trace sees: it "
+    "needs a CUDA run of litgpt's step with the allocator's history recorded, not done")
+_LITGPT_OFF_FULL = (
+    "litgpt's own GPT keeps more than transformers': traced through the estimator's callable route at 2 and 3 layers "
+    "with litgpt's step it holds 23.1 MB more per layer (q, and K and V expanded from 4 to 32 heads, copied by reshape "
+    "before SDPA; RoPE's cat), +508 MB at 22 layers: 13.69 GB, -2.9%, within the target; litgpt is not a dependency "
+    "of memlab, so the row traces transformers' model and misses by that")
 
 
 def _litgpt(cfg: str, model: Any, gb: float, kind: str, note: str = "", off: str = "", **settings: Any) -> Figure:
@@ -433,13 +443,13 @@ def _litgpt(cfg: str, model: Any, gb: float, kind: str, note: str = "", off: str
 FIGURES += (
     _litgpt("gemma-2b/lora.yaml", GEMMA_2B, 12.62, "lora", row="LoRA r8 on every projection and the head, Gemma-2B, "
             "micro-batch 2", batch_size=2, grad_accum=3, adapter="lora", lora_r=8, lora_alpha=16, lora_dropout=0.1,
-            target_modules=_ALL_HEAD, adapter_dtype="bf16", off=_LITGPT_OFF),
+            target_modules=_ALL_HEAD, adapter_dtype="bf16", off=_LITGPT_OFF_GEMMA),
     _litgpt("tiny-llama/lora.yaml", TINY_LLAMA, 13.50, "lora", row="LoRA r32 on every projection and the head, "
             "TinyLlama-1.1B, micro-batch 8", batch_size=8, adapter="lora", lora_r=32, lora_alpha=16,
             lora_dropout=0.05, target_modules=_ALL_HEAD, adapter_dtype="bf16"),
     _litgpt("tiny-llama/full.yaml", TINY_LLAMA, 14.10, "full", row="full fine-tuning, TinyLlama-1.1B, micro-batch 4",
             batch_size=4, grad_accum=8,
-            off=_LITGPT_OFF, note="; one device: no FSDP, no checkpointing (full.py wraps in FSDP only for devices > 1); "
+            off=_LITGPT_OFF_FULL, note="; one device: no FSDP, no checkpointing (full.py wraps in FSDP only for devices > 1); "
                                   "global batch 32: 8 micro-batches per optimizer step (grad_accum=8)"),
 )
 
@@ -663,7 +673,9 @@ def _verdict_text(r: dict, short: bool = False) -> str:
 
 def _settings_line(f: Figure, est: Any) -> str:
     s = f.settings
-    shard = f", {s['world_size']} ranks, ZeRO-{s['zero_stage']}" if s.get("world_size", 1) > 1 else ""
+    fsdp = f" (FSDP{s['fsdp_version']})" if s.get("fsdp_version") else ""
+    shard = f", {s['world_size']} ranks, ZeRO-{s['zero_stage']}{fsdp}" if s.get("world_size", 1) > 1 else ""
+    shard += f", {s['grad_accum']} micro-batches a step" if s.get("grad_accum", 1) > 1 else ""
     return (f"batch {s['batch_size']} x {s['seq_len']}, {s['dtype']}, {s['optimizer']}"
             f"{', checkpointing' if s.get('checkpointing') else ''}"
             f"{', ' + s['loss'] + ' loss' if s.get('loss') in ('chunked', 'fused') else ''}"
