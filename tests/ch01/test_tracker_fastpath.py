@@ -287,3 +287,25 @@ class HookedGeneral(Hooked):
 
 def test_a_subclass_hook_gives_the_same_report_on_both_paths():
     assert report(op_zoo(Hooked)) == report(op_zoo(HookedGeneral))
+
+
+def test_module_hooks_run_where_the_public_api_puts_them_and_leave_with_the_block():
+    # the tracker adds its forward hooks to a plain module's hook dicts itself (no RemovableHandle): they
+    # must run after the hooks registered before the block and before those registered inside it, as
+    # register_forward_hook(always_call=True) places them, and leave every dict as it found it
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    seen = []
+    model[0].register_forward_hook(lambda m, a, o: seen.append(("before", tr._frames.innermost)))
+    dicts = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+             "_forward_hooks_always_called")
+    snapshot = [{d: dict(getattr(m, d)) for d in dicts} for m in model.modules()]
+    tr = MemoryTracker(model)
+    with tr:
+        assert all(type(h) is tuple for h in tr._frames._handles)  # the direct path ran
+        inside = model[0].register_forward_hook(lambda m, a, o: seen.append(("inside", tr._frames.innermost)))
+        model(torch.randn(2, 4)).sum().backward()
+        inside.remove()
+    # the tracker's post-forward hook pops the module's frame between the two
+    assert seen == [("before", "0"), ("inside", "")]
+    assert [{d: dict(getattr(m, d)) for d in dicts} for m in model.modules()] == snapshot
+    assert set(tr.module_peaks) == {"", "0", "1"}
