@@ -185,3 +185,28 @@ def test_the_split_gives_the_child_the_last_rows_about_half_the_work():
 def test_jobs_is_checked(base, jobs):
     with pytest.raises(ValueError, match=rf"jobs={jobs!r} is invalid; allowed: None .* an int >= 1"):
         suggest.suggestions(base, "llama-2-7b", jobs=jobs)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_rows_read_from_the_trace_cache_are_read_in_one_process(base, tmp_path, monkeypatch):
+    from memlab.estimate import trace_cache
+
+    monkeypatch.setenv("MEMLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(trace_cache, "_DISK_CACHE", [True])
+    kw = dict(config_overrides=SMALL["llama-2-7b"], gpu="rtx4090")
+    first = suggest.suggestions(base, "llama-2-7b", jobs=2, **kw)  # traced in two processes, each writes its rows
+    assert len(list((tmp_path / "estimates").glob("*.pkl"))) == len([r for r in first if r.how == "traced"])
+
+    def no_fork():
+        raise AssertionError("forked for rows the trace cache holds")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    assert _rows(suggest.suggestions(base, "llama-2-7b", jobs=2, **kw)) == _rows(first)
+
+
+def test_the_collector_is_left_as_it_was(base):
+    import gc
+
+    before = gc.get_freeze_count()
+    suggest.suggestions(base, "llama-2-7b", jobs=1, config_overrides=SMALL["llama-2-7b"], gpu="rtx4090")
+    assert gc.get_freeze_count() == before
