@@ -429,12 +429,13 @@ _LITGPT_OFF_FULL = (
     "of memlab, so the row traces transformers' model and misses by that")
 
 
-def _litgpt(cfg: str, model: Any, gb: float, kind: str, note: str = "", off: str = "", **settings: Any) -> Figure:
+def _litgpt(cfg: str, model: Any, gb: float, kind: str, note: str = "", off: str = "", at: str = _LITGPT,
+            **settings: Any) -> Figure:
     r = settings.pop("row")
     return Figure(
-        name=f"litgpt config_hub on A10G: {cfg}, {r}", source=_LITGPT + "README.md",
+        name=f"litgpt config_hub on A10G: {cfg}, {r}", source=at + "README.md",
         measured_bytes=round(gb * 1e9), metric="allocated",
-        as_published=f"Peak memory {gb:.2f} GB (row {cfg}, 1xA10G; yaml: {_LITGPT}{cfg})", model=model,
+        as_published=f"Peak memory {gb:.2f} GB (row {cfg}, 1xA10G; yaml: {at}{cfg})", model=model,
         settings=dict(seq_len=512, dtype="bf16-pure", optimizer="adamw",
                       step=_litgpt_full_step if kind == "full" else _litgpt_step, **settings),
         gpu=_LITGPT_GPU, card="rtx3090", differs=_LITGPT_DIFFERS + note, kind=kind, off=off)
@@ -451,6 +452,42 @@ FIGURES += (
             batch_size=4, grad_accum=8,
             off=_LITGPT_OFF_FULL, note="; one device: no FSDP, no checkpointing (full.py wraps in FSDP only for devices > 1); "
                                   "global batch 32: 8 micro-batches per optimizer step (grad_accum=8)"),
+)
+
+# Three more rows of the same table, two days later (commit 0d207708: litgpt's model, LoRA, loop and loss files
+# unchanged since bc3c337f): LoRA on q and v only (no head) for Llama-2-7B and Mistral-7B, and Phi-2 with every
+# projection and the head. Phi-2: https://huggingface.co/microsoft/phi-2/blob/main/config.json, without its
+# residual dropout (litgpt's phi-2 has none), untied.
+_LITGPT_0317 = ("https://github.com/Lightning-AI/litgpt/blob/0d207708b5a4de272c2eeb9e6592d355bed058f6/"
+                "config_hub/finetune/")
+PHI_2 = ("PhiConfig", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=32, vocab_size=51200, max_position_embeddings=2048,
+                           partial_rotary_factor=0.4, layer_norm_eps=1e-5, hidden_act="gelu_new", resid_pdrop=0.0,
+                           embd_pdrop=0.0, attention_dropout=0.0, tie_word_embeddings=False))
+_LITGPT_MODEL = ("litgpt's own GPT against transformers' (litgpt is not a dependency of memlab, so the row traces "
+                 "transformers' model of the same dimensions); litgpt's model, traced through the estimator's callable "
+                 "route at 2 and 3 layers with litgpt's step, ")
+_LITGPT_OFF_LLAMA2 = _LITGPT_MODEL + ("holds 21.0 MB more per layer (q, K and V copied by reshape, RoPE's cat, the "
+                                      "fused qkv's zero-padded LoRA update): +678 MB at 32 layers, 19.55 GB, -1.1%, "
+                                      "within the target")
+_LITGPT_OFF_PHI2 = _LITGPT_MODEL + ("holds 136 MB less per layer than transformers' Phi (whose attention and MLP keep "
+                                    "more; litgpt's phi-2 runs one fused qkv and GELU-tanh MLP): 13.43 GB at 32 "
+                                    "layers, -3.9%, under the figure by less than the rows of its class")
+_QV32 = dict(adapter="lora", lora_r=32, lora_alpha=16, lora_dropout=0.05, target_modules="q_proj,v_proj",
+             adapter_dtype="bf16")
+FIGURES += (
+    _litgpt("llama-2-7b/lora.yaml", "llama-2-7b", 19.77, "lora", at=_LITGPT_0317,
+            row="LoRA r32 on q and v, Llama-2-7B, micro-batch 2", batch_size=2, grad_accum=4, off=_LITGPT_OFF_LLAMA2,
+            **_QV32),
+    _litgpt("mistral-7b/lora.yaml", "mistral-7b", 20.65, "lora", at=_LITGPT_0317,
+            row="LoRA r32 on q and v, Mistral-7B, micro-batch 2", batch_size=2, grad_accum=4,
+            note="; litgpt's own GPT, traced through the estimator's callable route at 2 and 3 layers with litgpt's "
+                 "step, holds 10.5 MB more per layer (K and V expanded from 8 to 32 heads): 20.46 GB, -1.0%",
+            **_QV32),
+    _litgpt("phi-2/lora.yaml", PHI_2, 13.98, "lora", at=_LITGPT_0317,
+            row="LoRA r8 on every projection and the head, Phi-2, micro-batch 4", batch_size=4, grad_accum=2,
+            adapter="lora", lora_r=8, lora_alpha=16, lora_dropout=0.05,
+            target_modules="q_proj,k_proj,v_proj,dense,fc1,fc2,lm_head", adapter_dtype="bf16", off=_LITGPT_OFF_PHI2),
 )
 
 # (name, source, published figure with its metric, why the estimator cannot express the run)
