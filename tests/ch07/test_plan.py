@@ -230,7 +230,9 @@ def test_traces_persist_across_runs_on_disk(tmp_path, monkeypatch):
     P.stacks._CACHE.clear()
     first = P.plan(tiny_cfg(layers=2), "1GiB", **kw)
     files = sorted((tmp_path / "cache").glob("*.pkl"))
-    assert first.traces >= 1 and len(files) == first.traces
+    # every trace the plan took is on disk, and a trace made ahead that the search never asked for may be too
+    # (memlab.plan.ahead: counted in ahead_unused)
+    assert first.traces >= 1 and first.traces <= len(files) <= first.traces + first.ahead_unused
     P.stacks._CACHE.clear()  # a new process: only the disk remains
 
     def no_trace(*a, **k):

@@ -11,14 +11,16 @@ fake tensors with :mod:`memlab.estimate` (the same resolver, step description an
 and ranks those that fit by a stated cost model (:func:`stack_cost`; vendor peak rates in
 :data:`GPU_SPECS`). The cost model orders stacks; its seconds are not a measurement. Most candidates
 are decided without a trace (:mod:`memlab.plan.bounds`): by a lower bound (weights, gradients and
-optimizer state alone exceed the budget) or by the memory order against a traced neighbour; the pick
+optimizer state alone exceed the budget; or, one micro-batch per step, an accumulating stack's traced peak less the
+gradients it keeps) or by the memory order against a traced neighbour; the pick
 is always traced, and ``plan(prune=False)`` traces every candidate (the same answer, tested).
 
 One concern per module: :mod:`~memlab.plan.stack` (the knobs and their vocabulary),
 :mod:`~memlab.plan.cost` (the cost model), :mod:`~memlab.plan.stacks` (estimating one stack, cached),
 :mod:`~memlab.plan.bounds` (the lower bound and the memory order), :mod:`~memlab.plan.search` (the
 candidates and the search), :mod:`~memlab.plan.budget` (budgets), :mod:`~memlab.plan.result`,
-:mod:`~memlab.plan.memo` (a whole plan remembered on disk), :mod:`~memlab.plan.planner` (:func:`plan`);
+:mod:`~memlab.plan.memo` (a whole plan remembered on disk), :mod:`~memlab.plan.ahead` (a second process
+tracing ahead the stack the search likely asks for next), :mod:`~memlab.plan.planner` (:func:`plan`);
 the command line is :mod:`memlab.cli.plan`.
 
     memlab plan llama-3-8b --gpu rtx4090 --seq-len 2048 --batch-size 16

@@ -252,8 +252,8 @@ class Search:
             return self.spare.pop(stack)
         ahead = self.ahead
         if ahead is not None and ahead.busy and ahead.stack == stack:
-            if not ahead.done():  # while the child finishes it, trace here what comes after it
-                guess = self.next_after(stack)
+            if not ahead.done():  # while the child finishes it, trace here what comes after it if it does not fit
+                guess = self.next_after(stack, surest=True)
                 if guess is not None:
                     try:
                         self.spare[guess] = self._here(guess)
@@ -298,13 +298,13 @@ class Search:
         self.spare.clear()
         self.ahead = None
 
-    def next_after(self, stack: Stack) -> Stack | None:
+    def next_after(self, stack: Stack, surest: bool = False) -> Stack | None:
         """The stack the search would trace next after ``stack``, or None: the search run again from its start on
         copies of its rows (:func:`run_search`), the estimates it has answering its traces and ``stack`` assumed far
         over the budget (most traced stacks are: the search goes cheapest first); where the search would then ask for
-        nothing more, assumed just within the budget, then just over it. None: nothing more under any of these, or
-        the next stack is in the trace cache, traced ahead already or in the child."""
-        for peak in (1 << 62, self.budget, self.budget + 1):
+        nothing more (and not ``surest``), assumed just within the budget, then just over it. None: nothing more
+        under these, or the next stack is in the trace cache, traced ahead already or in the child."""
+        for peak in (1 << 62,) if surest else (1 << 62, self.budget, self.budget + 1):
             shadow = _Shadow(self, stack, _Assumed(peak_bytes=peak, reserved_bytes=peak))
             try:
                 run_search(shadow, [dataclasses.replace(r) for r in self._start], self._top)
