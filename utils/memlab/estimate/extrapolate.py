@@ -339,10 +339,10 @@ def _base_model(spec: ModelSpec, dtype: str) -> Any:
     if spec.adapter is None:
         return spec.build(dtype, None)
     from memlab.estimate.adapters import base_dtype
-    from memlab.estimate.model import _build_in
+    from memlab.estimate.model import build_in
 
     base = base_dtype(dtype)
-    return _build_in(spec.fn, base) if spec.fn is not None else spec._from_config(base, None)
+    return build_in(spec.fn, base) if spec.fn is not None else spec._from_config(base, None)
 
 
 def _layout(model: Any) -> tuple:

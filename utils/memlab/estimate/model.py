@@ -297,7 +297,7 @@ class ModelSpec:
 
             base = adapters.base_dtype(dtype)
             if self.fn is not None:
-                model = _build_in(self.fn, base)
+                model = build_in(self.fn, base)
             else:
                 model = self._from_config(base, attn)
             return adapters.apply_adapter(model, self.adapter, dtype)
@@ -534,10 +534,11 @@ def _build(builder: Callable[[], nn.Module], dtype: str) -> nn.Module:
 
     if dtype != Recipe.BF16_PURE:
         return builder()
-    return _build_in(builder, torch.bfloat16)
+    return build_in(builder, torch.bfloat16)
 
 
-def _build_in(builder: Callable[[], nn.Module], param_dtype: torch.dtype) -> nn.Module:
+def build_in(builder: Callable[[], nn.Module], param_dtype: torch.dtype) -> nn.Module:
+    """Call ``builder`` with ``param_dtype`` as torch's default dtype: the model a recipe's weights are built in."""
     import torch
 
     if param_dtype == torch.float32:
