@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from memlab.core.forking import single_threaded_child
 from memlab.plan.stack import Stack
 
 
@@ -43,6 +44,7 @@ def ahead_possible() -> bool:
 def _child(fn: Callable[[Stack], tuple[Any, str]], stack: Stack, conn: Any) -> None:
     # the forked process: one estimate, sent back without its tracker (as the disk cache keeps it)
     try:
+        single_threaded_child()  # the parent's thread pool did not survive the fork
         est, origin = fn(stack)
         if dataclasses.is_dataclass(est):
             est = dataclasses.replace(est, tracker=None)
