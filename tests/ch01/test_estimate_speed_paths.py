@@ -210,3 +210,15 @@ def test_the_collector_is_left_as_it_was(base):
     before = gc.get_freeze_count()
     suggest.suggestions(base, "llama-2-7b", jobs=1, config_overrides=SMALL["llama-2-7b"], gpu="rtx4090")
     assert gc.get_freeze_count() == before
+
+
+def test_an_8bit_estimate_imports_no_bitsandbytes():
+    """A fake trace of 8-bit AdamW runs memlab's layout of bitsandbytes' state: bitsandbytes (about 1-2 s to import)
+    stays out of the process."""
+    code = ("import sys; from memlab.estimate import estimate_training_memory as E; "
+            "E('llama-2-7b', batch_size=1, seq_len=64, optimizer='adamw8bit', config_overrides=dict(num_hidden_layers=2, "
+            "hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)); "
+            "print('bitsandbytes' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1", "MEMLAB_CACHE_DIR": "none"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out[-1] == "False"

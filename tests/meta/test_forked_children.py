@@ -55,3 +55,13 @@ def test_single_threaded_child_is_what_a_bare_fork_needs():
         print("status", status)
     """)
     assert proc.returncode == 0 and "status 0" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+
+
+def test_the_estimates_suggestion_child_runs_ops_after_the_parents_pool_ran():
+    proc = _run("""
+        from memlab.estimate import suggest
+        done = suggest._traced_in_two(lambda i: (i, work(None)[1]), [0, 1, 2, 3], [1.0, 1.0, 1.0, 1.0])
+        print("rows:", sorted(done.items()))
+    """)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
+    assert "rows: [(0, (0, 'traced')), (1, (1, 'traced')), (2, (2, 'traced')), (3, (3, 'traced'))]" in proc.stdout, proc.stdout

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from memlab.core import vocab
+from memlab.core.forking import single_threaded_child
 from memlab.core.vocab import Recipe
 from memlab.estimate.api import estimate_training_memory
 from memlab.estimate.recipes import FRAGMENTATION_MARGIN, LOSS_ALIASES, MIXED
@@ -62,13 +63,14 @@ def estimate_command(model: Any, **kw: Any) -> str:
     flags = (("batch_size", "--batch-size", None), ("seq_len", "--seq-len", None), ("dtype", "--dtype", Recipe.BF16_MIXED.value),
              ("optimizer", "--optimizer", "adamw"), ("optimizer_impl", "--optimizer-impl", "auto"),
              ("device", "--device", "cuda"), ("loss", "--loss", "auto"), ("attn_implementation", "--attn", "auto"),
-             ("world_size", "--world-size", 1), ("zero_stage", "--zero-stage", 0), ("gpu", "--gpu", None))
+             ("world_size", "--world-size", 1), ("zero_stage", "--zero-stage", 0), ("gpu", "--gpu", None),
+             ("grad_accum", "--grad-accum", 1), ("fsdp_version", "--fsdp-version", 2))
     canon = {"dtype": lambda v: vocab.canonical_recipe(v, argument="dtype"), "optimizer": vocab.canonical_optimizer,
              "loss": lambda v: LOSS_ALIASES.get(v, v)}
     for key, flag, default in flags:
         if key in kw and canon.get(key, lambda v: v)(kw[key]) != default:
             out += [flag, str(canon.get(key, lambda v: v)(kw[key]))]
-    for key in ("checkpointing", "offload_checkpoints", "optimizer_in_backward"):
+    for key in ("checkpointing", "offload_checkpoints", "optimizer_in_backward", "keep_previous_outputs"):
         if kw.get(key):
             out.append("--" + key.replace("_", "-"))
     if isinstance(kw.get("step"), str):
@@ -122,6 +124,35 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
                   optimizer=base.optimizer, checkpointing=base.checkpointing,
                   config_overrides=config_overrides, **run_kwargs)
     extra = sum(base.extras.values())
+    todo, n_before_formula, adapters_optional = _tried(base, run_kwargs)
+
+    def row(i: int) -> Suggestion:
+        technique, chapter, change = todo[i]
+        kw = {**common, **change}
+        if gc_frozen:  # what the rows before left alive is not scanned again by the next full collection
+            gc.freeze()
+        est = estimate_training_memory(model, **kw)
+        from_cache[i] = any(n.startswith(CACHE_NOTE) for n in est.notes)
+        return Suggestion(technique, est.peak_bytes, "traced", chapter, ", ".join(f"{k}={v}" for k, v in change.items()),
+                          est.peak_phase, _fwd_bwd(est), extra, command=estimate_command(model, **kw),
+                          reserved_replay_bytes=est.reserved_replay_bytes)
+
+    # Each row makes some 10^5 Python objects that outlive it (caches, modules), and the collector's full passes
+    # rescan everything alive (torch, transformers: some 4 x 10^5 objects): a tenth of the rows' time. Frozen
+    # (gc.freeze) before each row, they are skipped; unfrozen after the last, so nothing stays out of the collector
+    # (not where the caller froze objects itself). A forked child shares them without copying their pages.
+    gc_frozen = gc.get_freeze_count() == 0
+    from_cache: dict[int, bool] = {}  # row -> read from the trace cache (memlab.estimate.trace_cache)
+    try:
+        return _rows(todo, row, jobs, from_cache, base, extra, n_before_formula, adapters_optional)
+    finally:
+        if gc_frozen:
+            gc.unfreeze()
+
+
+def _tried(base: MemoryEstimate, run_kwargs: Mapping[str, Any]) -> tuple[list[tuple[str, str, dict[str, Any]]], int, bool]:
+    """The techniques :func:`suggestions` tries for ``base``, in order: ``(technique, chapter, the change)`` each;
+    how many come before the adapters; whether the adapter rows may fail (a model without linear layers)."""
     todo: list[tuple[str, str, dict[str, Any]]] = []  # (technique, chapter, the change), in the order tried
 
     def want(technique: str, chapter: str, **change: Any) -> None:
@@ -163,29 +194,7 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
         want("LoRA on 16-bit frozen weights (rank 16, all linear layers)", "06", adapter="lora", **ad_kw)
         want("QLoRA (NF4 frozen weights, rank 16, all linear layers)", "06", adapter="qlora", **ad_kw)
         adapters_optional = True
-
-    def row(i: int) -> Suggestion:
-        technique, chapter, change = todo[i]
-        kw = {**common, **change}
-        if gc_frozen:  # what the rows before left alive is not scanned again by the next full collection
-            gc.freeze()
-        est = estimate_training_memory(model, **kw)
-        from_cache[i] = any(n.startswith(CACHE_NOTE) for n in est.notes)
-        return Suggestion(technique, est.peak_bytes, "traced", chapter, ", ".join(f"{k}={v}" for k, v in change.items()),
-                          est.peak_phase, _fwd_bwd(est), extra, command=estimate_command(model, **kw),
-                          reserved_replay_bytes=est.reserved_replay_bytes)
-
-    # Each row makes some 10^5 Python objects that outlive it (caches, modules), and the collector's full passes
-    # rescan everything alive (torch, transformers: some 4 x 10^5 objects): a tenth of the rows' time. Frozen
-    # (gc.freeze) before each row, they are skipped; unfrozen after the last, so nothing stays out of the collector
-    # (not where the caller froze objects itself). A forked child shares them without copying their pages.
-    gc_frozen = gc.get_freeze_count() == 0
-    from_cache: dict[int, bool] = {}  # row -> read from the trace cache (memlab.estimate.trace_cache)
-    try:
-        return _rows(todo, row, jobs, from_cache, base, extra, n_before_formula, adapters_optional)
-    finally:
-        if gc_frozen:
-            gc.unfreeze()
+    return todo, n_before_formula, adapters_optional
 
 
 def _rows(todo: list, row: Any, jobs: int | None, from_cache: dict[int, bool], base: MemoryEstimate, extra: int,
@@ -290,6 +299,7 @@ def _traced_in_two(row: Any, rows: list[int], weights: list[float]) -> dict[int,
     if pid == 0:  # the child: trace its rows, send them, exit without running the parent's exit handlers
         code = 1
         try:
+            single_threaded_child()  # the parent's thread pool did not survive the fork (memlab.core.forking)
             os.close(read_fd)
             got: dict[int, Any] = {}
             for i in sorted(theirs):
