@@ -20,8 +20,7 @@ from memlab.core.vocab import CATEGORIES, Recipe
 from memlab.estimate.attention import UnpackedPositions, attention_plan, make_tracker
 from memlab.estimate.model import (ModelSpec, enable_checkpointing, largest_layer_params, untraceable,
                                    vocab_size)
-from memlab.estimate.optim import (bitsandbytes_installed, bnb_state_bytes, import_bitsandbytes, paged_state_bytes,
-                                   step_optimizer)
+from memlab.estimate.optim import bnb_state_bytes, import_bitsandbytes, paged_state_bytes, step_optimizer
 from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CUBLAS_THREADS, LOSSES, MIXED, OPTIMIZER_IMPLS,
                                      cublas_workspace)
 from memlab.estimate.result import MemoryEstimate
@@ -179,8 +178,8 @@ def _setup(spec: ModelSpec, step: StepSpec, fake: bool) -> _Setup:
                        f"more live in CUDA unified memory, outside PyTorch's allocator: reported as paged bytes, not in "
                        f"max_memory_allocated/reserved (nvidia-smi shows them while they are on the card; the driver "
                        f"pages them to host memory under pressure); the rest of the state is in the allocated figure")
-    if step.optimizer == "adamw8bit" and not (fake and bitsandbytes_installed()):  # a fake trace runs its layout
-        try:  # (memlab.estimate.optim.AdamW8bitLayout: no import)
+    if step.optimizer == "adamw8bit" and not fake:  # a fake trace runs memlab's layout of bitsandbytes' state
+        try:  # (memlab.estimate.optim.AdamW8bitLayout: no import, bitsandbytes installed or not)
             import_bitsandbytes()
         except Exception as exc:  # pragma: no cover - depends on the install
             s.modelled_8bit, s.opt_name = True, "sgd"
