@@ -509,6 +509,27 @@ def test_zero2_frees_each_gradient_where_the_allocator_sees_it():
         assert ends == [0] * 5, f"rank {rank}: bytes left at the end of 5 steps by the allocator's events {ends}"
 
 
+def test_the_wait_for_gloo_lasts_until_the_last_other_reference_goes():
+    """The hook's wait ends when the other holder lets go, however late (a loaded runner), not at a short
+    deadline: here a thread holds the tensor for 1.5 s (the old 1 s deadline gave up before it)."""
+    import threading
+    import weakref
+
+    from memlab.distributed.zero import _until_released
+
+    t = torch.empty(1000)
+    held = [t]
+    ref = weakref.ref(t)
+    del t
+    let_go = threading.Timer(1.5, held.clear)
+    start = time.monotonic()
+    let_go.start()
+    _until_released([ref])
+    waited = time.monotonic() - start
+    let_go.join()
+    assert ref() is None and waited >= 1.4, waited
+
+
 def _peaks_small(rank, world_size):
     torch.set_num_threads(1)  # SDPA's CPU kernel sizes its scratch by the thread count
     return [D.rank_peaks(rank, world_size, s, model_kwargs=SMALL) for s in D.STAGES]

@@ -244,15 +244,20 @@ class ZeroOptimizer:
                 f"inner {type(self.optim).__name__})")
 
 
-def _until_released(refs: list, timeout: float = 1.0) -> None:
+def _until_released(refs: list, timeout: float = 30.0) -> None:
     # gloo's worker thread drops its reference to a collective's tensors just after the collective
     # completes, which may be a moment after dist.reduce has returned here. A gradient whose last
     # reference goes on that thread is freed there, where torch.profiler records no event (it records
-    # only the threads it profiles): wait (microseconds) until gloo let go of the pieces, so that the
-    # gradient is freed on this thread, now, as the allocator's events then show
+    # only the threads it profiles): wait until gloo let go of the pieces, so that the
+    # gradient is freed on this thread, now, as the allocator's events then show. The wait ends as soon as
+    # gloo lets go (microseconds on an idle machine); the long deadline is for a loaded one, where gloo's
+    # thread may wait for a core or the GIL (with a 1 s deadline, one CI run on a loaded 2-core runner saw
+    # one step of five keep a 40 KiB gradient: the deadline running out is the likely cause)
     deadline = time.monotonic() + timeout
+    pause = 0.0
     while any(r() is not None for r in refs) and time.monotonic() < deadline:
-        time.sleep(0)
+        time.sleep(pause)  # 0 first (yield the GIL), then up to 1 ms so a long wait does not spin a core
+        pause = min(0.001, pause * 2 + 1e-5)
 
 
 def zero_model_state_bytes(n_params: int, world_size: int, stage: int, *, param_bytes: int = 2,
