@@ -245,3 +245,25 @@ def test_estimate_help_names_the_presets_and_dtypes(memlab_cli):
     text = " ".join(r.stdout.split())
     assert all(name in text for name in PRESETS)
     assert " ".join(E.DTYPES["bf16-pure"].split()) in text
+
+
+def test_estimate_leaving_by_os_exit_prints_all_it_prints_the_normal_way(tmp_path):
+    """`memlab estimate` skips the interpreter's teardown (os._exit after flushing): piped into a file, its
+    output is the one the normal exit prints, line for line (bar the timing), and its exit status is kept."""
+    pytest.importorskip("transformers")
+
+    def run(quick: str, *args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "utils"), "MEMLAB_CACHE_DIR": "none",
+               "MEMLAB_QUICK_EXIT": quick, "OMP_NUM_THREADS": "1"}
+        return subprocess.run([sys.executable, "-m", "memlab", "estimate", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=240)
+
+    def lines(proc: subprocess.CompletedProcess) -> list[str]:
+        return [ln for ln in proc.stdout.splitlines() if not ln.startswith("estimated in ")]
+
+    quick, normal = run("1", "llama-2-7b", "--seq-len", "256"), run("0", "llama-2-7b", "--seq-len", "256")
+    assert quick.returncode == normal.returncode == 0, quick.stderr + normal.stderr
+    assert quick.stdout.rstrip().splitlines()[-1].startswith("estimated in "), quick.stdout[-300:]
+    assert lines(quick) == lines(normal) and len(lines(quick)) > 10
+    bad = run("1", "no-such-model-xyz")
+    assert bad.returncode == 2 and "no-such-model-xyz" in bad.stderr + bad.stdout, (bad.returncode, bad.stderr)
