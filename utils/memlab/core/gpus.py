@@ -54,6 +54,8 @@ GPUS: dict[str, GPU] = {
               sm=(7, 5)),
     # torch's own total for a GeForce RTX 2080 Ti (sm 7.5, no bf16)
     "rtx2080ti": GPU("GeForce RTX 2080 Ti (11 GB)", 11019, _YOLO % 11019, 11019 * MiB, (7, 5)),
+    # AWS g5 instances' card (GA102, as the RTX 3090); nvidia-smi on driver 535: "8722MiB / 23028MiB"
+    "a10g": GPU("NVIDIA A10G (24 GB)", 23028, "https://github.com/NVIDIA/DCGM/issues/232", sm=(8, 6)),
     "l4": GPU("NVIDIA L4 (24 GB)", 23034, "https://github.com/NVIDIA/TensorRT-LLM/issues/2398", sm=(8, 9)),
     "rtx3090": GPU("GeForce RTX 3090 (24 GB)", 24576, "https://github.com/noonghunna/club-3090/issues/1128", sm=(8, 6)),
     "rtx4090": GPU("GeForce RTX 4090 (24 GB)", 24564, "https://github.com/RLinf/RLinf/issues/255", sm=(8, 9)),
