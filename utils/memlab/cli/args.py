@@ -265,6 +265,10 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-previous-outputs", action="store_true",
                         help="the loop keeps the previous step's outputs (out = model(...), kept for logging: its "
                              "logits) alive through the next forward")
+    parser.add_argument("--zero-grad-keep", action="store_true",
+                        help="the loop zeroes the gradients in place instead of freeing them "
+                             "(optimizer.zero_grad(set_to_none=False); model.zero_grad() before torch 2.0): they stay "
+                             "allocated through the next forward and backward")
     parser.add_argument("--adapter", choices=list(ADAPTERS), default=None,
                         help="train LoRA adapters on a frozen 16-bit base (lora) or on an NF4 base (qlora)")
     parser.add_argument("--lora-r", type=_positive_int, default=16, help="adapter rank (default 16)")

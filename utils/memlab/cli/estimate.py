@@ -43,6 +43,8 @@ def _keywords(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
     for key, default in (("grad_accum", 1), ("fsdp_version", 2), ("keep_previous_outputs", False)):
         if getattr(args, key) != default:
             run_kwargs[key] = getattr(args, key)
+    if args.zero_grad_keep:  # zero_grad(set_to_none=False): the gradients kept between steps
+        run_kwargs["zero_grad_set_to_none"] = False
     adapter_kw = dict(adapter=args.adapter, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                       target_modules=args.target_modules, lora_dropout=args.lora_dropout,
                       adapter_dtype=args.adapter_dtype)

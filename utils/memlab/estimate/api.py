@@ -196,6 +196,7 @@ STEP_SCHEMA: dict[str, Callable[[str, Any], Any]] = {
     "optimizer_in_backward": check_bool,
     "fsdp_version": _fsdp_version,
     "keep_previous_outputs": check_bool,
+    "zero_grad_set_to_none": check_bool,
     "lora_r": _lora_r,
     "lora_alpha": _lora_alpha,
     "target_modules": _target_modules,
@@ -472,6 +473,7 @@ def estimate_step(model: Any, step: "StepSpec", *, config_overrides: Mapping[str
     """
     from memlab.estimate.extrapolate import estimate_one_rank
     from memlab.estimate.sharding import check_zero, fsdp_units, shard_estimate, trace_fsdp
+    from memlab.estimate.step import add_zero_grad_note
 
     check_step(step)
     check_schema(dict(config_overrides=config_overrides, allow_longer_seq=allow_longer_seq, extrapolate=extrapolate),
@@ -485,7 +487,7 @@ def estimate_step(model: Any, step: "StepSpec", *, config_overrides: Mapping[str
         traced, why = trace_fsdp(spec, step, extrapolate)
         if traced is not None:
             return traced
-    est = estimate_one_rank(spec, step, extrapolate)
+    est = add_zero_grad_note(estimate_one_rank(spec, step, extrapolate), step)  # (memlab.estimate.step)
     if step.world_size == 1 and step.zero_stage == 0:
         return est
     units = fsdp_units(model, step.dtype, config_overrides) if step.zero_stage == 3 else None
@@ -559,6 +561,7 @@ def measure_training_memory(model: Any, spec: "StepSpec | None" = None, *,
     Raises:
         ValueError, TypeError, FileNotFoundError: a bad setting, named with what is allowed.
     """
+    from memlab.estimate.step import add_zero_grad_note
     from memlab.estimate.trace import trace_step
 
     for key in _NOT_MEASURED:
@@ -575,4 +578,6 @@ def measure_training_memory(model: Any, spec: "StepSpec | None" = None, *,
                          f"process; allowed: world_size=1, zero_stage=0 (estimate_training_memory models the ranks)")
     check_input_bounds(step.batch_size, step.seq_len, step.world_size)
     step = step.replace(kernel_scratch=False)
-    return trace_step(resolve_for_step(model, step, config_overrides, allow_longer_seq), step, fake=False)
+    return add_zero_grad_note(trace_step(resolve_for_step(model, step, config_overrides, allow_longer_seq), step,
+                                         fake=False), step)
+

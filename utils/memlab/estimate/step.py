@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from memlab.core import vocab
+from memlab.core.units import format_bytes
 from memlab.core.vocab import Recipe
 from memlab.core.validation import check_bool, invalid
 from memlab.estimate.recipes import LOSS_ALIASES, MIXED, cublas_workspace
@@ -31,6 +32,8 @@ def check_fsdp_version(name: str, value: Any) -> int:
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
+
+    from memlab.estimate.result import MemoryEstimate
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,12 @@ class StepSpec:
         keep_previous_outputs: the loop keeps what the previous forward returned (``out = model(...)`` kept
             for logging: transformers' output with its logits, else the loss) until the next forward has
             returned; traced as two consecutive steps, the first one's outputs alive through the second's forward.
+        zero_grad_set_to_none: how the loop zeroes the gradients before each step: True (PyTorch's default since 2.0)
+            frees them (``p.grad = None``), so each backward allocates them anew; False
+            (``optimizer.zero_grad(set_to_none=False)``, ``model.zero_grad()`` before torch 2.0, the HF Trainer of
+            that time) zeroes them in place: the gradient buffers stay allocated through the next forward and
+            backward, which adds into them. Not with ``zero_stage=3`` (FSDP's sharded gradients are not traced
+            kept) nor with ``optimizer_kwargs={'offload_gradients': True}`` (which frees each gradient in backward).
     """
 
     batch_size: int
@@ -108,6 +117,7 @@ class StepSpec:
     optimizer_in_backward: bool = False
     fsdp_version: int = 2
     keep_previous_outputs: bool = False
+    zero_grad_set_to_none: bool = True
 
     def __post_init__(self) -> None:
         # one vocabulary (frozen: set through object)
@@ -124,6 +134,7 @@ class StepSpec:
         check_bool("offload_checkpoints", self.offload_checkpoints)
         check_bool("optimizer_in_backward", self.optimizer_in_backward)
         check_bool("keep_previous_outputs", self.keep_previous_outputs)
+        check_bool("zero_grad_set_to_none", self.zero_grad_set_to_none)
         check_fsdp_version("fsdp_version", self.fsdp_version)
         if self.fsdp_version == 1 and self.zero_stage != 3:
             raise ValueError(f"fsdp_version=1 is invalid with zero_stage={self.zero_stage!r}: FSDP shards the "
@@ -133,6 +144,18 @@ class StepSpec:
                              "checkpointed layers on the host; allowed: checkpointing=True (CLI --checkpointing)")
         if self.optimizer_in_backward:
             self._check_in_backward()
+        if not self.zero_grad_set_to_none:
+            self._check_zero_grad_kept()
+
+    def _check_zero_grad_kept(self) -> None:
+        # what keeping the gradients between steps (zero_grad(set_to_none=False)) is not traced with, named
+        if self.zero_stage == 3:
+            raise ValueError("zero_grad_set_to_none=False is invalid with zero_stage=3: FSDP's sharded gradients are "
+                             "not traced kept between steps; allowed: zero_grad_set_to_none=True, or zero_stage 0, 1, 2")
+        if (self.optimizer_kwargs or {}).get("offload_gradients"):
+            raise ValueError("zero_grad_set_to_none=False is invalid with optimizer_kwargs={'offload_gradients': True}: "
+                             "each gradient is copied to the host and freed in backward, none is kept; allowed: "
+                             "zero_grad_set_to_none=True, or offload_gradients off")
 
     def _check_in_backward(self) -> None:
         # what the optimizer step in backward rules out, named
@@ -215,8 +238,9 @@ def training_step(
     micro_batches: int = 1,
     no_sync: Callable[[], Any] | None = None,
     previous: list | None = None,
+    set_to_none: bool = True,
 ) -> torch.Tensor:
-    """One step as :func:`estimate_training_memory` runs it: zero_grad(set_to_none), forward and
+    """One step as :func:`estimate_training_memory` runs it: ``optimizer.zero_grad(set_to_none)``, forward and
     loss (under autocast for the mixed recipes), backward, optimizer.step(). With
     ``micro_batches`` > 1, forward and backward run that many times on ``x`` (each loss divided by
     the count, as a trainer accumulating gradients does) before the one optimizer step: the
@@ -237,6 +261,8 @@ def training_step(
         previous: the loop's variable that holds the outputs of the last forward (a list, changed in place):
             what it holds stays alive until the next forward has returned, then that forward's outputs replace
             it (``out = model(...)`` in a loop that keeps ``out`` for logging); None keeps nothing.
+        set_to_none: ``zero_grad``'s argument: True frees the gradients, False zeroes them in place (they stay
+            allocated through forward, and backward adds into them).
 
     Returns:
         The (last micro-batch's) loss, detached.
@@ -249,7 +275,8 @@ def training_step(
     dtype = vocab.canonical_recipe(dtype, argument="dtype")
     import contextlib
 
-    optimizer.zero_grad(set_to_none=True)
+    check_bool("set_to_none", set_to_none)
+    optimizer.zero_grad(set_to_none=set_to_none)
     for i in range(micro_batches):
         if dtype in MIXED:
             amp = torch.bfloat16 if dtype == Recipe.BF16_MIXED else torch.float16
@@ -293,3 +320,24 @@ def load_step(spec: str) -> Callable[[nn.Module, dict], torch.Tensor]:
     return fn
 
 
+#: the start of the note an estimate of a loop that keeps its gradients between steps carries
+ZERO_GRAD_NOTE = "zero_grad_set_to_none=False"
+
+
+def add_zero_grad_note(est: "MemoryEstimate", step: "StepSpec") -> "MemoryEstimate":
+    """``est`` with the note of a loop that zeroes its gradients in place (``step.zero_grad_set_to_none`` False):
+    the gradient bytes kept, read from the traced breakdowns. Nothing for the default loop; added once."""
+    if step.zero_grad_set_to_none or any(n.startswith(ZERO_GRAD_NOTE) for n in est.notes):
+        return est
+    if step.optimizer_in_backward:
+        kept = ("but the optimizer step in backward frees each gradient as soon as it is stepped, so none is kept: "
+                "the same step as set_to_none=True")
+    else:
+        grads = max([bd.get("gradients", 0) for bd in est.phase_breakdowns.values()]
+                    + [est.breakdown.get("gradients", 0)])
+        kept = (f"the gradients ({format_bytes(grads)} at most) stay allocated, zeroed in place, through the next "
+                f"forward and backward; backward adds each new gradient into its buffer (a temporary until added), "
+                f"frozen parameters have none")
+    est.notes.append(f"{ZERO_GRAD_NOTE} (optimizer.zero_grad(set_to_none=False); model.zero_grad() before torch "
+                     f"2.0, the HF Trainer of that time): {kept}")
+    return est

@@ -71,11 +71,14 @@ _ANATOMY = ("https://github.com/huggingface/transformers/blob/v4.38.2/docs/sourc
 _GPU_ONE = ("https://github.com/huggingface/transformers/blob/0016acf7ef421c7fe8eff7945de52c71896c3b01/docs/source/en/"
             "perf_train_gpu_one.mdx (Efficient Training on a Single GPU)")
 _GPU_ONE_GPU = "Tesla V100-SXM2 16GB (the doc's nvidia-smi, driver 460.91.03, CUDA 11.2), HF Trainer of January 2022"
+# The Trainer of January 2022 zeroed the gradients with model.zero_grad() after each optimizer step, and torch 1.x's
+# Module.zero_grad defaulted to set_to_none=False: the gradients stayed allocated between steps (the estimate's
+# zero_grad_set_to_none=False). The anatomy doc's figures are the same runs (its nvidia-smi: Jan 11 2022, this V100).
+_ZERO_GRAD_KEPT = ("the Trainer's model.zero_grad() of that time (torch 1.x: set_to_none=False) kept the gradients "
+                   "allocated between steps, zeroed in place: traced so (zero_grad_set_to_none=False)")
 _GPU_ONE_DIFFERS = ("the figure is pynvml's used memory after trainer.train(): the allocator cache and the CUDA context "
-                    "(the doc's 1343 MB, added to the estimate); the Trainer's model.zero_grad() of that time kept the "
-                    "gradients allocated through the next forward (set_to_none=False), the estimate frees them "
-                    "(set_to_none), so it is lower by up to the gradients' 1.25 GiB; gradient accumulation keeps the "
-                    "gradients between micro-batches, which the steady-state step has too")
+                    "(the doc's 1343 MB, added to the estimate); " + _ZERO_GRAD_KEPT + "; gradient accumulation keeps "
+                    "the gradients between micro-batches, which the steady-state step has too")
 # The doc's own CUDA-context figure: "GPU memory occupied: 1343 MB" after one small tensor was moved to the GPU.
 ANATOMY_CONTEXT_BYTES = 1343 * MiB
 
@@ -173,7 +176,8 @@ def _fms_fsdp(batch: int, measured: int) -> Figure:
 
 def _gpu_one(what: str, mb: int, as_published: str, note: str = "", **settings: Any) -> Figure:
     """A BERT-large run of the transformers doc "Efficient Training on a Single GPU" (pynvml used memory)."""
-    base = dict(batch_size=4, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop")
+    base = dict(batch_size=4, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop",
+                zero_grad_set_to_none=False)
     return Figure(name=f"Efficient training on one GPU: BERT-large classifier, {what}", source=_GPU_ONE,
                   measured_bytes=mb * MiB, metric="nvidia-smi", as_published=f"GPU memory occupied: {mb} MB. ({as_published})",
                   model="bert-large-cls", settings={**base, **settings}, gpu=_GPU_ONE_GPU, card="v100",
@@ -248,11 +252,12 @@ FIGURES: tuple[Figure, ...] = (
         source=_ANATOMY, measured_bytes=14949 * MiB, metric="nvidia-smi",
         as_published="GPU memory occupied: 14949 MB. (pynvml used memory; the doc's context alone: 1343 MB)",
         model="bert-large-cls",
-        settings=dict(batch_size=4, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop"),
-        gpu="the doc's GPU (not named), Trainer defaults of transformers 4.x",
+        settings=dict(batch_size=4, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop",
+                      zero_grad_set_to_none=False),
+        gpu="the doc's V100 16GB (its nvidia-smi of Jan 11 2022), Trainer defaults of transformers 4.x", card="v100",
         differs="BertForSequenceClassification with 2 labels traced by a step of its own (loss on the [CLS] head); "
-                "the Trainer's AdamW of that release loops over parameters; the figure includes the allocator cache "
-                "and the CUDA context (the doc's 1343 MB is added to the estimate)",
+                "the Trainer's AdamW of that release loops over parameters; " + _ZERO_GRAD_KEPT + "; the figure "
+                "includes the allocator cache and the CUDA context (the doc's 1343 MB is added to the estimate)",
         context_bytes=ANATOMY_CONTEXT_BYTES,
     ),
     Figure(
@@ -260,8 +265,9 @@ FIGURES: tuple[Figure, ...] = (
         source=_ANATOMY, measured_bytes=8681 * MiB, metric="nvidia-smi",
         as_published="GPU memory occupied: 8681 MB. (per_device_train_batch_size=1, gradient_accumulation_steps=4)",
         model="bert-large-cls",
-        settings=dict(batch_size=1, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop"),
-        gpu="the doc's GPU (not named), Trainer defaults of transformers 4.x",
+        settings=dict(batch_size=1, seq_len=512, dtype="fp32", optimizer="adamw", optimizer_impl="for-loop",
+                      zero_grad_set_to_none=False),
+        gpu="the doc's V100 16GB (its nvidia-smi of Jan 11 2022), Trainer defaults of transformers 4.x", card="v100",
         differs="as the batch-4 row; accumulation keeps the gradients between micro-batches, which the steady-state "
                 "step has too",
         context_bytes=ANATOMY_CONTEXT_BYTES,
