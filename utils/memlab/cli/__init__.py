@@ -85,12 +85,13 @@ def console() -> None:
     """The ``memlab`` console script and ``python -m memlab``: :func:`main`, then exit with its status.
 
     ``estimate`` and ``plan`` flush stdout and stderr and leave by ``os._exit``, skipping the interpreter's
-    teardown (1.0 s after a cold estimate), unless a tracer or coverage is running (they write at exit) or
+    teardown (1.0 s after a cold estimate), unless a tracer, a profiler (cProfile) or coverage is running (they write at exit) or
     ``MEMLAB_QUICK_EXIT=0``. An exception or ``SystemExit`` leaves the normal way.
     """
     argv = sys.argv[1:]
     rc = main(argv)
-    quick = (bool(argv) and argv[0] in _QUICK_EXIT and sys.gettrace() is None and "coverage" not in sys.modules
+    quick = (bool(argv) and argv[0] in _QUICK_EXIT and sys.gettrace() is None and sys.getprofile() is None
+             and "coverage" not in sys.modules
              and os.environ.get("MEMLAB_QUICK_EXIT", "1") != "0")
     if quick:
         try:
