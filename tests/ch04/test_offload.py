@@ -98,8 +98,11 @@ def test_fast_step_bitwise_vs_eager_chunked_and_torch_fused(n, one_thread):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_eager_chunked_step_is_the_same_at_any_thread_count_and_restores_torch_threads(threads, monkeypatch):
-    # the chunks are split between worker threads, never inside an op: the result is the one-thread
-    # result, and the caller's intra-op thread count is back after the step
+    # every slice is stepped once, on at most `threads` threads, each with torch's intra-op threads at 1
+    # (no op inside a slice is split); the result is the one-thread result, and the caller's intra-op
+    # thread count is back after the step
+    import threading
+
     from memlab.offload import kernel as K
 
     torch.manual_seed(0)
@@ -108,26 +111,120 @@ def test_eager_chunked_step_is_the_same_at_any_thread_count_and_restores_torch_t
     ref = [t.clone() for t in bufs]
     before = torch.get_num_threads()
     seen = []
-    real = K._chunked_range
+    real = K._step_chunk
 
-    def spy(*a, **kw):
-        seen.append(torch.get_num_threads())
-        return real(*a, **kw)
+    def spy(p, *a, **kw):
+        seen.append((p.storage_offset(), p.numel(), torch.get_num_threads(), threading.get_ident()))
+        return real(p, *a, **kw)
 
-    K._chunked_range = spy
+    monkeypatch.setattr(K, "_step_chunk", spy)
     monkeypatch.setattr(K, "MIN_PER_WORKER", 1000)  # small buffers get one worker: let this one be split
-    try:
-        for step in (1, 2):
-            O.adamw_step_eager_chunked_(*bufs, step, chunk=1000, threads=threads, **HP)
-            O.adamw_step_eager_chunked_(*ref, step, chunk=1000, threads=1, **HP)
-    finally:
-        K._chunked_range = real
+    for step in (1, 2):
+        seen.clear()
+        O.adamw_step_eager_chunked_(*bufs, step, chunk=1000, threads=threads, **HP)
+        assert sorted((o, k) for o, k, _, _ in seen) == [(i * 1000, min(1000, n - i * 1000)) for i in range(11)]
+        assert {t for _, _, t, _ in seen} == {1}, seen  # no op inside a slice is split across threads
+        assert len({w for _, _, _, w in seen}) <= threads
+        O.adamw_step_eager_chunked_(*ref, step, chunk=1000, threads=1, **HP)
     assert all(torch.equal(a, b) for a, b in zip(bufs, ref))
-    assert seen and set(seen) == {1}, seen  # no op inside a chunk is split across threads
-    assert len(seen) == 2 * (threads + 1)  # threads ranges, then one, each step
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="threads"):
         O.adamw_step_eager_chunked_(*bufs, 1, threads=0, **HP)
+    with pytest.raises(ValueError, match="chunk"):
+        O.adamw_step_eager_chunked_(*bufs, 1, chunk=0, **HP)
+
+
+def test_eager_step_default_slices_bitwise_vs_fused_at_two_threads(monkeypatch):
+    # the default slice (EAGER_CHUNK, larger than the C++ kernel's) with two workers: torch's fused AdamW
+    # on its vector loop (one torch thread, a multiple of 16) and the C++ kernel where it builds
+    from memlab.offload import kernel as K
+
+    monkeypatch.setattr(K, "MIN_PER_WORKER", K.EAGER_CHUNK)
+    n = 3 * K.EAGER_CHUNK + 16 * 7
+    torch.manual_seed(1)
+    p0 = torch.randn(n)
+    ref = nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=HP["lr"], eps=HP["eps"], weight_decay=HP["weight_decay"], fused=True)
+    eager, flat = [p0.clone(), torch.zeros(n), torch.zeros(n)], [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    threads = torch.get_num_threads()
+    for step in range(1, 4):
+        g = torch.randn(n)
+        ref.grad = g.clone()
+        torch.set_num_threads(1)
+        try:
+            opt.step()
+        finally:
+            torch.set_num_threads(threads)
+        O.adamw_step_eager_chunked_(eager[0], g, eager[1], eager[2], step, threads=2, **HP)
+        O.adamw_step_flat_(flat[0], g, flat[1], flat[2], step, **HP)
+    assert torch.equal(eager[0], ref.data)
+    assert torch.equal(eager[1], opt.state[ref]["exp_avg"]) and torch.equal(eager[2], opt.state[ref]["exp_avg_sq"])
+    assert all(torch.equal(a, b) for a, b in zip(eager, flat)), O.kernel_name()
+
+
+def test_eager_step_keeps_its_helper_threads_between_calls(monkeypatch):
+    # helpers are started once and reused: repeated steps do not start new threads
+    import threading
+
+    from memlab.offload import kernel as K
+
+    monkeypatch.setattr(K, "MIN_PER_WORKER", 1000)
+    bufs = [torch.randn(20_000), torch.randn(20_000), torch.zeros(20_000), torch.zeros(20_000)]
+    O.adamw_step_eager_chunked_(*bufs, 1, chunk=1000, threads=3, **HP)
+    helpers = list(K._HELPERS.threads)
+    assert len(helpers) >= 2 and all(t.daemon and t.is_alive() for t in helpers)
+    count = threading.active_count()
+    for step in range(2, 12):
+        O.adamw_step_eager_chunked_(*bufs, step, chunk=1000, threads=3, **HP)
+    assert K._HELPERS.threads == helpers and threading.active_count() == count
+
+
+def test_eager_step_does_not_wait_for_a_helper_that_never_runs(monkeypatch):
+    # a helper that is not scheduled (a busy machine) leaves its share to the caller: the step finishes
+    # on the calling thread alone, with the same result
+    from memlab.offload import kernel as K
+
+    offered = []
+    monkeypatch.setattr(K, "MIN_PER_WORKER", 1000)
+    monkeypatch.setattr(K._HELPERS, "submit", lambda job, k: offered.append(k))
+    torch.manual_seed(0)
+    bufs = [torch.randn(9_001), torch.randn(9_001), torch.zeros(9_001), torch.zeros(9_001)]
+    ref = [t.clone() for t in bufs]
+    O.adamw_step_eager_chunked_(*bufs, 1, chunk=1000, threads=2, **HP)
+    O.adamw_step_eager_chunked_(*ref, 1, chunk=1000, threads=1, **HP)
+    assert offered == [1] and all(torch.equal(a, b) for a, b in zip(bufs, ref))
+
+
+def test_eager_step_raises_a_helpers_error_on_the_caller(monkeypatch):
+    import threading
+
+    from memlab.offload import kernel as K
+
+    main = threading.get_ident()
+    real = K._step_chunk
+    helper_ran = threading.Event()
+
+    def failing_on_helpers(*a, **kw):
+        if threading.get_ident() != main:
+            helper_ran.set()
+            raise RuntimeError("boom on a helper")
+        helper_ran.wait(5)  # let the helper claim a slice before the caller takes them all
+        return real(*a, **kw)
+
+    monkeypatch.setattr(K, "MIN_PER_WORKER", 1000)
+    monkeypatch.setattr(K, "_step_chunk", failing_on_helpers)
+    bufs = [torch.randn(8_000), torch.randn(8_000), torch.zeros(8_000), torch.zeros(8_000)]
+    with pytest.raises(RuntimeError, match="boom on a helper"):
+        O.adamw_step_eager_chunked_(*bufs, 1, chunk=1000, threads=2, **HP)
+    assert helper_ran.is_set()
+    monkeypatch.setattr(K, "_step_chunk", real)
+    O.adamw_step_eager_chunked_(*bufs, 2, chunk=1000, threads=2, **HP)  # the helpers still serve the next step
+    assert torch.isfinite(bufs[0]).all()
+
+
+def test_eager_step_of_an_empty_buffer_returns():
+    e = [torch.zeros(0) for _ in range(4)]
+    O.adamw_step_eager_chunked_(*e, 1, threads=2, **HP)
 
 
 def test_intra_op_threads_nests_and_restores():

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import queue
 import shutil
 import subprocess
 import threading
@@ -23,8 +24,8 @@ import torch
 from memlab.core.validation import check_choice, check_positive_int
 from memlab.offload.update import bias_corrections, check_hparams
 
-__all__ = ["KERNEL_PATH", "KERNEL_SOURCE", "DEFAULT_CHUNK", "load_kernel", "kernel_name", "adamw_step_flat_",
-           "adamw_step_eager_chunked_", "intra_op_threads"]
+__all__ = ["KERNEL_PATH", "KERNEL_SOURCE", "DEFAULT_CHUNK", "EAGER_CHUNK", "load_kernel", "kernel_name",
+           "adamw_step_flat_", "adamw_step_eager_chunked_", "intra_op_threads"]
 
 DEFAULT_CHUNK = 16384  # floats: 4 arrays x 64 KiB = 256 KiB in flight, about an L2 cache
 
@@ -106,8 +107,13 @@ def _check_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
             raise ValueError(f"{name} has {t.numel()} elements; param has {param.numel()}")
 
 
+#: elements per slice of the eager step when the caller names none. Its ops cost a few microseconds each
+#: beside the arithmetic (Python, the dispatcher, the GIL), so it takes slices 4x the C++ kernel's: 9 ops
+#: per 64K elements, whose arrays and float64 scratch (2.25 MiB) stay in the last-level cache
+EAGER_CHUNK = 1 << 16
+
 #: elements a worker thread of the eager chunked step gets at least (a few milliseconds of work): below
-#: it, starting a thread and waiting for it to be scheduled on a busy machine costs more than it saves
+#: it, waking a helper thread and waiting for its last chunk costs more than the helper saves
 MIN_PER_WORKER = 1 << 20
 
 _THREADS_LOCK = threading.Lock()
@@ -143,22 +149,102 @@ def intra_op_threads(n: int) -> Iterator[None]:
                 torch.set_num_threads(_THREADS_HELD[1])
 
 
-def _chunked_range(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lo: int, hi: int, chunk: int,
-                   decay: float, w1: float, beta2: float, step_size: float, bc2_sqrt: float, eps: float) -> None:
-    for a in range(lo, hi, chunk):
-        b = min(hi, a + chunk)
-        pc, gc, mc, vc = p[a:b], g[a:b], m[a:b], v[a:b]
-        if decay != 1:
-            pc.mul_(decay)
-        mc.lerp_(gc, w1)
-        vc.mul_(beta2).addcmul_(gc, gc, value=1 - beta2)
-        denom = vc.double().sqrt_().float().div_(bc2_sqrt).add_(eps)
-        pc.addcdiv_(mc, denom, value=-step_size)
+def _step_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                scratch: tuple[torch.Tensor, torch.Tensor], consts: tuple[float, ...]) -> None:
+    # One slice (views of the flat buffers), 9 in-place ops into two scratch buffers of the worker: the
+    # square root in float64 of the float32 moment, rounded once to float32 (correctly rounded).
+    decay, w1, beta2, w2, neg_step, bc2_sqrt, eps = consts
+    wide, narrow = scratch
+    if wide.numel() != p.numel():  # the last, shorter slice
+        wide, narrow = wide[:p.numel()], narrow[:p.numel()]
+    if decay != 1:
+        p.mul_(decay)
+    m.lerp_(g, w1)
+    v.mul_(beta2).addcmul_(g, g, value=w2)
+    wide.copy_(v).sqrt_()
+    narrow.copy_(wide).div_(bc2_sqrt).add_(eps)
+    p.addcdiv_(m, narrow, value=neg_step)
+
+
+class _EagerStep:
+    """One call's slices, claimed one at a time by the calling thread and any helper that runs (a
+    dynamic schedule): a helper that is late or never scheduled leaves its share to the others, and the
+    caller waits only for slices a helper has already begun."""
+
+    def __init__(self, bufs: tuple[torch.Tensor, ...], chunk: int, consts: tuple[float, ...]) -> None:
+        self.bufs, self.chunk, self.consts = bufs, chunk, consts
+        self.nchunks = -(-bufs[0].numel() // chunk)
+        self.lock = threading.Lock()
+        self.claimed = self.done = 0
+        self.finished = threading.Event()
+        self.errors: list[BaseException] = []
+        if self.nchunks == 0:
+            self.finished.set()
+
+    def _claim(self) -> int:
+        with self.lock:
+            i, self.claimed = self.claimed, self.claimed + 1
+        return i
+
+    def _release(self) -> None:
+        with self.lock:
+            self.done += 1
+            last = self.done == self.nchunks
+        if last:
+            self.finished.set()
+
+    def drain(self) -> None:
+        """Step unclaimed slices until none is left (errors are kept for the caller)."""
+        p, g, m, v = self.bufs
+        chunk, scratch = self.chunk, None
+        while (i := self._claim()) < self.nchunks:
+            try:
+                if not self.errors:
+                    if scratch is None:  # per worker, once per call: float64 and float32, one slice long
+                        k = min(chunk, p.numel())
+                        scratch = (torch.empty(k, dtype=torch.float64), torch.empty(k))
+                    s = slice(i * chunk, (i + 1) * chunk)
+                    _step_chunk(p[s], g[s], m[s], v[s], scratch, self.consts)
+            except BaseException as exc:  # re-raised on the calling thread
+                self.errors.append(exc)
+            finally:
+                self._release()
+
+
+class _Helpers:
+    """Daemon threads kept from one step to the next, each running the ``drain`` of the jobs it takes
+    from one queue; a thread is started only when a step asks for more helpers than there are."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the threads and the queue (a forked child has neither)."""
+        self.lock, self.jobs, self.threads = threading.Lock(), queue.SimpleQueue(), []
+
+    def _run(self) -> None:
+        while True:
+            self.jobs.get().drain()
+
+    def submit(self, job: _EagerStep, k: int) -> None:
+        """Offer ``job`` to ``k`` helpers (it does not wait for any to start)."""
+        with self.lock:
+            while len(self.threads) < k:
+                t = threading.Thread(target=self._run, name=f"memlab-adamw-{len(self.threads) + 1}", daemon=True)
+                t.start()
+                self.threads.append(t)
+        for _ in range(k):
+            self.jobs.put(job)
+
+
+_HELPERS = _Helpers()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HELPERS.reset)
 
 
 def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                               step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                              chunk: int = DEFAULT_CHUNK, threads: int | None = None) -> None:
+                              chunk: int | None = None, threads: int | None = None) -> None:
     """The fallback fast step: the update with torch ops on cache-sized slices of flat buffers.
 
     One difference from :func:`memlab.offload.adamw_step_`: the square root is correctly rounded
@@ -167,14 +253,15 @@ def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: 
     x86 builds), which is not correctly rounded: that is why ``AdamW(fused=True)`` and
     ``AdamW(foreach=False)`` do not agree bitwise on a CPU.
 
-    Threads as the C++ kernel uses them, one parallel region over chunks: the buffers are cut into
-    ``threads`` ranges of whole chunks (fewer when a range would hold under :data:`MIN_PER_WORKER`
-    elements), each stepped by its own Python thread (torch's ops release the GIL) while torch's
-    intra-op threads are held at 1 (:func:`intra_op_threads`), so that no chunk-sized op is split
-    again. The result does not depend on ``threads``.
+    Threads as the C++ kernel uses them, one parallel region over slices, never inside one: with
+    torch's intra-op threads held at 1 (:func:`intra_op_threads`), the calling thread and up to
+    ``threads - 1`` helper threads (kept between calls; fewer when a worker would get under
+    :data:`MIN_PER_WORKER` elements) claim slices one at a time until none is left (torch's ops
+    release the GIL while they compute). Each element is stepped once, by the same ops whichever
+    thread steps it: the result does not depend on ``threads`` or on ``chunk``.
 
-    The four tensors are contiguous float32 CPU tensors of one size; ``chunk`` is elements per slice;
-    ``threads`` None is ``torch.get_num_threads()``.
+    The four tensors are contiguous float32 CPU tensors of one size; ``chunk`` is elements per slice
+    (None: :data:`EAGER_CHUNK`); ``threads`` None is ``torch.get_num_threads()``.
 
     Raises:
         ValueError: a bad hyper-parameter, step, chunk or thread count, or a tensor that is not
@@ -182,39 +269,28 @@ def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: 
     """
     check_hparams(lr, beta1, beta2, eps, weight_decay)
     check_positive_int("step", step)
-    check_positive_int("chunk", chunk)
+    chunk = EAGER_CHUNK if chunk is None else check_positive_int("chunk", chunk)
     if threads is not None:
         check_positive_int("threads", threads)
     _check_flat(param, grad, exp_avg, exp_avg_sq)
     bc1, bc2 = bias_corrections(step, beta1, beta2)
-    p, g, m, v = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))
-    n = p.numel()
-    nchunks = -(-n // chunk)
-    workers = max(1, min(threads or torch.get_num_threads(), nchunks, n // MIN_PER_WORKER))
-    per = -(-nchunks // workers) * chunk  # elements per worker, whole chunks
-    args = (chunk, 1 - lr * weight_decay if weight_decay != 0 else 1, 1 - beta1, beta2, lr / bc1, bc2**0.5, eps)
-    errors: list[BaseException] = []
-
-    def run(lo: int) -> None:
-        try:
-            _chunked_range(p, g, m, v, lo, min(n, lo + per), *args)
-        except BaseException as exc:  # re-raised on the calling thread
-            errors.append(exc)
-
+    n = param.numel()
+    workers = max(1, min(threads or torch.get_num_threads(), -(-n // chunk), n // MIN_PER_WORKER))
+    consts = (1 - lr * weight_decay if weight_decay != 0 else 1, 1 - beta1, beta2, 1 - beta2, -(lr / bc1),
+              bc2**0.5, eps)
+    job = _EagerStep(tuple(t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)), chunk, consts)
     with intra_op_threads(1):
-        pool = [threading.Thread(target=run, args=(lo,), daemon=True) for lo in range(per, n, per)]
-        for t in pool:
-            t.start()
-        run(0)
-        for t in pool:
-            t.join()
-    if errors:
-        raise errors[0]
+        if workers > 1:
+            _HELPERS.submit(job, workers - 1)
+        job.drain()
+        job.finished.wait()
+    if job.errors:
+        raise job.errors[0]
 
 
 def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                      step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                     chunk: int = DEFAULT_CHUNK, threads: int | None = None) -> None:
+                     chunk: int | None = None, threads: int | None = None) -> None:
     """The fast CPU AdamW step on contiguous fp32 tensors (flat buffers), rounding like torch's fused CPU AdamW.
 
     Memory-bound: it reads p, g, m, v and writes p, m, v, 28 bytes per parameter.
@@ -222,7 +298,8 @@ def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     Args:
         param, grad, exp_avg, exp_avg_sq: contiguous float32 CPU tensors of one size; param and the
             moments are updated in place.
-        chunk: elements per chunk (one OpenMP work item).
+        chunk: elements per chunk (one OpenMP work item; one slice of the eager fallback); None is
+            :data:`DEFAULT_CHUNK` for the C++ kernel, :data:`EAGER_CHUNK` for the eager fallback.
         threads: OpenMP threads (the eager fallback's worker threads); None uses ``torch.get_num_threads()``.
 
     Raises:
@@ -231,7 +308,8 @@ def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     check_hparams(lr, beta1, beta2, eps, weight_decay)
     check_positive_int("step", step)
     _check_flat(param, grad, exp_avg, exp_avg_sq)
-    check_positive_int("chunk", chunk)
+    if chunk is not None:
+        check_positive_int("chunk", chunk)
     kernel_name()
     if _KERNEL is None:
         adamw_step_eager_chunked_(param, grad, exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -240,6 +318,7 @@ def adamw_step_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     bc1, bc2 = bias_corrections(step, beta1, beta2)
     w1 = 1 - beta1
     # torch's lerp picks its formula by |weight| < 0.5; the kernel gets the choice as a flag
-    _KERNEL(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), param.numel(), chunk,
+    _KERNEL(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), param.numel(),
+            chunk or DEFAULT_CHUNK,
             int(threads or torch.get_num_threads()), int(weight_decay != 0), 1 - lr * weight_decay, w1,
             int(abs(w1) < 0.5), beta2, 1 - beta2, -(lr / bc1), bc2**0.5, eps)
