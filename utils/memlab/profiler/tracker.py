@@ -133,6 +133,9 @@ def _op_info(func: Any) -> tuple[int, Any]:
 
 
 _OVERLOAD_CALL = torch._ops.OpOverload.__call__
+# a fake tensor's device, asked for as an op (see MemoryTracker.__torch_dispatch__); torch imports fake_tensor itself
+_PRIM_DEVICE = torch.ops.prim.device.default
+_FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -745,9 +748,15 @@ class MemoryTracker(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # _dispatch_general with two fast paths, equal to it in every count, event and peak
-        # (tests/ch01/test_tracker_fastpath.py): an op that writes only into a tracked ``self`` reads
-        # no size before it runs; one tensor out is counted here, without the general walk
+        # _dispatch_general with three fast paths, equal to it in every count, event and peak
+        # (tests/ch01/test_tracker_fastpath.py): a fake tensor's device, read by C++ code (TensorIterator, the
+        # autograd engine, .to) as an op, prim::device (two of every three ops a fake trace sends here; a real
+        # tensor's device is no op), is answered here as FakeTensorMode answers it (its ``device``: the fake
+        # device) when nothing is pending (no event to record, no size to sync); an op that writes only into a
+        # tracked ``self`` reads no size before it runs; one tensor out is counted here, without the general walk
+        if func is _PRIM_DEVICE and not self._dirty and not self._slow_after and type(args[0]) is _FakeTensor:
+            self._ops += 1
+            return args[0].device
         if kwargs is None:
             kwargs = {}
         info = _INFO.get(id(func))
