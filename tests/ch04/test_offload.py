@@ -899,3 +899,22 @@ def test_cuda_lecture_streamed_equals_resident_while_the_compute_stream_lags():
         got = streamed(x)
         torch.cuda.synchronize()
         assert torch.equal(got, want)
+
+
+def test_bench_speed_times_both_thread_counts_on_the_same_work_in_flipping_order(monkeypatch):
+    # `memlab bench speed`'s AdamW figure: every count steps the same buffers with the same step number; the
+    # order of the counts flips every round (the first round untimed); the caller's thread count is kept
+    from memlab.bench import speed
+
+    calls = []
+
+    def fake(p, g, m, v, step, **hp):
+        calls.append((torch.get_num_threads(), p.data_ptr(), g.data_ptr(), step, tuple(sorted(hp.items()))))
+
+    monkeypatch.setattr(O, "adamw_step_eager_chunked_", fake)
+    before = torch.get_num_threads()
+    med = speed.chunked_adamw_rounds(1000, 3, (1, 2))
+    assert [c[0] for c in calls] == [2, 1, 1, 2, 2, 1, 1, 2]
+    assert len({c[1:] for c in calls}) == 1  # one work for every call
+    assert set(med) == {1, 2} and all(t > 0 and c >= 0 for t, c in med.values())
+    assert torch.get_num_threads() == before
