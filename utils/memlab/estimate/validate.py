@@ -75,7 +75,10 @@ _GPU_ONE_GPU = "Tesla V100-SXM2 16GB (the doc's nvidia-smi, driver 460.91.03, CU
 # Module.zero_grad defaulted to set_to_none=False: the gradients stayed allocated between steps (the estimate's
 # zero_grad_set_to_none=False). The anatomy doc's figures are the same runs (its nvidia-smi: Jan 11 2022, this V100).
 _ZERO_GRAD_KEPT = ("the Trainer's model.zero_grad() of that time (torch 1.x: set_to_none=False) kept the gradients "
-                   "allocated between steps, zeroed in place: traced so (zero_grad_set_to_none=False)")
+                   "allocated between steps, zeroed in place: traced so (zero_grad_set_to_none=False); the torch of "
+                   "January 2022 (1.10 or older: 1.11 came out in March) saved each softmax's input for backward beside "
+                   "its output (pytorch/pytorch#64000, fixed by #66018 after 1.10's branch), one fp32 batch x 16 x 512 x "
+                   "512 tensor per layer: traced so (validate._softmax_keeping_input)")
 _GPU_ONE_DIFFERS = ("the figure is pynvml's used memory after trainer.train(): the allocator cache and the CUDA context "
                     "(the doc's 1343 MB, added to the estimate); " + _ZERO_GRAD_KEPT + "; gradient accumulation keeps "
                     "the gradients between micro-batches, which the steady-state step has too")
@@ -571,7 +574,74 @@ def _bert_cls():
     from transformers import BertConfig, BertForSequenceClassification
 
     # eager attention: the doc's transformers 4.x ran BERT's own attention (softmax probabilities kept)
-    return BertForSequenceClassification(BertConfig(num_labels=2, attn_implementation="eager", **BERT_LARGE))
+    model = BertForSequenceClassification(BertConfig(num_labels=2, attn_implementation="eager", **BERT_LARGE))
+    for layer in model.bert.encoder.layer:  # the doc's torch (1.10 or older): softmax kept its input too
+        _softmax_keeping_input(layer.attention.self)
+    return model
+
+
+def _softmax_keeping_input(attention: Any) -> None:
+    """Make ``attention``'s softmax (transformers' eager attention calls ``torch.nn.functional.softmax``) keep its
+    input for backward beside its output, as PyTorch's autograd did before 1.11: the derivative of ``_softmax`` named
+    ``self`` (for double backward only), so ``SoftmaxBackward`` saved the input (pytorch/pytorch#64000, fixed by
+    #65242 / #66018 in October 2021, after 1.10's branch; 1.11 came out in March 2022, after the doc's runs of
+    January 2022). Under autocast the input kept is the float32 one softmax runs on (its float32 list). Applied to
+    the forward and to a checkpoint's recompute (the module's forward, replaced on the instance)."""
+    import torch
+    import torch.nn.functional as F
+
+    forward = attention.forward
+
+    def softmax(x: Any, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Any:
+        if dtype is not None:
+            x = x.to(dtype)
+        elif x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type):
+            x = x.float()
+        return _KeptInputSoftmax.apply(x, dim)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        plain, F.softmax = F.softmax, softmax
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            F.softmax = plain
+
+    attention.forward = run
+
+
+def _kept_input_softmax() -> Any:
+    import torch
+
+    class KeptInputSoftmax(torch.autograd.Function):
+        """softmax whose backward holds its input and its output until it runs (torch < 1.11's SoftmaxBackward)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, dim: int) -> Any:
+            out = torch.softmax(x, dim)
+            ctx.save_for_backward(x, out)
+            ctx.dim = dim
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            x, out = ctx.saved_tensors
+            return torch._softmax_backward_data(grad, out, ctx.dim, x.dtype), None
+
+    return KeptInputSoftmax
+
+
+class _LazySoftmax:
+    # the autograd.Function made on first use (this module imports no torch)
+    fn: Any = None
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        if cls.fn is None:
+            cls.fn = _kept_input_softmax()
+        return cls.fn.apply(*args)
+
+
+_KeptInputSoftmax = _LazySoftmax
 
 
 def _bert_cls_step(model, batch):
