@@ -918,3 +918,34 @@ def test_bench_speed_times_both_thread_counts_on_the_same_work_in_flipping_order
     assert len({c[1:] for c in calls}) == 1  # one work for every call
     assert set(med) == {1, 2} and all(t > 0 and c >= 0 for t, c in med.values())
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_eager_step_helpers_run_under_the_callers_grad_mode(mode, monkeypatch):
+    # grad mode is per thread: a helper in the default mode would refuse an in-place op on a view made under
+    # no_grad of a tensor that requires grad (or on an inference tensor), and leave the step half done
+    import threading
+
+    from memlab.offload import kernel as K
+
+    monkeypatch.setattr(K, "MIN_PER_WORKER", 1000)
+    real, on_helper = K._step_chunk, threading.Event()
+
+    def spy(*a, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            on_helper.set()
+        else:
+            on_helper.wait(5)  # let a helper claim a slice
+        return real(*a, **kw)
+
+    monkeypatch.setattr(K, "_step_chunk", spy)
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    torch.manual_seed(0)
+    with ctx():
+        p = torch.randn(20_000, requires_grad=mode == "no_grad") if mode == "no_grad" else torch.randn(20_000)
+        g, m, v = torch.randn(20_000), torch.zeros(20_000), torch.zeros(20_000)
+        ref = [t.detach().clone() for t in (p, g, m, v)]
+        O.adamw_step_eager_chunked_(p, g, m, v, 1, chunk=1000, threads=2, **HP)
+        O.adamw_step_eager_chunked_(*ref, 1, chunk=1000, threads=1, **HP)
+    assert on_helper.is_set()
+    assert torch.equal(p.detach(), ref[0]) and torch.equal(m, ref[2]) and torch.equal(v, ref[3])

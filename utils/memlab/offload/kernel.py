@@ -169,10 +169,12 @@ def _step_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
 class _EagerStep:
     """One call's slices, claimed one at a time by the calling thread and any helper that runs (a
     dynamic schedule): a helper that is late or never scheduled leaves its share to the others, and the
-    caller waits only for slices a helper has already begun."""
+    caller waits only for slices a helper has already begun. Every thread steps under the caller's grad
+    and inference modes (both are per thread in torch)."""
 
     def __init__(self, bufs: tuple[torch.Tensor, ...], chunk: int, consts: tuple[float, ...]) -> None:
         self.bufs, self.chunk, self.consts = bufs, chunk, consts
+        self.modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         self.nchunks = -(-bufs[0].numel() // chunk)
         self.lock = threading.Lock()
         self.claimed = self.done = 0
@@ -197,18 +199,20 @@ class _EagerStep:
         """Step unclaimed slices until none is left (errors are kept for the caller)."""
         p, g, m, v = self.bufs
         chunk, scratch = self.chunk, None
-        while (i := self._claim()) < self.nchunks:
-            try:
-                if not self.errors:
-                    if scratch is None:  # per worker, once per call: float64 and float32, one slice long
-                        k = min(chunk, p.numel())
-                        scratch = (torch.empty(k, dtype=torch.float64), torch.empty(k))
-                    s = slice(i * chunk, (i + 1) * chunk)
-                    _step_chunk(p[s], g[s], m[s], v[s], scratch, self.consts)
-            except BaseException as exc:  # re-raised on the calling thread
-                self.errors.append(exc)
-            finally:
-                self._release()
+        inference = torch.inference_mode() if self.modes[1] else contextlib.nullcontext()
+        with inference, torch.set_grad_enabled(self.modes[0]):  # in this order: inference_mode sets grad mode
+            while (i := self._claim()) < self.nchunks:
+                try:
+                    if not self.errors:
+                        if scratch is None:  # per worker, once per call: float64 and float32, one slice long
+                            k = min(chunk, p.numel())
+                            scratch = (torch.empty(k, dtype=torch.float64), torch.empty(k))
+                        s = slice(i * chunk, (i + 1) * chunk)
+                        _step_chunk(p[s], g[s], m[s], v[s], scratch, self.consts)
+                except BaseException as exc:  # re-raised on the calling thread
+                    self.errors.append(exc)
+                finally:
+                    self._release()
 
 
 class _Helpers:
