@@ -32,6 +32,21 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def all_workers(monkeypatch):
+    """The eager step always runs every worker it may (not the count it measured to be faster)."""
+    from memlab.offload import kernel as K
+
+    class Most:
+        def pick(self, n, most):
+            return most
+
+        def record(self, n, workers, seconds):
+            pass
+
+    monkeypatch.setattr(K, "_WORKERS", Most())
+
+
 def _pair(kernel, dtype=torch.float32):
     """(our model, reference model, reference optimizer class kwargs) for a kernel."""
     widths = TAIL_FREE if kernel == "fast" else (12, 40, 40, 5)
@@ -97,7 +112,8 @@ def test_fast_step_bitwise_vs_eager_chunked_and_torch_fused(n, one_thread):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_eager_chunked_step_is_the_same_at_any_thread_count_and_restores_torch_threads(threads, monkeypatch):
+def test_eager_chunked_step_is_the_same_at_any_thread_count_and_restores_torch_threads(threads, monkeypatch,
+                                                                                     all_workers):
     # every slice is stepped once, on at most `threads` threads, each with torch's intra-op threads at 1
     # (no op inside a slice is split); the result is the one-thread result, and the caller's intra-op
     # thread count is back after the step
@@ -134,7 +150,7 @@ def test_eager_chunked_step_is_the_same_at_any_thread_count_and_restores_torch_t
         O.adamw_step_eager_chunked_(*bufs, 1, chunk=0, **HP)
 
 
-def test_eager_step_default_slices_bitwise_vs_fused_at_two_threads(monkeypatch):
+def test_eager_step_default_slices_bitwise_vs_fused_at_two_threads(monkeypatch, all_workers):
     # the default slice (EAGER_CHUNK, larger than the C++ kernel's) with two workers: torch's fused AdamW
     # on its vector loop (one torch thread, a multiple of 16) and the C++ kernel where it builds
     from memlab.offload import kernel as K
@@ -162,7 +178,7 @@ def test_eager_step_default_slices_bitwise_vs_fused_at_two_threads(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(eager, flat)), O.kernel_name()
 
 
-def test_eager_step_keeps_its_helper_threads_between_calls(monkeypatch):
+def test_eager_step_keeps_its_helper_threads_between_calls(monkeypatch, all_workers):
     # helpers are started once and reused: repeated steps do not start new threads
     import threading
 
@@ -179,7 +195,7 @@ def test_eager_step_keeps_its_helper_threads_between_calls(monkeypatch):
     assert K._HELPERS.threads == helpers and threading.active_count() == count
 
 
-def test_eager_step_does_not_wait_for_a_helper_that_never_runs(monkeypatch):
+def test_eager_step_does_not_wait_for_a_helper_that_never_runs(monkeypatch, all_workers):
     # a helper that is not scheduled (a busy machine) leaves its share to the caller: the step finishes
     # on the calling thread alone, with the same result
     from memlab.offload import kernel as K
@@ -195,7 +211,7 @@ def test_eager_step_does_not_wait_for_a_helper_that_never_runs(monkeypatch):
     assert offered == [1] and all(torch.equal(a, b) for a, b in zip(bufs, ref))
 
 
-def test_eager_step_raises_a_helpers_error_on_the_caller(monkeypatch):
+def test_eager_step_raises_a_helpers_error_on_the_caller(monkeypatch, all_workers):
     import threading
 
     from memlab.offload import kernel as K
@@ -220,6 +236,41 @@ def test_eager_step_raises_a_helpers_error_on_the_caller(monkeypatch):
     monkeypatch.setattr(K, "_step_chunk", real)
     O.adamw_step_eager_chunked_(*bufs, 2, chunk=1000, threads=2, **HP)  # the helpers still serve the next step
     assert torch.isfinite(bufs[0]).all()
+
+
+def test_worker_count_runs_the_faster_and_remeasures_the_other():
+    from memlab.offload import kernel as K
+
+    w = K._WorkerCount()
+    n = 6_000_000
+    assert w.pick(n, 1) == 1  # one thread asked: nothing to choose
+    assert w.pick(n, 2) == 2  # nothing measured yet: the helpers first, then one worker
+    w.record(n, 2, 0.010)
+    assert w.pick(n, 2) == 1
+    w.record(n, 1, 0.017)
+    picks = [w.pick(n, 2) for _ in range(2 * K.REMEASURE_EVERY)]
+    assert picks.count(1) == 2 and picks.count(2) == 2 * K.REMEASURE_EVERY - 2  # the slower, once in 8
+    w.record(n, 2, 0.030)  # the second core got busy: (0.010 + 0.030) / 2 > 0.017
+    assert w.pick(n, 2) == 1
+    assert w.pick(100, 2) == 2  # another size class is measured apart
+
+
+def test_eager_step_falls_back_to_one_worker_when_helpers_slow_it(monkeypatch):
+    # helpers that cost more than they save (here: waking them takes 20 ms) are measured and left out,
+    # but for one call in REMEASURE_EVERY
+    import time
+
+    from memlab.offload import kernel as K
+
+    monkeypatch.setattr(K, "_WORKERS", K._WorkerCount())
+    monkeypatch.setattr(K, "MIN_PER_WORKER", 1000)
+    offered = []
+    monkeypatch.setattr(K._HELPERS, "submit", lambda job, k: (offered.append(k), time.sleep(0.02)))
+    bufs = [torch.randn(8_000), torch.randn(8_000), torch.zeros(8_000), torch.zeros(8_000)]
+    calls = 4 * K.REMEASURE_EVERY
+    for step in range(1, calls + 1):
+        O.adamw_step_eager_chunked_(*bufs, step, chunk=1000, threads=2, **HP)
+    assert 1 <= len(offered) <= 1 + calls // K.REMEASURE_EVERY, offered
 
 
 def test_eager_step_of_an_empty_buffer_returns():
@@ -921,7 +972,7 @@ def test_bench_speed_times_both_thread_counts_on_the_same_work_in_flipping_order
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_eager_step_helpers_run_under_the_callers_grad_mode(mode, monkeypatch):
+def test_eager_step_helpers_run_under_the_callers_grad_mode(mode, monkeypatch, all_workers):
     # grad mode is per thread: a helper in the default mode would refuse an in-place op on a view made under
     # no_grad of a tensor that requires grad (or on an inference tensor), and leave the step half done
     import threading

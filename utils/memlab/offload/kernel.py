@@ -16,6 +16,7 @@ import queue
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -245,6 +246,42 @@ _HELPERS = _Helpers()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HELPERS.reset)
 
+#: a step that may use helpers runs the worker count it does not prefer once in this many calls, to re-measure it
+REMEASURE_EVERY = 8
+
+
+class _WorkerCount:
+    """The worker count chosen by measuring: seconds per element of recent steps (mean of the last
+    estimate and the new time) with one worker and with ``most``, per size class (``n``'s bit length);
+    a step runs the faster, and the other once in :data:`REMEASURE_EVERY` calls. Where the machine
+    lends no second core (another process holds it, and the OS shares CPU time between sessions, not
+    threads) helpers only add switching, and the step falls back to one worker."""
+
+    def __init__(self) -> None:
+        self.rate: dict[tuple[int, int], float] = {}
+        self.calls: dict[tuple[int, int], int] = {}
+
+    def pick(self, n: int, most: int) -> int:
+        """The worker count for a step of ``n`` elements that may use up to ``most`` (>= 1)."""
+        if most == 1:
+            return 1
+        key = (n.bit_length(), most)
+        self.calls[key] = calls = self.calls.get(key, 0) + 1
+        one, many = self.rate.get((key[0], 1)), self.rate.get(key)
+        if many is None or one is None:
+            return most if many is None else 1
+        best, other = (most, 1) if many <= one else (1, most)
+        return other if calls % REMEASURE_EVERY == 0 else best
+
+    def record(self, n: int, workers: int, seconds: float) -> None:
+        """Fold one step's time into the estimate for ``workers``."""
+        key, rate = (n.bit_length(), workers), seconds / max(n, 1)
+        old = self.rate.get(key)
+        self.rate[key] = rate if old is None else 0.5 * (old + rate)
+
+
+_WORKERS = _WorkerCount()
+
 
 def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                               step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -261,8 +298,11 @@ def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: 
     torch's intra-op threads held at 1 (:func:`intra_op_threads`), the calling thread and up to
     ``threads - 1`` helper threads (kept between calls; fewer when a worker would get under
     :data:`MIN_PER_WORKER` elements) claim slices one at a time until none is left (torch's ops
-    release the GIL while they compute). Each element is stepped once, by the same ops whichever
-    thread steps it: the result does not depend on ``threads`` or on ``chunk``.
+    release the GIL while they compute). The step runs with all of them or with the calling thread
+    alone, whichever stepped this size faster lately (re-measured once in :data:`REMEASURE_EVERY`
+    calls): on a machine whose other cores are busy, helpers would only slow it. Each element is
+    stepped once, by the same ops whichever thread steps it: the result does not depend on
+    ``threads`` or on ``chunk``.
 
     The four tensors are contiguous float32 CPU tensors of one size; ``chunk`` is elements per slice
     (None: :data:`EAGER_CHUNK`); ``threads`` None is ``torch.get_num_threads()``.
@@ -283,11 +323,15 @@ def adamw_step_eager_chunked_(param: torch.Tensor, grad: torch.Tensor, exp_avg: 
     consts = (1 - lr * weight_decay if weight_decay != 0 else 1, 1 - beta1, beta2, 1 - beta2, -(lr / bc1),
               bc2**0.5, eps)
     job = _EagerStep(tuple(t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)), chunk, consts)
+    workers = _WORKERS.pick(n, workers)
     with intra_op_threads(1):
+        t0 = time.perf_counter()
         if workers > 1:
             _HELPERS.submit(job, workers - 1)
         job.drain()
         job.finished.wait()
+        if n:
+            _WORKERS.record(n, workers, time.perf_counter() - t0)
     if job.errors:
         raise job.errors[0]
 
