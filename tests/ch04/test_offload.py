@@ -249,7 +249,7 @@ def test_worker_count_runs_the_faster_and_remeasures_the_other():
     assert w.pick(n, 2) == 1
     w.record(n, 1, 0.017)
     picks = [w.pick(n, 2) for _ in range(2 * K.REMEASURE_EVERY)]
-    assert picks.count(1) == 2 and picks.count(2) == 2 * K.REMEASURE_EVERY - 2  # the slower, once in 8
+    assert picks.count(1) == 2 and picks.count(2) == 2 * K.REMEASURE_EVERY - 2  # the slower, once in REMEASURE_EVERY
     w.record(n, 2, 0.030)  # the second core got busy: (0.010 + 0.030) / 2 > 0.017
     assert w.pick(n, 2) == 1
     assert w.pick(100, 2) == 2  # another size class is measured apart
