@@ -188,3 +188,12 @@ def test_the_replay_places_the_kept_gradients_where_the_first_backward_made_them
     assert est.phase_breakdowns["forward"]["gradients"] == sum(grads.elements())  # kept through the steady forward
     assert not grads - Counter(live.values()), (grads, Counter(live.values()))
     assert est.reserved_bytes >= est.allocated_bytes
+
+
+def test_the_optimizer_step_in_backward_keeps_no_gradient_either_way():
+    """Stepped in backward, each gradient is freed by its own step, so zeroing in place has none to keep: the same
+    peak as freeing them, and the note says so."""
+    on, off = (estimate_training_memory(plain_tiny_llama, optimizer_in_backward=True, zero_grad_set_to_none=s, **KW)
+               for s in (False, True))
+    assert on.peak_bytes == off.peak_bytes and on.phase_peaks == off.phase_peaks
+    assert any(n.startswith("zero_grad_set_to_none=False") and "none is kept" in n for n in on.notes)
