@@ -558,3 +558,141 @@ def test_dequantize_nf4_is_the_definition_on_every_path(n, dtype, blocksize):
     with FakeTensorMode() as mode:
         fake = Q.dequantize_nf4(mode.from_tensor(packed), mode.from_tensor(absmax), (n,), dtype, blocksize)
     assert fake.shape == (n,) and fake.dtype == dtype
+
+
+# ----------------------------------------------------------------------------- NF4 dequantize by byte pairs (issue 42)
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _pair_case(n, blocksize, extra, odd_start, scale, seed):
+    # random bytes (every byte value, not only a quantizer's), absmax with zeros (so -0.0 products) and extremes;
+    # ``odd_start``: the bytes begin at an odd offset of their storage (no uint16 view: the byte table then)
+    g = torch.Generator().manual_seed(seed)
+    nbytes = (n + 1) // 2 + extra
+    store = torch.randint(0, 256, (nbytes + 1,), generator=g, dtype=torch.uint8)
+    packed = store[1:] if odd_start else store[:nbytes]
+    absmax = torch.rand(-(-n // blocksize), generator=g) * {"unit": 1.0, "tiny": 1e-39, "huge": 3e38}[scale]
+    absmax[torch.rand(absmax.shape, generator=g) < 0.1] = 0.0
+    return packed, absmax
+
+
+def _by_definition(packed, absmax, n, dtype, blocksize):
+    b = packed.reshape(-1).long()
+    codes = torch.stack([b >> 4, b & 15], 1).reshape(-1)[:n]
+    return (Q.nf4_codebook()[codes] * absmax.float().repeat_interleave(blocksize)[:n]).to(dtype)
+
+
+@pytest.fixture
+def pairs_from(monkeypatch):
+    """Set the byte count from which a float32 dequantize gathers byte pairs (and the piece budget)."""
+    from memlab.quant import blockwise as B
+
+    def set_(min_bytes, budget=None):
+        monkeypatch.setattr(B, "NF4_QUAD_MIN_BYTES", min_bytes)
+        if budget is not None:
+            monkeypatch.setattr(B, "NF4_DEQUANT_BUFFER_BYTES", budget)
+    return set_
+
+
+def test_pair_gather_bit_identical_to_the_byte_gather_and_the_definition(pairs_from):
+    """Float32, even counts (the path that gathers pairs): bitwise equal to the byte table's gather and to the
+    definition for every block size, piece size (one gather, several, an odd last byte), odd byte offsets in the
+    storage (the byte table then), trailing bytes, zero / subnormal / huge absmax."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                                       HealthCheck.function_scoped_fixture])
+    @given(half=st.integers(1, 2500), blocksize=st.sampled_from([64, 32, 128, 2, 6, 7, 33, 100, 4096]),
+           budget=st.sampled_from([1, 12, 100, 600, 1000, 3 << 19]), extra=st.integers(0, 3), odd_start=st.booleans(),
+           scale=st.sampled_from(["unit", "tiny", "huge"]), seed=st.integers(0, 2**31 - 1))
+    def check(half, blocksize, budget, extra, odd_start, scale, seed):
+        n = 2 * half
+        packed, absmax = _pair_case(n, blocksize, extra, odd_start, scale, seed)
+        pairs_from(1 << 40, budget)
+        by_bytes = Q.dequantize_nf4(packed, absmax, (n,), torch.float32, blocksize)
+        pairs_from(1)
+        by_pairs = Q.dequantize_nf4(packed, absmax, (n,), torch.float32, blocksize)
+        want = _by_definition(packed, absmax, n, torch.float32, blocksize)
+        assert torch.equal(by_pairs.view(torch.int32), by_bytes.view(torch.int32))
+        assert torch.equal(by_pairs.view(torch.int32), want.view(torch.int32))
+
+    check()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 130, 4097, 4098, 1 << 13])
+def test_every_dtype_and_count_with_pairs_allowed_everywhere(pairs_from, n, dtype):
+    # a pair threshold of one byte: only a float32 output with an even count gathers pairs; odd counts, float16 and
+    # bfloat16 keep the byte table, all equal to the definition
+    packed, absmax = _pair_case(n, 64, 1, False, "unit", n)
+    pairs_from(1, 600)
+    got = Q.dequantize_nf4(packed, absmax, (n,), dtype, 64)
+    assert torch.equal(got.view(_INT_VIEW[dtype]), _by_definition(packed, absmax, n, dtype, 64).view(_INT_VIEW[dtype]))
+
+
+@pytest.mark.parametrize("dtype,tables,indices", [(torch.float32, [65536], [262144]),
+                                                  (torch.bfloat16, [256] * 4, [131072] * 4)], ids=str)
+def test_a_1024_square_float32_weight_is_one_gather_of_byte_pairs(monkeypatch, dtype, tables, indices):
+    """At the default sizes a 1024 x 1024 float32 weight takes one gather of 262144 pair indices from the 65536-entry
+    table (the byte table took two of 262144 bytes each); a bfloat16 one keeps four of the byte table."""
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3)).to(dtype)
+    packed, absmax = Q.quantize_nf4(w)
+    calls = []
+    real = torch.index_select
+
+    def spy(table, dim, index, **kw):
+        calls.append((table.numel(), index.numel()))
+        return real(table, dim, index, **kw)
+
+    monkeypatch.setattr(torch, "index_select", spy)
+    got = Q.dequantize_nf4(packed, absmax, w.shape, dtype)
+    assert [c[0] for c in calls] == tables and [c[1] for c in calls] == indices
+    want = _by_definition(packed, absmax, w.numel(), dtype, 64).reshape(w.shape)
+    assert torch.equal(got.view(_INT_VIEW[dtype]), want.view(_INT_VIEW[dtype]))
+    monkeypatch.setattr(torch, "index_select", real)
+    ref = F.dequantize_4bit(*_bnb_nf4(w)).reshape(w.shape)  # the bench's reference, where its kernel is right
+    assert torch.equal(got.view(_INT_VIEW[dtype]), ref.view(_INT_VIEW[dtype])) or not torch.equal(ref, want)
+
+
+@pytest.mark.parametrize("n,blocksize,budget", [(1 << 20, 64, 3 << 19), (4098, 64, 600), (4098, 7, 1), (5000, 128, 1000),
+                                                (2, 64, 1)], ids=str)
+def test_pair_gather_allocates_what_the_byte_gather_did_and_the_fake_trace(pairs_from, n, blocksize, budget):
+    """The CPU allocator's own events: gathering pairs allocates the output and the same int32 index buffer as the
+    byte gather (4 B a byte of one piece, now one pair index per 2 bytes of two pieces), nothing else; memlab.estimate's
+    fake trace of the call (tracker peak) equals it to the byte."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memlab.profiler import MemoryTracker, allocator_peak
+
+    packed, absmax = _pair_case(n, blocksize, 0, False, "unit", n)
+    pairs_from(1 << 40, budget)
+    Q.dequantize_nf4(packed, absmax, (n,), torch.float32, blocksize)
+    by_bytes, _ = allocator_peak(lambda: Q.dequantize_nf4(packed, absmax, (n,), torch.float32, blocksize))
+    pairs_from(1)
+    Q.dequantize_nf4(packed, absmax, (n,), torch.float32, blocksize)  # the cached 1 MiB table, built once outside
+    peak, end = allocator_peak(lambda: Q.dequantize_nf4(packed, absmax, (n,), torch.float32, blocksize))
+    with FakeTensorMode() as mode:
+        fp, fa = mode.from_tensor(packed), mode.from_tensor(absmax)
+        with MemoryTracker() as tracker:
+            start = tracker.current_bytes
+            fake = Q.dequantize_nf4(fp, fa, (n,), torch.float32, blocksize)
+            del fake
+    assert peak == by_bytes == tracker.peak_bytes - start and end == 0
+    # the output and one piece's int32 indices: pieces of whole blocks and bytes, as few as keep 4 B a byte in budget
+    unit = blocksize if blocksize % 2 == 0 else 2 * blocksize
+    most = unit * max(1, 2 * (budget // 4) // unit)
+    step = n if n <= most else -(-n // (-(-n // most) * unit)) * unit
+    assert peak == 4 * n + 4 * ((step + 1) // 2)
+
+
+def test_pair_table_holds_both_bytes_values_in_memory_order():
+    # entry k: the uint16 k read from two bytes in this machine's order -> (hi, lo) of the first byte, then the second
+    from memlab.quant import blockwise as B
+
+    table = B._nf4_quad_words("cpu").view(torch.float32).view(65536, 4)
+    code = Q.nf4_codebook()
+    for k in (0, 1, 255, 256, 0x1234, 0xABCD, 0xFFFF):
+        first, second = k.to_bytes(2, sys.byteorder)
+        want = torch.stack([code[first >> 4], code[first & 15], code[second >> 4], code[second & 15]])
+        assert torch.equal(table[k], want), k
