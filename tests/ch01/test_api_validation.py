@@ -24,7 +24,7 @@ KINDS = {
     "unknown string": "nope",
 }
 BOOL_ARGS = {"checkpointing", "kernel_scratch", "offload_checkpoints", "optimizer_in_backward", "allow_longer_seq",
-             "extrapolate", "keep_previous_outputs"}
+             "extrapolate", "keep_previous_outputs", "zero_grad_set_to_none"}
 # target_modules: module names are free-form ("nope" may be a layer of your model): checked when the model is built
 FREE_FORM = {"target_modules": {"unknown string"}}
 ADAPTER_ARGS = set(api.ADAPTER_KEYWORDS)

@@ -227,13 +227,14 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
     micro = min(step.grad_accum, 3 if fsdp1 else 2)
     no_sync = model.no_sync if (fsdp1 and micro > 1) else None
     previous: list | None = [] if step.keep_previous_outputs else None
+    kept = not step.zero_grad_set_to_none  # zero_grad(set_to_none=False): the gradients live from the first backward on
 
     def one_step() -> None:
         x = torch.randint(0, vocab, (step.batch_size, step.seq_len), device=s.traced_on)
         y = torch.randint(0, vocab, (step.batch_size, step.seq_len), device=s.traced_on)
         with s.cuda_rules if s.cuda_rules is not None else contextlib.nullcontext():
             training_step(model, opt, x, y, dtype=step.dtype, loss=loss, step=s.step_fn, micro_batches=micro,
-                          no_sync=no_sync, previous=previous)
+                          no_sync=no_sync, previous=previous, set_to_none=step.zero_grad_set_to_none)
 
     unpacked = UnpackedPositions()
     # a step that keeps its own state (the optimizer in backward, a step function of yours) is warmed up by a
@@ -253,6 +254,8 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
                 opt.zero_grad(set_to_none=True)
             else:
                 one_step()
+        if kept:  # the run's first step has no gradients yet: its backward allocates them, where the allocator places them
+            opt.zero_grad(set_to_none=True)
         # a real CUDA step with offloaded inputs: the pinned host copies are not device memory
         only = "cuda" if (s.offload is not None and s.target.type == "cuda" and not fake) else None
         log = s.target.type == "cuda" and not per_rank  # the caching allocator's replay (allocator_replay)
@@ -261,8 +264,8 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
         with tracker:
             if log:
                 tracker.allocation_log.start((st.storage, st.category) for st in tracker.live_storages())
-            if previous is not None:  # the step before, whose outputs the loop keeps through this one's forward
-                one_step()
+            if previous is not None or kept:  # the step before, whose outputs the loop keeps through this one's
+                one_step()  # forward / whose backward allocated the gradients the loop then keeps
             one_step()
         if hook is not None:
             hook.remove()
@@ -494,7 +497,7 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
                            "default before compute capability 9.0 is 8.125 MiB)")
     from memlab.models import count_parameters
 
-    reserved = _replay_reserved(tracker, extras, r["state"])
+    reserved = _replay_reserved(tracker, extras, r["state"], steps=3 if step.zero_grad_set_to_none else 1)
     if reserved is not None:
         s.notes.append(reserved.note)
     return MemoryEstimate(
@@ -516,17 +519,18 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
     )
 
 
-def _replay_reserved(tracker: Any, extras: dict[str, int], modelled_state: int = 0) -> Any:
+def _replay_reserved(tracker: Any, extras: dict[str, int], modelled_state: int = 0, steps: int = 3) -> Any:
     """The caching allocator's replay of the traced step (memlab.estimate.allocator_replay), or None where the
     tracker kept no allocation log (a CPU target, an FSDP2 rank). ``modelled_state``: optimizer state counted beside
-    the trace, allocated with the model's storages."""
+    the trace, allocated with the model's storages; ``steps``: replays of the log (1 for a log of a run's first two
+    steps whose gradients are kept: replayed again, its first step would free and remake them)."""
     log = getattr(tracker, "allocation_log", None)
     if log is None or not log.events:
         return None
     from memlab.estimate.allocator_replay import estimate_reserved, training_events
 
     lumps = [n // CUBLAS_THREADS for n in extras.values() for _ in range(CUBLAS_THREADS)]
-    events = training_events(log, workspaces=lumps + ([modelled_state] if modelled_state else []))
+    events = training_events(log, steps=steps, workspaces=lumps + ([modelled_state] if modelled_state else []))
     return estimate_reserved(events)
 
 
