@@ -229,20 +229,22 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     # output, as the whole-weight lookup before the pieces had). A float32 output gathered by byte pairs takes two
     # pieces a gather: the index buffer holds one pair's index in each byte's 4 B.
     direct = dtype == torch.float32 and n % 2 == 0
-    step = _dequant_piece(n, blocksize, p.device, direct)
+    device = p.device
+    step = _dequant_piece(n, blocksize, device, direct)
     piece_bytes = (step + 1) // 2
     one = step == n and not direct
     # new_empty: fake buffers for a fake input, in or out of the fake mode
     out = None if one else p.new_empty(n, dtype=dtype)
     idx = p.new_empty(piece_bytes, dtype=torch.int32)
     buf = None if direct else p.new_empty(piece_bytes, dtype=torch.int64)
-    if isinstance(p, FakeTensor) or isinstance(absmax, FakeTensor) or p.device.type == "meta":
+    if isinstance(p, FakeTensor) or isinstance(absmax, FakeTensor) or device.type == "meta":
         if one:  # a trace (memlab.estimate): the same allocations and frees, nothing computed
             del idx
             out = p.new_empty(n, dtype=dtype)
         return out.reshape(tuple(shape))
-    tables = _dequant_tables(p, n if direct else 0)
-    am_rows = absmax.reshape(-1, 1).float()
+    tables = _dequant_tables(p, device, n if direct else 0)
+    am_rows = absmax.reshape(-1, 1)
+    am_rows = am_rows if am_rows.dtype == torch.float32 else am_rows.float()
     if one:
         _gather_words(p, 0, piece_bytes, idx, buf, tables)
         del idx
@@ -282,7 +284,8 @@ def _gather_words(p: torch.Tensor, b0: int, nb: int, idx: torch.Tensor, words: t
         return
     k = nb // 2
     i = idx if k == idx.numel() else idx[:k]
-    i.copy_(tables[2][b0 // 2: b0 // 2 + k])
+    keys = tables[2]
+    i.copy_(keys if b0 == 0 and k == keys.numel() else keys[b0 // 2: b0 // 2 + k])
     w = words if 2 * k == words.numel() else words[: 2 * k]
     torch.index_select(tables[1], 0, i, out=w.view(torch.complex128))
     if nb % 2:  # the odd last byte: from the byte table, through the next index
@@ -291,14 +294,14 @@ def _gather_words(p: torch.Tensor, b0: int, nb: int, idx: torch.Tensor, words: t
         torch.index_select(tables[0], 0, last, out=words[nb - 1:])
 
 
-def _dequant_tables(p: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+def _dequant_tables(p: torch.Tensor, device: torch.device, n: int) -> tuple[torch.Tensor, ...]:
     # (the byte table,), or with the byte pair table and the packed bytes seen as uint16 (a view) for a CPU weight of
     # ``n`` (0: never) values in at least NF4_QUAD_MIN_BYTES bytes, contiguous from an even offset
-    device = str(p.device)
-    if (n < 2 * NF4_QUAD_MIN_BYTES or p.device.type != "cpu" or p.stride(0) != 1 or p.storage_offset() % 2
+    if (n < 2 * NF4_QUAD_MIN_BYTES or device.type != "cpu" or p.stride(0) != 1 or p.storage_offset() % 2
             or not _uint16_copies()):
-        return (_nf4_pair_words(device),)
-    return _nf4_pair_words(device), _nf4_quad_words(device), p[: p.numel() - p.numel() % 2].view(torch.uint16)
+        return (_nf4_pair_words(str(device)),)
+    even = p if p.numel() % 2 == 0 else p[:-1]
+    return _nf4_pair_words("cpu"), _nf4_quad_words("cpu"), even.view(torch.uint16)
 
 
 def _scale_blocks_(vals: torch.Tensor, am_rows: torch.Tensor, k: int, blocksize: int) -> None:
@@ -306,7 +309,8 @@ def _scale_blocks_(vals: torch.Tensor, am_rows: torch.Tensor, k: int, blocksize:
     m = vals.numel()
     full = m - m % blocksize
     if full:
-        (vals if full == m else vals[:full]).view(-1, blocksize).mul_(am_rows[k: k + full // blocksize])
+        rows = am_rows if k == 0 and full // blocksize == am_rows.shape[0] else am_rows[k: k + full // blocksize]
+        (vals if full == m else vals[:full]).view(-1, blocksize).mul_(rows)
     if full < m:  # the trailing partial block (the weight's last)
         vals[full:].mul_(am_rows[k + full // blocksize])
 
