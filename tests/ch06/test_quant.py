@@ -696,3 +696,22 @@ def test_pair_table_holds_both_bytes_values_in_memory_order():
         first, second = k.to_bytes(2, sys.byteorder)
         want = torch.stack([code[first >> 4], code[first & 15], code[second >> 4], code[second & 15]])
         assert torch.equal(table[k], want), k
+
+
+def test_first_pair_gather_under_a_tracker_counts_only_the_call():
+    """In a fresh process (no table built yet) the first float32 dequantize that gathers pairs, run under a
+    MemoryTracker, counts the output and the index buffer only: the 1 MiB table and the uint16 probe are made
+    outside every dispatch mode."""
+    code = ("import torch\n"
+            "from memlab import quant as Q\n"
+            "from memlab.profiler import MemoryTracker\n"
+            "w = torch.randn(1024, 1024); packed, absmax = Q.quantize_nf4(w)\n"
+            "with MemoryTracker() as t:\n"
+            "    start = t.current_bytes\n"
+            "    out = Q.dequantize_nf4(packed, absmax, w.shape)\n"
+            "    print(t.peak_bytes - start, t.current_bytes - start)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(Q.__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [str((4 << 20) + (1 << 20)), str(4 << 20)], r.stdout

@@ -342,11 +342,15 @@ def _nf4_quad_words(device: str) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _uint16_copies() -> bool:
-    # whether this torch converts uint16 to int32 (torch 2.3 added the unsigned 16-bit dtype with few operations)
-    try:
-        return bool(torch.ones(1, dtype=torch.int32).copy_(torch.full((1,), 40000, dtype=torch.uint16)) == 40000)
-    except (AttributeError, RuntimeError, TypeError):
-        return False
+    # whether this torch converts uint16 to int32 (torch 2.3 added the unsigned 16-bit dtype with few operations);
+    # asked outside every dispatch mode (a MemoryTracker around the first call never sees the two scalars)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        try:
+            return bool(torch.ones(1, dtype=torch.int32).copy_(torch.full((1,), 40000, dtype=torch.uint16)) == 40000)
+        except (AttributeError, RuntimeError, TypeError):
+            return False
 
 
 def _scale_back(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
