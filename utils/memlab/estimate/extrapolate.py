@@ -8,6 +8,7 @@ import copy
 import time
 from typing import Any, Callable, Iterable
 
+from memlab.core.forking import in_two, portable_estimate, spare_cpu, tracing_starts
 from memlab.estimate import trace_cache
 from memlab.estimate.model import ModelSpec
 from memlab.core.vocab import CATEGORIES
@@ -214,7 +215,7 @@ def _extrapolate_reserved(est: MemoryEstimate, traced: list[tuple[int, MemoryEst
 
 def extrapolate_by_depth(trace_at: Callable[[int], MemoryEstimate], n_layers: int,
                          depth_pairs: Iterable[tuple[int, int]],
-                         traced: dict[int, MemoryEstimate] | None = None) -> MemoryEstimate | None:
+                         traced: dict[int, MemoryEstimate] | None = None, jobs: int | None = None) -> MemoryEstimate | None:
     """Trace at two depths and extrapolate to ``n_layers``, trying each pair of depths in turn.
 
     Args:
@@ -224,16 +225,26 @@ def extrapolate_by_depth(trace_at: Callable[[int], MemoryEstimate], n_layers: in
             makes the first pair fail: the next one starts deeper); each is traced with a third depth
             ``2 d2 - d1`` (:func:`aligned_peaks`); a pair whose third depth is not below ``n_layers`` stops.
         traced: traces already made, by depth (filled in).
+        jobs: None (the default): 2 where this process may fork now (:func:`memlab.core.forking.spare_cpu`), else
+            1. With 2, the first depth is traced here (its one-time work is inherited by a child forked after it),
+            then the deepest in a child while this process traces the middle one (:func:`traced_in_two`); with 1,
+            one after another. The estimate is the same either way.
 
     Returns:
         The extrapolated estimate, or None when no pair gives an affine fit (trace the whole stack).
     """
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"jobs={jobs!r} is invalid; allowed: None (2 where this process may fork), or an int >= 1")
     t0 = time.perf_counter()
     traced = {} if traced is None else traced
     for d1, d2 in depth_pairs:
         d3 = 2 * d2 - d1
         if d3 >= n_layers:
             break
+        todo = [d for d in (d1, d2, d3) if d not in traced]
+        if len(todo) == 3 and (jobs if jobs is not None else 2 if spare_cpu() else 1) >= 2:
+            traced[d1] = trace_at(d1)
+            traced.update(traced_in_two(trace_at, [d2], [d3]))
         for d in (d1, d2, d3):
             if d not in traced:
                 traced[d] = trace_at(d)
@@ -242,6 +253,19 @@ def extrapolate_by_depth(trace_at: Callable[[int], MemoryEstimate], n_layers: in
             est.seconds = time.perf_counter() - t0
             return est
     return None
+
+
+def traced_in_two(trace_at: Callable[[int], MemoryEstimate], mine: list[int],
+                  theirs: list[int]) -> dict[int, MemoryEstimate]:
+    """``{depth: trace_at(depth)}`` for the depths ``mine`` (traced here) and ``theirs`` (in a forked child with
+    this process's imports and warm state: :func:`memlab.core.forking.in_two`; its traces come back with a
+    :class:`memlab.core.forking.TracedTimeline` for a tracker). A trace the child did not send back is traced here;
+    the first error, in depth order, is raised."""
+    done = in_two(trace_at, mine, theirs, portable=portable_estimate)
+    out = {d: done[d] if d in done else trace_at(d) for d in sorted([*mine, *theirs])}
+    for r in (r for r in out.values() if isinstance(r, BaseException)):
+        raise r
+    return out
 
 
 def _by_depth(spec: ModelSpec) -> bool:
@@ -550,6 +574,7 @@ def estimate_one_rank(spec: ModelSpec, step: StepSpec, extrapolate: bool | str =
         return est
 
     if fsdp_world_size:
+        tracing_starts()
         if extrapolate and _by_depth(route) and route.layers()[1] > max(FSDP_EXTRAPOLATION_DEPTHS):
             why = _factory_layers_differ(route) if route.factory is not None else ""
             est = extrapolated_fsdp(route, step, fsdp_world_size) if not why else None
@@ -561,6 +586,7 @@ def estimate_one_rank(spec: ModelSpec, step: StepSpec, extrapolate: bool | str =
     cached = trace_cache.read(path) if path is not None else None
     if cached is not None:
         return cached
+    tracing_starts()
     if route is not spec or route.factory is not None or spec.fn is None:
         est, why = _extrapolated(route, step, extrapolate)
     else:

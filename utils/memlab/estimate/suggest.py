@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from memlab.core import vocab
-from memlab.core.forking import single_threaded_child
+from memlab.core.forking import TwoProcesses, before_first_trace, in_two, spare_cpu
 from memlab.core.vocab import Recipe
 from memlab.estimate.api import estimate_training_memory
 from memlab.estimate.recipes import FRAGMENTATION_MARGIN, LOSS_ALIASES, MIXED
@@ -111,11 +111,13 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     ``model``, ``config_overrides`` and ``run_kwargs`` (device, loss, attention, adapter settings ...) are
     what ``base`` was estimated with. The suggestions come in the order they were tried.
 
-    ``jobs``: processes that trace the rows: None (the default) is 2 where this process may run on two CPUs or more
-    and can fork (after the first row, unless that one was read from the trace cache, a child of this process, with
-    everything it has imported, traces about half of the other rows while this one traces the rest:
-    :func:`_traced_in_two`), else 1; 1 traces them one after another here. The rows are the same either way
-    (``tests/ch01/test_estimate_speed_paths.py``).
+    ``jobs``: processes that trace the rows: None (the default) is 2 where this process may fork a second one
+    (:func:`memlab.core.forking.spare_cpu`: two CPUs or more, no memlab child already beside it), else 1. With 2, a
+    child of this process, with everything it has imported, traces about half of the rows while this one traces the
+    rest, the one done first taking the other's rows not yet started (:func:`_traced_in_two`); the child is forked
+    when the first row, started here, turns out to trace (not read from the trace cache: then the others are read
+    here too). 1 traces them one after another here. The rows are the same either way
+    (``tests/ch01/test_estimate_speed_paths.py``, ``tests/ch01/test_estimate_speed_split.py``).
     """
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs={jobs!r} is invalid; allowed: None (2 where this process may run on two CPUs), "
@@ -199,16 +201,30 @@ def _tried(base: MemoryEstimate, run_kwargs: Mapping[str, Any]) -> tuple[list[tu
 
 def _rows(todo: list, row: Any, jobs: int | None, from_cache: dict[int, bool], base: MemoryEstimate, extra: int,
           n_before_formula: int, adapters_optional: bool) -> list[Suggestion]:
-    # the rows in the order tried, with the formula row among them: the first traced here; the others in two
-    # processes unless it was read from the trace cache (a repeated command: the others are too, in milliseconds,
-    # and a second process would only cost its start), else here one after another
+    # the rows in the order tried, with the formula row among them: traced in two processes at once, else here one
+    # after another. The first row starts here, and the second process is forked when it turns out to trace (not
+    # read from the trace cache: a repeated command reads all its rows in milliseconds, where a second process
+    # would only cost its start), taking its share of the other rows at once
     n_jobs = _default_jobs() if jobs is None else jobs
     done: dict[int, Any] = {}
     if n_jobs >= 2 and len(todo) >= 3:
-        done[0] = _run_row(row, 0)
-        if not (isinstance(done[0], BaseException) or from_cache.get(0, False)):
-            rest = list(range(1, len(todo)))
-            done.update(_traced_in_two(row, rest, _weights([todo[i] for i in rest])))
+        rest = list(range(1, len(todo)))
+        pair: list[Any] = []
+
+        def fork() -> None:
+            try:
+                pair.append(_two_processes(row, rest, _weights([todo[i] for i in rest])))
+            except OSError:  # no process to be had: the rows are traced here
+                pass
+
+        try:
+            with before_first_trace(fork):
+                done[0] = _run_row(row, 0)
+            if pair:
+                done.update(pair[0].finish())
+        finally:
+            for p in pair:
+                p.close()
 
     def result(i: int) -> Suggestion:  # a row traced in two processes, else traced now (in the order tried)
         if i not in done:
@@ -249,14 +265,8 @@ def _weights(todo: list[tuple[str, str, dict[str, Any]]]) -> list[float]:
 
 
 def _default_jobs() -> int:
-    """2 where this process may run on two CPUs or more and can fork, else 1."""
-    import os
-
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return 2 if cpus >= 2 and hasattr(os, "fork") else 1
+    """2 where this process may fork a second one now (memlab.core.forking.spare_cpu: two CPUs or more), else 1."""
+    return 2 if spare_cpu() else 1
 
 
 def _split(weights: list[float]) -> set[int]:
@@ -278,65 +288,24 @@ def _run_row(row: Any, i: int) -> Any:
         return exc
 
 
+def _shares(rows: list[int], weights: list[float]) -> tuple[list[int], list[int]]:
+    # (this process's rows, the child's): the child the last rows, about half the work (_split); each the slowest
+    # of its own first (in the order tried among equals)
+    split = _split(weights)
+    by_cost = sorted(range(len(rows)), key=lambda k: -weights[k])
+    return [rows[k] for k in by_cost if k not in split], [rows[k] for k in by_cost if k in split]
+
+
+def _two_processes(row: Any, rows: list[int], weights: list[float]) -> TwoProcesses:
+    # the child forked now, on its share of ``rows`` (:func:`_traced_in_two`)
+    return TwoProcesses(row, *_shares(rows, weights))
+
+
 def _traced_in_two(row: Any, rows: list[int], weights: list[float]) -> dict[int, Any]:
     """{row index: its Suggestion, or the exception it raised} for the row indices ``rows`` (``weights``: their
-    relative costs), traced by this process and a forked child at once (the child inherits every import and the warm state, so it starts in milliseconds).
-
-    The child's rows come back through a pipe, pickled; if the child fails (killed, a row that cannot be pickled),
-    its rows are left out of the answer and traced here in order by the caller, so the rows are those of one
-    process in every case."""
-    import os
-    import pickle
-    import warnings
-
-    split = _split(weights)
-    theirs = {rows[k] for k in split}
-    ours = [i for i in rows if i not in theirs]
-    read_fd, write_fd = os.pipe()
-    with warnings.catch_warnings():  # (Python 3.12+ warns about fork with threads: the child runs only this one)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:  # the child: trace its rows, send them, exit without running the parent's exit handlers
-        code = 1
-        try:
-            single_threaded_child()  # the parent's thread pool did not survive the fork (memlab.core.forking)
-            os.close(read_fd)
-            got: dict[int, Any] = {}
-            for i in sorted(theirs):
-                got[i] = _run_row(row, i)
-            try:
-                data = pickle.dumps(got)
-            except Exception:  # noqa: BLE001  (an exception that does not pickle: the parent traces these rows)
-                data = pickle.dumps({})
-            with os.fdopen(write_fd, "wb") as f:
-                f.write(data)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    done: dict[int, Any] = {}
-    try:
-        for i in ours:
-            done[i] = _run_row(row, i)
-        f, read_fd = os.fdopen(read_fd, "rb"), -1  # (closed by the file from here)
-        with f:
-            data = f.read()
-        _, status = os.waitpid(pid, 0)
-        pid = 0
-        if status == 0 and data:
-            try:
-                done.update(pickle.loads(data))
-            except Exception:  # noqa: BLE001  (torn: these rows are traced here)
-                pass
-    finally:
-        if read_fd >= 0:
-            os.close(read_fd)
-        if pid:  # interrupted: the child is not wanted any more
-            import signal
-
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except OSError:  # pragma: no cover - already gone
-                pass
-    return done
+    relative costs), traced by this process and a forked child at once (:func:`memlab.core.forking.in_two`: the
+    child inherits every import and the warm state, so it starts in milliseconds). The child starts on the last rows,
+    about half the work (:func:`_split`), this process on the others, each the slowest of its own first; the one
+    done first takes the other's rows not yet started. A child that fails leaves its rows out of the answer: the
+    caller traces them here in order, so the rows are those of one process in every case."""
+    return in_two(row, *_shares(rows, weights))
