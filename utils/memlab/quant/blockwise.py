@@ -178,11 +178,13 @@ NF4_DEQUANT_BUFFER_BYTES = 3 << 19  # 1.5 MiB
 #: packed bytes from which a CPU dequantize to float32 (an even count) looks two bytes up at once: their uint16 in a
 #: 65536-entry table of four float32 values (1 MiB, built on the first such call and kept), half as many index
 #: conversions and gathers as the byte table's, each moving 16 bytes. torch's index_select is a scalar loop whose
-#: cost is per index more than per byte, so on a 1024 x 1024 weight the pairs' gather took 0.19 ms where the
-#: bytes' took 0.20 ms, and the whole call 0.26 ms against 0.30 ms (the conversions and the second gather
-#: saved). Below this size, and for a float16 / bfloat16 output (whose value buffer then shares the L2 cache with the
-#: table), the byte table, 2 KiB in the L1 cache, was as fast or faster and the big table is not built. (Issue 42.)
-NF4_QUAD_MIN_BYTES = 1 << 16
+#: cost is per index more than per byte: on a 1024 x 1024 weight the pairs' one gather took 0.18 ms where the
+#: bytes' two took 0.20 ms, and the whole call 0.25 ms against 0.29 ms (bitsandbytes: 0.125 ms; medians of
+#: interleaved rounds on a 2-core AMD EPYC, 1 thread). The table lives in the L2 cache, the byte
+#: table (2 KiB) in L1: at 64 KiB packed the bytes were 8% faster, at 128 KiB even, at 256 KiB the pairs 20%
+#: faster; a float16 / bfloat16 output (whose value buffer then shares L2 with the table) gained nothing and keeps
+#: the byte table. (Issue 42.)
+NF4_QUAD_MIN_BYTES = 1 << 17
 
 
 def _dequant_piece(n: int, blocksize: int, device: torch.device, direct: bool) -> int:
