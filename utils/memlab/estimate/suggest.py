@@ -73,6 +73,8 @@ def estimate_command(model: Any, **kw: Any) -> str:
     for key in ("checkpointing", "offload_checkpoints", "optimizer_in_backward", "keep_previous_outputs"):
         if kw.get(key):
             out.append("--" + key.replace("_", "-"))
+    if kw.get("zero_grad_set_to_none") is False:  # the loop zeroes its gradients in place (kept between steps)
+        out.append("--zero-grad-keep")
     if isinstance(kw.get("step"), str):
         out += ["--step", kw["step"]]
     if kw.get("allow_longer_seq"):
