@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from typing import Sequence
 
 import torch
@@ -174,17 +173,11 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
 #: a float16 / bfloat16 output), which a busy allocator returns to the system and faults in again page by page on
 #: the next call. Other devices take the weight in one piece.
 NF4_DEQUANT_BUFFER_BYTES = 3 << 19  # 1.5 MiB
-
-#: packed bytes from which a CPU dequantize to float32 (an even count) looks two bytes up at once: their uint16 in a
-#: 65536-entry table of four float32 values (1 MiB, built on the first such call and kept), half as many index
-#: conversions and gathers as the byte table's, each moving 16 bytes. torch's index_select is a scalar loop whose
-#: cost is per index more than per byte: on a 1024 x 1024 weight the pairs' one gather took 0.18 ms where the
-#: bytes' two took 0.20 ms, and the whole call 0.25 ms against 0.29 ms (bitsandbytes: 0.125 ms; medians of
-#: interleaved rounds on a 2-core AMD EPYC, 1 thread). The table lives in the L2 cache, the byte
-#: table (2 KiB) in L1: at 64 KiB packed the bytes were 8% faster, at 128 KiB even, at 256 KiB the pairs 20%
-#: faster; a float16 / bfloat16 output (whose value buffer then shares L2 with the table) gained nothing and keeps
-#: the byte table. (Issue 42.)
-NF4_QUAD_MIN_BYTES = 1 << 17
+# Measured and not used (issue 42): a 65536-entry table of four float32 values per byte pair (1 MiB, complex128
+# words) halves the index conversions and gathers (torch's index_select costs per index, not per byte): the
+# 1024 x 1024 float32 call went from 0.29 to 0.25 ms in some processes but to 0.35-0.6 ms in others on the same
+# loaded 2-core machine (the table lives in L2, the byte table's 2 KiB in L1), where the byte table stays at
+# 0.28-0.32 ms; a float16 / bfloat16 output gained nothing from it.
 
 
 def _dequant_piece(n: int, blocksize: int, device: torch.device, direct: bool) -> int:
@@ -218,18 +211,15 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     p = p if p.dtype == torch.uint8 else p.view(torch.uint8)
     if 2 * p.numel() < n:
         raise invalid("dequantize_nf4: packed bytes", p.numel(), f">= {-(-n // 2)} for shape {tuple(shape)}")
-    # Each byte becomes its two float32 values (high nibble, low nibble) as one 8-byte word of a 256-entry table
-    # (or, into a float32 output of NF4_QUAD_MIN_BYTES or more, each byte pair its four values as one 16-byte word
-    # of a 65536-entry table), gathered by a 1-d index_select with int32 indices, piece by piece
-    # (NF4_DEQUANT_BUFFER_BYTES): the bytes converted to int32 into one reused index buffer, gathered straight
-    # into a float32 output (or into one reused float32 buffer), every block scaled in place by its absmax, and a
-    # float16 / bfloat16 piece rounded once on the copy into the output (float32 product, then the cast: what
-    # ``.to(dtype)`` of the product gives).
+    # Each byte becomes its two float32 values (high nibble, low nibble) as one 8-byte word of a 256-entry table,
+    # gathered by a 1-d index_select with int32 indices, piece by piece (NF4_DEQUANT_BUFFER_BYTES): the bytes
+    # converted to int32 into one reused index buffer, gathered straight into a float32 output (or into one reused
+    # float32 buffer), every block scaled in place by its absmax, and a float16 / bfloat16 piece rounded once on
+    # the copy into the output (float32 product, then the cast: what ``.to(dtype)`` of the product gives).
     # Allocated: the output, the index buffer (4 B a byte of one piece) and, unless the output is float32 with an
     # even count, the value buffer (8 B a byte of one piece). A weight that is one piece and goes through the value
     # buffer frees its indices before its output is allocated (peak: the larger of indices + values and values +
-    # output, as the whole-weight lookup before the pieces had). A float32 output gathered by byte pairs takes two
-    # pieces a gather: the index buffer holds one pair's index in each byte's 4 B.
+    # output, as the whole-weight lookup before the pieces had).
     direct = dtype == torch.float32 and n % 2 == 0
     device = p.device
     step = _dequant_piece(n, blocksize, device, direct)
@@ -244,66 +234,35 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
             del idx
             out = p.new_empty(n, dtype=dtype)
         return out.reshape(tuple(shape))
-    tables = _dequant_tables(p, device, n if direct else 0)
+    table = _nf4_pair_words(str(device))
     am_rows = absmax.reshape(-1, 1)
     am_rows = am_rows if am_rows.dtype == torch.float32 else am_rows.float()
     if one:
-        _gather_words(p, 0, piece_bytes, idx, buf, tables)
+        idx.copy_(p[:piece_bytes])
+        torch.index_select(table, 0, idx, out=buf)
         del idx
         vals = buf.view(torch.float32)
-        vals = vals if 2 * piece_bytes == n else vals[:n]
-        _scale_blocks_(vals, am_rows, 0, blocksize)
+        _scale_blocks_(vals if 2 * piece_bytes == n else vals[:n], am_rows, 0, blocksize)
         out = p.new_empty(n, dtype=dtype)
-        out.copy_(vals)
+        out.copy_(vals if 2 * piece_bytes == n else vals[:n])
         return out.reshape(tuple(shape))
-    span = 2 * step if len(tables) == 3 else step  # weights a gather: two pieces when by byte pairs
-    for s in range(0, n, span):
-        m = min(span, n - s)  # weights in this span: whole blocks (and even) but for the last
+    for s in range(0, n, step):
+        m = min(step, n - s)  # weights in this piece: whole blocks (and even) but for the last piece
         nb = (m + 1) // 2  # its bytes
+        i = idx if nb == piece_bytes else idx[:nb]
+        i.copy_(p[s // 2: s // 2 + nb])
         if buf is None:  # float32, even count: gathered straight into the output
             vals = out if m == n else out[s: s + m]
-            _gather_words(p, s // 2, nb, idx, vals.view(torch.int64), tables)
+            torch.index_select(table, 0, i, out=vals.view(torch.int64))
         else:
             words = buf if nb == piece_bytes else buf[:nb]
-            _gather_words(p, s // 2, nb, idx, words, tables)
+            torch.index_select(table, 0, i, out=words)
             vals = words.view(torch.float32)
             vals = vals if 2 * nb == m else vals[:m]
         _scale_blocks_(vals, am_rows, s // blocksize, blocksize)
         if buf is not None:
             (out if m == n else out[s: s + m]).copy_(vals)
     return out.reshape(tuple(shape))
-
-
-def _gather_words(p: torch.Tensor, b0: int, nb: int, idx: torch.Tensor, words: torch.Tensor,
-                  tables: tuple[torch.Tensor, ...]) -> None:
-    # ``words`` (int64, nb of them) = the pair words of bytes p[b0: b0 + nb]. ``tables``: (the byte table,) or (the
-    # byte table, the byte pair table, the packed bytes as uint16) (_dequant_tables); by pairs when there are pairs
-    # and b0 is even (nb // 2 + nb % 2 indices), else by bytes (nb indices)
-    if len(tables) == 1 or b0 % 2:
-        i = idx if nb == idx.numel() else idx[:nb]
-        i.copy_(p[b0: b0 + nb])
-        torch.index_select(tables[0], 0, i, out=words)
-        return
-    k = nb // 2
-    i = idx if k == idx.numel() else idx[:k]
-    keys = tables[2]
-    i.copy_(keys if b0 == 0 and k == keys.numel() else keys[b0 // 2: b0 // 2 + k])
-    w = words if 2 * k == words.numel() else words[: 2 * k]
-    torch.index_select(tables[1], 0, i, out=w.view(torch.complex128))
-    if nb % 2:  # the odd last byte: from the byte table, through the next index
-        last = idx[k: k + 1]
-        last.copy_(p[b0 + nb - 1: b0 + nb])
-        torch.index_select(tables[0], 0, last, out=words[nb - 1:])
-
-
-def _dequant_tables(p: torch.Tensor, device: torch.device, n: int) -> tuple[torch.Tensor, ...]:
-    # (the byte table,), or with the byte pair table and the packed bytes seen as uint16 (a view) for a CPU weight of
-    # ``n`` (0: never) values in at least NF4_QUAD_MIN_BYTES bytes, contiguous from an even offset
-    if (n < 2 * NF4_QUAD_MIN_BYTES or device.type != "cpu" or p.stride(0) != 1 or p.storage_offset() % 2
-            or not _uint16_copies()):
-        return (_nf4_pair_words(str(device)),)
-    even = p if p.numel() % 2 == 0 else p[:-1]
-    return _nf4_pair_words("cpu"), _nf4_quad_words("cpu"), even.view(torch.uint16)
 
 
 def _scale_blocks_(vals: torch.Tensor, am_rows: torch.Tensor, k: int, blocksize: int) -> None:
@@ -326,33 +285,6 @@ def _nf4_pair_words(device: str) -> torch.Tensor:
     table = cached_codebook("nf4_pairs", device)
     with _disable_current_modes():
         return table.view(torch.int64).view(256)
-
-
-@functools.lru_cache(maxsize=None)
-def _nf4_quad_words(device: str) -> torch.Tensor:
-    # the cached uint16 -> four float32 values table of two consecutive packed bytes (the first byte's high and low
-    # nibble, then the second's), as 65536 complex128 words (1 MiB); the uint16 is the bytes in this machine's
-    # order. Made outside every dispatch mode, as the byte table is.
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    pairs = cached_codebook("nf4_pairs", device)
-    with _disable_current_modes():
-        key = torch.arange(1 << 16, device=device)
-        first, second = (key & 0xFF, key >> 8) if sys.byteorder == "little" else (key >> 8, key & 0xFF)
-        return torch.cat([pairs[first], pairs[second]], 1).contiguous().view(torch.complex128).view(1 << 16)
-
-
-@functools.lru_cache(maxsize=None)
-def _uint16_copies() -> bool:
-    # whether this torch converts uint16 to int32 (torch 2.3 added the unsigned 16-bit dtype with few operations);
-    # asked outside every dispatch mode (a MemoryTracker around the first call never sees the two scalars)
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        try:
-            return bool(torch.ones(1, dtype=torch.int32).copy_(torch.full((1,), 40000, dtype=torch.uint16)) == 40000)
-        except (AttributeError, RuntimeError, TypeError):
-            return False
 
 
 def _scale_back(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
