@@ -9,8 +9,10 @@ import math
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memlab.core.validation import check_choice, check_positive_int, invalid
+from memlab.quant.codebooks import cached_codebook
 from memlab.quant.blockwise import (FLOAT_DTYPES, NF4_BLOCKSIZES, check_blocksize, dequantize_nf4, double_dequantize,
                                     double_quantize, quantize_nf4)
 
@@ -106,6 +108,9 @@ class Linear4bit(nn.Module):
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise invalid("weight.shape", tuple(weight.shape), f"{(self.out_features, self.in_features)}")
         packed, absmax = quantize_nf4(weight.detach(), self.blocksize)
+        if packed.device.type != "meta" and not isinstance(packed, FakeTensor):
+            # dequantize's byte-pair table built now, not inside the first forward (a tracker there counted its 2 KiB)
+            cached_codebook("nf4_pairs", str(packed.device))
         self.register_buffer("weight_packed", packed, persistent=True)
         if self.double_quant:
             codes, absmax2, offset = double_quantize(absmax)
