@@ -8,6 +8,7 @@ kernel needs only pointers). Without a compiler an eager chunked torch step roun
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import hashlib
@@ -254,15 +255,20 @@ REMEASURE_EVERY = 16
 
 
 class _WorkerCount:
-    """The worker count chosen by measuring: seconds per element of recent steps (mean of the last
-    estimate and the new time) with one worker and with ``most``, per size class (``n``'s bit length);
-    a step runs the faster, and the other once in :data:`REMEASURE_EVERY` calls. Where the machine
-    lends no second core (another process holds it, and the OS shares CPU time between sessions, not
-    threads) helpers only add switching, and the step falls back to one worker."""
+    """The worker count chosen by measuring: seconds per element of one worker and of ``most``, per size
+    class (``n``'s bit length), each the least of its last 3 steps (a busy moment only slows a step) after a
+    first, unmeasured one (fresh buffers' page faults, helpers starting); a step runs the faster count, and
+    the other once in :data:`REMEASURE_EVERY` calls. Where the machine lends no second core (another
+    process holds it, and the OS shares CPU time between sessions, not threads) helpers only add
+    switching, and the step falls back to one worker."""
 
     def __init__(self) -> None:
-        self.rate: dict[tuple[int, int], float] = {}
+        self.times: dict[tuple[int, int], collections.deque[float]] = {}
         self.calls: dict[tuple[int, int], int] = {}
+
+    def _rate(self, key: tuple[int, int]) -> float | None:
+        seen = self.times.get(key)
+        return min(seen) if seen else None
 
     def pick(self, n: int, most: int) -> int:
         """The worker count for a step of ``n`` elements that may use up to ``most`` (>= 1)."""
@@ -270,17 +276,19 @@ class _WorkerCount:
             return 1
         key = (n.bit_length(), most)
         self.calls[key] = calls = self.calls.get(key, 0) + 1
-        one, many = self.rate.get((key[0], 1)), self.rate.get(key)
+        one, many = self._rate((key[0], 1)), self._rate(key)
         if many is None or one is None:
             return most if many is None else 1
         best, other = (most, 1) if many <= one else (1, most)
         return other if calls % REMEASURE_EVERY == 0 else best
 
     def record(self, n: int, workers: int, seconds: float) -> None:
-        """Fold one step's time into the estimate for ``workers``."""
-        key, rate = (n.bit_length(), workers), seconds / max(n, 1)
-        old = self.rate.get(key)
-        self.rate[key] = rate if old is None else 0.5 * (old + rate)
+        """Keep one step's time for ``workers`` (not the first step's)."""
+        key = (n.bit_length(), workers)
+        if key not in self.times:
+            self.times[key] = collections.deque(maxlen=3)
+        else:
+            self.times[key].append(seconds / max(n, 1))
 
 
 _WORKERS = _WorkerCount()
