@@ -14,7 +14,6 @@ from memlab.core.vocab import Recipe
 from memlab.estimate.api import estimate_training_memory
 from memlab.estimate.recipes import FRAGMENTATION_MARGIN, LOSS_ALIASES, MIXED
 from memlab.estimate.result import MemoryEstimate
-from memlab.estimate.trace_cache import CACHE_NOTE
 
 
 @dataclass
@@ -136,7 +135,6 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
         if gc_frozen:  # what the rows before left alive is not scanned again by the next full collection
             gc.freeze()
         est = estimate_training_memory(model, **kw)
-        from_cache[i] = any(n.startswith(CACHE_NOTE) for n in est.notes)
         return Suggestion(technique, est.peak_bytes, "traced", chapter, ", ".join(f"{k}={v}" for k, v in change.items()),
                           est.peak_phase, _fwd_bwd(est), extra, command=estimate_command(model, **kw),
                           reserved_replay_bytes=est.reserved_replay_bytes)
@@ -146,9 +144,8 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     # (gc.freeze) before each row, they are skipped; unfrozen after the last, so nothing stays out of the collector
     # (not where the caller froze objects itself). A forked child shares them without copying their pages.
     gc_frozen = gc.get_freeze_count() == 0
-    from_cache: dict[int, bool] = {}  # row -> read from the trace cache (memlab.estimate.trace_cache)
     try:
-        return _rows(todo, row, jobs, from_cache, base, extra, n_before_formula, adapters_optional)
+        return _rows(todo, row, jobs, base, extra, n_before_formula, adapters_optional)
     finally:
         if gc_frozen:
             gc.unfreeze()
@@ -201,8 +198,8 @@ def _tried(base: MemoryEstimate, run_kwargs: Mapping[str, Any]) -> tuple[list[tu
     return todo, n_before_formula, adapters_optional
 
 
-def _rows(todo: list, row: Any, jobs: int | None, from_cache: dict[int, bool], base: MemoryEstimate, extra: int,
-          n_before_formula: int, adapters_optional: bool) -> list[Suggestion]:
+def _rows(todo: list, row: Any, jobs: int | None, base: MemoryEstimate, extra: int, n_before_formula: int,
+          adapters_optional: bool) -> list[Suggestion]:
     # the rows in the order tried, with the formula row among them: traced in two processes at once, else here one
     # after another. The first row starts here, and the second process is forked when it turns out to trace (not
     # read from the trace cache: a repeated command reads all its rows in milliseconds, where a second process
