@@ -134,6 +134,7 @@ def make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: boo
         base = type(rank_tracker(model, opt, resizes=True))
 
     softmax_bwd = torch.ops.aten._softmax_backward_data.default
+    prim_device = torch.ops.prim.device.default
     flash_ops_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     flash_ops = {flash_ops_cpu}
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -151,6 +152,8 @@ def make_tracker(model: nn.Module, opt: torch.optim.Optimizer, softmax_rule: boo
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func is prim_device:  # a fake tensor's device asked for (two ops in three): no storage, no attention
+                return out
             if self.allocation_log is not None:
                 self.allocation_log.see(out, args, kwargs)
             if func in flash_ops:
