@@ -71,9 +71,12 @@ def _spare_in_child(item):
 
 def test_no_grandchild():
     # in the child (marked by single_threaded_child) and in this process while the child runs, no second fork
+    # (on a loaded machine the child may finish its item and take this process's before it starts: whichever
+    # process ran an item, it could not fork; this process counted its one helper while the child lived)
     done = forking.in_two(_spare_in_child, ["here"], ["there"])
-    assert done["here"] == (False, 1, os.getpid())
-    assert done["there"][0] is False and done["there"][2] != os.getpid()
+    for spare, helpers, pid in done.values():
+        assert spare is False
+        assert helpers == (1 if pid == os.getpid() else 0), (helpers, pid, os.getpid())
     assert forking._HELPERS == 0
 
 
