@@ -117,16 +117,18 @@ def test_kept_gradients_are_alive_through_the_forward(estimates):
         assert not any("zero_grad_set_to_none" in n for n in off.notes)
 
 
+@pytest.mark.parametrize("option", ["zero_grad_set_to_none", "keep_previous_outputs"])
 @pytest.mark.parametrize("bad", [1, 0, "no", None])
-def test_bad_zero_grad_set_to_none_is_refused_by_every_route(bad):
+def test_a_bad_step_bool_is_refused_by_every_route(option, bad):
+    # the two loop options that are plain bools: the API, make_step and StepSpec refuse alike, naming the value
     with pytest.raises(ValueError) as api:
-        estimate_training_memory("llama-2-7b", batch_size=1, seq_len=8, zero_grad_set_to_none=bad)
+        estimate_training_memory("llama-2-7b", batch_size=1, seq_len=8, **{option: bad})
     with pytest.raises(ValueError) as mk:
-        make_step(batch_size=1, seq_len=8, zero_grad_set_to_none=bad)
+        make_step(batch_size=1, seq_len=8, **{option: bad})
     with pytest.raises(ValueError) as spec:
-        StepSpec(batch_size=1, seq_len=8, zero_grad_set_to_none=bad)
+        StepSpec(batch_size=1, seq_len=8, **{option: bad})
     assert str(api.value) == str(mk.value) == str(spec.value)
-    assert str(api.value).startswith(f"zero_grad_set_to_none={bad!r} is invalid; allowed:"), str(api.value)
+    assert str(api.value).startswith(f"{option}={bad!r} is invalid; allowed:"), str(api.value)
 
 
 @pytest.mark.parametrize("settings,named", [
