@@ -151,27 +151,15 @@ def cpu_step_rows(sizes: list[int], repeat: int = 5, n_tensors: int = 8) -> tupl
 def chunked_step_threads(n: int, repeat: int = 5, threads: tuple[int, ...] | None = None) -> dict[int, float]:
     """Median seconds of the eager chunked AdamW step (:func:`memlab.offload.adamw_step_eager_chunked_`,
     chapter 04's chunked step) on ``n`` parameters at each torch thread count of ``threads`` (default 1 and
-    the core count), interleaved round by round; the caller's thread count is restored."""
-    from memlab import offload
+    the core count): the rounds of :func:`memlab.bench.speed.chunked_adamw_rounds` (the same work for every
+    count, the order flipped each round, the thread count set outside the clock), the one helper both benches
+    use; the caller's thread count is restored."""
     import os
 
+    from memlab.bench.speed import chunked_adamw_rounds
+
     threads = threads or tuple(sorted({1, os.cpu_count() or 1}))
-    gen = torch.Generator().manual_seed(0)
-    bufs = [torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)]
-    before = torch.get_num_threads()
-
-    def at(k: int):
-        def run() -> None:
-            torch.set_num_threads(k)
-            try:
-                offload.adamw_step_eager_chunked_(*bufs, 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                                  weight_decay=1e-2)
-            finally:
-                torch.set_num_threads(before)
-        return run
-
-    med = interleaved_medians({str(k): at(k) for k in threads}, repeat, "cpu", warmup=1)
-    return {k: med[str(k)] for k in threads}
+    return {k: seconds for k, (seconds, _cores) in chunked_adamw_rounds(n, repeat, threads).items()}
 
 
 # ----------------------------------------------------------------------------- GPU: offloaded training

@@ -31,7 +31,7 @@ The modules, in the order the chapter builds them:
   optimizer stepped by a post-accumulate-grad hook in backward and its gradient freed at once.
 """
 from memlab.offload.in_backward import OptimizerInBackward, optimizer_in_backward
-from memlab.offload.kernel import (DEFAULT_CHUNK, KERNEL_PATH, KERNEL_SOURCE, adamw_step_eager_chunked_,
+from memlab.offload.kernel import (DEFAULT_CHUNK, EAGER_CHUNK, KERNEL_PATH, KERNEL_SOURCE, adamw_step_eager_chunked_,
                                    adamw_step_flat_, intra_op_threads, kernel_name, load_kernel)
 from memlab.offload.memory import DEVICE_RECIPES, OFFLOAD_RECIPES, device_host_bytes, predict_device_bytes
 from memlab.offload.optimizer import OffloadedAdamW
@@ -50,6 +50,7 @@ __all__ = [
     "load_kernel",
     "KERNEL_SOURCE",
     "DEFAULT_CHUNK",
+    "EAGER_CHUNK",
     "OffloadedAdamW",
     "StreamedSequential",
     "device_host_bytes",
