@@ -72,6 +72,29 @@ _LOSS9 = (("d", "transformers' loss"), ("c", "chunked (autograd)"), ("f", "fused
 # the speed rows of `memlab bench speed`, read from its stored output (issue 42.6)
 SPEED = "results/cpu/bench_speed.txt"
 
+# `memlab bench estimate`'s stored output: fresh processes, imports included (issue 42.1)
+ESTIMATE = "results/cpu/bench_estimate.txt"
+
+ROW_01_ESTIMATE = Row("01", (
+    "`memlab estimate` as a fresh process, first run (every trace made), imports included: Llama-2-7B, Llama-2-70B, "
+    "7B with all suggestions (`memlab bench estimate`, load {load} on 2 cores)",
+    "{c7} / {c70} / {cs} s (CPU {u7} / {u70} / {us} s)", "repeat from the trace cache {w7} / {w70} / {ws} s",
+    "targets <= {t7} / {t70} / {ts} s"),
+    (Found(ESTIMATE, "^7B {c7} {u7} {w7} {wu7} {t7} {n7}"),
+     Found(ESTIMATE, "^70B {c70} {u70} {w70} {wu70} {t70} {n70}"),
+     Found(ESTIMATE, "^7B + all suggestions {cs} {us} {ws} {wus} {ts} {ns}"),
+     Found(ESTIMATE, "load average over the last minute: {load} on 2 cores")), device=CPU)
+
+PLAN = "results/cpu/bench_plan.txt"  # `memlab bench plan`'s stored output (issue 42.2)
+
+ROW_07_PLAN = Row("07", (
+    "`memlab plan llama-3-8b --gpu rtx4090 --seq-len 2048 --batch-size 16` as a fresh process: first run, repeat "
+    "(the plan cache), a tiny config's first run (`memlab bench plan`)", "{f} / {r} / {t} s",
+    "CPU {fc} / {rc} / {tc} s", "targets <= {ft} / {rt} / {tt} s"),
+    (Found(PLAN, "worked, first run in {f} s (target <= {ft} s, process wall time; CPU {fc} s)"),
+     Found(PLAN, "worked, repeat in {r} s (target <= {rt} s, process wall time; CPU {rc} s)"),
+     Found(PLAN, "tiny, first run in {t} s (target <= {tt} s, process wall time; CPU {tc} s)")), device=CPU)
+
 ROW_01_OVERHEAD = Row("01", (
     "tracker overhead, TinyGPT / tiny Llama step 8x128 with AdamW, 1 thread, medians of interleaved rounds "
     "(`memlab bench speed`, {load})",
@@ -141,7 +164,7 @@ ROWS: list[Row | Recorded] = [
     Recorded("01-allocator-tests"),
     ROW_01_OVERHEAD,
     Recorded("01-bench-70b"),
-    Recorded("01-bench-7b-suggestions"),
+    ROW_01_ESTIMATE,
     Row("01", ("estimate vs published peaks (`memlab estimate --validate`, `memlab/estimate/validate.py`; every figure "
                "with its source in the log; README lists them)", "{n} comparable figures, {met} meeting their target, "
                "the rest off for a reason the log states; {und} more undecided (each met for a longest batch of at "
@@ -374,6 +397,7 @@ ROWS: list[Row | Recorded] = [
                "usable (host {host} GiB)", "the page's search picks the same stack (asserted in the cell)"),
         (Found(N["07"], "^pick: {pick:text}: {peak} GiB estimated of {usable} GiB, needs {host} GiB of host memory"),
          Found(N["07"], "^memlab.plan: {traces} traces; on the page: {page}"))),
+    ROW_07_PLAN,
     Row("07", ("tiny Llama under a {budget} MiB budget with `BudgetTrainer` (lecture 07)",
                "{ooms} out-of-memory back-offs, settles on {settled} (the planner's pick: {ppick}); {steps} steps, "
                "loss {l0} -> {l1}", "planned {plan} MiB", "measured {meas} MiB ({r}x planned); every committed step "
