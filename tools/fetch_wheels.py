@@ -22,14 +22,18 @@ sys.path.insert(0, str(ROOT / "tools"))
 from gpu_session import check_wheels, missing_wheel_line, wheel_dist  # noqa: E402
 
 # the four the session needs, then their requirements that the image does not have (Requires-Dist, read
-# from each wheel's METADATA; the image's own packages left out)
+# from each wheel's METADATA; the image's own packages left out). jedi (+parso) and debugpy are left out on
+# purpose: IPython and ipykernel import them only when present (completion, the debugger), and their 10 MiB
+# would push the carried tree (checkout + .whl) past the 64 MiB limit; a kernel without them was run with
+# nbclient on Python 3.12 before the 2026-11-28 lease. liger_kernel and cut-cross-entropy are chapter 09's
+# peers (bench loss, tests/ch09), pure Python.
 PACKAGES = [
     "bitsandbytes", "nbclient", "ipykernel", "nbval",
     "nbformat", "jupyter_client", "jupyter_core", "traitlets", "fastjsonschema", "jsonschema",
-    "jsonschema-specifications", "referencing", "rpds-py", "pyzmq", "tornado", "comm", "debugpy",
-    "ipython", "ipython_pygments_lexers", "decorator", "jedi", "parso", "matplotlib-inline", "prompt_toolkit",
+    "jsonschema-specifications", "referencing", "rpds-py", "pyzmq", "tornado", "comm",
+    "ipython", "ipython_pygments_lexers", "decorator", "matplotlib-inline", "prompt_toolkit",
     "wcwidth", "stack_data", "asttokens", "executing", "pure_eval", "pexpect", "ptyprocess", "nest_asyncio",
-    "platformdirs",
+    "platformdirs", "liger_kernel", "cut-cross-entropy",
 ]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]
