@@ -13,6 +13,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from memlab.core import forking
 from memlab.estimate import estimate_training_memory, extrapolate, suggest
@@ -131,3 +132,12 @@ def test_extrapolate_by_depth_jobs_is_checked():
     for jobs in (0, 1.5, True):
         with pytest.raises(ValueError, match=rf"jobs={jobs!r} is invalid; allowed: None .* an int >= 1"):
             extrapolate.extrapolate_by_depth(lambda d: None, 8, [(3, 4)], jobs=jobs)
+
+
+def test_no_fork_once_cuda_is_initialised(monkeypatch):
+    # a child forked after CUDA initialised fails its first CUDA call (the H200 run of 2026-11-28): both items
+    # then run in this process
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert forking.spare_cpu() is False
+    done = forking.in_two(lambda i: os.getpid(), [1], [2])
+    assert done == {1: os.getpid(), 2: os.getpid()}

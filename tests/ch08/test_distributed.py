@@ -79,6 +79,22 @@ def test_a_rank_that_dies_or_hangs_is_reported():
     assert not multiprocessing.active_children()
 
 
+def test_ranks_forked_after_cuda_started_see_no_cuda(monkeypatch):
+    # a rank forked after the launcher initialised CUDA cannot use it (torch marks the fork "bad"); torch.optim's
+    # step asks CUDA whether it is capturing a graph whenever CUDA looks available, which failed every Adam step of
+    # chapter 08's gloo ranks on an H200. Here CUDA is made to look available and the fork bad, as it was there.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+
+    def fn(rank, world_size):
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.ones(3)
+        torch.optim.Adam([p]).step()
+        return torch.cuda.is_available()
+
+    assert D.launch(fn, 2, timeout=60) == [False, False]
+
+
 def test_a_port_taken_meanwhile_is_retried(monkeypatch):
     import socket
 

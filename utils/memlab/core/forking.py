@@ -103,12 +103,20 @@ def _has_children() -> bool:
 
 def spare_cpu() -> bool:
     """Whether this process may fork a helper now: two CPUs or more to run on, ``fork`` available, only the main
-    thread running (a fork copies no other thread), not a forked child of memlab, no helper of its own tracing and
-    no other child process alive."""
+    thread running (a fork copies no other thread), not a forked child of memlab, no helper of its own tracing,
+    no other child process alive, and CUDA not initialised here: a child forked after it cannot use CUDA ("CUDA
+    error: initialization error" at its first CUDA call, fake tensors' device queries included; seen on an H200,
+    2026-11-28, when the CUDA estimate tests forked after the real step had run)."""
     import threading
 
     return (not _IN_CHILD and _HELPERS == 0 and hasattr(os, "fork") and cpus() >= 2
-            and threading.active_count() == 1 and not _has_children())
+            and threading.active_count() == 1 and not _has_children() and not _cuda_initialised())
+
+
+def _cuda_initialised() -> bool:
+    # torch not imported yet: nothing initialised it
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def _run(fn: Callable[[Any], Any], item: Any) -> Any:
@@ -247,11 +255,11 @@ def in_two(fn: Callable[[Any], Any], mine: list[Any], theirs: list[Any],
     the slowest of each list first: the two then end close together whatever each item costs). The child's results
     come back through a pipe, pickled (``portable`` makes one picklable: a tracker dropped); if the child fails
     (killed, a result that cannot be pickled), the items it took are left out of the answer and the caller runs
-    them, so the results are those of one process in every case. Nothing is forked without items for both (they
-    run here, in order)."""
+    them, so the results are those of one process in every case. Nothing is forked without items for both, nor
+    once CUDA is initialised here (they run here, in order)."""
     items = list(mine) + list(theirs)
     if len(set(items)) != len(items) or len(items) > 128:
         raise ValueError(f"mine={mine!r}, theirs={theirs!r} is invalid; allowed: at most 128 items, all different")
-    if not (mine and theirs):
+    if not (mine and theirs) or _cuda_initialised():
         return {item: _run(fn, item) for item in items}
     return TwoProcesses(fn, mine, theirs, portable).finish()

@@ -160,6 +160,7 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, 
         os.setpgid(0, 0)
     except (AttributeError, OSError):  # pragma: no cover - not POSIX
         pass
+    _hide_cuda_after_bad_fork()
     try:
         torch.set_num_threads(threads)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
@@ -178,6 +179,16 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, 
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a peer is gone; nothing left to do
                 pass
+
+
+def _hide_cuda_after_bad_fork() -> None:
+    # A rank forked after the launching process initialised CUDA cannot use CUDA: its first CUDA call fails
+    # ("CUDA error: initialization error"), and torch.optim's step asks the current CUDA stream whether it is
+    # capturing a graph whenever CUDA is available (chapter 08's lecture on an H200, 2026-11-28: every Adam step of
+    # a gloo rank failed). The ranks run on the CPU, so CUDA is shown as absent in them: torch.accelerator asks
+    # torch.cuda.is_available, as does memlab.
+    if torch.cuda._is_in_bad_fork():
+        torch.cuda.is_available = lambda: False
 
 
 def _kill_ranks(procs: list[Any], adopted: set[int] = frozenset()) -> None:  # type: ignore[assignment]
