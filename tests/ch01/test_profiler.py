@@ -758,6 +758,24 @@ def test_peak_beside_allocator_counts_both_in_one_run_and_refuses_bad_input():
         peak_beside_allocator(3)
 
 
+def test_peak_beside_allocator_measures_where_the_model_lives(monkeypatch):
+    # no device given: the model's (else the optimizer's) device; with neither, CUDA once it is initialised. A fixed
+    # "cpu" default counted CPU allocations beside a CUDA model on an H200 (4 B tracked).
+    from memlab.profiler import compare
+
+    meta = torch.nn.Linear(2, 2, device="meta")
+    assert compare._device_of(meta, None) == "meta"
+    assert compare._device_of(torch.nn.Module(), torch.optim.SGD(meta.parameters(), lr=0.1)) == "meta"
+    assert compare._device_of(torch.nn.Linear(2, 2), None) == "cpu"
+    with pytest.raises(ValueError, match="device='meta'"):  # named as it was found
+        compare.peak_beside_allocator(lambda: None, meta)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert compare._device_of(None, None) == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert compare._device_of(None, None) == "cpu"
+
+
 def test_allocator_peak_keeps_the_profilers_unknown_block_note_out_of_stderr_but_not_the_steps_own(capfd):
     """Freeing a block made before the profiler started makes PyTorch log a C++ note on stderr; it
     is a documented limit of allocator_peak, not the learner's business. The step's own stderr stays."""

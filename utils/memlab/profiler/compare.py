@@ -60,8 +60,20 @@ def _cuda_rise(fn: Callable[[], Any]) -> int:
     return torch.cuda.max_memory_allocated() - start
 
 
+def _device_of(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> str:
+    # the device type a step on this model (else optimizer) runs on: its first parameter's or buffer's
+    tensors = []
+    if model is not None:
+        tensors = [*model.parameters(), *model.buffers()][:1]
+    if not tensors and optimizer is not None:
+        tensors = [p for g in optimizer.param_groups for p in g["params"]][:1]
+    if tensors:
+        return tensors[0].device.type
+    return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
+
+
 def peak_beside_allocator(step: Callable[[], Any], model: torch.nn.Module | None = None,
-                          optimizer: torch.optim.Optimizer | None = None, *, device: str = "cpu",
+                          optimizer: torch.optim.Optimizer | None = None, *, device: str | None = None,
                           untracked: bool = True, warmup: bool = True, **tracker_kwargs: Any) -> PeakComparison:
     """Run ``step()`` under a :class:`~memlab.profiler.MemoryTracker` and the allocator's own counter
     at once, and (``untracked=True``) once more under the allocator alone: the habit every chapter
@@ -78,7 +90,9 @@ def peak_beside_allocator(step: Callable[[], Any], model: torch.nn.Module | None
             memory as it found it.
         model, optimizer: passed to the tracker (its categories and module frames).
         device: ``"cpu"`` (``torch.profiler`` memory events) or ``"cuda"`` (the caching allocator's
-            statistics).
+            statistics). None: where the model's (else the optimizer's) first parameter or buffer lives; with
+            neither, ``"cuda"`` once this process has initialised CUDA, else ``"cpu"``. (A fixed ``"cpu"``
+            default measured CPU allocations beside a CUDA model: 4 B tracked, on an H200, 2026-11-28.)
         untracked: also measure a run without the tracker.
         warmup: on CPU, run ``step()`` once more first under the profiler, its figure discarded. The
             profiler learns a block's size only when the block is allocated while a profiler runs;
@@ -91,6 +105,8 @@ def peak_beside_allocator(step: Callable[[], Any], model: torch.nn.Module | None
     Raises:
         ValueError: ``device`` is neither ``"cpu"`` nor ``"cuda"``, or ``step`` is not callable.
     """
+    if device is None:
+        device = _device_of(model, optimizer)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} is not supported; allowed: 'cpu' or 'cuda'")
     if not callable(step):
