@@ -160,7 +160,11 @@ def test_offloaded_checkpoints_on_cuda_lower_max_memory_allocated():
     torch.testing.assert_close(out["plain"][1], out["offload"][1])  # CUDA's embedding backward may sum in any order
     for a, b in zip(out["plain"][2], out["offload"][2]):
         torch.testing.assert_close(a, b)
-    assert out["offload"][3].stats.prefetched == 5 and not out["offload"][3].stats.same_memory
+    # the handle's counts run over both backward passes (the warm-up and the measured one): 6 layers offloaded and
+    # 5 fetched ahead in each (the H200 run of 2026-11-28 counted 12 and 10; this test had asserted one pass's 5)
+    st = out["offload"][3].stats
+    assert (st.offloaded_tensors, st.prefetched, st.offloaded_bytes) == (2 * 6, 2 * 5, 2 * 6 * one)
+    assert not st.same_memory
 
 
 # ----------------------------------------------------------------------------- the optimizer step in backward
