@@ -1007,3 +1007,34 @@ def test_eager_step_helpers_run_under_the_callers_grad_mode(mode, monkeypatch, a
         O.adamw_step_eager_chunked_(*ref, 1, chunk=1000, threads=1, **HP)
     assert on_helper.is_set()
     assert torch.equal(p.detach(), ref[0]) and torch.equal(m, ref[2]) and torch.equal(v, ref[3])
+
+
+def test_bench_offload_no_cpu_needs_cuda_and_reports_each_gpu_recipe_as_it_ends(monkeypatch, capsys):
+    # --no-cpu skips the CPU tables (a short GPU lease); with nothing left to run it says so. On CUDA each recipe's
+    # figures reach stderr as soon as measured, so a bench stopped at a time limit still leaves them.
+    from memlab.bench import offload
+
+    with pytest.raises(SystemExit):
+        offload.main(["--no-cpu"])
+    assert "--no-cpu with no CUDA device leaves nothing to run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        offload.main(["--no-cpu", "--no-gpu"])
+    assert "--no-cpu with --no-gpu" in capsys.readouterr().err
+
+    import memlab.config as config
+
+    monkeypatch.setattr(config, "DEVICE", torch.device("cuda"))
+    monkeypatch.setattr(offload, "GPU_RECIPES", (offload.BASELINE, "memlab OffloadedAdamW"))
+    seen = []
+
+    def fake(recipe, **kw):
+        seen.append(recipe)
+        assert not capsys.readouterr().out  # no CPU table printed first
+        return {"params": 10, "peak": 100 if recipe == offload.BASELINE else 40, "seconds": 1.0}
+
+    monkeypatch.setattr(offload, "gpu_recipe", fake)
+    monkeypatch.setattr(offload, "_gpu_table", lambda results, args, checks: None)
+    assert offload.main(["--no-cpu"]) == 0
+    err = capsys.readouterr().err
+    assert seen == [offload.BASELINE, "memlab OffloadedAdamW"]
+    assert "bench offload memlab OffloadedAdamW: 1.000 s/step, peak 40 B" in err

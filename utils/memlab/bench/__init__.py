@@ -155,6 +155,13 @@ def load_average() -> str:
         return "unknown"
 
 
+def progress(line: str) -> None:
+    """One measured row as soon as it is measured, on stderr (the tables on stdout stay as they are): a bench
+    stopped at a time limit, as on a short GPU lease, still leaves what it measured. (On an H200, 2026-11-28,
+    ``bench loss`` and ``bench offload`` ran into their 75 and 90 s limits and left nothing of their GPU runs.)"""
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
 def add_strict(parser: Any) -> None:
     """Give an ``argparse`` parser the common ``--strict`` flag (exit 1 when a target is missed)."""
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from memlab.bench import add_strict, interleaved_medians, report_targets, sync, table
+from memlab.bench import add_strict, interleaved_medians, progress, report_targets, sync, table
 from memlab.core.validation import check_positive_int
 
 IMPLS = ("materialized", "chunked", "torchtune", "fused", "triton", "liger")
@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             med, peaks, saved = _measure(n, v, impls, cfg, on_gpu)
             for name in med:
+                progress(f"bench loss N={n} V={v} {name}: {med[name] * 1e3:.2f} ms, peak {peaks[name]:,} B, "
+                         f"saved {saved[name]:,} B")
                 rows.append([name, n, v, f"{med[name] * 1e3:.1f}", f"{med[REFERENCE] / med[name]:.2f}",
                              format_bytes(peaks[name]), f"{peaks[name] / peaks[REFERENCE]:.3f}",
                              format_bytes(saved[name])])

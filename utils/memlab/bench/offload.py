@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from memlab.bench import add_strict, interleaved_medians, report_targets, sync, table, time_median
+from memlab.bench import add_strict, interleaved_medians, progress, report_targets, sync, table, time_median
 from memlab.core.units import GiB, MiB, parse_size
 from memlab.core.validation import check_choice, check_positive_int, invalid
 
@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=None, help="CPU step sizes in parameters, comma-separated (default: 10M,100M; 1M,10M when small)")
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions, median reported")
     ap.add_argument("--no-gpu", action="store_true", help="only the CPU step table")
+    ap.add_argument("--no-cpu", action="store_true", help="only the offloaded-training table (CUDA): a short GPU "
+                    "lease spends nothing on the CPU tables")
     ap.add_argument("--layers", type=int, default=24, help="GPU model: TinyGPT layers (24 x 1024 wide: 302M params)")
     ap.add_argument("--width", type=int, default=1024, help="GPU model: n_embd")
     ap.add_argument("--batch-size", type=int, default=4)
@@ -255,10 +257,29 @@ def main(argv: list[str] | None = None) -> int:
         for name, v in (("--repeat", args.repeat), ("--layers", args.layers), ("--width", args.width),
                         ("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--accum", args.accum)):
             check_positive_int(name, v)
+        if args.no_cpu and (args.no_gpu or DEVICE.type != "cuda"):
+            raise ValueError(f"--no-cpu with {'--no-gpu' if args.no_gpu else 'no CUDA device'} leaves nothing to run; "
+                             f"allowed: --no-cpu on a CUDA machine, without --no-gpu")
     except ValueError as exc:
         ap.error(str(exc))
+    checks: list[tuple[str, float | None, bool]] = [] if args.no_cpu else _cpu_tables(sizes, args.repeat)
+    if args.no_gpu or DEVICE.type != "cuda":
+        if not args.no_gpu:
+            print("offloaded training: needs CUDA: skipped on cpu (host == device, nothing to offload)")
+        return report_targets(checks, "cpu", strict=args.strict)
+    kw = dict(n_layer=args.layers, n_embd=args.width, batch=args.batch_size, seq=args.seq_len, accum=args.accum, repeat=args.repeat)
+    results = {}
+    for r in GPU_RECIPES:
+        results[r] = res = gpu_recipe(r, **kw)
+        progress(f"bench offload {r}: " + (res["skipped"] if "skipped" in res else
+                                            f"{res['seconds']:.3f} s/step, peak {res['peak']:,} B"))
+    _gpu_table(results, args, checks)
+    return report_targets(checks, DEVICE, strict=args.strict)
 
-    rows, summary = cpu_step_rows(sizes, repeat=args.repeat)
+
+def _cpu_tables(sizes: list[int], repeat: int) -> list[tuple[str, float | None, bool]]:
+    # the CPU step table and the chunked step by thread count, printed; their targets
+    rows, summary = cpu_step_rows(sizes, repeat=repeat)
     header = ["CPU AdamW step", "params", "ms", "Gparam/s", "GiB/s (28 B/param)", "of copy bw", "speed vs fused"]
     bws = "; ".join(f"{n:,}: {s['copy_bw'] / GiB:.1f} GiB/s (dst.copy_(src) {s['plain_copy_bw'] / GiB:.1f})"
                     for n, s in summary["sizes"].items())
@@ -272,23 +293,24 @@ def main(argv: list[str] | None = None) -> int:
         checks.append((f"fast step >= 60% of the copy bandwidth at {n:,} params (shown: share)", sz["of_bw"],
                        sz["of_bw"] >= 0.6))
     chunk_n = sizes[0]
-    rates = chunked_step_threads(chunk_n, repeat=args.repeat)
+    rates = chunked_step_threads(chunk_n, repeat=repeat)
     one = rates[min(rates)]
     print()
     print(table(f"memlab bench offload: chapter 04's chunked eager AdamW step, {chunk_n:,} params, by torch "
-                f"thread count (medians of {args.repeat} interleaved rounds)", ["threads", "ms", "Mparam/s", "vs 1 thread"],
+                f"thread count (medians of {repeat} interleaved rounds)", ["threads", "ms", "Mparam/s", "vs 1 thread"],
                 [[k, t * 1e3, chunk_n / t / 1e6, one / t] for k, t in rates.items()], "cpu"))
     for k, t in rates.items():
         if k > 1:
             checks.append((f"chunked eager step at {k} threads >= its 1-thread speed (shown: speed ratio)", one / t,
                            one / t >= 1.0))
     print()
-    if args.no_gpu or DEVICE.type != "cuda":
-        if not args.no_gpu:
-            print("offloaded training: needs CUDA: skipped on cpu (host == device, nothing to offload)")
-        return report_targets(checks, "cpu", strict=args.strict)
-    kw = dict(n_layer=args.layers, n_embd=args.width, batch=args.batch_size, seq=args.seq_len, accum=args.accum, repeat=args.repeat)
-    results = {r: gpu_recipe(r, **kw) for r in GPU_RECIPES}
+    return checks
+
+
+def _gpu_table(results: dict[str, dict[str, Any]], args: Any, checks: list[tuple[str, float | None, bool]]) -> None:
+    # the offloaded-training table (CUDA) and its targets, appended to ``checks``
+    from memlab.config import DEVICE
+
     base = results[BASELINE]
     grows = []
     for r, res in results.items():
@@ -308,4 +330,3 @@ def main(argv: list[str] | None = None) -> int:
         t, mem = res["seconds"] / base["seconds"], 1 - res["peak"] / base["peak"]
         checks.append((f"{r}: step time <= 1.15x the on-device pure-bf16 step (shown: time ratio)", t, t <= 1.15))
         checks.append((f"{r}: >= 45% less peak device memory (shown: share saved)", mem, mem >= 0.45))
-    return report_targets(checks, DEVICE, strict=args.strict)
