@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The whole course on one short GPU lease: a thin wrapper around tools/gpu_session.py (the plan, its
+# The whole course on short GPU leases: a thin wrapper around tools/gpu_session.py (the plan, its
 # budgets and the projected GPU time are there; `--plan-only` prints them).
 # Usage, from the repository root:
-#   bash tools/gpu_session.sh               # call one (<= 540 s): lectures, pytest -m cuda, memory measurements
-#   bash tools/gpu_session.sh --call 2      # call two (<= 240 s): the timing benches, each alone
+#   bash tools/gpu_session.sh               # call one (<= 540 s): env, pytest -m cuda, the GPU measurements and benches
+#   bash tools/gpu_session.sh --call 2      # the lectures, not yet stored from a GPU first (--limit 240 after call one)
 #   bash tools/gpu_session.sh --plan-only   # the plan and the projection; runs nothing
 #   bash tools/gpu_session.sh --rehearse    # the same steps at small scale on this CPU, budgets x 2
 #   bash tools/gpu_session.sh --online      # your own GPU box: pip installs the missing packages
