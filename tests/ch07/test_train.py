@@ -192,12 +192,35 @@ def test_a_transformers_model_trains_with_checkpointing():
 
 @pytest.mark.cuda
 def test_cuda_budget_is_the_allocators():
+    """On CUDA the budget is the caching allocator's count of the trainer's own tensors. The process's other
+    allocations are not charged: a 32 MiB ballast, the cuBLAS workspaces (64 MiB on an H200, where the old
+    64 MiB budget was met by them alone and a step from cached blocks "peaked" at 108,147,712 B unrefused).
+    A budget between the chain's first two stacks' measured peaks makes the trainer back off from A."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    m = model().cuda()
-    t = BudgetTrainer(m, "64 MiB", stacks=back_off_chain(A), effective_batch=E, seq_len=T)
-    t.train(3)
-    assert t.peak_bytes <= 64 * 2**20
+    chain = back_off_chain(A)
+
+    def cuda_run(stacks, budget=None):
+        t = BudgetTrainer(model().cuda(), budget, stacks=stacks, effective_batch=E, seq_len=T)
+        t.train(3)
+        return t
+
+    solo = {s: cuda_run([s]) for s in chain[:2]}
+    a, b = (solo[s].step_peaks for s in chain[:2])
+    ballast = torch.empty(32 * 2**20, dtype=torch.uint8, device="cuda")
+    with_ballast = cuda_run([A]).step_peaks
+    del ballast
+    print(f"CUDA step peaks: A {a}, {chain[1].micro_batch}x{chain[1].grad_accum} {b}; A beside 32 MiB: {with_ballast}")
+    assert max(a) < 16 * 2**20  # the trainer's tensors (CPU: 2.3 MiB); two cuBLAS workspaces are >= 16.25 MiB
+    assert all(abs(x - y) <= 2**20 for x, y in zip(with_ballast, a))  # the ballast is not the trainer's
+    budget = (min(a) + max(b)) // 2
+    assert max(b) < budget < min(a), "the chain's first back-off must save memory on CUDA too"
+    t = cuda_run(chain, budget)
+    assert [(e.step, e.from_stack, e.to_stack, e.restored) for e in t.backoffs] == [(0, A, chain[1], 0)]
+    assert "CUDA allocator's counter" in t.backoffs[0].reason  # the counter decided, not the reserved-bytes cap
+    assert t.peak_bytes <= budget and t.stack == chain[1]
+    assert all(abs(x - y) <= 2**16 for x, y in zip(t.step_peaks, b))
+    assert max(abs(x - y) / abs(y) for x, y in zip(t.losses, solo[chain[1]].losses)) < 1e-4
 
 
 def test_bad_arguments():

@@ -4,15 +4,24 @@
 memory-hungry first, as a planner ranks them) on a real model and real data, and keeps the run
 inside ``budget`` bytes:
 
-* **the budget is enforced, not hoped for.** On CUDA the allocator itself refuses: the trainer
-  sets ``torch.cuda.set_per_process_memory_fraction(budget / total)`` while ``train()`` runs, and
-  an allocation beyond it raises ``torch.OutOfMemoryError`` (the limit is on the caching
-  allocator's reserved bytes, so ``max_memory_allocated <= budget``; the CUDA context is outside).
-  On the CPU :class:`BudgetTracker` (a :class:`memlab.profiler.MemoryTracker` that sees every
-  storage an op creates) raises the same
-  ``torch.OutOfMemoryError`` as soon as the live tensor bytes -- parameters, gradients, optimizer
-  state, activations, the batch -- would exceed ``budget``; a refused total never counts toward the
-  peak, as a refused ``cudaMalloc`` never counts toward ``max_memory_allocated``.
+* **the budget is enforced, not hoped for**, on one quantity on both devices: the bytes of the
+  training's own tensors -- parameters, buffers, gradients, optimizer state, activations, the batch
+  -- at a step's peak. On the CPU :class:`BudgetTracker` (a :class:`memlab.profiler.MemoryTracker`
+  that sees every storage an op creates) raises ``torch.OutOfMemoryError`` as soon as they would
+  exceed ``budget``; a refused total never counts toward the peak. On CUDA the caching allocator's
+  own counter measures them: ``torch.cuda.max_memory_allocated`` during the step, less what was
+  allocated on the device before the step and is not the trainer's (other tensors of the process;
+  the cuBLAS/cuBLASLt workspaces, 32 MiB per matmul thread on Hopper -- forward and autograd --,
+  which ``train()`` creates before its first step with a tiny matmul so that no step is charged
+  them; the CUDA context is outside the allocator anyway). A step whose peak so counted exceeds
+  ``budget`` is an OOM like a refused allocation: it is not committed, and the trainer backs off.
+  The allocator also refuses for real, as a backstop that stops a runaway step early:
+  ``torch.cuda.set_per_process_memory_fraction`` caps the reserved bytes, while ``train()`` runs,
+  at those reserved when it starts (after ``empty_cache``) + ``budget`` + 20 MiB (one segment of
+  the allocator's rounding). The cap alone cannot be the budget: it limits reserved bytes of the
+  whole process and only new ``cudaMalloc``s, so cached blocks of earlier work can serve a step past
+  it unrefused (an H200, 2026-11-28: a "peak" of 108,147,712 B under a 64 MiB budget, no back-off; the
+  two cuBLAS workspaces alone are 64 MiB there, results/h100/diag.log).
 * **on OOM it backs off**: frees what the failed step held, moves to the next stack (a smaller
   micro-batch with more gradient accumulation, the same effective batch; then checkpointing), and
   restores the last checkpoint (model, optimizer state, RNG states, data position, loss history),
@@ -116,6 +125,27 @@ def _corpus_data(corpus: torch.Tensor, seq_len: int, effective_batch: int, seed:
     return batch
 
 
+# the caching allocator's segment for a 1-10 MiB request (kLargeBuffer): the backstop cap's slack
+_SEGMENT_SLACK = 20 * MiB
+
+
+def _warm_up_cuda_matmuls(device: torch.device, precisions: set[str]) -> None:
+    # cuBLAS (and cuBLASLt, for bf16 addmm) keep a workspace for each thread that runs matmuls, allocated through
+    # the caching allocator by the thread's first matmul and kept for the process: 32 MiB each on Hopper, for the
+    # forward thread and the autograd engine's (results/h100/diag.log). One tiny linear + matmul, forward and
+    # backward, in each precision the stacks run, makes them now, outside every measured step (no RNG is used).
+    for precision in sorted(precisions):
+        w = torch.ones(16, 16, device=device, requires_grad=True)
+        b = torch.zeros(16, device=device, requires_grad=True)
+        x = torch.ones(4, 16, device=device, requires_grad=True)
+        amp = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision == "bf16-mixed"
+               else contextlib.nullcontext())
+        with amp:
+            y = torch.nn.functional.linear(x, w, b) @ w
+        y.float().sum().backward()
+        del w, b, x, y
+
+
 class BudgetTrainer:
     """Train ``model`` inside ``budget`` bytes, backing off along ``stacks`` on OOM (see the module doc).
 
@@ -210,7 +240,7 @@ class BudgetTrainer:
         self.step = 0
         self.losses: list[float] = []
         self.backoffs: list[Backoff] = []
-        self.step_peaks: list[int] = []  # tracked (CPU) or allocator (CUDA) peak of each committed step
+        self.step_peaks: list[int] = []  # each committed step's peak_bytes (see there)
         self.stack_index = 0
         self.resumed_from: Path | None = None
         self.rejected: list[tuple[Path, str]] = []  # checkpoints that failed verification
@@ -513,12 +543,52 @@ class BudgetTrainer:
         self.step_peaks = [int(x) for x in state["step_peaks"]]
 
     # -------------------------------------------------------------- one optimizer step
+    @property
+    def _cuda_counts(self) -> bool:
+        # whether a step is measured by the CUDA caching allocator's counters (else by a tracker, on the CPU)
+        return self.device.type == "cuda"
+
     def _guard(self):
-        if self.budget is not None and self.device.type == "cpu":
+        if self._cuda_counts:
+            return contextlib.nullcontext()
+        if self.budget is not None:
             return BudgetTracker(self.model, self.optimizer, budget=self.budget)
-        if self.device.type == "cpu":
-            return MemoryTracker(self.model, self.optimizer, timeline=False)
-        return contextlib.nullcontext()
+        return MemoryTracker(self.model, self.optimizer, timeline=False)
+
+    def _cuda_index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def _own_storages(self) -> dict[int, int]:
+        # data pointer -> bytes of each storage the trainer holds between steps on its device: parameters,
+        # buffers, their gradients, the optimizer state (what the CPU tracker charges when a step starts)
+        from memlab.profiler.storage import optimizer_tensors
+
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            tensors += optimizer_tensors(self.optimizer)
+        out: dict[int, int] = {}
+        for t in tensors:
+            if t.device == self.device or (t.device.type == self.device.type and self.device.index is None):
+                st = t.untyped_storage()
+                if st.nbytes():
+                    out[st.data_ptr()] = st.nbytes()
+        return out
+
+    def _allocated_outside(self) -> int:
+        """Bytes the CUDA caching allocator holds allocated now that are not the trainer's: every allocated
+        block (``torch.cuda.memory_allocated``) less the blocks of the trainer's own storages, read from the
+        allocator's snapshot (their sizes as the allocator counts them, rounding included)."""
+        index = self._cuda_index()
+        own = self._own_storages()
+        mine = 0
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device", index) != index:
+                continue
+            for block in seg.get("blocks", ()):
+                if block.get("state") == "active_allocated" and block.get("address") in own:
+                    mine += int(block["size"])
+        return max(0, int(torch.cuda.memory_allocated(index)) - mine)
 
     def _optimizer_step(self, step: int, stack: Stack) -> torch.Tensor:
         # One optimizer step of ``stack`` on the batch of ``step``; the mean loss (a 0-d tensor).
@@ -585,21 +655,32 @@ class BudgetTrainer:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
-        if self.device.type == "cuda":
+        if self._cuda_counts:
             torch.cuda.empty_cache()
 
     def _set_cuda_fraction(self, on: bool) -> None:
-        # Limit this process's CUDA caching allocator to ``budget`` bytes (``on``), or lift the limit.
-        if self.budget is None or self.device.type != "cuda":
+        # The allocator's backstop (``on``), or lift it: cap the process's reserved bytes at those reserved now
+        # (cached free blocks released first: they would serve a step unrefused) + budget + one segment's slack.
+        # The budget itself is checked on the allocator's counter after each step (_train).
+        if self.budget is None or not self._cuda_counts:
             return
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        index = self._cuda_index()
         total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total) if on else 1.0, index)
+        if not on:
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
+            return
+        torch.cuda.empty_cache()
+        cap = torch.cuda.memory_reserved(index) + self.budget + _SEGMENT_SLACK
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
 
     # -------------------------------------------------------------- the loop
     @property
     def peak_bytes(self) -> int:
-        """Largest per-step peak of the committed steps (tracked bytes on CPU; max_memory_allocated on CUDA)."""
+        """Largest per-step peak of the committed steps, in bytes: the trainer's own tensors (parameters,
+        buffers, gradients, optimizer state, activations, the batch) at the step's peak, on both devices.
+        On the CPU the tracker's count; on CUDA the caching allocator's own (``max_memory_allocated`` during
+        the step, less the bytes allocated when it started that are not the trainer's: other tensors of the
+        process, the cuBLAS workspaces; kernel scratch that no op returns is in it, block rounding too)."""
         return max(self.step_peaks, default=0)
 
     def train(self, steps: int) -> list[float]:
@@ -622,25 +703,36 @@ class BudgetTrainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=steps, initial=min(self.step, steps), desc="BudgetTrainer", unit="step")
+        cuda = self._cuda_counts
+        if cuda:  # the matmul libraries' workspaces made now, outside every step
+            _warm_up_cuda_matmuls(self.device, {s.precision for s in self.stacks})
         self._set_cuda_fraction(True)  # lifted again when train() returns or raises
         try:
             while self.step < steps:
                 stack = self.stack
                 reason = None
+                outside = 0
                 try:
-                    if self.device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats(self.device)
+                    if cuda:  # the allocator counts the whole process: what is not the trainer's is set apart
+                        outside = self._allocated_outside()
+                        torch.cuda.reset_peak_memory_stats(self._cuda_index())
                     with self._guard() as tracker:
                         loss = self._optimizer_step(self.step, stack).item()
                 except torch.OutOfMemoryError as exc:
                     reason = str(exc).splitlines()[0][:300]
                     tracker = None
+                if reason is None and cuda:
+                    peak = int(torch.cuda.max_memory_allocated(self._cuda_index())) - outside
+                    if self.budget is not None and peak > self.budget:  # the step ran, but it does not fit
+                        reason = (f"budget {format_bytes(self.budget)} ({self.budget} B) exceeded: the step's peak was "
+                                  f"{format_bytes(peak)} ({peak} B) by the CUDA allocator's counter, besides "
+                                  f"{outside} B allocated outside the trainer (memlab.train.BudgetTrainer, CUDA)")
+                elif reason is None:
+                    peak = tracker.peak_bytes
                 if reason is not None:
                     self._free()
                     self._back_off(stack, reason)
                     continue
-                peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
-                        else tracker.peak_bytes)
                 self.losses.append(loss)
                 self.step_peaks.append(int(peak))
                 self.step += 1
