@@ -69,6 +69,9 @@ GPUS: dict[str, GPU] = {
     "l40s": GPU("NVIDIA L40S (48 GB)", 46068, "https://github.com/akash-network/provider-configs/pull/99", sm=(8, 9)),
     "h100-80gb": GPU("H100 80GB HBM3", 81559, "measured: results/h100/estimator_probe_smi.txt",
                      torch_total_bytes=85_017_493_504, sm=(9, 0)),
+    # nvidia-smi on a lent H200, driver 580.159.04: "0MiB / 143771MiB"; torch's total printed as 139.8 GiB (describe(),
+    # one decimal: not exact enough to store as bytes)
+    "h200": GPU("NVIDIA H200 (141 GB)", 143771, "measured: results/h200/2026-11-28/env.log", sm=(9, 0)),
 }
 
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "4090": "rtx4090", "3090": "rtx3090", "5090": "rtx5090",
