@@ -28,7 +28,7 @@ def test_results_and_readme_are_rendered_from_the_stored_outputs(capsys):
 def test_every_row_reads_a_notebook_or_a_stored_gpu_log_and_recorded_rows_name_a_source():
     rows = R.ROWS
     read = [r for r in rows if isinstance(r, R.Row)]
-    assert len(read) >= 20 and all(f.source.startswith(("notebooks/", "results/h100/", "results/cpu/")) for r in read for f in r.found)
+    assert len(read) >= 20 and all(f.source.startswith(("notebooks/", "results/h100/", "results/h200/", "results/cpu/")) for r in read for f in r.found)
     assert all(r.device == "" for r in read if any(f.source.startswith("notebooks/") for f in r.found)), \
         "a notebook row's device is the one its stored outputs name"
     recorded = json.loads((ROOT / R.RECORDED).read_text(encoding="utf-8"))

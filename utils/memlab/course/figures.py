@@ -269,8 +269,8 @@ def render_readme_block(root: Path, rows: Iterable[Row | Recorded]) -> str:
     rows = list(rows)
     n_read = sum(isinstance(r, Row) for r in rows)
     return (f"Every measurement in one table, {len(rows)} rows, each naming its device: the from-scratch version "
-            f"against the production reference, as ratios of time and peak memory, on the 2-core CPU and on an "
-            f"H100: [docs/results.md](docs/results.md). {n_read} rows are read from the notebooks' stored outputs "
+            f"against the production reference, as ratios of time and peak memory, on the 2-core CPU and on lent "
+            f"GPUs (an H100, an H200): [docs/results.md](docs/results.md). {n_read} rows are read from the notebooks' stored outputs "
             f"and the stored logs under `results/` by `python tools/render_results.py` (`--check` in "
             f"`tests/meta/test_results.py`); the other {len(rows) - n_read} (benches run by hand, tests) are kept in "
             f"`{RECORDED}` with their source.")

@@ -129,6 +129,40 @@ ROW_06_DEQUANT = Row("06", (
      Found(SPEED, "machine load: {load:text}")), device=CPU)
 
 
+# the first H200 lease (tools/gpu_session.py, 2026-11-28, torch 2.11.0+cu130): its stored bench logs
+H200 = "H200"
+H200_ATT, H200_QLORA = (f"results/h200/2026-11-28/bench_{b}.log" for b in ("attention", "qlora"))
+
+ROW_05_TRITON_H200 = Row("05", (
+    "causal fwd+bwd 1x16x{{1k,4k,16k}}x64 bf16, Triton FA2 (memlab) vs SDPA's flash backend, medians of 10 "
+    "interleaved rounds (`memlab bench attention`, {load})", "Triton {t1} / {t4} / {t16} ms",
+    "SDPA flash backend {s1} / {s4} / {s16} ms", "{r1}x / {r4}x / {r16}x SDPA speed (target >= 0.7x): {v}"),
+    (Found(H200_ATT, "^triton 1024 {t1} {r1} {tp1} MiB"), Found(H200_ATT, "^triton 4096 {t4} {r4} {tp4} MiB"),
+     Found(H200_ATT, "^triton 16,384 {t16} {r16} {tp16} MiB"), Found(H200_ATT, "^sdpa-flash 1024 {s1} {sr1}"),
+     Found(H200_ATT, "^sdpa-flash 4096 {s4} {sr4}"), Found(H200_ATT, "^sdpa-flash 16,384 {s16} {sr16}"),
+     Found(H200_ATT, "^device: {load:text}")),
+    {"v": Derived(("r1", "r4", "r16"), lambda f: ", ".join(
+        f"{n} {'met' if num(f[k]) >= 0.7 else 'MISSED'}" for n, k in (("1k", "r1"), ("4k", "r4"), ("16k", "r16"))))},
+    device=H200)
+
+ROW_06_NF4_H200 = Row("06", (
+    "NF4 quantize / dequantize 4096x4096, fp32 and bf16 (`memlab bench qlora` on CUDA, {dev})",
+    "fp32 {q32} / {d32} ms; bf16 {q16} / {d16} ms", "bitsandbytes CUDA kernels fp32 {bq32} / {bd32} ms; bf16 "
+    "{bq16} / {bd16} ms", "quantize {rq32}x / {rq16}x ({vq}), dequantize {rd32}x / {rd16}x (target >= 0.5x: {v})"),
+    (Found(H200_QLORA, "^quantize {q32} {bq32} {rq32} {gq32} {nq32} {nbq32} {eq32:text}",
+           after="4096x4096 float32 matrix"),
+     Found(H200_QLORA, "^dequantize {d32} {bd32} {rd32} {gd32} {nd32} {nbd32} {ed32:text}",
+           after="4096x4096 float32 matrix"),
+     Found(H200_QLORA, "^quantize {q16} {bq16} {rq16} {gq16} {nq16} {nbq16} {eq16:text}",
+           after="4096x4096 bfloat16 matrix"),
+     Found(H200_QLORA, "^dequantize {d16} {bd16} {rd16} {gd16} {nd16} {nbd16} {ed16:text}",
+           after="4096x4096 bfloat16 matrix"),
+     Found(H200_QLORA, "^device: {dev:text}")),
+    {"vq": Derived(("rq32", "rq16"), lambda f: "met" if min(num(f["rq32"]), num(f["rq16"])) >= 0.5 else "MISSED"),
+     "v": Derived(("rd32", "rd16"), lambda f: "met" if min(num(f["rd32"]), num(f["rd16"])) >= 0.5 else
+                  "MISSED: a gather per weight, no fused kernel; bit-exact with bitsandbytes in bf16, not in fp32")},
+    device=H200)
+
 ROWS: list[Row | Recorded] = [
     Row("00", ("bytes one TinyGPT block saves for backward (s=64, b=4, h=128, fp32, dropout on)",
                "formula: {f1} B", "`saved_tensors_hooks` tape: {t1} B; memlab: {m1} B", "{v}"),
@@ -324,6 +358,7 @@ ROWS: list[Row | Recorded] = [
               for k, name in (("n", "naive"), ("c", "chunked (autograd)"), ("f", "flash (PyTorch)"), ("s", "SDPA")))
         + (Found(N["05"], "under a do-nothing mode 0 in place, {n_sum} out of place"),)),
     ROW_05_FLASH,
+    ROW_05_TRITON_H200,
     Row("05", ("tiny_llama, 3 AdamW steps and a 4th measured beside the allocator: memlab attention vs sdpa vs "
                "eager (lecture 05)", "losses {ml}; activation peak (tracker) {mp} MiB; 4th step: tracker {mt} B, "
                "allocator same run {ma} B, allocator without the tracker {mu} B", "sdpa {sp} MiB, 4th step "
@@ -344,6 +379,7 @@ ROWS: list[Row | Recorded] = [
             f["fp4"])) else "NF4 not the lowest")}),
     Recorded("06-bench-quantize"),
     ROW_06_DEQUANT,
+    ROW_06_NF4_H200,
     Recorded("06-bench-linear4bit"),
     Row("06", ("tiny_llama step, `MemoryTracker` peak: full fine-tune (fp32, AdamW) / LoRA r=8 (fp32 base) / QLoRA r=8 "
                "(NF4 base, bf16 compute)", "{ft_pk} / {lo_pk} / {ql_pk} MiB (stored model {ft_st} / {lo_st} / {ql_st} "
