@@ -13,9 +13,16 @@ Three inputs, one answer (:func:`explain` -> :class:`Explanation`):
   1.01 GiB is free. ... 75.02 GiB is allocated by PyTorch, and 1.90 GiB is reserved by PyTorch but unallocated``,
   or the older ``(GPU 0; 15.78 GiB total capacity; 14.56 GiB already allocated; ...)``).
 
-The peak is found by replaying the trace backwards from the snapshot's end state (the segments), as memory_viz
-does: an ``alloc`` undone removes its block, a ``free_completed`` undone brings it back; the live blocks at the
-highest point are the ones attributed. A snapshot whose trace is empty (recording was off) is explained as it was
+The peak is the one ``torch.cuda.max_memory_allocated()`` counts: the sum of the allocator's blocks (not of the
+requested bytes), a block counted from its ``alloc`` to its ``free_requested``. The trace records requested sizes only,
+so each block's size is rebuilt the way PyTorch's caching allocator chose it: the request rounded up to 512 bytes; a
+request of at most 1 MiB (the small pool) gets exactly that; a larger one takes the whole free block it was placed in
+unless more than 1 MiB would be left over (the allocator splits off only a larger remainder), and that free block
+runs from the block's address to the next block then in use (free neighbours are merged), which the trace's addresses
+and the segments give. Replayed on three H200 snapshots this reproduces every block size in their segments and the
+allocator's peak. Blocks alive before the recording began are found by replaying the trace backwards from the
+segments; one of them freed during the recording leaves only its requested size, so a large one is known only to
+within 1 MiB (exactly when a later block is placed right after it): the peak is then given as a range. A snapshot whose trace is empty (recording was off) is explained as it was
 taken. Fragmentation is PyTorch's own reading of a segment: its free blocks (``inactive``) are reserved but
 unallocated; ``expandable_segments:True`` (PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``) lets a segment grow in place, so it
 helps when a request failed while the cached free bytes could have held it but no one free block could.
@@ -31,6 +38,7 @@ holds (dict, list, tuple, str, bytes, int, float, bool, None) and refuses every 
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import io
@@ -83,7 +91,8 @@ class Explanation:
     """What held the memory at the peak.
 
     ``allocated_bytes`` / ``reserved_bytes``: at the peak of allocated memory (the OOM message's figures for a
-    message); ``free_in_segments_bytes``: reserved but unallocated (the fragmentation), ``largest_free_block_bytes``
+    message); ``allocated_upper_bytes``: the most the peak can be where the snapshot does not fix it (blocks made
+    before the recording and freed during it: see the notes), else equal to ``allocated_bytes``; ``free_in_segments_bytes``: reserved but unallocated (the fragmentation), ``largest_free_block_bytes``
     the largest contiguous free block in one segment, ``segments`` the segments with free bytes (address, total,
     free, largest free block), largest first; ``request_bytes``: the failed request (a message, or a snapshot taken
     at an OOM), 0 if unknown. ``by_category`` and ``by_source`` split the live bytes at the peak by category (from a
@@ -101,6 +110,7 @@ class Explanation:
     when: str
     allocated_bytes: int
     reserved_bytes: int
+    allocated_upper_bytes: int = -1  # the most the peak can be; -1 (or allocated_bytes): it is allocated_bytes
     free_in_segments_bytes: int = 0
     largest_free_block_bytes: int = 0
     request_bytes: int = 0
@@ -119,8 +129,12 @@ class Explanation:
 
     def text(self) -> str:
         """The post-mortem as plain text."""
+        allocated = format_bytes(self.allocated_bytes)
+        if self.allocated_upper_bytes > self.allocated_bytes:
+            allocated = (f"{allocated} up to {format_bytes(self.allocated_upper_bytes)} (not fixed by the snapshot: "
+                         f"see the notes; the breakdowns below count {allocated})")
         out = [f"{self.source}: {self.kind}; {self.when}",
-               f"allocated {format_bytes(self.allocated_bytes)}, reserved {format_bytes(self.reserved_bytes)} "
+               f"allocated {allocated}, reserved {format_bytes(self.reserved_bytes)} "
                f"(reserved but unallocated {format_bytes(self.reserved_bytes - self.allocated_bytes)})"]
         if self.request_bytes:
             out.append(f"failed request: {format_bytes(self.request_bytes)}")
@@ -292,6 +306,55 @@ def _frames(b: dict) -> list[dict]:
     return [f for f in (frames or []) if isinstance(f, dict)]
 
 
+def _is_python(f: dict) -> bool:
+    """A Python frame (a .py file, or one such as <frozen runpy> or <string>); C++ frames name a .cpp file, '??' or
+    nothing."""
+    name = str(f.get("filename", ""))
+    return name.endswith(".py") or name.startswith("<")
+
+
+# C++ frames that say how an allocation was recorded or served, not who asked for it
+_CPP_PLUMBING = re.compile(r"^(torch::unwind::|torch::CapturedTraceback::|torch::cuda::\(anonymous namespace\)::gather|"
+                           r"c10::cuda::CUDACachingAllocator::|at::detail::empty_|at::\(anonymous namespace\)::create_out|"
+                           r"c10::impl::wrap_kernel_functor|c10::Dispatcher::|at::_ops::\w+::redispatch|"
+                           r"c10::impl::BoxedKernelWrapper|c10::BoxedKernel::|\?\?$)")
+# frames naming PyTorch's cuBLAS / cuBLASLt workspace (at::cuda::getCurrentCUDABlasHandle sets one per handle and
+# stream through the caching allocator at the first matmul; CUBLAS_WORKSPACE_CONFIG sets its size)
+_CUBLAS_WORKSPACE = re.compile(r"setWorkspaceForHandle|getCurrentCUDABlasHandle|getCUDABlasLtWorkspace|"
+                               r"cublas\w*[Ww]orkspace")
+_AUTOGRAD_THREAD = re.compile(r"torch::autograd::Engine::(thread_main|evaluate_function)")
+
+
+def _short(name: str) -> str:
+    """A C++ function's name without its argument list and return type."""
+    depth, cut = 0, len(name)
+    for i, ch in enumerate(name):  # the first '(' at template depth 0 opens the argument list
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0 and not name.startswith("(anonymous namespace)", i):
+            cut = i
+            break
+    head = name[:cut].strip()
+    return head.rsplit(" ", 1)[-1] if " " in head and "<" not in head.rsplit(" ", 1)[-1] else head
+
+
+def _cpp_maker(names: list[str]) -> str:
+    """The C++ frame that best names a block's maker: the cuBLAS workspace, else the ATen op and the autograd node
+    that ran it, else the first frame that is not the unwinder, the allocator or the dispatcher."""
+    ws = next((n for n in names if _CUBLAS_WORKSPACE.search(n)), None)
+    if ws is not None:
+        lt = "Lt" if "BlasLt" in ws else ""
+        return f"the cuBLAS{lt} workspace ({_short(ws)})"
+    op = next((m.group(1) for n in names if (m := re.match(r"at::_ops::(\w+)::call\b", n))), None)
+    node = next((m.group(1) for n in names if (m := re.search(r"autograd::generated::(\w+)::apply\b", n))), None)
+    if op or node:
+        return " in ".join(x for x in (f"aten::{op}" if op else "", node) if x)
+    top = next((n for n in names if not _CPP_PLUMBING.match(n)), names[0] if names else "?")
+    return _short(top)
+
+
 def _category(frames: list[dict]) -> str:
     """A block's category: the one a memlab timeline wrote, else read from the stack ("" with no frames)."""
     if not frames:
@@ -299,16 +362,21 @@ def _category(frames: list[dict]) -> str:
     first = str(frames[0].get("filename", ""))
     if first.startswith("category: "):
         return first[len("category: "):]
-    files = [str(f.get("filename", "")).replace("\\", "/") for f in frames]
     names = [str(f.get("name", "")) for f in frames]
+    if any(_CUBLAS_WORKSPACE.search(n) for n in names):
+        return "cuBLAS workspace"
+    py = [f for f in frames if _is_python(f)]
+    files = [str(f.get("filename", "")).replace("\\", "/") for f in py]
+    pnames = [str(f.get("name", "")) for f in py]
     if any("torch/optim/" in p for p in files) or any(n in ("_init_group", "step") and "optim" in p
-                                                     for n, p in zip(names, files)):
+                                                     for n, p in zip(pnames, files)):
         return "optimizer"
-    if any(n in ("backward", "_engine_run_backward", "run_backward") for n in names):
+    if any(n in ("backward", "_engine_run_backward", "run_backward") for n in pnames) or (
+            not py and any(_AUTOGRAD_THREAD.match(n) for n in names)):  # autograd's own thread has no Python frame
         return "backward (gradients, activation gradients)"
-    if any(n == "forward" or n == "_call_impl" for n in names):
+    if any(n == "forward" or n == "_call_impl" for n in pnames):
         return "activations (forward)"
-    if any(n in ("_apply", "to", "cuda", "from_pretrained", "__init__", "reset_parameters") for n in names):
+    if any(n in ("_apply", "to", "cuda", "from_pretrained", "__init__", "reset_parameters") for n in pnames):
         return "parameters (model load)"
     return "other"
 
@@ -319,12 +387,22 @@ def _where(frames: list[dict]) -> str:
     first = str(frames[0].get("filename", ""))
     if first.startswith("category: "):  # a memlab timeline: the op, shape and phase
         return str(frames[0].get("name", ""))
-    for f in frames:
+    py = [f for f in frames if _is_python(f)]
+    names = [str(f.get("name", "")) for f in frames]
+    if not py:
+        return f"C++ only (no Python frame): {_cpp_maker(names)}"
+    place = ""
+    for f in py:
         p = str(f.get("filename", "")).replace("\\", "/")
-        if p.endswith(".py") and not _INTERNAL_RE.search(p):
-            return f"{p.rsplit('/', 1)[-1]}:{f.get('line', '?')} {f.get('name', '')}"
-    f = frames[0]
-    return f"{str(f.get('filename', '?')).rsplit('/', 1)[-1]}:{f.get('line', '?')} {f.get('name', '')}"
+        if not _INTERNAL_RE.search(p):
+            place = f"{p.rsplit('/', 1)[-1]}:{f.get('line', '?')} {f.get('name', '')}"
+            break
+    if not place:
+        f = py[0] if py else frames[0]
+        place = f"{str(f.get('filename', '?')).rsplit('/', 1)[-1]}:{f.get('line', '?')} {f.get('name', '')}"
+    if any(_CUBLAS_WORKSPACE.search(n) for n in names):
+        return f"{_cpp_maker(names)}, first matmul at {place}"
+    return place
 
 
 _ALLOCATED = ("active_allocated", "active_pending_free")
@@ -343,28 +421,240 @@ def _end_state(segments: list[dict]) -> dict[int, dict]:
     return live
 
 
-def _peak(live: dict[int, dict], reserved: int, trace: list[dict]) -> tuple[int, int, int]:
-    """Replay ``trace`` backwards from the end state: (index of the peak: the state after events[:index], the
-    allocated bytes there, the reserved bytes there)."""
-    total = sum(int(b["size"]) for b in live.values())
-    best = (total, len(trace), reserved)
-    addrs = set(live)
-    for i in range(len(trace) - 1, -1, -1):
-        ev = trace[i]
-        act, size, addr = ev.get("action"), int(ev.get("size", 0)), ev.get("addr")
-        if act == "alloc" and addr in addrs:
-            addrs.discard(addr)
-            total -= size
-        elif act == "free_completed" and addr not in addrs:
-            addrs.add(addr)
-            total += size
-        elif act in ("segment_alloc", "segment_map"):
-            reserved -= size
-        elif act in ("segment_free", "segment_unmap"):
-            reserved += size
-        if total >= best[0]:  # walking backwards: the first time the peak is reached
-            best = (total, i, reserved)
-    return best[1], best[0], best[2]
+_MIN_BLOCK = 512  # the caching allocator's kMinBlockSize: every block is a multiple of it
+_SMALL = 1 << 20  # kSmallSize: the small pool's largest request, and the remainder a large block keeps unsplit
+
+
+class _Sizer:
+    """The block size PyTorch's caching allocator (c10/cuda/CUDACachingAllocator.cpp) gives a request, under the
+    snapshot's ``allocator_settings`` (the defaults where it has none)."""
+
+    def __init__(self, settings: Any):
+        settings = settings if isinstance(settings, dict) else {}
+        self.expandable = bool(settings.get("expandable_segments"))
+        mss = settings.get("max_split_size", -1)
+        self.max_split = mss if isinstance(mss, int) and 0 < mss < 2**62 else None
+        div = settings.get("roundup_power2_divisions")
+        self.divisions = {int(k): int(v) for k, v in div.items()} if isinstance(div, dict) else {}
+
+    def rounded(self, n: int) -> int:
+        """round_size: up to 512 bytes, or to the next of ``roundup_power2_divisions`` steps where it is set."""
+        if n < _MIN_BLOCK:
+            return _MIN_BLOCK
+        if self.divisions:  # the interval's key is its start in MiB, a power of two (sizes under 2 MiB: key 1)
+            key = 1 << max(n.bit_length() - 1 - 20, 0)
+            d = self.divisions.get(min(key, max(self.divisions)), 0)
+            if d > 1 and n > _MIN_BLOCK * d:
+                if n & (n - 1) == 0:
+                    return n
+                floor = 1 << (n.bit_length() - 1)
+                step = floor >> (d.bit_length() - 1)
+                if step == 0:
+                    return floor << 1
+                low = n & ~(step - 1)
+                return n if low == n else low + step
+        return -(-n // _MIN_BLOCK) * _MIN_BLOCK
+
+    def placed(self, request: int, free: int | None) -> tuple[int, int]:
+        """(least, most) size of the block for ``request`` placed at the start of a free block of ``free`` bytes
+        (None: unknown): the rounded request, or the whole free block where the allocator does not split it."""
+        r = self.rounded(request)
+        if r <= _SMALL or self.expandable:  # the small pool, or expandable segments: a remainder of 512 B is split
+            return r, r
+        if free is None:
+            return r, r + (_SMALL if self.max_split is None or r < self.max_split else 20 * _SMALL)
+        if free < r:  # not a free block the request fits: the addresses disagree with the model
+            return r, r
+        if self.max_split is not None and r >= self.max_split:
+            return free, free  # an oversize block is never split
+        return (r, r) if free - r > _SMALL else (free, free)
+
+
+@dataclass
+class _Block:
+    """One block in the replay: its size (``size`` the least it can be, ``upper`` the most), what was requested, its
+    alloc frames; ``before``: made before the recording began; ``freed_frames``: where such a block was freed."""
+
+    addr: int
+    size: int
+    upper: int
+    requested: int
+    frames: list
+    before: bool = False
+    freed_frames: list = field(default_factory=list)
+
+
+class _Segments:
+    """The segments' address ranges as the replay goes (start -> size), to find the end of a free block."""
+
+    def __init__(self, ranges: dict[int, int]):
+        self.ranges = dict(ranges)
+        self._sorted()
+
+    def _sorted(self) -> None:
+        self.starts = sorted(self.ranges)
+
+    def add(self, addr: int, size: int) -> None:
+        self.ranges[addr] = size
+        self._sorted()
+
+    def drop(self, addr: int) -> None:
+        if self.ranges.pop(addr, None) is not None:
+            self._sorted()
+
+    def of(self, addr: int) -> tuple[int, int] | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i < 0:
+            return None
+        start = self.starts[i]
+        return (start, start + self.ranges[start]) if addr < start + self.ranges[start] else None
+
+
+_SEG_ADD, _SEG_DROP = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
+
+
+@dataclass
+class _Replay:
+    index: int  # the peak: the state after trace[:index]
+    allocated: int  # at the peak, the blocks' least sizes
+    upper: int  # the most the peak can be (the largest sum of the blocks' most sizes over the trace)
+    reserved: int  # at the peak
+    live: list  # the _Block s counted at the peak
+    uncertain: list  # blocks whose size the snapshot does not fix
+    disagree: int  # blocks alive at the end whose modelled size is not the segments' (the segments' is used)
+    modelled: int  # blocks alive at the end whose size was modelled (and checked)
+
+
+def _replay(segs: list[dict], trace: list[dict], sizer: _Sizer | None) -> _Replay:
+    """The allocator's allocated bytes through ``trace`` from the state the segments end in: the blocks' sizes
+    rebuilt by ``sizer`` from the addresses (``None``: the events' sizes are the blocks', a memlab timeline)."""
+    end = _end_state(segs)
+    ranges = {int(s.get("address", 0)): int(s["total_size"]) for s in segs}
+    occupied, first_free = set(end), {}
+    for ev in reversed(trace):  # the addresses in use, and the segments, as the recording began
+        act, addr = ev.get("action"), ev.get("addr")
+        if act == "alloc":
+            occupied.discard(addr)
+        elif act == "free_completed" and addr not in occupied:
+            occupied.add(addr)
+        elif act in _SEG_ADD:
+            ranges.pop(addr, None)
+        elif act in _SEG_DROP:
+            ranges[addr] = int(ev.get("size", 0))
+        if act in ("free_requested", "free_completed") and addr in occupied:
+            first_free[addr] = ev  # the earliest free of the block there as the recording began
+    segments = _Segments(ranges)
+    order = sorted(occupied)
+
+    def next_start(addr: int, starts: list[int]) -> int | None:
+        seg = segments.of(addr)
+        if seg is None:
+            return None
+        j = bisect.bisect_right(starts, addr)
+        return min(starts[j], seg[1]) if j < len(starts) else seg[1]
+
+    blocks: dict[int, _Block] = {}
+    for addr in order:
+        ev = first_free.get(addr)
+        if ev is None:  # alive from before the recording to its end: the segments give it
+            b = end[addr]
+            size = int(b["size"])
+            blocks[addr] = _Block(addr, size, size, int(b.get("requested_size", size)), _frames(b), before=True)
+        else:  # made before the recording, freed during it: only its request is left
+            req = int(ev.get("size", 0))
+            if sizer is None:
+                lo = hi = req
+            else:
+                lo, hi = sizer.placed(req, None)
+                nxt = next_start(addr, order)
+                if hi > lo and nxt is not None:
+                    hi = max(lo, min(hi, nxt - addr))
+            blocks[addr] = _Block(addr, lo, hi, req, [], before=True, freed_frames=_frames(ev))
+    start_blocks = dict(blocks)
+    made: list[_Block | None] = [None] * len(trace)
+    starts = list(order)
+    for i, ev in enumerate(trace):  # pass 1: each block's size; a block placed right after another fixes that one's
+        act, addr = ev.get("action"), ev.get("addr")
+        if act == "alloc":
+            req = int(ev.get("size", 0))
+            if sizer is None:
+                lo = hi = req
+            else:
+                seg = segments.of(addr)
+                j = bisect.bisect_left(starts, addr)
+                if seg is not None and j > 0 and starts[j - 1] >= seg[0]:
+                    prev = blocks.get(starts[j - 1])
+                    if prev is not None and prev.upper > prev.size and prev.size <= addr - prev.addr <= prev.upper:
+                        prev.size = prev.upper = addr - prev.addr
+                nxt = next_start(addr, starts)
+                lo, hi = sizer.placed(req, None if nxt is None else nxt - addr)
+            b = _Block(addr, lo, hi, req, _frames(ev))
+            if addr in blocks and addr in starts:  # an address in use taken again: the trace lost its free
+                starts.remove(addr)
+            bisect.insort(starts, addr)
+            blocks[addr] = made[i] = b
+        elif act == "free_completed" and addr in blocks:
+            del blocks[addr]
+            j = bisect.bisect_left(starts, addr)
+            if j < len(starts) and starts[j] == addr:
+                del starts[j]
+        elif act in _SEG_ADD:
+            segments.add(addr, int(ev.get("size", 0)))
+        elif act in _SEG_DROP:
+            segments.drop(addr)
+    disagree = modelled = 0
+    for addr, b in blocks.items():  # alive at the end: the segments know the size
+        if not b.before and addr in end:
+            modelled += 1
+            true = int(end[addr]["size"])
+            disagree += not (b.size <= true <= b.upper) or (b.size == b.upper != true)
+            b.size = b.upper = true
+            b.requested = int(end[addr].get("requested_size", b.requested))
+
+    def walk(stop: int | None = None) -> Iterator[tuple[int, int, int, dict[int, _Block]]]:
+        live = {a: b for a, b in start_blocks.items()}
+        counted = set(live)
+        lo = sum(b.size for b in live.values())
+        hi = sum(b.upper for b in live.values())
+        yield 0, lo, hi, live
+        for i, ev in enumerate(trace[:stop]):
+            act, addr = ev.get("action"), ev.get("addr")
+            if act == "alloc" and made[i] is not None:
+                if addr in counted:  # a lost free: the old block is gone
+                    lo -= live[addr].size
+                    hi -= live[addr].upper
+                live[addr] = made[i]
+                counted.add(addr)
+                lo += made[i].size
+                hi += made[i].upper
+            elif act in ("free_requested", "free_completed") and addr in counted:
+                counted.discard(addr)  # max_memory_allocated drops at the free request
+                lo -= live[addr].size
+                hi -= live[addr].upper
+            if act == "free_completed":
+                live.pop(addr, None)
+            yield i + 1, lo, hi, {a: live[a] for a in counted} if stop is not None and i + 1 == stop else live
+
+    best, top = (0, -1), 0
+    for idx, lo, hi, _ in walk():
+        if lo > best[1]:
+            best = (idx, lo)
+        top = max(top, hi)
+    index, allocated = best
+    live_at: list[_Block] = []
+    for idx, _, _, live in walk(index):
+        if idx == index:
+            live_at = list(live.values())
+    if index == 0:
+        live_at = list(start_blocks.values())
+    reserved = sum(ranges.values())
+    for ev in trace[:index]:
+        if ev.get("action") in _SEG_ADD:
+            reserved += int(ev.get("size", 0))
+        elif ev.get("action") in _SEG_DROP:
+            reserved -= int(ev.get("size", 0))
+    uncertain = [b for b in list(start_blocks.values()) + [m for m in made if m is not None] if b.upper > b.size]
+    return _Replay(index, allocated, max(top, allocated), reserved, live_at, uncertain, disagree, modelled)
 
 
 def _live_at(live: dict[int, dict], trace: list[dict], index: int) -> dict[int, dict]:
@@ -445,12 +735,9 @@ def explain_snapshot(snapshot: dict, source: str = "snapshot",
     segs = [s for s in segments if int(s.get("device", 0)) == device]
     traces = snapshot.get("device_traces") or []
     trace = [e for e in (traces[device] if device < len(traces) else []) if isinstance(e, dict)]
-    end = _end_state(segs)
-    reserved_end = sum(int(s["total_size"]) for s in segs)
-    index, allocated, reserved = _peak(end, reserved_end, trace)
-    live = _live_at(end, trace, index)
-    timeline = any(_category(_frames(b)) and str(_frames(b)[0].get("filename", "")).startswith("category: ")
-                   for b in list(live.values())[:50])
+    timeline = _is_timeline(segs, trace)
+    r = _replay(segs, trace, None if timeline else _Sizer(snapshot.get("allocator_settings")))
+    index, allocated, reserved = r.index, r.allocated, r.reserved
     when = ("at the snapshot (no allocator trace: recording was off)" if not trace else
             "at the snapshot, which is the peak of its trace" if index == len(trace) else
             f"at the peak of allocated memory, after event {index:,} of {len(trace):,} in the trace")
@@ -459,19 +746,23 @@ def explain_snapshot(snapshot: dict, source: str = "snapshot",
         free, largest, rows, reserved = 0, 0, [], allocated
     oom = [e for e in trace if e.get("action") == "oom"]
     e = Explanation(source=source, kind="memlab timeline" if timeline else "CUDA memory snapshot", when=when,
-                    allocated_bytes=allocated, reserved_bytes=max(reserved, allocated), free_in_segments_bytes=free,
+                    allocated_bytes=allocated, reserved_bytes=max(reserved, allocated),
+                    allocated_upper_bytes=r.upper, free_in_segments_bytes=free,
                     largest_free_block_bytes=largest, segments=rows,
                     request_bytes=int(oom[-1].get("size", 0)) if oom else 0)
     by_cat: dict[str, int] = defaultdict(int)
     by_src: dict[str, int] = defaultdict(int)
     blocks = []
-    for addr, b in live.items():
-        fr = _frames(b)
-        size = int(b["size"])
-        cat, where = _category(fr), _where(fr)
-        by_cat[cat or "unknown (no frames)"] += size
-        by_src[where.split(" -> ")[0] if timeline else re.sub(r":\d+ ", " ", where)] += size
-        blocks.append(TensorBlock(size, int(b.get("requested_size", size)), cat, where, int(addr)))
+    for b in r.live:
+        fr = b.frames
+        if b.before and not fr and trace:  # no alloc event in the recording: made before it began
+            cat = _BEFORE
+            where = _BEFORE + (f"; freed during it at {_where(b.freed_frames)}" if b.freed_frames else "")
+        else:
+            cat, where = _category(fr), _where(fr)
+        by_cat[cat or "unknown (no frames)"] += b.size
+        by_src[where.split(" -> ")[0] if timeline else re.sub(r":\d+ ", " ", where)] += b.size
+        blocks.append(TensorBlock(b.size, b.requested, cat, where, int(b.addr)))
     e.by_category, e.by_source = dict(by_cat), dict(by_src)
     e.largest = sorted(blocks, key=lambda t: -t.size)[:_TOP]
     e.expandable_segments = _expandable_verdict(e.request_bytes, free, largest if rows else 0,
@@ -490,9 +781,37 @@ def explain_snapshot(snapshot: dict, source: str = "snapshot",
                            "memlab explain command adds the caching-allocator model's prediction)")
     elif index != len(trace) and trace:
         e.notes.append("the segments (fragmentation) are as the snapshot was taken; the live blocks as at the peak")
-    if not any(_frames(b) for b in live.values()):
+    placed = [b for b in r.uncertain if not b.before]
+    if placed:
+        e.notes.append(f"{len(placed)} block(s) over 1 MiB lie outside every segment the snapshot and its trace "
+                       f"name: each may be up to 1 MiB larger than its request (counted at the request)")
+    if r.upper > r.allocated:
+        unsure = [b for b in r.uncertain if b.before]
+        e.notes.append(
+            f"the peak of allocated memory (what torch.cuda.max_memory_allocated() counts: the allocator's blocks) "
+            f"is between {format_bytes(r.allocated)} and {format_bytes(r.upper)}: {len(unsure)} block(s) "
+            f"({format_bytes(sum(b.requested for b in unsure))} requested) were made before the recording began "
+            f"and freed during it, so the snapshot keeps only their requested sizes; a request over 1 MiB takes "
+            f"the whole free block it is placed in when no more than 1 MiB would be left, so each may be up to "
+            f"1 MiB larger (start _record_memory_history() before those tensors are made to fix the figure)")
+    if r.disagree:
+        e.notes.append(f"the caching allocator's placement rules gave {r.disagree} of {r.modelled} blocks alive at "
+                       f"the end a size other than the segments' (the segments' is used): the peak may be off")
+    if not any(b.frames or b.freed_frames for b in r.live):
         e.notes.append("no stack frames: categories and places need _record_memory_history(stacks='python')")
     return e
+
+
+_BEFORE = "made before the recording began"
+
+
+def _is_timeline(segs: list[dict], trace: list[dict]) -> bool:
+    """A memlab timeline pickle: its frames name each block's category."""
+    for b in [b for s in segs for b in s["blocks"]][:50] + trace[:50]:
+        fr = _frames(b)
+        if fr and str(fr[0].get("filename", "")).startswith("category: "):
+            return True
+    return False
 
 
 def explain(path: str | Path, allocator: Callable[[list[tuple]], Any] | None = None) -> Explanation:
