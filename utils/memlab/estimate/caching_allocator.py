@@ -34,6 +34,12 @@ the "Memory management" section of PyTorch's CUDA semantics notes
   20 MiB pages (large pool) at its end; blocks split whenever 512 bytes remain; on a full card the free
   pages are unmapped.
 
+Checked against the real allocator: :func:`memlab.estimate.allocator_replay.compare_snapshot` runs the model from the
+state a CUDA memory snapshot implies at its recording's start through the snapshot's trace, following the real
+segments' addresses (:meth:`CachingAllocatorModel.seed_segment`, ``malloc(..., segment_address=)``). On three traces
+from an H200 (torch 2.11, default settings; tests/ch01/test_allocator_model_h200.py) it put every one of 1,825
+blocks at the real address and opened the same 41 segments at the same allocations.
+
 Not modelled: CUDA graphs' private pools, ``garbage_collection_threshold``, events of blocks used on other
 streams (a block is reused as soon as it is freed), ``per_process_memory_fraction`` (give ``capacity_bytes``).
 """
@@ -255,20 +261,26 @@ class CachingAllocatorModel:
         self._live: dict[int, tuple[_Block, int]] = {}
         self._handles = itertools.count()
         self._next_addr = 0
+        self._segs: dict[int, tuple[int, bool, int]] = {}  # a whole segment's address -> (size, small, stream)
         self.allocated = self.reserved = self.requested = 0
         self.max_allocated = self.max_reserved = self.max_requested = 0
         self.segments = 0  # segments taken from the driver (cudaMalloc calls; expandable: each grow)
         self.retries = 0  # full-card retries after freeing cached blocks
 
     # ---------------------------------------------------------------- the public operations
-    def malloc(self, nbytes: int, stream: int = 0) -> int:
+    def malloc(self, nbytes: int, stream: int = 0, *, segment_address: int | None = None) -> int:
         """Allocate ``nbytes`` (an int >= 0) on ``stream``; returns the handle to :meth:`free`.
+
+        ``segment_address``: where the driver puts the segment if this request opens one (to follow a real trace's
+        addresses, on which best fit's ties depend); None: a made-up address beyond every other.
 
         Raises:
             AllocatorOutOfMemory: the request does not fit ``capacity_bytes`` even after freeing the cache.
         """
         check_int("nbytes", nbytes, minimum=0)
         check_int("stream", stream, minimum=0)
+        if segment_address is not None:
+            check_int("segment_address", segment_address, minimum=0)
         if nbytes == 0:  # PyTorch hands out a null pointer: no block
             handle = next(self._handles)
             self._live[handle] = (None, 0)  # type: ignore[assignment]
@@ -277,14 +289,14 @@ class CachingAllocatorModel:
         small = size <= SMALL_SIZE
         block = self._get_free_block(small, size, stream)
         if block is None:
-            block = self._new_block(small, size, stream)
+            block = self._new_block(small, size, stream, segment_address)
         if block is None:
             self.retries += 1
             if self._release_oversize(small, size, stream):
-                block = self._new_block(small, size, stream)
+                block = self._new_block(small, size, stream, segment_address)
             if block is None:
                 self.release_cached()
-                block = self._new_block(small, size, stream)
+                block = self._new_block(small, size, stream, segment_address)
         if block is None:
             raise AllocatorOutOfMemory(
                 f"modelled out of memory: {nbytes:,} B requested with {self.reserved:,} B reserved "
@@ -342,8 +354,87 @@ class CachingAllocatorModel:
                     self._unmap(b)
                 elif b.prev is None and b.next is None:
                     self._take(b)
+                    self._segs.pop(b.addr, None)
                     self.reserved -= b.size
         return before - self.reserved
+
+    def seed_segment(self, address: int, size: int, small: bool, live: Any = (), stream: int = 0) -> list[int]:
+        """Add a segment the allocator held before the replay starts (as a snapshot shows it), with the blocks
+        ``live`` in it: ``(address, block_size, requested_bytes)`` each, in address order; the rest is cached,
+        one free block per gap. Returns a handle per live block. The segment counts in ``reserved``, its blocks in
+        ``allocated``, the maxima follow (as after ``torch.cuda.reset_peak_memory_stats``); ``segments`` counts
+        driver calls made during the replay only.
+
+        Raises:
+            ValueError: a size that is not a positive multiple of 512, a segment that overlaps one held, blocks
+                outside the segment or overlapping, or an expandable-segments config.
+        """
+        if self.config.expandable_segments:
+            raise invalid("config", self.config.describe(), "fixed segments (seed_segment does not model "
+                                                            "expandable segments)")
+        check_int("address", address, minimum=0)
+        check_int("size", size, minimum=MIN_BLOCK)
+        check_bool("small", small)
+        check_int("stream", stream, minimum=0)
+        if size % MIN_BLOCK:
+            raise invalid("size", size, "a multiple of 512 bytes")
+        for a, (n, _, _) in self._segs.items():
+            if a < address + size and address < a + n:
+                raise invalid("address", address, f"a segment clear of those held (one is {a:#x}, {n:,} B)")
+        blocks: list[_Block] = []
+        handles: list[int] = []
+        at = address
+        for item in live:
+            if not (isinstance(item, tuple) and len(item) == 3):
+                raise invalid("live", item, "(address, block_size, requested_bytes) tuples")
+            a, n, req = item
+            check_int("live block address", a, minimum=at)
+            check_int("live block size", n, minimum=MIN_BLOCK)
+            check_int("live block requested bytes", req, minimum=0)
+            if n % MIN_BLOCK or a + n > address + size:
+                raise invalid("live", item, f"a block of 512-byte multiples inside [{address:#x}, "
+                                            f"{address + size:#x})")
+            if a > at:
+                blocks.append(_Block(at, a - at, small, stream, None))
+            b = _Block(a, n, small, stream, None)
+            b.allocated = True
+            blocks.append(b)
+            handles.append(next(self._handles))
+            self._live[handles[-1]] = (b, req)
+            self.allocated += n
+            self.requested += req
+            at = a + n
+        if at < address + size:
+            blocks.append(_Block(at, address + size - at, small, stream, None))
+        for p, n in zip(blocks, blocks[1:]):
+            p.next, n.prev = n, p
+        for b in blocks:
+            if not b.allocated:
+                self._put(b)
+        self._segs[address] = (size, small, stream)
+        self._next_addr = max(self._next_addr, address + size + (1 << 40))
+        self.reserved += size
+        self.max_reserved = max(self.max_reserved, self.reserved)
+        self.max_allocated = max(self.max_allocated, self.allocated)
+        self.max_requested = max(self.max_requested, self.requested)
+        return handles
+
+    def address(self, handle: int) -> int | None:
+        """The address of ``handle``'s block (None for a zero-byte request)."""
+        if handle not in self._live:
+            raise invalid("handle", handle, "a live handle returned by malloc or seed_segment")
+        block = self._live[handle][0]
+        return None if block is None else block.addr
+
+    def segment_layout(self) -> list[tuple[int, int, bool]]:
+        """The fixed segments held: ``(address, size, small)`` each, in address order (expandable segments are not
+        listed)."""
+        return sorted((a, n, small) for a, (n, small, _) in self._segs.items())
+
+    def block_layout(self) -> list[tuple[int, int, bool]]:
+        """The blocks of the fixed segments: ``(address, size, allocated)`` each, in address order."""
+        blocks = [b for b, _ in self._live.values() if b is not None] + list(self._by_key.values())
+        return sorted((b.addr, b.size, b.allocated) for b in blocks if not isinstance(b.seg, _Expandable))
 
     @property
     def live_blocks(self) -> int:
@@ -407,15 +498,18 @@ class CachingAllocatorModel:
         self.segments += 1
         self.max_reserved = max(self.max_reserved, self.reserved)
 
-    def _new_block(self, small: bool, size: int, stream: int) -> _Block | None:
+    def _new_block(self, small: bool, size: int, stream: int, address: int | None = None) -> _Block | None:
         if self.config.expandable_segments:
             return self._expand(small, size, stream)
         seg_size = allocation_size(size)
         if not self._fits(seg_size):
             return None
         self._grow(seg_size)
-        b = _Block(self._next_addr, seg_size, small, stream, None)
-        self._next_addr += seg_size + (1 << 40)  # segments never touch
+        if address is None:
+            address = self._next_addr
+        b = _Block(address, seg_size, small, stream, None)
+        self._segs[address] = (seg_size, small, stream)
+        self._next_addr = max(self._next_addr, address + seg_size + (1 << 40))  # made-up segments never touch
         return b
 
     def _expand(self, small: bool, size: int, stream: int) -> _Block | None:
@@ -529,6 +623,7 @@ class CachingAllocatorModel:
                 total += b.size
         for b in chosen:
             self._take(b)
+            self._segs.pop(b.addr, None)
             self.reserved -= b.size
         return bool(fit) or total >= want
 
