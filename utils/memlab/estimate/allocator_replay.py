@@ -491,6 +491,16 @@ def _end_blocks(segs: list[dict]) -> list[tuple[int, int, bool]]:
     return sorted(out)
 
 
+def _seeded(model: Any, start: Any) -> dict[int, int]:
+    # the start's segments and live blocks put into ``model``: the real address -> the model's handle of each block
+    handles: dict[int, int] = {}
+    for addr, n, small in start.segments:
+        inside = [b for b in start.live if addr <= b[0] < addr + n]
+        for (a, _, _), h in zip(inside, model.seed_segment(addr, n, small, inside)):
+            handles[a] = h
+    return handles
+
+
 def compare_snapshot(snapshot: dict, device: int = 0,
                      config: AllocatorConfig | str | None = None) -> SnapshotComparison:
     """Run the caching allocator's model through a real CUDA memory snapshot's trace and compare, event by event.
@@ -517,11 +527,7 @@ def compare_snapshot(snapshot: dict, device: int = 0,
     segs, trace = _trace(snapshot, device)
     start = snapshot_start(snapshot, device)
     model = CachingAllocatorModel(config)
-    handles: dict[int, int] = {}
-    for addr, n, small in start.segments:
-        inside = [b for b in start.live if addr <= b[0] < addr + n]
-        for (a, _, _), h in zip(inside, model.seed_segment(addr, n, small, inside)):
-            handles[a] = h
+    handles = _seeded(model, start)
     streams: dict[Any, int] = {}
     pending: tuple[int, int] | None = None  # the real segment_alloc waiting for its alloc
     real_new: list[tuple[int, int]] = []

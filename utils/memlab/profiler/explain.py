@@ -38,7 +38,6 @@ holds (dict, list, tuple, str, bytes, int, float, bool, None) and refuses every 
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import gc
 import io
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from memlab.core.units import format_bytes
+from memlab.profiler.snapshot_replay import Sizer, end_state, frames_of, replay
 
 __all__ = ["SnapshotError", "TensorBlock", "Explanation", "explain", "read_snapshot", "parse_oom_message",
            "explain_snapshot", "allocation_events"]
@@ -299,13 +299,6 @@ def _expandable_verdict(request: int, cached: int, largest: int | None, free_dev
 
 
 # ------------------------------------------------------------------ a snapshot at its peak
-def _frames(b: dict) -> list[dict]:
-    frames = b.get("frames")
-    if frames is None and b.get("history"):  # the old layout: the first history entry holds them
-        frames = b["history"][0].get("frames", [])
-    return [f for f in (frames or []) if isinstance(f, dict)]
-
-
 def _is_python(f: dict) -> bool:
     """A Python frame (a .py file, or one such as <frozen runpy> or <string>); C++ frames name a .cpp file, '??' or
     nothing."""
@@ -405,258 +398,6 @@ def _where(frames: list[dict]) -> str:
     return place
 
 
-_ALLOCATED = ("active_allocated", "active_pending_free")
-
-
-def _end_state(segments: list[dict]) -> dict[int, dict]:
-    """Address -> block, for every allocated block as the snapshot was taken."""
-    live = {}
-    for seg in segments:
-        addr = int(seg.get("address", 0))
-        for b in seg["blocks"]:
-            a = int(b.get("address", addr))
-            if b["state"] in _ALLOCATED:
-                live[a] = b
-            addr = a + int(b["size"])
-    return live
-
-
-_MIN_BLOCK = 512  # the caching allocator's kMinBlockSize: every block is a multiple of it
-_SMALL = 1 << 20  # kSmallSize: the small pool's largest request, and the remainder a large block keeps unsplit
-
-
-class _Sizer:
-    """The block size PyTorch's caching allocator (c10/cuda/CUDACachingAllocator.cpp) gives a request, under the
-    snapshot's ``allocator_settings`` (the defaults where it has none)."""
-
-    def __init__(self, settings: Any):
-        settings = settings if isinstance(settings, dict) else {}
-        self.expandable = bool(settings.get("expandable_segments"))
-        mss = settings.get("max_split_size", -1)
-        self.max_split = mss if isinstance(mss, int) and 0 < mss < 2**62 else None
-        div = settings.get("roundup_power2_divisions")
-        self.divisions = {int(k): int(v) for k, v in div.items()} if isinstance(div, dict) else {}
-
-    def rounded(self, n: int) -> int:
-        """round_size: up to 512 bytes, or to the next of ``roundup_power2_divisions`` steps where it is set."""
-        if n < _MIN_BLOCK:
-            return _MIN_BLOCK
-        if self.divisions:  # the interval's key is its start in MiB, a power of two (sizes under 2 MiB: key 1)
-            key = 1 << max(n.bit_length() - 1 - 20, 0)
-            d = self.divisions.get(min(key, max(self.divisions)), 0)
-            if d > 1 and n > _MIN_BLOCK * d:
-                if n & (n - 1) == 0:
-                    return n
-                floor = 1 << (n.bit_length() - 1)
-                step = floor >> (d.bit_length() - 1)
-                if step == 0:
-                    return floor << 1
-                low = n & ~(step - 1)
-                return n if low == n else low + step
-        return -(-n // _MIN_BLOCK) * _MIN_BLOCK
-
-    def placed(self, request: int, free: int | None) -> tuple[int, int]:
-        """(least, most) size of the block for ``request`` placed at the start of a free block of ``free`` bytes
-        (None: unknown): the rounded request, or the whole free block where the allocator does not split it."""
-        r = self.rounded(request)
-        if r <= _SMALL or self.expandable:  # the small pool, or expandable segments: a remainder of 512 B is split
-            return r, r
-        if free is None:
-            return r, r + (_SMALL if self.max_split is None or r < self.max_split else 20 * _SMALL)
-        if free < r:  # not a free block the request fits: the addresses disagree with the model
-            return r, r
-        if self.max_split is not None and r >= self.max_split:
-            return free, free  # an oversize block is never split
-        return (r, r) if free - r > _SMALL else (free, free)
-
-
-@dataclass
-class _Block:
-    """One block in the replay: its size (``size`` the least it can be, ``upper`` the most), what was requested, its
-    alloc frames; ``before``: made before the recording began; ``freed_frames``: where such a block was freed."""
-
-    addr: int
-    size: int
-    upper: int
-    requested: int
-    frames: list
-    before: bool = False
-    freed_frames: list = field(default_factory=list)
-
-
-class _Segments:
-    """The segments' address ranges as the replay goes (start -> size), to find the end of a free block."""
-
-    def __init__(self, ranges: dict[int, int]):
-        self.ranges = dict(ranges)
-        self._sorted()
-
-    def _sorted(self) -> None:
-        self.starts = sorted(self.ranges)
-
-    def add(self, addr: int, size: int) -> None:
-        self.ranges[addr] = size
-        self._sorted()
-
-    def drop(self, addr: int) -> None:
-        if self.ranges.pop(addr, None) is not None:
-            self._sorted()
-
-    def of(self, addr: int) -> tuple[int, int] | None:
-        i = bisect.bisect_right(self.starts, addr) - 1
-        if i < 0:
-            return None
-        start = self.starts[i]
-        return (start, start + self.ranges[start]) if addr < start + self.ranges[start] else None
-
-
-_SEG_ADD, _SEG_DROP = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
-
-
-@dataclass
-class _Replay:
-    index: int  # the peak: the state after trace[:index]
-    allocated: int  # at the peak, the blocks' least sizes
-    upper: int  # the most the peak can be (the largest sum of the blocks' most sizes over the trace)
-    reserved: int  # at the peak
-    live: list  # the _Block s counted at the peak
-    uncertain: list  # blocks whose size the snapshot does not fix
-    disagree: int  # blocks alive at the end whose modelled size is not the segments' (the segments' is used)
-    modelled: int  # blocks alive at the end whose size was modelled (and checked)
-
-
-def _replay(segs: list[dict], trace: list[dict], sizer: _Sizer | None) -> _Replay:
-    """The allocator's allocated bytes through ``trace`` from the state the segments end in: the blocks' sizes
-    rebuilt by ``sizer`` from the addresses (``None``: the events' sizes are the blocks', a memlab timeline)."""
-    end = _end_state(segs)
-    ranges = {int(s.get("address", 0)): int(s["total_size"]) for s in segs}
-    occupied, first_free = set(end), {}
-    for ev in reversed(trace):  # the addresses in use, and the segments, as the recording began
-        act, addr = ev.get("action"), ev.get("addr")
-        if act == "alloc":
-            occupied.discard(addr)
-        elif act == "free_completed" and addr not in occupied:
-            occupied.add(addr)
-        elif act in _SEG_ADD:
-            ranges.pop(addr, None)
-        elif act in _SEG_DROP:
-            ranges[addr] = int(ev.get("size", 0))
-        if act in ("free_requested", "free_completed") and addr in occupied:
-            first_free[addr] = ev  # the earliest free of the block there as the recording began
-    segments = _Segments(ranges)
-    order = sorted(occupied)
-
-    def next_start(addr: int, starts: list[int]) -> int | None:
-        seg = segments.of(addr)
-        if seg is None:
-            return None
-        j = bisect.bisect_right(starts, addr)
-        return min(starts[j], seg[1]) if j < len(starts) else seg[1]
-
-    blocks: dict[int, _Block] = {}
-    for addr in order:
-        ev = first_free.get(addr)
-        if ev is None:  # alive from before the recording to its end: the segments give it
-            b = end[addr]
-            size = int(b["size"])
-            blocks[addr] = _Block(addr, size, size, int(b.get("requested_size", size)), _frames(b), before=True)
-        else:  # made before the recording, freed during it: only its request is left
-            req = int(ev.get("size", 0))
-            if sizer is None:
-                lo = hi = req
-            else:
-                lo, hi = sizer.placed(req, None)
-                nxt = next_start(addr, order)
-                if hi > lo and nxt is not None:
-                    hi = max(lo, min(hi, nxt - addr))
-            blocks[addr] = _Block(addr, lo, hi, req, [], before=True, freed_frames=_frames(ev))
-    start_blocks = dict(blocks)
-    made: list[_Block | None] = [None] * len(trace)
-    starts = list(order)
-    for i, ev in enumerate(trace):  # pass 1: each block's size; a block placed right after another fixes that one's
-        act, addr = ev.get("action"), ev.get("addr")
-        if act == "alloc":
-            req = int(ev.get("size", 0))
-            if sizer is None:
-                lo = hi = req
-            else:
-                seg = segments.of(addr)
-                j = bisect.bisect_left(starts, addr)
-                if seg is not None and j > 0 and starts[j - 1] >= seg[0]:
-                    prev = blocks.get(starts[j - 1])
-                    if prev is not None and prev.upper > prev.size and prev.size <= addr - prev.addr <= prev.upper:
-                        prev.size = prev.upper = addr - prev.addr
-                nxt = next_start(addr, starts)
-                lo, hi = sizer.placed(req, None if nxt is None else nxt - addr)
-            b = _Block(addr, lo, hi, req, _frames(ev))
-            if addr in blocks and addr in starts:  # an address in use taken again: the trace lost its free
-                starts.remove(addr)
-            bisect.insort(starts, addr)
-            blocks[addr] = made[i] = b
-        elif act == "free_completed" and addr in blocks:
-            del blocks[addr]
-            j = bisect.bisect_left(starts, addr)
-            if j < len(starts) and starts[j] == addr:
-                del starts[j]
-        elif act in _SEG_ADD:
-            segments.add(addr, int(ev.get("size", 0)))
-        elif act in _SEG_DROP:
-            segments.drop(addr)
-    disagree = modelled = 0
-    for addr, b in blocks.items():  # alive at the end: the segments know the size
-        if not b.before and addr in end:
-            modelled += 1
-            true = int(end[addr]["size"])
-            disagree += not (b.size <= true <= b.upper) or (b.size == b.upper != true)
-            b.size = b.upper = true
-            b.requested = int(end[addr].get("requested_size", b.requested))
-
-    def walk(stop: int | None = None) -> Iterator[tuple[int, int, int, dict[int, _Block]]]:
-        live = {a: b for a, b in start_blocks.items()}
-        counted = set(live)
-        lo = sum(b.size for b in live.values())
-        hi = sum(b.upper for b in live.values())
-        yield 0, lo, hi, live
-        for i, ev in enumerate(trace[:stop]):
-            act, addr = ev.get("action"), ev.get("addr")
-            if act == "alloc" and made[i] is not None:
-                if addr in counted:  # a lost free: the old block is gone
-                    lo -= live[addr].size
-                    hi -= live[addr].upper
-                live[addr] = made[i]
-                counted.add(addr)
-                lo += made[i].size
-                hi += made[i].upper
-            elif act in ("free_requested", "free_completed") and addr in counted:
-                counted.discard(addr)  # max_memory_allocated drops at the free request
-                lo -= live[addr].size
-                hi -= live[addr].upper
-            if act == "free_completed":
-                live.pop(addr, None)
-            yield i + 1, lo, hi, {a: live[a] for a in counted} if stop is not None and i + 1 == stop else live
-
-    best, top = (0, -1), 0
-    for idx, lo, hi, _ in walk():
-        if lo > best[1]:
-            best = (idx, lo)
-        top = max(top, hi)
-    index, allocated = best
-    live_at: list[_Block] = []
-    for idx, _, _, live in walk(index):
-        if idx == index:
-            live_at = list(live.values())
-    if index == 0:
-        live_at = list(start_blocks.values())
-    reserved = sum(ranges.values())
-    for ev in trace[:index]:
-        if ev.get("action") in _SEG_ADD:
-            reserved += int(ev.get("size", 0))
-        elif ev.get("action") in _SEG_DROP:
-            reserved -= int(ev.get("size", 0))
-    uncertain = [b for b in list(start_blocks.values()) + [m for m in made if m is not None] if b.upper > b.size]
-    return _Replay(index, allocated, max(top, allocated), reserved, live_at, uncertain, disagree, modelled)
-
-
 def _live_at(live: dict[int, dict], trace: list[dict], index: int) -> dict[int, dict]:
     """The allocated blocks after ``trace[:index]``. A block freed later is brought back with its ``alloc`` event's
     frames (a free's frames say where it was freed), or the free's when its alloc is older than the trace."""
@@ -692,7 +433,7 @@ def allocation_events(snapshot: dict, device: int = 0) -> list[tuple]:
     segs = [s for s in snapshot["segments"] if int(s.get("device", 0)) == device]
     traces = snapshot.get("device_traces") or []
     trace = [e for e in (traces[device] if device < len(traces) else []) if isinstance(e, dict)]
-    start = _live_at(_end_state(segs), trace, 0)
+    start = _live_at(end_state(segs), trace, 0)
     out: list[tuple] = [("alloc", a, int(start[a]["size"])) for a in sorted(start)]
     live = set(start)
     for ev in trace:
@@ -713,6 +454,25 @@ def _predict(e: Explanation, snapshot: dict, allocator: Callable[[list[tuple]], 
     e.predicted_max_reserved_bytes = int(r.max_reserved)
     conf = getattr(getattr(r, "config", None), "describe", None)
     e.predicted_by = "memlab.estimate.caching_allocator" + (f", {conf()}" if conf else "")
+
+
+def _attribute(e: Explanation, live: list, timeline: bool, traced: bool) -> None:
+    # the live blocks at the peak by category, by source line, and the largest of them, into ``e``
+    by_cat: dict[str, int] = defaultdict(int)
+    by_src: dict[str, int] = defaultdict(int)
+    blocks = []
+    for b in live:
+        fr = b.frames
+        if b.before and not fr and traced:  # no alloc event in the recording: made before it began
+            cat = _BEFORE
+            where = _BEFORE + (f"; freed during it at {_where(b.freed_frames)}" if b.freed_frames else "")
+        else:
+            cat, where = _category(fr), _where(fr)
+        by_cat[cat or "unknown (no frames)"] += b.size
+        by_src[where.split(" -> ")[0] if timeline else re.sub(r":\d+ ", " ", where)] += b.size
+        blocks.append(TensorBlock(b.size, b.requested, cat, where, int(b.addr)))
+    e.by_category, e.by_source = dict(by_cat), dict(by_src)
+    e.largest = sorted(blocks, key=lambda t: -t.size)[:_TOP]
 
 
 def explain_snapshot(snapshot: dict, source: str = "snapshot",
@@ -736,7 +496,7 @@ def explain_snapshot(snapshot: dict, source: str = "snapshot",
     traces = snapshot.get("device_traces") or []
     trace = [e for e in (traces[device] if device < len(traces) else []) if isinstance(e, dict)]
     timeline = _is_timeline(segs, trace)
-    r = _replay(segs, trace, None if timeline else _Sizer(snapshot.get("allocator_settings")))
+    r = replay(segs, trace, None if timeline else Sizer(snapshot.get("allocator_settings")))
     index, allocated, reserved = r.index, r.allocated, r.reserved
     when = ("at the snapshot (no allocator trace: recording was off)" if not trace else
             "at the snapshot, which is the peak of its trace" if index == len(trace) else
@@ -750,21 +510,7 @@ def explain_snapshot(snapshot: dict, source: str = "snapshot",
                     allocated_upper_bytes=r.upper, free_in_segments_bytes=free,
                     largest_free_block_bytes=largest, segments=rows,
                     request_bytes=int(oom[-1].get("size", 0)) if oom else 0)
-    by_cat: dict[str, int] = defaultdict(int)
-    by_src: dict[str, int] = defaultdict(int)
-    blocks = []
-    for b in r.live:
-        fr = b.frames
-        if b.before and not fr and trace:  # no alloc event in the recording: made before it began
-            cat = _BEFORE
-            where = _BEFORE + (f"; freed during it at {_where(b.freed_frames)}" if b.freed_frames else "")
-        else:
-            cat, where = _category(fr), _where(fr)
-        by_cat[cat or "unknown (no frames)"] += b.size
-        by_src[where.split(" -> ")[0] if timeline else re.sub(r":\d+ ", " ", where)] += b.size
-        blocks.append(TensorBlock(b.size, b.requested, cat, where, int(b.addr)))
-    e.by_category, e.by_source = dict(by_cat), dict(by_src)
-    e.largest = sorted(blocks, key=lambda t: -t.size)[:_TOP]
+    _attribute(e, r.live, timeline, bool(trace))
     e.expandable_segments = _expandable_verdict(e.request_bytes, free, largest if rows else 0,
                                                 int(oom[-1].get("device_free", 0)) if oom else 0)
     if len(devices) > 1:
@@ -808,7 +554,7 @@ _BEFORE = "made before the recording began"
 def _is_timeline(segs: list[dict], trace: list[dict]) -> bool:
     """A memlab timeline pickle: its frames name each block's category."""
     for b in [b for s in segs for b in s["blocks"]][:50] + trace[:50]:
-        fr = _frames(b)
+        fr = frames_of(b)
         if fr and str(fr[0].get("filename", "")).startswith("category: "):
             return True
     return False
