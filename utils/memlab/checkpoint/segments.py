@@ -172,9 +172,11 @@ def sequential_activation_peak(config: Any, batch_size: int, seq_len: int, segme
 
         (k - 1) * B                 the segment boundaries kept through the step (Chen et al. 2016)
       + ceil(n / k) * L             the longest segment's activations, alive again when recomputed
-      + r*h*b*s*4 + r*h*h*4         the working set of that segment's top block in backward: the
-                                    gradient of the MLP hidden and a fresh MLP weight gradient
-                                    (an allocation of backward until autograd stores it in .grad)
+      + r*h*b*s*4 + r*h*h*4 + h*4   the working set of that segment's top block in backward: the
+                                    gradient of the MLP hidden and fresh gradients of the MLP output
+                                    projection's weight and bias (allocations of backward until
+                                    autograd stores them in .grad; the bias term is the 2,048 B a
+                                    full-scale run, h=512, measured above the formula without it)
 
     The result predicts the peak of the tracker's ``activations`` category. ``config`` is a
     ``memlab.models.TinyGPTConfig``; ``seq_len`` is 1 to ``config.block_size``, ``segments`` 1 to
@@ -191,7 +193,7 @@ def sequential_activation_peak(config: Any, batch_size: int, seq_len: int, segme
     masks = 4 if config.dropout > 0 else 0
     layer = activation_bytes_per_layer(s, b, h, a, act_bytes=4, mask_bytes=masks, layernorm_stats_bytes=4)
     boundary = 4 * b * s * h
-    working = r * h * b * s * 4 + r * h * h * 4
+    working = r * h * b * s * 4 + r * h * h * 4 + h * 4
     return (k - 1) * boundary + math.ceil(n / k) * layer + working
 
 
