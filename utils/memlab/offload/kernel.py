@@ -3,19 +3,16 @@
 The kernel (``adamw.cpp`` beside this file) makes one pass over memory in cache-sized chunks and
 rounds like the vectorised loop of torch's fused CPU AdamW (a fused multiply-add in ``lerp`` and
 ``addcmul``, a correctly rounded square root). It is compiled once with the system ``g++`` into
-``~/.cache/memlab`` (``torch.utils.cpp_extension.load_inline`` would compile torch's headers; the
-kernel needs only pointers). Without a compiler an eager chunked torch step rounds the same way.
+``~/.cache/memlab`` by :mod:`memlab.core.native` (``torch.utils.cpp_extension.load_inline`` would compile
+torch's headers; the kernel needs only pointers). Without a compiler an eager chunked torch step rounds the same way.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import ctypes
-import hashlib
 import os
 import queue
-import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,6 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
+from memlab.core.native import NATIVE_FLAGS, build_library, cache_folder
 from memlab.core.validation import check_choice, check_positive_int
 from memlab.offload.update import bias_corrections, check_hparams
 
@@ -37,23 +35,12 @@ KERNEL_SOURCE = KERNEL_PATH.read_text()
 
 _KERNEL: Any = None
 _KERNEL_NAME: str | None = None
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = list(NATIVE_FLAGS)
 
 
 def _compile(cache: Path) -> Any:
-    # Build ``adamw.cpp`` into ``cache`` (once per source, flags and compiler) and load it with ctypes.
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    key = hashlib.sha256((KERNEL_SOURCE + " ".join(_FLAGS) + cxx).encode()).hexdigest()[:16]
-    so = cache / f"memlab_adamw_{key}.so"
-    if not so.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = cache / f"memlab_adamw_{key}.{os.getpid()}.so"  # per process: parallel test workers may build at once
-        subprocess.run([cxx, *_FLAGS, str(KERNEL_PATH), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, so)  # atomic: a reader sees no library or a whole one
-    lib = ctypes.CDLL(str(so))
-    fn = lib.memlab_adamw
+    # Build ``adamw.cpp`` into ``cache`` (once per source, flags and compiler: memlab.core.native) and load it.
+    fn = build_library(KERNEL_PATH, "adamw", _FLAGS, cache).memlab_adamw
     fp, i64, ci, cf = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     fn.argtypes = [fp, fp, fp, fp, i64, i64, ci, ci, cf, cf, ci, cf, cf, cf, cf, cf]
     fn.restype = None
@@ -81,9 +68,8 @@ def load_kernel(force: str | None = None) -> str:
         return _KERNEL_NAME
     if _KERNEL is not None:
         return _KERNEL_NAME  # type: ignore[return-value]
-    cache = Path(os.environ.get("MEMLAB_CACHE", Path.home() / ".cache" / "memlab"))
     try:
-        _KERNEL = _compile(cache)
+        _KERNEL = _compile(cache_folder())
         _KERNEL_NAME = "C++/OpenMP (g++ -O3 -march=native)"
     except Exception as exc:  # no compiler, no OpenMP, read-only cache ...
         if choice == "cpp":

@@ -12,18 +12,24 @@ blocksize 64) is itself quantized to 8 bits in blocks of 256 ("double quantizati
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
-from typing import Sequence
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor  # loaded by ``import torch`` already
 
+from memlab.core.native import NATIVE_FLAGS, build_library
 from memlab.core.validation import check_choice, check_positive_int, invalid
 from memlab.quant.codebooks import cached_codebook
 
 __all__ = ["NF4_BLOCKSIZES", "nf4_codes", "quantize_nf4", "dequantize_nf4", "pack_nibbles", "unpack_nibbles",
-           "quantize_blockwise", "dequantize_blockwise", "double_quantize", "double_dequantize", "bits_per_param"]
+           "quantize_blockwise", "dequantize_blockwise", "double_quantize", "double_dequantize", "bits_per_param",
+           "NF4_KERNEL_PATH", "load_nf4_kernel", "nf4_kernel_name"]
 
 # Everything here is written to be **bit-exact with bitsandbytes 0.50 on CPU**; the behaviour it
 # copies was read in ``bitsandbytes/functional.py`` (``create_normal_map``, ``create_dynamic_map``,
@@ -166,6 +172,85 @@ def quantize_nf4(w: torch.Tensor, blocksize: int = 64) -> tuple[torch.Tensor, to
     return packed, absmax
 
 
+# ----------------------------------------------------------------------------- NF4 dequantize, the C++ path
+#: the C++ source of the CPU dequantize (package data), built with the system compiler on first use
+NF4_KERNEL_PATH = Path(__file__).with_name("nf4.cpp")
+_NF4_FLAGS = (*NATIVE_FLAGS, "-std=c++17")
+_NF4_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's output format codes
+_NF4_LOCK = threading.Lock()
+_NF4_KERNEL: Any = None
+_NF4_KERNEL_NAME: str | None = None
+NF4_CPP_NAME = "C++/OpenMP (g++ -O3 -march=native)"
+NF4_TORCH_NAME = "torch (index_select)"
+
+
+def load_nf4_kernel(force: str | None = None) -> str:
+    """Build (once, cached in ``~/.cache/memlab`` or ``$MEMLAB_CACHE``: :mod:`memlab.core.native`) and load the
+    C++ NF4 dequantize; return the name of the path :func:`dequantize_nf4` now takes on CPU tensors.
+
+    Both paths give the same bits. The C++ one (``nf4.cpp``) allocates and writes only the output; the torch
+    one gathers from a byte table with ``index_select`` piece by piece (two piece buffers beside the output):
+    the path of every other device and of an ``absmax`` that is not float32. Fake CPU tensors (memlab.estimate's
+    traces) allocate what the path chosen here allocates.
+
+    Args:
+        force: ``"cpp"``, ``"torch"`` or ``"auto"``; None reads the environment variable ``MEMLAB_NF4_KERNEL``
+            (default ``"auto"``: the C++ kernel when it builds, else torch).
+
+    Raises:
+        ValueError: an unknown choice.
+        RuntimeError: ``"cpp"`` was forced and the kernel did not build (no compiler, a compiler error).
+    """
+    global _NF4_KERNEL, _NF4_KERNEL_NAME
+    choice = check_choice("kernel", (force or os.environ.get("MEMLAB_NF4_KERNEL", "auto")).strip().lower(),
+                          ("auto", "cpp", "torch"))
+    with _NF4_LOCK:
+        if choice == "torch":
+            _NF4_KERNEL, _NF4_KERNEL_NAME = None, NF4_TORCH_NAME
+            return _NF4_KERNEL_NAME
+        if _NF4_KERNEL is not None:
+            return _NF4_KERNEL_NAME  # type: ignore[return-value]
+        try:
+            fn = build_library(NF4_KERNEL_PATH, "nf4", _NF4_FLAGS).memlab_nf4_dequantize
+            fp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            fn.argtypes = [fp, fp, fp, fp, i64, i64, ci, ci]
+            fn.restype = ci
+            _NF4_KERNEL, _NF4_KERNEL_NAME = fn, NF4_CPP_NAME
+        except Exception as exc:  # noqa: BLE001  (no compiler, no OpenMP, a read-only cache ...)
+            if choice == "cpp":
+                raise RuntimeError(f"the C++ NF4 dequantize kernel did not build: {exc}") from exc
+            _NF4_KERNEL, _NF4_KERNEL_NAME = None, f"{NF4_TORCH_NAME} (C++ kernel unavailable: {type(exc).__name__})"
+        return _NF4_KERNEL_NAME
+
+
+def nf4_kernel_name() -> str:
+    """Which path :func:`dequantize_nf4` takes on contiguous CPU tensors: ``"C++/OpenMP ..."`` or ``"torch ..."``
+    (loading the kernel on the first call)."""
+    return _NF4_KERNEL_NAME if _NF4_KERNEL_NAME is not None else load_nf4_kernel()
+
+
+def _takes_native(p: torch.Tensor, absmax: torch.Tensor) -> bool:
+    # whether the C++ path dequantizes these inputs (real or fake: a trace on CPU fake tensors allocates what the real
+    # call allocates): contiguous CPU tensors (dequantize_nf4's flat views: a strided input is copied by reshape, as
+    # on the torch path), a float32 absmax, and the kernel loaded
+    if p.device.type != "cpu" or absmax.device.type != "cpu" or absmax.dtype != torch.float32:
+        return False
+    if not (p.is_contiguous() and absmax.is_contiguous()):
+        return False
+    nf4_kernel_name()  # loads the kernel on the first call
+    return _NF4_KERNEL is not None
+
+
+def _run_native(p: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, blocksize: int) -> None:
+    # the C++ kernel into ``out`` (flat, contiguous, float32 / float16 / bfloat16, on the CPU)
+    code = cached_codebook("nf4", "cpu")
+    rc = _NF4_KERNEL(p.data_ptr(), absmax.data_ptr(), code.data_ptr(), out.data_ptr(), out.numel(), blocksize,
+                     _NF4_KINDS[out.dtype], torch.get_num_threads())
+    if rc != 0:  # unreachable after dequantize_nf4's checks: a kernel that disagrees with them is a bug
+        raise RuntimeError(f"memlab_nf4_dequantize returned {rc} for n={out.numel()}, blocksize={blocksize}, "
+                           f"dtype={out.dtype}")
+
+
 #: NF4 dequantize on a CPU works through the weight in pieces whose buffers (int32 indices, 4 B a packed byte, and,
 #: unless a float32 output with an even count takes the gather itself, float32 values, 8 B a packed byte) hold at
 #: most this many bytes: a piece stays in the caches while it is gathered, scaled and (float16 / bfloat16) cast,
@@ -197,6 +282,9 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     """Inverse of :func:`quantize_nf4`: ``code[q] * absmax`` in float32, cast to ``dtype`` (float32, float16
     or bfloat16), reshaped to ``shape``.
 
+    CPU inputs with a float32 ``absmax`` go through the C++ kernel when it builds, the rest through torch ops,
+    with the same bits (:func:`load_nf4_kernel`); fake tensors allocate what their device's path allocates.
+
     Raises:
         ValueError: for a bad ``dtype`` or ``blocksize``, or too few absmax values or bytes for ``shape``.
     """
@@ -211,6 +299,12 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, shape: Sequence[i
     p = p if p.dtype == torch.uint8 else p.view(torch.uint8)
     if 2 * p.numel() < n:
         raise invalid("dequantize_nf4: packed bytes", p.numel(), f">= {-(-n // 2)} for shape {tuple(shape)}")
+    am = absmax.reshape(-1)
+    if _takes_native(p, am):  # only the output is allocated; a fake one (a trace) is not computed
+        out = p.new_empty(n, dtype=dtype)
+        if not (isinstance(out, FakeTensor) or isinstance(p, FakeTensor) or isinstance(am, FakeTensor)):
+            _run_native(p, am, out, blocksize)
+        return out.reshape(tuple(shape))
     # Each byte becomes its two float32 values (high nibble, low nibble) as one 8-byte word of a 256-entry table,
     # gathered by a 1-d index_select with int32 indices, piece by piece (NF4_DEQUANT_BUFFER_BYTES): the bytes
     # converted to int32 into one reused index buffer, gathered straight into a float32 output (or into one reused
