@@ -180,15 +180,23 @@ def test_nf4_rule_charges_only_the_dequantized_weight():
     # bitsandbytes' dequantize_4bit on CUDA: the fp32 absmax of the 16,384 blocks (64 KiB) alive while the kernel
     # writes the bf16 weight (2 MiB); then F.linear's 16 KiB output beside the weight
     assert _forward_rise(True) == 2 * 2**20 + 64 * 2**10
-    # memlab's own dequantize on a CPU trace works piece by piece (issue 42): the bf16 output (2 MiB), the fp32
-    # absmax (64 KiB) and the piece buffers, int32 indices and fp32 values of 128 KiB of packed bytes (1.5 MiB, the
-    # default NF4_DEQUANT_BUFFER_BYTES); the table lookup before it held the whole weight's int32 indices and fp32
-    # values (2 B + 4 B a weight, >= 6 MiB in all), so only the piece buffers now stay above bitsandbytes' kernel
-    from memlab.quant.blockwise import NF4_DEQUANT_BUFFER_BYTES
+    # memlab's own dequantize on a CPU trace, its torch path, works piece by piece (issue 42): the bf16 output
+    # (2 MiB), the fp32 absmax (64 KiB) and the piece buffers, int32 indices and fp32 values of 128 KiB of packed
+    # bytes (1.5 MiB, the default NF4_DEQUANT_BUFFER_BYTES); the table lookup before it held the whole weight's int32
+    # indices and fp32 values (2 B + 4 B a weight, >= 6 MiB in all), so only the piece buffers stay above
+    # bitsandbytes' kernel. Its C++ path (the CPU default where a compiler builds it) writes the output alone, as
+    # bitsandbytes' kernel does
+    from memlab.quant.blockwise import NF4_DEQUANT_BUFFER_BYTES, load_nf4_kernel
 
     assert NF4_DEQUANT_BUFFER_BYTES == 3 << 19
-    assert _forward_rise(False) == 2 * 2**20 + 64 * 2**10 + (3 << 19)
-    assert _forward_rise(False) > _forward_rise(True)
+    try:
+        load_nf4_kernel("torch")
+        assert _forward_rise(False) == 2 * 2**20 + 64 * 2**10 + (3 << 19)
+        assert _forward_rise(False) > _forward_rise(True)
+        if load_nf4_kernel("auto").startswith("C++"):
+            assert _forward_rise(False) == _forward_rise(True)
+    finally:
+        load_nf4_kernel()
 
 
 def test_nf4_rule_computes_what_the_layer_computes():

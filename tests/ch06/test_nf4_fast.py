@@ -1,6 +1,8 @@
-"""NF4 dequantize piece by piece (issue 42): bit-identical to the whole-weight table lookup it replaced and to the
-codebook definition, for every dtype, block size, odd count and piece boundary; allocating only the output and two
-piece-sized buffers (the CPU allocator's own events); and a fake-tensor trace allocating what the real call does."""
+"""NF4 dequantize piece by piece (issue 42), on the torch path (forced here; the C++ path that CPU inputs with a
+float32 absmax take by default: tests/ch06/test_nf4_native.py): bit-identical to the whole-weight table lookup it
+replaced and to the codebook definition, for every dtype, block size, odd count and piece boundary; allocating only
+the output and two piece-sized buffers (the CPU allocator's own events); and a fake-tensor trace allocating what the
+real call does."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +17,14 @@ from memlab.quant import blockwise as B
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+@pytest.fixture(autouse=True)
+def _torch_path():
+    # every test here is about the torch path's pieces; the default path is restored after each
+    assert B.load_nf4_kernel("torch") == B.NF4_TORCH_NAME
+    yield
+    B.load_nf4_kernel()
 
 
 @contextlib.contextmanager

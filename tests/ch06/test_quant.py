@@ -563,7 +563,8 @@ def test_dequantize_nf4_is_the_definition_on_every_path(n, dtype, blocksize):
 
 def test_first_dequantize_under_a_tracker_counts_only_the_call():
     """In a fresh process (no lookup table built yet) the first 1024 x 1024 float32 dequantize, run under a
-    MemoryTracker, counts its output (4 MiB) and its int32 index buffer (two pieces of 256 Ki bytes: 1 MiB) only:
+    MemoryTracker, counts its output (4 MiB) and, on the torch path, its int32 index buffer (two pieces of 256 Ki
+    bytes: 1 MiB) only (the C++ path: its output only):
     the cached tables are made outside every dispatch mode, so a trace or a tracked step never sees them."""
     code = ("import torch\n"
             "from memlab import quant as Q\n"
@@ -575,6 +576,11 @@ def test_first_dequantize_under_a_tracker_counts_only_the_call():
             "    print(t.peak_bytes - start, t.current_bytes - start)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(Q.__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == [str((4 << 20) + (1 << 20)), str(4 << 20)], r.stdout
+    probe = code + "import memlab.quant.blockwise as B\nprint(B.nf4_kernel_name())\n"
+    for kernel, index_bytes in (("torch", 1 << 20), ("auto", None)):  # the C++ path (when it builds) allocates no index
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           env={**env, "MEMLAB_NF4_KERNEL": kernel}, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        *counts, name = r.stdout.strip().splitlines()
+        extra = index_bytes if index_bytes is not None else (0 if name.startswith("C++") else 1 << 20)
+        assert " ".join(counts).split() == [str((4 << 20) + extra), str(4 << 20)], (kernel, r.stdout)

@@ -28,3 +28,4 @@ def test_a_wheel_build_leaves_the_source_folder_as_it_was(tmp_path):
     assert "memlab/profiler/timeline.py" in names and not any(n.startswith("_build") for n in names)
     # package data: the C++ source memlab.offload.kernel compiles on first use
     assert "memlab/offload/adamw.cpp" in names, sorted(n for n in names if n.startswith("memlab/offload/"))
+    assert "memlab/quant/nf4.cpp" in names, sorted(n for n in names if n.startswith("memlab/quant/"))
