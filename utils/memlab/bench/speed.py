@@ -214,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     print("ratio: tracked / untracked time for the tracker; ours' speed / the reference's otherwise "
           "(references: the untracked step, the 1-thread step, SDPA's flash backend, bitsandbytes)")
     print(f"machine load: {_load()}")
+    if "nf4" in only:
+        from memlab.quant import nf4_kernel_name
+
+        print(f"NF4 dequantize ran: {nf4_kernel_name()}")
     return report_targets(checks, "cpu", strict=args.strict)
 
 
