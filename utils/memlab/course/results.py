@@ -122,10 +122,12 @@ ROW_05_FLASH = Row("05", (
     + (Found(SPEED, "machine load: {load:text}"),), device=CPU)
 
 ROW_06_DEQUANT = Row("06", (
-    "NF4 dequantize 1024x1024, fp32 / bf16, interleaved (`memlab bench speed`, {load})", "{o32} / {o16} ms",
+    "NF4 dequantize 1024x1024, fp32 / bf16, {path} path, interleaved (`memlab bench speed`, {load})",
+    "{o32} / {o16} ms",
     "bitsandbytes C kernel {b32} / {b16} ms", "{r32}x / {r16}x (target >= 0.5x)"),
     (Found(SPEED, "^NF4 dequantize 1024x1024 float32 {o32} {b32} {r32}"),
      Found(SPEED, "^NF4 dequantize 1024x1024 bfloat16 {o16} {b16} {r16}"),
+     Found(SPEED, "NF4 dequantize ran: {path:text}"),
      Found(SPEED, "machine load: {load:text}")), device=CPU)
 
 
