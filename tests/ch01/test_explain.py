@@ -295,3 +295,19 @@ def test_a_timeline_gets_the_caching_allocator_models_prediction(tmp_path, capsy
     assert err.count("\n") == 1 and err.startswith("memlab explain: error: --alloc-conf: ")
     assert memlab_main(["explain", str(_dump(tmp_path, "snap.pickle", snapshot()))]) == 0
     assert "caching-allocator model" not in capsys.readouterr().out
+
+
+def test_explain_sizes_requests_by_the_allocator_configs_rounding():
+    # memlab explain and the caching-allocator model round a request by one rule (memlab.core.allocator_config):
+    # a snapshot's roundup_power2_divisions (every interval listed, as PyTorch writes it) gives the same sizes
+    from memlab.core.allocator_config import AllocatorConfig, round_size
+    from memlab.profiler.snapshot_replay import Sizer
+
+    listed = {str(1 << i): (4 if i >= 1 else 0) for i in range(16)}
+    sizer = Sizer({"roundup_power2_divisions": listed})
+    cfg = AllocatorConfig(roundup_power2_divisions={int(k): v for k, v in listed.items()})
+    for n in (1, 511, 513, 3 << 20, (5 << 20) + 1, 700 << 20, (1 << 30) + 12345):
+        assert sizer.rounded(n) == round_size(n, cfg)
+    assert sizer.rounded((5 << 20) + 1) == 6 << 20  # 4 steps between 4 and 8 MiB
+    assert Sizer({}).rounded((5 << 20) + 1) == (5 << 20) + 512
+    assert Sizer({"roundup_power2_divisions": {"1": 3}}).rounded(1000) == 1024  # refused by the config: plain

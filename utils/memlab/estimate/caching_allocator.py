@@ -51,9 +51,9 @@ from typing import Any
 
 from memlab.core.units import MiB
 from memlab.core.validation import check_bool, check_int, invalid
-from memlab.estimate.allocator_config import (DEFAULT_CONFIG, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, NO_LIMIT,
-                                              ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, allocation_size,
-                                              round_size)
+from memlab.core.allocator_config import (DEFAULT_CONFIG, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, NO_LIMIT,
+                                          ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, allocation_size,
+                                          round_size)
 
 __all__ = ["AllocatorConfig", "CachingAllocatorModel", "AllocatorOutOfMemory", "round_size", "allocation_size",
            "DEFAULT_CONFIG", "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC", "ROUND_LARGE"]

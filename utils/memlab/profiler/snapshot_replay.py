@@ -15,6 +15,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from memlab.core.allocator_config import DEFAULT_CONFIG, SMALL_SIZE, AllocatorConfig, round_size
+
 __all__ = ["ALLOCATED", "Block", "Replay", "Segments", "Sizer", "end_state", "frames_of", "replay"]
 
 
@@ -42,8 +44,17 @@ def end_state(segments: list[dict]) -> dict[int, dict]:
     return live
 
 
-_MIN_BLOCK = 512  # the caching allocator's kMinBlockSize: every block is a multiple of it
-_SMALL = 1 << 20  # kSmallSize: the small pool's largest request, and the remainder a large block keeps unsplit
+def _rounding_config(div: Any) -> AllocatorConfig:
+    # a snapshot's roundup_power2_divisions ({interval start in MiB: divisions}, every interval listed) as the
+    # allocator config whose round_size it follows; intervals past the last listed one take its value; settings the
+    # config refuses (not powers of two) leave plain 512-byte rounding
+    if not isinstance(div, dict) or not div:
+        return DEFAULT_CONFIG
+    try:
+        table = {int(k): int(v) for k, v in sorted(div.items(), key=lambda kv: int(kv[0]))}
+        return AllocatorConfig(roundup_power2_divisions={**table, ">": table[max(table)]})
+    except (TypeError, ValueError):
+        return DEFAULT_CONFIG
 
 
 class Sizer:
@@ -55,40 +66,25 @@ class Sizer:
         self.expandable = bool(settings.get("expandable_segments"))
         mss = settings.get("max_split_size", -1)
         self.max_split = mss if isinstance(mss, int) and 0 < mss < 2**62 else None
-        div = settings.get("roundup_power2_divisions")
-        self.divisions = {int(k): int(v) for k, v in div.items()} if isinstance(div, dict) else {}
+        self.config = _rounding_config(settings.get("roundup_power2_divisions"))
 
     def rounded(self, n: int) -> int:
         """round_size: up to 512 bytes, or to the next of ``roundup_power2_divisions`` steps where it is set."""
-        if n < _MIN_BLOCK:
-            return _MIN_BLOCK
-        if self.divisions:  # the interval's key is its start in MiB, a power of two (sizes under 2 MiB: key 1)
-            key = 1 << max(n.bit_length() - 1 - 20, 0)
-            d = self.divisions.get(min(key, max(self.divisions)), 0)
-            if d > 1 and n > _MIN_BLOCK * d:
-                if n & (n - 1) == 0:
-                    return n
-                floor = 1 << (n.bit_length() - 1)
-                step = floor >> (d.bit_length() - 1)
-                if step == 0:
-                    return floor << 1
-                low = n & ~(step - 1)
-                return n if low == n else low + step
-        return -(-n // _MIN_BLOCK) * _MIN_BLOCK
+        return round_size(n, self.config)
 
     def placed(self, request: int, free: int | None) -> tuple[int, int]:
         """(least, most) size of the block for ``request`` placed at the start of a free block of ``free`` bytes
         (None: unknown): the rounded request, or the whole free block where the allocator does not split it."""
         r = self.rounded(request)
-        if r <= _SMALL or self.expandable:  # the small pool, or expandable segments: a remainder of 512 B is split
+        if r <= SMALL_SIZE or self.expandable:  # the small pool, or expandable segments: a remainder of 512 B is split
             return r, r
         if free is None:
-            return r, r + (_SMALL if self.max_split is None or r < self.max_split else 20 * _SMALL)
+            return r, r + (SMALL_SIZE if self.max_split is None or r < self.max_split else 20 * SMALL_SIZE)
         if free < r:  # not a free block the request fits: the addresses disagree with the model
             return r, r
         if self.max_split is not None and r >= self.max_split:
             return free, free  # an oversize block is never split
-        return (r, r) if free - r > _SMALL else (free, free)
+        return (r, r) if free - r > SMALL_SIZE else (free, free)
 
 
 @dataclass

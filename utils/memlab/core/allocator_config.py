@@ -1,7 +1,7 @@
 """The settings of PyTorch's CUDA caching allocator (``PYTORCH_CUDA_ALLOC_CONF``) and its request rounding.
 
-What :class:`memlab.estimate.caching_allocator.CachingAllocatorModel` is configured with, and the two size rules it
-applies first: ``round_size`` (512-byte multiples, or ``roundup_power2_divisions`` steps) and
+What :class:`memlab.estimate.caching_allocator.CachingAllocatorModel` is configured with (it re-exports these
+names), and what ``memlab explain`` sizes a real snapshot's blocks by; the two size rules the allocator applies first: ``round_size`` (512-byte multiples, or ``roundup_power2_divisions`` steps) and
 ``get_allocation_size`` (the segment a new request opens), written from PyTorch's
 ``c10/cuda/CUDACachingAllocator.cpp`` and ``c10/cuda/CUDAAllocatorConfig.cpp`` (sources in
 :mod:`memlab.estimate.caching_allocator`'s docstring).
