@@ -64,8 +64,9 @@ def _held(model, opt, batch) -> int:
 
 
 def _rank(rank: int, world_size: int, tries: int = 6) -> dict:
-    """Per run of RUNS: (forward window's peak, bytes the forward left alive, whole step's peak, step closed), the
-    lowest over ``tries`` windows (a late gloo release can only raise a window)."""
+    """Per run of RUNS: (forward window's peak, bytes the forward left alive, whole step's peak, step closed) over
+    ``tries`` windows: the lowest peaks (a late gloo release can only raise a window), the bytes left alive as most
+    windows saw them."""
     import torch.nn.functional as F
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -114,7 +115,11 @@ def _rank(rank: int, world_size: int, tries: int = 6) -> dict:
 
         opt.zero_grad(set_to_none=True)
         step()  # the optimizer state exists from here on
-        fwd = min(forward_window() for _ in range(tries))
+        windows = [forward_window() for _ in range(tries)]
+        # the lowest peak (a late gloo release can only raise one); the bytes left alive as most windows saw them (a
+        # block from before the window freed inside it lowers that window's figure: -10,138,112 B in one CI run)
+        ends = [w[1] for w in windows]
+        fwd = (min(w[0] for w in windows), max(set(ends), key=lambda e: (ends.count(e), e)))
         best, closed = None, False
         for _ in range(2 * tries):
             opt.zero_grad(set_to_none=True)
