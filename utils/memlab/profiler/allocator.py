@@ -7,6 +7,7 @@ allocate inside themselves (which no dispatch-level tracker can see).
 """
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -115,7 +116,10 @@ def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     events are replayed in time order. The counter that is not a twin of :class:`MemoryTracker`:
     it sees every block the allocator serves (kernel scratch and 8-byte wrapped numbers included)
     and no tensor. It cannot see the free of a block allocated before it started, so ``fn`` should
-    not free older memory (make the inputs inside ``fn``, or keep them alive).
+    not free older memory (make the inputs inside ``fn``, or keep them alive). Garbage left by earlier
+    work is collected before the profiler starts: a collection inside ``fn`` would otherwise free it
+    there (a measured model kept alive by a reference cycle, say), and the allocator does report that
+    free when the block was made under an earlier profiler, which pulls the peak down.
 
     Returns:
         ``(peak, end)``: the highest point and the last one, both above the bytes live when ``fn``
@@ -124,6 +128,7 @@ def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _quiet_stderr():  # the profiler's C++ side logs its start and stop on file descriptor 2
         prof.__enter__()
