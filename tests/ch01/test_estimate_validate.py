@@ -243,3 +243,44 @@ def test_fms_fsdp_rows_trace_fsdp1_as_the_source_ran():
         for est in (v1, v2):
             assert abs(est.allocated_bytes / f.measured_bytes - 1) <= 0.03 and est.peak_phase == "optimizer"
         assert abs(v1.allocated_bytes - v2.allocated_bytes) < 1 * 2**20
+
+
+def test_the_torchtune_rows_quote_the_stored_trace_of_torchtunes_own_model():
+    """The torchtune rows' texts quote tools/trace_torchtune.py's estimates of torchtune's own Llama (torchtune is
+    no dependency: the stored output is the record); each quoted figure and error is the stored row's, never typed
+    apart from it. Where torchtune is installed, tests/ch01 re-traces the plain row (below)."""
+    import re
+    from pathlib import Path
+
+    stored = (Path(__file__).resolve().parents[2] / "results/cpu/torchtune_own_model.txt").read_text()
+    traced = {m[1].strip(): (m[2], m[3]) for m in re.finditer(r"^(\+ [^\n]+?)\s+[\d.]+ GiB\s+([\d.]+) GiB\s+([+-][\d.]+)%",
+                                                             stored, re.M)}
+    assert len(traced) == 4 and stored.startswith("torchtune 0.4.0")
+    for f in (f for f in PP.FIGURES if f.name.startswith("torchtune optimization flags")):
+        technique = f.name.split(": ", 1)[1].split(", Llama")[0]
+        gib, err = traced[technique]
+        text = f.off + f.differs
+        assert f"{gib} GiB, {err}%" in text, (technique, gib, err)
+
+
+def test_torchtunes_own_llama_traced_meets_the_packed_row():
+    """Needs torchtune 0.4.0 (tools/trace_torchtune.py's docstring): its own Llama, traced as the tool does, is
+    within 3% of the plain (packed, eager) row's figure, and equals the stored trace."""
+    pytest.importorskip("torchtune", reason="torchtune is not installed (see tools/trace_torchtune.py)")
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools/trace_torchtune.py"
+    spec = importlib.util.spec_from_file_location("trace_torchtune", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules["trace_torchtune"] = tool
+    spec.loader.exec_module(tool)
+    if not tool._torchtune().startswith("0.4.0"):
+        pytest.skip("torchtune other than 0.4.0 installed: its model differs from the run's")
+    est = E.estimate_training_memory(tool._factory(0, False), batch_size=2, seq_len=4096, dtype="bf16-pure",
+                                     optimizer="adamw", optimizer_impl="for-loop", step=tool._step(0), device="cuda",
+                                     gpu="a100-80gb")
+    allocated = est.peak_bytes + sum(est.extras.values())
+    assert abs(allocated / (60.0 * GiB) - 1) <= 0.03
+    assert f"{allocated / GiB:.2f} GiB" in (path.parents[1] / "results/cpu/torchtune_own_model.txt").read_text()

@@ -319,6 +319,7 @@ _TT_DIFFERS = ("'Peak Memory Active' is torch.cuda.memory_stats()['active_bytes.
                "packing's block-causal mask, 32 MiB per step, not traced); AdamW's implementation is not stated: the "
                "for-loop is traced (foreach, PyTorch's CUDA default, would add a moment-sized temporary to the "
                "optimizer step: traced for the checkpointed row, it puts the peak there, above that row's figure)")
+_TT_OWN = "tools/trace_torchtune.py, stored in results/cpu/torchtune_own_model.txt"
 _TT_COMPILE = ("torch.compile of the model and the loss (compile=True) fuses the elementwise chains of RMSNorm, RoPE, "
                "SwiGLU and the loss's upcast, so autograd keeps fewer intermediates; the estimator traces eager "
                "PyTorch and cannot express it")
@@ -337,21 +338,26 @@ def _torchtune(technique: str, gib: float, off: str = "", note: str = "", **sett
 
 FIGURES += (
     _torchtune("+ Packed Dataset", 60.0, loss="hf",
-               off="torchtune's own Llama against transformers': the estimate is under the figure, its peak in the backward "
-                   "of the whole model, no layer checkpointed, where the two implementations' saved tensors differ "
-                   "(torchtune's RoPE in fp32 among them); which of its tensors make the difference needs a GPU run "
-                   "of torchtune under memlab's tracker, not done"),
+               off="torchtune's own Llama against transformers': torchtune 0.4.0's TransformerDecoder (the release of the "
+                   "run's month), traced through the estimator's callable route with the recipe's step "
+                   f"({_TT_OWN}), is 59.73 GiB, -0.4%, within the target: the -3.5% is what the two implementations "
+                   "save for backward (torchtune's RMSNorm and RoPE in fp32 among them); torchtune is not a dependency "
+                   "of memlab, so the row traces transformers' model"),
     _torchtune("+ Chunked Cross Entropy", 42.9, loss="chunked", off=_TT_COMPILE + ": the estimate is over the figure, "
                "the activations of 28 layers, none checkpointed, being what compile shrinks",
-               note="; compile=True from the row before"),
+               note="; compile=True from the row before; torchtune 0.4.0's own model traced eagerly "
+                    f"({_TT_OWN}): 54.35 GiB, +26.7%"),
     _torchtune("+ Activation Checkpointing", 24.9, loss="chunked", checkpointing=True,
                note="; compile=True: with every layer checkpointed only one layer's recompute is live at the "
-                    "backward peak, so compile moves the peak little"),
+                    "backward peak, so compile moves the peak little; but torchtune 0.4.0's own model traced eagerly "
+                    f"({_TT_OWN}) is 25.89 GiB, +4.0%, its peak in the forward (the chunks' fp32 upcasts, which "
+                    "the compiled loss fuses away): met with transformers' model only"),
     _torchtune("+ Fuse optimizer step into backward", 23.1, loss="chunked", checkpointing=True, optimizer_in_backward=True,
                off=_TT_COMPILE + ": the estimate is over the figure; with the gradients freed in backward the "
                    "peak is the recomputed layer's intermediates and the loss's chunks, the part compile shrinks",
                note="; compile=True; optimizer_in_bwd=True: one AdamW per parameter stepped by its "
-                    "post-accumulate-grad hook (torchtune's create_optim_in_bwd_wrapper), as the estimator's setting"),
+                    "post-accumulate-grad hook (torchtune's create_optim_in_bwd_wrapper), as the estimator's setting; "
+                    f"torchtune 0.4.0's own model traced eagerly ({_TT_OWN}): 25.89 GiB, +12.1%"),
 )
 
 # litgpt's config_hub table (config_hub/finetune/README.md, "Peak memory" column): each run is litgpt's finetune
