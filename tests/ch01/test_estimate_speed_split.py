@@ -26,7 +26,9 @@ SMALL = dict(num_hidden_layers=8, hidden_size=64, intermediate_size=160, num_att
 
 def _where(item):
     if item == "slow":
-        time.sleep(1.5)
+        time.sleep(2.0)
+    elif item == "t1":  # the child's own item: long enough for this process, however loaded, to claim its first
+        time.sleep(0.5)  # (an instant one let the child take all four once, on a loaded 2-core CI machine)
     return item, os.getpid()
 
 
