@@ -286,3 +286,19 @@ def test_build_library_once_per_text_and_flags_and_a_failure_names_the_compiler_
     with pytest.raises(RuntimeError, match=r"failed \(exit [1-9]\d*\) on bad.cpp:\n.*error"):
         native.build_library(bad, "bad", cache=cache)
     assert sorted(p.suffix for p in cache.iterdir()) == [".so"] * 3  # no half-built file left behind
+
+
+def test_a_native_build_is_keyed_by_the_cpu(tmp_path, monkeypatch):
+    """``-march=native`` code runs only on CPUs with the builder's instructions: a cache folder shared by two
+    machines (a home folder on a cluster) must hold one library per CPU, never load another CPU's."""
+    args = ("nf4", "extern \"C\" int f() { return 1; }", native.NATIVE_FLAGS, "g++", tmp_path)
+    here = native.library_path(*args)
+    assert here == native.library_path(*args, cpu=native.cpu_fingerprint())  # read from this machine by default
+    other = native.library_path(*args, cpu=native.cpu_fingerprint().replace("avx", "no-avx") + "\nflags: other")
+    assert other != here and other.parent == here.parent and other.name.startswith("memlab_nf4_")
+    portable = tuple(f for f in native.NATIVE_FLAGS if f != "-march=native")
+    # without -march=native the code is the compiler's portable baseline: one library serves every CPU
+    assert native.library_path("nf4", args[1], portable, "g++", tmp_path, cpu="a") == \
+        native.library_path("nf4", args[1], portable, "g++", tmp_path, cpu="b")
+    monkeypatch.setattr(native, "cpu_fingerprint", lambda: "another CPU")
+    assert native.library_path(*args) != here

@@ -2,9 +2,10 @@
 
 memlab ships a few C++ sources as package data (chapter 04's AdamW step, chapter 06's NF4 dequantize).
 :func:`build_library` compiles one of them with ``$CXX`` (else ``g++``, else ``c++`` on ``PATH``) into
-memlab's cache folder (``$MEMLAB_CACHE``, default ``~/.cache/memlab``) once per source text, flags and
-compiler, and loads the shared library with :mod:`ctypes`. The kernels take only pointers and numbers:
-no Python or torch headers, so a build takes a second or two and needs nothing but a compiler.
+memlab's cache folder (``$MEMLAB_CACHE``, default ``~/.cache/memlab``) once per source text, flags,
+compiler and, for ``-march=native``, CPU, and loads the shared library with :mod:`ctypes`. The kernels
+take only pointers and numbers: no Python or torch headers, so a build takes a second or two and needs
+nothing but a compiler.
 
 A build writes a per-process temporary file and renames it into place (a reader meets no library or a
 whole one, and parallel test workers may build at once); within one process a lock makes each library
@@ -23,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["NATIVE_FLAGS", "find_compiler", "cache_folder", "library_path", "build_library"]
+__all__ = ["NATIVE_FLAGS", "find_compiler", "cache_folder", "cpu_fingerprint", "library_path", "build_library"]
 
 #: the flags chapter 04's kernel was built with: fast code for this machine, IEEE arithmetic kept (no fused
 #: multiply-add the source does not write, no fast-math), OpenMP, a shared library
@@ -44,16 +45,42 @@ def cache_folder() -> Path:
     return Path(os.environ.get("MEMLAB_CACHE", Path.home() / ".cache" / "memlab"))
 
 
-def library_path(name: str, source: str, flags: Sequence[str], cxx: str, cache: Path) -> Path:
+def cpu_fingerprint() -> str:
+    """What ``-march=native`` compiles for: the machine type and this CPU's model and feature flags (Linux's
+    ``/proc/cpuinfo``; elsewhere the processor name). A cache folder shared by machines of different CPUs (a home
+    folder on a cluster) then holds one library per CPU, where one built for another would stop the process
+    with an illegal instruction."""
+    import platform
+
+    parts = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("model name", "flags", "features", "cpu part", "isa"):
+                    parts.append(line.strip())
+                elif not line.strip() and len(parts) > 2:  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    return "\n".join(parts)
+
+
+def library_path(name: str, source: str, flags: Sequence[str], cxx: str, cache: Path, cpu: str | None = None) -> Path:
     """The library file of ``source`` (its text) built with ``flags`` by ``cxx``: ``memlab_<name>_<key>.so`` in
-    ``cache``, ``key`` the first 16 hex digits of the SHA-256 of the text, the flags and the compiler."""
-    key = hashlib.sha256((source + " ".join(flags) + cxx).encode()).hexdigest()[:16]
+    ``cache``, ``key`` the first 16 hex digits of the SHA-256 of the text, the flags and the compiler, and with
+    ``-march=native`` among the flags the CPU too (``cpu``; None reads :func:`cpu_fingerprint`)."""
+    if "-march=native" in flags:
+        cpu = cpu_fingerprint() if cpu is None else cpu
+    else:
+        cpu = ""
+    key = hashlib.sha256((source + " ".join(flags) + cxx + cpu).encode()).hexdigest()[:16]
     return cache / f"memlab_{name}_{key}.so"
 
 
 def build_library(source_path: Path, name: str, flags: Sequence[str] = NATIVE_FLAGS,
                   cache: Path | None = None) -> ctypes.CDLL:
-    """Compile ``source_path`` (once per text, flags and compiler) into ``cache`` (None: :func:`cache_folder`)
+    """Compile ``source_path`` (once per text, flags, compiler and CPU: :func:`library_path`) into ``cache`` (None: :func:`cache_folder`)
     and load it; the same library object on every later call in this process.
 
     Args:
