@@ -7,7 +7,7 @@ of the depth, traced at 3, 4 and 5 layers and extrapolated) with the recipe's st
 target, and prints each row's allocated estimate against the published figure.
 
     pip install --no-deps torchtune==0.4.0 torchao==0.13.0 && pip install omegaconf sentencepiece tiktoken blobfile
-    PYTHONPATH=utils python tools/trace_torchtune.py            # every row; about a minute on 2 cores
+    PYTHONPATH=utils python tools/trace_torchtune.py            # every row; some ten seconds on 2 cores
 
 torchtune 0.4.0 is the release of the run's month (November 2024); later releases changed the model (0.6.1's
 RMSNorm calls F.rms_norm on an fp32 input with a bf16 weight, which PyTorch runs unfused), so the script names
