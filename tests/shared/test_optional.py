@@ -18,7 +18,11 @@ LAB = "labs/00_where_the_memory_goes.ipynb"
 
 
 def _run_without(modules: list[str], code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter in which every name in ``modules`` cannot be imported."""
+    """Run ``code`` in a fresh interpreter in which every name in ``modules`` cannot be imported. The trace cache is
+    off: an estimate the user's cache holds is answered without transformers (a run of `memlab estimate llama-2-7b`
+    on the same machine before made this test's estimate exit 0)."""
+    import os
+
     prelude = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
     return subprocess.run(
         [sys.executable, "-c", prelude + textwrap.dedent(code)],
@@ -26,6 +30,7 @@ def _run_without(modules: list[str], code: str, cwd: Path = ROOT) -> subprocess.
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "MEMLAB_CACHE_DIR": "none"},
     )
 
 
