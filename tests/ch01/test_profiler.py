@@ -880,3 +880,22 @@ def test_allocator_peak_collects_earlier_garbage_before_it_starts():
         kept.append(torch.ones(1000))
 
     assert allocator_peak(step) == (4000, 4000)
+
+
+def test_allocator_peak_turns_the_collector_off_inside_and_back_as_it_was():
+    import gc
+
+    from memlab.profiler import allocator_peak
+
+    seen = []
+    for before in (True, False):
+        (gc.enable if before else gc.disable)()
+        try:
+            allocator_peak(lambda: seen.append(gc.isenabled()))
+            assert gc.isenabled() is before
+            with pytest.raises(ZeroDivisionError):
+                allocator_peak(lambda: 1 / 0)
+            assert gc.isenabled() is before
+        finally:
+            gc.enable()
+    assert seen == [False, False]

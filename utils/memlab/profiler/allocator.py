@@ -117,9 +117,10 @@ def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     it sees every block the allocator serves (kernel scratch and 8-byte wrapped numbers included)
     and no tensor. It cannot see the free of a block allocated before it started, so ``fn`` should
     not free older memory (make the inputs inside ``fn``, or keep them alive). Garbage left by earlier
-    work is collected before the profiler starts: a collection inside ``fn`` would otherwise free it
-    there (a measured model kept alive by a reference cycle, say), and the allocator does report that
-    free when the block was made under an earlier profiler, which pulls the peak down.
+    work is collected before the profiler starts, and the collector is off while ``fn`` runs: a
+    collection inside ``fn`` would otherwise free it there (a measured model kept alive by a reference
+    cycle, say), and the allocator does report that free when the block was made under an earlier
+    profiler, which pulls the peak down.
 
     Returns:
         ``(peak, end)``: the highest point and the last one, both above the bytes live when ``fn``
@@ -129,6 +130,8 @@ def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()  # and none inside (as memlab.profiler.compare measures)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _quiet_stderr():  # the profiler's C++ side logs its start and stop on file descriptor 2
         prof.__enter__()
@@ -138,6 +141,8 @@ def allocator_peak(fn: Callable[[], Any]) -> tuple[int, int]:
     finally:
         with _quiet_stderr():
             prof.__exit__(None, None, None)
+        if enabled:
+            gc.enable()
     stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
     events = []
     while stack:  # the tree in order (a stable sort by time keeps it for equal times)
