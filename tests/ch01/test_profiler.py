@@ -857,29 +857,38 @@ def test_a_compiled_function_in_the_block_runs_and_is_counted():
     assert tr.peak_bytes >= 2 * 4000 and tr.current_bytes >= 4000  # x * 2 (freed after sin), then y alive
 
 
-def test_allocator_peak_collects_earlier_garbage_before_it_starts():
-    """A model from an earlier measurement, kept by a reference cycle, holds blocks the allocator saw
-    made under that earlier profiler. Were it collected inside the next window, the allocator would
-    report the free and the next peak would fall below what the step itself allocated (a chapter 09
-    test once read 882,896 B for a step whose peak is 1,474,768 B, so). allocator_peak collects first."""
+def test_no_collection_runs_inside_allocator_peak():
+    """A model from an earlier measurement, kept by a reference cycle, holds blocks the allocator saw made
+    under that earlier profiler. Collected inside the next window, its free is reported and that peak falls
+    below what the step itself allocated (a chapter 09 test once read 882,896 B for a step whose peak is
+    1,474,768 B, so). No collection runs inside ``fn``, however much cyclic garbage it makes."""
     import gc
 
     from memlab.profiler import allocator_peak
 
-    class Cycle:
-        def __init__(self) -> None:
-            self.me, self.block = self, torch.ones(100_000)  # 400 kB
+    starts, inside = [], []
 
-    made, _ = allocator_peak(lambda: Cycle())  # the cycle's block is made under a profiler, then left as garbage
-    assert made == 400_000
-
-    kept = []
+    def count(phase, info):
+        if phase == "start":
+            starts.append(info["generation"])
 
     def step():
-        gc.collect()  # as an automatic collection could, in the middle of a step
-        kept.append(torch.ones(1000))
+        before = len(starts)
+        for _ in range(2000):  # cyclic garbage: with the collector on, these thresholds collect every time
+            a = []
+            a.append(a)
+        inside.append(len(starts) - before)
 
-    assert allocator_peak(step) == (4000, 4000)
+    old = gc.get_threshold()
+    gc.callbacks.append(count)
+    gc.set_threshold(1, 1, 1)
+    try:
+        step()  # the collector on: it runs
+        allocator_peak(step)
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(count)
+    assert inside[0] > 0 and inside[1] == 0, inside
 
 
 def test_allocator_peak_turns_the_collector_off_inside_and_back_as_it_was():
