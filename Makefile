@@ -119,7 +119,7 @@ lab: setup
 PYTEST := MEMLAB_SMALL=1 OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest -n $(JOBS) --dist loadscope \
 	--nbval-lax --nbval-current-env --sanitize-with tests/nbval_sanitize.cfg
 test: setup
-	@echo "make test: about 11 minutes on 2 idle cores (CI, set-up included), longer on a busy machine; no test"
+	@echo "make test: about 15 minutes on 2 idle cores (CI, set-up included), longer on a busy machine; no test"
 	@echo "depends on the clock, so a slow run is slower, never red. Progress: the percentage at each line's end."
 	$(PYTEST) tests notebooks
 
