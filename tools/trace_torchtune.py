@@ -80,20 +80,24 @@ def _step(chunks: int):
     return plain
 
 
-def main() -> int:
-    version = _torchtune()
+def estimate_row(chunks: int, ac: bool, oib: bool):
+    """The estimate of one row's step (ROWS' settings) on torchtune's own Llama (call :func:`_torchtune` first)."""
     from memlab.estimate import estimate_training_memory
 
+    return estimate_training_memory(_factory(chunks, ac), batch_size=2, seq_len=4096, dtype="bf16-pure",
+                                    optimizer="adamw", optimizer_impl="for-loop", step=_step(chunks), device="cuda",
+                                    gpu="a100-80gb", optimizer_in_backward=oib)
+
+
+def main() -> int:
+    version = _torchtune()
     print(f"torchtune {version}'s own Llama 3.2 3B traced (memlab's callable route), batch 2 x 4096, bf16-pure, "
           f"for-loop AdamW, CUDA target a100-80gb")
     print(f"{'row':<40} {'published':>10} {'estimate':>10} {'error':>7}  peak in")
     for name, gib, kw in ROWS:
         t0 = time.perf_counter()
-        est = estimate_training_memory(_factory(kw["chunks"], kw["ac"]), batch_size=2, seq_len=4096,
-                                       dtype="bf16-pure", optimizer="adamw", optimizer_impl="for-loop",
-                                       step=_step(kw["chunks"]), device="cuda", gpu="a100-80gb",
-                                       optimizer_in_backward=kw["oib"])
-        allocated = est.peak_bytes + sum(est.extras.values())
+        est = estimate_row(**kw)
+        allocated = est.allocated_bytes
         print(f"{name:<40} {gib:>6.2f} GiB {allocated / GIB:>6.2f} GiB {100 * (allocated / (gib * GIB) - 1):>+6.1f}%"
               f"  {est.peak_phase} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print("compile=True from the second row on in the published run: the traces here are eager")

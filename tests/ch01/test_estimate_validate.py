@@ -278,9 +278,8 @@ def test_torchtunes_own_llama_traced_meets_the_packed_row():
     spec.loader.exec_module(tool)
     if not tool._torchtune().startswith("0.4.0"):
         pytest.skip("torchtune other than 0.4.0 installed: its model differs from the run's")
-    est = E.estimate_training_memory(tool._factory(0, False), batch_size=2, seq_len=4096, dtype="bf16-pure",
-                                     optimizer="adamw", optimizer_impl="for-loop", step=tool._step(0), device="cuda",
-                                     gpu="a100-80gb")
-    allocated = est.peak_bytes + sum(est.extras.values())
-    assert abs(allocated / (60.0 * GiB) - 1) <= 0.03
+    name, gib, kw = tool.ROWS[0]
+    assert name == "+ Packed Dataset"
+    allocated = tool.estimate_row(**kw).allocated_bytes
+    assert abs(allocated / (gib * GiB) - 1) <= 0.03
     assert f"{allocated / GiB:.2f} GiB" in (path.parents[1] / "results/cpu/torchtune_own_model.txt").read_text()

@@ -860,8 +860,8 @@ def test_a_compiled_function_in_the_block_runs_and_is_counted():
 def test_no_collection_runs_inside_allocator_peak():
     """A model from an earlier measurement, kept by a reference cycle, holds blocks the allocator saw made
     under that earlier profiler. Collected inside the next window, its free is reported and that peak falls
-    below what the step itself allocated (a chapter 09 test once read 882,896 B for a step whose peak is
-    1,474,768 B, so). No collection runs inside ``fn``, however much cyclic garbage it makes."""
+    below what the step itself allocated (so a chapter 09 test once read 882,896 B for a step whose peak is
+    1,474,768 B). No collection runs inside ``fn``, however much cyclic garbage it makes."""
     import gc
 
     from memlab.profiler import allocator_peak

@@ -66,7 +66,8 @@ def cpu_fingerprint() -> str:
     return "\n".join(parts)
 
 
-def library_path(name: str, source: str, flags: Sequence[str], cxx: str, cache: Path, cpu: str | None = None) -> Path:
+def library_path(name: str, source: str, flags: Sequence[str], cxx: str, cache: Path,
+                 cpu: str | None = None) -> Path:
     """The library file of ``source`` (its text) built with ``flags`` by ``cxx``: ``memlab_<name>_<key>.so`` in
     ``cache``, ``key`` the first 16 hex digits of the SHA-256 of the text, the flags and the compiler, and with
     ``-march=native`` among the flags the CPU too (``cpu``; None reads :func:`cpu_fingerprint`)."""
@@ -80,8 +81,8 @@ def library_path(name: str, source: str, flags: Sequence[str], cxx: str, cache: 
 
 def build_library(source_path: Path, name: str, flags: Sequence[str] = NATIVE_FLAGS,
                   cache: Path | None = None) -> ctypes.CDLL:
-    """Compile ``source_path`` (once per text, flags, compiler and CPU: :func:`library_path`) into ``cache`` (None: :func:`cache_folder`)
-    and load it; the same library object on every later call in this process.
+    """Compile ``source_path`` (once per text, flags, compiler and CPU: :func:`library_path`) into ``cache``
+    (None: :func:`cache_folder`) and load it; the same library object on every later call in this process.
 
     Args:
         source_path: the C++ file (package data beside the module that uses it).
