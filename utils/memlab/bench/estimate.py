@@ -12,6 +12,12 @@ Each is timed twice over: *cold* (``MEMLAB_CACHE_DIR`` a new empty folder: every
 :func:`memlab.estimate.trace_cache.enable_disk_cache`). The commands run in turns, round by round (a busy moment
 slows each alike), and each figure is the median of ``--repeat`` rounds. Every run must exit 0 and print a peak.
 The targets were set for two idle cores; on a shared machine the figures are noisy: say so beside them.
+
+Each round also times the *floor* (:data:`FLOOR_CODE`): a fresh process that imports what every one of these
+commands imports before its first trace (torch, memlab's estimator, transformers' Llama, the fake-tensor mode with
+``torch._dynamo``) and leaves as the command does, tracing nothing. No first run can be faster; the table shows each
+command's time above it, the part tracing makes: on a host whose speed drifts by the hour, the floor says how much of
+a figure is the imports, not the tracing.
 """
 from __future__ import annotations
 
@@ -35,6 +41,13 @@ CASES: tuple[tuple[str, tuple[str, ...], float], ...] = (
 MODES = ("cold", "warm")
 
 Runner = Callable[[Sequence[str], str], "tuple[float, bool, float]"]
+
+#: the floor's process: the imports of a first ``memlab estimate`` of a Llama preset (a subset of what that command
+#: has imported when it exits), then the command's own quick exit (os._exit: no interpreter teardown)
+FLOOR_CODE = ("import os, sys, memlab.cli.estimate, memlab.estimate.trace; "
+              "from transformers import LlamaConfig, LlamaForCausalLM; "
+              "from torch._subclasses.fake_tensor import FakeTensorMode; "
+              "sys.stdout.flush(); os._exit(0)")
 
 
 def run_process(args: Sequence[str], cache_dir: str) -> tuple[float, bool, float]:
@@ -62,17 +75,49 @@ def run_process(args: Sequence[str], cache_dir: str) -> tuple[float, bool, float
     return seconds, "read from the trace cache" in proc.stdout, cpu
 
 
-def measure(repeat: int, runner: Runner = run_process, cases=CASES) -> tuple[dict[tuple[str, str], list[float]], bool]:
+def run_floor() -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of a fresh ``python -c FLOOR_CODE`` (:data:`FLOOR_CODE`).
+
+    Raises:
+        RuntimeError: the process failed (its last lines quoted).
+    """
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", FLOOR_CODE], capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"the floor's imports (python -c FLOOR_CODE) exited {proc.returncode}: {tail}")
+    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+FLOOR = "imports alone"  # the floor's row in measure's times
+
+
+def measure(repeat: int, runner: Runner = run_process, cases=CASES,
+            floor: Callable[[], tuple[float, float]] | None = run_floor
+            ) -> tuple[dict[tuple[str, str], list[float]], bool]:
     """Seconds of every case in both modes, ``repeat`` rounds, interleaved: {(case, mode): [seconds, ...]} (wall;
-    the CPU seconds under ``(case, mode + " cpu")``), and whether every warm run read the trace cache."""
+    the CPU seconds under ``(case, mode + " cpu")``), and whether every warm run read the trace cache. ``floor``
+    (:func:`run_floor`; None: not timed) is timed first in each round, under ``(FLOOR, "cold")`` and
+    ``(FLOOR, "cold cpu")``."""
     times: dict[tuple[str, str], list[float]] = {(name, m): [] for name, _, _ in cases for m in (*MODES, "cold cpu",
                                                                                                   "warm cpu")}
+    if floor is not None:
+        times[(FLOOR, "cold")], times[(FLOOR, "cold cpu")] = [], []
     cached = True
     with tempfile.TemporaryDirectory(prefix="memlab-bench-estimate-") as root:
         warm = os.path.join(root, "warm")
         for _, args, _ in cases:  # fill the warm cache (untimed)
             runner(args, warm)
         for r in range(repeat):
+            if floor is not None:
+                seconds, cpu = floor()
+                times[(FLOOR, "cold")].append(seconds)
+                times[(FLOOR, "cold cpu")].append(cpu)
             for name, args, _ in cases:
                 seconds, _, cpu = runner(args, os.path.join(root, f"cold-{r}-{name}"))
                 times[(name, "cold")].append(seconds)
@@ -99,12 +144,19 @@ def report(times: dict[tuple[str, str], list[float]], cases=CASES) -> tuple[list
                            med[m] / target, med[m] <= target))
     lines.append("(wall time, the targets' measure; cpu: user + system seconds of the process and its children: the "
                  "suggestions are traced in two processes, so their cpu exceeds their wall time on idle cores)")
+    if times.get((FLOOR, "cold")):
+        low = statistics.median(times[(FLOOR, "cold")])
+        above = ", ".join(f"{name} {statistics.median(times[(name, 'cold')]) - low:.2f} s" for name, _, _ in cases)
+        lines.append(f"floor: a fresh process importing what these commands import before their first trace, tracing "
+                     f"nothing (memlab.bench.estimate.FLOOR_CODE): median {low:.2f} s (cpu "
+                     f"{statistics.median(times[(FLOOR, 'cold cpu')]):.2f}); each first run above it: {above}")
     return lines, checks
 
 
-def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
-    """``memlab bench estimate [--repeat N] [--strict]``: the table and the verdicts; exit 1 on a missed target
-    with ``--strict`` or a failed command, else 0."""
+def main(argv: list[str] | None = None, runner: Runner = run_process,
+         floor: Callable[[], tuple[float, float]] | None = run_floor) -> int:
+    """``memlab bench estimate [--repeat N] [--strict]``: the table, the floor and the verdicts; exit 1 on a missed
+    target with ``--strict`` or a failed command, else 0. ``runner`` and ``floor``: as :func:`measure` takes them."""
     p = argparse.ArgumentParser(prog="memlab bench estimate", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of each command (default 3; the median)")
     add_strict(p)
@@ -117,7 +169,7 @@ def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
           f"Python {platform.python_version()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; "
           f"median of {args.repeat} interleaved round(s); wall time, imports included")
     try:
-        times, cached = measure(args.repeat, runner)
+        times, cached = measure(args.repeat, runner, floor=floor)
     except RuntimeError as exc:
         print(f"memlab bench estimate: error: {exc}", file=sys.stderr)
         return 1

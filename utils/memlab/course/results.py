@@ -78,9 +78,11 @@ ESTIMATE = "results/cpu/bench_estimate.txt"
 ROW_01_ESTIMATE = Row("01", (
     "`memlab estimate` as a fresh process, first run (every trace made), imports included: Llama-2-7B, Llama-2-70B, "
     "7B with all suggestions (`memlab bench estimate`, load {load} on 2 cores)",
-    "{c7} / {c70} / {cs} s (CPU {u7} / {u70} / {us} s)", "repeat from the trace cache {w7} / {w70} / {ws} s",
+    "{c7} / {c70} / {cs} s (CPU {u7} / {u70} / {us} s); the imports alone (a fresh process, nothing traced: "
+    "the floor under every first run) {fl} s", "repeat from the trace cache {w7} / {w70} / {ws} s",
     "targets <= {t7} / {t70} / {ts} s"),
     (Found(ESTIMATE, "^7B {c7} {u7} {w7} {wu7} {t7} {n7}"),
+     Found(ESTIMATE, "(memlab.bench.estimate.FLOOR_CODE): median {fl} s (cpu {flc})"),
      Found(ESTIMATE, "^70B {c70} {u70} {w70} {wu70} {t70} {n70}"),
      Found(ESTIMATE, "^7B + all suggestions {cs} {us} {ws} {wus} {ts} {ns}"),
      Found(ESTIMATE, "load average over the last minute: {load} on 2 cores")), device=CPU)
