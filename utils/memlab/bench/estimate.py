@@ -50,6 +50,22 @@ FLOOR_CODE = ("import os, sys, memlab.cli.estimate, memlab.estimate.trace; "
               "sys.stdout.flush(); os._exit(0)")
 
 
+def _timed(cmd: list[str], env: dict[str, str] | None) -> tuple[subprocess.CompletedProcess, float, float]:
+    # (the finished process, its wall seconds, its CPU seconds: user + system of it and its children)
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return proc, seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def _tail(proc: subprocess.CompletedProcess) -> str:
+    return " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+
+
 def run_process(args: Sequence[str], cache_dir: str) -> tuple[float, bool, float]:
     """(wall seconds, whether it read the trace cache, CPU seconds: user + system) of ``python -m memlab estimate
     ARGS`` in a new process with ``MEMLAB_CACHE_DIR=cache_dir``. The CPU time counts the process and its children:
@@ -60,18 +76,10 @@ def run_process(args: Sequence[str], cache_dir: str) -> tuple[float, bool, float
     Raises:
         RuntimeError: the command failed or printed no peak (its last lines quoted).
     """
-    import resource
-
-    env = {**os.environ, "MEMLAB_CACHE_DIR": cache_dir}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "memlab", "estimate", *args], env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    proc, seconds, cpu = _timed([sys.executable, "-m", "memlab", "estimate", *args],
+                                {**os.environ, "MEMLAB_CACHE_DIR": cache_dir})
     if proc.returncode != 0 or "peak:" not in proc.stdout:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise RuntimeError(f"memlab estimate {' '.join(args)} exited {proc.returncode}: {tail}")
+        raise RuntimeError(f"memlab estimate {' '.join(args)} exited {proc.returncode}: {_tail(proc)}")
     return seconds, "read from the trace cache" in proc.stdout, cpu
 
 
@@ -81,17 +89,10 @@ def run_floor() -> tuple[float, float]:
     Raises:
         RuntimeError: the process failed (its last lines quoted).
     """
-    import resource
-
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", FLOOR_CODE], capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc, seconds, cpu = _timed([sys.executable, "-c", FLOOR_CODE], None)
     if proc.returncode != 0:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise RuntimeError(f"the floor's imports (python -c FLOOR_CODE) exited {proc.returncode}: {tail}")
-    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        raise RuntimeError(f"the floor's imports (python -c FLOOR_CODE) exited {proc.returncode}: {_tail(proc)}")
+    return seconds, cpu
 
 
 FLOOR = "imports alone"  # the floor's row in measure's times
