@@ -222,3 +222,30 @@ def test_an_8bit_estimate_imports_no_bitsandbytes():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1", "MEMLAB_CACHE_DIR": "none"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out[-1] == "False"
+
+
+def test_an_estimate_read_from_the_trace_cache_imports_no_torch(tmp_path):
+    """A repeated ``memlab estimate`` of a preset answers from the trace cache without importing torch, transformers
+    or peft (about 0.1 s instead of 1 s of imports), a QLoRA one included (memlab.quant's codebooks are built by the
+    trace, not by resolving the model: the suggestions' QLoRA rows read from the cache the same way), and prints what
+    the first run printed. (``--set`` overrides are checked against transformers' config class: that imports it.)"""
+    import json
+
+    args = ["qwen2.5-0.5b", "--adapter", "qlora", "--batch-size", "1", "--seq-len", "128"]
+    code = ("import io, sys, json, contextlib; from memlab.cli.estimate import main\n"
+            "out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out): rc = main(json.loads(sys.argv[1]))\n"
+            "print(json.dumps([rc, out.getvalue(), sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'transformers', 'peft'))]))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMLAB_CACHE_DIR": str(tmp_path)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True,
+                                      text=True, check=True).stdout.splitlines()[-1]) for _ in range(2)]
+    (rc1, first, mods1), (rc2, again, mods2) = runs
+    assert rc1 == rc2 == 0 and "torch" in mods1 and "NF4" in first
+    assert mods2 == [], mods2[:5]
+    assert "read from the trace cache" in again and "read from the trace cache" not in first
+
+    def answer(text):  # every line but the timing and the cache's own note
+        return [ln for ln in text.splitlines() if not ln.startswith("estimated in") and "trace cache" not in ln]
+
+    assert answer(again) == answer(first)

@@ -387,8 +387,9 @@ def _resolve(model: Any, overrides: Mapping[str, Any]) -> "ModelSpec":
 def resolve_for_step(model: Any, step: "StepSpec", config_overrides: Mapping[str, Any] | None = None,
                      allow_longer_seq: bool = False) -> "ModelSpec":
     """The model a step runs on: its config overrides checked (:func:`check_config_overrides`, whatever the
-    model's source), resolved, its positions checked against ``step.seq_len``, its adapters attached."""
-    from memlab.estimate.adapters import warm_quant
+    model's source), resolved, its positions checked against ``step.seq_len``, its adapters attached (memlab.quant's
+    codebooks for QLoRA are built by the trace, :func:`memlab.estimate.trace.trace_step`: an estimate read from the
+    trace cache imports no torch)."""
     from memlab.estimate.model import check_positions
 
     overrides = check_mapping("config_overrides", config_overrides)
@@ -401,8 +402,6 @@ def resolve_for_step(model: Any, step: "StepSpec", config_overrides: Mapping[str
     check_positions(spec, step.seq_len, allow_longer_seq)
     if step.adapter is not None:
         spec = spec.with_adapter(step.adapter)
-        if step.adapter.kind == "qlora":
-            warm_quant()
     return spec
 
 

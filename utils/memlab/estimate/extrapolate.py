@@ -4,7 +4,6 @@ its end, :func:`aligned_peaks`) extended exactly to the full depth; and its FSDP
 phase extrapolated, checked against a third depth)."""
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any, Callable, Iterable
 
@@ -13,17 +12,28 @@ from memlab.estimate import trace_cache
 from memlab.estimate.model import ModelSpec
 from memlab.core.vocab import CATEGORIES
 from memlab.estimate.result import MemoryEstimate, PhaseSummary
+from memlab.estimate.recipes import EXTRAPOLATE_MIN_LAYERS, EXTRAPOLATION_DEPTHS
+from memlab.estimate.routes import callable_route, factory_layers_differ, route_note
 from memlab.estimate.step import StepSpec
-from memlab.estimate.trace import trace_step
+
+
+def __getattr__(name: str) -> Any:
+    # trace_step imported on first use: an estimate read from the trace cache never imports torch (PEP 562; tests
+    # replace the module's trace_step, which the functions below then call)
+    if name == "trace_step":
+        from memlab.estimate.trace import trace_step
+
+        globals()["trace_step"] = trace_step
+        return trace_step
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _trace_step() -> Callable[..., MemoryEstimate]:
+    return globals().get("trace_step") or __getattr__("trace_step")
+
 
 REPLAY_NOTE = "reserved: the traced allocations replayed through a model of PyTorch's CUDA caching allocator"
 
-# Extrapolation by depth: traced at these two depths (decoder layers) and a third, 2 d2 - d1. From 3 layers on,
-# the first two and the last two layers of the traced stacks are distinct layers (the first can differ: a frozen
-# embedding's output needs no gradient; HF Llama keeps inputs_embeds alive through the forward; the last feeds
-# the head), so every candidate moment of aligned_peaks lines up over the three depths.
-EXTRAPOLATION_DEPTHS = (3, 4)
-EXTRAPOLATE_MIN_LAYERS = 6
 
 
 def _affine(a: int, b: int, d1: int, d2: int, n: int) -> int:
@@ -269,7 +279,7 @@ def traced_in_two(trace_at: Callable[[int], MemoryEstimate], mine: list[int],
 
 
 def _by_depth(spec: ModelSpec) -> bool:
-    # a homogeneous transformers stack, or a model factory (its layers checked in _factory_layers_differ)
+    # a homogeneous transformers stack, or a model factory (its layers checked in factory_layers_differ)
     return spec.factory is not None or (spec.is_hf and spec.homogeneous())
 
 
@@ -283,12 +293,12 @@ def _extrapolated(spec: ModelSpec, step: StepSpec, extrapolate: bool | str) -> t
     if n < EXTRAPOLATE_MIN_LAYERS:
         return None, f"{n} layers, fewer than the {EXTRAPOLATE_MIN_LAYERS} extrapolation starts at (a full trace is cheap)"
     if spec.factory is not None:
-        why = _factory_layers_differ(spec)
+        why = factory_layers_differ(spec)
         if why:
             return None, why
     d1, d2 = EXTRAPOLATION_DEPTHS
     # the first layer can differ in shape: then one deeper
-    est = extrapolate_by_depth(lambda d: trace_step(spec.at_depth(d), step), n, ((d1, d2), (d2, d2 + 1)))
+    est = extrapolate_by_depth(lambda d: _trace_step()(spec.at_depth(d), step), n, ((d1, d2), (d2, d2 + 1)))
     if est is None:
         return None, (f"the traces at {d1}, {d2}, {2 * d2 - d1} (and {d2}, {d2 + 1}, {d2 + 2}) layers are not affine in "
                       f"the layer count")
@@ -297,190 +307,13 @@ def _extrapolated(spec: ModelSpec, step: StepSpec, extrapolate: bool | str) -> t
 
 def extrapolated(spec: ModelSpec, step: StepSpec, extrapolate: bool | str) -> MemoryEstimate | None:
     """The estimator's extrapolation of a single-rank step where it applies (a homogeneous transformers
-    stack, or a model factory whose modules grow by one layer's per unit of depth: :func:`_factory_layers_differ`),
+    stack, or a model factory whose modules grow by one layer's per unit of depth: :func:`factory_layers_differ`),
     else None (trace every layer).
 
     ``extrapolate``: "auto" and True (stacks of at least :data:`EXTRAPOLATE_MIN_LAYERS` layers: deeper than the
     traced depths, 3, 4 and 5) or False (never).
     """
     return _extrapolated(spec, step, extrapolate)[0]
-
-
-# ---- a model given as a callable: the model factory's route and the transformers config route ------------------
-
-def _meta_build(build: Callable[[], Any]) -> Any:
-    """``build()`` on the meta device (nothing allocated, no fake mode), with the fake trace's build context
-    (``.cuda()``, ``.to("cuda")``: :func:`memlab.estimate.trace.traceable_build`)."""
-    import warnings
-
-    import torch
-
-    from memlab.estimate.trace import traceable_build
-
-    with warnings.catch_warnings(), torch.device("meta"), traceable_build("meta"):
-        warnings.simplefilter("ignore")
-        return build()
-
-
-def _own(m: Any) -> tuple:
-    # a module's class and its own parameters' and buffers' names, shapes, dtypes (and requires_grad)
-    return (f"{type(m).__module__}.{type(m).__qualname__}",
-            tuple((k, tuple(p.shape), str(p.dtype), p.requires_grad) for k, p in m.named_parameters(recurse=False)),
-            tuple((k, tuple(b.shape), str(b.dtype)) for k, b in m.named_buffers(recurse=False)))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:160]}" if text else type(exc).__name__
-
-
-def _factory_layers_differ(spec: ModelSpec) -> str:
-    """Why a model factory cannot be extrapolated by depth, or "" when it can: built on the meta device at
-    :data:`EXTRAPOLATION_DEPTHS` and at its full depth, its modules (each one's class, its own parameters' and
-    buffers' shapes, dtypes, requires_grad) at the full depth must be those at the first depth plus one layer's
-    (what the second depth adds) for every layer beyond it: layers that differ in type or shape (a different first
-    layer is allowed), or a depth parameter that builds nothing per layer, are refused. What shapes cannot show
-    (layers that run differently with the same parameters) is left to the traces' check at a third depth."""
-    from collections import Counter
-
-    d1, d2 = EXTRAPOLATION_DEPTHS
-    n, param = spec.depth, spec.depth_param
-    try:
-        c1, c2, cn = (Counter(_own(m) for m in _meta_build(spec.at_depth(d).fn).modules()) for d in (d1, d2, n))
-    except Exception as exc:  # noqa: BLE001 (a factory that cannot build on the meta device: traced as it is)
-        return f"building it on the meta device raised {_first_line(exc)}"
-    layer = c2 - c1
-    if not layer or layer + c1 != c2:
-        return f"{param}={d2} does not build the modules of {param}={d1} and one layer more"
-    if cn != c1 + Counter({k: v * (n - d1) for k, v in layer.items()}):
-        return (f"its modules at {param}={n} are not those at {param}={d1} plus {n - d1} times one layer's "
-                f"(layers that differ in type or shape)")
-    return ""
-
-
-def _base_model(spec: ModelSpec, dtype: str) -> Any:
-    # the model as ModelSpec.build makes it, before any adapter (adapters are memlab's own, the same on both routes)
-    if spec.adapter is None:
-        return spec.build(dtype, None)
-    from memlab.estimate.adapters import base_dtype
-    from memlab.estimate.model import build_in
-
-    base = base_dtype(dtype)
-    return build_in(spec.fn, base) if spec.fn is not None else spec._from_config(base, None)
-
-
-def _layout(model: Any) -> tuple:
-    """What a step on ``model`` depends on besides its config: every module in order (its name, :func:`_own`, its
-    own plain attributes but ``training``, how many hooks of each kind it holds, a ``forward`` set on the instance),
-    the parameters tied together, and the attention implementation."""
-    rows = []
-    for name, m in model.named_modules():
-        attrs = vars(m)
-        plain = tuple(sorted((k, repr(v)) for k, v in attrs.items()
-                             if k != "training" and isinstance(v, (bool, int, float, str, type(None)))))
-        hooks = tuple(sorted((k, len(v)) for k, v in attrs.items() if k.endswith("hooks") and isinstance(v, dict)))
-        rows.append((name, _own(m), plain, hooks, "forward" in attrs))
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    tied = sorted(tuple(g) for g in groups.values() if len(g) > 1)
-    return rows, tied, getattr(getattr(model, "config", None), "_attn_implementation", None)
-
-
-def _layout_difference(a: Any, b: Any) -> str:
-    # the first difference between two models' layouts (:func:`_layout`), in words; "" when there is none
-    (ra, ta, aa), (rb, tb, ab) = _layout(a), _layout(b)
-    for x, y in zip(ra, rb):
-        if x != y:
-            what = ("module" if x[0] != y[0] or x[1][0] != y[1][0] else "parameters or buffers" if x[1] != y[1]
-                    else "attributes" if x[2] != y[2] else "hooks" if x[3] != y[3] else "an instance forward")
-            return f"{what} of {x[0] or 'the model'!r} ({x[1][0].rsplit('.', 1)[-1]}) differ"
-    if len(ra) != len(rb):
-        return f"{len(ra)} modules against {len(rb)}"
-    if ta != tb:
-        return "other parameters are tied"
-    if aa != ab:
-        return f"attention {aa!r} against {ab!r}"
-    return ""
-
-
-def config_route(spec: ModelSpec, step: StepSpec) -> tuple[ModelSpec | None, str]:
-    """A callable whose model is a transformers model built from its config: ``(the config's spec, "")`` when the
-    callable's model, built once on the meta device, has the layout (:func:`_layout`: every module's type, its
-    parameters' shapes, dtypes and requires_grad, its plain attributes and hooks, the tied parameters, the
-    attention) of ``AutoModelForCausalLM.from_config(model.config)`` built the same way; else ``(None, why not)``.
-    Both are built at full depth under ``step``'s recipe, as a trace builds them (adapters aside: memlab adds them
-    to either alike)."""
-    import sys
-
-    try:
-        model = _meta_build(lambda: _base_model(spec, step.dtype))
-    except Exception as exc:  # noqa: BLE001 (a builder that cannot build on the meta device: traced as it is)
-        return None, f"building it on the meta device raised {_first_line(exc)}"
-    kind = type(model).__name__
-    if "transformers" not in sys.modules:
-        return None, f"its model ({kind}) is not a transformers model"
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        return None, f"its model ({kind}) is not a transformers model"
-    from memlab.estimate.model import ModelSpec
-
-    cspec = ModelSpec(spec.name, config=copy.deepcopy(model.config), adapter=spec.adapter)
-    if cspec.layers() is None:
-        return None, f"its {kind}'s config has no layer count"
-    n = cspec.layers()[1]
-    if not cspec.homogeneous():
-        return None, f"its {kind}'s layers differ (the config's per-layer types)"
-    if n < EXTRAPOLATE_MIN_LAYERS:
-        return None, f"{n} layers, fewer than the {EXTRAPOLATE_MIN_LAYERS} extrapolation starts at (a full trace is cheap)"
-    try:
-        ref = _meta_build(lambda: _base_model(cspec, step.dtype))
-    except Exception as exc:  # noqa: BLE001
-        return None, f"AutoModelForCausalLM.from_config(model.config) raised {_first_line(exc)}"
-    diff = _layout_difference(model, ref)
-    if diff:
-        return None, f"its {kind} is not AutoModelForCausalLM.from_config(model.config) ({diff})"
-    return cspec, ""
-
-
-def callable_route(spec: ModelSpec, step: StepSpec) -> tuple[ModelSpec, str]:
-    """How a model given as a callable is estimated: ``(the spec to extrapolate, "")`` for a model factory
-    (itself) or a transformers model built from its config (the config's spec, :func:`config_route`); else
-    ``(spec, why its every layer is traced)``."""
-    if spec.factory is not None:
-        return spec, ""
-    from memlab.estimate.model import DEPTH_PARAMETERS, depth_parameter
-
-    cspec, why = config_route(spec, step)
-    if cspec is not None:
-        return cspec, ""
-    found = depth_parameter(spec.fn)
-    if found is not None:  # a default that is no depth (None): the factory's depth is not known
-        return spec, (f"its {found[0]}={found[1]!r} is not a depth; config_overrides={{{found[0]!r}: N}} makes it a "
-                      f"model factory, extrapolated")
-    return spec, (f"it takes no depth parameter ({', '.join(DEPTH_PARAMETERS)}) and {why}; a model factory "
-                  f"(e.g. def build(depth=32)) is extrapolated")
-
-
-def _route_note(spec: ModelSpec, route: ModelSpec, est: MemoryEstimate | None, why: str) -> str:
-    # the estimate's note on how a callable's model was estimated
-    name = f"{spec.name}()"
-    if est is None or not est.extrapolated_from:
-        return f"model {name}: every layer traced (the callable at full depth): {why}"
-    d1, d2 = est.extrapolated_from
-    depths = f"{d1}, {d2} and {2 * d2 - d1}"
-    if route.factory is not None:
-        p, n = route.depth_param, route.depth
-        return (f"model factory {spec.name}({p}=...): traced at {p}={depths}, the per-layer difference the same "
-                f"between them (checked), and extrapolated to {p}={n} ({route.depth_source}); its modules at {p}={n} "
-                f"(built on the meta device) are those at {p}={EXTRAPOLATION_DEPTHS[0]} plus one layer's for each "
-                f"layer more (checked)")
-    f, n = route.layers()
-    return (f"model {name}: a transformers {type(route.config).__name__} model whose layout (module types, parameter "
-            f"shapes and dtypes, attributes, tied weights, attention; built once on the meta device) is "
-            f"AutoModelForCausalLM.from_config(model.config)'s: estimated by the config route, traced at {depths} "
-            f"layers and extrapolated to {f}={n}")
 
 
 # FSDP2's per-rank timeline is affine in the layer count only from 3 layers on (with 1 or 2 layers the
@@ -519,7 +352,7 @@ def extrapolated_fsdp(spec: ModelSpec, step: StepSpec, world_size: int) -> Memor
         return None
     t0 = time.perf_counter()
     d1, d2, d3 = FSDP_EXTRAPOLATION_DEPTHS
-    traced = {d: trace_step(spec.at_depth(d), step, fsdp_world_size=world_size) for d in (d1, d2, d3)}
+    traced = {d: _trace_step()(spec.at_depth(d), step, fsdp_world_size=world_size) for d in (d1, d2, d3)}
     segs = {d: _segments(est) for d, est in traced.items()}
     if len({tuple(ph for ph, _ in sg) for sg in segs.values()}) != 1:
         return None
@@ -570,18 +403,18 @@ def estimate_one_rank(spec: ModelSpec, step: StepSpec, extrapolate: bool | str =
 
     def noted(est: MemoryEstimate, why: str) -> MemoryEstimate:
         if spec.fn is not None:
-            est.notes.append(_route_note(spec, route, est, why))
+            est.notes.append(route_note(spec, route, est, why))
         return est
 
     if fsdp_world_size:
         tracing_starts()
         if extrapolate and _by_depth(route) and route.layers()[1] > max(FSDP_EXTRAPOLATION_DEPTHS):
-            why = _factory_layers_differ(route) if route.factory is not None else ""
+            why = factory_layers_differ(route) if route.factory is not None else ""
             est = extrapolated_fsdp(route, step, fsdp_world_size) if not why else None
             if est is not None:
                 return noted(est, "")
             why = why or "the FSDP2 traces at 3, 4 and 5 layers are not affine in the layer count"
-        return noted(trace_step(spec, step, fsdp_world_size=fsdp_world_size), why)
+        return noted(_trace_step()(spec, step, fsdp_world_size=fsdp_world_size), why)
     path = trace_cache.cache_path(route, step, extrapolate)
     cached = trace_cache.read(path) if path is not None else None
     if cached is not None:
@@ -592,7 +425,7 @@ def estimate_one_rank(spec: ModelSpec, step: StepSpec, extrapolate: bool | str =
     else:
         est = None
     if est is None:
-        return noted(trace_step(spec, step), why)
+        return noted(_trace_step()(spec, step), why)
     noted(est, "")
     if path is not None and isinstance(est.tracker, PhaseSummary):  # a whole trace keeps its timeline in memory only
         trace_cache.write(path, est)

@@ -29,15 +29,12 @@ import contextlib
 import copy
 from typing import Any, Callable, Mapping
 
-import torch
-
 from memlab.core import vocab
 from memlab.core.vocab import CATEGORIES, Recipe
 from memlab.estimate.model import ModelSpec, resolve_model
 from memlab.estimate.recipes import ZERO_STAGES
 from memlab.estimate.result import MemoryEstimate, PhaseSummary
 from memlab.estimate.step import StepSpec, check_fsdp_version
-from memlab.estimate.trace import NoFSDPUnits
 from memlab.estimate.extrapolate import estimate_one_rank
 
 
@@ -84,6 +81,8 @@ def trace_fsdp(spec: ModelSpec, step: StepSpec, extrapolate: bool | str = "auto"
     """
     world_size = step.world_size
     import torch.distributed as dist
+
+    from memlab.estimate.trace import NoFSDPUnits
 
     if not dist.is_available():
         return None, "torch.distributed is not available in this torch build"
@@ -159,6 +158,8 @@ def fsdp_units(model: Any, dtype: str = "bf16-mixed", config_overrides: Mapping[
     if not spec.is_hf or spec.layers() is None:
         raise ValueError("zero_stage=3 needs a decoder stack (a preset, a config.json or a transformers config) "
                          "to know FSDP's units; allowed for a callable model: zero_stage 0, 1, 2")
+    import torch
+
     from memlab.models import count_parameters
 
     counts = []

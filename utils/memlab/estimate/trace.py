@@ -469,6 +469,10 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
     Raises:
         ValueError, TypeError: a bad setting, named.
     """
+    if spec.adapter is not None and spec.adapter.kind == "qlora":
+        from memlab.estimate.adapters import warm_quant
+
+        warm_quant()  # memlab.quant's codebooks built for real before the trace, or it would count them
     s = _setup(spec, step, fake)
     torch.manual_seed(step.seed)
     t0 = time.perf_counter()
