@@ -207,12 +207,19 @@ def test_estimate_and_plan_argument_errors_come_before_torch_is_imported(argv, m
 
 
 def test_a_good_command_line_still_imports_torch():
-    """The check above can fail: a command line that parses goes on to the command (torch)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "utils")}
-    argv = ["estimate", "gpt2"]  # parses; gpt2's 1024 positions against the default 2048 tokens: the model knows
-    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_BEFORE_THE_ERROR.format(argv=argv)],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.stdout.split()[:3] == ["CODE", "2", "HEAVY"] and "torch" in proc.stdout.split()[3], proc.stdout
+    """The check above can fail: a command line that parses goes on to the command, whose trace imports torch and
+    transformers; and a model that refuses the settings says so before either is imported, as a bad argument does."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "utils"), "MEMLAB_CACHE_DIR": "none"}
+
+    def run(argv):
+        proc = subprocess.run([sys.executable, "-c", _NO_TORCH_BEFORE_THE_ERROR.format(argv=argv)],
+                              capture_output=True, text=True, env=env, timeout=180)
+        return proc, proc.stdout.strip().splitlines()[-1].split()
+
+    proc, last = run(["estimate", "gpt2", "--batch-size", "1", "--seq-len", "64"])
+    assert last[:3] == ["CODE", "0", "HEAVY"] and last[3] == "torch,transformers", (last, proc.stderr[-500:])
+    proc, last = run(["estimate", "gpt2"])  # parses; gpt2's 1024 positions against the default 2048 tokens
+    assert last == ["CODE", "2", "HEAVY", "-"], (last, proc.stderr[-500:])
     assert "seq_len=2048 exceeds gpt2's n_positions=1024" in proc.stderr
 
 
