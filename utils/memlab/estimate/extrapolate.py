@@ -35,7 +35,6 @@ def _trace_step() -> Callable[..., MemoryEstimate]:
 REPLAY_NOTE = "reserved: the traced allocations replayed through a model of PyTorch's CUDA caching allocator"
 
 
-
 def _affine(a: int, b: int, d1: int, d2: int, n: int) -> int:
     slope, rem = divmod(b - a, d2 - d1)
     if rem:

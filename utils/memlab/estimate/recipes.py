@@ -135,9 +135,10 @@ def check_input_bounds(batch_size: Any, seq_len: Any, world_size: Any = 1) -> No
                          f"allowed: at most {MAX_TOKENS:,} tokens per step")
 
 
-# Extrapolation by depth (memlab.estimate.extrapolate): traced at these two depths (decoder layers) and a third, 2 d2 - d1. From 3 layers on,
-# the first two and the last two layers of the traced stacks are distinct layers (the first can differ: a frozen
-# embedding's output needs no gradient; HF Llama keeps inputs_embeds alive through the forward; the last feeds
-# the head), so every candidate moment of extrapolate.aligned_peaks lines up over the three depths.
+# Extrapolation by depth (memlab.estimate.extrapolate): traced at these two depths (decoder layers) and a third,
+# 2 d2 - d1. From 3 layers on, the first two and the last two layers of the traced stacks are distinct layers (the
+# first can differ: a frozen embedding's output needs no gradient; HF Llama keeps inputs_embeds alive through the
+# forward; the last feeds the head), so every candidate moment of extrapolate.aligned_peaks lines up over the three
+# depths.
 EXTRAPOLATION_DEPTHS = (3, 4)
 EXTRAPOLATE_MIN_LAYERS = 6
