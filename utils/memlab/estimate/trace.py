@@ -378,11 +378,12 @@ def fsdp1_wrap(model: nn.Module, device: str, use_orig_params: bool = False) -> 
 def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_world_size: int) -> tuple:
     """(model, fake mode or nullcontext, parameter count before sharding or None, vocabulary size)."""
     if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from memlab.estimate.fake_mode import fake_mode
 
         # Non-fake inputs are allowed for the few small real tensors an optimizer makes outside
-        # the mode (bitsandbytes' quantization maps); they are not model memory.
-        mode: Any = FakeTensorMode(allow_non_fake_inputs=True)
+        # the mode (bitsandbytes' quantization maps); they are not model memory. PyTorch's mode with a
+        # cheaper dispatch-cache key (memlab.estimate.fake_mode): the same trace, a third faster.
+        mode: Any = fake_mode(allow_non_fake_inputs=True)
     else:
         mode = contextlib.nullcontext()
     build_attn = None if s.attn == "auto" else ("sdpa" if s.attn == "flash" else s.attn)

@@ -1,0 +1,167 @@
+"""memlab.estimate.fake_mode: the quick dispatch-cache key keys two fake tensors together exactly when PyTorch's
+key does (over drawn sizes, strides, offsets, storages, dtypes and flags), the mode answers ops with the same
+cache hits, misses and bypasses as PyTorch's, and a traced step is the same to the byte under either."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode, extract_tensor_metadata
+
+from memlab.estimate import fake_mode as fm
+
+DTYPES = (torch.float32, torch.bfloat16, torch.complex64, torch.int64)
+FIELDS = ("dtype", "storage", "size", "stride", "offset", "requires_grad", "conj", "neg", "inference")
+
+
+@st.composite
+def specs(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    ndim = draw(st.integers(0, 3))
+    size = tuple(draw(st.integers(0, 4)) for _ in range(ndim))
+    stride = tuple(draw(st.integers(0, 6)) for _ in range(ndim))
+    reach = sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
+    offset = draw(st.integers(0, 5))
+    storage = reach + offset + 1 + draw(st.integers(0, 3))
+    return dict(dtype=dtype, storage=storage, size=size, stride=stride, offset=offset,
+                requires_grad=dtype.is_floating_point and draw(st.booleans()),
+                conj=dtype.is_complex and draw(st.booleans()), neg=draw(st.booleans()), inference=draw(st.booleans()))
+
+
+def make(mode, spec):
+    """A fake tensor of ``mode`` with the drawn metadata (a view of a storage of ``storage`` elements)."""
+    def build():
+        base = torch.empty(spec["storage"], dtype=spec["dtype"])
+        t = base.as_strided(spec["size"], spec["stride"], spec["offset"])
+        if spec["conj"]:
+            t = t.conj()
+        if spec["neg"]:
+            t = torch._neg_view(t)
+        return t
+
+    with mode:
+        if spec["inference"]:
+            with torch.inference_mode():
+                t = build()
+        else:
+            t = build()
+        if spec["requires_grad"] and not spec["inference"]:  # an inference tensor takes no grad
+            t = t.detach().requires_grad_(True)
+    return t
+
+
+@st.composite
+def pairs(draw):
+    # a spec and a second one: the same, or with one field drawn again (so equal keys are drawn often)
+    a = draw(specs())
+    field = draw(st.sampled_from((None,) + FIELDS))
+    if field is None:
+        return a, dict(a)
+    b = dict(a)
+    other = draw(specs())
+    if field in ("size", "stride"):  # a shape change keeps the view inside the storage
+        b.update(size=other["size"], stride=other["stride"], offset=other["offset"], storage=other["storage"])
+    elif field == "dtype":
+        b.update(dtype=other["dtype"], requires_grad=other["requires_grad"], conj=other["conj"])
+    elif field == "requires_grad":
+        b["requires_grad"] = a["dtype"].is_floating_point and not a["requires_grad"]
+    elif field == "conj":
+        b["conj"] = a["dtype"].is_complex and not a["conj"]
+    elif field in ("neg", "inference"):
+        b[field] = not a[field]
+    else:  # storage or offset: inside the storage still
+        b[field] = other[field]
+        b["storage"] = max(b["storage"], a["storage"] if field == "offset" else 1)
+        reach = sum((n - 1) * s for n, s in zip(b["size"], b["stride"])) if all(b["size"]) else 0
+        b["storage"] = max(b["storage"], reach + b["offset"] + 1)
+    return a, b
+
+
+def test_supported_here():
+    # the installed torch has the key builder the quick mode overrides: the estimator gets the quick mode
+    assert fm.supported()
+    assert type(fm.fake_mode()) is fm.QuickKeyFakeTensorMode
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs())
+def test_quick_key_equal_exactly_when_torchs_key_is(pair):
+    mode = fm.QuickKeyFakeTensorMode()
+    a, b = (make(mode, s) for s in pair)
+    assert (fm.quick_key(a) == fm.quick_key(b)) == (extract_tensor_metadata(a) == extract_tensor_metadata(b)), pair
+
+
+def _keys(mode, ops):
+    # the cache key each op makes under ``mode`` (None where PyTorch bypasses the cache)
+    from torch._subclasses.fake_tensor import _BypassDispatchCache, _CacheKeyState
+
+    out = []
+    for func, args, kwargs in ops:
+        try:
+            out.append(mode._cache_key(_CacheKeyState(mode.shape_env), func, args, kwargs))
+        except _BypassDispatchCache as exc:
+            out.append(("bypass", exc.reason))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(specs(), min_size=2, max_size=5), st.integers(0, 3))
+def test_ops_share_a_key_exactly_as_under_torchs(spec_list, alpha):
+    # ops on the drawn tensors (tensor lists, scalars, keywords, a real tensor, a constant): two ops share a quick
+    # key exactly when they share PyTorch's, and each bypass is PyTorch's
+    aten = torch.ops.aten
+
+    def ops(mode):
+        ts = [make(mode, s) for s in spec_list]
+        with mode:
+            const = torch.tensor(2.0)  # a constant: bypassed by both
+        real = torch.zeros(2)  # not a fake tensor: bypassed by both
+        return [(aten.clone.default, (t,), {}) for t in ts] + \
+            [(aten.add.Tensor, (t, u), {"alpha": alpha}) for t, u in zip(ts, ts[1:])] + \
+            [(aten._foreach_mul.Scalar, (ts, 0.5), {}), (aten._foreach_mul.Scalar, (ts[::-1], 0.5), {}),
+             (aten.mul.Tensor, (ts[0], const), {}), (aten.mul.Tensor, (ts[0], real), {})]
+
+    quick_mode, plain_mode = fm.QuickKeyFakeTensorMode(), FakeTensorMode()
+    quick, plain = _keys(quick_mode, ops(quick_mode)), _keys(plain_mode, ops(plain_mode))
+    n = len(quick)
+    bypasses = [[k if isinstance(k, tuple) else "key" for k in keys] for keys in (quick, plain)]
+    assert bypasses[0] == bypasses[1] and bypasses[0][-2:] == [("bypass", "constant attribute"),
+                                                               ("bypass", "non-fake tensor")]
+    same_quick = [[quick[i] == quick[j] for j in range(n)] for i in range(n)]
+    same_plain = [[plain[i] == plain[j] for j in range(n)] for i in range(n)]
+    assert same_quick == same_plain
+
+
+def test_falls_back_to_torchs_mode_where_the_key_builder_differs(monkeypatch):
+    def other(self, result, args):  # a torch whose key builder takes other parameters
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(FakeTensorMode, "_prep_args_for_hash", other)
+    assert not fm.supported()
+    assert type(fm.fake_mode()) is FakeTensorMode
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(checkpointing=True, adapter="lora", optimizer="adamw8bit"),
+                                dict(adapter="qlora", loss="chunked")], ids=["full", "lora-ckpt-8bit", "qlora-chunked"])
+def test_a_trace_is_the_same_under_torchs_mode(monkeypatch, kw):
+    # every moment of a traced step (its phase, its bytes by category) and the caching allocator's replay, under the
+    # quick mode and under PyTorch's own
+    from transformers import LlamaConfig
+
+    from memlab.estimate.api import make_step, resolve_for_step
+    from memlab.estimate.trace import trace_step
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
+
+    def traced():
+        step = make_step(None, batch_size=2, seq_len=32, device="cuda", **kw)
+        est = trace_step(resolve_for_step(config, step), step)
+        return ([(ev.phase, dict(ev.bytes)) for ev in est.tracker.timeline], est.peak_bytes, est.reserved_replay_bytes,
+                est.phase_breakdowns, est.breakdown_end)
+
+    quick = traced()
+    monkeypatch.setattr(fm, "supported", lambda: False)
+    plain = traced()
+    assert len(quick[0]) > 50 and quick == plain

@@ -1,0 +1,98 @@
+"""The fake-tensor mode the estimator traces under: PyTorch's ``FakeTensorMode`` with a cheaper key for its
+dispatch cache.
+
+A fake-tensor op that PyTorch has seen before with inputs of the same metadata is answered from a cache
+(``FakeTensorMode.cache``) instead of running its meta kernel. The key of each fake tensor input is built
+field by field (``torch._subclasses.fake_tensor.extract_tensor_metadata``: 17 fields, among them the memory
+format that ``suggest_memory_format`` derives from the strides, and ``is_contiguous``), in Python, and on a
+traced training step that costs more than the cache saves: a third of a suggestion row's time
+(``memlab estimate llama-2-7b --gpu rtx4090``, sampled with py-spy on the 2-core CPU).
+
+:class:`QuickKeyFakeTensorMode` keys a strided fake tensor of its own with sizes and strides that are plain
+integers by one tuple of what can differ between two such tensors: dtype, sizes, strides, device, storage
+offset, storage bytes, ``requires_grad``, quantized, conjugate and negative bits, inference. The fields of
+PyTorch's key left out are functions of those (the memory format and contiguity follow from sizes and
+strides) or fixed for a strided tensor (layout, the sparse fields), so two inputs share a quick key exactly
+when they share PyTorch's: the cache answers the same ops with the same entries, and a trace is the same to
+the byte (``tests/ch01/test_fake_mode.py``). Every other input (a constant, a symbolic size, a tensor of
+another mode, a sparse one, a callable) goes through PyTorch's own code, which raises its bypasses as before.
+A marker object goes with every tensor and sequence keyed here, so no key with one equals a key PyTorch made (the
+cache is shared by all modes); a key without one (an op of plain values only) is PyTorch's own.
+
+Where the installed torch has no ``_prep_args_for_hash`` of the shape this overrides, :func:`fake_mode`
+returns PyTorch's ``FakeTensorMode``: the same traces, at PyTorch's speed.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+#: the parameters of the ``FakeTensorMode._prep_args_for_hash`` this module overrides (torch 2.3 to 2.13)
+_EXPECTED = ("self", "result", "args", "state", "id_hashed_objects")
+# plain values PyTorch's key takes as (type, value): the types that need no other handling
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class _Marker:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<memlab quick key>"
+
+
+MARKER = _Marker()
+
+
+def supported() -> bool:
+    """Whether the installed torch's fake-tensor cache has the key builder :class:`QuickKeyFakeTensorMode`
+    overrides (its name and parameters as in torch 2.3 to 2.13)."""
+    fn = getattr(FakeTensorMode, "_prep_args_for_hash", None)
+    if fn is None:
+        return False
+    try:
+        return tuple(inspect.signature(fn).parameters) == _EXPECTED
+    except (TypeError, ValueError):
+        return False
+
+
+def quick_key(t: FakeTensor) -> tuple:
+    """The quick key of a strided fake tensor with integer sizes: everything that can differ between two such
+    tensors in PyTorch's cache key, in one tuple."""
+    return (t.dtype, t.shape, t.stride(), t.device, t.storage_offset(), t.untyped_storage().nbytes(),
+            t.requires_grad, t.is_quantized, t.is_conj(), t.is_neg(), t.is_inference())
+
+
+class QuickKeyFakeTensorMode(FakeTensorMode):
+    """``FakeTensorMode`` whose dispatch-cache key of a strided fake tensor input is :func:`quick_key` (the module's
+    docstring says why that keys the same ops together as PyTorch's key does)."""
+
+    def _prep_args_for_hash(self, result: list, args: Any, state: Any, id_hashed_objects: list) -> None:
+        if isinstance(args, dict):  # PyTorch's walk of a dict: its keys, then its values (each back here)
+            return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+        if isinstance(args, (list, tuple)):
+            result.append((MARKER, type(args), len(args)))
+        strided = torch.strided
+        for arg in args:
+            if isinstance(arg, FakeTensor):
+                if (arg.fake_mode is self and arg.constant is None and arg.layout is strided
+                        and not arg._has_symbolic_sizes_strides):
+                    result.append(MARKER)
+                    result.append(quick_key(arg))
+                else:  # PyTorch's key, or its bypass (a constant, another mode's tensor, a sparse one)
+                    super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+            elif isinstance(arg, (list, tuple)):
+                self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+            elif isinstance(arg, _PLAIN):
+                result.append(type(arg))
+                result.append(arg)
+            else:  # a real tensor, a symbolic value, a dict, a callable: PyTorch's handling
+                super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
+
+def fake_mode(**kwargs: Any) -> FakeTensorMode:
+    """A :class:`QuickKeyFakeTensorMode` where the installed torch supports it (:func:`supported`), else PyTorch's
+    ``FakeTensorMode``; ``kwargs`` go to the mode."""
+    return (QuickKeyFakeTensorMode if supported() else FakeTensorMode)(**kwargs)
