@@ -26,8 +26,8 @@ from memlab.estimate.recipes import (ATTN_IMPLEMENTATIONS, CUBLAS_THREADS, LOSSE
 from memlab.estimate.result import MemoryEstimate
 from memlab.estimate.step import StepSpec, enable_chunked_loss, load_step, training_step
 
-# The untracked warm-up of a fake trace: an optimizer step on zero gradients (same state as a full
-# step; tests compare both ways). False runs a full step.
+# The untracked warm-up of a fake trace: an optimizer step on zero gradients (with the optimizer in backward, each
+# parameter's own step), the same state as a full step (tests compare both ways). False runs a full step.
 _FAST_WARMUP = True
 
 _SCRATCH_NOTE = "; CUDA softmax backward's copy of its incoming gradient added while it runs"
@@ -237,9 +237,10 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
                           no_sync=no_sync, previous=previous, set_to_none=step.zero_grad_set_to_none)
 
     unpacked = UnpackedPositions()
-    # a step that keeps its own state (the optimizer in backward, a step function of yours) is warmed up by a
-    # full step: zero gradients and opt.step() would leave it without the state a real step leaves
-    full = step.optimizer_in_backward or s.step_fn is not None
+    # a step function of yours keeps its own state: warmed up by a full step (zero gradients and opt.step() would
+    # leave it without the state a real step leaves)
+    full = s.step_fn is not None
+    in_backward = step.optimizer_in_backward
     quiet = warnings.catch_warnings()
     with quiet, mode, attn_ctx, unpacked:
         if fsdp1:  # FSDP1 reads its flat parameter's data_ptr (a no-op on fake tensors, warned about every step)
@@ -250,6 +251,8 @@ def _track(model: nn.Module, vocab: int, opt: Any, params: list, step: StepSpec,
                 # first step()); zero gradients give it at a fraction of a forward/backward's cost
                 for p in params:
                     p.grad = torch.zeros_like(p)
+                    if in_backward:  # each parameter's own optimizer, stepped as its gradient arrives in backward
+                        opt._step_one(p)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             else:
