@@ -908,3 +908,17 @@ def test_allocator_peak_turns_the_collector_off_inside_and_back_as_it_was():
         finally:
             gc.enable()
     assert seen == [False, False]
+
+
+def test_timeline_read_while_tracking_grows_and_each_copy_is_the_callers():
+    # the timeline is built once per length of the event record: a read after more ops has their moments, and a
+    # list handed out is the caller's own (appending to it changes no later read)
+    with MemoryTracker() as tr:
+        a = torch.ones(64)
+        first = tr.timeline
+        first.append("mine")
+        b = a * 2
+        second = tr.timeline
+    assert "mine" not in second and len(second) > len(first) - 1
+    assert tr.timeline[-1].bytes == {k: v for k, v in tr.breakdown(at="end").items()} and b.numel() == 64
+    assert tr.timeline == tr.timeline and tr.timeline is not tr.timeline

@@ -300,10 +300,11 @@ def _read(tracker: Any, model: nn.Module, modelled_8bit: bool, paged: str = "") 
     peak = int(tracker.peak_bytes)
     at_peak = {k: int(v) for k, v in tracker.breakdown(at="peak").items()}
     at_end = {k: int(v) for k, v in tracker.breakdown(at="end").items()}
-    max_act = max(_max_category(tracker, "activations"), at_peak["activations"])
+    timeline = tracker.timeline
+    max_act = max(max((ev.bytes["activations"] for ev in timeline), default=0), at_peak["activations"])
     phases: dict[str, int] = {}
     phase_bd: dict[str, dict[str, int]] = {}
-    for ev in tracker.timeline:  # each phase's first maximum, as the tracker picks its peak
+    for ev in timeline:  # each phase's first maximum, as the tracker picks its peak
         if ev.total > phases.get(ev.phase, -1):
             phases[ev.phase] = ev.total
             phase_bd[ev.phase] = {k: int(v) for k, v in ev.bytes.items()}
@@ -540,8 +541,3 @@ def _replay_reserved(tracker: Any, extras: dict[str, int], modelled_state: int =
     lumps = [n // CUBLAS_THREADS for n in extras.values() for _ in range(CUBLAS_THREADS)]
     events = training_events(log, steps=steps, workspaces=lumps + ([modelled_state] if modelled_state else []))
     return estimate_reserved(events)
-
-
-def _max_category(tracker: Any, key: str) -> int:
-    """Largest value of one category over the tracker's timeline."""
-    return max((ev.bytes[key] for ev in tracker.timeline), default=0)

@@ -453,6 +453,7 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = _OTH
         self._ops = 0
         self._events: list[int] = []  # flat: _EVENT_WIDTH ints per event
+        self._timeline_memo: tuple[int, list] = (0, [])  # (len(_events), the timeline built from them): see timeline
         self._dirty = True
         # the peak: its total, and (bytes per category, op index, phase index, innermost module)
         self._peak_total = 0
@@ -1109,7 +1110,13 @@ class MemoryTracker(TorchDispatchMode):
     def timeline(self) -> list[Event]:
         """``Event(index, phase, bytes)`` after each op that changed something (and at enter/exit)."""
         ev, w = self._events, _EVENT_WIDTH
-        return [Event(ev[i], PHASES[ev[i + 1]], dict(zip(CATEGORIES, ev[i + 2:i + w]))) for i in range(0, len(ev), w)]
+        # events are only ever appended: built once per length (an estimate reads it three or four times)
+        n, built = self._timeline_memo
+        if n != len(ev):
+            built = [Event(ev[i], PHASES[ev[i + 1]], dict(zip(CATEGORIES, ev[i + 2:i + w])))
+                     for i in range(0, len(ev), w)]
+            self._timeline_memo = (len(ev), built)
+        return list(built)
 
     def phase_peaks(self) -> dict[str, int]:
         """Peak total bytes in each phase that occurred, in the order the phases first occurred (kept
