@@ -155,28 +155,25 @@ def _preset_fields(name: str, overrides: dict[str, Any]) -> tuple[str, dict[str,
     return entry["family"], fields
 
 
+# the transformers class of each family, by name: only the family asked for is imported (each modeling module a
+# family brings costs an import; a Llama estimate needs no GPT-2, Mistral or Qwen2 code)
+_CONFIG_CLASS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+_MODEL_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}
+
+
 def _config_class(family: str):
     with needs("memlab.models.preset_config"):
         import transformers
 
-    return {
-        "gpt2": transformers.GPT2Config,
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-    }[family]
+    return getattr(transformers, _CONFIG_CLASS[family])
 
 
 def _model_class(family: str):
     with needs("memlab.models.build_preset"):
         import transformers
 
-    return {
-        "gpt2": transformers.GPT2LMHeadModel,
-        "llama": transformers.LlamaForCausalLM,
-        "mistral": transformers.MistralForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-    }[family]
+    return getattr(transformers, _MODEL_CLASS[family])
 
 
 # Bounds on a config's dimensions: past them no real model exists, and a trace would run for
