@@ -274,3 +274,22 @@ def test_estimate_leaving_by_os_exit_prints_all_it_prints_the_normal_way(tmp_pat
     assert lines(quick) == lines(normal) and len(lines(quick)) > 10
     bad = run("1", "no-such-model-xyz")
     assert bad.returncode == 2 and "no-such-model-xyz" in bad.stderr + bad.stdout, (bad.returncode, bad.stderr)
+
+
+@pytest.mark.parametrize("command,env_gc,enabled", [("estimate", None, False), ("plan", None, False),
+                                                    ("estimate", "1", True), ("explain", None, True),
+                                                    ("bench", None, True)])
+def test_estimate_and_plan_run_with_the_cyclic_collector_off(command, env_gc, enabled):
+    """The console script runs ``estimate`` and ``plan`` with gc disabled (their imports a quarter faster), every other
+    command with it on, and ``MEMLAB_GC=1`` keeps it on; what the command sees is asked from inside it."""
+    code = ("import gc, sys, memlab.cli as c\n"
+            "c.main = lambda argv: print('gc', gc.isenabled(), argv[0]) or 0\n"
+            f"sys.argv = ['memlab', {command!r}, 'x']\n"
+            "c.console()\n")
+    env = {k: v for k, v in os.environ.items() if k != "MEMLAB_GC"}
+    env["PYTHONPATH"] = str(ROOT / "utils")
+    if env_gc is not None:
+        env["MEMLAB_GC"] = env_gc
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert proc.stdout.split() == ["gc", str(enabled), command]

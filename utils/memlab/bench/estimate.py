@@ -43,8 +43,9 @@ MODES = ("cold", "warm")
 Runner = Callable[[Sequence[str], str], "tuple[float, bool, float]"]
 
 #: the floor's process: the imports of a first ``memlab estimate`` of a Llama preset (a subset of what that command
-#: has imported when it exits), then the command's own quick exit (os._exit: no interpreter teardown)
-FLOOR_CODE = ("import os, sys, memlab.cli.estimate, memlab.estimate.trace; "
+#: has imported when it exits), with the cyclic garbage collector off as the command runs them (memlab.cli.console),
+#: then the command's own quick exit (os._exit: no interpreter teardown)
+FLOOR_CODE = ("import gc; gc.disable(); import os, sys, memlab.cli.estimate, memlab.estimate.trace; "
               "from transformers import LlamaConfig, LlamaForCausalLM; "
               "from torch._subclasses.fake_tensor import FakeTensorMode; "
               "sys.stdout.flush(); os._exit(0)")
