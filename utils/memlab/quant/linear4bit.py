@@ -16,7 +16,24 @@ from memlab.quant.codebooks import cached_codebook
 from memlab.quant.blockwise import (FLOAT_DTYPES, NF4_BLOCKSIZES, check_blocksize, dequantize_nf4, double_dequantize,
                                     double_quantize, quantize_nf4)
 
-__all__ = ["Linear4bit"]
+__all__ = ["Linear4bit", "fake_nf4_state"]
+
+
+def fake_nf4_state(weight: torch.Tensor, blocksize: int, double_quant: bool,
+                   blocksize2: int = 256) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``(packed, scales)``: the buffers :meth:`Linear4bit.quantize_` leaves for ``weight``, made at their shapes on
+    its device without the quantization's arithmetic (for fake tensors, whose values a trace never reads): ``packed``
+    uint8 ``(ceil(n / 2), 1)``; ``scales`` the double-quantized ``(codes, absmax2, offset)`` (uint8 one per block,
+    float32 one per ``blocksize2`` blocks, a float32 scalar) or ``(absmax,)`` (float32 one per block). Shapes,
+    dtypes, strides and storage bytes equal the arithmetic's (``tests/ch06/test_quant_fake_state.py``)."""
+    n, dev = weight.numel(), weight.device
+    blocks = -(-n // blocksize)
+    packed = torch.empty((-(-n // 2), 1), dtype=torch.uint8, device=dev)
+    if not double_quant:
+        return packed, (torch.empty(blocks, dtype=torch.float32, device=dev),)
+    return packed, (torch.empty(blocks, dtype=torch.uint8, device=dev),
+                    torch.empty(-(-blocks // blocksize2), dtype=torch.float32, device=dev),
+                    torch.empty((), dtype=torch.float32, device=dev))
 
 
 def _dequantize_state(state: tuple, shape: tuple[int, int], dtype: torch.dtype, blocksize: int) -> torch.Tensor:
@@ -107,6 +124,15 @@ class Linear4bit(nn.Module):
         """
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise invalid("weight.shape", tuple(weight.shape), f"{(self.out_features, self.in_features)}")
+        if isinstance(weight, FakeTensor):  # an estimate's trace: the buffers at their sizes, no arithmetic
+            packed, scales = fake_nf4_state(weight, self.blocksize, self.double_quant)
+            self.register_buffer("weight_packed", packed, persistent=True)
+            names = ("absmax_codes", "absmax2", "absmax_offset") if self.double_quant else ("absmax",)
+            for name, t in zip(names, scales):
+                self.register_buffer(name, t)
+            if self.double_quant:
+                self.absmax = None
+            return
         packed, absmax = quantize_nf4(weight.detach(), self.blocksize)
         if packed.device.type != "meta" and not isinstance(packed, FakeTensor):
             # dequantize's byte-pair table built now, not inside the first forward (a tracker there counted its 2 KiB)
