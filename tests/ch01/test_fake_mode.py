@@ -1,6 +1,7 @@
 """memlab.estimate.fake_mode: the quick dispatch-cache key keys two fake tensors together exactly when PyTorch's
 key does (over drawn sizes, strides, offsets, storages, dtypes and flags), the mode answers ops with the same
-cache hits, misses and bypasses as PyTorch's, and a traced step is the same to the byte under either."""
+cache hits, misses and bypasses as PyTorch's, and a traced step is the same to the byte under either; a fake build
+without weight initialisation traces the same step, and every initialiser is given back."""
 from __future__ import annotations
 
 import pytest
@@ -165,3 +166,59 @@ def test_a_trace_is_the_same_under_torchs_mode(monkeypatch, kw):
     monkeypatch.setattr(fm, "supported", lambda: False)
     plain = traced()
     assert len(quick[0]) > 50 and quick == plain
+
+
+def _traced(model, **kw):
+    # every moment of a traced step, its peak, its replayed reserved bytes, its phase breakdowns
+    from memlab.estimate.api import make_step, resolve_for_step
+    from memlab.estimate.trace import trace_step
+
+    step = make_step(None, batch_size=2, seq_len=32, device="cuda", **kw)
+    est = trace_step(resolve_for_step(model, step), step)
+    return ([(ev.phase, dict(ev.bytes)) for ev in est.tracker.timeline], est.peak_bytes, est.reserved_replay_bytes,
+            est.phase_breakdowns, est.breakdown_end, est.n_params)
+
+
+@pytest.mark.parametrize("model,kw", [
+    ("llama", dict()), ("llama", dict(adapter="lora", checkpointing=True)), ("llama", dict(adapter="qlora")),
+    ("gpt2", dict(dtype="fp32")), ("tinygpt", dict())], ids=["llama", "llama-lora-ckpt", "llama-qlora", "gpt2-tied",
+                                                             "tinygpt-factory"])
+def test_a_build_without_weight_init_traces_the_same_step(monkeypatch, model, kw):
+    # the fake build skips the initialisers (no_weight_init); with them run, every moment is the same (tied weights
+    # stay tied: GPT-2's head and embedding; memlab's own TinyGPT built by a factory)
+    import contextlib
+
+    from transformers import GPT2Config, LlamaConfig
+
+    from memlab.models import TinyGPT, TinyGPTConfig
+
+    models = {"llama": LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=128),
+              "gpt2": GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=128),
+              "tinygpt": lambda: TinyGPT(TinyGPTConfig(n_layer=2, n_embd=64, dropout=0.1))}
+    skipped = _traced(models[model], **kw)
+    monkeypatch.setattr(fm, "no_weight_init", contextlib.nullcontext)
+    assert _traced(models[model], **kw) == skipped
+
+
+def test_no_weight_init_leaves_values_and_gives_every_initialiser_back(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    originals = {name: getattr(torch.nn.init, name) for name in fm.INIT_FUNCTIONS}
+    (tmp_path / "memlab_probe_init.py").write_text("from torch.nn.init import normal_, kaiming_uniform_\n"
+                                                   "TABLE = {'zeros_': __import__('torch').nn.init.zeros_}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    t = torch.arange(6.0)
+    with fm.no_weight_init():
+        assert torch.nn.init.normal_(t) is t and torch.nn.init.kaiming_uniform_(t.view(2, 3)).data_ptr() == t.data_ptr()
+        probe = importlib.import_module("memlab_probe_init")  # first imported inside: takes the stand-ins by name
+        assert probe.normal_ is not originals["normal_"]
+    assert torch.equal(t, torch.arange(6.0))  # nothing was written
+    assert {name: getattr(torch.nn.init, name) for name in fm.INIT_FUNCTIONS} == originals
+    assert probe.normal_ is originals["normal_"] and probe.kaiming_uniform_ is originals["kaiming_uniform_"]
+    assert probe.TABLE["zeros_"] is originals["zeros_"]
+    hf = sys.modules.get("transformers.initialization")
+    if hf is not None:
+        assert all(hf.TORCH_INIT_FUNCTIONS[n] is originals[n] for n in hf.TORCH_INIT_FUNCTIONS if n in originals)
+    sys.modules.pop("memlab_probe_init", None)

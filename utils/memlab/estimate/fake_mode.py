@@ -1,5 +1,5 @@
 """The fake-tensor mode the estimator traces under: PyTorch's ``FakeTensorMode`` with a cheaper key for its
-dispatch cache.
+dispatch cache; and a fake build without weight initialisation (:func:`no_weight_init`).
 
 A fake-tensor op that PyTorch has seen before with inputs of the same metadata is answered from a cache
 (``FakeTensorMode.cache``) instead of running its meta kernel. The key of each fake tensor input is built
@@ -24,7 +24,9 @@ returns PyTorch's ``FakeTensorMode``: the same traces, at PyTorch's speed.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -96,3 +98,51 @@ def fake_mode(**kwargs: Any) -> FakeTensorMode:
     """A :class:`QuickKeyFakeTensorMode` where the installed torch supports it (:func:`supported`), else PyTorch's
     ``FakeTensorMode``; ``kwargs`` go to the mode."""
     return (QuickKeyFakeTensorMode if supported() else FakeTensorMode)(**kwargs)
+
+
+#: torch.nn.init's in-place initialisers (every one transformers' ``TORCH_INIT_FUNCTIONS`` wraps)
+INIT_FUNCTIONS = ("uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+                  "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_", "sparse_")
+
+
+def _left_as_is(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def no_weight_init():
+    """Within the block, ``torch.nn.init``'s initialisers (:data:`INIT_FUNCTIONS`) leave their tensor as it is, and
+    so do transformers' guarded copies of them (they call the functions in ``TORCH_INIT_FUNCTIONS``). For a model
+    built on fake tensors: an initialiser only writes values into a tensor that exists already, values a trace never
+    reads, and skipping them takes about a fifth off a fake build (each parameter's ``kaiming_uniform_`` or
+    ``normal_`` dispatched through the fake mode); the storages, their sizes and their order are an initialised
+    build's (``tests/ch01/test_fake_mode.py`` traces steps both ways). On leaving, a module first imported inside the
+    block that took a stand-in by name (``from torch.nn.init import normal_``, transformers' table) gets torch's
+    initialiser back."""
+    init = torch.nn.init
+    saved = {name: getattr(init, name) for name in INIT_FUNCTIONS if hasattr(init, name)}
+    before = set(sys.modules)
+    table = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
+    table_saved = dict(table) if isinstance(table, dict) else {}
+    try:
+        for name in saved:
+            setattr(init, name, _left_as_is)
+        if table_saved:
+            table.update({name: _left_as_is for name in table_saved if name in saved})
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+        if table_saved:
+            table.update(table_saved)
+        for module in [sys.modules[m] for m in set(sys.modules) - before]:
+            _give_back(getattr(module, "__dict__", {}), saved)
+
+
+def _give_back(namespace: dict, saved: dict) -> None:
+    # torch's initialisers in place of the stand-in in a module's namespace, and in the dicts it holds (one level)
+    for key, value in list(namespace.items()):
+        if value is _left_as_is and key in saved:
+            namespace[key] = saved[key]
+        elif type(value) is dict and any(v is _left_as_is for v in value.values()):
+            value.update({k: saved[k] for k, v in value.items() if v is _left_as_is and k in saved})

@@ -397,7 +397,10 @@ def _build_model(spec: ModelSpec, step: StepSpec, s: _Setup, fake: bool, fsdp_wo
             from memlab.estimate.cuda_rules import checkpoint_context_fn
 
             ctx_fn = checkpoint_context_fn(s.cuda_rules)
-        with traceable_build(s.traced_on) if fake else contextlib.nullcontext():
+        from memlab.estimate.fake_mode import no_weight_init
+
+        with traceable_build(s.traced_on) if fake else contextlib.nullcontext(), \
+                no_weight_init() if fake else contextlib.nullcontext():
             try:
                 model = spec.build(step.dtype, build_attn).train()
             except (ValueError, TypeError, KeyboardInterrupt):
