@@ -50,6 +50,8 @@ CUDA_FP32_OPS = frozenset({
 })
 # CUDA's lower-precision list entries that CPU autocast leaves in fp32.
 CUDA_LOWER_OPS = frozenset({"mv", "addmv", "addr"})
+# every name a rule of _CudaSemantics acts on: any other call goes straight through
+_WATCHED = frozenset({"dropout", *CUDA_FP32_OPS, *CUDA_LOWER_OPS})
 
 
 def _is16(t: object) -> bool:
@@ -93,8 +95,10 @@ class _CudaSemantics(TorchFunctionMode):
             Linear4bit.forward = self._saved_forward  # type: ignore[method-assign]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name not in _WATCHED:  # no rule for it (most calls): as the branches below would leave it
+            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         if name == "dropout" and func is torch.nn.functional.dropout:
             x = args[0] if args else kwargs["input"]
             p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
