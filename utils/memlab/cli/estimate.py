@@ -12,7 +12,8 @@ from memlab.core.units import format_bytes
 from memlab.estimate.api import estimate_training_memory
 from memlab.estimate.result import MemoryEstimate
 from memlab.estimate.step import load_step
-from memlab.estimate.suggest import Suggestion, suggestions
+from memlab.core.forking import before_first_trace, spare_cpu
+from memlab.estimate.suggest import Speculation, Suggestion, suggestions
 
 # The order in which to try techniques: least change to the training run first.
 _TRY_ORDER = ("fused AdamW", "fused linear cross-entropy", "chunked cross-entropy", "gradient checkpointing", "offloaded checkpoint inputs",
@@ -138,7 +139,57 @@ def _run(args: Any) -> int:
         return run_worst_batch(args, run_kwargs, adapter_kw, overrides)
     if args.offload_gradients and args.optimizer != "offload-adamw":
         return _error(f"--offload-gradients needs --optimizer offload-adamw (got --optimizer {args.optimizer})")
-    est = _estimate(args, run_kwargs, adapter_kw, overrides)
+    sug_kwargs = {**run_kwargs, "step": args.step, **(adapter_kw if args.adapter else {})}
+    ahead: list[Any] = []  # the suggestions' rows traced ahead (memlab.estimate.suggest.Speculation)
+    try:
+        with before_first_trace(lambda: ahead.extend(_speculation(args, overrides, sug_kwargs))):
+            est = _estimate(args, run_kwargs, adapter_kw, overrides)
+        return _report(est, args, overrides, sug_kwargs, ahead[0] if ahead else None)
+    finally:
+        for spec in ahead:
+            spec.close()
+
+
+def _speculation(args: Any, overrides: dict | None, sug_kwargs: dict) -> list[Any]:
+    """[a Speculation] where the estimate may need its suggestions (``--gpu``, one rank, no step file) and a second
+    CPU is free when the estimate starts tracing (the imports done), else []."""
+    if args.gpu is None or args.no_suggest or args.world_size > 1 or args.zero_stage or args.step is not None \
+            or args.offload_gradients or not spare_cpu():
+        return []
+    from types import SimpleNamespace
+
+    from memlab.core import vocab
+
+    loss = args.loss if args.loss not in ("auto", "default") else "hf"  # a name or a config: a transformers model
+    provisional = SimpleNamespace(
+        batch_size=args.batch_size, seq_len=args.seq_len, dtype=vocab.canonical_recipe(args.dtype, argument="dtype"),
+        optimizer=vocab.canonical_optimizer(args.optimizer), checkpointing=args.checkpointing, loss=loss,
+        device=args.device, offload_checkpoints=args.offload_checkpoints, world_size=1, zero_stage=0,
+        optimizer_in_backward=args.optimizer_in_backward, optimizer_impl="", peak_phase="", adapter=args.adapter or "")
+    _import_for_trace(args.model, overrides)  # here, before the fork: the child starts with them
+    try:
+        return [Speculation(args.model, provisional, overrides, sug_kwargs)]
+    except (OSError, ValueError):  # no process to be had, or nothing to guess: the suggestions trace as before
+        return []
+
+
+def _import_for_trace(model: str, overrides: dict | None) -> None:
+    # what the first trace imports (the tracer, the fake mode's torch._dynamo, the model's transformers module); a
+    # model that does not resolve here is left to the estimate, which says why
+    from memlab.estimate.fake_mode import fake_mode
+    from memlab.estimate.model import resolve_model
+
+    fake_mode()
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(resolve_model(model, overrides).config)]
+    except Exception:  # noqa: BLE001  (nothing imported ahead: the trace imports it)
+        pass
+
+
+def _report(est: Any, args: Any, overrides: dict | None, sug_kwargs: dict, ahead: Any) -> int:
+    """Print the estimate, the verdict and (when it does not fit) the suggestions; the exit code."""
     if isinstance(est, int):
         return est
     print(est.table())
@@ -160,8 +211,7 @@ def _run(args: Any) -> int:
     print("\nwhat would make it fit (estimated tensor peak; 'traced' = re-estimated, 'formula' = byte formula;"
           " 'fits' compares the reserved estimate with the usable memory):")
     try:
-        sug = suggestions(est, args.model, config_overrides=overrides,
-                          **{**run_kwargs, "step": args.step}, **(adapter_kw if args.adapter else {}))
+        sug = suggestions(est, args.model, config_overrides=overrides, speculation=ahead, **sug_kwargs)
     except (ValueError, TypeError) as exc:
         return _error(exc)
     _print_suggestions(est, sug, args.gpu[1])

@@ -171,11 +171,11 @@ def _child(fn: Callable[[Any], Any], items: list[Any], claims: list[int], order:
 class TwoProcesses:
     """Items of two lists run by this process and a forked child at once (:func:`in_two`), in two steps: made, it
     forks the child, which starts on ``theirs`` at once; :meth:`finish` runs ``mine`` here (then what is left of
-    ``theirs``, from its end) and collects the child's results. Between the two this process may finish other work
+    ``theirs``, from its end, or from its front with ``steal_from_front``) and collects the child's results. Between the two this process may finish other work
     (the first suggestion row, whose trace is what showed that tracing starts)."""
 
     def __init__(self, fn: Callable[[Any], Any], mine: list[Any], theirs: list[Any],
-                 portable: Callable[[Any], Any] = lambda r: r) -> None:
+                 portable: Callable[[Any], Any] = lambda r: r, steal_from_front: bool = False) -> None:
         import warnings
 
         global _HELPERS
@@ -184,7 +184,9 @@ class TwoProcesses:
             raise ValueError(f"mine={mine!r}, theirs={theirs!r} is invalid; allowed: two lists of items, neither "
                              f"empty, at most 128 in all, all different")
         a, b = list(range(len(mine))), list(range(len(mine), len(self.items)))
-        self.order = a + b[::-1]
+        # the child's items taken by this process from the end of its list, or (steal_from_front) in its own order:
+        # for a list in falling cost that this process joins late, the two then end on its cheapest items
+        self.order = a + (b if steal_from_front else b[::-1])
         self.claims = _claims(len(self.items))
         read_fd, write_fd = os.pipe()
         for stream in (sys.stdout, sys.stderr):  # the child must not write this process's buffered output again

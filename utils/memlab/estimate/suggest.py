@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -97,7 +99,8 @@ def _fwd_bwd(est: MemoryEstimate) -> int:
 
 
 def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[str, Any] | None = None,
-                jobs: int | None = None, **run_kwargs: Any) -> list[Suggestion]:
+                jobs: int | None = None, speculation: "Speculation | None" = None,
+                **run_kwargs: Any) -> list[Suggestion]:
     """Techniques that lower ``base``'s peak, each with its estimated peak.
 
     Options the estimator has (checkpointing, the fused linear and the chunked cross-entropy, offloaded checkpoint
@@ -123,21 +126,21 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs={jobs!r} is invalid; allowed: None (2 where this process may run on two CPUs), "
                          f"or an int >= 1")
-    common = dict(batch_size=base.batch_size, seq_len=base.seq_len, dtype=base.dtype,
-                  optimizer=base.optimizer, checkpointing=base.checkpointing,
-                  config_overrides=config_overrides, **run_kwargs)
+    common = _common(base, config_overrides, run_kwargs)
     extra = sum(base.extras.values())
     todo, n_before_formula, adapters_optional = _tried(base, run_kwargs)
 
-    def row(i: int) -> Suggestion:
+    def made(i: int, summary: tuple) -> Suggestion:  # the row from its estimate's _summary
         technique, chapter, change = todo[i]
-        kw = {**common, **change}
+        peak, phase, fwd_bwd, reserved = summary
+        return Suggestion(technique, peak, "traced", chapter, ", ".join(f"{k}={v}" for k, v in change.items()),
+                          phase, fwd_bwd, extra, command=estimate_command(model, **{**common, **change}),
+                          reserved_replay_bytes=reserved)
+
+    def row(i: int) -> Suggestion:
         if gc_frozen:  # what the rows before left alive is not scanned again by the next full collection
             gc.freeze()
-        est = estimate_training_memory(model, **kw)
-        return Suggestion(technique, est.peak_bytes, "traced", chapter, ", ".join(f"{k}={v}" for k, v in change.items()),
-                          est.peak_phase, _fwd_bwd(est), extra, command=estimate_command(model, **kw),
-                          reserved_replay_bytes=est.reserved_replay_bytes)
+        return made(i, _summary(estimate_training_memory(model, **{**common, **todo[i][2]})))
 
     # Each row makes some 10^5 Python objects that outlive it (caches, modules), and the collector's full passes
     # rescan everything alive (torch, transformers: some 4 x 10^5 objects): a tenth of the rows' time. Frozen
@@ -145,10 +148,22 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     # (not where the caller froze objects itself). A forked child shares them without copying their pages.
     gc_frozen = gc.get_freeze_count() == 0
     try:
-        return _rows(todo, row, jobs, base, extra, n_before_formula, adapters_optional)
+        done = None if speculation is None else speculation.rows(todo, common, row, made)
+        return _rows(todo, row, jobs, base, extra, n_before_formula, adapters_optional, done)
     finally:
         if gc_frozen:
             gc.unfreeze()
+
+
+def _common(base: Any, config_overrides: Mapping[str, Any] | None, run_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    # the keywords every row shares: the base's step, the model's overrides, the caller's settings
+    return dict(batch_size=base.batch_size, seq_len=base.seq_len, dtype=base.dtype, optimizer=base.optimizer,
+                checkpointing=base.checkpointing, config_overrides=config_overrides, **run_kwargs)
+
+
+def _summary(est: MemoryEstimate) -> tuple[int, str, int, int]:
+    # what a traced row shows of its estimate: (peak bytes, peak phase, forward/backward peak, reserved by the replay)
+    return est.peak_bytes, est.peak_phase, _fwd_bwd(est), est.reserved_replay_bytes
 
 
 def _tried(base: MemoryEstimate, run_kwargs: Mapping[str, Any]) -> tuple[list[tuple[str, str, dict[str, Any]]], int, bool]:
@@ -199,13 +214,15 @@ def _tried(base: MemoryEstimate, run_kwargs: Mapping[str, Any]) -> tuple[list[tu
 
 
 def _rows(todo: list, row: Any, jobs: int | None, base: MemoryEstimate, extra: int, n_before_formula: int,
-          adapters_optional: bool) -> list[Suggestion]:
+          adapters_optional: bool, done: dict[int, Any] | None = None) -> list[Suggestion]:
     # the rows in the order tried, with the formula row among them: traced in two processes at once, else here one
     # after another. The first row starts here, and the second process is forked when it turns out to trace (not
     # read from the trace cache: a repeated command reads all its rows in milliseconds, where a second process
     # would only cost its start), taking its share of the other rows at once
     n_jobs = _default_jobs() if jobs is None else jobs
-    done: dict[int, Any] = {}
+    if done is not None:  # every row made already (a speculation's and this process's)
+        n_jobs = 1
+    done = {} if done is None else done
     if n_jobs >= 2 and len(todo) >= 3:
         rest = list(range(1, len(todo)))
         pair: list[Any] = []
@@ -308,3 +325,53 @@ def _traced_in_two(row: Any, rows: list[int], weights: list[float]) -> dict[int,
     done first takes the other's rows not yet started. A child that fails leaves its rows out of the answer: the
     caller traces them here in order, so the rows are those of one process in every case."""
     return in_two(row, *_shares(rows, weights))
+
+
+class Speculation:
+    """The suggestion rows of an estimate traced ahead, by a forked child, while this process still traces the
+    estimate they are for (``memlab estimate MODEL --gpu CARD``: the imports are done, the second CPU idle).
+
+    The rows are those :func:`suggestions` will try for a base whose settings are the command's (``provisional``: the
+    fields :func:`_tried` reads, the loss resolved as a transformers model's and no peak phase known, so the fused
+    AdamW row, which depends on it, is not among them); each row is ``estimate_training_memory(model, **kw)`` with
+    the keywords :func:`suggestions` will give it. The child takes them the costliest first
+    (:class:`memlab.core.forking.TwoProcesses`); :meth:`rows`, called by :func:`suggestions` once the estimate is known,
+    makes here every row the speculation did not guess (its keywords differ), then the guessed rows the child has
+    not started, and takes the child's results: each row is what the same call would return here, so the
+    suggestions are the same (``tests/ch01/test_estimate_speed_split.py``). :meth:`close` stops the child (an
+    estimate that fits needs no suggestions).
+    """
+
+    def __init__(self, model: Any, provisional: Any, config_overrides: Mapping[str, Any] | None,
+                 run_kwargs: Mapping[str, Any]) -> None:
+        todo, _, _ = _tried(provisional, run_kwargs)
+        common = _common(provisional, config_overrides, run_kwargs)
+        self.model, self.kws = model, [{**common, **change} for _, _, change in todo]
+        self._parent = os.getpid()
+        order = sorted(range(len(todo)), key=lambda k: -_weights(todo)[k])  # the costliest first
+        # this process, joining when its estimate is done, takes the next costliest row left too: both end on cheap ones
+        self.pair = TwoProcesses(self._one, order[-1:], order[:-1], steal_from_front=True) if len(order) >= 2 else None
+        self._done: dict[int, Any] | None = None
+
+    def _one(self, k: int) -> tuple[int, str, int, int]:
+        if os.getpid() != self._parent and "transformers" in sys.modules:
+            # the child builds the model this process builds: its warnings are this process's, said once here
+            sys.modules["transformers"].logging.set_verbosity_error()
+        return _summary(estimate_training_memory(self.model, **self.kws[k]))
+
+    def rows(self, todo: list, common: dict[str, Any], row: Any, made: Any) -> dict[int, Any]:
+        """``{row index: its Suggestion, or the exception it raised}`` for every row of ``todo`` (``common``: the rows'
+        shared keywords; ``row(i)`` makes row ``i`` here, ``made(i, summary)`` makes it from a traced summary)."""
+        guessed = {i: self.kws.index(kw) for i, kw in enumerate({**common, **c} for _, _, c in todo) if kw in self.kws}
+        done = {i: _run_row(row, i) for i in range(len(todo)) if i not in guessed}
+        if self._done is None:
+            self._done = self.pair.finish() if self.pair is not None else {}
+        for i, k in guessed.items():
+            r = self._done.get(k)
+            done[i] = _run_row(row, i) if r is None else r if isinstance(r, BaseException) else made(i, r)
+        return done
+
+    def close(self) -> None:
+        """Stop the child if it still runs (idempotent)."""
+        if self.pair is not None:
+            self.pair.close()
