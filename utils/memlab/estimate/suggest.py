@@ -122,6 +122,9 @@ def suggestions(base: MemoryEstimate, model: Any, *, config_overrides: Mapping[s
     when the first row, started here, turns out to trace (not read from the trace cache: then the others are read
     here too). 1 traces them one after another here. The rows are the same either way
     (``tests/ch01/test_estimate_speed_paths.py``, ``tests/ch01/test_estimate_speed_split.py``).
+
+    ``speculation``: a :class:`Speculation` started before ``base`` was traced (``memlab estimate --gpu``): the rows it
+    guessed come from it, the others are made here (``jobs`` is then not used; ``tests/ch01/test_estimate_speculation.py``).
     """
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs={jobs!r} is invalid; allowed: None (2 where this process may run on two CPUs), "
