@@ -274,9 +274,13 @@ def _rows(todo: list, row: Any, jobs: int | None, base: MemoryEstimate, extra: i
     return out
 
 
-# The relative cost of a traced row (the in-process seconds of each row of `memlab estimate llama-2-7b --gpu rtx4090`,
-# a plain row 1): the adapters build and quantize more modules, the optimizer in backward runs one optimizer per tensor.
-_ROW_WEIGHTS = (("adapter", 2.5), ("optimizer_in_backward", 2.0), ("checkpointing", 1.2))
+# The relative cost of a traced row: the seconds of each row of `memlab estimate llama-2-7b --gpu rtx4090` in the two
+# processes, a plain row 1 (0.40 s; 2 cores, 2026-11-29): the adapters build more modules and run more ops (LoRA 0.90,
+# QLoRA 0.82 s), the optimizer in backward runs one optimizer per tensor (0.76 s), checkpointing recomputes (0.63 s),
+# a loss, a sequence or a dtype changed costs a little more (0.44-0.50 s), another optimizer less (0.33-0.36 s). A
+# row's weight is the largest of its changes': ordered by it, the two processes end on the cheap rows.
+_ROW_WEIGHTS = (("adapter", 2.2), ("optimizer_in_backward", 1.9), ("checkpointing", 1.4), ("loss", 1.15),
+                ("seq_len", 1.15), ("dtype", 1.1), ("optimizer", 0.85), ("optimizer_impl", 0.85))
 
 
 def _weights(todo: list[tuple[str, str, dict[str, Any]]]) -> list[float]:
