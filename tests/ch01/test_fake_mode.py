@@ -197,7 +197,10 @@ def test_a_build_without_weight_init_traces_the_same_step(monkeypatch, model, kw
               "gpt2": GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=128),
               "tinygpt": lambda: TinyGPT(TinyGPTConfig(n_layer=2, n_embd=64, dropout=0.1))}
     skipped = _traced(models[model], **kw)
-    monkeypatch.setattr(fm, "no_weight_init", contextlib.nullcontext)
+    from memlab.estimate import trace
+
+    assert trace.no_weight_init is fm.no_weight_init  # the build's, replaced below
+    monkeypatch.setattr(trace, "no_weight_init", contextlib.nullcontext)
     assert _traced(models[model], **kw) == skipped
 
 

@@ -8,11 +8,12 @@ import re
 import sys
 from typing import Any, Sequence
 
+from memlab.core.forking import before_first_trace, spare_cpu
 from memlab.core.units import format_bytes
 from memlab.estimate.api import estimate_training_memory
+from memlab.estimate.recipes import LOSS_ALIASES
 from memlab.estimate.result import MemoryEstimate
 from memlab.estimate.step import load_step
-from memlab.core.forking import before_first_trace, spare_cpu
 from memlab.estimate.suggest import Speculation, Suggestion, suggestions
 
 # The order in which to try techniques: least change to the training run first.
@@ -160,7 +161,8 @@ def _speculation(args: Any, overrides: dict | None, sug_kwargs: dict) -> list[An
 
     from memlab.core import vocab
 
-    loss = args.loss if args.loss not in ("auto", "default") else "hf"  # a name or a config: a transformers model
+    loss = LOSS_ALIASES.get(args.loss, args.loss)
+    loss = "hf" if loss == "auto" else loss  # a name or a config: a transformers model
     provisional = SimpleNamespace(
         batch_size=args.batch_size, seq_len=args.seq_len, dtype=vocab.canonical_recipe(args.dtype, argument="dtype"),
         optimizer=vocab.canonical_optimizer(args.optimizer), checkpointing=args.checkpointing, loss=loss,

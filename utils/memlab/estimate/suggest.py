@@ -345,7 +345,7 @@ class Speculation:
     (:class:`memlab.core.forking.TwoProcesses`); :meth:`rows`, called by :func:`suggestions` once the estimate is known,
     makes here every row the speculation did not guess (its keywords differ), then the guessed rows the child has
     not started, and takes the child's results: each row is what the same call would return here, so the
-    suggestions are the same (``tests/ch01/test_estimate_speed_split.py``). :meth:`close` stops the child (an
+    suggestions are the same (``tests/ch01/test_estimate_speculation.py``). :meth:`close` stops the child (an
     estimate that fits needs no suggestions).
     """
 

@@ -126,26 +126,19 @@ class Linear4bit(nn.Module):
             raise invalid("weight.shape", tuple(weight.shape), f"{(self.out_features, self.in_features)}")
         if isinstance(weight, FakeTensor):  # an estimate's trace: the buffers at their sizes, no arithmetic
             packed, scales = fake_nf4_state(weight, self.blocksize, self.double_quant)
-            self.register_buffer("weight_packed", packed, persistent=True)
-            names = ("absmax_codes", "absmax2", "absmax_offset") if self.double_quant else ("absmax",)
-            for name, t in zip(names, scales):
-                self.register_buffer(name, t)
-            if self.double_quant:
-                self.absmax = None
-            return
-        packed, absmax = quantize_nf4(weight.detach(), self.blocksize)
-        if packed.device.type != "meta" and not isinstance(packed, FakeTensor):
-            # dequantize's byte-pair table built now, not inside the first forward (a tracker there counted its 2 KiB)
-            cached_codebook("nf4_pairs", str(packed.device))
-        self.register_buffer("weight_packed", packed, persistent=True)
-        if self.double_quant:
-            codes, absmax2, offset = double_quantize(absmax)
-            self.register_buffer("absmax_codes", codes)
-            self.register_buffer("absmax2", absmax2)
-            self.register_buffer("absmax_offset", offset)
-            self.absmax = None
         else:
-            self.register_buffer("absmax", absmax)
+            packed, absmax = quantize_nf4(weight.detach(), self.blocksize)
+            if packed.device.type != "meta" and not isinstance(packed, FakeTensor):
+                # dequantize's byte-pair table built now, not inside the first forward (a tracker there counted its
+                # 2 KiB)
+                cached_codebook("nf4_pairs", str(packed.device))
+            scales = double_quantize(absmax) if self.double_quant else (absmax,)
+        self.register_buffer("weight_packed", packed, persistent=True)
+        names = ("absmax_codes", "absmax2", "absmax_offset") if self.double_quant else ("absmax",)
+        for name, t in zip(names, scales):
+            self.register_buffer(name, t)
+        if self.double_quant:
+            self.absmax = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16, blocksize: int = 64,
