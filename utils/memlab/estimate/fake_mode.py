@@ -19,17 +19,27 @@ another mode, a sparse one, a callable) goes through PyTorch's own code, which r
 A marker object goes with every tensor and sequence keyed here, so no key with one equals a key PyTorch made (the
 cache is shared by all modes); a key without one (an op of plain values only) is PyTorch's own.
 
+Its ``__torch_dispatch__`` is also leaner than PyTorch's, with the same answers: PyTorch wraps the mode's hook in two
+decorators (one switches Dynamo's frame evaluation off and on around every op, the other counts calls for PyTorch's
+own debugging) and its ``dispatch`` enters a no-dispatch guard for a debug log line on every op. Here the hook goes to
+the same steps (the meta handlers, the ops answered directly, the cache) without them, and to PyTorch's ``dispatch``
+itself whenever its logger is at debug level. Nothing is compiled inside the hook; the saving is about 5% of a traced
+step (:func:`_lean_dispatch_supported`; timed on the 2-core CPU, Llama-2-7B shapes at 5 layers: 197 -> 188 ms).
+
 Where the installed torch has no ``_prep_args_for_hash`` of the shape this overrides, :func:`fake_mode`
-returns PyTorch's ``FakeTensorMode``: the same traces, at PyTorch's speed.
+returns PyTorch's ``FakeTensorMode``: the same traces, at PyTorch's speed; where it lacks a step the lean hook
+takes, the hook is PyTorch's.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import sys
 from typing import Any
 
 import torch
+from torch._subclasses import fake_tensor as _ft
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 #: the parameters of the ``FakeTensorMode._prep_args_for_hash`` this module overrides (torch 2.3 to 2.13)
@@ -67,9 +77,45 @@ def quick_key(t: FakeTensor) -> tuple:
             t.requires_grad, t.is_quantized, t.is_conj(), t.is_neg(), t.is_inference())
 
 
+def _lean_dispatch_supported() -> bool:
+    """Whether the installed torch has every step :meth:`QuickKeyFakeTensorMode.__torch_dispatch__` takes in place of
+    ``FakeTensorMode.dispatch`` (torch 2.3 to 2.13 have them)."""
+    names = ("_DISPATCH_META_HANDLERS", "_DISPATCH_HANDLE_DIRECTLY", "in_kernel_invocation_manager", "log")
+    methods = ("dispatch", "_cached_dispatch_impl", "_dispatch_impl")
+    return (all(hasattr(_ft, n) for n in names) and all(callable(getattr(FakeTensorMode, m, None)) for m in methods)
+            and isinstance(getattr(_ft, "log", None), logging.Logger))
+
+
+_LEAN = _lean_dispatch_supported()
+_FAKE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+
+
 class QuickKeyFakeTensorMode(FakeTensorMode):
     """``FakeTensorMode`` whose dispatch-cache key of a strided fake tensor input is :func:`quick_key` (the module's
-    docstring says why that keys the same ops together as PyTorch's key does)."""
+    docstring says why that keys the same ops together as PyTorch's key does), with a leaner dispatch hook."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # False: TorchDispatchMode leaves this class's __torch_dispatch__ unwrapped (no Dynamo switch per op)
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not _LEAN or _FAKE_KEY is None:
+            return super().__torch_dispatch__(func, types, args, kwargs if kwargs is not None else {})
+        if torch._C._get_dispatch_mode(_FAKE_KEY) is not None:  # as PyTorch's hook: never entered from inside
+            raise AssertionError(f"FakeTensorMode should not be set when dispatching {func}")
+        kwargs = kwargs or {}
+        if _ft.log.isEnabledFor(logging.DEBUG):  # PyTorch's own steps, with its debug lines
+            return self.dispatch(func, types, args, kwargs)
+        handler = _ft._DISPATCH_META_HANDLERS.get(func)
+        if handler is not None:
+            return handler(args)
+        if func in _ft._DISPATCH_HANDLE_DIRECTLY:
+            with _ft.in_kernel_invocation_manager(self):
+                return func(*args, **kwargs)
+        if self.cache_enabled:
+            return self._cached_dispatch_impl(func, types, args, kwargs)
+        return self._dispatch_impl(func, types, args, kwargs)
 
     def _prep_args_for_hash(self, result: list, args: Any, state: Any, id_hashed_objects: list) -> None:
         if isinstance(args, dict):  # PyTorch's walk of a dict: its keys, then its values (each back here)
