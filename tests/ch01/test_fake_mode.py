@@ -143,6 +143,58 @@ def test_falls_back_to_torchs_mode_where_the_key_builder_differs(monkeypatch):
     assert type(fm.fake_mode()) is FakeTensorMode
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=4), st.sampled_from(DTYPES[:3]))
+def test_the_lean_hook_answers_ops_as_torchs_mode(values, dtype):
+    # constants and their .item() (answered before the cache), in-place ops on them, a fake tensor without a constant
+    # (its .item() refused alike), the foreach ops an optimizer runs: the same values, metadata and errors as PyTorch's
+    def run(mode):
+        out = []
+        with mode:
+            steps = [torch.tensor(v, dtype=dtype) for v in values]
+            torch._foreach_add_(steps, 1)
+            out += [s.item() for s in steps]
+            x = torch.empty(len(values), 3, dtype=dtype)
+            ys = torch._foreach_mul([x, x.t()], 0.5)
+            out += [(y.shape, y.stride(), y.dtype, y.constant is None) for y in ys]
+            try:
+                x.sum().item()
+            except Exception as exc:  # a data-dependent value: both refuse it the same way
+                out.append(type(exc).__name__)
+        return out
+
+    assert fm._LEAN
+    assert run(fm.QuickKeyFakeTensorMode()) == run(FakeTensorMode())
+
+
+def test_the_lean_hook_takes_torchs_steps_at_debug_level(monkeypatch):
+    # with PyTorch's fake-tensor logger at debug level the hook goes through FakeTensorMode.dispatch (its log lines);
+    # otherwise it does not
+    import logging
+
+    from torch._subclasses import fake_tensor as ft
+
+    calls = []
+    real = FakeTensorMode.dispatch
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
+    mode = fm.QuickKeyFakeTensorMode()
+    with mode:
+        torch.empty(3) + 1
+    assert calls == []
+    monkeypatch.setattr(ft.log, "level", logging.DEBUG)
+    monkeypatch.setattr(ft.log, "disabled", False)
+    ft.log.manager._clear_cache()
+    with mode:
+        torch.empty(3) + 1
+    ft.log.manager._clear_cache()
+    assert len(calls) >= 2
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(checkpointing=True, adapter="lora", optimizer="adamw8bit"),
                                 dict(adapter="qlora", loss="chunked")], ids=["full", "lora-ckpt-8bit", "qlora-chunked"])
 def test_a_trace_is_the_same_under_torchs_mode(monkeypatch, kw):
