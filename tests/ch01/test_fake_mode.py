@@ -167,6 +167,63 @@ def test_the_lean_hook_answers_ops_as_torchs_mode(values, dtype):
     assert run(fm.QuickKeyFakeTensorMode()) == run(FakeTensorMode())
 
 
+def _described(t):
+    # everything a fake tensor made for a cache hit shows: metadata, autograd flags, dispatch keys, its attributes
+    return (type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad, t.is_leaf,
+            t.untyped_storage().nbytes(), t._version, str(torch._C._dispatch_keys(t)),
+            sorted((k, v) for k, v in t.__dict__.items() if k != "fake_mode"), t.fake_mode is not None)
+
+
+def _hits(mode, spec, scalar):
+    # each op run twice on the drawn tensor (a miss, then the cache hit the lean output path answers); for a view op,
+    # whether the output shares its argument's storage
+    aten = torch.ops.aten
+    out = []
+    x = make(mode, spec)
+    with mode:
+        ops = [lambda: x.clone(), lambda: x * scalar, lambda: x.unsqueeze(0), lambda: x.reshape(-1) if x.numel() else
+               x.clone(), lambda: x.detach(), lambda: aten.alias.default(x),
+               lambda: torch.empty_strided((2, 3), (1, 2), dtype=spec["dtype"], requires_grad=spec["requires_grad"])]
+        for op in ops:
+            for _ in range(2):
+                y = op()
+                out.append(_described(y))
+                out.append(y.untyped_storage()._cdata == x.untyped_storage()._cdata)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs(), st.sampled_from([2.0, 0.5, -1.0]))
+def test_a_cache_hit_makes_the_fake_tensor_torchs_mode_makes(spec, scalar):
+    # the lean output path (the prototype's attributes, the same subclass call) against PyTorch's constructor,
+    # over drawn sizes, strides, offsets, dtypes and flags (conjugate and negative ones go PyTorch's way)
+    assert fm._LEAN_OUTPUT
+    quick, plain = fm.QuickKeyFakeTensorMode(), FakeTensorMode()
+    assert _hits(quick, spec, scalar) == _hits(plain, spec, scalar)
+    assert quick._memlab_prototypes.get(torch.device("cpu")) is not None  # the lean path made the quick mode's hits
+
+
+def test_a_constructor_that_sets_more_leaves_every_output_to_torch(monkeypatch):
+    # where PyTorch's constructor gives a new fake tensor an attribute the prototype check does not know, the lean
+    # path is not taken for that device: every output is PyTorch's own (its attribute there)
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    real_new = FakeTensor.__new__
+
+    def new(cls, *a, **k):
+        t = real_new(cls, *a, **k)
+        t.memlab_test_mark = object()
+        return t
+
+    monkeypatch.setattr(FakeTensor, "__new__", new)
+    mode = fm.QuickKeyFakeTensorMode()
+    with mode:
+        x = torch.empty(4)
+        ys = [x * 2 for _ in range(3)]  # the second and third: cache hits
+    assert all(hasattr(y, "memlab_test_mark") for y in ys)
+    assert mode._memlab_prototypes == {torch.device("cpu"): None}
+
+
 def test_the_lean_hook_takes_torchs_steps_at_debug_level(monkeypatch):
     # with PyTorch's fake-tensor logger at debug level the hook goes through FakeTensorMode.dispatch (its log lines);
     # otherwise it does not
