@@ -203,6 +203,30 @@ def test_a_cache_hit_makes_the_fake_tensor_torchs_mode_makes(spec, scalar):
     assert quick._memlab_prototypes.get(torch.device("cpu")) is not None  # the lean path made the quick mode's hits
 
 
+@settings(max_examples=80, deadline=None)
+@given(specs(), st.sampled_from([[-1], [1, -1], [-1, 1], [2, -1], [-1, 2, 1], [0, -1], [3]]))
+def test_unsafe_view_is_answered_as_torchs_mode_answers_it(spec, size):
+    # _unsafe_view answered from view's cache entry: the same sizes, strides, offset, the argument's storage, or the
+    # same refusal (a size that does not divide, strides that cannot be viewed), as PyTorch's mode answers it
+    aten = torch.ops.aten
+
+    def run(mode):
+        x = make(mode, spec)
+        out = []
+        with mode:
+            for _ in range(2):  # the second from the cache
+                try:
+                    y = aten._unsafe_view.default(x, size)
+                except Exception as exc:
+                    out.append(type(exc).__name__)
+                    continue
+                out.append(_described(y))
+                out.append((y._base is None, y.untyped_storage()._cdata == x.untyped_storage()._cdata))
+        return out
+
+    assert run(fm.QuickKeyFakeTensorMode()) == run(FakeTensorMode())
+
+
 def test_a_constructor_that_sets_more_leaves_every_output_to_torch(monkeypatch):
     # where PyTorch's constructor gives a new fake tensor an attribute the prototype check does not know, the lean
     # path is not taken for that device: every output is PyTorch's own (its attribute there)
