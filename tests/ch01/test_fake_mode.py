@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode, extract_tensor_metadata
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab.estimate import fake_mode as fm
 
@@ -225,6 +226,64 @@ def test_unsafe_view_is_answered_as_torchs_mode_answers_it(spec, size):
         return out
 
     assert run(fm.QuickKeyFakeTensorMode()) == run(FakeTensorMode())
+
+
+class _Seen(TorchDispatchMode):
+    # a mode above the fake mode: whether each op's output is its first argument, as the fake mode returned it
+    def __init__(self):
+        super().__init__()
+        self.same = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.same.append(out is args[0])
+        return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32, torch.bool]),
+       st.integers(-5, 5), st.sampled_from(["add_", "view", "mul", "write", "item", "twice"]))
+def test_a_lifted_scalar_behaves_as_under_torchs_mode(dtype, value, then):
+    # torch.tensor(value) lifted by the lean path against PyTorch's converter: the fake tensor, its constant, and what
+    # its memos decide afterwards (an in-place op on it returns it with the new constant, a view shares its storage
+    # and constant, a write of a non-constant drops the constant of it and of its views, item() reads it)
+    from torch.utils._mode_utils import no_dispatch
+
+    def const(t):  # the constant's value, read outside the mode
+        if t.constant is None:
+            return None
+        with no_dispatch():
+            return t.constant.item(), t.constant.dtype
+
+    def run(mode):
+        with mode:
+            x = torch.tensor(value, dtype=dtype)
+            out = [_described(x), const(x)]
+            if then == "add_" and dtype != torch.bool:
+                with _Seen() as seen:  # what the mode hands the layers above (a tracker): the argument itself
+                    y = x.add_(1)
+                out += [y is x, seen.same, const(x), x.item()]
+            elif then == "view":
+                v = x.view(1)
+                out += [v.untyped_storage()._cdata == x.untyped_storage()._cdata, const(v), _described(v)]
+            elif then == "mul" and dtype != torch.bool:
+                z = x * 3
+                out += [const(z), _described(z)]
+            elif then == "write":
+                v = x.view(1)
+                x.copy_(torch.empty((), dtype=dtype))  # a fake tensor without a constant: the value is unknown
+                out += [x.constant is None, v.constant is None]
+            elif then == "item":
+                out += [x.item(), type(x.item())]
+            else:
+                x2 = torch.tensor(value, dtype=dtype)
+                out += [x2 is x, x2.untyped_storage()._cdata == x.untyped_storage()._cdata, _described(x2)]
+        return out
+
+    assert fm._LEAN_LIFT
+    quick = fm.QuickKeyFakeTensorMode()
+    assert run(quick) == run(FakeTensorMode())
+    assert quick._memlab_prototypes.get(torch.device("cpu")) is not None
 
 
 def test_a_constructor_that_sets_more_leaves_every_output_to_torch(monkeypatch):
