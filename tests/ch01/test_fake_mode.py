@@ -286,6 +286,53 @@ def test_a_lifted_scalar_behaves_as_under_torchs_mode(dtype, value, then):
     assert quick._memlab_prototypes.get(torch.device("cpu")) is not None
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(specs(), min_size=1, max_size=4), st.sampled_from(["sqrt", "mul", "add_list", "norm", "const"]))
+def test_out_of_place_foreach_ops_as_under_torchs_mode(spec_list, kind):
+    # an out-of-place foreach op (the lean path: PyTorch's meta kernel, each output wrapped lean) against PyTorch's
+    # mode: the same outputs (metadata, attributes, a storage of their own) or the same refusal; a list holding a
+    # constant goes PyTorch's way
+    floats = [dict(sp, dtype=torch.float32, conj=False) for sp in spec_list]
+
+    def run(mode):
+        xs = [make(mode, sp) for sp in floats]
+        out = []
+        with mode:
+            for _ in range(2):
+                try:
+                    if kind == "sqrt":
+                        ys = torch._foreach_sqrt(xs)
+                    elif kind == "mul":
+                        ys = torch._foreach_mul(xs, 0.5)
+                    elif kind == "add_list":
+                        ys = torch._foreach_add(xs, xs[::-1] if all(x.shape == xs[0].shape for x in xs) else xs)
+                    elif kind == "norm":
+                        ys = torch._foreach_norm(xs)
+                    else:
+                        ys = torch._foreach_mul([*xs, torch.tensor(2.0)], 3.0)
+                except Exception as exc:
+                    out.append(type(exc).__name__)
+                    continue
+                out.append([_described(y) for y in ys])
+                ins = {x.untyped_storage()._cdata for x in xs}
+                out.append([y.untyped_storage()._cdata in ins for y in ys])
+        return out
+
+    assert run(fm.QuickKeyFakeTensorMode()) == run(FakeTensorMode())
+
+
+def test_a_profiler_range_runs_inside_the_mode():
+    # optimizer.step() and zero_grad() open a profiler range: answered without the fake path, it still nests and
+    # shows in a profile of the block
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    mode = fm.QuickKeyFakeTensorMode()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, mode:
+        with record_function("memlab-range"):
+            torch.empty(3) * 2
+    assert any(e.name == "memlab-range" for e in prof.events())
+
+
 def test_a_constructor_that_sets_more_leaves_every_output_to_torch(monkeypatch):
     # where PyTorch's constructor gives a new fake tensor an attribute the prototype check does not know, the lean
     # path is not taken for that device: every output is PyTorch's own (its attribute there)
