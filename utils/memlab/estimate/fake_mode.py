@@ -206,6 +206,19 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
             protos[device] = (made.fake_device, attrs) if plain else None
         return protos[device]
 
+    def _wrap(self, meta: torch.Tensor, device: torch.device, attrs: dict) -> FakeTensor:
+        # a meta tensor made a fake tensor of this mode on ``device`` (``attrs``: its prototype's, _prototype), with
+        # PyTorch's constructor's subclass call and data-pointer flag
+        out = torch.Tensor._make_subclass(FakeTensor, meta, meta.requires_grad, dispatch_device=True,
+                                          device_for_backend_keys=device)
+        if self._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(out)
+        out.__dict__.update(attrs)
+        out.fake_mode = self
+        return out
+
     def _lift_scalar(self, t: torch.Tensor) -> FakeTensor | None:
         # torch.tensor(x) of a 0-dim real CPU tensor: the fake constant PyTorch's lift makes, or None (PyTorch's way)
         if (type(t) is not torch.Tensor or t.dim() != 0 or t.device.type != "cpu" or t.layout is not torch.strided
@@ -227,13 +240,7 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
             const = t.clone()  # as PyTorch keeps it: a copy, the value at the lift
         with _ft.in_kernel_invocation_manager(self):
             meta = torch.empty_strided((), (), dtype=const.dtype, device="meta")
-        out = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True, device_for_backend_keys=device)
-        if self._allow_unsafe_data_ptr_access:
-            torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
-        else:
-            torch._C._set_throw_on_mutable_data_ptr(out)
-        out.__dict__.update(attrs)
-        out.fake_mode = self
+        out = self._wrap(meta, device, attrs)
         out.constant = const
         # the memos PyTorch's converter fills: the clone converts to this tensor again (an in-place op on the constant
         # returns it), a real view of the clone to a view of this storage, and a write invalidates its aliases' constant
@@ -276,14 +283,7 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
         fake_device, attrs = proto
         out = []
         for meta in metas:
-            t = torch.Tensor._make_subclass(FakeTensor, meta, meta.requires_grad, dispatch_device=True,
-                                            device_for_backend_keys=fake_device)
-            if self._allow_unsafe_data_ptr_access:
-                torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
-            else:
-                torch._C._set_throw_on_mutable_data_ptr(t)
-            t.__dict__.update(attrs)
-            t.fake_mode = self
+            t = self._wrap(meta, fake_device, attrs)
             mc.tensor_memo[describer.get_tensor_id(meta)] = t
             out.append(t)
         return out
@@ -315,15 +315,7 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
                     meta.set_(storage, md.storage_offset, md.shape, md.stride)
             finally:
                 self.in_kernel_invocation = before
-        out = torch.Tensor._make_subclass(FakeTensor, meta, meta.requires_grad, dispatch_device=True,
-                                          device_for_backend_keys=device)
-        if self._allow_unsafe_data_ptr_access:
-            c._set_warn_deprecated_on_mutable_data_ptr(out)
-        else:
-            c._set_throw_on_mutable_data_ptr(out)
-        out.__dict__.update(attrs)
-        out.fake_mode = self
-        return out
+        return self._wrap(meta, device, attrs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _LEAN or _FAKE_KEY is None:
