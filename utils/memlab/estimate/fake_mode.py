@@ -164,6 +164,8 @@ def _plain_foreach(func: Any) -> bool:
             ok = False
         _FOREACH[func] = ok
     return ok
+
+
 _FAKE_KEY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
@@ -206,6 +208,20 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
             protos[device] = (made.fake_device, attrs) if plain else None
         return protos[device]
 
+    def _plain(self) -> bool:
+        # the lean paths' common precondition: no shape environment, no fake-tensor debug traces, no export
+        return self.shape_env is None and not _ft.FakeTensorConfig.debug and not torch.compiler.is_exporting()
+
+    def _memos(self) -> tuple[Any, Any, Any] | None:
+        # (the converter, its meta converter, that one's describer) where they have the memos the lean lift and
+        # foreach paths fill, else None
+        conv = self.fake_tensor_converter
+        mc = getattr(conv, "meta_converter", None)
+        describer = getattr(mc, "describer", None)
+        ok = (hasattr(describer, "get_tensor_id") and hasattr(describer, "get_storage_id")
+              and hasattr(mc, "tensor_memo") and hasattr(mc, "storage_memo"))
+        return (conv, mc, describer) if ok else None
+
     def _wrap(self, meta: torch.Tensor, device: torch.device, attrs: dict) -> FakeTensor:
         # a meta tensor made a fake tensor of this mode on ``device`` (``attrs``: its prototype's, _prototype), with
         # PyTorch's constructor's subclass call and data-pointer flag
@@ -222,19 +238,14 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
     def _lift_scalar(self, t: torch.Tensor) -> FakeTensor | None:
         # torch.tensor(x) of a 0-dim real CPU tensor: the fake constant PyTorch's lift makes, or None (PyTorch's way)
         if (type(t) is not torch.Tensor or t.dim() != 0 or t.device.type != "cpu" or t.layout is not torch.strided
-                or t.requires_grad or t.is_quantized or t.is_conj() or t.is_neg() or self.shape_env is not None
-                or getattr(self, "propagate_real_tensors", True) or _ft.FakeTensorConfig.debug
-                or torch.compiler.is_exporting()):
+                or t.requires_grad or t.is_quantized or t.is_conj() or t.is_neg() or not self._plain()
+                or getattr(self, "propagate_real_tensors", True)):
             return None
-        conv = self.fake_tensor_converter
-        mc = getattr(conv, "meta_converter", None)
-        describer = getattr(mc, "describer", None)
-        if not (hasattr(describer, "get_tensor_id") and hasattr(describer, "get_storage_id")
-                and hasattr(mc, "tensor_memo") and hasattr(mc, "storage_memo")):
-            return None
-        proto = self._prototype(t.device)
+        memos = self._memos()
+        proto = self._prototype(t.device) if memos is not None else None
         if proto is None:
             return None
+        conv, mc, describer = memos
         device, attrs = proto
         with _no_dispatch():
             const = t.clone()  # as PyTorch keeps it: a copy, the value at the lift
@@ -252,8 +263,7 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
     def _foreach(self, func: Any, args: Any, kwargs: Any) -> Any:
         # an out-of-place foreach op on this mode's non-constant fake tensors, all on one device: PyTorch's meta
         # kernel, each output wrapped as PyTorch's converter wraps it (its memo filled); None: PyTorch's way
-        if (self.shape_env is not None or _ft.FakeTensorConfig.debug or torch.compiler.is_exporting()
-                or getattr(self, "propagate_real_tensors", True)):
+        if not self._plain() or getattr(self, "propagate_real_tensors", True):
             return None
         device = None
         for a in (*args, *kwargs.values()):
@@ -268,11 +278,11 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
                         return None
         if device is None or device.type == "meta":
             return None
-        proto = self._prototype(device)
-        mc = getattr(self.fake_tensor_converter, "meta_converter", None)
-        describer = getattr(mc, "describer", None)
-        if proto is None or not hasattr(describer, "get_tensor_id") or not hasattr(mc, "tensor_memo"):
+        memos = self._memos()
+        proto = self._prototype(device) if memos is not None else None
+        if proto is None:
             return None
+        _, mc, describer = memos
         try:
             with _ft.in_kernel_invocation_manager(self):
                 metas = func(*args, **kwargs)
@@ -290,9 +300,8 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
 
     def _get_output_tensor_from_cache_entry(self, state: Any, entry: Any, key: Any, func: Any, args: Any) -> Any:
         md = entry.metadata
-        if (not _LEAN_OUTPUT or entry.inplace_idx is not None or md is None or self.shape_env is not None
-                or md.layout is not torch.strided or md.is_conj or md.is_neg or md.device.type == "meta"
-                or _ft.FakeTensorConfig.debug or torch.compiler.is_exporting()):
+        if (not _LEAN_OUTPUT or entry.inplace_idx is not None or md is None or md.layout is not torch.strided
+                or md.is_conj or md.is_neg or md.device.type == "meta" or not self._plain()):
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
         proto = self._prototype(md.device)
         if proto is None:
@@ -323,6 +332,8 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
         if torch._C._get_dispatch_mode(_FAKE_KEY) is not None:  # as PyTorch's hook: never entered from inside
             raise AssertionError(f"FakeTensorMode should not be set when dispatching {func}")
         kwargs = kwargs or {}
+        if _ft.log.isEnabledFor(logging.DEBUG):  # PyTorch's own steps, with its debug lines
+            return self.dispatch(func, types, args, kwargs)
         if func is _ITEM and len(args) == 1 and not kwargs:
             t = args[0]
             if (type(t) is FakeTensor and t.fake_mode is self and t.constant is not None
@@ -338,7 +349,7 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
             out = self._lift_scalar(args[0])
             if out is not None:
                 return out
-        if _LEAN_LIFT and _plain_foreach(func):
+        if _LEAN_OUTPUT and _plain_foreach(func):
             out = self._foreach(func, args, kwargs)
             if out is not None:
                 return out
@@ -352,8 +363,6 @@ class QuickKeyFakeTensorMode(FakeTensorMode):
                 # refusal. PyTorch's cache refuses to hold it ("unsafe view", its output would get a new storage);
                 # the cache entry of view (an alias of the argument's storage) answers it
                 return self._cached_dispatch_impl(_VIEW, types, args, kwargs)
-        if _ft.log.isEnabledFor(logging.DEBUG):  # PyTorch's own steps, with its debug lines
-            return self.dispatch(func, types, args, kwargs)
         handler = _ft._DISPATCH_META_HANDLERS.get(func)
         if handler is not None:
             return handler(args)
