@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memlab.estimate import cuda_rules as R
 from memlab import estimate as E
@@ -96,6 +98,90 @@ def test_real_cuda_fake_trace_agrees_with_the_modelled_one(monkeypatch):
     modelled = E.estimate_training_memory("gpt2", **kw)
     assert modelled.traced_on == "cpu" and any(n.startswith("CUDA rule") for n in modelled.notes)
     assert abs(modelled.peak_bytes - real.peak_bytes) <= max(64 * 1024, real.peak_bytes // 1000)
+
+
+def _saved(call) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """What autograd keeps for backward while ``call()`` runs: (shape, dtype) of every tensor packed, sorted."""
+    kept: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t):
+        kept.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = call()
+    out.float().sum().backward()  # the call's graph runs backward as it is
+    return sorted(kept, key=repr)
+
+
+@st.composite
+def sdpa_calls(draw):
+    b, h, s, d = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 40)), draw(st.sampled_from([8, 16, 64]))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+    mask = draw(st.sampled_from([None, "bool", "float"]))
+    return dict(b=b, h=h, s=s, d=d, dtype=dtype, mask=mask, causal=mask is None and draw(st.booleans()),
+                p=draw(st.floats(0.01, 0.9)), positional=draw(st.booleans()), scale=draw(st.sampled_from([None, 0.3])))
+
+
+def _sdpa(c, p, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(c["b"], c["h"], c["s"], c["d"], generator=g).to(c["dtype"]).requires_grad_()
+               for _ in range(3))
+    mask = None
+    if c["mask"] == "bool":
+        mask = torch.rand(c["s"], c["s"], generator=g) > 0.3
+        mask[:, 0] = True  # no fully masked row
+    elif c["mask"] == "float":
+        mask = torch.randn(c["s"], c["s"], generator=g).to(c["dtype"])
+    if c["positional"]:
+        return lambda: F.scaled_dot_product_attention(q, k, v, mask, p, c["causal"], scale=c["scale"])
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=c["causal"],
+                                                  scale=c["scale"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(sdpa_calls())
+def test_attention_dropout_is_kept_as_a_fused_cuda_kernel_keeps_it(c):
+    # rule 5: CUDA's flash / memory-efficient kernels draw the dropout mask inside the kernel and keep what they
+    # keep without dropout; on a CPU the call falls back to the math kernel (the s x s probabilities and the mask)
+    with R.cuda_semantics() as mode:
+        mode.fused_attention = True
+        fused = _saved(_sdpa(c, c["p"]))
+    assert mode.counts["attention_dropout"] == 1
+    assert fused == _saved(_sdpa(c, 0.0))  # the same call without dropout, outside the mode
+    plain = _saved(_sdpa(c, c["p"]))
+    with R.cuda_semantics() as mode:  # the CUDA kernel is the math one (fp32 with grouped KV heads): no rule
+        assert _saved(_sdpa(c, c["p"])) == plain
+    assert mode.counts["attention_dropout"] == 0
+    with R.cuda_semantics() as mode:
+        mode.fused_attention = True
+        _saved(_sdpa(c, 0.0))
+    assert mode.counts["attention_dropout"] == 0  # nothing to reroute: not counted
+
+
+def test_math_kernel_keeps_the_square_and_the_rule_does_not():
+    c = dict(b=1, h=2, s=32, d=16, dtype=torch.bfloat16, mask=None, causal=True, p=0.1, positional=False, scale=None)
+    square = (1, 2, 32, 32)
+    assert any(shape == square for shape, _ in _saved(_sdpa(c, 0.1)))  # CPU: math kernel, probabilities kept
+    with R.cuda_semantics() as mode:
+        mode.fused_attention = True
+        assert not any(shape == square for shape, _ in _saved(_sdpa(c, 0.1)))
+
+
+def test_gpt2_attention_dropout_agrees_with_the_h200_cuda_trace():
+    # results/h200/2026-11-28 (test_real_cuda_fake_trace_agrees_with_the_modelled_one): gpt2 at 2 layers, bf16,
+    # batch 4 x 256, traced with CUDA fake tensors on an H200: 1,506,729,584 bytes; the CPU trace with the CUDA
+    # rules then gave 1,591,562,872 (+5.6%: attention dropout 0.1 sent SDPA to the math kernel)
+    kw = dict(config_overrides=dict(n_layer=2), batch_size=4, seq_len=256, dtype="bf16", extrapolate=False)
+    est = E.estimate_training_memory("gpt2", **kw)
+    assert est.traced_on == "cpu"
+    assert abs(est.peak_bytes - 1_506_729_584) <= 64 * 1024
+    assert any(n.startswith("CUDA rule: attention dropout runs inside CUDA's fused SDPA kernel (no mask, no s x s "
+                            "matrix kept), traced with the CPU flash kernel at dropout_p=0 (2 calls") for n in est.notes)
+    assert not any("math kernel" in n for n in est.notes)
+    fp32 = E.estimate_training_memory("gpt2", config_overrides=dict(n_layer=1, n_embd=64, n_head=2), batch_size=2,
+                                      seq_len=32, dtype="fp32", extrapolate=False)
+    assert any(n.startswith("CUDA rule: attention dropout") for n in fp32.notes)  # the memory-efficient kernel too
 
 
 def _tiny_bert():

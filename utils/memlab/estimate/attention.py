@@ -13,7 +13,7 @@ from memlab.estimate.recipes import SIXTEEN_BIT
 
 
 def attention_plan(model: nn.Module, spec: ModelSpec, requested: str, dtype: str, target: torch.device,
-                    traced_on: str) -> tuple[str, Any, bool]:
+                    traced_on: str, rules: Any = None) -> tuple[str, Any, bool]:
     """(description, context manager for the traced step, softmax-scratch rule on?).
 
     On a CUDA target traced on CPU fake tensors, SDPA picks its CUDA kernel as PyTorch does
@@ -23,7 +23,10 @@ def attention_plan(model: nn.Module, spec: ModelSpec, requested: str, dtype: str
     not modelled); math for fp32 with grouped KV heads (no fused kernel takes fp32 GQA: it keeps
     the b x h x s x s probabilities, measured on an H100), so the step is traced with the math
     kernel forced. Eager attention's softmax backward on CUDA copies its incoming gradient
-    (results/h100/diag2.log): a transient rule adds those bytes while the op runs.
+    (results/h100/diag2.log): a transient rule adds those bytes while the op runs. ``rules``: the
+    trace's :func:`memlab.estimate.cuda_rules.cuda_semantics` mode on a CPU trace for a CUDA card; where
+    the CUDA kernel is a fused one its ``fused_attention`` is set, so attention dropout is traced as the
+    fused kernel keeps it (rule 5 there: the CPU flash kernel refuses dropout and would fall back to math).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -67,6 +70,8 @@ def attention_plan(model: nn.Module, spec: ModelSpec, requested: str, dtype: str
         force = requested == "flash" or kernel == "math"
         return f"{label}: {what}, traced", (sdpa_kernel([backend]) if force else contextlib.nullcontext()), False
     backends = [backend] if backend == SDPBackend.MATH else [backend, SDPBackend.MATH]
+    if rules is not None:
+        rules.fused_attention = kernel != "math"
     return (f"{label}: {what}; modelled on CPU with the {'math' if kernel == 'math' else 'CPU flash'} kernel "
             f"(same saved tensors)"), sdpa_kernel(backends), False
 

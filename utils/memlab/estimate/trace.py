@@ -483,7 +483,7 @@ def trace_step(spec: ModelSpec, step: StepSpec, *, fake: bool = True, fsdp_world
     t0 = time.perf_counter()
     model, mode, n_params, vocab = _build_model(spec, step, s, fake, fsdp_world_size)
     loss = _loss_kind(model, step, s)
-    attention, attn_ctx, softmax_rule = attention_plan(model, spec, s.attn, step.dtype, s.target, s.traced_on)
+    attention, attn_ctx, softmax_rule = attention_plan(model, spec, s.attn, step.dtype, s.target, s.traced_on, s.cuda_rules)
     if softmax_rule and not step.kernel_scratch:
         softmax_rule = False
         attention = attention.replace(_SCRATCH_NOTE, "; kernel_scratch=False: CUDA softmax backward's scratch copy "
