@@ -310,7 +310,8 @@ def render_validate_block(root: Path) -> str:
     head = (f"`memlab estimate --validate` (`memlab/estimate/validate.py`; about 1 min on a 2-core CPU; its output as "
             f"last run: [`{VALIDATE_LOG}`]({VALIDATE_LOG})): {f['n']} published peaks the estimator can decide, "
             f"{f['met']} meeting their target" + (f", {off.group(1)} off for the reason the log states "
-                                                  f"(torchtune's runs: torch.compile, its own Llama)" if off else "")
+                                                  f"(torchtune's runs: torch.compile, its own Llama; litgpt's: its "
+                                                  f"own GPT, traced by tools/trace_litgpt.py)" if off else "")
             + f"; allocated figures: median |error| {f['med']}% (target {f['tm']}%), worst {f['worst']}% (target "
             f"{f['tw']}%); reserved / nvidia-smi / unstated figures at or above the estimate; {f['und']} undecided, "
             f"each met for a longest batch of at most {f['lo']} to {f['hi']} tokens; {f['ne']} published figures it "

@@ -366,7 +366,11 @@ FIGURES += (
 # printed at the end of the run ("Memory used: ... GB"). litgpt runs its own GPT, not transformers': the estimate
 # traces the transformers model of the same dimensions with litgpt's head and loss (_litgpt_step) and litgpt's
 # untied head (the checkpoint converter copies the embedding's values into a separate lm_head.weight,
-# scripts/convert_hf_checkpoint.py), so tie_word_embeddings=False for every model here.
+# scripts/convert_hf_checkpoint.py), so tie_word_embeddings=False for every model here. The scripts call the model
+# through Lightning Fabric (`fabric.setup_module`), whose bf16-true precision plugin casts every floating output of
+# forward to torch's default dtype, float32 (lightning/fabric/plugins/precision/half.py, HalfPrecision.convert_output,
+# called by _FabricModule.forward in wrappers.py; Lightning 2.2, the release of March 2024): the loop's logits and the
+# loss's log-softmax are fp32, 8 bytes a logit where bf16 would keep 4.
 _LITGPT_C = "bc3c337f5956b86dec0f56a73ca07b7ea21c0041"
 _LITGPT = f"https://github.com/Lightning-AI/litgpt/blob/{_LITGPT_C}/config_hub/finetune/"
 _LITGPT_GPU = ("NVIDIA A10G (24 GB), Lightning AI Studio, litgpt of March 2024 (commit bc3c337f), torch 2.2, bitsandbytes "
@@ -374,10 +378,11 @@ _LITGPT_GPU = ("NVIDIA A10G (24 GB), Lightning AI Studio, litgpt of March 2024 (
 _LITGPT_DIFFERS = ("litgpt's own GPT against transformers' model of the same dimensions: a fused qkv linear (its LoRA "
                    "zero-pads the q, k and v updates into one qkv-sized tensor), K and V expanded to every head before "
                    "SDPA (is_causal, no mask), RoPE from a cos/sin cache; the loss as litgpt's (traced): the head run a "
-                   "128-token chunk at a time, every chunk's bf16 logits kept, cross-entropy per chunk on bf16 logits "
-                   "(no fp32 upcast); batches padded to their longest sample, at most 512 tokens (Alpaca2k: the run "
-                   "logs the longest, not recorded here; traced at the cap, where the under-estimate is the largest it "
-                   "can be); evaluation under no_grad every 25 steps is below the training step")
+                   "128-token chunk at a time, every chunk's logits kept, cross-entropy per chunk; the logits cast to "
+                   "fp32 by Lightning Fabric's bf16-true plugin as forward returns (HalfPrecision.convert_output), so "
+                   "the kept logits and the loss's log-softmax are fp32; batches padded to their longest sample, at "
+                   "most 512 tokens (Alpaca2k: the run logs the longest, not recorded here; traced at the cap); "
+                   "evaluation under no_grad every 25 steps is below the training step")
 # Gemma-2B (https://huggingface.co/google/gemma-2b/blob/main/config.json) and TinyLlama-1.1B
 # (https://huggingface.co/TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T/blob/main/config.json), untied as litgpt
 GEMMA_2B = ("GemmaConfig", dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
@@ -389,64 +394,74 @@ TINY_LLAMA = ("LlamaConfig", dict(hidden_size=2048, intermediate_size=5632, num_
 _ALL_HEAD = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
 
 
-def _litgpt_step(model, batch):
-    """litgpt's training step (finetune/lora.py at the pinned commit) on a transformers causal LM, as memory sees it:
-    ``model(input_ids, lm_head_chunk_size=128)`` (the head run on 128-token chunks of the last hidden state, every
-    chunk's logits kept), the last chunk's last position dropped, ``chunked_cross_entropy``: one bf16
-    cross-entropy (reduction "none") per chunk, concatenated, summed, divided by the count of targets."""
+def fabric_outputs(out):
+    """What Lightning Fabric's bf16-true / 16-true plugin hands back from forward: every floating tensor cast to
+    torch's default dtype (float32), in a new list; the 16-bit outputs die when the cast list is returned."""
+    import torch
+
+    if isinstance(out, (list, tuple)):
+        return [fabric_outputs(o) for o in out]
+    return out.to(torch.get_default_dtype()) if out.is_floating_point() else out
+
+
+def litgpt_loss(logits, targets):
+    """litgpt's ``chunked_cross_entropy`` (litgpt/utils.py at the pinned commit) with chunks of 128: a list of
+    logits chunks (the chunked head) or one logits tensor (reshaped: a copy of a sliced one), one cross-entropy
+    with reduction "none" per chunk, concatenated, summed, divided by the count of targets."""
     import torch
     import torch.nn.functional as F
 
+    if isinstance(logits, list):
+        rows = [c.reshape(-1, c.size(-1)) for c in logits]
+        ys = [t.reshape(-1) for t in targets.split(logits[0].size(1), dim=1)]
+    else:
+        rows = logits.reshape(-1, logits.size(-1)).split(128)
+        ys = targets.reshape(-1).split(128)
+    losses = [F.cross_entropy(c, t, ignore_index=-100, reduction="none") for c, t in zip(rows, ys)]
+    return torch.cat(losses).sum() / (targets != -100).sum().clamp(min=1)
+
+
+def _litgpt_step(model, batch):
+    """litgpt's training step (finetune/lora.py at the pinned commit) on a transformers causal LM, as memory sees it:
+    ``model(input_ids, lm_head_chunk_size=128)`` (the head run on 128-token chunks of the last hidden state, every
+    chunk's logits kept, cast to fp32 by Fabric as forward returns), the last chunk's last position dropped,
+    :func:`litgpt_loss`."""
     x = batch["input_ids"]
     h = model.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
-    logits = [model.lm_head(c) for c in h.split(128, dim=1)]
+    logits = fabric_outputs([model.lm_head(c) for c in h.split(128, dim=1)])
     logits[-1] = logits[-1][..., :-1, :]
-    y = x[..., 1:]
-    losses = [F.cross_entropy(c.reshape(-1, c.size(-1)), t.reshape(-1), ignore_index=-100, reduction="none")
-              for c, t in zip(logits, y.split(128, dim=1))]
-    loss = torch.cat(losses).sum() / (y != -100).sum().clamp(min=1)
+    loss = litgpt_loss(logits, x[..., 1:])
     loss.memlab_outputs = tuple(logits)  # the loop's `logits` stays referenced through backward and the step
     return loss
 
 
 def _litgpt_full_step(model, batch):
-    """litgpt's full fine-tuning step (finetune/full.py): the whole head at once, then ``chunked_cross_entropy`` of
-    ``logits[..., :-1, :]``, whose reshape copies the sliced logits, one bf16 cross-entropy per 128 rows."""
-    import torch
-    import torch.nn.functional as F
-
+    """litgpt's full fine-tuning step (finetune/full.py): the whole head at once (its logits cast to fp32 by Fabric),
+    then :func:`litgpt_loss` of ``logits[..., :-1, :]``, whose reshape copies the sliced logits."""
     x = batch["input_ids"]
-    logits = model(input_ids=x, use_cache=False).logits
-    flat = logits[..., :-1, :].reshape(-1, logits.size(-1))
-    y = x[..., 1:].reshape(-1)
-    losses = [F.cross_entropy(c, t, ignore_index=-100, reduction="none") for c, t in zip(flat.split(128), y.split(128))]
-    loss = torch.cat(losses).sum() / (y != -100).sum().clamp(min=1)
+    logits = fabric_outputs(model(input_ids=x, use_cache=False).logits)
+    loss = litgpt_loss(logits[..., :-1, :], x[..., 1:])
     loss.memlab_outputs = (logits,)  # the loop's `logits` stays referenced through backward and the step
     return loss
 
 
-# Both `off` rows were checked against litgpt's own model: litgpt/model.py and lora.py at the pinned commit (copied
-# outside the repository, with a two-function stand-in for litgpt.utils) traced through the estimator's callable
-# route at 2 and 3 layers, on fake tensors for the same card, with litgpt's step; the slope and intercept give the
-# full depth.
-_LITGPT_OFF_GEMMA = (
-    "not litgpt's model: litgpt's own GPT and LoRA, traced through the estimator's callable route at 2 and 3 layers "
-    "with litgpt's step, keep 4.2 MB less per layer than transformers' Gemma with memlab's LoRA (71 MB less at 18 "
-    "layers), and the CPU trace of this step equals the allocator (tests/ch01/test_estimate_lora_head.py); not the "
-    "loop: litgpt's `logits` (every chunk, 524 MB) is rebound only when the next forward returns, and a step holding "
-    "them into the second traced micro-batch's forward leaves the peak (the backward) where it is. The 1.29 GB "
-    "missing is in no op a CPU trace of the step sees. With litgpt's own model traced the same way, the rows that adapt "
-    "every projection and the head are all under their figures (Phi-2 -3.9%, TinyLlama -4.9%, Gemma-2B -10.8%) where "
-    "the q,v rows are within 1.1% and the full fine-tune within 2.9%: what the trace misses grows with the adapted "
-    "layers, and on the GPU litgpt's fused-qkv LoRA runs its B through F.conv1d (cuDNN, whose workspace PyTorch's "
-    "allocator counts) where a CPU trace runs the CPU convolution; Gemma adds head_dim 256 (on sm 8.6 PyTorch's "
-    "flash kernel does not train head dims over 192) and a 256,000-token LoRA'd head. Settling it needs a CUDA run of "
-    "litgpt's step with the allocator's history recorded, not done")
-_LITGPT_OFF_FULL = (
-    "litgpt's own GPT keeps more than transformers': traced through the estimator's callable route at 2 and 3 layers "
-    "with litgpt's step it holds 23.1 MB more per layer (q, and K and V expanded from 4 to 32 heads, copied by reshape "
-    "before SDPA; RoPE's cat), +508 MB at 22 layers: 13.69 GB, -2.9%, within the target; litgpt is not a dependency "
-    "of memlab, so the row traces transformers' model and misses by that")
+# litgpt's own GPT and LoRA at the pinned commit, traced by tools/trace_litgpt.py (the callable route, litgpt's step,
+# the same card); its stored output is results/cpu/litgpt_own_model.txt and tests/ch01/test_estimate_validate.py ties
+# every figure quoted here to it: (GB with Fabric's fp32 outputs, error, GB with bf16 outputs, error).
+_LITGPT_OWN_TRACED = {"gemma-2b/lora.yaml": ("12.69", "+0.6%", "11.38", "-9.8%"),
+                      "tiny-llama/lora.yaml": ("13.49", "-0.1%", "12.83", "-4.9%"),
+                      "tiny-llama/full.yaml": ("14.07", "-0.2%", "13.69", "-2.9%"),
+                      "llama-2-7b/lora.yaml": ("19.75", "-0.1%", "19.59", "-0.9%"),
+                      "mistral-7b/lora.yaml": ("20.65", "-0.0%", "20.48", "-0.8%"),
+                      "phi-2/lora.yaml": ("13.96", "-0.2%", "13.43", "-3.9%")}
+# what transformers' model keeps beside litgpt's, per layer, both traced at 2 and 3 layers with litgpt's step
+_LITGPT_NOT_OURS = "litgpt is no dependency of memlab, so the row traces transformers' model of the same dimensions: "
+
+
+def _litgpt_own(cfg: str) -> str:
+    gb, err, bf16, bf16_err = _LITGPT_OWN_TRACED[cfg]
+    return (f"litgpt's own GPT and LoRA (commit bc3c337f) traced by tools/trace_litgpt.py with Fabric's fp32 outputs: "
+            f"{gb} GB, {err} (with the model's bf16 outputs, as before the cast was modelled: {bf16} GB, {bf16_err})")
 
 
 def _litgpt(cfg: str, model: Any, gb: float, kind: str, note: str = "", off: str = "", at: str = _LITGPT,
@@ -462,18 +477,19 @@ def _litgpt(cfg: str, model: Any, gb: float, kind: str, note: str = "", off: str
 
 
 FIGURES += (
-    _litgpt("gemma-2b/lora.yaml", GEMMA_2B, 12.62, "lora", row="LoRA r8 on every projection and the head, Gemma-2B, "
-            "micro-batch 2", batch_size=2, grad_accum=3, adapter="lora", lora_r=8, lora_alpha=16, lora_dropout=0.1,
-            target_modules=_ALL_HEAD, adapter_dtype="bf16", off=_LITGPT_OFF_GEMMA),
+    _litgpt("gemma-2b/lora.yaml", GEMMA_2B, 12.62, "lora", row="LoRA r16 on every projection and the head, Gemma-2B, "
+            "micro-batch 2", batch_size=2, grad_accum=3, adapter="lora", lora_r=16, lora_alpha=16, lora_dropout=0.1,
+            target_modules=_ALL_HEAD, adapter_dtype="bf16", note="; " + _litgpt_own("gemma-2b/lora.yaml")),
     _litgpt("tiny-llama/lora.yaml", TINY_LLAMA, 13.50, "lora", row="LoRA r32 on every projection and the head, "
             "TinyLlama-1.1B, micro-batch 8", batch_size=8, adapter="lora", lora_r=32, lora_alpha=16,
-            note="; met with transformers' model, but litgpt's own GPT and LoRA, traced through the estimator's "
-                 "callable route at 2 and 3 layers with litgpt's step, keep 21.0 MB less per layer: 12.84 GB, -4.9%, "
-                 "as the other rows adapting every projection and the head (see the Gemma-2B row)",
+            off=_LITGPT_NOT_OURS + "transformers' Llama with memlab's LoRA keeps 21.0 MB more per layer than litgpt's "
+                "GPT and LoRA (litgpt adapts q, k and v through its one fused qkv); " + _litgpt_own("tiny-llama/lora.yaml"),
             lora_dropout=0.05, target_modules=_ALL_HEAD, adapter_dtype="bf16"),
     _litgpt("tiny-llama/full.yaml", TINY_LLAMA, 14.10, "full", row="full fine-tuning, TinyLlama-1.1B, micro-batch 4",
             batch_size=4, grad_accum=8,
-            off=_LITGPT_OFF_FULL, note="; one device: no FSDP, no checkpointing (full.py wraps in FSDP only for devices > 1); "
+            off=_LITGPT_NOT_OURS + "litgpt's own GPT keeps 23.1 MB more per layer (q, and K and V expanded from 4 to "
+                "32 heads, copied by reshape before SDPA; RoPE's cat), +508 MB at 22 layers; "
+                + _litgpt_own("tiny-llama/full.yaml"), note="; one device: no FSDP, no checkpointing (full.py wraps in FSDP only for devices > 1); "
                                   "global batch 32: 8 micro-batches per optimizer step (grad_accum=8)"),
 )
 
@@ -487,30 +503,27 @@ PHI_2 = ("PhiConfig", dict(hidden_size=2560, intermediate_size=10240, num_hidden
                            num_key_value_heads=32, vocab_size=51200, max_position_embeddings=2048,
                            partial_rotary_factor=0.4, layer_norm_eps=1e-5, hidden_act="gelu_new", resid_pdrop=0.0,
                            embd_pdrop=0.0, attention_dropout=0.0, tie_word_embeddings=False))
-_LITGPT_MODEL = ("litgpt's own GPT against transformers' (litgpt is not a dependency of memlab, so the row traces "
-                 "transformers' model of the same dimensions); litgpt's model, traced through the estimator's callable "
-                 "route at 2 and 3 layers with litgpt's step, ")
-_LITGPT_OFF_LLAMA2 = _LITGPT_MODEL + ("holds 21.0 MB more per layer (q, K and V copied by reshape, RoPE's cat, the "
-                                      "fused qkv's zero-padded LoRA update): +678 MB at 32 layers, 19.55 GB, -1.1%, "
-                                      "within the target")
-_LITGPT_OFF_PHI2 = _LITGPT_MODEL + ("holds 136 MB less per layer than transformers' Phi (whose attention and MLP keep "
-                                    "more; litgpt's phi-2 runs one fused qkv and GELU-tanh MLP): 13.43 GB at 32 "
-                                    "layers, -3.9%, under the figure by less than the rows of its class")
 _QV32 = dict(adapter="lora", lora_r=32, lora_alpha=16, lora_dropout=0.05, target_modules="q_proj,v_proj",
              adapter_dtype="bf16")
 FIGURES += (
     _litgpt("llama-2-7b/lora.yaml", "llama-2-7b", 19.77, "lora", at=_LITGPT_0317,
-            row="LoRA r32 on q and v, Llama-2-7B, micro-batch 2", batch_size=2, grad_accum=4, off=_LITGPT_OFF_LLAMA2,
+            row="LoRA r32 on q and v, Llama-2-7B, micro-batch 2", batch_size=2, grad_accum=4,
+            off=_LITGPT_NOT_OURS + "litgpt's own GPT holds 21.0 MB more per layer (q, K and V copied by reshape, RoPE's "
+                "cat, the fused qkv's zero-padded LoRA update), +678 MB at 32 layers; "
+                + _litgpt_own("llama-2-7b/lora.yaml"),
             **_QV32),
     _litgpt("mistral-7b/lora.yaml", "mistral-7b", 20.65, "lora", at=_LITGPT_0317,
             row="LoRA r32 on q and v, Mistral-7B, micro-batch 2", batch_size=2, grad_accum=4,
-            note="; litgpt's own GPT, traced through the estimator's callable route at 2 and 3 layers with litgpt's "
-                 "step, holds 10.5 MB more per layer (K and V expanded from 8 to 32 heads): 20.46 GB, -1.0%",
+            note="; litgpt's own GPT holds 10.5 MB more per layer (K and V expanded from 8 to 32 heads); "
+                 + _litgpt_own("mistral-7b/lora.yaml"),
             **_QV32),
     _litgpt("phi-2/lora.yaml", PHI_2, 13.98, "lora", at=_LITGPT_0317,
             row="LoRA r8 on every projection and the head, Phi-2, micro-batch 4", batch_size=4, grad_accum=2,
             adapter="lora", lora_r=8, lora_alpha=16, lora_dropout=0.05,
-            target_modules="q_proj,k_proj,v_proj,dense,fc1,fc2,lm_head", adapter_dtype="bf16", off=_LITGPT_OFF_PHI2),
+            target_modules="q_proj,k_proj,v_proj,dense,fc1,fc2,lm_head", adapter_dtype="bf16",
+            off=_LITGPT_NOT_OURS + "litgpt's own GPT holds 136 MB less per layer than transformers' Phi (whose "
+                "attention and MLP keep more; litgpt's phi-2 runs one fused qkv and a GELU-tanh MLP); "
+                + _litgpt_own("phi-2/lora.yaml")),
 )
 
 # (name, source, published figure with its metric, why the estimator cannot express the run)
