@@ -34,6 +34,11 @@ ROWS = (("gemma-2b/lora.yaml", "gemma-2b", 12.62, 2, 3, dict(r=16, alpha=16, dro
         ("llama-2-7b/lora.yaml", "Llama-2-7b-hf", 19.77, 2, 4, dict(r=32, alpha=16, dropout=0.05, every=False)),
         ("mistral-7b/lora.yaml", "Mistral-7B-v0.1", 20.65, 2, 4, dict(r=32, alpha=16, dropout=0.05, every=False)),
         ("phi-2/lora.yaml", "phi-2", 13.98, 4, 2, dict(r=8, alpha=16, dropout=0.05, every=True)))
+# the three QLoRA rows (quantize: bnb.nf4): every nn.Linear, the head's too, in NF4 without double quantization
+QLORA_ROWS = (("gemma-2b/qlora.yaml", "gemma-2b", 11.51, 2, 3, dict(r=16, alpha=16, dropout=0.1, every=True)),
+              ("tiny-llama/qlora.yaml", "tiny-llama-1.1b", 16.24, 8, 1, dict(r=32, alpha=16, dropout=0.05, every=True)),
+              ("llama-2-7b/qlora.yaml", "Llama-2-7b-hf", 13.68, 2, 4, dict(r=32, alpha=16, dropout=0.05, every=False)))
+BNB_VERSION = "0.42.0"  # the table's (validate._LITGPT_GPU): MatMul4Bit keeps its input for backward
 SEQ_LEN = 512  # the configs' max_seq_length (Alpaca2k batches are padded to their longest sample: at most this)
 
 
@@ -55,8 +60,10 @@ def load_litgpt(src: Path) -> types.ModuleType:
     return importlib.import_module("litgpt.lora")
 
 
-def factory(lora_mod: types.ModuleType, name: str, lora: dict | None):
-    """A model factory of the depth: litgpt's GPT (LoRA's when ``lora``), its sequence length set as fit() sets it."""
+def factory(lora_mod: types.ModuleType, name: str, lora: dict | None, nf4: bool = False):
+    """A model factory of the depth: litgpt's GPT (LoRA's when ``lora``), its sequence length set as fit() sets it;
+    ``nf4``: every nn.Linear (the LoRA layers' frozen linears and the head's included) replaced by memlab's NF4
+    Linear4bit without double quantization, as Lightning's BitsandbytesPrecision("nf4") converts them."""
     full_depth = lora_mod.Config.from_name(name).n_layer
 
     def build(depth: int = full_depth):
@@ -69,8 +76,22 @@ def factory(lora_mod: types.ModuleType, name: str, lora: dict | None):
         model.max_seq_length = SEQ_LEN
         if lora:
             lora_mod.mark_only_lora_as_trainable(model)
+        if nf4:
+            _quantize_linears(model)
         return model
     return build
+
+
+def _quantize_linears(model) -> None:
+    import torch
+    from torch import nn
+
+    from memlab.quant import Linear4bit
+
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear):
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], Linear4bit.from_linear(m, torch.bfloat16, 64, False))
 
 
 def step(lora: bool, fabric: bool):
@@ -96,12 +117,22 @@ def step(lora: bool, fabric: bool):
     return lora_step if lora else full_step
 
 
-def estimate_row(lora_mod: types.ModuleType, name: str, batch: int, accum: int, lora: dict | None, fabric: bool):
-    from memlab.estimate import estimate_training_memory
+def estimate_row(lora_mod: types.ModuleType, name: str, batch: int, accum: int, lora: dict | None, fabric: bool,
+                 nf4: bool = False):
+    """One row's estimate; ``nf4``: the QLoRA run (NF4 linears, bitsandbytes' paged AdamW, the NF4 rule of
+    :mod:`memlab.estimate.cuda_rules` following bitsandbytes :data:`BNB_VERSION`)."""
+    from memlab.estimate import cuda_rules, estimate_training_memory
 
-    return estimate_training_memory(factory(lora_mod, name, lora), batch_size=batch, seq_len=SEQ_LEN,
-                                    dtype="bf16-pure", optimizer="adamw", step=step(lora is not None, fabric),
-                                    device="cuda", gpu="rtx3090", grad_accum=accum)
+    saved = cuda_rules.bnb_version
+    if nf4:  # the trace's CUDA rules follow the installed bitsandbytes; the run's was older
+        cuda_rules.bnb_version = lambda: (BNB_VERSION, "the run's")
+    try:
+        return estimate_training_memory(factory(lora_mod, name, lora, nf4), batch_size=batch, seq_len=SEQ_LEN,
+                                        dtype="bf16-pure", optimizer="paged-adamw32bit" if nf4 else "adamw",
+                                        step=step(lora is not None, fabric), device="cuda", gpu="rtx3090",
+                                        grad_accum=accum)
+    finally:
+        cuda_rules.bnb_version = saved
 
 
 def _commit(src: Path) -> str:
@@ -133,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{cfg:<22} {gb:>6.2f} GB {cells[0]:>21} {cells[1]:>18}  {ests[0].peak_phase} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     print("Fabric's bf16-true plugin casts forward's outputs to float32 (HalfPrecision.convert_output, Lightning 2.2)")
+    if not wanted:
+        print(f"\nQLoRA rows (validate lists them as not expressible): every linear NF4 (no double quantization), "
+              f"bitsandbytes {BNB_VERSION}'s MatMul4Bit keeping its input, paged AdamW, Fabric's fp32 outputs")
+        for cfg, name, gb, batch, accum, lora in QLORA_ROWS:
+            t0 = time.perf_counter()
+            e = estimate_row(lora_mod, name, batch, accum, lora, fabric=True, nf4=True)
+            print(f"{cfg:<22} {gb:>6.2f} GB {e.allocated_bytes / 1e9:>8.2f} GB "
+                  f"{100 * (e.allocated_bytes / (gb * 1e9) - 1):>+6.1f}%  {e.peak_phase} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return 0
 
 

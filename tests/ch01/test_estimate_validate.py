@@ -9,6 +9,7 @@ verdict logic and the command's output on the two single-GPU Mistral-7B figures.
 """
 from __future__ import annotations
 
+import re
 import statistics
 
 import pytest
@@ -238,7 +239,6 @@ def test_litgpt_rows_trace_litgpt_loop_and_untied_head():
 
 
 def _stored_litgpt_trace() -> dict[str, tuple[str, ...]]:
-    import re
     from pathlib import Path
 
     stored = (Path(__file__).resolve().parents[2] / "results/cpu/litgpt_own_model.txt").read_text()
@@ -260,6 +260,16 @@ def test_the_litgpt_rows_quote_the_stored_trace_of_litgpts_own_model():
         assert PP._litgpt_own(cfg) in f.off + f.differs
         assert abs(float(traced[cfg][1][:-1])) <= 3.0
     assert sum(abs(float(t[3][:-1])) > 3.0 for t in traced.values()) == 3
+    from pathlib import Path
+
+    stored = (Path(__file__).resolve().parents[2] / "results/cpu/litgpt_own_model.txt").read_text()
+    qlora = {m[1]: (m[2], m[3] + "%") for m in re.finditer(r"^(\S+/qlora\.yaml)\s+[\d.]+ GB\s+([\d.]+) GB\s+"
+                                                           r"([+-][\d.]+)%", stored, re.M)}
+    assert qlora == PP._LITGPT_QLORA_TRACED and len(qlora) == 3
+    for name, _, _, why in PP.NOT_EXPRESSIBLE:
+        cfg = name.split(": ", 1)[1].split(", ")[0]
+        if cfg in qlora:
+            assert f"{qlora[cfg][0]} GB, {qlora[cfg][1]}" in why
 
 
 @settings(max_examples=40, deadline=None)
