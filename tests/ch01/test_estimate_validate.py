@@ -272,6 +272,15 @@ def test_the_litgpt_rows_quote_the_stored_trace_of_litgpts_own_model():
             assert f"{qlora[cfg][0]} GB, {qlora[cfg][1]}" in why
 
 
+def test_the_summary_counts_the_litgpt_rows_own_model(capsys):
+    assert PP.main("litgpt config_hub") == 0
+    out = capsys.readouterr().out
+    errs = sorted(float(t[1][:-1]) for t in _stored_litgpt_trace().values())
+    assert (f"  the {len(LITGPT_OFF)} litgpt rows among them miss by their model: litgpt's own GPT and LoRA, traced by "
+            f"tools/trace_litgpt.py (results/cpu/litgpt_own_model.txt), is within {errs[0]:+.1f}% to {errs[-1]:+.1f}% "
+            f"of all 6 litgpt figures") in out
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 5), st.integers(2, 9), st.sampled_from([torch.bfloat16, torch.float16]),
        st.integers(0, 2**31 - 1))
