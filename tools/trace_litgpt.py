@@ -6,7 +6,9 @@ traces litgpt's model through the estimator's callable route (a model factory of
 and extrapolated) with litgpt's training step, on fake tensors, for the A10G's chip (memlab's rtx3090: sm 8.6), and
 prints each row's allocated estimate against the published figure twice: with the model's outputs as Lightning
 Fabric's bf16-true plugin hands them back (cast to float32, validate.fabric_outputs) and without that cast (the
-bf16 logits the model computes), which shows what the cast costs.
+bf16 logits the model computes), which shows what the cast costs. Then the three QLoRA rows, which validate lists
+as not expressible (litgpt quantizes the head too), as litgpt ran them: every linear NF4, bitsandbytes 0.42's
+MatMul4Bit keeping its input (:data:`BNB_VERSION`), paged AdamW, Fabric's cast.
 
 litgpt's package needs Lightning and a tokenizer to import; the three files the model needs (litgpt/model.py,
 lora.py, config.py) are loaded from a litgpt source tree into a package of their own, with a stand-in for the
