@@ -149,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", type=Path, required=True, help="a litgpt source tree (checked out at bc3c337f)")
     ap.add_argument("--rows", default="", help="comma-separated config files (default: every row)")
     args = ap.parse_args(argv)
-    lora_mod = load_litgpt(args.src)
     wanted = {r for r in args.rows.split(",") if r}
     unknown = wanted - {r[0] for r in ROWS}
     if unknown:
-        raise SystemExit(f"--rows {args.rows!r}: unknown {sorted(unknown)}; allowed: {', '.join(r[0] for r in ROWS)}")
+        raise SystemExit(f"trace_litgpt: --rows {args.rows!r} is invalid (unknown {', '.join(sorted(unknown))}); "
+                         f"allowed: {', '.join(r[0] for r in ROWS)}")
+    lora_mod = load_litgpt(args.src)
     print(f"litgpt's own GPT and LoRA ({_commit(args.src)}) traced (memlab's callable route), batch x {SEQ_LEN}, "
           f"bf16-true, AdamW, CUDA target rtx3090 (sm 8.6, the A10G's chip); GB of 1e9 bytes")
     print(f"{'row':<22} {'published':>9} {'Fabric fp32 outputs':>21} {'bf16 outputs':>18}  peak in")

@@ -303,22 +303,49 @@ def test_litgpt_loss_and_fabric_outputs(b, chunks, vocab, dtype, seed):
     assert torch.allclose(PP.litgpt_loss(logits.float(), targets), want, atol=1e-5)
 
 
-def test_litgpts_own_model_traced_equals_the_stored_trace():
-    """Needs a litgpt source tree at commit bc3c337f in MEMLAB_LITGPT_SRC (tools/trace_litgpt.py's docstring): the
-    TinyLlama LoRA row traced as the tool does equals the stored figure, and is within 3% of the published one."""
+def _trace_litgpt_tool():
     import importlib.util
-    import os
     import sys
     from pathlib import Path
 
-    src = os.environ.get("MEMLAB_LITGPT_SRC")
-    if not src:
-        pytest.skip("MEMLAB_LITGPT_SRC is not set (a litgpt checkout at bc3c337f; see tools/trace_litgpt.py)")
     path = Path(__file__).resolve().parents[2] / "tools/trace_litgpt.py"
     spec = importlib.util.spec_from_file_location("trace_litgpt", path)
     tool = importlib.util.module_from_spec(spec)
     sys.modules["trace_litgpt"] = tool
     spec.loader.exec_module(tool)
+    return tool
+
+
+def test_trace_litgpt_names_bad_input(tmp_path):
+    tool = _trace_litgpt_tool()
+    with pytest.raises(SystemExit, match=r"--src .* is not a litgpt source tree \(missing .*litgpt/model\.py"):
+        tool.load_litgpt(tmp_path)
+    with pytest.raises(SystemExit, match=r"--rows 'gemma-2b/lora.yaml,nope.yaml' is invalid \(unknown nope.yaml\); "
+                                         r"allowed: gemma-2b/lora.yaml, tiny-llama/lora.yaml"):
+        tool.main(["--src", str(tmp_path), "--rows", "gemma-2b/lora.yaml,nope.yaml"])
+    # the stored rows are the tool's rows: the same configs, figures and settings as validate's
+    figs = {f.name.split(": ", 1)[1].split(", ")[0]: f for f in PP.FIGURES if f.name.startswith("litgpt config_hub")}
+    assert [r[0] for r in tool.ROWS] == list(PP._LITGPT_OWN_TRACED) == list(figs)
+    for cfg, _, gb, batch, accum, lora in tool.ROWS:
+        f = figs[cfg]
+        assert f.measured_bytes == round(gb * 1e9) and f.settings["batch_size"] == batch
+        assert f.settings.get("grad_accum", 1) == accum
+        assert (lora is None) == (f.kind == "full")
+        if lora:
+            assert (f.settings["lora_r"], f.settings["lora_alpha"], f.settings["lora_dropout"]) == \
+                (lora["r"], lora["alpha"], lora["dropout"])
+
+
+def test_litgpts_own_model_traced_equals_the_stored_trace():
+    """Needs a litgpt source tree at commit bc3c337f in MEMLAB_LITGPT_SRC (tools/trace_litgpt.py's docstring): the
+    TinyLlama LoRA row traced as the tool does equals the stored figure, and is within 3% of the published one."""
+    import os
+    from pathlib import Path
+
+    src = os.environ.get("MEMLAB_LITGPT_SRC")
+    if not src:
+        pytest.skip("MEMLAB_LITGPT_SRC is not set (a litgpt checkout at bc3c337f; see tools/trace_litgpt.py)")
+    tool = _trace_litgpt_tool()
     lora_mod = tool.load_litgpt(Path(src))
     cfg, name, gb, batch, accum, lora = tool.ROWS[1]
     est = tool.estimate_row(lora_mod, name, batch, accum, lora, fabric=True)
