@@ -88,34 +88,25 @@ def _quantize_linears(model) -> None:
     import torch
     from torch import nn
 
+    from memlab.estimate.adapters import _replace
     from memlab.quant import Linear4bit
 
     for name, m in list(model.named_modules()):
         if isinstance(m, nn.Linear):
-            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-            setattr(parent, name.rsplit(".", 1)[-1], Linear4bit.from_linear(m, torch.bfloat16, 64, False))
+            _replace(model, name, Linear4bit.from_linear(m, torch.bfloat16, 64, False))
 
 
 def step(lora: bool, fabric: bool):
     """litgpt's fit() step, finetune/lora.py (the head in 128-token chunks) or full.py (the head at once)."""
-    from memlab.estimate.validate import fabric_outputs, litgpt_loss
+    from memlab.estimate.validate import fabric_outputs, litgpt_fit_loss
 
     cast = fabric_outputs if fabric else (lambda out: out)
 
     def lora_step(model, batch):
-        x = batch["input_ids"]
-        logits = cast(model(x, lm_head_chunk_size=128))
-        logits[-1] = logits[-1][..., :-1, :]
-        loss = litgpt_loss(logits, x[..., 1:])
-        loss.memlab_outputs = tuple(logits)  # the loop's `logits` is rebound only by the next forward
-        return loss
+        return litgpt_fit_loss(cast(model(batch["input_ids"], lm_head_chunk_size=128)), batch["input_ids"])
 
     def full_step(model, batch):
-        x = batch["input_ids"]
-        logits = cast(model(x))
-        loss = litgpt_loss(logits[..., :-1, :], x[..., 1:])
-        loss.memlab_outputs = (logits,)
-        return loss
+        return litgpt_fit_loss(cast(model(batch["input_ids"])), batch["input_ids"])
     return lora_step if lora else full_step
 
 

@@ -297,6 +297,8 @@ def test_litgpt_loss_and_fabric_outputs(b, chunks, vocab, dtype, seed):
     assert cast is not out and all(c.dtype == torch.float32 for c in cast) and out[0].dtype == dtype
     assert torch.equal(torch.cat(cast, 1), logits.float())
     assert PP.fabric_outputs(targets) is targets
+    pair = PP.fabric_outputs((logits, targets))  # a tuple stays a tuple, as Fabric's apply_to_collection keeps it
+    assert type(pair) is tuple and pair[0].dtype == torch.float32 and pair[1] is targets
     want = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=-100,
                            reduction="sum") / max(1, int((targets != -100).sum()))
     assert torch.allclose(PP.litgpt_loss(cast, targets), want, atol=1e-5)

@@ -400,7 +400,7 @@ def fabric_outputs(out):
     import torch
 
     if isinstance(out, (list, tuple)):
-        return [fabric_outputs(o) for o in out]
+        return type(out)(fabric_outputs(o) for o in out)
     return out.to(torch.get_default_dtype()) if out.is_floating_point() else out
 
 
@@ -421,28 +421,34 @@ def litgpt_loss(logits, targets):
     return torch.cat(losses).sum() / (targets != -100).sum().clamp(min=1)
 
 
+def litgpt_fit_loss(logits, x):
+    """The rest of litgpt's fit() step once the model has returned ``logits`` for the tokens ``x``: finetune/lora.py's
+    list of 128-token chunks (the last chunk's last position dropped) or full.py's one tensor (``logits[..., :-1, :]``,
+    whose reshape copies), :func:`litgpt_loss` against ``x`` shifted by one; the loop's ``logits`` stays referenced
+    through backward and the optimizer step (``memlab_outputs``)."""
+    if isinstance(logits, list):
+        logits[-1] = logits[-1][..., :-1, :]
+        loss = litgpt_loss(logits, x[..., 1:])
+    else:
+        loss = litgpt_loss(logits[..., :-1, :], x[..., 1:])
+    loss.memlab_outputs = tuple(logits) if isinstance(logits, list) else (logits,)
+    return loss
+
+
 def _litgpt_step(model, batch):
     """litgpt's training step (finetune/lora.py at the pinned commit) on a transformers causal LM, as memory sees it:
     ``model(input_ids, lm_head_chunk_size=128)`` (the head run on 128-token chunks of the last hidden state, every
-    chunk's logits kept, cast to fp32 by Fabric as forward returns), the last chunk's last position dropped,
-    :func:`litgpt_loss`."""
+    chunk's logits kept, cast to fp32 by Fabric as forward returns), then :func:`litgpt_fit_loss`."""
     x = batch["input_ids"]
     h = model.get_decoder()(input_ids=x, use_cache=False).last_hidden_state
-    logits = fabric_outputs([model.lm_head(c) for c in h.split(128, dim=1)])
-    logits[-1] = logits[-1][..., :-1, :]
-    loss = litgpt_loss(logits, x[..., 1:])
-    loss.memlab_outputs = tuple(logits)  # the loop's `logits` stays referenced through backward and the step
-    return loss
+    return litgpt_fit_loss(fabric_outputs([model.lm_head(c) for c in h.split(128, dim=1)]), x)
 
 
 def _litgpt_full_step(model, batch):
     """litgpt's full fine-tuning step (finetune/full.py): the whole head at once (its logits cast to fp32 by Fabric),
-    then :func:`litgpt_loss` of ``logits[..., :-1, :]``, whose reshape copies the sliced logits."""
+    then :func:`litgpt_fit_loss`."""
     x = batch["input_ids"]
-    logits = fabric_outputs(model(input_ids=x, use_cache=False).logits)
-    loss = litgpt_loss(logits[..., :-1, :], x[..., 1:])
-    loss.memlab_outputs = (logits,)  # the loop's `logits` stays referenced through backward and the step
-    return loss
+    return litgpt_fit_loss(fabric_outputs(model(input_ids=x, use_cache=False).logits), x)
 
 
 # litgpt's own GPT and LoRA at the pinned commit, traced by tools/trace_litgpt.py (the callable route, litgpt's step,
@@ -454,7 +460,8 @@ _LITGPT_OWN_TRACED = {"gemma-2b/lora.yaml": ("12.69", "+0.6%", "11.38", "-9.8%")
                       "llama-2-7b/lora.yaml": ("19.75", "-0.1%", "19.59", "-0.9%"),
                       "mistral-7b/lora.yaml": ("20.65", "-0.0%", "20.48", "-0.8%"),
                       "phi-2/lora.yaml": ("13.96", "-0.2%", "13.43", "-3.9%")}
-# what transformers' model keeps beside litgpt's, per layer, both traced at 2 and 3 layers with litgpt's step
+# the start of each litgpt row's `off`; the per-layer differences it goes on to name were measured with both models
+# traced at 2 and 3 layers with litgpt's step
 _LITGPT_NOT_OURS = "litgpt is no dependency of memlab, so the row traces transformers' model of the same dimensions: "
 
 
